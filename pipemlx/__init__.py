@@ -1,0 +1,40 @@
+"""pipemlx: pipeline parallelism for mlx-lm models, with overlapped long-prompt prefill.
+
+On every rank::
+
+    pipemlx.shard_model(model, group)
+    cache = mlx_lm.models.cache.make_prompt_cache(model)
+    pipemlx.pipeline_prefill(model, prompt, cache, step_size=512)
+    for token, logprobs in mlx_lm.generate.generate_step(prompt[-1:], model, prompt_cache=cache): ...
+"""
+
+from .errors import (
+    NotShardedError,
+    PeerLostError,
+    PipelineError,
+    PipelineMismatchError,
+    PipelineTimeoutError,
+    PrefillCancelled,
+)
+from .prefill import pipeline_prefill
+from .send_mode import send_mode
+from .send_queue import SendQueue
+from .sharding import shard_model
+from .stage import PipelineStage, stage_of
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NotShardedError",
+    "PeerLostError",
+    "PipelineError",
+    "PipelineMismatchError",
+    "PipelineStage",
+    "PipelineTimeoutError",
+    "PrefillCancelled",
+    "SendQueue",
+    "pipeline_prefill",
+    "send_mode",
+    "shard_model",
+    "stage_of",
+]

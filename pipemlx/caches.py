@@ -1,0 +1,46 @@
+"""Helpers for mlx-lm cache objects that pipemlx needs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import PipelineError
+
+
+def attach_dependency(cache: Any, array: mx.array) -> None:
+    """Make evaluating ``cache.state`` also evaluate ``array``.
+
+    mlx-lm's ``generate_step`` evaluates only the caches' state while it prefills
+    a prompt. A rank's send and the broadcast of the final hidden state must run
+    all the same, or the next rank waits forever, so they are tied to the cache
+    of the rank's last local layer. Raises :class:`PipelineError` for a cache
+    pipemlx does not know how to tie to.
+    """
+    sub_caches = getattr(cache, "caches", None)
+    if isinstance(sub_caches, (list, tuple)) and sub_caches:
+        attach_dependency(sub_caches[0], array)
+        return
+    keys = getattr(cache, "keys", None)
+    if isinstance(keys, mx.array):
+        cache.keys = mx.depends(keys, array)
+        return
+    if isinstance(keys, tuple) and keys and isinstance(keys[0], mx.array):
+        cache.keys = (mx.depends(keys[0], array), *keys[1:])
+        return
+    arrays = getattr(cache, "cache", None)
+    if isinstance(arrays, list):
+        for i, entry in enumerate(arrays):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+            if isinstance(entry, mx.array):
+                arrays[i] = mx.depends(entry, array)
+                return
+    raise PipelineError(
+        f"cannot tie the pipeline's send to a {type(cache).__name__} that holds no array yet; "
+        "the last local layer must update its cache"
+    )
+
+
+def cache_state(cache: list[Any]) -> list[Any]:
+    """The arrays to evaluate so that every cache holds what was computed into it."""
+    return [c.state for c in cache]

@@ -1,0 +1,43 @@
+"""The errors pipemlx raises.
+
+Every error that comes from the pipeline itself (as opposed to bad arguments,
+which raise ``ValueError`` / ``TypeError``) derives from :class:`PipelineError`,
+so an engine can catch the whole family in one place.
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(RuntimeError):
+    """Base class of the errors raised by a running pipeline."""
+
+
+class NotShardedError(PipelineError, TypeError):
+    """A pipemlx function was given a model that :func:`pipemlx.shard_model` never sharded."""
+
+
+class PipelineMismatchError(PipelineError):
+    """Ranks disagree on what they are about to do (prompt length, step size, plan, layers, ...).
+
+    Raised on every rank, before any activation is sent.
+    """
+
+
+class PipelineTimeoutError(PipelineError):
+    """A blocking wait of the pipeline (receive, send completion, collective) ran out of time.
+
+    Also raised when a peer process is gone. After it, the process's distributed
+    group is unusable: a communication may still be blocked inside MLX. Exit the
+    process and start the ranks again.
+    """
+
+
+class PeerLostError(PipelineError):
+    """A peer process went away (MLX reported a lost connection) while this rank waited on it.
+
+    As after a timeout, the group is unusable: exit the process and start the ranks again.
+    """
+
+
+class PrefillCancelled(PipelineError):
+    """A rank asked to cancel the prefill; all ranks stopped at the same agreement point."""

@@ -1,0 +1,208 @@
+"""A small local launcher: N ranks as processes on this machine, over MLX's ring backend.
+
+``mlx.launch`` busy-polls its children's pipes and burns a core; this one
+sleeps. Each rank gets ``MLX_RANK`` and ``MLX_HOSTFILE`` (free loopback ports)
+and ``PIPEMLX_BACKEND=ring``; a rank program calls :func:`init_group`. The
+launcher kills every rank (and their children) on the first failure or when
+the deadline passes, and reports each rank's exit status and stderr.
+
+Usage: ``python -m pipemlx.launch -n 2 [--timeout S] -- python my_rank_program.py ...``
+(across hosts, use ``mlx.launch`` or ``mpirun`` instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import mlx.core as mx
+
+BACKEND_VARIABLE = "PIPEMLX_BACKEND"
+TAIL_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank process left behind."""
+
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the deadline passed; every rank was killed. ``results`` holds what each left."""
+
+    def __init__(self, message: str, results: list[RankResult]) -> None:
+        super().__init__(message + "\n" + _report(results))
+        self.results = results
+
+
+def init_group(backend: str | None = None) -> mx.distributed.Group:
+    """Join the group this process was started in (by :func:`launch`, ``mlx.launch`` or ``mpirun``).
+
+    The backend is ``backend``, else ``$PIPEMLX_BACKEND``, else MLX's choice.
+    """
+    chosen = backend or os.environ.get(BACKEND_VARIABLE, "any")
+    return mx.distributed.init(backend=chosen, strict=chosen != "any")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that were free on 127.0.0.1 a moment ago."""
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def write_hostfile(addresses: Sequence[str], directory: Path) -> Path:
+    """An MLX ring hostfile: one list of ``host:port`` per rank."""
+    path = directory / "hostfile.json"
+    path.write_text(json.dumps([[a] for a in addresses]))
+    return path
+
+
+def launch(
+    num_ranks: int,
+    command: Sequence[str],
+    *,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    passthrough_rank: int | None = None,
+) -> list[RankResult]:
+    """Run ``command`` as ranks ``0 .. num_ranks-1`` on loopback and wait for all of them.
+
+    Returns one :class:`RankResult` per rank when every rank exits with status 0.
+    Raises :class:`LaunchError` (after killing every rank) when a rank fails or
+    ``timeout`` seconds pass. ``passthrough_rank``'s output goes to this
+    process's stdout/stderr instead of being captured.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+    with tempfile.TemporaryDirectory(prefix="pipemlx-launch-") as tmp:
+        directory = Path(tmp)
+        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
+        outputs: list[tuple[IO[str], IO[str]] | None] = []
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for rank in range(num_ranks):
+                rank_env = {
+                    **os.environ,
+                    **(env or {}),
+                    "MLX_RANK": str(rank),
+                    "MLX_HOSTFILE": str(hostfile),
+                    BACKEND_VARIABLE: "ring",
+                    "PYTHONUNBUFFERED": "1",
+                }
+                if rank == passthrough_rank:
+                    files = None
+                    out, err = None, None
+                else:
+                    out = open(directory / f"rank{rank}.out", "w+")
+                    err = open(directory / f"rank{rank}.err", "w+")
+                    files = (out, err)
+                outputs.append(files)
+                procs.append(
+                    subprocess.Popen(
+                        list(command), env=rank_env, cwd=cwd, stdout=out, stderr=err, text=True, start_new_session=True
+                    )
+                )
+            failure = _wait(procs, timeout)
+        except BaseException:
+            _kill_all(procs)
+            raise
+        finally:
+            _kill_all(procs)
+        results = [_result(rank, proc, outputs[rank]) for rank, proc in enumerate(procs)]
+        if failure is not None:
+            raise LaunchError(failure, results)
+        return results
+
+
+def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> str | None:
+    """Poll until all exit 0 (None), one fails, or time runs out (a message)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, code = failed[0]
+            return f"rank {rank} exited with status {code}; killed the other ranks"
+        if all(c == 0 for c in codes):
+            return None
+        if time.monotonic() > deadline:
+            running = [r for r, c in enumerate(codes) if c is None]
+            return f"timed out after {timeout:g} s with ranks {running} still running; killed every rank"
+        time.sleep(0.05)
+
+
+def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
+
+
+def _result(rank: int, proc: subprocess.Popen[str], files: tuple[IO[str], IO[str]] | None) -> RankResult:
+    if files is None:
+        return RankResult(rank, proc.returncode, "", "")
+    texts: list[str] = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return RankResult(rank, proc.returncode, texts[0], texts[1])
+
+
+def _report(results: list[RankResult]) -> str:
+    parts: list[str] = []
+    for r in results:
+        tail = r.stderr[-TAIL_CHARS:] if r.stderr else "(empty)"
+        parts.append(f"--- rank {r.rank} (status {r.returncode}) stderr:\n{tail}")
+    return "\n".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipemlx.launch", description=__doc__.split("\n")[0])
+    parser.add_argument("-n", "--ranks", type=int, required=True, help="number of local ranks")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="kill every rank after this many seconds")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the rank program (after --)")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the rank program after --")
+    try:
+        results = launch(args.ranks, command, timeout=args.timeout, passthrough_rank=0)
+    except LaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for r in results[1:]:
+        sys.stderr.write(r.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

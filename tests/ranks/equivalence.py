@@ -1,0 +1,89 @@
+"""Rank program: pipelined prefill + decode against single-device mlx-lm, in one process per rank.
+
+Reads a JSON spec from argv[1]; prints one JSON line with what this rank saw.
+Every rank also runs the reference (the whole model, no pipeline) itself, so
+the parent test compares each rank against single-device mlx-lm.
+
+Spec: {"arch", "config"?, "seed", "split"?, "max_tokens", "steps": [...]} where a step is
+  {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
+  {"kind": "plain", "M", "step"}           generate_step on the sharded model, no pipeline_prefill
+  {"kind": "queue_exception"}              a send_mode(model, "queue") block left by an exception
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.tiny import build_model, tiny_config
+
+
+def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
+    return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
+
+
+def decode(prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int) -> tuple[list[int], list[list[int]]]:
+    calls: list[list[int]] = []
+    tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt,
+            model,
+            prompt_cache=cache,
+            prefill_step_size=step,
+            max_tokens=max_tokens,
+            prompt_progress_callback=lambda a, b: calls.append([a, b]),
+        )
+    ]
+    return tokens, calls
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    config = tiny_config(spec["arch"], **spec.get("config", {}))
+    reference = build_model(config, seed=spec["seed"])
+    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group, split=spec.get("split"))
+    max_tokens = spec["max_tokens"]
+    seen: list[dict[str, Any]] = []
+    for s in spec["steps"]:
+        entry: dict[str, Any] = dict(s)
+        if s["kind"] == "queue_exception":
+            try:
+                with pipemlx.send_mode(model, "queue"):
+                    raise KeyError("left by an exception")
+            except KeyError:
+                pass
+            entry["mode_after"] = pipemlx.stage_of(model).mode
+            entry["queued_after"] = len(pipemlx.stage_of(model).send_queue)
+            seen.append(entry)
+            continue
+        prompt = prompt_of(s["M"], config["vocab_size"], spec["seed"])
+        ref_tokens, ref_calls = decode(prompt, reference, None, s["step"], max_tokens)
+        # generate_step reports (M, M) after its first token; the prefill part is everything before.
+        entry["ref_tokens"], entry["ref_progress"] = ref_tokens, ref_calls[:-1]
+        if s["kind"] == "plain":
+            entry["tokens"], calls = decode(prompt, model, None, s["step"], max_tokens)
+            entry["progress"] = calls[:-1]
+        else:
+            cache = make_prompt_cache(model)
+            calls: list[list[int]] = []
+            pipemlx.pipeline_prefill(
+                model, prompt, cache, step_size=s["step"], progress_callback=lambda a, b: calls.append([a, b])
+            )
+            entry["progress"] = calls
+            entry["cache_offsets"] = sorted({c.offset for c in cache})
+            entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
+        seen.append(entry)
+    print(json.dumps({"rank": group.rank(), "size": group.size(), "steps": seen}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
