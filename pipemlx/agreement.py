@@ -9,8 +9,19 @@ from .plan import PrefillPlan
 from .stage import PipelineStage
 from .waits import wait_for
 
-HANDSHAKE_FIELDS = ("num_tokens", "step_size", "plan_fingerprint", "total_layers", "layer_start", "layer_stop")
-SHARED_FIELDS = ("num_tokens", "step_size", "plan_fingerprint", "total_layers")
+HANDSHAKE_FIELDS = (
+    "status",
+    "num_tokens",
+    "step_size",
+    "plan_fingerprint",
+    "total_layers",
+    "hidden_size",
+    "dtype",
+    "layer_start",
+    "layer_stop",
+)
+SHARED_FIELDS = ("num_tokens", "step_size", "plan_fingerprint", "total_layers", "hidden_size", "dtype")
+DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
 
 def gather_ints(stage: PipelineStage, values: list[int], timeout: float | None, what: str) -> list[list[int]]:
@@ -23,17 +34,21 @@ def gather_ints(stage: PipelineStage, values: list[int], timeout: float | None, 
     return [flat[r * width : (r + 1) * width] for r in range(stage.world_size)]
 
 
-def handshake(stage: PipelineStage, plan: PrefillPlan, timeout: float | None) -> None:
+def handshake(stage: PipelineStage, plan: PrefillPlan, status: int, timeout: float | None) -> list[int]:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
     Raises :class:`PipelineMismatchError` on every rank (they all see the same
-    table), naming the field that differs and each rank's value.
+    table), naming the field that differs and each rank's value. Like
+    :func:`agree_on_step` it also exchanges a status, returned by rank.
     """
     mine = [
+        status,
         plan.num_tokens,
         plan.step_size,
         plan.fingerprint(),
         stage.total_layers,
+        stage.hidden_size,
+        DTYPES.index(stage.dtype) + 1 if stage.dtype in DTYPES else 0,
         stage.layers.start,
         stage.layers.stop,
     ]
@@ -41,7 +56,8 @@ def handshake(stage: PipelineStage, plan: PrefillPlan, timeout: float | None) ->
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}
     for name in SHARED_FIELDS:
         if len(set(table[name])) > 1:
-            raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(table[name])}")
+            shown = [_dtype_name(v) for v in table[name]] if name == "dtype" else table[name]
+            raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(shown)}")
     starts, stops = table["layer_start"], table["layer_stop"]
     expected_starts = [0, *stops[:-1]]
     if starts != expected_starts or stops[-1] != table["total_layers"][0]:
@@ -49,14 +65,32 @@ def handshake(stage: PipelineStage, plan: PrefillPlan, timeout: float | None) ->
         raise PipelineMismatchError(
             f"layer ranges do not split {table['total_layers'][0]} layers contiguously: {_per_rank(ranges)}"
         )
+    return table["status"]
 
 
-def agree_on_step(stage: PipelineStage, step: int, timeout: float | None) -> None:
-    """Close step ``step``: returns once every rank has finished it."""
-    steps = [row[0] for row in gather_ints(stage, [step], timeout, f"the agreement closing step {step}")]
+STATUS_OK = 0
+STATUS_CANCEL = 1
+STATUS_FAILED = 2
+
+
+def agree_on_step(stage: PipelineStage, step: int, status: int, timeout: float | None) -> list[int]:
+    """Close step ``step`` with this rank's ``status``; returns every rank's status, by rank.
+
+    It returns once every rank has finished the step. ``status`` is
+    :data:`STATUS_OK`, :data:`STATUS_CANCEL` (the caller's ``should_cancel`` said
+    yes) or :data:`STATUS_FAILED` (an error was raised on this rank since the
+    last agreement point); the caller stops when any rank's status is not OK.
+    """
+    rows = gather_ints(stage, [step, status], timeout, f"the agreement closing step {step}")
+    steps = [row[0] for row in rows]
     if len(set(steps)) > 1:
         raise PipelineMismatchError(f"ranks are at different steps of the plan: {_per_rank(steps)}")
+    return [row[1] for row in rows]
 
 
 def _per_rank(values: list[object] | list[int] | list[str]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code - 1]) if 0 < code <= len(DTYPES) else "unknown"

@@ -44,3 +44,14 @@ def attach_dependency(cache: Any, array: mx.array) -> None:
 def cache_state(cache: list[Any]) -> list[Any]:
     """The arrays to evaluate so that every cache holds what was computed into it."""
     return [c.state for c in cache]
+
+
+def trim_to(cache: list[Any], length: int) -> bool:
+    """Cut every cache back to its first ``length`` positions; False (and no change) if one cannot be trimmed."""
+    if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):
+        return False
+    for c in cache:
+        excess = c.size() - length
+        if excess > 0:
+            c.trim(excess)
+    return True

@@ -40,4 +40,27 @@ class PeerLostError(PipelineError):
 
 
 class PrefillCancelled(PipelineError):
-    """A rank asked to cancel the prefill; all ranks stopped at the same agreement point."""
+    """All ranks stopped the prefill together at an agreement point.
+
+    Either some rank's ``should_cancel`` said yes (``cancelling_ranks``) or an
+    error was raised on some rank (``failed_ranks``; that rank raises its own
+    error instead). ``processed`` prompt positions were completed by every rank;
+    when ``cache_trimmed`` is true every rank's cache holds exactly those,
+    otherwise the cache must be discarded. Nothing is left queued, and the
+    model and group serve the next request as usual.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        processed: int = 0,
+        cache_trimmed: bool = False,
+        failed_ranks: list[int] | None = None,
+        cancelling_ranks: list[int] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.processed = processed
+        self.cache_trimmed = cache_trimmed
+        self.failed_ranks = failed_ranks or []
+        self.cancelling_ranks = cancelling_ranks or []

@@ -17,6 +17,11 @@ works on chunk ``t - r`` when that chunk exists. One step of one rank is::
     Agree(t)             collective: every rank has finished step t
     Progress(...)        from step S-1 on: chunk t-S+1 has left the last rank
 
+A closing ``Agree(n + S - 1)`` follows the last progress report, so that a
+failure anywhere, the progress callback included, reaches every rank before
+any of them returns. Agreement points are where ranks stop together: a
+cancellation or an error raised between two of them is acted on at the next.
+
 A send is issued one step after its compute, and after an agreement point, so
 a receive never waits on a peer that is itself waiting in a collective: the
 plan cannot deadlock even if every send blocks until it is received.
@@ -109,6 +114,11 @@ class PrefillPlan:
         """Steps of the wavefront: ``n + S - 1`` with ``n`` chunks, 0 when there is nothing to do."""
         return len(self.chunks) + self.world_size - 1 if self.chunks else 0
 
+    def completed_after(self, step: int) -> int:
+        """Prompt positions that every rank has processed once step ``step`` is agreed."""
+        finished = min(step - (self.world_size - 1), len(self.chunks) - 1)
+        return self.chunks[finished].stop if finished >= 0 else 0
+
     def fingerprint(self) -> int:
         """A 31-bit digest of the schedule shared by all ranks (not of this rank's actions).
 
@@ -172,6 +182,7 @@ def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int) -> P
         finished = step - last
         if finished >= 0:
             actions.append(Progress(chunks[finished].stop, num_tokens))
+    actions.append(Agree(num_steps))
     return PrefillPlan(
         num_tokens=num_tokens,
         step_size=step_size,

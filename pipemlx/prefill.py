@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
-from .agreement import agree_on_step, handshake
-from .caches import cache_state
-from .errors import PipelineError
+from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
+from .caches import cache_state, trim_to
+from .errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
 from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
+from .trace import Tracer, tracer_for
 from .waits import wait_for
 
 ProgressCallback = Callable[[int, int], Any]
+CancelCheck = Callable[[], bool]
+DEFAULT_QUANTIZED_KV_START = 5000
 
 
 def pipeline_prefill(
@@ -26,7 +31,12 @@ def pipeline_prefill(
     *,
     step_size: int = 512,
     progress_callback: ProgressCallback | None = None,
+    should_cancel: CancelCheck | None = None,
     timeout: float | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    trace_dir: str | os.PathLike[str] | None = None,
 ) -> None:
     """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
 
@@ -36,20 +46,34 @@ def pipeline_prefill(
     with ``prefill_step_size=step_size``; afterwards every rank's cache holds
     M-1 positions and decoding continues from ``prompt[-1:]`` (for instance
     ``generate_step(prompt[-1:], model, prompt_cache=cache)``), giving the tokens
-    one process holding the whole model would give.
+    one process holding the whole model would give. ``kv_bits``,
+    ``kv_group_size`` and ``quantized_kv_start`` quantize the cache as
+    ``generate_step`` does; pass the same values to it when decoding.
 
     ``progress_callback(processed, M)`` is called on every rank with the same
     sequence ``generate_step`` reports before its first token: ``(0, M)``, then
     ``(processed, M)`` as each chunk leaves the last rank, ending at ``(M-1, M)``.
     No logits are computed. It returns once every rank has done its part.
 
+    ``should_cancel()`` is polled on every rank at every agreement point; when
+    it returns true on any rank, all ranks stop at that point and raise
+    :class:`PrefillCancelled`. An error raised by ``progress_callback`` on one
+    rank stops all ranks the same way at the next agreement point: that rank
+    re-raises its error, the others raise :class:`PrefillCancelled`. Either way
+    no send is left queued and every rank's cache is trimmed to the positions
+    all ranks completed (``error.processed``, the last progress reported) when
+    its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
+    the cache must be discarded.
+
     ``timeout`` bounds every blocking wait (seconds); it defaults to the one
-    given to :func:`pipemlx.shard_model`. Raises ``TypeError``/``ValueError`` for
+    given to :func:`pipemlx.shard_model`. ``trace_dir`` (or ``$PIPEMLX_TRACE``)
+    records a Chrome trace per rank. Raises ``TypeError``/``ValueError`` for
     bad arguments before anything is sent, :class:`PipelineMismatchError` when
-    the ranks disagree, :class:`PipelineTimeoutError`/:class:`PeerLostError` when
-    a wait fails, and whatever ``progress_callback`` raises.
+    the ranks disagree, :class:`PipelineTimeoutError` / :class:`PeerLostError`
+    when a wait fails.
     """
     stage = stage_of(model)
+    stage.check_usable()
     tokens = _check_prompt(prompt)
     check_prefill_args(tokens.size, step_size, stage.world_size)
     if timeout is not None and not timeout > 0:
@@ -61,9 +85,26 @@ def pipeline_prefill(
         )
     plan = build_plan(tokens.size, step_size, stage.world_size, stage.rank)
     mx.eval(tokens, cache_state(cache))
-    runner = _PlanRunner(model, stage, plan, tokens, cache, progress_callback, timeout or stage.timeout)
-    with send_mode(model, "queue"):
-        runner.run()
+    runner = _PlanRunner(
+        model,
+        stage,
+        plan,
+        tokens,
+        cache,
+        progress_callback=progress_callback,
+        should_cancel=should_cancel,
+        timeout=timeout or stage.timeout,
+        quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
+        tracer=tracer_for(stage.rank, trace_dir),
+    )
+    try:
+        with send_mode(model, "queue"):
+            runner.run()
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    finally:
+        runner.tracer.save()
 
 
 def _check_prompt(prompt: Any) -> mx.array:
@@ -88,8 +129,12 @@ class _PlanRunner:
         plan: PrefillPlan,
         tokens: mx.array,
         cache: list[Any],
+        *,
         progress_callback: ProgressCallback | None,
+        should_cancel: CancelCheck | None,
         timeout: float | None,
+        quantize: Callable[[list[Any]], None],
+        tracer: Tracer,
     ) -> None:
         self.model = model
         self.stage = stage
@@ -97,13 +142,20 @@ class _PlanRunner:
         self.tokens = tokens
         self.cache = cache
         self.progress_callback = progress_callback
+        self.should_cancel = should_cancel
         self.timeout = timeout
+        self.quantize = quantize
+        self.tracer = tracer
         self.expected_receives = 0
+        self.deferred: BaseException | None = None
 
     def run(self) -> None:
+        """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
         for action in self.plan.actions:
             if isinstance(action, Handshake):
-                handshake(self.stage, self.plan, self.timeout)
+                with self.tracer.span("handshake"):
+                    statuses = handshake(self.stage, self.plan, self.status(), self.timeout)
+                self.stop_if_asked(statuses, step=None)
             elif isinstance(action, Send):
                 self.send(action)
             elif isinstance(action, Recv):
@@ -117,19 +169,56 @@ class _PlanRunner:
         if len(self.stage.send_queue) or self.stage.received:
             raise PipelineError(f"{self.stage.describe()}: the plan ended with sends or receives left over")
 
+    def status(self) -> int:
+        """This rank's word at an agreement point: failed, cancel, or OK."""
+        if self.deferred is not None:
+            return STATUS_FAILED
+        if self.should_cancel is not None:
+            try:
+                if self.should_cancel():
+                    return STATUS_CANCEL
+            except Exception as exc:
+                self.deferred = exc
+                return STATUS_FAILED
+        return STATUS_OK
+
+    def stop_if_asked(self, statuses: list[int], step: int | None) -> None:
+        """When any rank's status is not OK, leave a consistent state and raise, on every rank alike."""
+        if all(s == STATUS_OK for s in statuses):
+            return
+        processed = 0 if step is None else self.plan.completed_after(step)
+        self.stage.send_queue.discard()
+        trimmed = trim_to(self.cache, processed)
+        if self.deferred is not None:
+            raise self.deferred
+        failed = [r for r, s in enumerate(statuses) if s == STATUS_FAILED]
+        asked = [r for r, s in enumerate(statuses) if s == STATUS_CANCEL]
+        where = "the handshake" if step is None else f"the agreement closing step {step}"
+        reason = f"rank(s) {failed} raised an error" if failed else f"rank(s) {asked} asked to cancel"
+        raise PrefillCancelled(
+            f"prefill stopped on {self.stage.describe()} at {where}: {reason}; "
+            f"{processed} of {self.plan.num_tokens - 1} prompt positions were processed by every rank",
+            processed=processed,
+            cache_trimmed=trimmed,
+            failed_ranks=failed,
+            cancelling_ranks=asked,
+        )
+
     def send(self, action: Send) -> None:
         queue = self.stage.send_queue
         if len(queue) != 1 or queue.pending[0].peer != action.peer:
             raise PipelineError(
                 f"{self.stage.describe()}: plan says send chunk {action.chunk.index} to rank {action.peer}, "
-                f"but the queue holds {[p.peer for p in queue.pending]}"
+                f"but the queue holds sends to {[p.peer for p in queue.pending]}"
             )
-        queue.flush()
+        with self.tracer.span("send", action.chunk.index, action.peer):
+            queue.flush()
 
     def compute(self, action: Compute) -> None:
         chunk, stage = action.chunk, self.stage
         with mx.stream(stage.compute_stream):
             self.model(self.tokens[None, chunk.start : chunk.stop], cache=self.cache)
+            self.quantize(self.cache)
         if len(stage.received) != self.expected_receives:
             raise PipelineError(
                 f"{stage.describe()}: plan expects {self.expected_receives} receive(s) for chunk "
@@ -137,22 +226,42 @@ class _PlanRunner:
             )
         if stage.received:
             peer = stage.rank - 1
-            wait_for(stage.received, self.timeout, lambda: f"{stage.describe()} receiving chunk {chunk.index} from rank {peer}")
+            with self.tracer.span("recv", chunk.index, peer):
+                wait_for(
+                    stage.received,
+                    self.timeout,
+                    lambda: f"{stage.describe()} receiving chunk {chunk.index} from rank {peer}",
+                )
             stage.received.clear()
             self.expected_receives = 0
         queued = [p.array for p in stage.send_queue.pending]
-        wait_for([cache_state(self.cache), queued], self.timeout, lambda: f"{stage.describe()} computing chunk {chunk.index}")
+        with self.tracer.span("compute", chunk.index, tokens=chunk.length):
+            wait_for(
+                [cache_state(self.cache), queued],
+                self.timeout,
+                lambda: f"{stage.describe()} computing chunk {chunk.index}",
+            )
 
     def agree(self, action: Agree) -> None:
         stage, queue = self.stage, self.stage.send_queue
-        wait_for(
-            queue.in_flight(),
-            self.timeout,
-            lambda: f"{stage.describe()} completing its send to rank {stage.rank + 1} in step {action.step}",
-        )
-        queue.mark_complete()
-        agree_on_step(stage, action.step, self.timeout)
+        in_flight = queue.in_flight()
+        if in_flight:
+            with self.tracer.span("wait", peer=stage.rank + 1, step=action.step):
+                wait_for(
+                    in_flight,
+                    self.timeout,
+                    lambda: f"{stage.describe()} completing its send to rank {stage.rank + 1} in step {action.step}",
+                )
+            queue.mark_complete()
+        with self.tracer.span("agree", step=action.step):
+            statuses = agree_on_step(stage, action.step, self.status(), self.timeout)
+        self.stop_if_asked(statuses, action.step)
 
     def progress(self, action: Progress) -> None:
-        if self.progress_callback is not None:
-            self.progress_callback(action.processed, action.total)
+        if self.progress_callback is None or self.deferred is not None:
+            return
+        with self.tracer.span("progress", processed=action.processed):
+            try:
+                self.progress_callback(action.processed, action.total)
+            except Exception as exc:  # acted on at the next agreement point, on every rank
+                self.deferred = exc

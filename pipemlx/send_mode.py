@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
+from .errors import PeerLostError, PipelineTimeoutError
 from .send_queue import SendQueue
 from .stage import SEND_MODES, SendMode, stage_of
 from .waits import wait_for
@@ -44,7 +45,11 @@ def send_mode(model: nn.Module, mode: SendMode) -> Iterator[SendQueue]:
     else:
         queue.flush()
         stage.received.clear()
-        wait_for(queue.in_flight(), stage.timeout, lambda: f"{stage.describe()} completing its sends")
+        try:
+            wait_for(queue.in_flight(), stage.timeout, lambda: f"{stage.describe()} completing its sends")
+        except (PipelineTimeoutError, PeerLostError) as exc:
+            stage.mark_broken(exc)
+            raise
         queue.mark_complete()
     finally:
         stage.set_mode(previous)

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .architectures import apply_fixups
 from .errors import PipelineError
@@ -44,6 +45,20 @@ def find_layer_list(model: nn.Module) -> tuple[nn.Module, str]:
     raise PipelineError(f"cannot find the module that holds {type(model).__name__}.layers")
 
 
+def activation_signature(model: nn.Module, kept: list[nn.Module]) -> tuple[int, mx.Dtype | None]:
+    """The hidden size (0 if unknown) and the floating dtype of ``kept``'s weights, for the handshake."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", None)
+    if not isinstance(hidden, int):
+        text_config = getattr(args, "text_config", None)
+        hidden = text_config.get("hidden_size") if isinstance(text_config, dict) else None
+    dtype = next(
+        (p.dtype for _, p in tree_flatten(kept[0].parameters()) if mx.issubdtype(p.dtype, mx.floating)),  # pyright: ignore[reportUnknownVariableType, reportUnknownMemberType, reportUnknownArgumentType]
+        None,
+    )
+    return (hidden if isinstance(hidden, int) else 0), dtype  # pyright: ignore[reportUnknownVariableType]
+
+
 def shard_model(
     model: ModelT,
     group: mx.distributed.Group,
@@ -75,6 +90,7 @@ def shard_model(
     sizes = resolve_split(split, len(layers), group.size())
     local = layer_range(sizes, group.rank())
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
+    stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
 
     kept = layers[local.start : local.stop]
     setattr(owner, attribute, kept)

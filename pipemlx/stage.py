@@ -51,6 +51,9 @@ class PipelineStage:
         self.compute_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.send_queue = SendQueue(group, mx.new_thread_unsafe_stream(mx.default_device()))
         self.received: list[mx.array] = []
+        self.broken: str | None = None
+        self.hidden_size = 0
+        self.dtype: mx.Dtype | None = None
         self._mode: SendMode = "immediate"
 
     @property
@@ -71,8 +74,21 @@ class PipelineStage:
             raise ValueError(f"unknown send mode {mode!r}; expected one of {SEND_MODES}")
         self._mode = mode
 
+    def mark_broken(self, reason: BaseException) -> None:
+        """Record that a wait failed: a communication may still be blocked in MLX."""
+        self.broken = f"{type(reason).__name__}: {reason}"
+
+    def check_usable(self) -> None:
+        """Raise if an earlier timeout or lost peer left this rank's communication unusable."""
+        if self.broken is not None:
+            raise PipelineError(
+                f"{self.describe()} cannot communicate any more after an earlier failure ({self.broken}); "
+                "exit the process and start every rank again"
+            )
+
     def receive(self, like: mx.array) -> mx.array:
         """The hidden state from the previous rank, shaped and typed like ``like``."""
+        self.check_usable()
         received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
         if self._mode == "queue":
             self.received.append(received)
@@ -80,6 +96,7 @@ class PipelineStage:
 
     def emit(self, output: mx.array, cache: Any) -> mx.array:
         """Route the last local layer's ``output`` according to the send mode."""
+        self.check_usable()
         if self._mode == "queue":
             if not self.is_last:
                 self.send_queue.put(output, self.rank + 1)

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
@@ -82,6 +82,9 @@ def main() -> None:
             entry["cache_offsets"] = sorted({c.offset for c in cache})
             entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
         seen.append(entry)
+    # generate_step leaves one forward pass in flight; let it finish on every rank before exiting.
+    mx.synchronize(generation_stream)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(json.dumps({"rank": group.rank(), "size": group.size(), "steps": seen}), flush=True)
 
 

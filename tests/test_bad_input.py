@@ -1,0 +1,81 @@
+"""Bad input gets a clear error naming the problem, before anything is sent or queued."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import pipemlx
+from conftest import run_ranks
+from fakes import FakeGroup, sharded_tiny, tokens
+from pipemlx.tiny import build_model, tiny_config
+
+
+@pytest.mark.parametrize(
+    "prompt,kwargs,error,words",
+    [
+        (mx.array([], dtype=mx.int32), {}, ValueError, "the prompt is empty"),
+        (mx.array([[1, 2, 3]]), {}, ValueError, r"prompt must be 1-D \(M tokens\), got shape \(1, 3\)"),
+        (mx.array([1.0, 2.0]), {}, TypeError, "prompt must hold integer token ids, got dtype mlx.core.float32"),
+        ([1, 2, 3], {}, TypeError, "prompt must be an mx.array of token ids, got list"),
+        (tokens(9), {"step_size": 0}, ValueError, "step_size must be at least 1, got 0"),
+        (tokens(9), {"step_size": -2}, ValueError, "step_size must be at least 1, got -2"),
+        (tokens(9), {"step_size": 4.0}, TypeError, "step_size must be an int, got float 4.0"),
+        (tokens(9), {"timeout": 0}, ValueError, "timeout must be a positive number"),
+    ],
+)
+def test_bad_prefill_arguments(prompt: Any, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
+    model = sharded_tiny(rank=1, size=2)
+    stage = pipemlx.stage_of(model)
+    with pytest.raises(error, match=words):
+        pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), **kwargs)
+    assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
+
+
+def test_cache_of_the_wrong_length_is_named() -> None:
+    model = sharded_tiny(rank=0, size=2)
+    full = make_prompt_cache(build_model(tiny_config("llama")))
+    with pytest.raises(ValueError, match=r"one entry per local layer \(3 on rank 0/2 \(layers 0..2 of 6\)\)"):
+        pipemlx.pipeline_prefill(model, tokens(9), full)
+
+
+@pytest.mark.parametrize(
+    "split,error,words",
+    [
+        ([2, 2, 2], ValueError, "has 3 entries but the group has 2 ranks"),
+        ([6, 0], ValueError, "gives a rank no layers"),
+        ([4, 4], ValueError, "adds up to 8 layers but the model has 6"),
+    ],
+)
+def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exception], words: str) -> None:
+    model = build_model(tiny_config("llama"))
+    layers_before = list(model.layers)
+    with pytest.raises(error, match=words):
+        pipemlx.shard_model(model, FakeGroup(0, 2), split=split)  # type: ignore[arg-type]
+    assert list(model.layers) == layers_before
+    with pytest.raises(pipemlx.NotShardedError):
+        pipemlx.stage_of(model)
+
+
+def test_more_ranks_than_layers() -> None:
+    model = build_model(tiny_config("llama", num_hidden_layers=2))
+    with pytest.raises(ValueError, match="more ranks than layers: 3 ranks cannot share 2 layers"):
+        pipemlx.shard_model(model, FakeGroup(0, 3))  # type: ignore[arg-type]
+    assert len(model.layers) == 2
+
+
+def test_sharding_twice_is_refused() -> None:
+    model = sharded_tiny()
+    with pytest.raises(pipemlx.PipelineError, match="already sharded"):
+        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+
+
+def test_bad_input_fails_alike_on_every_real_rank() -> None:
+    """On 2 real ranks each bad call raises the same error on both, and a good call still works after."""
+    reports = run_ranks(2, "bad_input.py", {}, timeout=60)
+    assert reports[0]["errors"] == reports[1]["errors"]
+    assert [e.split(":")[0] for e in reports[0]["errors"]] == ["ValueError", "ValueError", "TypeError"]
+    assert reports[0]["tokens_after"] == reports[1]["tokens_after"] == reports[0]["reference"]
