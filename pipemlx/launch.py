@@ -88,13 +88,17 @@ def launch(
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
     passthrough_rank: int | None = None,
+    fail_fast: bool = True,
 ) -> list[RankResult]:
     """Run ``command`` as ranks ``0 .. num_ranks-1`` on loopback and wait for all of them.
 
     Returns one :class:`RankResult` per rank when every rank exits with status 0.
     Raises :class:`LaunchError` (after killing every rank) when a rank fails or
-    ``timeout`` seconds pass. ``passthrough_rank``'s output goes to this
-    process's stdout/stderr instead of being captured.
+    ``timeout`` seconds pass. With ``fail_fast=False`` a failed rank does not
+    stop the others: the launcher waits for every rank (up to ``timeout``) and
+    returns every result, whatever the exit statuses (fault-injection tests).
+    ``passthrough_rank``'s output goes to this process's stdout/stderr instead
+    of being captured.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
@@ -126,7 +130,7 @@ def launch(
                         list(command), env=rank_env, cwd=cwd, stdout=out, stderr=err, text=True, start_new_session=True
                     )
                 )
-            failure = _wait(procs, timeout)
+            failure = _wait(procs, timeout, fail_fast)
         except BaseException:
             _kill_all(procs)
             raise
@@ -138,16 +142,16 @@ def launch(
         return results
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float) -> str | None:
-    """Poll until all exit 0 (None), one fails, or time runs out (a message)."""
+def _wait(procs: list[subprocess.Popen[str]], timeout: float, fail_fast: bool) -> str | None:
+    """Poll until all exit (None), one fails under ``fail_fast``, or time runs out (a message)."""
     deadline = time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
+        if failed and fail_fast:
             rank, code = failed[0]
             return f"rank {rank} exited with status {code}; killed the other ranks"
-        if all(c == 0 for c in codes):
+        if all(c is not None for c in codes):
             return None
         if time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
@@ -181,7 +185,8 @@ def _report(results: list[RankResult]) -> str:
     parts: list[str] = []
     for r in results:
         tail = r.stderr[-TAIL_CHARS:] if r.stderr else "(empty)"
-        parts.append(f"--- rank {r.rank} (status {r.returncode}) stderr:\n{tail}")
+        out = r.stdout[-TAIL_CHARS // 4 :] if r.stdout else "(empty)"
+        parts.append(f"--- rank {r.rank} (status {r.returncode}) stdout tail:\n{out}\n--- stderr:\n{tail}")
     return "\n".join(parts)
 
 
