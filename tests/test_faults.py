@@ -40,6 +40,7 @@ def survivable_requests(world_size: int) -> list[dict[str, Any]]:
     ]
     faults += [{"kind": "raise", "rank": r, "at": at} for r, at in ((0, 0), (world_size - 1, 3))]
     faults.append({"kind": "mismatch", "rank": world_size - 1})
+    faults.append({"kind": "queue_exception", "rank": 0})
     requests: list[dict[str, Any]] = []
     for fault in faults:
         requests += [{"M": M, "step": STEP, "fault": fault}, normal]
@@ -87,6 +88,9 @@ def test_agreed_stops_leave_every_rank_consistent_and_the_next_request_exact(wor
                     assert o["error"] == "PrefillCancelled", where
                     assert o["failed_ranks"] == [fault["rank"]], where
                     assert (o["processed"],) == common and o["trimmed"], where
+        elif fault["kind"] == "queue_exception":
+            for o in outcomes:
+                assert o["error"] == "RuntimeError" and "queue block" in o["message"], where
         else:
             for o in outcomes:
                 assert o["error"] == "PipelineMismatchError", where
@@ -119,7 +123,10 @@ def test_a_killed_rank_surfaces_on_every_survivor(world_size: int, tmp_path: Pat
         assert outcome["error"] in ("PeerLostError", "PipelineTimeoutError"), outcome
         assert f"rank {report['rank']}/{world_size}" in outcome["message"]
         assert outcome["broken"], "the stage must refuse further use after a lost peer"
+        assert "cannot communicate any more" in outcome["next_call"], outcome
         assert 0 <= outcome["at_time"] - killed_at <= TIMEOUT + MARGIN, outcome
+        print(f"S={world_size} kill: rank {report['rank']} raised {outcome['error']} "
+              f"{outcome['at_time'] - killed_at:.2f} s after the kill")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -129,9 +136,12 @@ def test_a_stalled_rank_times_out_on_every_survivor(world_size: int, tmp_path: P
     for report in reports:
         (outcome,) = report["outcomes"]
         assert outcome["broken"], outcome
+        assert "cannot communicate any more" in outcome["next_call"], outcome
         if report["rank"] == victim:
             assert outcome["error"] in ("PeerLostError", "PipelineTimeoutError"), outcome
             continue
         assert outcome["error"] == "PipelineTimeoutError", outcome
         assert f"no progress after {TIMEOUT:g} s" in outcome["message"]
         assert TIMEOUT - 0.5 <= outcome["at_time"] - stalled_at <= TIMEOUT + MARGIN, outcome
+        print(f"S={world_size} stall: rank {report['rank']} raised {outcome['error']} "
+              f"{outcome['at_time'] - stalled_at:.2f} s after the stall began (timeout {TIMEOUT:g} s)")

@@ -8,6 +8,7 @@ Spec: {"timeout": seconds, "marker": path, "requests": [request, ...]}; a reques
   cancel       rank `rank`'s should_cancel says yes at its `at`-th poll (polls: handshake, then each Agree)
   kill         rank `rank` calls os._exit(3) in its `at`-th progress call
   stall        rank `rank` sleeps 3 x timeout in its `at`-th progress call
+  queue_exception  every rank leaves a send_mode(model, "queue") block by an exception after a forward pass
 Kill and stall end the group: the program reports and leaves with os._exit(0) (see docs/troubleshooting.md).
 Each injection writes its wall-clock time to `marker` first, for detection times.
 """
@@ -76,6 +77,10 @@ def main() -> None:
         cache = make_prompt_cache(model)
         outcome: dict[str, Any] = {"request": request, "error": None}
         try:
+            if fault["kind"] == "queue_exception":
+                with pipemlx.send_mode(model, "queue"):
+                    model(prompt[None, :4], cache=cache)
+                    raise RuntimeError("left the queue block by an exception")
             pipemlx.pipeline_prefill(
                 model,
                 prompt,
@@ -85,7 +90,7 @@ def main() -> None:
                 should_cancel=should_cancel,
                 timeout=timeout,
             )
-        except (pipemlx.PipelineError, ValueError) as exc:
+        except (pipemlx.PipelineError, ValueError, RuntimeError) as exc:
             outcome.update(error=type(exc).__name__, message=str(exc), at_time=time.time())
             if isinstance(exc, pipemlx.PrefillCancelled):
                 outcome.update(
@@ -95,6 +100,8 @@ def main() -> None:
                     cancelling_ranks=exc.cancelling_ranks,
                 )
             fatal = isinstance(exc, (pipemlx.PipelineTimeoutError, pipemlx.PeerLostError))
+            if fault["kind"] == "queue_exception":
+                cache = make_prompt_cache(model)  # the aborted forward pass wrote into the old one
         stage = pipemlx.stage_of(model)
         outcome.update(
             offsets=sorted({c.offset for c in cache}),
@@ -105,6 +112,10 @@ def main() -> None:
         )
         if fatal:
             outcome["broken"] = stage.broken is not None
+            try:
+                pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), step_size=request["step"])
+            except pipemlx.PipelineError as exc:
+                outcome["next_call"] = f"{type(exc).__name__}: {exc}"
             outcomes.append(outcome)
             break
         if outcome["error"] is None:
