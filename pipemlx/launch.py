@@ -191,7 +191,7 @@ def _report(results: list[RankResult]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipemlx.launch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipemlx.launch", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("-n", "--ranks", type=int, required=True, help="number of local ranks")
     parser.add_argument("--timeout", type=float, default=3600.0, help="kill every rank after this many seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the rank program (after --)")

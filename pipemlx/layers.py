@@ -24,7 +24,7 @@ class ReceivingLayer(nn.Module):
     _pipemlx_stage: PipelineStage
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
-        return super().__call__(self._pipemlx_stage.receive(x), *args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+        return super().__call__(self._pipemlx_stage.receive(x), *args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType, reportUnknownVariableType]
 
 
 class SendingLayer(nn.Module):

@@ -84,7 +84,7 @@ def pipeline_prefill(
             f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
         )
     plan = build_plan(tokens.size, step_size, stage.world_size, stage.rank)
-    mx.eval(tokens, cache_state(cache))
+    mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     runner = _PlanRunner(
         model,
         stage,

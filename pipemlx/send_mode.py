@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 
 import mlx.nn as nn
@@ -14,7 +14,7 @@ from .waits import wait_for
 
 
 @contextmanager
-def send_mode(model: nn.Module, mode: SendMode) -> Iterator[SendQueue]:
+def send_mode(model: nn.Module, mode: SendMode) -> Generator[SendQueue, None, None]:
     """Within the block, the last local layer of ``model`` sends in ``mode``; yields the send queue.
 
     ``"immediate"`` is the mode outside any block. On leaving the block the

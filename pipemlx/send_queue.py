@@ -51,7 +51,7 @@ class SendQueue:
         ]
         self._pending.clear()
         if issued:
-            mx.async_eval(issued)
+            mx.async_eval(issued)  # pyright: ignore[reportUnknownMemberType]
             self._in_flight.extend(issued)
         return len(issued)
 

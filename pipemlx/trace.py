@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ class Tracer:
         return self.directory is not None
 
     @contextmanager
-    def span(self, kind: str, chunk: int | None = None, peer: int | None = None, **extra: Any) -> Iterator[None]:
+    def span(self, kind: str, chunk: int | None = None, peer: int | None = None, **extra: Any) -> Generator[None, None, None]:
         """Time the block as a ``kind`` span; a no-op when tracing is off."""
         if self.directory is None:
             yield

@@ -24,14 +24,14 @@ def wait_for(arrays: Any, timeout: float | None, describe: Callable[[], str]) ->
     when MLX reports a lost peer; any other error is re-raised as is.
     """
     if timeout is None:
-        _translate(lambda: mx.eval(arrays), describe)
+        _translate(lambda: mx.eval(arrays), describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
         return
     failure: list[BaseException] = []
     done = threading.Event()
 
     def evaluate() -> None:
         try:
-            mx.eval(arrays)
+            mx.eval(arrays)  # pyright: ignore[reportUnknownMemberType]
         except BaseException as exc:  # handed to the waiting thread
             failure.append(exc)
         finally:
