@@ -1,0 +1,64 @@
+"""Shared setup for the benchmarks: the model, the OpenBLAS preload, core pinning, running ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipemlx.launch import launch
+
+HERE = Path(__file__).parent
+RANK_PROGRAM = HERE / "ranks" / "bench_rank.py"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+# The reference setup of the project's performance targets: a 512-d, 8-layer qwen2.
+BENCH_CONFIG: dict[str, Any] = {
+    "model_type": "qwen2",
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def bench_env(openblas: bool) -> dict[str, str]:
+    """Environment for a benchmark process: OpenBLAS preloaded with one thread when available."""
+    env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    if openblas and Path(OPENBLAS).exists():
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
+
+
+def run_single(spec: dict[str, Any], openblas: bool) -> dict[str, Any]:
+    """Run the rank program as one plain process (no group) and return its report."""
+    env = {**os.environ, **bench_env(openblas)}
+    env.pop("MLX_RANK", None)
+    env.pop("MLX_HOSTFILE", None)
+    out = subprocess.run(
+        [sys.executable, str(RANK_PROGRAM), json.dumps(spec)], env=env, capture_output=True, text=True, timeout=1800
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"single-process benchmark failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_ranks(num_ranks: int, spec: dict[str, Any], openblas: bool) -> list[dict[str, Any]]:
+    """Run the rank program on ``num_ranks`` local ranks and return every rank's report."""
+    results = launch(
+        num_ranks, [sys.executable, str(RANK_PROGRAM), json.dumps(spec)], timeout=1800, env=bench_env(openblas)
+    )
+    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+
+
+def openblas_available() -> bool:
+    return Path(OPENBLAS).exists()

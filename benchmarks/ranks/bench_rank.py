@@ -1,0 +1,132 @@
+"""Benchmark rank program: time prefill (and decode) for one mode.
+
+Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config"}
+  single   one process holding all layers, mlx-lm generate_step's own chunked prefill
+  native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
+  pipemlx  pipemlx.shard_model + pipeline_prefill, then generate_step(prompt[-1:]) to decode
+Prefill time: from the call until the progress callback reports (M-1, M), the same point for every mode.
+Prints one JSON line: per-repeat prefill seconds, decode tokens/s, and the prefill's bytes sent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+import pipemlx
+from pipemlx.tiny import build_model
+
+
+def tcp_bytes_sent() -> int:
+    """Bytes this process has sent over TCP so far (``ss -tinp``: bytes_sent of its sockets)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if "users:(" in line:
+            mine = f"pid={os.getpid()}," in line
+        match = re.search(r"bytes_sent:(\d+)", line)
+        if mine and match:
+            total += int(match.group(1))
+    return total
+
+
+def pin(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: int) -> tuple[float, float]:
+    """Prefill seconds (until the (M-1, M) report) and decode tokens/s of mlx-lm's generate_step."""
+    start = time.perf_counter()
+    marks: dict[str, float] = {}
+    total = prompt.size
+
+    def on_progress(processed: int, _: int) -> None:
+        if processed == total - 1:
+            marks["prefill"] = time.perf_counter()
+
+    tokens = 0
+    decode_start = 0.0
+    for _ in generate_step(
+        prompt, model, prefill_step_size=step, max_tokens=decode_tokens + 1, prompt_progress_callback=on_progress
+    ):
+        tokens += 1
+        if tokens == 1:
+            decode_start = time.perf_counter()
+    decode_s = time.perf_counter() - decode_start
+    mx.synchronize(generation_stream)
+    prefill_end = marks.get("prefill", start)
+    return prefill_end - start, (tokens - 1) / decode_s if decode_tokens else 0.0
+
+
+def time_pipemlx(
+    model: Any, prompt: mx.array, step: int, decode_tokens: int, trace_dir: str | None
+) -> tuple[float, float, float]:
+    """Prefill seconds, decode tokens/s, and TCP bytes this rank sent per decode forward pass."""
+    cache = make_prompt_cache(model)
+    start = time.perf_counter()
+    pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir)
+    prefill_s = time.perf_counter() - start
+    rate, per_token = 0.0, 0.0
+    if decode_tokens:
+        sent_before = tcp_bytes_sent()
+        tokens = 0
+        decode_start = 0.0
+        for _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1):
+            tokens += 1
+            if tokens == 1:
+                decode_start = time.perf_counter()
+        rate = (tokens - 1) / (time.perf_counter() - decode_start)
+        mx.synchronize(generation_stream)
+        # generate_step ran decode_tokens + 2 forward passes (the first, the rest, one left in flight).
+        per_token = (tcp_bytes_sent() - sent_before) / (decode_tokens + 2)
+    return prefill_s, rate, per_token
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    mode = spec["mode"]
+    group = mx.distributed.init(backend="ring", strict=True) if mode != "single" else None
+    rank = group.rank() if group is not None else 0
+    if spec.get("pin", True):
+        pin(rank)
+    model = build_model(spec["config"], seed=0)
+    if mode == "native":
+        model.model.pipeline(group)
+        mx.eval(model.parameters())
+    elif mode == "pipemlx":
+        assert group is not None
+        pipemlx.shard_model(model, group, timeout=600)
+    prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
+    prefill: list[float] = []
+    decode: list[float] = []
+    sent: list[float] = []
+    for i in range(spec["repeats"] + 1):  # the first run warms up
+        if group is not None:
+            mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+        if mode == "pipemlx":
+            trace = spec.get("trace_dir") if i == spec["repeats"] else None
+            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace)
+        else:
+            p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
+            b = 0.0
+        if i:
+            prefill.append(p)
+            decode.append(d)
+            sent.append(b)
+    if group is not None:
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+    print(json.dumps({"rank": rank, "mode": mode, "prefill_s": prefill, "decode_tok_s": decode, "decode_bytes_per_token": sent}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
