@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,18 +84,20 @@ def _qwen3_next(owner: Any, local: range) -> None:
 def _mask_from_first(h: mx.array, cache: list[Any], kinds: list[bool], kind: bool, **kwargs: Any) -> Any:
     """The attention mask from the cache of the first layer whose kind is ``kind``; ``None`` if there is none."""
     index = _first(kinds, lambda k: k == kind, None)
-    return None if index is None else create_attention_mask(h, cache[index], **kwargs)
+    make: Any = create_attention_mask  # pyright: ignore[reportUnknownVariableType]
+    return None if index is None else make(h, cache[index], **kwargs)
 
 
 def _ssm_mask_from_first(h: mx.array, cache: list[Any], kinds: list[bool], kind: bool) -> Any:
     """The state-space mask from the cache of the first layer whose kind is ``kind``; ``None`` if there is none."""
     index = _first(kinds, lambda k: k == kind, None)
-    return None if index is None else create_ssm_mask(h, cache[index])
+    make: Any = create_ssm_mask  # pyright: ignore[reportUnknownVariableType]
+    return None if index is None else make(h, cache[index])
 
 
 def _swap_forward(owner: Any, forward: type) -> None:
     """Give ``owner`` the ``__call__`` of ``forward`` (a mixin), keeping its class name, module and attributes."""
-    original = type(owner)
+    original: type = type(owner)  # pyright: ignore[reportUnknownVariableType]
     if not issubclass(original, forward):
         owner.__class__ = type(original.__name__, (forward, original), {"__module__": original.__module__})
 
@@ -224,7 +226,8 @@ def architecture_of(model: nn.Module) -> Architecture | None:
 
 def bookkeeping_attributes(owner: nn.Module) -> list[str]:
     """Names of ``owner``'s attributes that look like bookkeeping over the whole layer list."""
-    names = set(vars(owner)) | {k for k, v in owner.items() if not isinstance(v, (nn.Module, mx.array))}
+    items = cast(list[tuple[str, Any]], list(owner.items()))  # pyright: ignore[reportUnknownArgumentType]
+    names = set(vars(owner)) | {k for k, v in items if not isinstance(v, (nn.Module, mx.array))}
     return sorted(n for n in names if BOOKKEEPING.search(n) and n not in HARMLESS)
 
 

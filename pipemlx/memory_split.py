@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
+import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 
 from .split import check_world, layer_range
 
@@ -341,8 +342,14 @@ def model_bytes_from_dir(path: str | Path) -> ModelBytes:
     return ModelBytes(tuple(decoder[i] for i in range(count)), embedding, head, tied)
 
 
+def flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
+    """``module``'s parameters as (dotted name, array) pairs; lazy arrays stay unevaluated."""
+    flat = cast(list[tuple[str, Any]], tree_flatten(module.parameters()))
+    return [(name, value) for name, value in flat if isinstance(value, mx.array)]
+
+
 def _nbytes(module: nn.Module) -> int:
-    return sum(p.nbytes for _, p in tree_flatten(module.parameters()))  # pyright: ignore[reportUnknownVariableType, reportUnknownMemberType, reportUnknownArgumentType]
+    return sum(p.nbytes for _, p in flat_parameters(module))
 
 
 def embedding_modules(owner: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -352,7 +359,8 @@ def embedding_modules(owner: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def has_separate_head(model: nn.Module) -> bool:
     """Whether ``model`` has an output head of its own (``lm_head``) rather than the embedding tied to it."""
-    return any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in model.named_modules())
+    names = cast(list[tuple[str, Any]], model.named_modules())
+    return any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in names)
 
 
 def model_bytes_from_model(model: nn.Module, owner: nn.Module, layers: Sequence[nn.Module]) -> ModelBytes:

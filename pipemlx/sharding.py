@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .architectures import apply_fixups, check_architecture
 from .errors import PipelineError
 from .layers import wrap_edge
-from .memory_split import embedding_modules, has_separate_head, split_for_memory
+from .memory_split import embedding_modules, flat_parameters, has_separate_head, split_for_memory
 from .split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
 
@@ -35,30 +34,25 @@ def find_layer_list(model: nn.Module) -> tuple[nn.Module, str]:
             f"cannot find the decoder layers of {type(model).__name__}: "
             "pipemlx needs an mlx-lm model whose `layers` is a non-empty list"
         )
-    wanted: list[Any] = layers  # pyright: ignore[reportUnknownVariableType]
-    for _, module in model.named_modules():
-        for key, value in module.items():
-            if (
-                isinstance(value, list)
-                and len(value) == len(wanted)  # pyright: ignore[reportUnknownArgumentType]
-                and all(a is b for a, b in zip(value, wanted))  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
-            ):
-                return module, key
+    wanted = cast(list[Any], layers)
+    for _, module in cast(list[tuple[str, nn.Module]], model.named_modules()):
+        for key, value in cast(list[tuple[str, Any]], list(module.items())):  # pyright: ignore[reportUnknownArgumentType]
+            if isinstance(value, list):
+                candidate = cast(list[Any], value)
+                if len(candidate) == len(wanted) and all(a is b for a, b in zip(candidate, wanted)):
+                    return module, key
     raise PipelineError(f"cannot find the module that holds {type(model).__name__}.layers")
 
 
 def activation_signature(model: nn.Module, kept: list[nn.Module]) -> tuple[int, mx.Dtype | None]:
     """The hidden size (0 if unknown) and the floating dtype of ``kept``'s weights, for the handshake."""
-    args = getattr(model, "args", None)
-    hidden = getattr(args, "hidden_size", None)
+    args: Any = getattr(model, "args", None)
+    hidden: Any = getattr(args, "hidden_size", None)
     if not isinstance(hidden, int):
-        text_config = getattr(args, "text_config", None)
-        hidden = text_config.get("hidden_size") if isinstance(text_config, dict) else None
-    dtype = next(
-        (p.dtype for _, p in tree_flatten(kept[0].parameters()) if mx.issubdtype(p.dtype, mx.floating)),  # pyright: ignore[reportUnknownVariableType, reportUnknownMemberType, reportUnknownArgumentType]
-        None,
-    )
-    return (hidden if isinstance(hidden, int) else 0), dtype  # pyright: ignore[reportUnknownVariableType]
+        text_config: Any = getattr(args, "text_config", None)
+        hidden = cast(dict[str, Any], text_config).get("hidden_size") if isinstance(text_config, dict) else None
+    dtype = next((p.dtype for _, p in flat_parameters(kept[0]) if mx.issubdtype(p.dtype, mx.floating)), None)
+    return (hidden if isinstance(hidden, int) else 0), dtype
 
 
 SplitSpec = Union[Sequence[int], Literal["even", "memory"], None]
@@ -131,7 +125,7 @@ def shard_model(
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     owner, attribute = find_layer_list(model)
-    layers: list[nn.Module] = owner[attribute]
+    layers = cast(list[nn.Module], owner[attribute])
     sizes = choose_split(split, memory, model, owner, layers, group.size())
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local)
@@ -156,7 +150,7 @@ def shard_model(
     if not stage.is_first:
         drop_input_embedding(model, owner)
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
-    mx.eval(model.parameters())
+    mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
     return model
 
 
@@ -217,8 +211,9 @@ def drop_input_embedding(model: nn.Module, owner: nn.Module) -> None:
     if not has_separate_head(model):
         return
     for name, embedding in embedding_modules(owner):
+        weights = dict(flat_parameters(embedding))
         if isinstance(embedding, nn.QuantizedEmbedding):
-            dims, dtype = int(embedding.dims), embedding["scales"].dtype
+            dims, dtype = int(embedding.dims), weights["scales"].dtype
         else:
-            dims, dtype = embedding["weight"].shape[-1], embedding["weight"].dtype
+            dims, dtype = weights["weight"].shape[-1], weights["weight"].dtype
         setattr(owner, name, EmbeddingStandIn(dims, dtype))

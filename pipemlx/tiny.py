@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten  # pyright: ignore[reportUnknownVariableType]
 
 BASE_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "llama": {
@@ -321,8 +321,8 @@ def build_model(config: dict[str, Any], seed: int = 0) -> nn.Module:
         (name, (mx.random.normal(p.shape, key=keys[i]) * WEIGHT_SCALE).astype(p.dtype) if p.ndim >= 2 else p)
         for i, (name, p) in enumerate(params)
     ]
-    model.update(tree_unflatten(drawn))  # pyright: ignore[reportArgumentType]
-    mx.eval(model.parameters())
+    model.update(tree_unflatten(drawn))  # pyright: ignore[reportArgumentType, reportUnknownMemberType]
+    mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
     return model
 
 
@@ -370,7 +370,7 @@ def save_model_dir(
     for i in range(shards):
         name = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
         part = dict(weights[i * per_file : (i + 1) * per_file])
-        mx.save_safetensors(str(root / name), part, metadata={"format": "mlx"})
+        mx.save_safetensors(str(root / name), part, metadata={"format": "mlx"})  # pyright: ignore[reportUnknownMemberType]
         weight_map.update({k: name for k in part})
     if index:
         total = sum(w.nbytes for _, w in weights)
