@@ -8,6 +8,7 @@ model does not collapse onto one repeated token.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 from collections.abc import Mapping
@@ -129,6 +130,23 @@ BASE_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "query_pre_attn_scalar": 16.0,
         "sliding_window": 4,
         "sliding_window_pattern": 3,
+    },
+    "gemma3": {  # the multimodal wrapper (text only here) around gemma3_text: layers under language_model
+        "model_type": "gemma3",
+        "vocab_size": 256,
+        "text_config": {
+            "model_type": "gemma3_text",
+            "hidden_size": 64,
+            "num_hidden_layers": 5,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 16.0,
+            "sliding_window": 3,
+            "sliding_window_pattern": 2,
+        },
     },
     "phi3": {
         "model_type": "phi3",
@@ -295,7 +313,8 @@ def tiny_config(arch: str, **overrides: Any) -> dict[str, Any]:
     """A small config for mlx-lm architecture ``arch``, with ``overrides`` applied."""
     if arch not in BASE_CONFIGS:
         raise ValueError(f"no tiny config for {arch!r}; known: {sorted(BASE_CONFIGS)}")
-    return {**BASE_CONFIGS[arch], **overrides}
+    # A deep copy: some ModelArgs (gemma3's) write into nested dicts of their config.
+    return copy.deepcopy({**BASE_CONFIGS[arch], **overrides})
 
 
 def model_classes(config: Mapping[str, Any]) -> tuple[Any, Any]:
