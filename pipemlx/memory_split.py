@@ -358,8 +358,16 @@ def embedding_modules(owner: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def has_separate_head(model: nn.Module) -> bool:
-    """Whether ``model`` has an output head of its own (``lm_head``) rather than the embedding tied to it."""
+    """Whether ``model`` has an output head of its own rather than the embedding tied to it.
+
+    True when some module is named ``lm_head`` and no ``tie_word_embeddings``
+    flag (on a model module or its ``args``) says the embedding is the head.
+    """
     names = cast(list[tuple[str, Any]], model.named_modules())
+    for _, module in names:
+        for holder in (module, getattr(module, "args", None)):
+            if getattr(holder, "tie_word_embeddings", None) is True:
+                return False
     return any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in names)
 
 

@@ -205,6 +205,13 @@ class EmbeddingStandIn(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return mx.zeros((*x.shape, self._dims), dtype=self._dtype)
 
+    def as_linear(self, x: mx.array) -> mx.array:
+        """Refuse: a model that uses its embedding as the output head must keep it on every rank."""
+        raise PipelineError(
+            "this model uses its input embedding as the output head although it has an lm_head; "
+            "pipemlx dropped the embedding on this rank. Please report the model type"
+        )
+
 
 def drop_input_embedding(model: nn.Module, owner: nn.Module) -> None:
     """Replace ``owner``'s input embedding by an :class:`EmbeddingStandIn` unless it is also the output head."""

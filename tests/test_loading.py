@@ -120,3 +120,40 @@ def test_load_sharded_on_a_fake_rank_keeps_its_layers(small_models: dict[str, Pa
     assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
     with pytest.raises(ValueError, match=r"split \[1, 2\] has 2 entries but the group has 3 ranks"):
         pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), split=[1, 2])
+
+
+HELIUM_TIED = {
+    "model_type": "helium",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "attention_bias": False,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    "arch,config,kept",
+    [
+        ("llama", tiny_config("llama"), False),  # its own lm_head: the embedding goes on ranks > 0
+        ("qwen3", tiny_config("qwen3"), True),  # tied: the embedding is the head
+        ("helium", HELIUM_TIED, True),  # builds an lm_head but is tied: the flag decides
+    ],
+)
+def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: dict[str, Any], kept: bool) -> None:
+    import mlx.core as mx
+
+    whole = build_model(dict(config))
+    model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2))  # type: ignore[arg-type]
+    assert (type(model.model.embed_tokens).__name__ == "Embedding") is kept
+    assert model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
+    first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    assert type(first.model.embed_tokens).__name__ == "Embedding"
