@@ -16,6 +16,7 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
+from .loading import load_sharded
 from .prefill import pipeline_prefill
 from .send_mode import send_mode
 from .send_queue import SendQueue
@@ -33,6 +34,7 @@ __all__ = [
     "PipelineTimeoutError",
     "PrefillCancelled",
     "SendQueue",
+    "load_sharded",
     "pipeline_prefill",
     "send_mode",
     "shard_model",

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
 from .errors import PipelineError
+
+
+def _depends(value: mx.array, dependency: mx.array) -> mx.array:
+    """``value``, made to depend on ``dependency``: evaluating it evaluates both."""
+    return cast(mx.array, mx.depends(value, dependency))  # pyright: ignore[reportUnknownMemberType]
 
 
 def attach_dependency(cache: Any, array: mx.array) -> None:
@@ -24,16 +29,18 @@ def attach_dependency(cache: Any, array: mx.array) -> None:
         return
     keys = getattr(cache, "keys", None)
     if isinstance(keys, mx.array):
-        cache.keys = mx.depends(keys, array)
+        cache.keys = _depends(keys, array)
         return
-    if isinstance(keys, tuple) and keys and isinstance(keys[0], mx.array):
-        cache.keys = (mx.depends(keys[0], array), *keys[1:])
+    if isinstance(keys, (tuple, list)) and keys and isinstance(keys[0], mx.array):
+        # A QuantizedKVCache: (packed, scales, biases), a list straight from mx.quantize.
+        parts = cast(list[mx.array], list(keys))  # pyright: ignore[reportUnknownArgumentType]
+        cache.keys = type(keys)([_depends(parts[0], array), *parts[1:]])  # pyright: ignore[reportUnknownArgumentType]
         return
     arrays = getattr(cache, "cache", None)
     if isinstance(arrays, list):
         for i, entry in enumerate(arrays):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
             if isinstance(entry, mx.array):
-                arrays[i] = mx.depends(entry, array)
+                arrays[i] = _depends(entry, array)
                 return
     raise PipelineError(
         f"cannot tie the pipeline's send to a {type(cache).__name__} that holds no array yet; "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+SPLIT_NAMES = ("even", "memory")
+"""The named splits :func:`pipemlx.shard_model` accepts besides a list of layers per rank."""
+
 
 def even_split(num_layers: int, world_size: int) -> tuple[int, ...]:
     """Layers per rank for an even split; the first ``num_layers % world_size`` ranks get one more."""
@@ -23,16 +26,19 @@ def check_world(num_layers: int, world_size: int) -> None:
         )
 
 
-def resolve_split(split: Sequence[int] | None, num_layers: int, world_size: int) -> tuple[int, ...]:
+def resolve_split(split: Sequence[int] | str | None, num_layers: int, world_size: int) -> tuple[int, ...]:
     """Return the layers per rank, checking an explicit ``split`` against the model and the group.
 
-    ``None`` means :func:`even_split`. Raises ``ValueError``/``TypeError`` naming the numbers.
+    ``None`` and ``"even"`` mean :func:`even_split` (``"memory"`` is planned by
+    :mod:`pipemlx.memory_split`). Raises ``ValueError``/``TypeError`` naming the numbers.
     """
     check_world(num_layers, world_size)
-    if split is None:
+    if split is None or split == "even":
         return even_split(num_layers, world_size)
     if isinstance(split, (str, bytes)) or not isinstance(split, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"split must be a sequence of ints (layers per rank), got {split!r}")
+        raise TypeError(
+            f"split must be a sequence of ints (layers per rank), {' or '.join(map(repr, SPLIT_NAMES))}, got {split!r}"
+        )
     values = tuple(split)
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int):  # pyright: ignore[reportUnnecessaryIsInstance]

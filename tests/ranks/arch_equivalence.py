@@ -1,0 +1,125 @@
+"""Rank program: several architectures in one launch, pipeline against single-device mlx-lm.
+
+Reads a JSON spec from argv[1]:
+  {"archs": [{"arch", "split"?}...], "seed", "max_tokens", "prompts": [[M, step]...], "plain": [M, step]}
+For each architecture every rank builds the tiny model twice (same seed): one
+whole (the reference, mlx-lm's own generate_step) and one sharded. It runs
+pipeline_prefill + generate_step(prompt[-1:]) for every prompt, and a plain
+generate_step on the sharded model, and reports tokens, the largest logprob
+difference against the reference, and the local cache kinds next to the
+whole model's cache kinds for the same layers. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.tiny import build_model, tiny_config
+
+
+def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
+    return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
+
+
+def decode(prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int) -> tuple[list[int], list[mx.array]]:
+    tokens: list[int] = []
+    logprobs: list[mx.array] = []
+    for token, lp in generate_step(prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=max_tokens):
+        tokens.append(int(token))
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+def cache_kind(cache: Any) -> str:
+    """A cache's class and the settings that make it differ from another of its class."""
+    inner = getattr(cache, "caches", None)
+    if isinstance(inner, (list, tuple)):
+        return f"{type(cache).__name__}({', '.join(cache_kind(c) for c in inner)})"
+    settings = [f"{k}={getattr(cache, k)}" for k in ("max_size", "keep", "bits") if hasattr(cache, k)]
+    size = getattr(cache, "cache", None)
+    if isinstance(size, list):
+        settings.append(f"size={len(size)}")
+    return f"{type(cache).__name__}({', '.join(settings)})"
+
+
+def largest_difference(a: list[mx.array], b: list[mx.array]) -> float:
+    return max((float(mx.max(mx.abs(x - y))) for x, y in zip(a, b)), default=0.0)
+
+
+def settle(group: mx.distributed.Group) -> None:
+    """generate_step leaves a forward pass in flight; finish it on every rank before going on."""
+    mx.synchronize(generation_stream)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+
+
+def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
+    started = time.perf_counter()
+    config = tiny_config(entry["arch"])
+    seed, max_tokens = spec["seed"], spec["max_tokens"]
+    reference = build_model(config, seed=seed)
+    model = pipemlx.shard_model(build_model(config, seed=seed), group, split=entry.get("split"))
+    stage = pipemlx.stage_of(model)
+    local = stage.layers
+    report: dict[str, Any] = {
+        "arch": entry["arch"],
+        "split": list(stage.split),
+        "cache_kinds": [cache_kind(c) for c in make_prompt_cache(model)],
+        "reference_cache_kinds": [cache_kind(c) for c in make_prompt_cache(reference)[local.start : local.stop]],
+        "runs": [],
+    }
+    for length, step in spec["prompts"]:
+        prompt = prompt_of(length, config["vocab_size"], seed)
+        ref_tokens, ref_logprobs = decode(prompt, reference, None, step, max_tokens)
+        cache = make_prompt_cache(model)
+        pipemlx.pipeline_prefill(model, prompt, cache, step_size=step)
+        offsets = sorted({int(getattr(c, "offset", -1)) for c in cache if hasattr(c, "offset")})
+        tokens, logprobs = decode(prompt[-1:], model, cache, step, max_tokens)
+        settle(group)
+        report["runs"].append(
+            {
+                "kind": "pipeline",
+                "M": length,
+                "step": step,
+                "tokens": tokens,
+                "ref_tokens": ref_tokens,
+                "logprob_diff": largest_difference(logprobs, ref_logprobs),
+                "offsets": offsets,
+            }
+        )
+    length, step = spec["plain"]
+    prompt = prompt_of(length, config["vocab_size"], seed)
+    ref_tokens, ref_logprobs = decode(prompt, reference, None, step, max_tokens)
+    tokens, logprobs = decode(prompt, model, None, step, max_tokens)
+    settle(group)
+    report["runs"].append(
+        {
+            "kind": "plain",
+            "M": length,
+            "step": step,
+            "tokens": tokens,
+            "ref_tokens": ref_tokens,
+            "logprob_diff": largest_difference(logprobs, ref_logprobs),
+        }
+    )
+    report["seconds"] = round(time.perf_counter() - started, 3)
+    return report
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    reports = [run_arch(entry, spec, group) for entry in spec["archs"]]
+    print(json.dumps({"rank": group.rank(), "size": group.size(), "archs": reports}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""load_sharded: each rank reads and holds only its part of an mlx-lm model directory.
+
+The memory test saves a ~300 MB model (8 layers of ~35 MB, float32) and loads
+it on 3 ranks: each rank's peak resident-set growth while loading must stay
+within 15% of what it should hold (its layers, the norm and head, the
+embedding on rank 0) and well under a full mlx-lm load measured the same way
+in the same processes; the tokens must equal the full model's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm.convert import convert
+
+import pipemlx
+from conftest import run_ranks
+from fakes import FakeGroup
+from pipemlx.memory_split import model_bytes_from_dir, plan_split
+from pipemlx.split import layer_range
+from pipemlx.tiny import build_model, save_model_dir, tiny_config
+
+MARGIN = 1.15
+BIG = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 4096,
+}
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = tiny_config("llama", **BIG)
+    return save_model_dir(build_model(config, seed=1), config, tmp_path_factory.mktemp("big") / "llama", shards=2)
+
+
+def test_each_rank_holds_only_its_share(big_model: Path) -> None:
+    spec = {"path": str(big_model), "prompt": 12, "step": 4, "max_tokens": 4}
+    reports = run_ranks(3, "load_memory.py", spec, timeout=300)
+    planned = model_bytes_from_dir(big_model)
+    assert planned.total > 250e6
+    for report in reports:
+        rank = report["rank"]
+        where = f"rank {rank}: {json.dumps(report)}"
+        local = layer_range(report["split"], rank)
+        expected = sum(planned.layers[local.start : local.stop]) + planned.fixed(rank, 3)
+        assert report["held"] == expected, where
+        assert report["sharded_peak"] <= MARGIN * expected, where
+        assert report["sharded_peak"] <= 0.6 * report["full_peak"], where
+        assert report["full_peak"] >= 0.95 * planned.total, where  # the measurement sees a full load
+        assert report["embedding"] == ("Embedding" if rank == 0 else "EmbeddingStandIn"), where
+        assert report["tokens"] == report["ref_tokens"], where
+        assert report["tokenizer_vocab"] == BIG["vocab_size"], where
+
+
+@pytest.fixture(scope="module")
+def small_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("small")
+    paths: dict[str, Path] = {}
+    for arch in ("llama", "qwen3"):
+        config = tiny_config(arch)
+        hf = save_model_dir(build_model(config, seed=2), config, root / f"{arch}_hf", shards=3, index=arch == "llama")
+        paths[arch] = hf
+        convert(str(hf), str(root / f"{arch}_4bit"), quantize=True, q_bits=4, q_group_size=32)
+        paths[f"{arch}_4bit"] = root / f"{arch}_4bit"
+    return paths
+
+
+def test_loaded_shards_match_mlx_lm(small_models: dict[str, Path]) -> None:
+    """Untied and tied, float and 4-bit (mlx-lm's convert), several files with and without an index."""
+    qwen3 = model_bytes_from_dir(small_models["qwen3"])
+    memory = [qwen3.total, qwen3.total // 2]
+    models: list[dict[str, Any]] = [
+        {"path": str(small_models["llama"]), "split": [2, 4]},
+        {"path": str(small_models["qwen3"]), "split": "memory", "memory": memory},
+        {"path": str(small_models["llama_4bit"])},
+        {"path": str(small_models["qwen3_4bit"])},
+    ]
+    spec = {"models": models, "prompt": 14, "step": 4, "max_tokens": 6}
+    reports = run_ranks(2, "load_equivalence.py", spec, timeout=300)
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        rank = report["rank"]
+        for entry, loaded in zip(models, report["models"]):
+            where = f"rank {rank}: {loaded}"
+            planned = model_bytes_from_dir(entry["path"])
+            local = layer_range(loaded["split"], rank)
+            assert loaded["tokens"] == loaded["ref_tokens"], where
+            assert len(set(loaded["tokens"])) > 1, where
+            assert loaded["held"] == sum(planned.layers[local.start : local.stop]) + planned.fixed(rank, 2), where
+            tied = "qwen3" in entry["path"]
+            quantized = "4bit" in entry["path"]
+            embedding = "QuantizedEmbedding" if quantized else "Embedding"
+            assert loaded["embeddings"] == ([embedding] if rank == 0 or tied else []), where
+            assert (loaded["quantized_layers"] > 0) is quantized, where
+    assert reports[0]["models"][0]["split"] == [2, 4]
+    assert reports[0]["models"][1]["split"] == list(plan_split(qwen3, 2, memory).split)
+
+
+def test_load_sharded_names_what_is_missing(tmp_path: Path, small_models: dict[str, Path]) -> None:
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        pipemlx.load_sharded(tmp_path / "nowhere", FakeGroup(0, 2))
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2))
+    (tmp_path / "config.json").write_text((small_models["llama"] / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match=r"has no model\*.safetensors"):
+        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2))
+
+
+def test_load_sharded_on_a_fake_rank_keeps_its_layers(small_models: dict[str, Path]) -> None:
+    model, tokenizer = pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 3), split=[1, 2, 3])
+    stage = pipemlx.stage_of(model)
+    assert stage.layers == range(1, 3) and len(model.layers) == 2
+    assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
+    with pytest.raises(ValueError, match=r"split \[1, 2\] has 2 entries but the group has 3 ranks"):
+        pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), split=[1, 2])
+
+
+HELIUM_TIED = {
+    "model_type": "helium",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "attention_bias": False,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    "arch,config,kept",
+    [
+        ("llama", tiny_config("llama"), False),  # its own lm_head: the embedding goes on ranks > 0
+        ("qwen3", tiny_config("qwen3"), True),  # tied: the embedding is the head
+        ("helium", HELIUM_TIED, True),  # builds an lm_head but is tied: the flag decides
+    ],
+)
+def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: dict[str, Any], kept: bool) -> None:
+    import mlx.core as mx
+
+    whole = build_model(dict(config))
+    model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2))  # type: ignore[arg-type]
+    assert (type(model.model.embed_tokens).__name__ == "Embedding") is kept
+    assert model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
+    first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    assert type(first.model.embed_tokens).__name__ == "Embedding"

@@ -1,0 +1,233 @@
+"""Split planning from parameter bytes and per-rank memory budgets."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import pipemlx
+from fakes import FakeGroup
+from pipemlx.memory_split import (
+    MemoryPlanError,
+    ModelBytes,
+    format_size,
+    model_bytes_from_dir,
+    model_bytes_from_model,
+    parse_size,
+    plan_layers,
+    plan_main,
+    plan_split,
+    read_safetensors_header,
+)
+from pipemlx.sharding import find_layer_list
+from pipemlx.split import even_split
+from pipemlx.tiny import build_model, save_model_dir, tiny_config
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("24GB", 24 * 10**9), ("16GiB", 16 * 2**30), ("512M", 512 * 10**6), ("1.5G", 1_500_000_000), ("1000", 1000), (7, 7), (" 2 kb ", 2000)],
+)
+def test_sizes_are_read_with_decimal_and_binary_units(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text,words", [("24XB", "cannot read memory size '24XB'"), ("GB", "cannot read"), ("0GB", "must be positive"), ("-3", "cannot read")])
+def test_bad_sizes_are_named(text: str, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        parse_size(text)
+
+
+def test_equal_layers_go_in_proportion_to_the_budgets() -> None:
+    assert plan_layers([10] * 12, [0, 0, 0], [24, 16, 8]) == (6, 4, 2)
+    assert plan_layers([10] * 12, [0, 0, 0], [8, 16, 24]) == (2, 4, 6)
+
+
+def test_fixed_bytes_take_room_from_a_rank() -> None:
+    # Rank 0 also holds an embedding worth two layers: it gets two layers fewer.
+    assert plan_layers([10] * 8, [20, 0], [1, 1]) == (3, 5)
+
+
+def test_heavy_layers_are_balanced_by_bytes_not_count() -> None:
+    assert plan_layers([1, 1, 1, 1, 1, 1, 6], [0, 0], [1, 1]) == (6, 1)
+
+
+def brute_force(layer_bytes: list[int], fixed: list[int], budgets: list[int]) -> tuple[int, ...]:
+    """Every contiguous split; the smallest sorted loads, ties to the smallest last ranks."""
+    n, world = len(layer_bytes), len(budgets)
+    best: tuple[tuple[float, ...], tuple[int, ...]] | None = None
+    answer: tuple[int, ...] = ()
+    for cuts in itertools.combinations(range(1, n), world - 1):
+        bounds = (0, *cuts, n)
+        sizes = tuple(bounds[r + 1] - bounds[r] for r in range(world))
+        loads = tuple(
+            sorted(((fixed[r] + sum(layer_bytes[bounds[r] : bounds[r + 1]])) / budgets[r] for r in range(world)), reverse=True)
+        )
+        key = (loads, tuple(reversed(sizes)))
+        if best is None or key < best:
+            best, answer = key, sizes
+    return answer
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), min_size=1, max_size=9).flatmap(
+        lambda layers: st.tuples(
+            st.just(layers),
+            st.integers(1, len(layers)).flatmap(
+                lambda world: st.tuples(
+                    st.lists(st.integers(0, 30), min_size=world, max_size=world),
+                    st.lists(st.integers(1, 40), min_size=world, max_size=world),
+                )
+            ),
+        )
+    )
+)
+def test_plan_is_the_best_contiguous_split(case: tuple[list[int], tuple[list[int], list[int]]]) -> None:
+    layers, (fixed, budgets) = case
+    sizes = plan_layers(layers, fixed, budgets)
+    assert len(sizes) == len(budgets) and sum(sizes) == len(layers) and min(sizes) >= 1
+    assert sizes == brute_force(layers, fixed, budgets)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), st.integers(1, n))), st.integers(1, 10**9))
+def test_equal_layers_and_budgets_give_the_even_split(case: tuple[int, int], layer: int) -> None:
+    layers, world = case
+    assert plan_layers([layer] * layers, [0] * world, [1] * world) == even_split(layers, world)
+
+
+def test_a_model_that_does_not_fit_is_named() -> None:
+    model = ModelBytes(layers=(100,) * 4, embedding=50, head=60, tied=False)
+    plan = plan_split(model, 2, [400, 300])
+    assert [p.total for p in plan.ranks] == [310, 260] and plan.split == (2, 2)
+    with pytest.raises(MemoryPlanError, match=r"does not fit: 510 B in 4 layers .* best split \[2, 2\] still puts rank 0 at 310 B, over its 300 B"):
+        plan_split(model, 2, [300, 300])
+    with pytest.raises(ValueError, match="more ranks than layers: 5 ranks cannot share 4 layers"):
+        plan_split(model, 5, None)
+
+
+def test_tied_embedding_counts_on_every_rank() -> None:
+    untied = ModelBytes(layers=(10,) * 6, embedding=30, head=5, tied=False)
+    tied = ModelBytes(layers=(10,) * 6, embedding=30, head=5, tied=True)
+    assert [untied.fixed(r, 3) for r in range(3)] == [35, 5, 5]
+    assert [tied.fixed(r, 3) for r in range(3)] == [35, 35, 35]
+    assert plan_split(untied, 3).split == (1, 3, 2)  # loads 45, 35, 25 (as good as 1, 2, 3; fewer on the last)
+    assert plan_split(tied, 3).split == (2, 2, 2)
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_model_dir(build_model(tiny_config("llama")), tiny_config("llama"), root / "llama", shards=3),
+        "qwen3": save_model_dir(build_model(tiny_config("qwen3")), tiny_config("qwen3"), root / "qwen3", index=False),
+    }
+
+
+def test_header_reader_agrees_with_safetensors(saved_models: dict[str, Path]) -> None:
+    for path in saved_models["llama"].glob("model*.safetensors"):
+        header = read_safetensors_header(path)
+        with safe_open(str(path), framework="numpy") as f:  # pyright: ignore[reportUnknownVariableType]
+            names = sorted(f.keys())  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
+            assert sorted(header) == names
+            for name in names:
+                assert header[name]["shape"] == list(f.get_slice(name).get_shape())  # pyright: ignore[reportUnknownMemberType]
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True)])
+def test_bytes_from_headers_equal_bytes_of_the_model(saved_models: dict[str, Path], arch: str, tied: bool) -> None:
+    model = build_model(tiny_config(arch))
+    owner, attribute = find_layer_list(model)
+    from_model = model_bytes_from_model(model, owner, owner[attribute])
+    from_dir = model_bytes_from_dir(saved_models[arch])
+    assert from_dir == from_model
+    assert from_dir.tied is tied and len(from_dir.layers) == 6
+    assert from_dir.total == sum(p.nbytes for p in _arrays(model))
+
+
+def _arrays(model: object) -> list[mx.array]:
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(model.parameters())]  # type: ignore[attr-defined]
+
+
+def test_missing_layers_and_files_are_named(tmp_path: Path, saved_models: dict[str, Path]) -> None:
+    with pytest.raises(FileNotFoundError, match="no model.*safetensors files"):
+        model_bytes_from_dir(tmp_path)
+    config = json.loads((saved_models["qwen3"] / "config.json").read_text())
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes((saved_models["qwen3"] / "model.safetensors").read_bytes())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
+    with pytest.raises(ValueError, match=r"hold no weights for layers \[6, 7\] of 8"):
+        model_bytes_from_dir(broken)
+
+
+def test_plan_command_prints_a_table(saved_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    model = model_bytes_from_dir(saved_models["llama"])
+    layer = model.layers[0]
+    budget, small = model.embedding + model.head + 5 * layer, model.head + 3 * layer
+    assert plan_main([str(saved_models["llama"]), "--ranks", "2", "--memory", f"{budget},{small}"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["rank", "layers", "count"]
+    rank0, rank1 = out[1].split(), out[2].split()
+    expected = plan_split(model, 2, [budget, small])
+    assert (rank0[1], rank0[2]) == (f"0-{expected.split[0] - 1}", str(expected.split[0]))
+    assert rank1[2] == str(expected.split[1]) and rank1[-1].endswith("%")
+    assert "split" in out[-1] and format_size(model.total) in out[-1]
+
+
+def test_plan_command_errors(saved_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(saved_models["llama"])
+    assert plan_main([path, "--ranks", "2", "--memory", "1KB,1KB"]) == 1
+    assert "does not fit" in capsys.readouterr().err
+    assert plan_main([path, "--memory", "2GB,lots"]) == 2
+    assert "cannot read memory size 'lots'" in capsys.readouterr().err
+    assert plan_main([path, "--ranks", "3", "--memory", "1GB,1GB"]) == 2
+    assert "lists 2 budgets but the group has 3 ranks" in capsys.readouterr().err
+    assert plan_main([path]) == 2
+    assert plan_main([path, "--ranks", "3", "--memory", "1GB"]) == 0  # one budget for every rank
+    assert plan_main(["--help"]) == 0
+
+
+def test_shard_model_follows_the_memory_plan() -> None:
+    config = tiny_config("llama", num_hidden_layers=8)
+    model = build_model(config)
+    owner, attribute = find_layer_list(model)
+    bytes_ = model_bytes_from_model(model, owner, owner[attribute])
+    budgets = [bytes_.total, bytes_.total // 2]
+    expected = plan_split(bytes_, 2, budgets).split
+    sharded = pipemlx.shard_model(model, FakeGroup(1, 2), split="memory", memory=budgets)  # type: ignore[arg-type]
+    assert pipemlx.stage_of(sharded).split == expected and expected[0] > expected[1]
+    implied = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), memory=budgets)  # type: ignore[arg-type]
+    assert pipemlx.stage_of(implied).split == expected
+    balanced = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), split="memory")  # type: ignore[arg-type]
+    assert pipemlx.stage_of(balanced).split == plan_split(bytes_, 2).split
+    even = pipemlx.shard_model(build_model(config), FakeGroup(0, 3), split="even")  # type: ignore[arg-type]
+    assert pipemlx.stage_of(even).split == (3, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,words",
+    [
+        ({"split": [4, 4], "memory": ["1GB", "1GB"]}, ValueError, "only used with split='memory'"),
+        ({"split": "fast"}, TypeError, "split must be a sequence of ints .*'even' or 'memory', got 'fast'"),
+        ({"memory": ["1GB"]}, ValueError, "memory lists 1 budgets but the group has 2 ranks"),
+        ({"memory": ["1KB", "1KB"]}, MemoryPlanError, "does not fit"),
+        ({"memory": ["1KB", "1XB"]}, ValueError, "cannot read memory size '1XB'"),
+    ],
+)
+def test_bad_memory_split_arguments_leave_the_model_untouched(kwargs: dict[str, object], error: type[Exception], words: str) -> None:
+    model = build_model(tiny_config("llama"))
+    layers = list(model.layers)
+    with pytest.raises(error, match=words):
+        pipemlx.shard_model(model, FakeGroup(0, 2), **kwargs)  # type: ignore[arg-type]
+    assert list(model.layers) == layers
