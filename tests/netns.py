@@ -26,7 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,7 +114,7 @@ def skip_unless_available() -> None:
 
 
 @contextmanager
-def namespace_hosts(count: int) -> Iterator[NamespaceHosts]:
+def namespace_hosts(count: int) -> Generator[NamespaceHosts]:
     """Make ``count`` host namespaces on one bridge (see the module docstring); always delete them."""
     if not 1 <= count <= 250:
         raise ValueError(f"count must be 1..250 hosts, got {count}")

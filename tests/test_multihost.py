@@ -9,12 +9,15 @@ namespace could not even bind. Needs root (skips, naming the reason, without).
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pipemlx.launch import free_ports, launch
 from netns import SUBNET, existing, ip, namespace_hosts, run_namespaced_ranks, skip_unless_available
 from test_equivalence import check_reports
 
@@ -23,8 +26,8 @@ TIMEOUT = 2.0
 MARGIN = 3.0  # seconds of slack for a loaded 2-core machine
 
 
-@pytest.fixture(autouse=True)
-def _needs_namespaces() -> None:
+@pytest.fixture
+def needs_namespaces() -> None:
     skip_unless_available()
 
 
@@ -35,7 +38,9 @@ def scenario() -> list[dict[str, Any]]:
     return steps
 
 
+@pytest.mark.usefixtures("needs_namespaces")
 def test_namespace_hosts_are_private_and_always_removed() -> None:
+    name = ""
     with pytest.raises(KeyError, match="inside"):
         with namespace_hosts(3) as hosts:
             name = hosts.name
@@ -47,9 +52,10 @@ def test_namespace_hosts_are_private_and_always_removed() -> None:
             assert "dev eth0" in route, route
             assert SUBNET not in ip("-o", "-4", "addr", "show").stdout, "the test addresses leaked into the root namespace"
             raise KeyError("a failure inside the block")
-    assert existing(name) == [], "namespaces left behind after a failure"
+    assert name and existing(name) == [], "namespaces left behind after a failure"
 
 
+@pytest.mark.usefixtures("needs_namespaces")
 @pytest.mark.parametrize("num_ranks,arch", [(2, "llama"), (3, "qwen3")])
 def test_pipeline_matches_single_device_across_namespace_hosts(num_ranks: int, arch: str) -> None:
     spec = {"arch": arch, "seed": 3, "max_tokens": 6, "steps": scenario()}
@@ -70,6 +76,7 @@ def cut_on_request(request: Path, cut: Any, stop: threading.Event) -> None:
         stop.wait(0.01)
 
 
+@pytest.mark.usefixtures("needs_namespaces")
 @pytest.mark.parametrize("num_ranks,side", [(2, "switch"), (3, "host")])
 def test_a_link_cut_mid_prefill_ends_in_an_error_on_every_rank(num_ranks: int, side: str, tmp_path: Path) -> None:
     victim, at = 1, 2
@@ -111,3 +118,32 @@ def test_a_link_cut_mid_prefill_ends_in_an_error_on_every_rank(num_ranks: int, s
             f"S={num_ranks} {side}-side cut of rank {victim}: rank {report['rank']} raised {report['error']} "
             f"{report['at_time'] - cut_at:.2f} s after the cut (timeout {TIMEOUT:g} s)"
         )
+
+
+def test_launch_puts_each_prefix_before_the_command_and_the_addresses_in_the_hostfile() -> None:
+    """launch()'s ``addresses`` and ``prefixes``, checked without root: ``env VAR=...`` as the prefix."""
+    ports = free_ports(2)
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    show = "import json, os; print(json.dumps([os.environ['WHERE'], os.environ['MLX_RANK'], open(os.environ['MLX_HOSTFILE']).read()]))"
+    results = launch(
+        2, [sys.executable, "-c", show], timeout=60, addresses=addresses, prefixes=[["env", f"WHERE=host{r}"] for r in range(2)]
+    )
+    for r in results:
+        where, rank, hostfile = json.loads(r.stdout)
+        assert (where, rank) == (f"host{r.rank}", str(r.rank))
+        assert json.loads(hostfile) == [[a] for a in addresses]
+
+
+@pytest.mark.parametrize(
+    "options,problem",
+    [
+        ({"addresses": ["127.0.0.1:5000"]}, "one 'host:port' per rank"),
+        ({"addresses": "127.0.0.1:5000"}, "one 'host:port' per rank"),
+        ({"addresses": ["127.0.0.1:5000", "127.0.0.1"]}, "is not 'host:port'"),
+        ({"addresses": ["127.0.0.1:5000", "10.0.0.1:70000"]}, "is not 'host:port'"),
+        ({"prefixes": [["env"]]}, "one argument list per rank"),
+    ],
+)
+def test_launch_rejects_bad_addresses_and_prefixes(options: dict[str, Any], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        launch(2, [sys.executable, "-c", "pass"], timeout=10, **options)
