@@ -13,7 +13,7 @@ system_packages() {
     command -v mpirun >/dev/null 2>&1 || wanted+=(openmpi-bin)
     # MLX opens libmpi.so, the link that the -dev package provides.
     [ -e /usr/lib/x86_64-linux-gnu/libmpi.so ] || [ -e /usr/lib/aarch64-linux-gnu/libmpi.so ] ||
-        ldconfig -p 2>/dev/null | grep -q 'libmpi\.so ' || wanted+=(libopenmpi-dev)
+        ldconfig -p 2>/dev/null | grep 'libmpi\.so ' >/dev/null || wanted+=(libopenmpi-dev)
     command -v ip >/dev/null 2>&1 || wanted+=(iproute2)
     [ ${#wanted[@]} -gt 0 ] || return 0
     command -v apt-get >/dev/null 2>&1 || { echo "tests/run.sh: no apt-get; not installing ${wanted[*]}" >&2; return 0; }
