@@ -89,6 +89,8 @@ def launch(
     cwd: str | Path | None = None,
     passthrough_rank: int | None = None,
     fail_fast: bool = True,
+    addresses: Sequence[str] | None = None,
+    prefixes: Sequence[Sequence[str]] | None = None,
 ) -> list[RankResult]:
     """Run ``command`` as ranks ``0 .. num_ranks-1`` on loopback and wait for all of them.
 
@@ -99,12 +101,21 @@ def launch(
     returns every result, whatever the exit statuses (fault-injection tests).
     ``passthrough_rank``'s output goes to this process's stdout/stderr instead
     of being captured.
+
+    ``addresses`` (one ``host:port`` per rank) replaces the loopback ports in
+    the hostfile, and ``prefixes`` (one argument list per rank) goes before
+    ``command`` for that rank: together they run each rank somewhere else on
+    this machine, for instance ``["ip", "netns", "exec", name]`` with the
+    address that network namespace owns.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
+    listen = _check_addresses(num_ranks, addresses)
+    if prefixes is not None and len(prefixes) != num_ranks:
+        raise ValueError(f"prefixes must hold one argument list per rank ({num_ranks}), got {len(prefixes)}")
     with tempfile.TemporaryDirectory(prefix="pipemlx-launch-") as tmp:
         directory = Path(tmp)
-        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
+        hostfile = write_hostfile(listen or [f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
         outputs: list[tuple[IO[str], IO[str]] | None] = []
         procs: list[subprocess.Popen[str]] = []
         try:
@@ -127,7 +138,13 @@ def launch(
                 outputs.append(files)
                 procs.append(
                     subprocess.Popen(
-                        list(command), env=rank_env, cwd=cwd, stdout=out, stderr=err, text=True, start_new_session=True
+                        [*(prefixes[rank] if prefixes is not None else ()), *command],
+                        env=rank_env,
+                        cwd=cwd,
+                        stdout=out,
+                        stderr=err,
+                        text=True,
+                        start_new_session=True,
                     )
                 )
             failure = _wait(procs, timeout, fail_fast)
@@ -140,6 +157,19 @@ def launch(
         if failure is not None:
             raise LaunchError(failure, results)
         return results
+
+
+def _check_addresses(num_ranks: int, addresses: Sequence[str] | None) -> list[str] | None:
+    """``addresses`` as a list when each of the ``num_ranks`` entries looks like ``host:port``."""
+    if addresses is None:
+        return None
+    if isinstance(addresses, str) or len(addresses) != num_ranks:
+        raise ValueError(f"addresses must hold one 'host:port' per rank ({num_ranks}), got {addresses!r}")
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"address {address!r} is not 'host:port' with a port in 1..65535")
+    return list(addresses)
 
 
 def _wait(procs: list[subprocess.Popen[str]], timeout: float, fail_fast: bool) -> str | None:
