@@ -412,9 +412,8 @@ class _Run:
             return self.mismatch(f"{wanted} but its input is {_chunk(got.chunk)} from rank {got.source}")
         if chunk.start != s.done or chunk.stop <= chunk.start:
             wanted = f"rank {s.rank} computes {_chunk(chunk)}"
-            return self.mismatch(
-                f"{wanted} after positions 0..{s.done - 1}: positions must be computed in order, each once"
-            )
+            so_far = f"after positions 0..{s.done - 1}" if s.done else "before any other"
+            return self.mismatch(f"{wanted} {so_far}: positions must be computed in order, each once")
         s.inbox.clear()
         s.done = chunk.stop
         s.known[s.rank] = chunk.stop
@@ -594,7 +593,7 @@ class _Run:
             if s.inbox:
                 self.mismatch(f"rank {s.rank} received {self.names(s.inbox)} and never computed it")
             if s.done != total:
-                self.mismatch(f"rank {s.rank} processed positions 0..{s.done - 1}, not 0..{total - 1}")
+                self.mismatch(f"rank {s.rank} processed {s.done} of the {total} prompt positions")
         sequences = [s.progress for s in self.ranks]
         if any(seq != sequences[0] for seq in sequences):
             differing = [s.rank for s in self.ranks if s.progress != sequences[0]]

@@ -26,7 +26,7 @@ MAX_RANKS = 16
 
 settings.register_profile(
     "ci",
-    max_examples=100,
+    max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
@@ -42,7 +42,7 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 
 # Chunks x ranks allowed in one example: about 5 actions each, a few microseconds per action.
-WORK_LIMITS = {"ci": 20000, "thorough": None}
+WORK_LIMITS = {"ci": 8000, "thorough": None}
 WORK_LIMIT = WORK_LIMITS.get(PROFILE, WORK_LIMITS["ci"])
 
 
