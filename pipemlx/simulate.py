@@ -78,14 +78,14 @@ class Durations(Protocol):
 
 
 class Event(NamedTuple):
-    """Rank ``rank`` carried out ``action`` (``plan.actions[index]``) from ``start`` to ``end``.
+    """Rank ``rank`` carried out ``action`` (``plan.actions[position]``) from ``start`` to ``end``.
 
     ``step`` is the number of ``Agree`` actions before it in the rank's plan:
     the wavefront step a ``Send``/``Recv``/``Compute`` belongs to.
     """
 
     rank: int
-    index: int
+    position: int
     action: Action
     step: int
     start: float

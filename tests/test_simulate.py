@@ -60,7 +60,7 @@ def test_real_plans_finish_and_record_every_action() -> None:
     for p in plans:
         executed = [e for e in result.events if e.rank == p.rank]
         assert [e.action for e in executed] == list(p.actions)
-        assert [e.index for e in executed] == list(range(len(p.actions)))
+        assert [e.position for e in executed] == list(range(len(p.actions)))
     assert "finished after" in result.report()
 
 
