@@ -552,8 +552,8 @@ class _Run:
 
     def where(self, s: _Rank) -> str:
         if s.pc == len(s.actions):
-            return f"rank {s.rank} had finished its plan"
-        return f"rank {s.rank} was at action #{s.pc} ({describe(s.actions[s.pc])})"
+            return f"rank {s.rank} has finished its plan"
+        return f"rank {s.rank} is at action #{s.pc} ({describe(s.actions[s.pc])})"
 
     def blocked(self, s: _Rank) -> Blocked:
         """Why rank ``s`` cannot go on."""
@@ -564,7 +564,7 @@ class _Run:
                 reason = f"before entering it, it waits for its send(s) of {waiting} to be received"
             else:
                 outside = [self.where(r) for r in self.ranks if not r.entered]
-                reason = "waiting inside the collective for the other ranks; " + "; ".join(outside)
+                reason = "inside the collective, waiting for the ranks outside it: " + "; ".join(outside)
         elif isinstance(action, Send):
             reason = (
                 f"the send waits for rank {action.peer} to receive it "

@@ -185,7 +185,7 @@ def test_rank_skipping_the_closing_agreement(data: st.DataObject, sem: tuple[int
     plans = build_plans(case.num_tokens, case.step_size, case.world_size)
     result = run(replace_rank(plans, rank, lambda acts: acts[:-1]), sem)
     assert result.deadlocked, result.report()
-    assert f"rank {rank} had finished its plan" in result.report()
+    assert f"rank {rank} has finished its plan" in result.report()
     assert {b.rank for b in result.blocked} == set(range(case.world_size)) - {rank}
 
 

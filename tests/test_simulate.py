@@ -41,7 +41,7 @@ def test_send_capacity_decides_whether_eager_sends_deadlock(capacity: int | None
         stuck = {b.rank: b for b in result.blocked}
         assert isinstance(stuck[0].action, Send) and stuck[0].action.chunk == (C0 if capacity == 0 else C1)
         assert "waits for rank 1 to receive it" in stuck[0].reason
-        assert isinstance(stuck[1].action, Agree) and "rank 0 was at action #" in stuck[1].reason
+        assert isinstance(stuck[1].action, Agree) and "rank 0 is at action #" in stuck[1].reason
         with pytest.raises(DeadlockError, match=r"rank 0 is stuck on action #\d \(Send chunk \d"):
             result.raise_for_failure()
 

@@ -4,10 +4,10 @@ Reads a JSON spec from argv[1]; prints one JSON line.
 
 Spec: {"arch", "config"?, "seed", "M", "step", "trace_dir", "repeats"?, "calibrate"?}
 - ``repeats`` pipelined prefills, the i-th traced into ``trace_dir/run<i>``;
-- with calibrate, before each of them every rank times the *whole* model (all layers, no pipeline,
-  no communication) on chunks of varied lengths covering the prompt, keeping each chunk's fastest
-  time, and the agreement collective (an all_gather of two ints). All ranks calibrate at the same
-  time, between the pipelined runs, so the machine is loaded alike in both.
+- with calibrate, right before each of them every rank times the *whole* model (all layers, no
+  pipeline, no communication) on chunks of varied lengths covering the prompt, and the agreement
+  collective (an all_gather of two ints). All ranks calibrate at the same time, next to the
+  pipelined run, so that the machine is loaded alike in both.
 Reported: the executed plan's actions (as the simulator describes them), progress calls,
 calibration samples, collective time, and each prefill's wall time.
 """
@@ -49,14 +49,16 @@ def calibration_chunks(num_tokens: int, step: int) -> list[Chunk]:
     return chunks
 
 
-def calibrate(model: Any, tokens: mx.array, chunks: list[Chunk], best: list[float]) -> None:
-    """Time the whole model in this process on each chunk, keeping each chunk's fastest time in ``best``."""
+def calibrate(model: Any, tokens: mx.array, chunks: list[Chunk]) -> list[float]:
+    """Seconds the whole model takes in this process on each chunk, in turn."""
     cache = make_prompt_cache(model)
-    for i, c in enumerate(chunks):
+    seconds: list[float] = []
+    for c in chunks:
         begin = time.perf_counter()
         model(tokens[None, c.start : c.stop], cache=cache)
         mx.eval([x.state for x in cache])
-        best[i] = min(best[i], time.perf_counter() - begin)
+        seconds.append(time.perf_counter() - begin)
+    return seconds
 
 
 def time_collective(group: mx.distributed.Group, rounds: int = 30) -> float:
@@ -92,8 +94,8 @@ def main() -> None:
 
     whole = build_model(config, seed=spec["seed"]) if spec.get("calibrate") else None
     chunks = calibration_chunks(tokens.size, spec["step"])
-    best = [float("inf")] * len(chunks)
-    collective = float("inf")
+    calibrations: list[list[float]] = []
+    collectives: list[float] = []
     model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group)
     stage = pipemlx.stage_of(model)
     report["split"] = list(stage.split)
@@ -103,8 +105,8 @@ def main() -> None:
     for i in range(repeats):
         if whole is not None:  # calibrate between the pipelined runs, so both see the same load
             barrier(group)
-            calibrate(whole, tokens, chunks, best)
-            collective = min(collective, time_collective(group))
+            calibrations.append(calibrate(whole, tokens, chunks))
+            collectives.append(time_collective(group))
         cache = make_prompt_cache(model)
         calls.clear()
         barrier(group)
@@ -120,8 +122,9 @@ def main() -> None:
         times.append(time.perf_counter() - begin)
     report["prefill_s"] = times
     if whole is not None:
-        report["calibration"] = [[c.start, c.stop, t] for c, t in zip(chunks, best)]
-        report["collective_s"] = collective
+        report["calibration_chunks"] = [[c.start, c.stop] for c in chunks]
+        report["calibrations"] = calibrations  # seconds per chunk, one list per pass (before run i)
+        report["collective_s"] = collectives
     report["progress"] = calls
     report["plan_actions"] = [describe(a) for a in executed[-1].actions]
     report["plans_built"] = len(executed)
