@@ -134,7 +134,7 @@ def plot_timeline(
     *,
     title: str = "pipemlx prefill timeline",
 ) -> Path:
-    """Draw each ``(label, spans)`` panel (one row per rank, time in ms from its first span) into a PNG.
+    """Draw each ``(label, spans)`` panel (one row per rank, ms from the end of the handshake) into a PNG.
 
     Compute spans are boxes labelled with their chunk (alternating shades);
     receives, waits for sends and agreements are thinner bars under them.
@@ -151,15 +151,17 @@ def plot_timeline(
         raise RuntimeError("plot_timeline needs matplotlib: pip install 'pipemlx[plot]'") from exc
     if not panels:
         raise ValueError("plot_timeline needs at least one panel")
-    height = 1.0 + sum(0.7 + 0.5 * _ranks(spans) for _, spans in panels)
+    height = 1.3 + sum(0.7 + 0.5 * _ranks(spans) for _, spans in panels)
     figure, axes = plt.subplots(len(panels), 1, figsize=(12, height), squeeze=False, sharex=True)
     for ax, (label, spans) in zip(axes[:, 0], panels):
-        origin = min((s.start_us for s in spans), default=0.0)
+        origin = _origin(spans)
         length_ms = (max((s.end_us for s in spans), default=origin) - origin) / 1000.0
         ranks = _ranks(spans)
         for s in spans:
             x, w = (s.start_us - origin) / 1000.0, s.dur_us / 1000.0
             y = ranks - 1 - s.rank
+            if s.kind == "handshake":
+                continue
             if s.kind == "compute":
                 shade = COMPUTE_SHADES[(s.chunk or 0) % 2]
                 ax.broken_barh([(x, w)], (y - 0.35, 0.7), facecolors=shade, edgecolors="black", linewidth=0.4)
@@ -172,7 +174,7 @@ def plot_timeline(
         ax.set_ylim(-0.6, ranks - 0.4)
         ax.set_title(f"{label}: {length_ms:.0f} ms", fontsize=9, loc="left")
         ax.grid(axis="x", linewidth=0.3)
-    axes[-1, 0].set_xlabel("ms since the first span")
+    axes[-1, 0].set_xlabel("ms since the handshake")
     legend = [
         Patch(facecolor=COMPUTE_SHADES[0], label="compute (chunk)"),
         Patch(facecolor=BAR_COLORS["recv"], label="recv"),
@@ -180,14 +182,20 @@ def plot_timeline(
         Patch(facecolor=BAR_COLORS["wait"], label="wait for send"),
         Patch(facecolor=BAR_COLORS["agree"], label="agreement (incl. waiting)"),
     ]
-    figure.legend(handles=legend, loc="upper right", ncol=5, fontsize=7, frameon=False)
+    figure.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     figure.suptitle(title, x=0.01, ha="left", fontsize=10)
-    figure.tight_layout(rect=(0, 0, 1, 0.94))
+    figure.tight_layout(rect=(0, 0.05, 1, 0.97))
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110)
     plt.close(figure)
     return out
+
+
+def _origin(spans: Sequence[Span]) -> float:
+    """Time zero of a plot: the first rank leaving the handshake, else the first span."""
+    handshakes = [s.end_us for s in spans if s.kind == "handshake"]
+    return min(handshakes) if handshakes else min((s.start_us for s in spans), default=0.0)
 
 
 def _ranks(spans: Sequence[Span]) -> int:

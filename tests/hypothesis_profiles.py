@@ -33,7 +33,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "thorough",
-    max_examples=600,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
