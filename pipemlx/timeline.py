@@ -9,16 +9,19 @@
 - :func:`plot_timeline` draws traces as a PNG with matplotlib (the optional
   ``plot`` extra: ``pip install 'pipemlx[plot]'``).
 
-Command line: ``python -m pipemlx.timeline gantt M STEP RANKS`` and
-``python -m pipemlx.timeline plot TRACE.json [TRACE2.json ...] -o timeline.png``.
+Command line: ``python -m pipemlx.timeline gantt M STEP RANKS``,
+``python -m pipemlx.timeline merge TRACE_DIR [-o OUT] [--align]`` (join the ranks'
+trace files of a run) and ``python -m pipemlx.timeline plot [LABEL=]TRACE.json ... -o timeline.png``.
 Pure Python (no MLX); see docs/timeline.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -26,12 +29,12 @@ from typing import Any
 
 from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
 from .simulate import SimulationResult
-from .trace import THREAD_NAMES, THREADS, Span, read_spans
+from .trace import THREAD_NAMES, THREADS, Span, find_rank_traces, merge_traces, read_spans
 
 IDLE = "."
-KIND_OF = (
-    (Compute, "compute"), (Recv, "recv"), (Send, "send"), (Agree, "agree"), (Handshake, "handshake"), (Progress, "progress"),
-)  # fmt: skip
+KIND_OF: Mapping[type, str] = MappingProxyType(
+    {Compute: "compute", Recv: "recv", Send: "send", Agree: "agree", Handshake: "handshake", Progress: "progress"}
+)
 COMPUTE_SHADES = ("#4c72b0", "#8fb0e0")
 BAR_COLORS: Mapping[str, str] = MappingProxyType(
     {"recv": "#dd8452", "send": "#55a868", "wait": "#c44e52", "agree": "#bbbbbb"}
@@ -102,10 +105,12 @@ def simulated_trace(result: SimulationResult, *, seconds_per_unit: float = 1.0) 
             for tid, name in enumerate(THREAD_NAMES)
         ]
     for e in result.events:
-        kind = next(k for t, k in KIND_OF if isinstance(e.action, t))
+        kind = KIND_OF[type(e.action)]
         args: dict[str, Any] = {}
         if isinstance(e.action, (Compute, Send, Recv)):
             args["chunk"] = e.action.chunk.index
+        if isinstance(e.action, Compute):
+            args["tokens"] = e.action.chunk.length
         if isinstance(e.action, (Send, Recv)):
             args["peer"] = e.action.peer
         if isinstance(e.action, Agree):
@@ -142,11 +147,10 @@ def plot_timeline(
     saying so when it is missing.
     """
     try:
-        import matplotlib
-
+        matplotlib: Any = importlib.import_module("matplotlib")
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+        patch: Any = importlib.import_module("matplotlib.patches").Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise RuntimeError("plot_timeline needs matplotlib: pip install 'pipemlx[plot]'") from exc
     if not panels:
@@ -176,11 +180,11 @@ def plot_timeline(
         ax.grid(axis="x", linewidth=0.3)
     axes[-1, 0].set_xlabel("ms since the handshake")
     legend = [
-        Patch(facecolor=COMPUTE_SHADES[0], label="compute (chunk)"),
-        Patch(facecolor=BAR_COLORS["recv"], label="recv"),
-        Patch(facecolor=BAR_COLORS["send"], label="send issued"),
-        Patch(facecolor=BAR_COLORS["wait"], label="wait for send"),
-        Patch(facecolor=BAR_COLORS["agree"], label="agreement (incl. waiting)"),
+        patch(facecolor=COMPUTE_SHADES[0], label="compute (chunk)"),
+        patch(facecolor=BAR_COLORS["recv"], label="recv"),
+        patch(facecolor=BAR_COLORS["send"], label="send issued"),
+        patch(facecolor=BAR_COLORS["wait"], label="wait for send"),
+        patch(facecolor=BAR_COLORS["agree"], label="agreement (incl. waiting)"),
     ]
     figure.legend(handles=legend, loc="lower center", ncol=5, fontsize=8, frameon=False)
     figure.suptitle(title, x=0.01, ha="left", fontsize=10)
@@ -203,13 +207,17 @@ def _ranks(spans: Sequence[Span]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipemlx.timeline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipemlx.timeline", description="Timelines of a prefill.")
     commands = parser.add_subparsers(dest="command", required=True)
     g = commands.add_parser("gantt", help="print the text Gantt of a plan")
     g.add_argument("num_tokens", type=int)
     g.add_argument("step_size", type=int)
     g.add_argument("world_size", type=int)
     g.add_argument("--max-steps", type=int, default=24)
+    m = commands.add_parser("merge", help="merge a run's per-rank traces (trace_dir / $PIPEMLX_TRACE)")
+    m.add_argument("directory")
+    m.add_argument("-o", "--output", help="merged trace (default: DIR/trace.json)")
+    m.add_argument("--align", action="store_true", help="align ranks on the handshake (ranks on several hosts)")
     p = commands.add_parser("plot", help="draw Chrome traces (merged, one per panel) as a PNG")
     p.add_argument("traces", nargs="+", help="trace files; label one as LABEL=PATH")
     p.add_argument("-o", "--output", required=True)
@@ -217,6 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "gantt":
         print(gantt(build_plans(args.num_tokens, args.step_size, args.world_size), max_steps=args.max_steps))
+        return 0
+    if args.command == "merge":
+        try:
+            paths = find_rank_traces(args.directory)
+            out = merge_traces(paths, args.output or Path(args.directory) / "trace.json", align=args.align)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"merged {len(paths)} rank trace(s) into {out}; open it at https://ui.perfetto.dev")
         return 0
     panels: list[tuple[str, Sequence[Span]]] = []
     for item in args.traces:

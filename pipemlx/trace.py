@@ -3,8 +3,8 @@
 Opt in with ``pipeline_prefill(..., trace_dir=DIR)`` or ``PIPEMLX_TRACE=DIR``:
 each rank writes ``DIR/trace-rank<r>.json`` (Chrome trace-event format, one
 process per rank). :func:`merge_traces` joins the ranks' files into one that
-https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.trace DIR``
-does it from the command line. :func:`read_spans` reads a trace back as
+https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.timeline
+merge DIR`` does it from the command line. :func:`read_spans` reads a trace back as
 :class:`Span` tuples (for tests, plots and the cost model). See docs/timeline.md.
 
 Spans: ``handshake``, ``compute <chunk>`` (args chunk, tokens), ``recv <chunk>``
@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import sys
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -185,26 +184,3 @@ def find_rank_traces(directory: str | os.PathLike[str]) -> list[Path]:
     if not found:
         raise ValueError(f"no {TRACE_FILE_PATTERN} files in {directory}")
     return found
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipemlx.trace DIR [-o OUT] [--align]``: merge DIR's per-rank traces."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m pipemlx.trace", description="Merge per-rank pipemlx traces.")
-    parser.add_argument("directory", help="the trace_dir / $PIPEMLX_TRACE of the run")
-    parser.add_argument("-o", "--output", help="merged trace (default: DIR/trace.json)")
-    parser.add_argument("--align", action="store_true", help="align ranks on the handshake (ranks on several hosts)")
-    args = parser.parse_args(argv)
-    try:
-        paths = find_rank_traces(args.directory)
-        out = merge_traces(paths, args.output or Path(args.directory) / "trace.json", align=args.align)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"merged {len(paths)} rank trace(s) into {out}; open it at https://ui.perfetto.dev")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,9 +19,11 @@ from pipemlx.costmodel import (
     fit_layer_costs,
     main,
     predict,
+    samples_from_trace,
 )
 from pipemlx.plan import Action, Chunk, build_plans, chunk_prompt
 from pipemlx.simulate import simulate
+from pipemlx.timeline import simulated_trace, write_trace
 from pipemlx.trace import Span, find_rank_traces, read_spans
 
 
@@ -105,6 +107,24 @@ def test_command_line_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert [int(r.split()[0]) for r in rows] == list(range(1, 17))
     speedups = [float(r.split()[2]) for r in rows]
     assert speedups[0] == 1.0 and speedups[1] > 1.5
+
+
+def test_calibrating_from_a_one_rank_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A 1-rank timeline's compute spans give the layer costs back; the CLI writes the predicted trace."""
+    true = CostModel(LayerCosts(0.0, 2e-4, 1e-6), (6,), 32, collective_s=1e-4)
+    one_rank = write_trace(simulated_trace(predict(201, 40, true).result), tmp_path / "one.json")
+    samples = samples_from_trace(one_rank)
+    assert [(c.start, c.stop) for c, _ in samples] == [(c.start, c.stop) for c in chunk_prompt(201, 40)]
+    fitted = fit_layer_costs(samples, 6)
+    assert fitted.token_s + fitted.chunk_s / 40 == pytest.approx(2e-4, rel=1e-3)
+    assert fitted.attention_s == pytest.approx(1e-6, rel=1e-3)
+    out = tmp_path / "predicted.json"
+    assert main(["--calibrate", str(one_rank), "--layers", "6", "--hidden", "32", "--tokens", "201", "--step", "40",
+                 "--max-ranks", "3", "--ranks", "3", "--trace", str(out)]) == 0  # fmt: skip
+    assert "wrote the predicted 3-rank timeline" in capsys.readouterr().out
+    assert {s.rank for s in read_spans(out)} == {0, 1, 2}
+    with pytest.raises(ValueError, match="no compute spans of rank 4"):
+        samples_from_trace(one_rank, rank=4)
 
 
 # --- prediction against a measured run ---------------------------------------------------------------

@@ -11,7 +11,8 @@ import pytest
 from conftest import run_ranks
 from pipemlx.plan import Agree, Compute, Handshake, Progress, Recv, Send, build_plans
 from pipemlx.simulate import describe, simulate
-from pipemlx.trace import Span, Tracer, find_rank_traces, main, merge_traces, read_spans, tracer_for
+from pipemlx.timeline import main
+from pipemlx.trace import Span, Tracer, find_rank_traces, merge_traces, read_spans, tracer_for
 
 M, STEP, RANKS = 23, 4, 2  # 22 positions: 6 chunks, the last of 2 tokens
 
@@ -121,7 +122,7 @@ def test_tracer_records_only_when_enabled(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_command_line_merge_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([str(tmp_path)]) == 1
+    assert main(["merge", str(tmp_path)]) == 1
     assert "no trace-rank*.json files" in capsys.readouterr().err
     (tmp_path / "trace-rank0.json").write_text("not json")
     with pytest.raises(ValueError, match="is not a Chrome trace written by pipemlx"):
@@ -130,7 +131,7 @@ def test_command_line_merge_and_bad_input(tmp_path: Path, capsys: pytest.Capture
     with tracer.span("handshake"):
         pass
     tracer.save()
-    assert main([str(tmp_path), "-o", str(tmp_path / "m.json")]) == 0
+    assert main(["merge", str(tmp_path), "-o", str(tmp_path / "m.json")]) == 0
     assert [s.kind for s in read_spans(tmp_path / "m.json")] == ["handshake"]
     with pytest.raises(ValueError, match="at least one"):
         merge_traces([], tmp_path / "x.json")
