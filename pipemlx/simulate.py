@@ -111,7 +111,8 @@ class SimulationResult:
 
     ``finished``: every rank carried out its whole plan. ``blocked``: non-empty
     when the run deadlocked, one entry per stuck rank. ``mismatches``: readable
-    descriptions of what did not match. ``computed[r]`` lists the chunks rank
+    descriptions of what did not match; when one stopped the run, it comes
+    first and is followed by one line per rank saying where it stood. ``computed[r]`` lists the chunks rank
     ``r`` computed, in order, with ``compute_steps[r]`` the step of each;
     ``progress[r]`` the ``(processed, total)`` pairs it reported; ``steps[r]``
     the number of ``Agree`` actions it completed. ``events`` holds every

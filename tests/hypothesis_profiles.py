@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 
 MAX_TOKENS = 100_000
@@ -74,3 +74,9 @@ def cases(draw: st.DrawFn, min_ranks: int = 1, min_chunks: int = 0) -> Case:
     least = min(min_chunks * step_size + 1 - step_size + 1, top) if min_chunks else 1
     num_tokens = draw(st.integers(max(least, 1), top))
     return Case(num_tokens, step_size, world_size)
+
+
+def note_size(case: Case) -> None:
+    """Record the example's size (chunks x ranks, by order of magnitude) in hypothesis' statistics."""
+    work = case.num_chunks * case.world_size
+    event(f"chunks x ranks < 10^{len(str(work))}" if work else "chunks x ranks = 0")

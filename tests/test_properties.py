@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hypothesis_profiles import Case, cases
+from hypothesis_profiles import Case, cases, note_size
 from pipemlx.plan import build_plans
 from pipemlx.simulate import SimulationResult, simulate
 
@@ -38,6 +38,7 @@ def generate_step_progress(num_tokens: int, step: int) -> list[tuple[int, int]]:
 
 
 def run(case: Case, capacity: int | None, await_sends: bool) -> SimulationResult:
+    note_size(case)
     plans = build_plans(case.num_tokens, case.step_size, case.world_size)
     return simulate(plans, capacity=capacity, await_sends=await_sends, record_events=False)
 
