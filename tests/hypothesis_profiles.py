@@ -1,0 +1,83 @@
+"""Hypothesis profiles and the prefill-case strategy shared by the plan property tests.
+
+Importing this module loads a profile, chosen by ``$HYPOTHESIS_PROFILE``:
+
+- ``ci`` (the default): 60 examples per test and at most 8000 chunks x ranks
+  per example, so that the simulator, property and mutation tests take well
+  under two minutes on a 2-core CI machine (about 15 s of CPU). Prompt lengths
+  still reach 100 000 when the step size is large enough, and step sizes and
+  world sizes span their full ranges.
+- ``thorough``: 300 examples per test and no bound on the work: a single
+  example can be a 100 000-token prompt in chunks of 1 on 16 ranks (about 8
+  million actions). About 20 minutes on the 2-core machine; run it by hand:
+  ``HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py tests/test_mutations.py --hypothesis-show-statistics``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+
+MAX_TOKENS = 100_000
+MAX_STEP = 8192
+MAX_RANKS = 16
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(PROFILE)
+
+# Chunks x ranks allowed in one example: about 5 actions each, a few microseconds per action.
+WORK_LIMITS = {"ci": 8000, "thorough": None}
+WORK_LIMIT = WORK_LIMITS.get(PROFILE, WORK_LIMITS["ci"])
+
+
+@dataclass(frozen=True)
+class Case:
+    """A prefill: ``num_tokens`` prompt tokens in chunks of ``step_size`` on ``world_size`` ranks."""
+
+    num_tokens: int
+    step_size: int
+    world_size: int
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-(self.num_tokens - 1) // self.step_size)
+
+
+@st.composite
+def cases(draw: st.DrawFn, min_ranks: int = 1, min_chunks: int = 0) -> Case:
+    """A :class:`Case` with M in 1..100 000, step in 1..8192, S in ``min_ranks``..16.
+
+    Under a work limit, M is drawn up to ``step * (limit // S) + 1`` so the
+    example has at most ``limit // S`` chunks per rank.
+    """
+    world_size = draw(st.sampled_from(range(min_ranks, MAX_RANKS + 1)))  # spread evenly, unlike integers()
+    step_size = draw(st.integers(1, 64) | st.integers(1, MAX_STEP))  # many chunks as well as few
+    top = MAX_TOKENS
+    if WORK_LIMIT is not None:
+        top = min(top, step_size * max(WORK_LIMIT // world_size, min_chunks) + 1)
+    least = min(min_chunks * step_size + 1 - step_size + 1, top) if min_chunks else 1
+    num_tokens = draw(st.integers(max(least, 1), top))
+    return Case(num_tokens, step_size, world_size)
+
+
+def note_size(case: Case) -> None:
+    """Record the example's size (chunks x ranks, by order of magnitude) in hypothesis' statistics."""
+    work = case.num_chunks * case.world_size
+    event(f"chunks x ranks < 10^{len(str(work))}" if work else "chunks x ranks = 0")
