@@ -5,12 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .errors import PipelineMismatchError
-from .plan import PrefillPlan
+from typing import Protocol
 from .stage import PipelineStage
 from .waits import wait_for
 
 HANDSHAKE_FIELDS = (
     "status",
+    "needs_calibration",
     "num_tokens",
     "step_size",
     "plan_fingerprint",
@@ -34,15 +35,29 @@ def gather_ints(stage: PipelineStage, values: list[int], timeout: float | None, 
     return [flat[r * width : (r + 1) * width] for r in range(stage.world_size)]
 
 
-def handshake(stage: PipelineStage, plan: PrefillPlan, status: int, timeout: float | None) -> list[int]:
+class Request(Protocol):
+    """What ranks compare in a handshake: a :class:`~pipemlx.plan.PrefillPlan`, or an auto-step request."""
+
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def step_size(self) -> int: ...
+    def fingerprint(self) -> int: ...
+
+
+def handshake(
+    stage: PipelineStage, plan: Request, status: int, timeout: float | None, needs_calibration: bool = False
+) -> dict[str, list[int]]:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
     Raises :class:`PipelineMismatchError` on every rank (they all see the same
-    table), naming the field that differs and each rank's value. Like
-    :func:`agree_on_step` it also exchanges a status, returned by rank.
+    table), naming the field that differs and each rank's value. Returns the
+    table, one list per field indexed by rank: like :func:`agree_on_step` it
+    exchanges a ``status``, and, for auto-step requests, ``needs_calibration``.
     """
     mine = [
         status,
+        int(needs_calibration),
         plan.num_tokens,
         plan.step_size,
         plan.fingerprint(),
@@ -56,7 +71,11 @@ def handshake(stage: PipelineStage, plan: PrefillPlan, status: int, timeout: flo
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}
     for name in SHARED_FIELDS:
         if len(set(table[name])) > 1:
-            shown = [_dtype_name(v) for v in table[name]] if name == "dtype" else table[name]
+            shown: list[object] = list(table[name])
+            if name == "dtype":
+                shown = [_dtype_name(v) for v in table[name]]
+            elif name == "step_size":
+                shown = ["auto" if v == 0 else v for v in table[name]]
             raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(shown)}")
     starts, stops = table["layer_start"], table["layer_stop"]
     expected_starts = [0, *stops[:-1]]
@@ -65,7 +84,7 @@ def handshake(stage: PipelineStage, plan: PrefillPlan, status: int, timeout: flo
         raise PipelineMismatchError(
             f"layer ranges do not split {table['total_layers'][0]} layers contiguously: {_per_rank(ranges)}"
         )
-    return table["status"]
+    return table
 
 
 STATUS_OK = 0

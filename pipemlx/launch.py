@@ -128,6 +128,9 @@ def launch(
                     BACKEND_VARIABLE: "ring",
                     "PYTHONUNBUFFERED": "1",
                 }
+                if num_ranks == 1:  # the ring backend cannot form a ring of one: a singleton group instead
+                    del rank_env["MLX_RANK"], rank_env["MLX_HOSTFILE"]
+                    rank_env[BACKEND_VARIABLE] = "any"
                 if rank == passthrough_rank:
                     files = None
                     out, err = None, None

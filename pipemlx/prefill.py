@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
 from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
+from .autostep import AutoRequest, calibrate, choose_step
 from .caches import cache_state, trim_to
 from .errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
 from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
@@ -29,7 +30,7 @@ def pipeline_prefill(
     prompt: mx.array,
     cache: list[Any],
     *,
-    step_size: int = 512,
+    step_size: int | Literal["auto"] = 512,
     progress_callback: ProgressCallback | None = None,
     should_cancel: CancelCheck | None = None,
     timeout: float | None = None,
@@ -37,7 +38,7 @@ def pipeline_prefill(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     trace_dir: str | os.PathLike[str] | None = None,
-) -> None:
+) -> int:
     """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
 
     Call it on every rank with the same ``prompt`` (a 1-D integer array of M
@@ -53,7 +54,8 @@ def pipeline_prefill(
     ``progress_callback(processed, M)`` is called on every rank with the same
     sequence ``generate_step`` reports before its first token: ``(0, M)``, then
     ``(processed, M)`` as each chunk leaves the last rank, ending at ``(M-1, M)``.
-    No logits are computed. It returns once every rank has done its part.
+    No logits are computed. It returns once every rank has done its part,
+    with the step size it used.
 
     ``should_cancel()`` is polled on every rank at every agreement point; when
     it returns true on any rank, all ranks stop at that point and raise
@@ -65,6 +67,12 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
+    ``step_size="auto"`` lets the ranks pick the step together: the first such
+    call calibrates the group (each rank times its layers on a few chunks) and
+    every call then takes the step the cost model predicts to be fastest for
+    M tokens (see :mod:`pipemlx.autostep`); the progress sequence is the one
+    ``generate_step`` reports for that step.
+
     ``timeout`` bounds every blocking wait (seconds); it defaults to the one
     given to :func:`pipemlx.shard_model`. ``trace_dir`` (or ``$PIPEMLX_TRACE``)
     records a Chrome trace per rank. Raises ``TypeError``/``ValueError`` for
@@ -75,7 +83,9 @@ def pipeline_prefill(
     stage = stage_of(model)
     stage.check_usable()
     tokens = _check_prompt(prompt)
-    check_prefill_args(tokens.size, step_size, stage.world_size)
+    if isinstance(step_size, str) and step_size != "auto":
+        raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
+    check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -83,8 +93,14 @@ def pipeline_prefill(
             f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
             f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
         )
-    plan = build_plan(tokens.size, step_size, stage.world_size, stage.rank)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
+    timeout = timeout or stage.timeout
+    try:
+        step = _agree_on_auto_step(model, stage, tokens.size, timeout) if step_size == "auto" else step_size
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    plan = build_plan(tokens.size, step, stage.world_size, stage.rank)
     runner = _PlanRunner(
         model,
         stage,
@@ -93,7 +109,7 @@ def pipeline_prefill(
         cache,
         progress_callback=progress_callback,
         should_cancel=should_cancel,
-        timeout=timeout or stage.timeout,
+        timeout=timeout,
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
         tracer=tracer_for(stage.rank, trace_dir),
     )
@@ -105,6 +121,15 @@ def pipeline_prefill(
         raise
     finally:
         runner.tracer.save()
+    return step
+
+
+def _agree_on_auto_step(model: nn.Module, stage: PipelineStage, num_tokens: int, timeout: float | None) -> int:
+    """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the step."""
+    table = handshake(stage, AutoRequest(num_tokens), STATUS_OK, timeout, needs_calibration=stage.cost_model is None)
+    if any(table["needs_calibration"]):
+        stage.cost_model = calibrate(model, stage, timeout)
+    return choose_step(num_tokens, stage.cost_model)
 
 
 def _check_prompt(prompt: Any) -> mx.array:
@@ -154,8 +179,8 @@ class _PlanRunner:
         for action in self.plan.actions:
             if isinstance(action, Handshake):
                 with self.tracer.span("handshake"):
-                    statuses = handshake(self.stage, self.plan, self.status(), self.timeout)
-                self.stop_if_asked(statuses, step=None)
+                    table = handshake(self.stage, self.plan, self.status(), self.timeout)
+                self.stop_if_asked(table["status"], step=None)
             elif isinstance(action, Send):
                 self.send(action)
             elif isinstance(action, Recv):

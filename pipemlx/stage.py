@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -55,6 +57,8 @@ class PipelineStage:
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
         self._mode: SendMode = "immediate"
+        self._detached = False
+        self.cost_model: Any = None  # set by pipemlx.autostep once the group has calibrated
 
     @property
     def mode(self) -> SendMode:
@@ -74,6 +78,18 @@ class PipelineStage:
             raise ValueError(f"unknown send mode {mode!r}; expected one of {SEND_MODES}")
         self._mode = mode
 
+    @contextmanager
+    def detached(self) -> Generator[None, None, None]:
+        """Within the block the edges neither receive nor send: the local layers run on their own.
+
+        For timing the local layers (:mod:`pipemlx.autostep`); nothing crosses the wire.
+        """
+        self._detached = True
+        try:
+            yield
+        finally:
+            self._detached = False
+
     def mark_broken(self, reason: BaseException) -> None:
         """Record that a wait failed: a communication may still be blocked in MLX."""
         self.broken = f"{type(reason).__name__}: {reason}"
@@ -89,6 +105,8 @@ class PipelineStage:
     def receive(self, like: mx.array) -> mx.array:
         """The hidden state from the previous rank, shaped and typed like ``like``."""
         self.check_usable()
+        if self._detached:
+            return like
         received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
         if self._mode == "queue":
             self.received.append(received)
@@ -97,6 +115,8 @@ class PipelineStage:
     def emit(self, output: mx.array, cache: Any) -> mx.array:
         """Route the last local layer's ``output`` according to the send mode."""
         self.check_usable()
+        if self._detached:
+            return output
         if self._mode == "queue":
             if not self.is_last:
                 self.send_queue.put(output, self.rank + 1)

@@ -1,0 +1,57 @@
+"""Rank program: pipeline_prefill with step_size="auto" equals single device at the step it chose.
+
+Spec: {"lengths": [M, ...], "mismatch_rank": r or null}. With mismatch_rank, that rank passes a
+fixed step while the others pass "auto": every rank must raise PipelineMismatchError.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.tiny import build_model, tiny_config
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    config = tiny_config("llama")
+    reference = build_model(config)
+    model = pipemlx.shard_model(build_model(config), group)
+    results: list[dict[str, Any]] = []
+    for length in spec["lengths"]:
+        prompt = mx.random.randint(0, 256, (length,), key=mx.random.key(length)).astype(mx.int32)
+        cache = make_prompt_cache(model)
+        calls: list[list[int]] = []
+        step = pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b]))
+        tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
+        ref_calls: list[list[int]] = []
+        ref = [
+            int(t)
+            for t, _ in generate_step(
+                prompt, reference, prefill_step_size=step, max_tokens=5, prompt_progress_callback=lambda a, b: ref_calls.append([a, b])
+            )
+        ]
+        mx.synchronize(generation_stream)
+        results.append({"M": length, "step": step, "tokens": tokens, "reference": ref, "progress": calls, "ref_progress": ref_calls[:-1]})
+    mismatch = None
+    if spec.get("mismatch_rank") is not None:
+        fixed = group.rank() == spec["mismatch_rank"]
+        try:
+            pipemlx.pipeline_prefill(model, mx.arange(40, dtype=mx.int32), make_prompt_cache(model), step_size=8 if fixed else "auto")
+        except pipemlx.PipelineMismatchError as exc:
+            mismatch = str(exc)
+    calibrated = pipemlx.stage_of(model).cost_model is not None
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+    print(json.dumps({"rank": group.rank(), "results": results, "mismatch": mismatch, "calibrated": calibrated}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

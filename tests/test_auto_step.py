@@ -1,0 +1,44 @@
+"""step_size="auto": every rank picks the same step, and the result equals single device at that step."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_ranks
+from pipemlx.autostep import candidate_steps, choose_step
+from pipemlx.costmodel import CostModel, LayerCosts
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
+    spec = {"lengths": [1, 50, 700], "mismatch_rank": world_size - 1}
+    reports = run_ranks(world_size, "auto_step.py", spec, timeout=240)
+    for i, length in enumerate(spec["lengths"]):
+        steps = {r["results"][i]["step"] for r in reports}
+        assert len(steps) == 1, f"ranks chose different steps for M={length}: {steps}"
+        for r in reports:
+            result = r["results"][i]
+            assert result["tokens"] == result["reference"], result
+            assert result["progress"] == result["ref_progress"], result
+    for r in reports:
+        assert r["calibrated"]
+        assert r["mismatch"] is not None and "ranks disagree on step_size" in r["mismatch"] and "auto" in r["mismatch"]
+
+
+def costs(chunk_s: float, token_s: float, collective_s: float = 2e-4) -> CostModel:
+    return CostModel(LayerCosts(chunk_s, token_s, 0.0), layers=(4, 4), hidden_size=512, collective_s=collective_s)
+
+
+def test_choice_follows_the_costs() -> None:
+    """Dear chunks (high fixed cost) favour big steps; cheap chunks favour small steps and a small bubble."""
+    big = choose_step(4096, costs(chunk_s=0.05, token_s=1e-5))
+    small = choose_step(4096, costs(chunk_s=1e-6, token_s=1e-3))
+    assert small < big
+    assert small in candidate_steps(4096) and big in candidate_steps(4096)
+
+
+def test_candidates_cover_the_single_chunk_and_bound_the_chunk_count() -> None:
+    assert candidate_steps(1) == [1]
+    assert candidate_steps(10) == [9]
+    steps = candidate_steps(100_000)
+    assert max(steps) == 99_999 and all((99_999 + s - 1) // s <= 512 for s in steps)
