@@ -65,6 +65,33 @@ def measure(num_tokens: int, step: int, repeats: int, decode_tokens: int, openbl
     }
 
 
+def sweep(lengths: list[int], steps: list[int], repeats: int, openblas: bool) -> list[dict[str, Any]]:
+    """For each prompt length: one process and pipemlx at each fixed step, and pipemlx with step "auto"."""
+    rows: list[dict[str, Any]] = []
+    for m in lengths:
+        base: dict[str, Any] = {"M": m, "repeats": repeats, "decode_tokens": 0, "config": BENCH_CONFIG}
+        row: dict[str, Any] = {"M": m, "single_s": {}, "pipemlx_s": {}}
+        for s in [s for s in steps if s < m]:
+            single = run_single({**base, "mode": "single", "step": s}, openblas)
+            piped = run_ranks(2, {**base, "mode": "pipemlx", "step": s}, openblas)
+            row["single_s"][s] = statistics.median(single["prefill_s"])
+            row["pipemlx_s"][s] = statistics.median(max(r["prefill_s"][i] for r in piped) for i in range(repeats))
+        auto = run_ranks(2, {**base, "mode": "pipemlx", "step": "auto"}, openblas)
+        row["auto_s"] = statistics.median(max(r["prefill_s"][i] for r in auto) for i in range(repeats))
+        row["auto_step"] = auto[0]["steps"][-1]
+        best_step = min(row["pipemlx_s"], key=row["pipemlx_s"].get)
+        row["best_fixed_step"], row["best_fixed_s"] = best_step, row["pipemlx_s"][best_step]
+        row["auto_vs_best"] = row["best_fixed_s"] / row["auto_s"]
+        rows.append(row)
+        cells = "  ".join(
+            f"{s}: {row['single_s'][s] / row['pipemlx_s'][s]:.2f}x ({row['pipemlx_s'][s]:.2f}s)" for s in row["pipemlx_s"]
+        )
+        print(f"M={m:>5}  speed-up over one process at step {cells}")
+        print(f"         auto chose {row['auto_step']}: {row['auto_s']:.2f}s = {row['auto_vs_best']:.1%} of the best "
+              f"fixed step's throughput (step {best_step}, {row['best_fixed_s']:.2f}s)", flush=True)
+    return rows
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'M':>6} {'step':>5} {'single s':>9} {'native s':>9} {'pipemlx s':>9} "
@@ -86,20 +113,22 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--sweep", action="store_true", help="step sizes 64..512 x prompt lengths 256..8192")
+    parser.add_argument("--sweep", action="store_true", help="one process vs pipemlx: steps 64..512 x lengths, and auto")
+    parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="prompt lengths for --sweep")
+    parser.add_argument("--steps", default="64,128,256,512", help="fixed step sizes for --sweep")
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     openblas = not args.no_openblas and openblas_available()
     print(f"OpenBLAS preload: {'on' if openblas else 'off'}; model: {BENCH_CONFIG['hidden_size']}-d, "
           f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']})")
-    cases = (
-        [(m, s) for m in (256, 512, 1024, 2048, 4096, 8192) for s in (64, 128, 256, 512) if s < m]
-        if args.sweep
-        else [(args.tokens, args.step)]
-    )
-    rows = [measure(m, s, args.repeats, args.decode_tokens, openblas) for m, s in cases]
-    print_table(rows)
+    if args.sweep:
+        lengths = [int(v) for v in args.lengths.split(",")]
+        steps = [int(v) for v in args.steps.split(",")]
+        rows = sweep(lengths, steps, args.repeats, openblas)
+    else:
+        rows = [measure(args.tokens, args.step, args.repeats, args.decode_tokens, openblas)]
+        print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

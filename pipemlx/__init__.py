@@ -16,6 +16,7 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
+from .lean_decode import lean_generate_step
 from .loading import load_sharded
 from .prefill import pipeline_prefill
 from .send_mode import send_mode
@@ -34,6 +35,7 @@ __all__ = [
     "PipelineTimeoutError",
     "PrefillCancelled",
     "SendQueue",
+    "lean_generate_step",
     "load_sharded",
     "pipeline_prefill",
     "send_mode",

@@ -58,6 +58,7 @@ class PipelineStage:
         self.dtype: mx.Dtype | None = None
         self._mode: SendMode = "immediate"
         self._detached = False
+        self._broadcast = True
         self.cost_model: Any = None  # set by pipemlx.autostep once the group has calibrated
 
     @property
@@ -89,6 +90,19 @@ class PipelineStage:
             yield
         finally:
             self._detached = False
+        self._broadcast = True
+
+    @contextmanager
+    def without_broadcast(self) -> Generator[None, None, None]:
+        """Within the block an immediate send is not followed by the final hidden state's all-gather.
+
+        For :func:`pipemlx.lean_generate_step`, where only the last rank applies the head.
+        """
+        self._broadcast = False
+        try:
+            yield
+        finally:
+            self._broadcast = True
 
     def mark_broken(self, reason: BaseException) -> None:
         """Record that a wait failed: a communication may still be blocked in MLX."""
@@ -123,7 +137,7 @@ class PipelineStage:
             return output
         if not self.is_last:
             output = mx.distributed.send(output, self.rank + 1, group=self.group)
-        if self.world_size > 1:
+        if self.world_size > 1 and self._broadcast:
             output = mx.distributed.all_gather(output, group=self.group)[-output.shape[0] :]
         if cache is not None:
             attach_dependency(cache, output)

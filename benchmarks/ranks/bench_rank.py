@@ -1,9 +1,10 @@
 """Benchmark rank program: time prefill (and decode) for one mode.
 
-Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config"}
+Spec: {"mode": "single" | "native" | "pipemlx" | "lean", "M", "step", "repeats", "decode_tokens", "pin", "config"}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
   pipemlx  pipemlx.shard_model + pipeline_prefill, then generate_step(prompt[-1:]) to decode
+  lean     as pipemlx, decoding with pipemlx.lean_generate_step (only the last rank applies the head)
 Prefill time: from the call until the progress callback reports (M-1, M), the same point for every mode.
 Prints one JSON line: per-repeat prefill seconds, decode tokens/s, and the prefill's bytes sent.
 """
@@ -68,27 +69,36 @@ def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: i
     return prefill_end - start, (tokens - 1) / decode_s if decode_tokens else 0.0
 
 
+STEPS_USED: list[int] = []
+
+
 def time_pipemlx(
-    model: Any, prompt: mx.array, step: int, decode_tokens: int, trace_dir: str | None
+    model: Any, prompt: mx.array, step: Any, decode_tokens: int, trace_dir: str | None, lean: bool = False
 ) -> tuple[float, float, float]:
     """Prefill seconds, decode tokens/s, and TCP bytes this rank sent per decode forward pass."""
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir)
+    used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir)
     prefill_s = time.perf_counter() - start
+    STEPS_USED.append(used)
     rate, per_token = 0.0, 0.0
     if decode_tokens:
         sent_before = tcp_bytes_sent()
         tokens = 0
         decode_start = 0.0
-        for _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1):
+        if lean:
+            decoded: Any = pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
+        else:
+            decoded = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
+        for _ in decoded:
             tokens += 1
             if tokens == 1:
                 decode_start = time.perf_counter()
         rate = (tokens - 1) / (time.perf_counter() - decode_start)
         mx.synchronize(generation_stream)
-        # generate_step ran decode_tokens + 2 forward passes (the first, the rest, one left in flight).
-        per_token = (tcp_bytes_sent() - sent_before) / (decode_tokens + 2)
+        # generate_step runs decode_tokens + 2 forward passes (the first, the rest, one left in flight);
+        # lean_generate_step leaves none in flight.
+        per_token = (tcp_bytes_sent() - sent_before) / (decode_tokens + (1 if lean else 2))
     return prefill_s, rate, per_token
 
 
@@ -103,7 +113,7 @@ def main() -> None:
     if mode == "native":
         model.model.pipeline(group)
         mx.eval(model.parameters())
-    elif mode == "pipemlx":
+    elif mode in ("pipemlx", "lean"):
         assert group is not None
         pipemlx.shard_model(model, group, timeout=600)
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
@@ -113,9 +123,9 @@ def main() -> None:
     for i in range(spec["repeats"] + 1):  # the first run warms up
         if group is not None:
             mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-        if mode == "pipemlx":
+        if mode in ("pipemlx", "lean"):
             trace = spec.get("trace_dir") if i == spec["repeats"] else None
-            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace)
+            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, lean=mode == "lean")
         else:
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
             b = 0.0
@@ -125,7 +135,7 @@ def main() -> None:
             sent.append(b)
     if group is not None:
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    print(json.dumps({"rank": rank, "mode": mode, "prefill_s": prefill, "decode_tok_s": decode, "decode_bytes_per_token": sent}), flush=True)
+    print(json.dumps({"rank": rank, "mode": mode, "prefill_s": prefill, "decode_tok_s": decode, "decode_bytes_per_token": sent, "steps": STEPS_USED}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,24 @@
+"""Lean decoding: the last rank applies the head and samples; tokens equal single device on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_ranks
+
+MAX_TOKENS = 8
+
+
+@pytest.mark.parametrize("arch,world_size", [("llama", 2), ("qwen3", 3)])
+def test_lean_decode_matches_single_device(arch: str, world_size: int) -> None:
+    spec = {"arch": arch, "lengths": [1, 9, 40], "max_tokens": MAX_TOKENS}
+    reports = run_ranks(world_size, "lean_decode.py", spec, timeout=180)
+    for i, length in enumerate(spec["lengths"]):
+        rows = [r["results"][i] for r in reports]
+        for row in rows:
+            assert row["lean"] == row["reference"], row
+            assert len(row["lean"]) == MAX_TOKENS
+            # prefill M-1, then M-1+MAX_TOKENS-... : one forward per yielded token, none left in flight
+            assert row["offset"] == length - 1 + MAX_TOKENS, row
+        sampled = {tuple(row["sampled"]) for row in rows}
+        assert len(sampled) == 1, f"ranks disagree on sampled tokens for M={length}: {sampled}"
