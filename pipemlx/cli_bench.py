@@ -1,0 +1,224 @@
+"""``pipemlx bench``: one process against a pipeline of S ranks, on the same model and prompt.
+
+Both sides run as fresh processes started by :func:`pipemlx.launch.launch`
+(the single side as one rank holding the whole model, running plain mlx-lm
+``generate_step``), each after a short warm-up. Prefill time is the time to the
+first token, decode speed is tokens/s after it; the prompt is seeded random
+token ids, so both sides see the same prompt and should give the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+from rich.console import Console
+from rich.table import Table
+
+from .cli_generate import default_step_size
+from .launch import LaunchError, init_group, launch
+from .prefill import pipeline_prefill
+from .sharding import shard_model
+from .trace import merge_traces
+
+LAUNCH_TIMEOUT = 24 * 3600.0
+WARMUP_TOKENS = 3
+
+
+def run_bench(args: argparse.Namespace, *, check: Callable[[int, Path], None]) -> int:
+    """Run both sides, print the table (or JSON), optionally draw the timeline; returns the exit status."""
+    from .cli import UserError
+
+    check(args.ranks, args.model)
+    if args.png is not None:
+        try:
+            import matplotlib  # pyright: ignore[reportMissingImports, reportUnusedImport]  # noqa: F401
+        except ImportError:
+            raise UserError("--png needs matplotlib: pip install matplotlib") from None
+    step_size: int = args.step_size or default_step_size(args.prompt_tokens, args.ranks)
+    spec: dict[str, Any] = {
+        "model": str(args.model),
+        "prompt_tokens": args.prompt_tokens,
+        "step_size": step_size,
+        "max_tokens": args.max_tokens,
+        "timeout": args.timeout,
+    }
+    with tempfile.TemporaryDirectory(prefix="pipemlx-bench-") as tmp:
+        try:
+            single = _run_side(1, {**spec, "mode": "single"})
+            pipeline = _run_side(args.ranks, {**spec, "mode": "pipeline", "trace_dir": tmp if args.png else None})
+        except LaunchError as exc:
+            print(f"pipemlx bench: {exc}", file=sys.stderr)
+            return 1
+        if args.png is not None:
+            traces = sorted(Path(tmp).glob("trace-rank*.json"))
+            draw_timeline(merge_traces(traces, Path(tmp) / "trace.json"), Path(args.png))
+    report = {
+        "model": str(args.model),
+        "ranks": args.ranks,
+        "prompt_tokens": args.prompt_tokens,
+        "step_size": step_size,
+        "max_tokens": args.max_tokens,
+        "single": single,
+        "pipeline": pipeline,
+        "prefill_speedup": single["prefill_s"] / pipeline["prefill_s"],
+        "decode_ratio": pipeline["decode_tokens_per_s"] / single["decode_tokens_per_s"],
+        "same_tokens": single["tokens"] == pipeline["tokens"],
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        Console().print(_table(report, args.png))
+    return 0
+
+
+def _run_side(ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    command = [sys.executable, "-m", "pipemlx.cli_bench", json.dumps(spec)]
+    results = launch(ranks, command, timeout=LAUNCH_TIMEOUT)
+    lines = [line for line in results[0].stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise LaunchError("rank 0 printed no figures", results)
+    figures: dict[str, Any] = json.loads(lines[-1])
+    return figures
+
+
+def _table(report: dict[str, Any], png: str | None) -> Table:
+    single, pipeline = report["single"], report["pipeline"]
+    table = Table(
+        title=(
+            f"pipemlx bench: {Path(report['model']).name}, prompt {report['prompt_tokens']} tokens "
+            f"in chunks of {report['step_size']}, {report['max_tokens']} decoded"
+        ),
+        title_justify="left",
+    )
+    for name in ("", "1 process", f"pipemlx, {report['ranks']} ranks", "ratio"):
+        table.add_column(name, justify="right" if name else "left")
+    table.add_row(
+        "prefill (time to first token)",
+        f"{single['prefill_s']:.3f} s",
+        f"{pipeline['prefill_s']:.3f} s",
+        f"{report['prefill_speedup']:.2f}x faster",
+    )
+    table.add_row(
+        "prefill tokens/s",
+        f"{single['prefill_tokens_per_s']:,.0f}",
+        f"{pipeline['prefill_tokens_per_s']:,.0f}",
+        f"{pipeline['prefill_tokens_per_s'] / single['prefill_tokens_per_s']:.2f}x",
+    )
+    table.add_row(
+        "decode tokens/s",
+        f"{single['decode_tokens_per_s']:,.1f}",
+        f"{pipeline['decode_tokens_per_s']:,.1f}",
+        f"{report['decode_ratio']:.2f}x",
+    )
+    table.add_row("same tokens", "", "", "yes" if report["same_tokens"] else "NO")
+    if png:
+        table.caption = f"prefill timeline written to {png}"
+    return table
+
+
+def draw_timeline(trace: Path, output: Path) -> Path:
+    """Draw the merged Chrome trace ``trace`` as a PNG: one lane per rank and kind of work."""
+    import matplotlib  # pyright: ignore[reportMissingImports]
+
+    matplotlib.use("Agg")  # pyright: ignore[reportUnknownMemberType]
+    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
+
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    start = min(e["ts"] for e in events)
+    ranks = sorted({e["pid"] for e in events})
+    lanes = ("compute / recv", "send", "agreement")
+    colours = {"compute": "tab:blue", "recv": "tab:orange", "send": "tab:green", "wait": "tab:olive",
+               "agree": "tab:gray", "progress": "tab:purple", "handshake": "tab:red"}
+    figure, axes = plt.subplots(figsize=(12, 1.2 + 1.1 * len(ranks)))  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    labels: list[str] = []
+    for rank in ranks:
+        for lane, name in enumerate(lanes):
+            y = (len(ranks) - 1 - rank) * len(lanes) + (len(lanes) - 1 - lane)
+            labels.append(f"rank {rank} {name}")
+            for e in events:
+                if e["pid"] != rank or e["tid"] != lane:
+                    continue
+                left, width = (e["ts"] - start) / 1000.0, max(e["dur"] / 1000.0, 0.01)
+                axes.barh(y, width, left=left, height=0.8, color=colours.get(e["cat"], "black"))  # pyright: ignore[reportUnknownMemberType]
+                if e["cat"] == "compute" and "chunk" in e["args"]:
+                    axes.text(left + width / 2, y, str(e["args"]["chunk"]), ha="center", va="center",  # pyright: ignore[reportUnknownMemberType]
+                              color="white", fontsize=7)
+    order = sorted(range(len(labels)), key=lambda i: -i)
+    axes.set_yticks(range(len(labels)))  # pyright: ignore[reportUnknownMemberType]
+    axes.set_yticklabels([labels[i] for i in order], fontsize=8)  # pyright: ignore[reportUnknownMemberType]
+    axes.set_xlabel("ms since the prefill started")  # pyright: ignore[reportUnknownMemberType]
+    axes.set_title("pipemlx prefill timeline (numbers: chunk index)")  # pyright: ignore[reportUnknownMemberType]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    axes.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=len(colours))  # pyright: ignore[reportUnknownMemberType]
+    figure.tight_layout()  # pyright: ignore[reportUnknownMemberType]
+    figure.savefig(output, dpi=110)  # pyright: ignore[reportUnknownMemberType]
+    plt.close(figure)  # pyright: ignore[reportUnknownMemberType]
+    return output
+
+
+def _timed_tokens(tokens: Iterator[tuple[Any, Any]], start: float) -> tuple[list[int], float, float]:
+    """Run a token generator: the tokens, seconds to the first one, and seconds after it."""
+    out: list[int] = []
+    first = start
+    for i, (token, _) in enumerate(tokens):
+        if i == 0:
+            first = time.perf_counter()
+        out.append(int(token))
+    end = time.perf_counter()
+    mx.synchronize(generation_stream)
+    return out, first - start, end - first
+
+
+def _measure(model: nn.Module, prompt: mx.array, spec: dict[str, Any], pipelined: bool, trace: str | None) -> dict[str, Any]:
+    step, max_tokens = spec["step_size"], spec["max_tokens"]
+    cache = make_prompt_cache(model)
+    start = time.perf_counter()
+    if pipelined:
+        pipeline_prefill(model, prompt, cache, step_size=step, timeout=spec["timeout"], trace_dir=trace)
+        generator = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=max_tokens)
+    else:
+        generator = generate_step(prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=max_tokens)
+    tokens, prefill_s, decode_s = _timed_tokens(generator, start)
+    return {
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": prompt.size / prefill_s,
+        "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+        "tokens": tokens,
+    }
+
+
+def bench_rank(spec: dict[str, Any]) -> None:
+    """One rank of one side of the benchmark; rank 0 prints its figures as a JSON line."""
+    pipelined = spec["mode"] == "pipeline"
+    group = init_group() if pipelined else None
+    loaded: Any = load(spec["model"], lazy=True)
+    model: nn.Module = loaded[0]
+    if group is not None:
+        shard_model(model, group, timeout=spec["timeout"])
+    else:
+        mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
+    vocab = int(getattr(model, "args").vocab_size)
+    prompt = mx.random.randint(0, vocab, (spec["prompt_tokens"],), key=mx.random.key(0)).astype(mx.int32)
+    warmup = {**spec, "max_tokens": WARMUP_TOKENS}
+    _measure(model, prompt[: min(prompt.size, 2 * spec["step_size"] + 1)], warmup, pipelined, None)
+    figures = _measure(model, prompt, spec, pipelined, spec.get("trace_dir"))
+    if group is not None:
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]  # all done before any exits
+    if group is None or group.rank() == 0:
+        print(json.dumps(figures), flush=True)
+
+
+if __name__ == "__main__":
+    bench_rank(json.loads(sys.argv[1]))
