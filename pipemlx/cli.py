@@ -93,12 +93,17 @@ def model_layers(model_dir: Path) -> int | None:
     return layers if isinstance(layers, int) else None
 
 
+def model_name(model_dir: Path) -> str:
+    """``the demo model`` for the shipped one, else the folder as given."""
+    return "the demo model" if Path(model_dir).resolve() == MODEL_DIR.resolve() else str(model_dir)
+
+
 def check_ranks(ranks: int, model_dir: Path) -> None:
     """Every rank needs at least one layer of the model."""
     layers = model_layers(model_dir)
     if layers is not None and ranks > layers:
         raise UserError(
-            f"more ranks than layers: {ranks} ranks cannot share the {layers} layers of {model_dir} "
+            f"more ranks than layers: {ranks} ranks cannot share the {layers} layers of {model_name(model_dir)} "
             "(every rank needs at least one)"
         )
 

@@ -10,6 +10,7 @@ token ids, so both sides see the same prompt and should give the same tokens.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from mlx_lm.utils import load
 from rich.console import Console
 from rich.table import Table
 
+from .cli import UserError, model_name
 from .cli_generate import default_step_size
 from .launch import LaunchError, init_group, launch
 from .prefill import pipeline_prefill
@@ -38,12 +40,10 @@ WARMUP_TOKENS = 3
 
 def run_bench(args: argparse.Namespace, *, check: Callable[[int, Path], None]) -> int:
     """Run both sides, print the table (or JSON), optionally draw the timeline; returns the exit status."""
-    from .cli import UserError
-
     check(args.ranks, args.model)
     if args.png is not None:
         try:
-            import matplotlib  # pyright: ignore[reportMissingImports, reportUnusedImport]  # noqa: F401
+            importlib.import_module("matplotlib")
         except ImportError:
             raise UserError("--png needs matplotlib: pip install matplotlib") from None
     step_size: int = args.step_size or default_step_size(args.prompt_tokens, args.ranks)
@@ -97,18 +97,18 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
     single, pipeline = report["single"], report["pipeline"]
     table = Table(
         title=(
-            f"pipemlx bench: {Path(report['model']).name}, prompt {report['prompt_tokens']} tokens "
+            f"pipemlx bench: {model_name(Path(report['model']))}, prompt {report['prompt_tokens']} tokens "
             f"in chunks of {report['step_size']}, {report['max_tokens']} decoded"
         ),
         title_justify="left",
     )
-    for name in ("", "1 process", f"pipemlx, {report['ranks']} ranks", "ratio"):
+    for name in ("", "1 process", f"pipemlx, {report['ranks']} ranks", "speed ratio"):
         table.add_column(name, justify="right" if name else "left")
     table.add_row(
         "prefill (time to first token)",
         f"{single['prefill_s']:.3f} s",
         f"{pipeline['prefill_s']:.3f} s",
-        f"{report['prefill_speedup']:.2f}x faster",
+        f"{report['prefill_speedup']:.2f}x",
     )
     table.add_row(
         "prefill tokens/s",
@@ -130,10 +130,10 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
 
 def draw_timeline(trace: Path, output: Path) -> Path:
     """Draw the merged Chrome trace ``trace`` as a PNG: one lane per rank and kind of work."""
-    import matplotlib  # pyright: ignore[reportMissingImports]
-
-    matplotlib.use("Agg")  # pyright: ignore[reportUnknownMemberType]
-    import matplotlib.pyplot as plt  # pyright: ignore[reportMissingImports]
+    matplotlib: Any = importlib.import_module("matplotlib")  # optional: not a dependency of pipemlx
+    matplotlib.use("Agg")
+    plt: Any = importlib.import_module("matplotlib.pyplot")
+    patch: Any = importlib.import_module("matplotlib.patches").Patch
 
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
     start = min(e["ts"] for e in events)
@@ -141,7 +141,7 @@ def draw_timeline(trace: Path, output: Path) -> Path:
     lanes = ("compute / recv", "send", "agreement")
     colours = {"compute": "tab:blue", "recv": "tab:orange", "send": "tab:green", "wait": "tab:olive",
                "agree": "tab:gray", "progress": "tab:purple", "handshake": "tab:red"}
-    figure, axes = plt.subplots(figsize=(12, 1.2 + 1.1 * len(ranks)))  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    figure, axes = plt.subplots(figsize=(12, 1.2 + 1.1 * len(ranks)))
     labels: list[str] = []
     for rank in ranks:
         for lane, name in enumerate(lanes):
@@ -151,20 +151,20 @@ def draw_timeline(trace: Path, output: Path) -> Path:
                 if e["pid"] != rank or e["tid"] != lane:
                     continue
                 left, width = (e["ts"] - start) / 1000.0, max(e["dur"] / 1000.0, 0.01)
-                axes.barh(y, width, left=left, height=0.8, color=colours.get(e["cat"], "black"))  # pyright: ignore[reportUnknownMemberType]
+                axes.barh(y, width, left=left, height=0.8, color=colours.get(e["cat"], "black"))
                 if e["cat"] == "compute" and "chunk" in e["args"]:
-                    axes.text(left + width / 2, y, str(e["args"]["chunk"]), ha="center", va="center",  # pyright: ignore[reportUnknownMemberType]
+                    axes.text(left + width / 2, y, str(e["args"]["chunk"]), ha="center", va="center",
                               color="white", fontsize=7)
     order = sorted(range(len(labels)), key=lambda i: -i)
-    axes.set_yticks(range(len(labels)))  # pyright: ignore[reportUnknownMemberType]
-    axes.set_yticklabels([labels[i] for i in order], fontsize=8)  # pyright: ignore[reportUnknownMemberType]
-    axes.set_xlabel("ms since the prefill started")  # pyright: ignore[reportUnknownMemberType]
-    axes.set_title("pipemlx prefill timeline (numbers: chunk index)")  # pyright: ignore[reportUnknownMemberType]
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
-    axes.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=len(colours))  # pyright: ignore[reportUnknownMemberType]
-    figure.tight_layout()  # pyright: ignore[reportUnknownMemberType]
-    figure.savefig(output, dpi=110)  # pyright: ignore[reportUnknownMemberType]
-    plt.close(figure)  # pyright: ignore[reportUnknownMemberType]
+    axes.set_yticks(range(len(labels)))
+    axes.set_yticklabels([labels[i] for i in order], fontsize=8)
+    axes.set_xlabel("ms since the prefill started")
+    axes.set_title("pipemlx prefill timeline (numbers: chunk index)")
+    handles = [patch(color=c, label=k) for k, c in colours.items()]
+    axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(colours))
+    figure.tight_layout()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
     return output
 
 

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .demo_model import MODEL_DIR
+from .cli import model_name
 from .errors import PipelineError
 from .launch import init_group
 from .sharding import shard_model
@@ -95,7 +95,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
     prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
     step_size: int = args.step_size or default_step_size(prompt.size, size)
-    name = "the demo model" if Path(args.model).resolve() == MODEL_DIR.resolve() else str(args.model)
+    name = model_name(args.model)
     err.print(
         f"[bold]pipemlx[/bold]: {name}, {stage.total_layers} layers on {size} rank(s) "
         f"(split {list(stage.split)}); prompt {prompt.size} tokens in chunks of {step_size}",

@@ -187,3 +187,30 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 4], [4, 8]]
     assert report["tokens"] == reference_tokens(prompt, 4, 16)
+
+
+def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
+    """`pipemlx bench --json` (and `--png` where matplotlib is installed); no speed is asserted here."""
+    try:
+        import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports, reportUnusedImport]
+
+        png: Path | None = tmp_path / "timeline.png"
+    except ImportError:
+        png = None
+    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    assert report["ranks"] == 2 and report["prompt_tokens"] == 200
+    assert report["step_size"] == default_step_size(200, 2)
+    for side in ("single", "pipeline"):
+        figures = report[side]
+        assert figures["prefill_s"] > 0 and figures["decode_tokens_per_s"] > 0
+        assert len(figures["tokens"]) == 8
+    assert report["same_tokens"] is True and report["single"]["tokens"] == report["pipeline"]["tokens"]
+    assert report["prefill_speedup"] == report["single"]["prefill_s"] / report["pipeline"]["prefill_s"]
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -140,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--out", type=Path, default=MODEL_DIR, help="model folder to write")
     parser.add_argument("--vocab", type=int, default=1024, help="tokenizer vocabulary size")
-    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256, help="training window in tokens")
     parser.add_argument("--lr", type=float, default=3e-3)
