@@ -25,7 +25,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import load
 
 import pipemlx
 from pipemlx.demo_model import MODEL_DIR, default_prompt
@@ -96,8 +95,7 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
 
 def run_rank(args: argparse.Namespace) -> None:
     group = init_group()
-    model, tokenizer = load(args.model, lazy=True)
-    pipemlx.shard_model(model, group)
+    model, tokenizer = pipemlx.load_sharded(args.model, group)  # only this rank's weights are read
     outcomes = serve(model, tokenizer, group, args.step_size, quiet=args.json)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
     if args.json:

@@ -53,6 +53,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def layer_counts(text: str) -> list[int]:
+    """argparse type: layers per rank, comma-separated (``6,2``)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers per rank like 6,2, got {text!r}") from None
+
+
 def positive_float(text: str) -> float:
     """argparse type: a number greater than 0."""
     try:
@@ -98,14 +106,23 @@ def model_name(model_dir: Path) -> str:
     return "the demo model" if Path(model_dir).resolve() == MODEL_DIR.resolve() else str(model_dir)
 
 
-def check_ranks(ranks: int, model_dir: Path) -> None:
-    """Every rank needs at least one layer of the model."""
+def check_ranks(ranks: int, model_dir: Path, split: list[int] | None = None) -> None:
+    """Every rank needs at least one layer of the model; an explicit ``split`` must fit model and ranks."""
+    from .split import resolve_split
+
     layers = model_layers(model_dir)
     if layers is not None and ranks > layers:
         raise UserError(
             f"more ranks than layers: {ranks} ranks cannot share the {layers} layers of {model_name(model_dir)} "
             "(every rank needs at least one)"
         )
+    if split is not None:
+        if layers is None:
+            raise UserError(f"--split needs the model's layer count, which {model_dir}/config.json does not give")
+        try:
+            resolve_split(split, layers, ranks)
+        except ValueError as exc:
+            raise UserError(f"--split: {exc}") from None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -186,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = generate.add_mutually_exclusive_group()
     where.add_argument("--ranks", type=positive_int, help=f"local ranks to start (default {DEFAULT_RANKS})")
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
+    generate.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     generate.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     prompt = generate.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: the opening of Pride and Prejudice)")
@@ -252,7 +270,7 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         return generate_rank(args, prompt, expected_ranks=args.ranks, check=check_ranks)
     ranks: int = args.ranks or DEFAULT_RANKS
-    check_ranks(ranks, args.model)
+    check_ranks(ranks, args.model, args.split)
     command = [sys.executable, "-m", "pipemlx", *argv]
     try:
         launch(ranks, command, timeout=LAUNCH_TIMEOUT, passthrough_rank=0)

@@ -30,8 +30,8 @@ from rich.table import Table
 from .cli import UserError, model_name
 from .cli_generate import default_step_size
 from .launch import LaunchError, init_group, launch
+from .loading import load_sharded
 from .prefill import pipeline_prefill
-from .sharding import shard_model
 from .trace import merge_traces
 
 LAUNCH_TIMEOUT = 24 * 3600.0
@@ -203,12 +203,11 @@ def bench_rank(spec: dict[str, Any]) -> None:
     """One rank of one side of the benchmark; rank 0 prints its figures as a JSON line."""
     pipelined = spec["mode"] == "pipeline"
     group = init_group() if pipelined else None
-    loaded: Any = load(spec["model"], lazy=True)
-    model: nn.Module = loaded[0]
     if group is not None:
-        shard_model(model, group, timeout=spec["timeout"])
+        model, _ = load_sharded(spec["model"], group, timeout=spec["timeout"])
     else:
-        mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
+        loaded: Any = load(spec["model"])
+        model = loaded[0]
     vocab = int(getattr(model, "args").vocab_size)
     prompt = mx.random.randint(0, vocab, (spec["prompt_tokens"],), key=mx.random.key(0)).astype(mx.int32)
     warmup = {**spec, "max_tokens": WARMUP_TOKENS}

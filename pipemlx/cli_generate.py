@@ -10,13 +10,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, stream_generate  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -25,7 +23,7 @@ from rich.text import Text
 from .cli import model_name
 from .errors import PipelineError
 from .launch import init_group
-from .sharding import shard_model
+from .loading import load_sharded
 from .prefill import pipeline_prefill
 from .stage import stage_of
 
@@ -64,7 +62,7 @@ def generate_rank(
     prompt_text: str,
     *,
     expected_ranks: int | None,
-    check: Callable[[int, Path], None],
+    check: Callable[[int, Path, list[int] | None], None],
 ) -> int:
     """Run ``pipemlx generate`` as one rank of the group this process belongs to; returns the exit status."""
     group = init_group()
@@ -74,7 +72,7 @@ def generate_rank(
         if rank == 0:
             print(f"pipemlx generate: error: --ranks {expected_ranks} but the group has {size} ranks", file=sys.stderr)
         return 2
-    check(size, args.model)
+    check(size, args.model, args.split)
     try:
         return _generate(args, prompt_text, group, err)
     except PipelineError as exc:
@@ -84,13 +82,11 @@ def generate_rank(
 
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
-    try:
-        loaded: Any = load(str(args.model), lazy=True)
+    try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
+        model, tokenizer = load_sharded(args.model, group, split=args.split, timeout=args.timeout)
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
         return 2
-    model, tokenizer = loaded[0], loaded[1]
-    shard_model(model, group, timeout=args.timeout)
     stage = stage_of(model)
     add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
     prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)

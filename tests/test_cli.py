@@ -49,6 +49,8 @@ def reference_tokens(prompt: str, step_size: int, max_tokens: int) -> list[int]:
         (["generate", "--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file '/no/such/prompt.txt'"),
         (["generate", "--prompt", "   \n"], "the prompt is empty"),
         (["generate", "--rank", "0"], "--rank only goes with --hostfile"),
+        (["generate", "--split", "5,5"], "--split: split [5, 5] adds up to 10 layers but the model has 8"),
+        (["generate", "--ranks", "3", "--split", "6,2"], "--split: split [6, 2] has 2 entries but the group has 3 ranks"),
         (["bench", "--ranks", "9"], "more ranks than layers: 9 ranks"),
         (["bench", "--model", "/no/such/model"], "does not exist"),
     ],
@@ -163,11 +165,12 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
 
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
-    """Two processes started by hand with one ring hostfile; --json reports the tokens."""
+    """Two processes started by hand with one ring hostfile and an uneven split; --json reports the tokens."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
-    argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16", "--json"]
+    argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16",
+            "--split", "6,2", "--json"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -183,9 +186,9 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
     assert outputs[1][0] == ""  # only rank 0 reports
     report: dict[str, Any] = json.loads(outputs[0][0])
-    assert report["ranks"] == 2 and report["split"] == [4, 4] and report["step_size"] == 4
+    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["step_size"] == 4
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
-    assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 4], [4, 8]]
+    assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]
     assert report["tokens"] == reference_tokens(prompt, 4, 16)
 
 
