@@ -51,9 +51,11 @@ def run_rank(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({"rank": rank, "layers": [stage.layers.start, stage.layers.stop],
                           "step_size": args.step_size, "tokens": tokens}), flush=True)
-    elif rank == 0:
-        print(f"\n{stage.describe()}: prefill of {prompt.size} tokens in {prefill_s:.2f} s")
-        print(tokenizer.decode(tokens))
+    else:  # rank 0 on stdout, the others on stderr: the same tokens everywhere
+        out = sys.stdout if rank == 0 else sys.stderr
+        print(f"\n{stage.describe()}: prefill of {prompt.size} tokens in {prefill_s:.2f} s; tokens {tokens}", file=out)
+        if rank == 0:
+            print(tokenizer.decode(tokens), flush=True)
 
 
 def main() -> int:
@@ -69,6 +71,7 @@ def main() -> int:
                          timeout=600, passthrough_rank=0)
         for result in results[1:]:
             sys.stdout.write(result.stdout)
+            sys.stderr.write(result.stderr)
         return 0
     run_rank(args)
     return 0
