@@ -209,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (default: the opening of Pride and Prejudice)")
     prompt.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     generate.add_argument("--max-tokens", type=positive_int, default=100, help="tokens to generate (default 100)")
-    generate.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    generate.add_argument("--seed", type=int, default=0, help="random seed for sampling, the same on every rank")
+    generate.add_argument(
+        "--temp", type=float, default=0.7, help="sampling temperature (default 0.7; 0 for greedy decoding)"
+    )
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
 
     bench = commands.add_parser(

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import mlx.core as mx
 from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from pipemlx import cli
@@ -31,11 +33,14 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def reference_tokens(prompt: str, step_size: int, max_tokens: int) -> list[int]:
+def reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: float = 0.0, seed: int = 0) -> list[int]:
     """Single-device mlx-lm on the demo model: the tokens stream_generate yields (up to end of text)."""
     model, tokenizer = load(str(MODEL_DIR))
     tokens: list[int] = []
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, prefill_step_size=step_size):
+    mx.random.seed(seed)
+    for response in stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, prefill_step_size=step_size, sampler=make_sampler(temp)
+    ):
         if response.finish_reason != "stop":
             tokens.append(response.token)
     return tokens
@@ -144,7 +149,8 @@ def test_a_subprocess_error_has_no_traceback() -> None:
 
 
 def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
-    """`pipemlx generate --ranks 2`: the streamed text is single-device mlx-lm's, the summary names each rank."""
+    """`pipemlx generate --ranks 2` (sampling at its default temperature and seed): the streamed text is
+    single-device mlx-lm's with the same sampler and seed, and the summary names each rank."""
     max_tokens = 20
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--max-tokens", str(max_tokens)],
@@ -155,7 +161,7 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
     prompt_tokens = len(tokenizer.encode(default_prompt()))
     step = default_step_size(prompt_tokens, 2)
     assert step < prompt_tokens / 4, "the default step size cuts the demo prompt into several chunks per rank"
-    expected = tokenizer.decode(reference_tokens(default_prompt(), step, max_tokens))
+    expected = tokenizer.decode(reference_tokens(default_prompt(), step, max_tokens, temp=0.7, seed=0))
     assert result.stdout == expected + "\n"
     err = result.stderr
     assert f"prompt {prompt_tokens} tokens in chunks of {step}" in err
@@ -165,12 +171,12 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
 
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
-    """Two processes started by hand with one ring hostfile and an uneven split; --json reports the tokens."""
+    """Two processes started by hand with one ring hostfile, an uneven split and greedy decoding."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
     argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16",
-            "--split", "6,2", "--json"]
+            "--split", "6,2", "--temp", "0", "--json"]
     procs = [
         subprocess.Popen([sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
