@@ -93,7 +93,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     step_size: int = args.step_size or default_step_size(prompt.size, size)
     name = model_name(args.model)
     err.print(
-        f"[bold]pipemlx[/bold]: {name}, {stage.total_layers} layers on {size} rank(s) "
+        f"[bold]pipemlx[/bold]: {name}, {stage.total_layers} layers on {size} rank{'s' if size > 1 else ''} "
         f"(split {list(stage.split)}); prompt {prompt.size} tokens in chunks of {step_size}",
         highlight=False,
         soft_wrap=True,
@@ -120,8 +120,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         pipeline_prefill(model, prompt, cache, step_size=step_size, progress_callback=on_progress, timeout=args.timeout)
     prefill_s = time.perf_counter() - start
 
-    tail = prompt_text[-PROMPT_TAIL_CHARS:]
-    err.print(Text(("…" if len(prompt_text) > len(tail) else "") + tail, style="dim"), end="")
+    err.print(Text(_prompt_tail(prompt_text), style="dim"), end="")
     mx.random.seed(args.seed)
     tokens: list[int] = []
     pieces: list[str] = []
@@ -162,6 +161,16 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     sys.stdout.flush()
     err.print(_summary(prompt.size, step_size, prefill_s, prefill_tps, len(tokens), decode_tps, figures))
     return 0
+
+
+def _prompt_tail(text: str) -> str:
+    """The end of the prompt, shown before the generated text: whole lines, about ``PROMPT_TAIL_CHARS``."""
+    if len(text) <= PROMPT_TAIL_CHARS:
+        return text
+    tail = text[-PROMPT_TAIL_CHARS:]
+    if "\n" not in tail[:-1]:
+        return "…" + tail
+    return "…\n" + tail[tail.find("\n") + 1 :].lstrip("\n")
 
 
 def _gather_figures(group: mx.distributed.Group, layers: range, rank: int) -> list[RankFigures]:
