@@ -97,8 +97,8 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
     single, pipeline = report["single"], report["pipeline"]
     table = Table(
         title=(
-            f"pipemlx bench: {model_name(Path(report['model']))}, prompt {report['prompt_tokens']} tokens "
-            f"in chunks of {report['step_size']}, {report['max_tokens']} decoded"
+            f"pipemlx bench: {model_name(Path(report['model']))}\n{report['prompt_tokens']}-token prompt "
+            f"in chunks of {report['step_size']}, {report['max_tokens']} tokens decoded"
         ),
         title_justify="left",
     )
