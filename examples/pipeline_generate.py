@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo_model import MODEL_DIR, book_text, default_prompt
 from pipemlx.launch import init_group, launch
 
 
@@ -30,7 +30,11 @@ def run_rank(args: argparse.Namespace) -> None:
     rank = group.rank()
     model, tokenizer = load(args.model, lazy=True)  # lazy: each rank materialises only its own layers
     pipemlx.shard_model(model, group)
-    prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
+    if args.prompt_tokens:  # a long prompt: the start of the novel the demo model was trained on
+        text = book_text()[: 8 * args.prompt_tokens]  # about 2.8 characters per token: enough text
+        prompt = mx.array(tokenizer.encode(text)[: args.prompt_tokens], dtype=mx.int32)
+    else:
+        prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
 
     def on_progress(processed: int, total: int) -> None:  # called on every rank, with the same numbers
         if rank == 0 and not args.json:
@@ -62,6 +66,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ranks", type=int, help="start this many local ranks")
     parser.add_argument("--model", default=str(MODEL_DIR), help="mlx-lm model folder (default: the demo model)")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt length (default: the demo prompt, 231 tokens)")
     parser.add_argument("--step-size", type=int, default=32, help="prefill chunk in tokens")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")

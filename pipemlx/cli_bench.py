@@ -32,7 +32,8 @@ from .cli_generate import default_step_size
 from .launch import LaunchError, init_group, launch
 from .loading import load_sharded
 from .prefill import pipeline_prefill
-from .trace import merge_traces
+from .timeline import plot_timeline
+from .trace import find_rank_traces, merge_traces, read_spans
 
 LAUNCH_TIMEOUT = 24 * 3600.0
 WARMUP_TOKENS = 3
@@ -62,8 +63,7 @@ def run_bench(args: argparse.Namespace, *, check: Callable[[int, Path], None]) -
             print(f"pipemlx bench: {exc}", file=sys.stderr)
             return 1
         if args.png is not None:
-            traces = sorted(Path(tmp).glob("trace-rank*.json"))
-            draw_timeline(merge_traces(traces, Path(tmp) / "trace.json"), Path(args.png))
+            draw_timeline(Path(tmp), Path(args.png), f"{model_name(args.model)}, {args.ranks} ranks")
     report = {
         "model": str(args.model),
         "ranks": args.ranks,
@@ -128,44 +128,10 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
     return table
 
 
-def draw_timeline(trace: Path, output: Path) -> Path:
-    """Draw the merged Chrome trace ``trace`` as a PNG: one lane per rank and kind of work."""
-    matplotlib: Any = importlib.import_module("matplotlib")  # optional: not a dependency of pipemlx
-    matplotlib.use("Agg")
-    plt: Any = importlib.import_module("matplotlib.pyplot")
-    patch: Any = importlib.import_module("matplotlib.patches").Patch
-
-    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
-    start = min(e["ts"] for e in events)
-    ranks = sorted({e["pid"] for e in events})
-    lanes = ("compute / recv", "send", "agreement")
-    colours = {"compute": "tab:blue", "recv": "tab:orange", "send": "tab:green", "wait": "tab:olive",
-               "agree": "tab:gray", "progress": "tab:purple", "handshake": "tab:red"}
-    figure, axes = plt.subplots(figsize=(12, 1.2 + 1.1 * len(ranks)))
-    labels: list[str] = []
-    for rank in ranks:
-        for lane, name in enumerate(lanes):
-            y = (len(ranks) - 1 - rank) * len(lanes) + (len(lanes) - 1 - lane)
-            labels.append(f"rank {rank} {name}")
-            for e in events:
-                if e["pid"] != rank or e["tid"] != lane:
-                    continue
-                left, width = (e["ts"] - start) / 1000.0, max(e["dur"] / 1000.0, 0.01)
-                axes.barh(y, width, left=left, height=0.8, color=colours.get(e["cat"], "black"))
-                if e["cat"] == "compute" and "chunk" in e["args"]:
-                    axes.text(left + width / 2, y, str(e["args"]["chunk"]), ha="center", va="center",
-                              color="white", fontsize=7)
-    order = sorted(range(len(labels)), key=lambda i: -i)
-    axes.set_yticks(range(len(labels)))
-    axes.set_yticklabels([labels[i] for i in order], fontsize=8)
-    axes.set_xlabel("ms since the prefill started")
-    axes.set_title("pipemlx prefill timeline (numbers: chunk index)")
-    handles = [patch(color=c, label=k) for k, c in colours.items()]
-    axes.legend(handles=handles, loc="upper right", fontsize=7, ncol=len(colours))
-    figure.tight_layout()
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-    return output
+def draw_timeline(trace_dir: Path, output: Path, label: str) -> Path:
+    """Draw the pipeline's per-rank traces in ``trace_dir`` as a PNG (:func:`pipemlx.timeline.plot_timeline`)."""
+    merged = merge_traces(find_rank_traces(trace_dir), trace_dir / "trace.json")
+    return plot_timeline([(label, read_spans(merged))], output)
 
 
 def _timed_tokens(tokens: Iterator[tuple[Any, Any]], start: float) -> tuple[list[int], float, float]:

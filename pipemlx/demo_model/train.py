@@ -44,6 +44,7 @@ HERE = Path(__file__).parent
 TEXT = HERE / "pride_and_prejudice.txt.gz"
 MODEL_DIR = HERE / "model"
 END_OF_TEXT = "<|endoftext|>"
+TOKENIZER_MAX_LENGTH = 1 << 20  # no limit to speak of: RoPE has none (the model was trained on 256-token windows)
 
 
 def model_config(vocab_size: int) -> dict[str, Any]:
@@ -171,7 +172,7 @@ def main() -> None:
     save_model(args.out, model)
     (args.out / "model.safetensors.index.json").unlink(missing_ok=True)  # one file; the index is noise
     save_config(config, args.out / "config.json")
-    save_tokenizer(tokenizer, args.out, config["max_position_embeddings"])
+    save_tokenizer(tokenizer, args.out, TOKENIZER_MAX_LENGTH)
     print(f"wrote {args.out}")
 
 
