@@ -1,12 +1,16 @@
-"""Pipelined generation on a tiny built-in model: prefill overlapped across ranks, then decode.
+"""Pipelined generation in a few lines: load, shard, prefill across ranks, decode with mlx-lm.
 
-Run it on 2 local ranks:      python examples/pipeline_generate.py --ranks 2
+Uses the demo model pipemlx ships (a small llama trained on Pride and Prejudice)
+unless --model names another mlx-lm model folder.
+
+Run it on 2 local ranks:         python examples/pipeline_generate.py --ranks 2
 Run it as one rank of a group started by mlx.launch / mpirun:  python examples/pipeline_generate.py
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -14,50 +18,65 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
 
 import pipemlx
+from pipemlx.demo_model import MODEL_DIR, book_text, default_prompt
 from pipemlx.launch import init_group, launch
-from pipemlx.tiny import build_model, tiny_config
 
 
 def run_rank(args: argparse.Namespace) -> None:
     group = init_group()
     rank = group.rank()
-    config = tiny_config("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=256)
-    model = pipemlx.shard_model(build_model(config, seed=0), group)
-    stage = pipemlx.stage_of(model)
-    prompt = mx.random.randint(0, config["vocab_size"], (args.prompt_tokens,), key=mx.random.key(1)).astype(mx.int32)
+    model, tokenizer = load(args.model, lazy=True)  # lazy: each rank materialises only its own layers
+    pipemlx.shard_model(model, group)
+    if args.prompt_tokens:  # a long prompt: the start of the novel the demo model was trained on
+        text = book_text()[: 8 * args.prompt_tokens]  # about 2.8 characters per token: enough text
+        prompt = mx.array(tokenizer.encode(text)[: args.prompt_tokens], dtype=mx.int32)
+    else:
+        prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
 
-    def on_progress(processed: int, total: int) -> None:
-        if rank == 0:
+    def on_progress(processed: int, total: int) -> None:  # called on every rank, with the same numbers
+        if rank == 0 and not args.json:
             print(f"\rprefill {processed}/{total} tokens", end="", flush=True)
 
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model)  # one cache per *local* layer
     start = time.perf_counter()
     pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size, progress_callback=on_progress)
     prefill_s = time.perf_counter() - start
-    tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)]
-    mx.synchronize(generation_stream)
+
+    # Decoding is mlx-lm's own loop on the sharded model: every rank gets the same logits and tokens.
+    steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
+    tokens = [int(token) for token, _ in steps]
+    mx.synchronize(generation_stream)  # generate_step leaves one step in flight
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
-    print(
-        f"\n{stage.describe()}: prefill of {prompt.size} tokens in {prefill_s:.2f} s; tokens {tokens}",
-        file=sys.stdout if rank == 0 else sys.stderr,
-        flush=True,
-    )
+
+    stage = pipemlx.stage_of(model)
+    if args.json:
+        print(json.dumps({"rank": rank, "layers": [stage.layers.start, stage.layers.stop],
+                          "step_size": args.step_size, "tokens": tokens}), flush=True)
+    else:  # rank 0 on stdout, the others on stderr: the same tokens everywhere
+        out = sys.stdout if rank == 0 else sys.stderr
+        print(f"\n{stage.describe()}: prefill of {prompt.size} tokens in {prefill_s:.2f} s; tokens {tokens}", file=out)
+        if rank == 0:
+            print(tokenizer.decode(tokens), flush=True)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, help="spawn this many local ranks")
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--step-size", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--ranks", type=int, help="start this many local ranks")
+    parser.add_argument("--model", default=str(MODEL_DIR), help="mlx-lm model folder (default: the demo model)")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt length (default: the demo prompt, 231 tokens)")
+    parser.add_argument("--step-size", type=int, default=32, help="prefill chunk in tokens")
+    parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:
-        argv = [sys.executable, os.path.abspath(__file__), *[a for a in sys.argv[1:]]]
-        results = launch(args.ranks, argv, timeout=600, passthrough_rank=0)
-        for r in results[1:]:
-            sys.stdout.write(r.stderr)
+        results = launch(args.ranks, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
+                         timeout=600, passthrough_rank=0)
+        for result in results[1:]:
+            sys.stdout.write(result.stdout)
+            sys.stderr.write(result.stderr)
         return 0
     run_rank(args)
     return 0

@@ -1,0 +1,225 @@
+"""The pipemlx command: clean errors on bad input, and 2-rank runs that give single-device mlx-lm's tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load
+
+from pipemlx import cli
+from pipemlx.cli_generate import default_step_size
+from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.launch import free_ports
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_TIMEOUT = 180
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """``pipemlx argv...`` in this process; returns the exit status and stderr."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse's own usage errors
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: float = 0.0, seed: int = 0) -> list[int]:
+    """Single-device mlx-lm on the demo model: the tokens stream_generate yields (up to end of text)."""
+    model, tokenizer = load(str(MODEL_DIR))
+    tokens: list[int] = []
+    mx.random.seed(seed)
+    for response in stream_generate(
+        model, tokenizer, prompt, max_tokens=max_tokens, prefill_step_size=step_size, sampler=make_sampler(temp)
+    ):
+        if response.finish_reason != "stop":
+            tokens.append(response.token)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["generate", "--model", "/no/such/model"], "model folder '/no/such/model' does not exist"),
+        (["generate", "--ranks", "9"], "more ranks than layers: 9 ranks cannot share the 8 layers"),
+        (["generate", "--prompt-file", "/no/such/prompt.txt"], "cannot read prompt file '/no/such/prompt.txt'"),
+        (["generate", "--prompt", "   \n"], "the prompt is empty"),
+        (["generate", "--rank", "0"], "--rank only goes with --hostfile"),
+        (["generate", "--split", "5,5"], "--split: split [5, 5] adds up to 10 layers but the model has 8"),
+        (["generate", "--ranks", "3", "--split", "6,2"], "--split: split [6, 2] has 2 entries but the group has 3 ranks"),
+        (["bench", "--ranks", "9"], "more ranks than layers: 9 ranks"),
+        (["bench", "--model", "/no/such/model"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:
+    code, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.startswith(f"pipemlx {argv[0]}: error: ") and words in err, err
+    assert "Traceback" not in err
+
+
+def test_folder_without_config_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, err = run_cli(capsys, "generate", "--model", str(tmp_path))
+    assert code == 2 and "has no config.json; it is not an mlx-lm model folder" in err
+
+
+def test_argument_types_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(capsys, "generate", "--max-tokens", "0")
+    assert code == 2 and "--max-tokens: must be at least 1, got 0" in err
+    code, err = run_cli(capsys, "generate", "--step-size", "x")
+    assert code == 2 and "--step-size: expected a whole number, got 'x'" in err
+
+
+@pytest.mark.parametrize(
+    "content,words",
+    [
+        ("not json", "cannot read hostfile"),
+        ('{"a": 1}', 'must be a JSON list with one list of "ip:port" strings per rank'),
+        ('[["127.0.0.1:1"], ["127.0.0.1:2"]]', "ranks [0, 1] of"),
+    ],
+)
+def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, words: str) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(content)
+    code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile))
+    assert code == 2 and words in err, err
+
+
+def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cli, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[["host-a:5000"], ["host-b:5000"]]')
+    code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile))
+    assert code == 2 and "no address in" in err and "belongs to this host; pass --rank R" in err
+
+
+def test_loopback_is_a_local_address() -> None:
+    assert cli._is_local("127.0.0.1")  # pyright: ignore[reportPrivateUsage]
+
+
+def test_rank_outside_the_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[["127.0.0.1:1"], ["127.0.0.1:2"]]')
+    code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile), "--rank", "2")
+    assert code == 2 and "--rank 2 is not a rank of" in err and "which has 2 ranks" in err
+
+
+def test_png_without_matplotlib(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    code, err = run_cli(capsys, "bench", "--png", "timeline.png")
+    assert code == 2 and "--png needs matplotlib: pip install matplotlib" in err
+
+
+def test_plan_when_memory_split_is_missing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", None)  # import pipemlx.memory_split now fails
+    code, err = run_cli(capsys, "plan", "model", "--ranks", "3")
+    assert code == 2 and "pipemlx plan: error: not available in this build" in err
+
+
+def test_plan_hands_its_arguments_over(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    def plan_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 7
+
+    fake = types.ModuleType("pipemlx.memory_split")
+    fake.plan_main = plan_main  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", fake)
+    code, _ = run_cli(capsys, "plan", "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
+    assert code == 7 and seen == [["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"]]
+
+
+def test_a_subprocess_error_has_no_traceback() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", "generate", "--model", "/no/such/model"],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "pipemlx generate: error: model folder '/no/such/model' does not exist"
+
+
+def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
+    """`pipemlx generate --ranks 2` (sampling at its default temperature and seed): the streamed text is
+    single-device mlx-lm's with the same sampler and seed, and the summary names each rank."""
+    max_tokens = 20
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--max-tokens", str(max_tokens)],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    _, tokenizer = load(str(MODEL_DIR))
+    prompt_tokens = len(tokenizer.encode(default_prompt()))
+    step = default_step_size(prompt_tokens, 2)
+    assert step < prompt_tokens / 4, "the default step size cuts the demo prompt into several chunks per rank"
+    expected = tokenizer.decode(reference_tokens(default_prompt(), step, max_tokens, temp=0.7, seed=0))
+    assert result.stdout == expected + "\n"
+    err = result.stderr
+    assert f"prompt {prompt_tokens} tokens in chunks of {step}" in err
+    assert f"{prompt_tokens - 1}/{prompt_tokens - 1}" in err and "tok/s" in err  # the progress bar's last state
+    assert "layers 0-3" in err and "layers 4-7" in err and "peak memory" in err
+    assert "Traceback" not in err
+
+
+def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
+    """Two processes started by hand with one ring hostfile, an uneven split and greedy decoding."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    prompt = "It is a truth universally acknowledged, that a single man in possession"
+    argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16",
+            "--split", "6,2", "--temp", "0", "--json"]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outputs: list[tuple[str, str]] = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=RUN_TIMEOUT))
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
+    assert outputs[1][0] == ""  # only rank 0 reports
+    report: dict[str, Any] = json.loads(outputs[0][0])
+    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["step_size"] == 4
+    assert [f["rank"] for f in report["per_rank"]] == [0, 1]
+    assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]
+    assert report["tokens"] == reference_tokens(prompt, 4, 16)
+
+
+def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
+    """`pipemlx bench --json` (and `--png` where matplotlib is installed); no speed is asserted here."""
+    try:
+        import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports, reportUnusedImport]
+
+        png: Path | None = tmp_path / "timeline.png"
+    except ImportError:
+        png = None
+    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
+        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    report: dict[str, Any] = json.loads(result.stdout)
+    assert report["ranks"] == 2 and report["prompt_tokens"] == 200
+    assert report["step_size"] == default_step_size(200, 2)
+    for side in ("single", "pipeline"):
+        figures = report[side]
+        assert figures["prefill_s"] > 0 and figures["decode_tokens_per_s"] > 0
+        assert len(figures["tokens"]) == 8
+    assert report["same_tokens"] is True and report["single"]["tokens"] == report["pipeline"]["tokens"]
+    assert report["prefill_speedup"] == report["single"]["prefill_s"] / report["pipeline"]["prefill_s"]
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
