@@ -13,11 +13,11 @@ last rank only, so a random sampler needs no seed shared across ranks.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.generate import generation_stream  # pyright: ignore[reportUnknownVariableType]
 
 from .caches import cache_state
@@ -55,14 +55,15 @@ def lean_generate_step(
 
     def step(tokens: mx.array) -> mx.array:
         with mx.stream(generation_stream), stage.without_broadcast():  # pyright: ignore[reportUnknownArgumentType]
-            output: mx.array = model(tokens[None], cache=prompt_cache)
+            output = cast(mx.array, model(tokens[None], cache=prompt_cache))
             if stage.is_last:
                 logits = output[:, -1, :]
                 share = sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
             else:  # a zero share, issued only after this rank's send (tied to its cache)
-                evaluated = [a for _, a in tree_flatten(cache_state(prompt_cache)) if isinstance(a, mx.array)]  # pyright: ignore[reportUnknownVariableType]
-                share = mx.depends(mx.zeros((1,), dtype=mx.int32), evaluated)  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
-            return mx.distributed.all_sum(share, group=stage.group) if stage.world_size > 1 else share  # pyright: ignore[reportUnknownVariableType]
+                leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(prompt_cache)))
+                evaluated = [a for _, a in leaves if isinstance(a, mx.array)]
+                share = cast(mx.array, mx.depends(mx.zeros((1,), dtype=mx.int32), evaluated))  # pyright: ignore[reportUnknownMemberType]
+            return mx.distributed.all_sum(share, group=stage.group) if stage.world_size > 1 else share
 
     if max_tokens == 0:
         return
@@ -72,7 +73,7 @@ def lean_generate_step(
         upcoming = step(token) if n + 1 < max_tokens else None
         if upcoming is not None:
             mx.async_eval(upcoming)  # pyright: ignore[reportUnknownMemberType]
-        yield int(token.item())
+        yield cast(int, token.item())
         if upcoming is None:
             break
         token = upcoming
