@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
@@ -22,7 +21,7 @@ from mlx_lm.utils import load
 
 import pipemlx
 from pipemlx.demo_model import MODEL_DIR, default_prompt
-from pipemlx.launch import init_group, launch
+from pipemlx.launch import init_group, relaunch_as_ranks
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -57,11 +56,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:
-        results = launch(args.ranks, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
-                         timeout=600, passthrough_rank=0)
-        for result in results[1:]:
-            sys.stdout.write(result.stdout)
-        return 0
+        return relaunch_as_ranks(args.ranks)
     run_rank(args)
     return 0
 

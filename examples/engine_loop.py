@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.demo_model import MODEL_DIR, default_prompt
-from pipemlx.launch import init_group, launch
+from pipemlx.launch import init_group, relaunch_as_ranks
 
 
 @dataclass
@@ -110,11 +109,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:
-        results = launch(args.ranks, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]],
-                         timeout=600, passthrough_rank=0)
-        for result in results[1:]:
-            sys.stdout.write(result.stdout)
-        return 0
+        return relaunch_as_ranks(args.ranks)
     run_rank(args)
     return 0
 

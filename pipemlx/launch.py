@@ -175,6 +175,25 @@ def _check_addresses(num_ranks: int, addresses: Sequence[str] | None) -> list[st
     return list(addresses)
 
 
+def relaunch_as_ranks(num_ranks: int, *, timeout: float = 600.0) -> int:
+    """Run this very script (``sys.argv``) as ``num_ranks`` local ranks; return the exit status for ``main``.
+
+    For scripts that take ``--ranks N``: when the process is not already a rank
+    (no ``MLX_RANK``), call this and return its status. Rank 0's output goes
+    straight to this terminal; the other ranks' output follows when they end.
+    On failure every rank is killed and their stderr is printed.
+    """
+    try:
+        results = launch(num_ranks, [sys.executable, *sys.argv], timeout=timeout, passthrough_rank=0)
+    except LaunchError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for result in results[1:]:
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+    return 0
+
+
 def _wait(procs: list[subprocess.Popen[str]], timeout: float, fail_fast: bool) -> str | None:
     """Poll until all exit (None), one fails under ``fail_fast``, or time runs out (a message)."""
     deadline = time.monotonic() + timeout

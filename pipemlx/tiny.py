@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten  # pyright: ignore[reportUnknownVariableType]
 
-BASE_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+def _configs() -> dict[str, dict[str, Any]]:
+    configs: dict[str, dict[str, Any]] = {
     "llama": {
         "model_type": "llama",
         "hidden_size": 64,
@@ -283,29 +284,16 @@ BASE_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "vocab_size": 256,
         "hybrid_override_pattern": ["M", "-", "*", "M", "-", "*"],
     },
-    "nemotron_h_mamba_attention": {  # nemotron-h of Mamba and attention blocks only: pipelines
-        "model_type": "nemotron_h",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "max_position_embeddings": 4096,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "attention_bias": False,
-        "mamba_num_heads": 4,
-        "mamba_head_dim": 16,
-        "mamba_proj_bias": False,
-        "ssm_state_size": 16,
-        "conv_kernel": 4,
-        "n_groups": 1,
-        "mlp_bias": False,
-        "layer_norm_epsilon": 1e-5,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "vocab_size": 256,
+    }
+    # nemotron-h of Mamba and attention blocks only: this one pipelines.
+    configs["nemotron_h_mamba_attention"] = {
+        **configs["nemotron_h"],
         "hybrid_override_pattern": ["M", "*", "M", "M", "*", "M"],
-    },
-})
+    }
+    return configs
+
+
+BASE_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType(_configs())
 WEIGHT_SCALE = 0.15
 
 
