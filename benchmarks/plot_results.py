@@ -37,9 +37,6 @@ def main() -> None:
         xs = [row["M"] for row in sweep if str(step) in row["pipemlx_s"]]
         ys = [row["single_s"][str(step)] / row["pipemlx_s"][str(step)] for row in sweep if str(step) in row["pipemlx_s"]]
         right.plot(xs, ys, marker="o", label=f"step {step}")
-    right.plot([row["M"] for row in sweep], [row["single_s"][str(row["auto_step"])] / row["auto_s"]
-               if str(row["auto_step"]) in row["single_s"] else float("nan") for row in sweep],
-               marker="*", markersize=12, linestyle="none", color="black", label="step \"auto\"")
     right.set_xscale("log", base=2)
     right.set_xlabel("prompt tokens")
     right.set_ylabel("pipemlx speed-up over one process (same step)")

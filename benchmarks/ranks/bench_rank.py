@@ -24,6 +24,7 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
+from pipemlx.launch import init_group
 from pipemlx.tiny import build_model
 
 
@@ -105,7 +106,7 @@ def time_pipemlx(
 def main() -> None:
     spec = json.loads(sys.argv[1])
     mode = spec["mode"]
-    group = mx.distributed.init(backend="ring", strict=True) if mode != "single" else None
+    group = init_group() if mode != "single" else None
     rank = group.rank() if group is not None else 0
     if spec.get("pin", True):
         pin(rank)
