@@ -147,3 +147,34 @@ def test_launch_puts_each_prefix_before_the_command_and_the_addresses_in_the_hos
 def test_launch_rejects_bad_addresses_and_prefixes(options: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         launch(2, [sys.executable, "-c", "pass"], timeout=10, **options)
+
+
+def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None, tmp_path: Path) -> None:
+    """`pipemlx generate --hostfile FILE`, the same command on each host: each rank finds its rank by its own
+    address (no --rank), and rank 0 reports the tokens single-device mlx-lm gives."""
+    import subprocess
+
+    from test_cli import ROOT, reference_tokens
+
+    prompt = "It is a truth universally acknowledged, that a single man in possession"
+    with namespace_hosts(2) as hosts:
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
+        argv = [sys.executable, "-m", "pipemlx", "generate", "--hostfile", str(hostfile), "--prompt", prompt,
+                "--step-size", "4", "--max-tokens", "12", "--temp", "0", "--json"]
+        procs = [subprocess.Popen([*hosts.prefix(r), *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            for p in procs:
+                p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                p.kill()
+        outputs = [p.communicate() for p in procs]
+    stderr = "\n".join(f"--- rank {r} (status {p.returncode}):\n{err[-2000:]}" for r, (p, (_, err)) in enumerate(zip(procs, outputs)))
+    assert [p.returncode for p in procs] == [0, 0], stderr
+    report = json.loads(outputs[0][0])
+    assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 4], [4, 8]]
+    assert report["tokens"] == reference_tokens(prompt, 4, 12)
