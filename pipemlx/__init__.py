@@ -16,6 +16,7 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
+from .generate import generate_step, stream_generate
 from .lean_decode import lean_generate_step
 from .loading import load_sharded
 from .prefill import pipeline_prefill
@@ -35,10 +36,12 @@ __all__ = [
     "PipelineTimeoutError",
     "PrefillCancelled",
     "SendQueue",
+    "generate_step",
     "lean_generate_step",
     "load_sharded",
     "pipeline_prefill",
     "send_mode",
     "shard_model",
     "stage_of",
+    "stream_generate",
 ]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .errors import PipelineMismatchError
 from typing import Protocol
+
+from .errors import PipelineMismatchError
 from .stage import PipelineStage
 from .waits import wait_for
 
@@ -20,8 +21,17 @@ HANDSHAKE_FIELDS = (
     "dtype",
     "layer_start",
     "layer_stop",
+    "cache_offset",
 )
-SHARED_FIELDS = ("num_tokens", "step_size", "plan_fingerprint", "total_layers", "hidden_size", "dtype")
+SHARED_FIELDS = (
+    "num_tokens",
+    "step_size",
+    "plan_fingerprint",
+    "total_layers",
+    "hidden_size",
+    "dtype",
+    "cache_offset",
+)
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
 
@@ -46,7 +56,12 @@ class Request(Protocol):
 
 
 def handshake(
-    stage: PipelineStage, plan: Request, status: int, timeout: float | None, needs_calibration: bool = False
+    stage: PipelineStage,
+    plan: Request,
+    status: int,
+    timeout: float | None,
+    needs_calibration: bool = False,
+    cache_offset: int = 0,
 ) -> dict[str, list[int]]:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
@@ -54,6 +69,8 @@ def handshake(
     table), naming the field that differs and each rank's value. Returns the
     table, one list per field indexed by rank: like :func:`agree_on_step` it
     exchanges a ``status``, and, for auto-step requests, ``needs_calibration``.
+    ``cache_offset`` is how many positions the cache already holds (a reused
+    prefix): ranks holding different prefixes would compute different tokens.
     """
     mine = [
         status,
@@ -66,6 +83,7 @@ def handshake(
         DTYPES.index(stage.dtype) + 1 if stage.dtype in DTYPES else 0,
         stage.layers.start,
         stage.layers.stop,
+        cache_offset,
     ]
     rows = gather_ints(stage, mine, timeout, "the handshake")
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}

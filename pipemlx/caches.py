@@ -53,6 +53,24 @@ def cache_state(cache: list[Any]) -> list[Any]:
     return [c.state for c in cache]
 
 
+def cache_offset(cache: list[Any]) -> int:
+    """How many positions ``cache`` already holds (a reused prefix): the first layer cache's offset.
+
+    Caches without positions (linear-attention state) count as 0 unless
+    another layer's cache has an offset; all layers of one prompt agree.
+    """
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+        sub_caches = getattr(c, "caches", None)
+        if isinstance(sub_caches, (list, tuple)):
+            inner = cache_offset(list(cast(list[Any], sub_caches)))
+            if inner:
+                return inner
+    return 0
+
+
 def trim_to(cache: list[Any], length: int) -> bool:
     """Cut every cache back to its first ``length`` positions; False (and no change) if one cannot be trimmed."""
     if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):

@@ -44,10 +44,13 @@ class PrefillCancelled(PipelineError):
 
     Either some rank's ``should_cancel`` said yes (``cancelling_ranks``) or an
     error was raised on some rank (``failed_ranks``; that rank raises its own
-    error instead). ``processed`` prompt positions were completed by every rank;
-    when ``cache_trimmed`` is true every rank's cache holds exactly those,
-    otherwise the cache must be discarded. Nothing is left queued, and the
-    model and group serve the next request as usual.
+    error instead). ``processed`` counts the positions *of this call's prompt*
+    that every rank completed; ``prefix`` is how many positions the cache held
+    before the call (a reused prefix, the same on every rank). When
+    ``cache_trimmed`` is true every rank's cache holds exactly
+    ``prefix + processed`` positions (never fewer than the prefix), otherwise
+    the cache must be discarded. Nothing is left queued, and the model and
+    group serve the next request as usual.
     """
 
     def __init__(
@@ -58,9 +61,11 @@ class PrefillCancelled(PipelineError):
         cache_trimmed: bool = False,
         failed_ranks: list[int] | None = None,
         cancelling_ranks: list[int] | None = None,
+        prefix: int = 0,
     ) -> None:
         super().__init__(message)
         self.processed = processed
+        self.prefix = prefix
         self.cache_trimmed = cache_trimmed
         self.failed_ranks = failed_ranks or []
         self.cancelling_ranks = cancelling_ranks or []

@@ -12,7 +12,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnk
 
 from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
 from .autostep import AutoRequest, calibrate, choose_step
-from .caches import cache_state, trim_to
+from .caches import cache_offset, cache_state, trim_to
 from .errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
 from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
 from .send_mode import send_mode
@@ -82,21 +82,24 @@ def pipeline_prefill(
     """
     stage = stage_of(model)
     stage.check_usable()
-    tokens = _check_prompt(prompt)
+    tokens = check_prompt(prompt)
     if isinstance(step_size, str) and step_size != "auto":
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    check_timeout(timeout)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
             f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
             f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
         )
-    mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     timeout = timeout or stage.timeout
+    stage.settle(timeout)
+    mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
+    prefix = cache_offset(cache)
     try:
-        step = _agree_on_auto_step(model, stage, tokens.size, timeout) if step_size == "auto" else step_size
+        step = (
+            _agree_on_auto_step(model, stage, tokens.size, timeout, prefix) if step_size == "auto" else step_size
+        )
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
@@ -112,9 +115,10 @@ def pipeline_prefill(
         timeout=timeout,
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
         tracer=tracer_for(stage.rank, trace_dir),
+        prefix=prefix,
     )
     try:
-        with send_mode(model, "queue"):
+        with send_mode(model, "queue"), stage.executing_plan():
             runner.run()
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
@@ -124,15 +128,31 @@ def pipeline_prefill(
     return step
 
 
-def _agree_on_auto_step(model: nn.Module, stage: PipelineStage, num_tokens: int, timeout: float | None) -> int:
+def _agree_on_auto_step(
+    model: nn.Module, stage: PipelineStage, num_tokens: int, timeout: float | None, prefix: int
+) -> int:
     """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the step."""
-    table = handshake(stage, AutoRequest(num_tokens), STATUS_OK, timeout, needs_calibration=stage.cost_model is None)
+    table = handshake(
+        stage,
+        AutoRequest(num_tokens),
+        STATUS_OK,
+        timeout,
+        needs_calibration=stage.cost_model is None,
+        cache_offset=prefix,
+    )
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
     return choose_step(num_tokens, stage.cost_model)
 
 
-def _check_prompt(prompt: Any) -> mx.array:
+def check_timeout(timeout: Any) -> None:
+    """Raise ``ValueError`` unless ``timeout`` is a positive number of seconds or ``None``."""
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def check_prompt(prompt: Any) -> mx.array:
+    """``prompt`` if it is a non-empty 1-D integer ``mx.array``; else ``TypeError``/``ValueError`` naming the problem."""
     if not isinstance(prompt, mx.array):
         raise TypeError(f"prompt must be an mx.array of token ids, got {type(prompt).__name__}")
     if prompt.ndim != 1:
@@ -160,6 +180,7 @@ class _PlanRunner:
         timeout: float | None,
         quantize: Callable[[list[Any]], None],
         tracer: Tracer,
+        prefix: int = 0,
     ) -> None:
         self.model = model
         self.stage = stage
@@ -171,6 +192,7 @@ class _PlanRunner:
         self.timeout = timeout
         self.quantize = quantize
         self.tracer = tracer
+        self.prefix = prefix
         self.expected_receives = 0
         self.deferred: BaseException | None = None
 
@@ -179,7 +201,7 @@ class _PlanRunner:
         for action in self.plan.actions:
             if isinstance(action, Handshake):
                 with self.tracer.span("handshake"):
-                    table = handshake(self.stage, self.plan, self.status(), self.timeout)
+                    table = handshake(self.stage, self.plan, self.status(), self.timeout, cache_offset=self.prefix)
                 self.stop_if_asked(table["status"], step=None)
             elif isinstance(action, Send):
                 self.send(action)
@@ -213,7 +235,7 @@ class _PlanRunner:
             return
         processed = 0 if step is None else self.plan.completed_after(step)
         self.stage.send_queue.discard()
-        trimmed = trim_to(self.cache, processed)
+        trimmed = trim_to(self.cache, self.prefix + processed)
         if self.deferred is not None:
             raise self.deferred
         failed = [r for r, s in enumerate(statuses) if s == STATUS_FAILED]
@@ -222,8 +244,10 @@ class _PlanRunner:
         reason = f"rank(s) {failed} raised an error" if failed else f"rank(s) {asked} asked to cancel"
         raise PrefillCancelled(
             f"prefill stopped on {self.stage.describe()} at {where}: {reason}; "
-            f"{processed} of {self.plan.num_tokens - 1} prompt positions were processed by every rank",
+            f"{processed} of {self.plan.num_tokens - 1} prompt positions were processed by every rank"
+            + (f" after a reused prefix of {self.prefix}" if self.prefix else ""),
             processed=processed,
+            prefix=self.prefix,
             cache_trimmed=trimmed,
             failed_ranks=failed,
             cancelling_ranks=asked,
@@ -240,6 +264,41 @@ class _PlanRunner:
             queue.flush()
 
     def compute(self, action: Compute) -> None:
+        """Run the local layers on the chunk; an error of the model's own is deferred to the next agreement.
+
+        The failing rank still takes this chunk's input off the wire (so
+        nothing stale is left for the next request) and reports the failure
+        at the agreement point that closes this step, where every rank stops.
+        """
+        if self.deferred is not None:
+            return
+        try:
+            self._compute(action)
+        except (PipelineTimeoutError, PeerLostError, PipelineError):
+            raise
+        except Exception as exc:
+            self.deferred = exc
+            self._drain_receives(action)
+
+    def _drain_receives(self, action: Compute) -> None:
+        """Receive (and drop) the chunk's input from the previous rank if the failed compute did not."""
+        stage, chunk = self.stage, action.chunk
+        wanted = self.expected_receives
+        self.expected_receives = 0
+        received, stage.received[:] = list(stage.received), []
+        if wanted == 0:
+            return
+        if not received:
+            like = mx.zeros((1, chunk.length, stage.hidden_size), dtype=stage.dtype or mx.float32)
+            with mx.stream(stage.compute_stream):
+                received = [mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)]
+        wait_for(
+            received,
+            self.timeout,
+            lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
+        )
+
+    def _compute(self, action: Compute) -> None:
         chunk, stage = action.chunk, self.stage
         with mx.stream(stage.compute_stream):
             self.model(self.tokens[None, chunk.start : chunk.stop], cache=self.cache)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import weakref
+from collections import deque
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,10 +15,23 @@ import mlx.nn as nn
 from .caches import attach_dependency
 from .errors import NotShardedError, PipelineError
 from .send_queue import SendQueue
+from .waits import wait_for_scheduled
+
+class OpenRequest(Protocol):
+    """A request still holding the pipeline (an unfinished decode): the stage finishes it before the next one."""
+
+    def finish(self) -> None:
+        """Stop the request the way every rank agrees on, leaving nothing in flight; never raises."""
+        ...
+
 
 SendMode = Literal["immediate", "queue"]
 SEND_MODES: tuple[SendMode, ...] = ("immediate", "queue")
 STAGE_ATTRIBUTE = "_pipemlx_stage"
+OUTSTANDING_OUTPUTS = 4
+"""Immediate-mode outputs remembered for :meth:`PipelineStage.settle` (mlx-lm leaves one step in flight)."""
+EXIT_TIMEOUT = 10.0
+"""Seconds the end of the program may wait for what a stage left in flight."""
 
 
 class PipelineStage:
@@ -59,7 +75,13 @@ class PipelineStage:
         self._mode: SendMode = "immediate"
         self._detached = False
         self._broadcast = True
+        self._executing_plan = False
+        self.outstanding: deque[mx.array] = deque(maxlen=OUTSTANDING_OUTPUTS)
+        self.open_request: OpenRequest | None = None
+        self.last_stop: Any = None  # a pipemlx.generate.DecodeStop once a decode has ended
         self.cost_model: Any = None  # set by pipemlx.autostep once the group has calibrated
+        if self.world_size > 1:
+            _finish_at_exit(self)
 
     @property
     def mode(self) -> SendMode:
@@ -90,7 +112,6 @@ class PipelineStage:
             yield
         finally:
             self._detached = False
-        self._broadcast = True
 
     @contextmanager
     def without_broadcast(self) -> Generator[None, None, None]:
@@ -103,6 +124,46 @@ class PipelineStage:
             yield
         finally:
             self._broadcast = True
+
+    @contextmanager
+    def executing_plan(self) -> Generator[None, None, None]:
+        """Within the block the prefill executor drives the model: forward passes in queue mode are allowed.
+
+        Outside it, calling the model in queue mode raises :class:`PipelineError`:
+        the last local layer only queues its output there, so the logits would be
+        computed from this rank's partial hidden state.
+        """
+        self._executing_plan = True
+        try:
+            yield
+        finally:
+            self._executing_plan = False
+
+    def settle(self, timeout: float | None) -> None:
+        """Leave nothing in flight before a new collective: finish an open request, drain what mlx-lm left.
+
+        mlx-lm's ``generate_step`` evaluates step n+1 before yielding token n; a
+        pipemlx decode whose consumer stopped without closing it leaves a step
+        unagreed. Both hold collectives, and a collective started before they
+        complete would interleave with theirs on the wire. Every pipemlx entry
+        point calls this first, so no caller has to synchronize by hand. The
+        drain is bounded by ``timeout``; a failure marks the stage broken.
+        """
+        self.check_usable()
+        request, self.open_request = self.open_request, None
+        if request is not None:
+            request.finish()
+            self.check_usable()
+        pending = list(self.outstanding)
+        self.outstanding.clear()
+        if pending:
+            try:
+                wait_for_scheduled(
+                    pending, timeout, lambda: f"{self.describe()} completing the step mlx-lm left in flight"
+                )
+            except Exception as exc:
+                self.mark_broken(exc)
+                raise
 
     def mark_broken(self, reason: BaseException) -> None:
         """Record that a wait failed: a communication may still be blocked in MLX."""
@@ -132,6 +193,15 @@ class PipelineStage:
         if self._detached:
             return output
         if self._mode == "queue":
+            if not self._executing_plan:
+                self.send_queue.discard()
+                self.received.clear()
+                raise PipelineError(
+                    f"{self.describe()}: the model was called inside send_mode(model, 'queue') outside "
+                    "pipemlx.pipeline_prefill; in queue mode the last local layer only queues its output, so "
+                    "the logits would come from this rank's partial hidden state. Decode outside the block "
+                    "(pipemlx.generate_step)"
+                )
             if not self.is_last:
                 self.send_queue.put(output, self.rank + 1)
             return output
@@ -141,6 +211,7 @@ class PipelineStage:
             output = mx.distributed.all_gather(output, group=self.group)[-output.shape[0] :]
         if cache is not None:
             attach_dependency(cache, output)
+        self.outstanding.append(output)
         return output
 
     def describe(self) -> str:
@@ -169,3 +240,19 @@ def is_sharded(model: nn.Module) -> bool:
 def ensure_unsharded(model: nn.Module) -> None:
     if is_sharded(model):
         raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")
+
+
+def _finish_at_exit(stage: PipelineStage) -> None:
+    """At interpreter exit, finish what ``stage`` left in flight so that peers are not cut off mid-step."""
+    reference = weakref.ref(stage)
+
+    def finish() -> None:
+        live = reference()
+        if live is None or live.broken is not None:
+            return
+        try:
+            live.settle(min(EXIT_TIMEOUT, live.timeout or EXIT_TIMEOUT))
+        except Exception:  # the program is ending: a peer that went first is not this rank's error
+            pass
+
+    atexit.register(finish)

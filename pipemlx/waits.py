@@ -26,22 +26,51 @@ def wait_for(arrays: Any, timeout: float | None, describe: Callable[[], str]) ->
     if timeout is None:
         _translate(lambda: mx.eval(arrays), describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
         return
+    _in_helper_thread(lambda: mx.eval(arrays), timeout, describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
+
+
+def _in_helper_thread(work: Callable[[], None], timeout: float | None, describe: Callable[[], str]) -> None:
+    """Run ``work`` in a daemon thread and wait at most ``timeout`` seconds for it (``None``: no limit)."""
     failure: list[BaseException] = []
     done = threading.Event()
 
-    def evaluate() -> None:
+    def run() -> None:
         try:
-            mx.eval(arrays)  # pyright: ignore[reportUnknownMemberType]
+            work()
         except BaseException as exc:  # handed to the waiting thread
             failure.append(exc)
         finally:
             done.set()
 
-    threading.Thread(target=evaluate, name="pipemlx-wait", daemon=True).start()
+    threading.Thread(target=run, name="pipemlx-wait", daemon=True).start()
     if not done.wait(timeout):
         raise PipelineTimeoutError(f"{describe()}: no progress after {timeout:g} s")
     if failure:
         _translate(lambda: _reraise(failure[0]), describe)
+
+
+NOT_THIS_THREAD_MARKER = "in current thread"
+
+
+def wait_for_scheduled(arrays: list[mx.array], timeout: float | None, describe: Callable[[], str]) -> None:
+    """Wait, as :func:`wait_for` does, for those of ``arrays`` that MLX was asked to evaluate; skip the rest.
+
+    The arrays are evaluated in a helper thread. An array on a thread-local
+    stream (mlx-lm's generation stream, the default stream) that its own thread
+    never scheduled cannot be evaluated there: MLX says so, and such an array is
+    not in flight, so it is skipped rather than evaluated (which would start
+    communication the other ranks never will).
+    """
+
+    def evaluate() -> None:
+        for array in arrays:
+            try:
+                mx.eval(array)  # pyright: ignore[reportUnknownMemberType]
+            except RuntimeError as exc:
+                if NOT_THIS_THREAD_MARKER not in str(exc):
+                    raise
+
+    _in_helper_thread(evaluate, timeout, describe)
 
 
 def _reraise(exc: BaseException) -> None:
