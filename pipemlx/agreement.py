@@ -108,6 +108,8 @@ def handshake(
 STATUS_OK = 0
 STATUS_CANCEL = 1
 STATUS_FAILED = 2
+STATUS_CHUNK_FAILED = 3
+"""Failed in the model itself: this rank's chunk of the step being closed is not in its cache."""
 
 
 def agree_on_step(stage: PipelineStage, step: int, status: int, timeout: float | None) -> list[int]:
@@ -115,7 +117,8 @@ def agree_on_step(stage: PipelineStage, step: int, status: int, timeout: float |
 
     It returns once every rank has finished the step. ``status`` is
     :data:`STATUS_OK`, :data:`STATUS_CANCEL` (the caller's ``should_cancel`` said
-    yes) or :data:`STATUS_FAILED` (an error was raised on this rank since the
+    yes), :data:`STATUS_CHUNK_FAILED` (the model raised while computing this
+    step's chunk) or :data:`STATUS_FAILED` (an error was raised on this rank since the
     last agreement point); the caller stops when any rank's status is not OK.
     """
     rows = gather_ints(stage, [step, status], timeout, f"the agreement closing step {step}")

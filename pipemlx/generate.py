@@ -34,8 +34,8 @@ from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyrig
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
-from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK
-from .caches import cache_state
+from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
+from .caches import cache_offset, cache_state, trim_to
 from .errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
 from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
 from .stage import PipelineStage, stage_of
@@ -46,7 +46,7 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 ProgressCallback = Callable[[int, int], Any]
 CancelCheck = Callable[[], bool]
 
-STATUS_END = 3
+STATUS_END = 4
 """A rank's word in the trailing step after the last token (``max_tokens`` reached): end, no token wanted."""
 DECODE_KIND = 7_771
 """First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
@@ -325,6 +325,7 @@ class _Request:
         self.cache: list[Any] = []
         self.history: mx.array | None = None
         self.deferred: BaseException | None = None
+        self.vocab_size = 0
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -368,7 +369,10 @@ class _Request:
             status = STATUS_END if n == self.max_tokens else self._poll(should_cancel)
             result = self._step(inputs, n, status)
             if n == 0 and progress is not None:
-                progress(num_tokens, num_tokens)
+                try:
+                    progress(num_tokens, num_tokens)
+                except Exception as exc:  # acted on in the next step's agreement, by every rank
+                    self.deferred = exc
             if any(s != STATUS_OK for s in result.statuses):
                 self._end(result.statuses, n)
                 return
@@ -397,7 +401,7 @@ class _Request:
 
     def _end(self, statuses: list[int], n: int) -> None:
         """Record why the decode ended (the same on every rank); re-raise this rank's own error."""
-        failed = tuple(r for r, s in enumerate(statuses) if s == STATUS_FAILED)
+        failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
         asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
         if failed:
             self.stage.last_stop = DecodeStop("failed", n, failed)
@@ -412,9 +416,15 @@ class _Request:
         """One forward pass of every rank and the all-gather that shares the token and every rank's status."""
         stage = self.stage
         mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
+        offset = cache_offset(self.cache)
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
-                share, logprobs = self._build(inputs, index, status)
+                stage.last_receive = None
+                try:
+                    share, logprobs = self._build(inputs, index, status)
+                except Exception as exc:  # the model failed here: stand in for this rank's part, report it
+                    self.deferred = self.deferred or exc
+                    share, logprobs = self._stand_in(inputs, index), None
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
             waited = [share] if logprobs is None else [share, logprobs]
@@ -424,10 +434,28 @@ class _Request:
             raise
         rows = _rows(share, stage.world_size)
         _check_rows(rows, stage)
+        if any(int(row[2]) == STATUS_CHUNK_FAILED for row in rows):
+            trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
         last = rows[-1]
         if self.share_logprobs and not stage.is_last:
             logprobs = mx.array(last[len(HEADER) :])
         return _StepResult(int(last[3]), logprobs, [int(row[2]) for row in rows])
+
+    def _stand_in(self, inputs: mx.array, index: int) -> mx.array:
+        """After a model error: take the step's input off the wire, pass zeros on, and say ``chunk failed``."""
+        stage = self.stage
+        like = mx.zeros((1, inputs.size, stage.hidden_size), dtype=stage.dtype or mx.float32)
+        moved: list[mx.array] = []
+        if not stage.is_first:  # the failed pass may have built its receive already: that one must run
+            received = stage.last_receive
+            moved.append(received if received is not None else mx.distributed.recv_like(like, stage.rank - 1, group=stage.group))
+        if not stage.is_last:
+            moved.append(mx.distributed.send(like, stage.rank + 1, group=stage.group))
+        header = mx.array([DECODE_KIND, index, STATUS_CHUNK_FAILED, 0, self.max_tokens, self.stop_fingerprint])
+        share = cast(mx.array, mx.depends(header.astype(mx.float32), moved))  # pyright: ignore[reportUnknownMemberType]
+        if self.share_logprobs:
+            share = mx.concatenate([share, mx.zeros((self.vocab_size,), dtype=mx.float32)])
+        return share
 
     def _build(self, inputs: mx.array, index: int, status: int) -> tuple[mx.array, mx.array | None]:
         """This rank's part of a step, lazily: the share vector for the all-gather and (last rank) the logprobs."""
@@ -441,7 +469,8 @@ class _Request:
             evaluated = [a for _, a in leaves if isinstance(a, mx.array)]
             header = cast(mx.array, mx.depends(header, evaluated))  # pyright: ignore[reportUnknownMemberType]
             if self.share_logprobs:
-                header = mx.concatenate([header, mx.zeros((output.shape[-1],), dtype=mx.float32)])
+                self.vocab_size = output.shape[-1]
+                header = mx.concatenate([header, mx.zeros((self.vocab_size,), dtype=mx.float32)])
             return header, None
         logits = output[:, -1, :]
         if self.logits_processors:
@@ -452,6 +481,7 @@ class _Request:
         token = self.sampler(logprobs).reshape(1).astype(mx.float32)
         share = mx.concatenate([header[:3], token, header[4:]])
         if self.share_logprobs:
+            self.vocab_size = logprobs.shape[-1]
             share = mx.concatenate([share, logprobs.reshape(-1).astype(mx.float32)])
         return share, logprobs.squeeze(0)
 

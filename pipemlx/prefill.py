@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
-from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
+from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
 from .autostep import AutoRequest, calibrate, choose_step
 from .caches import cache_offset, cache_state, trim_to
 from .errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
@@ -195,6 +195,7 @@ class _PlanRunner:
         self.prefix = prefix
         self.expected_receives = 0
         self.deferred: BaseException | None = None
+        self.chunk_failed = False
 
     def run(self) -> None:
         """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
@@ -219,7 +220,7 @@ class _PlanRunner:
     def status(self) -> int:
         """This rank's word at an agreement point: failed, cancel, or OK."""
         if self.deferred is not None:
-            return STATUS_FAILED
+            return STATUS_CHUNK_FAILED if self.chunk_failed else STATUS_FAILED
         if self.should_cancel is not None:
             try:
                 if self.should_cancel():
@@ -233,12 +234,14 @@ class _PlanRunner:
         """When any rank's status is not OK, leave a consistent state and raise, on every rank alike."""
         if all(s == STATUS_OK for s in statuses):
             return
-        processed = 0 if step is None else self.plan.completed_after(step)
+        # A chunk the model failed on is in no cache of that rank: count only the steps before it.
+        closed = step if step is None or STATUS_CHUNK_FAILED not in statuses else step - 1
+        processed = 0 if closed is None else self.plan.completed_after(closed)
         self.stage.send_queue.discard()
         trimmed = trim_to(self.cache, self.prefix + processed)
         if self.deferred is not None:
             raise self.deferred
-        failed = [r for r, s in enumerate(statuses) if s == STATUS_FAILED]
+        failed = [r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED)]
         asked = [r for r, s in enumerate(statuses) if s == STATUS_CANCEL]
         where = "the handshake" if step is None else f"the agreement closing step {step}"
         reason = f"rank(s) {failed} raised an error" if failed else f"rank(s) {asked} asked to cancel"
@@ -270,14 +273,14 @@ class _PlanRunner:
         nothing stale is left for the next request) and reports the failure
         at the agreement point that closes this step, where every rank stops.
         """
-        if self.deferred is not None:
-            return
         try:
             self._compute(action)
         except (PipelineTimeoutError, PeerLostError, PipelineError):
             raise
         except Exception as exc:
-            self.deferred = exc
+            if self.deferred is None:
+                self.deferred = exc
+            self.chunk_failed = True
             self._drain_receives(action)
 
     def _drain_receives(self, action: Compute) -> None:

@@ -69,6 +69,7 @@ class PipelineStage:
         self.compute_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.send_queue = SendQueue(group, mx.new_thread_unsafe_stream(mx.default_device()))
         self.received: list[mx.array] = []
+        self.last_receive: mx.array | None = None  # the latest receive built, whatever the mode
         self.broken: str | None = None
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
@@ -183,6 +184,7 @@ class PipelineStage:
         if self._detached:
             return like
         received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
+        self.last_receive = received
         if self._mode == "queue":
             self.received.append(received)
         return received
