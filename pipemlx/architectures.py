@@ -231,9 +231,19 @@ def bookkeeping_attributes(owner: nn.Module) -> list[str]:
     return sorted(n for n in names if BOOKKEEPING.search(n) and n not in HARMLESS)
 
 
-def check_architecture(model: nn.Module, owner: nn.Module, local: range) -> None:
-    """Raise :class:`PipelineError` if ``model`` cannot be pipelined; call before changing anything."""
+def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_unregistered: bool = False) -> None:
+    """Raise :class:`PipelineError` if ``model`` cannot be pipelined; call before changing anything.
+
+    Architectures missing from the registry are refused unless ``allow_unregistered`` (for experiments);
+    even then one that keeps bookkeeping over its whole layer list is refused.
+    """
     entry = architecture_of(model)
+    if entry is None and not allow_unregistered:
+        known = ", ".join(sorted(m.rsplit(".", 1)[-1] for m in ARCHITECTURES))
+        raise PipelineError(
+            f"{type(model).__module__} is not an architecture pipemlx has been verified on (it covers: {known}); "
+            "pass allow_unregistered=True to shard_model to try it anyway"
+        )
     if entry is None:
         suspicious = bookkeeping_attributes(owner)
         if suspicious:

@@ -95,6 +95,7 @@ def shard_model(
     split: SplitSpec = None,
     memory: MemorySpec = None,
     timeout: float | None = DEFAULT_TIMEOUT,
+    allow_unregistered: bool = False,
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -117,7 +118,9 @@ def shard_model(
     keeps are evaluated, so a lazily loaded model materialises its share only.
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
-    wait of :func:`pipemlx.pipeline_prefill` on this model.
+    wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
+    Architectures pipemlx has not been verified on are refused, naming the
+    ones it covers, unless ``allow_unregistered=True``.
     Raises ``ValueError``/``TypeError`` for a bad split, and
     :class:`PipelineError` for a model it cannot shard, before changing anything.
     """
@@ -128,7 +131,7 @@ def shard_model(
     layers = cast(list[nn.Module], owner[attribute])
     sizes = choose_split(split, memory, model, owner, layers, group.size())
     local = layer_range(sizes, group.rank())
-    check_architecture(model, owner, local)
+    check_architecture(model, owner, local, allow_unregistered)
     local_caches = local_cache_factory(model, len(layers), local)
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])

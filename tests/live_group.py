@@ -46,8 +46,10 @@ class LiveGroup:
                 subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
             )
 
-    def ask(self, command: dict[str, Any], timeout: float | None = None) -> list[dict[str, Any]]:
-        """Send ``command`` to every rank; return every rank's answer (a dict), by rank."""
+    def ask(
+        self, command: dict[str, Any], timeout: float | None = None, ranks: list[int] | None = None
+    ) -> list[dict[str, Any]]:
+        """Send ``command`` to every rank; return the answers (dicts) of ``ranks`` (default: all), by rank."""
         line = (json.dumps(command) + "\n").encode()
         for proc in self.procs:
             assert proc.stdin is not None
@@ -57,7 +59,21 @@ class LiveGroup:
             except BrokenPipeError:
                 self.fail(f"a rank had exited before {command}")
         deadline = time.monotonic() + (timeout or self.timeout)
-        return [json.loads(self._read_line(rank, deadline, command)) for rank in range(len(self.procs))]
+        wanted = range(len(self.procs)) if ranks is None else ranks
+        return [json.loads(self._read_line(rank, deadline, command)) for rank in wanted]
+
+    def read(self, rank: int, timeout: float | None = None) -> dict[str, Any]:
+        """The next answer of ``rank`` (one that :meth:`ask` did not wait for)."""
+        return json.loads(self._read_line(rank, time.monotonic() + (timeout or self.timeout), {"read": rank}))
+
+    def end_input(self) -> None:
+        """Close every rank's stdin: the rank programs end as they would in production, on their own."""
+        for proc in self.procs:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
 
     def _read_line(self, rank: int, deadline: float, command: dict[str, Any]) -> str:
         proc = self.procs[rank]
@@ -98,12 +114,7 @@ class LiveGroup:
 
     def close(self) -> list[int | None]:
         """Ask every rank to exit normally; return their exit statuses (killed after the deadline)."""
-        for proc in self.procs:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
+        self.end_input()
         deadline = time.monotonic() + self.timeout
         for proc in self.procs:
             try:

@@ -128,6 +128,15 @@ def test_unregistered_architecture_with_layer_bookkeeping_is_refused() -> None:
         pipemlx.PipelineError,
         match=r"mlx_lm.models.exaone4 is not supported by pipemlx yet: ExaoneModel keeps bookkeeping .*\(full_idx, swa_idx\)",
     ):
+        pipemlx.shard_model(model, FakeGroup(0, 2), allow_unregistered=True)  # type: ignore[arg-type]
+    assert list(model.layers) == layers
+
+
+def test_unregistered_architecture_is_refused_naming_the_covered_ones() -> None:
+    """A family the registry does not cover (hunyuan, exaone4, ...) is refused unless explicitly allowed."""
+    model = build_model(dict(EXAONE4))
+    layers = list(model.layers)
+    with pytest.raises(pipemlx.PipelineError, match=r"exaone4 is not an architecture pipemlx has been verified on .*llama.*qwen3"):
         pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
     assert list(model.layers) == layers
 

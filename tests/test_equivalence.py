@@ -41,6 +41,8 @@ def check_reports(reports: list[dict[str, Any]], num_ranks: int) -> int:
             if step["kind"] == "queue_exception":
                 assert step["mode_after"] == "immediate", where
                 assert step["queued_after"] == 0, where
+                is_last = report["rank"] == num_ranks - 1
+                assert step["queued_inside"] == (0 if is_last else 1), where
                 continue
             assert step["tokens"] == step["ref_tokens"], where
             assert step["progress"] == step["ref_progress"], where

@@ -57,7 +57,10 @@ def main() -> None:
         entry: dict[str, Any] = dict(s)
         if s["kind"] == "queue_exception":
             try:
-                with pipemlx.send_mode(model, "queue"):
+                stage = pipemlx.stage_of(model)
+                with pipemlx.send_mode(model, "queue"), stage.executing_plan():
+                    model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model))  # queues a send (rank < last)
+                    entry["queued_inside"] = len(stage.send_queue)
                     raise KeyError("left by an exception")
             except KeyError:
                 pass

@@ -78,7 +78,7 @@ def main() -> None:
         outcome: dict[str, Any] = {"request": request, "error": None}
         try:
             if fault["kind"] == "queue_exception":
-                with pipemlx.send_mode(model, "queue"):
+                with pipemlx.send_mode(model, "queue"), pipemlx.stage_of(model).executing_plan():
                     model(prompt[None, :4], cache=cache)
                     raise RuntimeError("left the queue block by an exception")
             pipemlx.pipeline_prefill(

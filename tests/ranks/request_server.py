@@ -22,7 +22,9 @@ End of input: the program simply ends (no barrier, no synchronize).
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -188,6 +190,9 @@ class Server:
             ):
                 ref_tokens.append(token)
         mx.eval([c.state for c in self.ref_cache])
+        undone = self.ref_cache[0].offset - self.cache[0].offset
+        if outcome.get("last_stop") and outcome["last_stop"][0] == "failed" and undone > 0:
+            trim_prompt_cache(self.ref_cache, undone)  # pipemlx undoes a decode step the model failed in
         return {"ref_tokens": ref_tokens, "ref_offset": self.ref_cache[0].offset}
 
     def plain(self, command: dict[str, Any]) -> dict[str, Any]:
@@ -202,10 +207,37 @@ class Server:
         return {"rank": self.rank, "tokens": got[0], "ref_tokens": got[1], "outcome": "done"}
 
 
+    def fault(self, command: dict[str, Any]) -> None:
+        """Decode with a fault on one rank ("die": os._exit(3), "stall": sleep) at token ``token``.
+
+        The survivors answer the error they raised and how long after their
+        last token it came, then leave with os._exit(0): after a lost peer or
+        a timeout MLX's normal teardown can block.
+        """
+        fault = command["fault"]
+        prompt = prompt_of(command["M"], command["seed"], self.config["vocab_size"])
+        last = time.monotonic()
+        answer: dict[str, Any] = {"rank": self.rank, "outcome": "done"}
+        try:
+            for n, _ in enumerate(pipemlx.generate_step(prompt, self.model, max_tokens=command["max_tokens"])):
+                last = time.monotonic()
+                if self.rank == fault["rank"] and n == fault["token"]:
+                    if fault["kind"] == "die":
+                        os._exit(3)
+                    time.sleep(fault["seconds"])
+                    os._exit(4)
+        except pipemlx.PipelineError as exc:
+            answer.update(outcome=type(exc).__name__, message=str(exc), after=time.monotonic() - last)
+        print(json.dumps(answer), flush=True)
+        os._exit(0)
+
+
 def main() -> None:
     server = Server(json.loads(sys.argv[1]))
     for line in sys.stdin:
         command = json.loads(line)
+        if command["op"] == "fault":
+            server.fault(command)
         answer = server.request(command) if command["op"] == "request" else server.plain(command)
         print(json.dumps(answer), flush=True)
 

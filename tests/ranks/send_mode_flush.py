@@ -18,7 +18,7 @@ def main() -> None:
     report: dict[str, object] = {"rank": group.rank()}
     if group.rank() == 0:
         cache = make_prompt_cache(model)
-        with pipemlx.send_mode(model, "queue") as queue:
+        with pipemlx.send_mode(model, "queue") as queue, pipemlx.stage_of(model).executing_plan():
             outs = [model.model(mx.array([[1, 2, 3]]), cache=cache), model.model(mx.array([[4, 5, 6]]), cache=cache)]
             report["queued_inside"] = len(queue)
             sent = [p.array for p in queue.pending]

@@ -1,0 +1,215 @@
+"""The whole request on a live group: pipemlx.generate_step against one-process mlx-lm with the same cache history.
+
+Every rank holds the sharded model and a reference (the whole model, mlx-lm's
+own generate_step) and applies each request to both (tests/ranks/request_server.py).
+Nothing here calls mx.synchronize or a barrier: the library must leave nothing in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from live_group import LiveGroup
+
+TIMEOUT = 20.0
+BASE: dict[str, Any] = {"op": "request", "M": 13, "seed": 1, "step": 4, "max_tokens": 6}
+
+
+def check_answers(command: dict[str, Any], answers: list[dict[str, Any]]) -> None:
+    """Every rank yields the same tokens, equal to mlx-lm's, and holds what the reference holds."""
+    where = f"{command} -> {answers}"
+    assert len({tuple(a["tokens"]) for a in answers}) == 1, where
+    for a in answers:
+        assert a["tokens"] == a["ref_tokens"], where
+        if a.get("offset") is not None:
+            assert a["offset"] == a["ref_offset"], where
+    if "then" in answers[0]:
+        check_answers(command["then"], [a["then"] for a in answers])
+
+
+SCENARIO: list[dict[str, Any]] = [
+    BASE,
+    {**BASE, "M": 1},
+    {**BASE, "M": 30, "step": 64},
+    {**BASE, "temp": 0.8, "seed": 2},
+    {**BASE, "stop": {"rank": 1, "after": 2, "how": "break"}},
+    {**BASE, "reuse": True, "trim_to": 10, "M": 5},
+    {**BASE, "stop": {"rank": 0, "after": 3, "how": "abandon"}, "then": {**BASE, "seed": 9}},
+    {**BASE, "M": 20, "cancel_prefill": {"rank": 1, "at": 3}},
+    {**BASE, "reuse": True, "M": 20, "cancel_prefill": {"rank": 0, "at": 2}},
+    {"op": "plain", "M": 9, "seed": 4, "step": 4, "take": 3},
+    {**BASE, "raise_progress": {"rank": 1, "at": 2}},
+    {**BASE, "model_error": {"rank": 0, "chunk": 1}},
+    {**BASE, "reuse": True, "M": 6},
+    {**BASE, "model_error": {"rank": -1, "chunk": 0}},
+    {**BASE, "decode_error": {"rank": 1, "token": 2}},
+    {**BASE, "reuse": True, "M": 3},
+    {**BASE, "cancel_decode": {"rank": -1, "after": 2}},
+    {**BASE, "stop": {"rank": 0, "after": 1, "how": "raise"}},
+    {**BASE, "stop": {"rank": -1, "after": 4, "how": "close"}},
+    {**BASE, "raise_progress": {"rank": 0, "at": 5}},
+    BASE,
+]
+
+
+def resolve(command: dict[str, Any], num_ranks: int) -> dict[str, Any]:
+    """Rank -1 in a fault means the last rank."""
+    resolved = dict(command)
+    for key, value in command.items():
+        if isinstance(value, dict) and value.get("rank") == -1:
+            resolved[key] = {**value, "rank": num_ranks - 1}
+        elif key == "then":
+            resolved[key] = resolve(value, num_ranks)
+    return resolved
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_request_sequence_matches_mlx_lm(num_ranks: int) -> None:
+    group = LiveGroup(num_ranks, "request_server.py", {"timeout": TIMEOUT})
+    try:
+        outcomes = []
+        for raw in SCENARIO:
+            command = resolve(raw, num_ranks)
+            answers = group.ask(command)
+            check_answers(command, answers)
+            outcomes.append([a.get("outcome") for a in answers])
+        # The stops were agreed: the failing rank re-raises its own error, the others stop cleanly.
+        by_command = {i: o for i, o in enumerate(outcomes)}
+        assert by_command[7] == ["cancelled"] * num_ranks
+        assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
+        assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
+        assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
+    finally:
+        statuses = group.close()
+    assert statuses == [0] * num_ranks
+
+
+def test_prefix_reuse_cancelled_prefill_keeps_the_prefix() -> None:
+    """Cancel right after the handshake: the cache keeps exactly the reused prefix on every rank."""
+    group = LiveGroup(2, "request_server.py", {"timeout": TIMEOUT})
+    try:
+        group.ask({**BASE, "M": 31})  # 31 prompt + 6 generated
+        command = {**BASE, "reuse": True, "trim_to": 30, "M": 20, "cancel_prefill": {"rank": 1, "at": 1}}
+        answers = group.ask(command)
+        check_answers(command, answers)
+        assert [(a["outcome"], a["prefix"], a["offset"]) for a in answers] == [("cancelled", 30, 30)] * 2
+        assert [a["processed"] for a in answers] == [0, 0]
+    finally:
+        assert group.close() == [0, 0]
+
+
+@pytest.mark.parametrize("last", ["abandon", "plain"])
+def test_rank_programs_that_simply_end_exit_cleanly(last: str) -> None:
+    """No barrier, no synchronize: a rank that ends with a step in flight or an open decode disturbs nobody."""
+    group = LiveGroup(2, "request_server.py", {"timeout": TIMEOUT})
+    group.ask(BASE)
+    if last == "abandon":
+        # Rank 0 keeps its generator open after 2 tokens and ends; rank 1 is still waiting for token 3.
+        group.ask({**BASE, "stop": {"rank": 0, "after": 2, "how": "abandon"}}, ranks=[0])
+        group.end_input()
+        answer = group.read(1)
+        assert answer["tokens"] == answer["ref_tokens"] and len(answer["tokens"]) == 2
+        assert answer["last_stop"] == ["cancelled", 2, [0]]
+    else:
+        group.ask({"op": "plain", "M": 9, "seed": 4, "step": 4, "take": 3})  # mlx-lm leaves one step in flight
+    assert group.close() == [0, 0]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize("kind", ["die", "stall"])
+def test_decode_faults_end_in_typed_errors_within_the_bound(kind: str, num_ranks: int) -> None:
+    timeout = 3.0
+    group = LiveGroup(num_ranks, "request_server.py", {"timeout": timeout}, timeout=60)
+    faulty = 1
+    command = {"op": "fault", "M": 9, "seed": 2, "max_tokens": 8, "fault": {"kind": kind, "rank": faulty, "token": 2, "seconds": 20}}
+    survivors = [r for r in range(num_ranks) if r != faulty]
+    try:
+        answers = group.ask(command, ranks=survivors)
+    finally:
+        group.kill()
+    typed = {"PeerLostError", "PipelineTimeoutError"}
+    for answer in answers:
+        assert answer["outcome"] in typed, answer
+        assert answer["after"] <= timeout + 3, answer
+    outcomes = [a["outcome"] for a in answers]
+    if kind == "die":  # the dead rank's ring neighbours see the lost connection (others may time out first)
+        assert "PeerLostError" in outcomes, answers
+    else:
+        assert outcomes == ["PipelineTimeoutError"] * len(survivors), answers
+    group.close()
+
+
+class RequestMachine(RuleBasedStateMachine):
+    """Random request sequences on one live 2-rank group, each compared with mlx-lm holding the same history."""
+
+    group: LiveGroup | None = None
+
+    @initialize()
+    def fresh(self) -> None:
+        assert RequestMachine.group is not None
+        self.has_cache = False
+        self.offset = 0
+
+    def ask(self, command: dict[str, Any]) -> list[dict[str, Any]]:
+        assert RequestMachine.group is not None
+        answers = RequestMachine.group.ask(command)
+        check_answers(command, answers)
+        final = answers[0].get("then", answers[0])
+        self.has_cache = final.get("offset") is not None
+        self.offset = final.get("offset") or 0
+        return answers
+
+    @rule(m=st.integers(1, 24), step=st.sampled_from([1, 3, 8]), temp=st.sampled_from([0.0, 0.9]), seed=st.integers(0, 9))
+    def new_request(self, m: int, step: int, temp: float, seed: int) -> None:
+        self.ask({**BASE, "M": m, "step": step, "temp": temp, "seed": seed, "max_tokens": 4})
+
+    @rule(rank=st.integers(0, 1), after=st.integers(1, 3), how=st.sampled_from(["break", "close", "raise", "abandon"]))
+    def abandoned_on_one_rank(self, rank: int, after: int, how: str) -> None:
+        command: dict[str, Any] = {**BASE, "max_tokens": 5, "stop": {"rank": rank, "after": after, "how": how}}
+        if how == "abandon":
+            command["then"] = {**BASE, "seed": 3, "max_tokens": 3}
+        self.ask(command)
+
+    @rule(rank=st.integers(0, 1), at=st.integers(1, 5))
+    def cancel_mid_prefill(self, rank: int, at: int) -> None:
+        self.ask({**BASE, "M": 17, "cancel_prefill": {"rank": rank, "at": at}})
+
+    @precondition(lambda self: self.has_cache and self.offset > 2)
+    @rule(keep=st.integers(1, 40), m=st.integers(1, 10))
+    def prefix_reuse_with_trim(self, keep: int, m: int) -> None:
+        self.ask({**BASE, "reuse": True, "trim_to": min(keep, self.offset - 1), "M": m, "max_tokens": 3})
+
+    @rule(take=st.integers(1, 4))
+    def plain_mlx_lm(self, take: int) -> None:
+        self.ask({"op": "plain", "M": 7, "seed": 5, "step": 3, "take": take})
+
+    @rule(rank=st.integers(0, 1), at=st.integers(1, 4))
+    def raising_callback(self, rank: int, at: int) -> None:
+        self.ask({**BASE, "raise_progress": {"rank": rank, "at": at}})
+
+
+def test_request_state_machine() -> None:
+    RequestMachine.group = LiveGroup(2, "request_server.py", {"timeout": TIMEOUT})
+    try:
+        from hypothesis.stateful import run_state_machine_as_test
+
+        run_state_machine_as_test(
+            RequestMachine,
+            settings=settings(
+                max_examples=6,
+                stateful_step_count=6,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+                derandomize=True,
+                database=None,
+            ),
+        )
+    finally:
+        statuses = RequestMachine.group.close()
+        RequestMachine.group = None
+    assert statuses == [0, 0]
