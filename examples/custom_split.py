@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
 
 

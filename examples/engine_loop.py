@@ -26,7 +26,7 @@ from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
 
 

@@ -16,13 +16,13 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
-from .lean_decode import lean_generate_step
-from .loading import load_sharded
-from .prefill import pipeline_prefill
-from .send_mode import send_mode
-from .send_queue import SendQueue
-from .sharding import shard_model
-from .stage import PipelineStage, stage_of
+from .runtime.lean_decode import lean_generate_step
+from .models.loading import load_sharded
+from .runtime.prefill import pipeline_prefill
+from .runtime.send_mode import send_mode
+from .runtime.send_queue import SendQueue
+from .models.sharding import shard_model
+from .runtime.stage import PipelineStage, stage_of
 
 __version__ = "0.1.0"
 

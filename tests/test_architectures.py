@@ -16,9 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from conftest import run_ranks
 from fakes import FakeGroup
-from pipemlx.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
-from pipemlx.sharding import find_layer_list
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
+from pipemlx.models.sharding import find_layer_list
+from pipemlx.testing import build_model, tiny_config
 
 # arch -> split per world size (None: even).
 MATRIX: dict[str, dict[int, list[int] | None]] = {

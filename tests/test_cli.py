@@ -16,8 +16,8 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from pipemlx import cli
-from pipemlx.cli_generate import default_step_size
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.cli.generate import default_step_size
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def test_png_without_matplotlib(capsys: pytest.CaptureFixture[str], monkeypatch:
 
 
 def test_plan_when_memory_split_is_missing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", None)  # import pipemlx.memory_split now fails
+    monkeypatch.setitem(sys.modules, "pipemlx.schedule.memory_split", None)  # import pipemlx.memory_split now fails
     code, err = run_cli(capsys, "plan", "model", "--ranks", "3")
     assert code == 2 and "pipemlx plan: error: not available in this build" in err
 
@@ -132,9 +132,9 @@ def test_plan_hands_its_arguments_over(capsys: pytest.CaptureFixture[str], monke
         seen.append(argv)
         return 7
 
-    fake = types.ModuleType("pipemlx.memory_split")
+    fake = types.ModuleType("pipemlx.schedule.memory_split")
     fake.plan_main = plan_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", fake)
+    monkeypatch.setitem(sys.modules, "pipemlx.schedule.memory_split", fake)
     code, _ = run_cli(capsys, "plan", "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
     assert code == 7 and seen == [["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"]]
 

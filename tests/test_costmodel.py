@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from conftest import run_ranks
-from pipemlx.costmodel import (
+from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
     attention_pairs,
@@ -21,10 +21,10 @@ from pipemlx.costmodel import (
     predict,
     samples_from_trace,
 )
-from pipemlx.plan import Action, Chunk, build_plans, chunk_prompt
-from pipemlx.simulate import simulate
-from pipemlx.timeline import simulated_trace, write_trace
-from pipemlx.trace import Span, find_rank_traces, read_spans
+from pipemlx.schedule.plan import Action, Chunk, build_plans, chunk_prompt
+from pipemlx.schedule.simulate import simulate
+from pipemlx.observe.timeline import simulated_trace, write_trace
+from pipemlx.observe.trace import Span, find_rank_traces, read_spans
 
 
 def uniform(world_size: int, *, collective_s: float = 0.0, latency_s: float = 0.0) -> CostModel:

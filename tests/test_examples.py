@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUN_TIMEOUT = 180

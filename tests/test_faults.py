@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conftest import run_ranks
-from pipemlx.plan import build_plan
+from pipemlx.schedule.plan import build_plan
 
 M, STEP = 30, 4
 TIMEOUT = 2.0

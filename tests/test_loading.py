@@ -19,9 +19,9 @@ from mlx_lm.convert import convert
 import pipemlx
 from conftest import run_ranks
 from fakes import FakeGroup
-from pipemlx.memory_split import model_bytes_from_dir, plan_split
-from pipemlx.split import layer_range
-from pipemlx.tiny import build_model, save_model_dir, tiny_config
+from pipemlx.schedule.memory_split import model_bytes_from_dir, plan_split
+from pipemlx.schedule.split import layer_range
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 MARGIN = 1.15
 BIG = {

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import pipemlx
 from fakes import FakeGroup
-from pipemlx.memory_split import (
+from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
     format_size,
@@ -26,9 +26,9 @@ from pipemlx.memory_split import (
     plan_split,
     read_safetensors_header,
 )
-from pipemlx.sharding import find_layer_list
-from pipemlx.split import even_split
-from pipemlx.tiny import build_model, save_model_dir, tiny_config
+from pipemlx.models.sharding import find_layer_list
+from pipemlx.schedule.split import even_split
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hypothesis_profiles import Case, cases, note_size
-from pipemlx.plan import build_plans
-from pipemlx.simulate import SimulationResult, simulate
+from pipemlx.schedule.plan import build_plans
+from pipemlx.schedule.simulate import SimulationResult, simulate
 
 # (capacity, await_sends): rendezvous sends, one buffered message per link, unbounded buffers, and the
 # executor's way (sends issued asynchronously, waited for before the next agreement point).
@@ -92,7 +92,7 @@ def test_reference_model_is_mlx_lm(num_tokens: int, step: int) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from pipemlx.tiny import build_model, tiny_config
+    from pipemlx.testing import build_model, tiny_config
 
     model = build_model(tiny_config("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=32), seed=0)
     calls: list[tuple[int, int]] = []

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipemlx.plan import Action, Agree, Chunk, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
-from pipemlx.simulate import (
+from pipemlx.schedule.plan import Action, Agree, Chunk, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
+from pipemlx.schedule.simulate import (
     DeadlockError,
     PlanMismatchError,
     SimulationError,
@@ -189,7 +189,7 @@ def test_errors_carry_the_result() -> None:
     assert info.value.result.deadlocked and str(info.value) == info.value.result.report()
 
 
-@pytest.mark.parametrize("module", ["simulate", "costmodel", "timeline"])
+@pytest.mark.parametrize("module", ["schedule/simulate", "schedule/costmodel", "observe/timeline"])
 def test_pure_python_modules_do_not_import_mlx(module: str) -> None:
     path = Path(__file__).parent.parent / "pipemlx" / f"{module}.py"
     tree = ast.parse(path.read_text())

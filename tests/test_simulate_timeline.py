@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pipemlx.costmodel import CostModel, LayerCosts, predict
-from pipemlx.plan import build_plans
-from pipemlx.timeline import gantt, main, plot_timeline, simulated_trace, write_trace
-from pipemlx.trace import read_spans
+from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
+from pipemlx.schedule.plan import build_plans
+from pipemlx.observe.timeline import gantt, main, plot_timeline, simulated_trace, write_trace
+from pipemlx.observe.trace import read_spans
 
 
 def parse(text: str) -> dict[str, list[str]]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipemlx.split import even_split, layer_range, resolve_split
+from pipemlx.schedule.split import even_split, layer_range, resolve_split
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model
+from pipemlx.testing import build_model
 
 
 def tcp_bytes_sent() -> int:

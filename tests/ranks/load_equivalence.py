@@ -20,8 +20,8 @@ from mlx_lm.utils import load
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.memory_split import embedding_modules, flat_parameters
-from pipemlx.sharding import find_layer_list
+from pipemlx.schedule.memory_split import embedding_modules, flat_parameters
+from pipemlx.models.sharding import find_layer_list
 
 
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from mlx_lm.utils import load, load_tokenizer
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.memory_split import flat_parameters, model_bytes_from_dir
+from pipemlx.schedule.memory_split import flat_parameters, model_bytes_from_dir
 
 
 def status_kb(field: str) -> int:

@@ -19,8 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.plan import build_plan
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.schedule.plan import build_plan
+from pipemlx.testing import build_model, tiny_config
 
 
 def rss_mb() -> float:

@@ -6,7 +6,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 
 def _depends(value: mx.array, dependency: mx.array) -> mx.array:

@@ -20,12 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .cli import model_name
-from .errors import PipelineError
-from .launch import init_group
-from .loading import load_sharded
-from .prefill import pipeline_prefill
-from .stage import stage_of
+from . import model_name
+from ..errors import PipelineError
+from ..launch import init_group
+from ..models.loading import load_sharded
+from ..runtime.prefill import pipeline_prefill
+from ..runtime.stage import stage_of
 
 MAX_STEP_SIZE = 512
 CHUNKS_PER_RANK = 4

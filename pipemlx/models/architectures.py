@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask  # pyright: ignore[reportUnknownVariableType]
 
-from .errors import PipelineError
+from ..errors import PipelineError
 
 Fixup = Callable[[Any, range], None]
 """Adjust ``owner`` (the module holding the layer list, already cut) for the layers in ``local``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .errors import PipelineMismatchError
+from ..errors import PipelineMismatchError
 from typing import Protocol
 from .stage import PipelineStage
 from .waits import wait_for

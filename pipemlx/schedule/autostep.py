@@ -22,11 +22,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from .caches import cache_state
+from ..runtime.caches import cache_state
 from .costmodel import CostModel, LayerCosts, cache_only_share, fit_layer_costs, predict
 from .plan import Chunk
-from .stage import PipelineStage
-from .waits import wait_for
+from ..runtime.stage import PipelineStage
+from ..runtime.waits import wait_for
 
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Powers of two: BLAS kernels run some odd chunk lengths markedly slower than the cost model's

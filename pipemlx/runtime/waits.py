@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import PeerLostError, PipelineTimeoutError
+from ..errors import PeerLostError, PipelineTimeoutError
 
 PEER_LOST_MARKERS = ("connection to a peer was lost", "Connection reset", "Broken pipe")
 

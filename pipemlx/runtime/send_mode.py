@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import mlx.nn as nn
 
-from .errors import PeerLostError, PipelineTimeoutError
+from ..errors import PeerLostError, PipelineTimeoutError
 from .send_queue import SendQueue
 from .stage import SEND_MODES, SendMode, stage_of
 from .waits import wait_for

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from .plan import Action, Chunk, Compute, build_plans
 from .simulate import SimulationResult, simulate
 from .split import even_split
-from .trace import read_spans
+from ..observe.trace import read_spans
 
 
 def cache_only_share(hidden_size: int, kv_size: int, intermediate_size: int) -> float:
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p = predict(args.tokens, args.step, base.with_ranks(ranks))
         print(f"{ranks:5d}  {p.prefill_s:9.3f}  {single / p.prefill_s:7.2f}  {p.bubble_fraction:6.1%}")
     if args.trace:
-        from .timeline import simulated_trace
+        from ..observe.timeline import simulated_trace
 
         chosen = predict(args.tokens, args.step, base.with_ranks(args.ranks))
         with open(args.trace, "w") as f:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import attach_dependency
-from .errors import NotShardedError, PipelineError
+from ..errors import NotShardedError, PipelineError
 from .send_queue import SendQueue
 
 SendMode = Literal["immediate", "queue"]

@@ -27,13 +27,13 @@ from mlx_lm.utils import load
 from rich.console import Console
 from rich.table import Table
 
-from .cli import UserError, model_name
-from .cli_generate import default_step_size
-from .launch import LaunchError, init_group, launch
-from .loading import load_sharded
-from .prefill import pipeline_prefill
-from .timeline import plot_timeline
-from .trace import find_rank_traces, merge_traces, read_spans
+from . import UserError, model_name
+from .generate import default_step_size
+from ..launch import LaunchError, init_group, launch
+from ..models.loading import load_sharded
+from ..runtime.prefill import pipeline_prefill
+from ..observe.timeline import plot_timeline
+from ..observe.trace import find_rank_traces, merge_traces, read_spans
 
 LAUNCH_TIMEOUT = 24 * 3600.0
 WARMUP_TOKENS = 3
@@ -84,7 +84,7 @@ def run_bench(args: argparse.Namespace, *, check: Callable[[int, Path], None]) -
 
 
 def _run_side(ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
-    command = [sys.executable, "-m", "pipemlx.cli_bench", json.dumps(spec)]
+    command = [sys.executable, "-m", "pipemlx.cli.bench", json.dumps(spec)]
     results = launch(ranks, command, timeout=LAUNCH_TIMEOUT)
     lines = [line for line in results[0].stdout.splitlines() if line.startswith("{")]
     if not lines:

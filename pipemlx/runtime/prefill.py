@@ -11,13 +11,13 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
 from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
-from .autostep import AutoRequest, calibrate, choose_step
+from ..schedule.autostep import AutoRequest, calibrate, choose_step
 from .caches import cache_state, trim_to
-from .errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
-from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
+from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
+from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
-from .trace import Tracer, tracer_for
+from ..observe.trace import Tracer, tracer_for
 from .waits import wait_for
 
 ProgressCallback = Callable[[int, int], Any]

@@ -27,8 +27,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
-from .simulate import SimulationResult
+from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
+from ..schedule.simulate import SimulationResult
 from .trace import THREAD_NAMES, THREADS, Span, find_rank_traces, merge_traces, read_spans
 
 IDLE = "."

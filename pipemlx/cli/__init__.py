@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from .demo_model import MODEL_DIR
+from ..demo import MODEL_DIR
 
 RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
 DEFAULT_RANKS = 2
@@ -108,7 +108,7 @@ def model_name(model_dir: Path) -> str:
 
 def check_ranks(ranks: int, model_dir: Path, split: list[int] | None = None) -> None:
     """Every rank needs at least one layer of the model; an explicit ``split`` must fit model and ranks."""
-    from .split import resolve_split
+    from ..schedule.split import resolve_split
 
     layers = model_layers(model_dir)
     if layers is not None and ranks > layers:
@@ -135,7 +135,7 @@ def read_prompt(args: argparse.Namespace) -> str:
         except (OSError, UnicodeDecodeError) as exc:
             raise UserError(f"cannot read prompt file {args.prompt_file!r}: {exc}") from None
     else:
-        from .demo_model import default_prompt
+        from ..demo import default_prompt
 
         text = default_prompt()
     if not text.strip():
@@ -248,9 +248,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def run_plan(argv: Sequence[str]) -> int:
     """``pipemlx plan``: handed to :func:`pipemlx.memory_split.plan_main` when this build has it."""
     try:
-        from .memory_split import plan_main  # pyright: ignore[reportMissingImports, reportUnknownVariableType]
+        from ..schedule.memory_split import plan_main  # pyright: ignore[reportMissingImports, reportUnknownVariableType]
     except ModuleNotFoundError as exc:
-        if exc.name != f"{__package__}.memory_split":
+        if exc.name != "pipemlx.schedule.memory_split":
             raise
         print("pipemlx plan: error: not available in this build (pipemlx.memory_split is missing)", file=sys.stderr)
         return EXIT_USAGE
@@ -259,7 +259,7 @@ def run_plan(argv: Sequence[str]) -> int:
 
 def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Check the input, then run as a rank here or start the local ranks."""
-    from .launch import LaunchError, launch
+    from ..launch import LaunchError, launch
 
     prompt = read_prompt(args)
     if args.rank is not None and args.hostfile is None:
@@ -268,7 +268,7 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
             os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), "PIPEMLX_BACKEND": "ring"})
-        from .cli_generate import generate_rank
+        from .generate import generate_rank
 
         return generate_rank(args, prompt, expected_ranks=args.ranks, check=check_ranks)
     ranks: int = args.ranks or DEFAULT_RANKS
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args, arguments)
-        from .cli_bench import run_bench
+        from .bench import run_bench
 
         return run_bench(args, check=check_ranks)
     except UserError as exc:

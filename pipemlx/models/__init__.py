@@ -1,0 +1,1 @@
+"""What differs per model: architectures, sharding, loading."""

@@ -1,0 +1,1 @@
+"""Traces and timelines."""

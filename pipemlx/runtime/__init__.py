@@ -1,0 +1,1 @@
+"""What runs on a rank at inference time."""

@@ -1,0 +1,1 @@
+"""Pure planning: what the ranks will do, as data (no MLX arrays)."""
