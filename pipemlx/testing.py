@@ -1,4 +1,8 @@
-"""Tiny random-weight mlx-lm models, built from a config: for tests, demos and benchmarks.
+"""Tiny random-weight mlx-lm models, built from a config: for tests and benchmarks, not the runtime.
+
+Nothing in the runtime (``shard_model``, ``pipeline_prefill``, ...) uses this module; the
+tests, ``benchmarks/`` and the architecture checks do (``tiny_config(arch)`` for each
+architecture pipemlx supports).
 
 No model hub is needed. Weights are drawn from a seeded generator, so every
 process that builds the same config with the same seed holds the same model.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,9 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from pipemlx import cli
-from pipemlx.cli.generate import default_step_size
+from pipemlx.cli import common
+from pipemlx.cli import split as split_command
+from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
 
@@ -95,7 +96,7 @@ def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, conten
 
 
 def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cli, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
+    monkeypatch.setattr(common, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text('[["host-a:5000"], ["host-b:5000"]]')
     code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile))
@@ -103,7 +104,7 @@ def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypa
 
 
 def test_loopback_is_a_local_address() -> None:
-    assert cli._is_local("127.0.0.1")  # pyright: ignore[reportPrivateUsage]
+    assert common._is_local("127.0.0.1")  # pyright: ignore[reportPrivateUsage]
 
 
 def test_rank_outside_the_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -119,24 +120,20 @@ def test_png_without_matplotlib(capsys: pytest.CaptureFixture[str], monkeypatch:
     assert code == 2 and "--png needs matplotlib: pip install matplotlib" in err
 
 
-def test_plan_when_memory_split_is_missing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pipemlx.schedule.memory_split", None)  # import pipemlx.memory_split now fails
-    code, err = run_cli(capsys, "plan", "model", "--ranks", "3")
-    assert code == 2 and "pipemlx plan: error: not available in this build" in err
+@pytest.mark.parametrize("command", ["split", "plan"])
+def test_split_hands_its_arguments_over(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """`pipemlx split` (and `pipemlx plan`, its old name) hand their arguments to pipemlx.cli.split."""
+    seen: list[tuple[list[str], str]] = []
 
-
-def test_plan_hands_its_arguments_over(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[list[str]] = []
-
-    def plan_main(argv: list[str]) -> int:
-        seen.append(argv)
+    def split_main(argv: list[str], prog: str = "") -> int:
+        seen.append((argv, prog))
         return 7
 
-    fake = types.ModuleType("pipemlx.schedule.memory_split")
-    fake.plan_main = plan_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pipemlx.schedule.memory_split", fake)
-    code, _ = run_cli(capsys, "plan", "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
-    assert code == 7 and seen == [["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"]]
+    monkeypatch.setattr(split_command, "main", split_main)
+    code, _ = run_cli(capsys, command, "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
+    assert code == 7 and seen == [(["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"], f"pipemlx {command}")]
 
 
 def test_a_subprocess_error_has_no_traceback() -> None:

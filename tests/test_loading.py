@@ -19,7 +19,8 @@ from mlx_lm.convert import convert
 import pipemlx
 from conftest import run_ranks
 from fakes import FakeGroup
-from pipemlx.schedule.memory_split import model_bytes_from_dir, plan_split
+from pipemlx.models.safetensors import model_bytes_from_dir
+from pipemlx.schedule.memory_split import plan_split
 from pipemlx.schedule.split import layer_range
 from pipemlx.testing import build_model, save_model_dir, tiny_config
 

@@ -14,17 +14,16 @@ from safetensors import safe_open
 
 import pipemlx
 from fakes import FakeGroup
+from pipemlx.cli.split import main as plan_main
+from pipemlx.models.parameters import model_bytes_from_model
+from pipemlx.models.safetensors import model_bytes_from_dir, read_safetensors_header
 from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
     format_size,
-    model_bytes_from_dir,
-    model_bytes_from_model,
     parse_size,
     plan_layers,
-    plan_main,
     plan_split,
-    read_safetensors_header,
 )
 from pipemlx.models.sharding import find_layer_list
 from pipemlx.schedule.split import even_split

@@ -8,7 +8,8 @@ import pytest
 
 from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
 from pipemlx.schedule.plan import build_plans
-from pipemlx.observe.timeline import gantt, main, plot_timeline, simulated_trace, write_trace
+from pipemlx.cli.timeline import main
+from pipemlx.observe.timeline import gantt, plot_timeline, simulated_trace, write_trace
 from pipemlx.observe.trace import read_spans
 
 

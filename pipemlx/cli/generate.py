@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, stream_generate  # pyright: ignore[reportUnknownVariableType]
@@ -20,22 +17,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from . import model_name
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
 from ..runtime.prefill import pipeline_prefill
 from ..runtime.stage import stage_of
+from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
+from .common import check_ranks, default_step_size, model_name
 
-MAX_STEP_SIZE = 512
-CHUNKS_PER_RANK = 4
 PROMPT_TAIL_CHARS = 300
 MB = float(1 << 20)
-
-
-def default_step_size(num_tokens: int, world_size: int) -> int:
-    """512 tokens, or less so that a short prompt still gives every rank ``CHUNKS_PER_RANK`` chunks."""
-    return max(1, min(MAX_STEP_SIZE, math.ceil((num_tokens - 1) / (CHUNKS_PER_RANK * world_size))))
 
 
 @dataclass(frozen=True)
@@ -62,7 +53,6 @@ def generate_rank(
     prompt_text: str,
     *,
     expected_ranks: int | None,
-    check: Callable[[int, Path, list[int] | None], None],
 ) -> int:
     """Run ``pipemlx generate`` as one rank of the group this process belongs to; returns the exit status."""
     group = init_group()
@@ -72,7 +62,7 @@ def generate_rank(
         if rank == 0:
             print(f"pipemlx generate: error: --ranks {expected_ranks} but the group has {size} ranks", file=sys.stderr)
         return 2
-    check(size, args.model, args.split)
+    check_ranks(size, args.model, args.split)
     try:
         return _generate(args, prompt_text, group, err)
     except PipelineError as exc:
@@ -124,7 +114,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     mx.random.seed(args.seed)
     tokens: list[int] = []
     pieces: list[str] = []
-    decode_tps = 0.0
+    generated, first_token, last_token = 0, 0.0, 0.0
     for response in stream_generate(
         model, tokenizer, prompt[-1:], max_tokens=args.max_tokens, prompt_cache=cache,
         sampler=make_sampler(args.temp), prefill_step_size=step_size,
@@ -132,7 +122,10 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         if response.finish_reason != "stop":
             tokens.append(response.token)
         pieces.append(response.text)
-        decode_tps = response.generation_tps
+        last_token = time.perf_counter()
+        generated += 1
+        if generated == 1:
+            first_token = last_token
         if rank == 0 and not args.json:
             sys.stdout.write(response.text)
             sys.stdout.flush()
@@ -141,7 +134,8 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]  # all done before any exits
     if rank != 0:
         return 0
-    prefill_tps = (prompt.size - 1) / prefill_s if prefill_s > 0 else 0.0
+    prefill_tps = prefill_tokens_per_s(prompt.size, prefill_s)
+    decode_tps = decode_tokens_per_s(generated, last_token - first_token)
     if args.json:
         report = {
             "ranks": size,

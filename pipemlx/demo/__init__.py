@@ -1,9 +1,14 @@
 """The demo model pipemlx ships: a small llama trained on *Pride and Prejudice*.
 
+What this folder is for: giving ``pipemlx generate``, ``pipemlx bench``, the
+examples and the tests a real model and prompt to run without any download.
+It is not used by the runtime (``shard_model``, ``pipeline_prefill``, ...).
+
 ``MODEL_DIR`` is an mlx-lm model folder (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``) that ``mlx_lm.load`` reads like
-any downloaded model; ``train.py`` beside it made it. ``DEFAULT_PROMPT`` is the
-prompt ``pipemlx generate`` uses when given none; ``book_text()`` the whole novel.
+any downloaded model; ``train.py`` beside it made it (from the text that
+``extract_text.py`` recovered). :func:`default_prompt` is the prompt
+``pipemlx generate`` uses when given none; :func:`book_text` the whole novel.
 """
 
 from __future__ import annotations

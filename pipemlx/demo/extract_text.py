@@ -9,8 +9,8 @@ files use) and writes one novel as gzipped UTF-8 text.
 Usage::
 
     apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb pkg
-    python -m pipemlx.demo_model.extract_text pkg/usr/lib/R/site-library/janeaustenr/data \\
-        prideprejudice pipemlx/demo_model/pride_and_prejudice.txt.gz
+    python -m pipemlx.demo.extract_text pkg/usr/lib/R/site-library/janeaustenr/data \\
+        prideprejudice pipemlx/demo/pride_and_prejudice.txt.gz
 """
 
 from __future__ import annotations

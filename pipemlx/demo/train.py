@@ -7,14 +7,15 @@ transcription, see ``extract_text.py``), shipped as ``pride_and_prejudice.txt.gz
 The script trains a byte-level BPE tokenizer on it with the ``tokenizers``
 package, then a llama-architecture mlx-lm ``Model`` from random weights with
 AdamW on random windows of the text, and writes ``config.json``,
-``model.safetensors`` and the tokenizer files into ``--out`` (by default the
-``model`` folder that pipemlx ships), where ``mlx_lm.load`` reads it like any
-downloaded model.
+``model.safetensors`` and the tokenizer files into ``--out`` (by default
+``./demo-model`` in the current folder; never inside the installed package),
+where ``mlx_lm.load`` reads it like any downloaded model.
 
 Reproduce the shipped model (about two minutes on one core with OpenBLAS
-preloaded, see the README's platform notes)::
+preloaded, see the README's platform notes), then compare it with, or copy it
+over, ``pipemlx/demo/model`` in a clone of the repository::
 
-    python -m pipemlx.demo_model.train
+    python -m pipemlx.demo.train --out demo-model
 
 Seeds are fixed; the weights match the shipped ones up to floating-point
 differences between BLAS libraries.
@@ -42,7 +43,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 HERE = Path(__file__).parent
 TEXT = HERE / "pride_and_prejudice.txt.gz"
-MODEL_DIR = HERE / "model"
+DEFAULT_OUT = Path("demo-model")
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_MAX_LENGTH = 1 << 20  # no limit to speak of: RoPE has none (the model was trained on 256-token windows)
 
@@ -139,7 +140,7 @@ def train(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--out", type=Path, default=MODEL_DIR, help="model folder to write")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="model folder to write (default ./demo-model)")
     parser.add_argument("--vocab", type=int, default=1024, help="tokenizer vocabulary size")
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--batch", type=int, default=8)

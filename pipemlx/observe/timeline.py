@@ -1,35 +1,30 @@
 """Timelines of a prefill: a text Gantt of a plan, Chrome traces of simulations, PNG plots of traces.
 
-- :func:`gantt` draws the plans of :func:`pipemlx.plan.build_plans` as text: one
+- :func:`gantt` draws the plans of :func:`pipemlx.schedule.plan.build_plans` as text: one
   row per rank, one column per wavefront step, the chunk each rank computes.
-- :func:`simulated_trace` turns a timed :func:`pipemlx.simulate.simulate` run
-  (for instance a :func:`pipemlx.costmodel.predict` result) into the same Chrome
+- :func:`simulated_trace` turns a timed :func:`pipemlx.schedule.simulate.simulate` run
+  (for instance a :func:`pipemlx.schedule.costmodel.predict` result) into the same Chrome
   trace format the executor records, so prediction and measurement open side
   by side in https://ui.perfetto.dev.
 - :func:`plot_timeline` draws traces as a PNG with matplotlib (the optional
   ``plot`` extra: ``pip install 'pipemlx[plot]'``).
 
-Command line: ``python -m pipemlx.timeline gantt M STEP RANKS``,
-``python -m pipemlx.timeline merge TRACE_DIR [-o OUT] [--align]`` (join the ranks'
-trace files of a run) and ``python -m pipemlx.timeline plot [LABEL=]TRACE.json ... -o timeline.png``.
-Pure Python (no MLX); see docs/timeline.md.
+Command line: :mod:`pipemlx.cli.timeline`. Pure Python (no MLX); see docs/timeline.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
+from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send
 from ..schedule.simulate import SimulationResult
-from .trace import THREAD_NAMES, THREADS, Span, find_rank_traces, merge_traces, read_spans
+from .trace import THREAD_NAMES, THREADS, Span
 
 IDLE = "."
 KIND_OF: Mapping[type, str] = MappingProxyType(
@@ -93,7 +88,7 @@ def simulated_trace(result: SimulationResult, *, seconds_per_unit: float = 1.0) 
     """A Chrome trace (the executor's layout: one process per rank) of a timed simulation.
 
     Event times are in units of ``seconds_per_unit`` seconds (1.0 for a
-    :mod:`pipemlx.costmodel` run). Progress actions and zero-length sends are
+    :mod:`pipemlx.schedule.costmodel` run). Progress actions and zero-length sends are
     kept, so the spans match the executor's one for one.
     """
     scale = 1e6 * seconds_per_unit
@@ -206,49 +201,9 @@ def _ranks(spans: Sequence[Span]) -> int:
     return max((s.rank for s in spans), default=0) + 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipemlx.timeline", description="Timelines of a prefill.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    g = commands.add_parser("gantt", help="print the text Gantt of a plan")
-    g.add_argument("num_tokens", type=int)
-    g.add_argument("step_size", type=int)
-    g.add_argument("world_size", type=int)
-    g.add_argument("--max-steps", type=int, default=24)
-    m = commands.add_parser("merge", help="merge a run's per-rank traces (trace_dir / $PIPEMLX_TRACE)")
-    m.add_argument("directory")
-    m.add_argument("-o", "--output", help="merged trace (default: DIR/trace.json)")
-    m.add_argument("--align", action="store_true", help="align ranks on the handshake (ranks on several hosts)")
-    p = commands.add_parser("plot", help="draw Chrome traces (merged, one per panel) as a PNG")
-    p.add_argument("traces", nargs="+", help="trace files; label one as LABEL=PATH")
-    p.add_argument("-o", "--output", required=True)
-    p.add_argument("--title", default="pipemlx prefill timeline")
-    args = parser.parse_args(argv)
-    if args.command == "gantt":
-        print(gantt(build_plans(args.num_tokens, args.step_size, args.world_size), max_steps=args.max_steps))
-        return 0
-    if args.command == "merge":
-        try:
-            paths = find_rank_traces(args.directory)
-            out = merge_traces(paths, args.output or Path(args.directory) / "trace.json", align=args.align)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(f"merged {len(paths)} rank trace(s) into {out}; open it at https://ui.perfetto.dev")
-        return 0
-    panels: list[tuple[str, Sequence[Span]]] = []
-    for item in args.traces:
-        label, _, path = item.rpartition("=") if "=" in item else (Path(item).stem, "", item)
-        panels.append((label, read_spans(path)))
-    print(plot_timeline(panels, args.output, title=args.title))
-    return 0
-
-
 def write_trace(trace: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write a Chrome trace dict (e.g. from :func:`simulated_trace`) to ``path``."""
     out = Path(path)
     out.write_text(json.dumps(trace))
     return out
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,9 +3,10 @@
 Opt in with ``pipeline_prefill(..., trace_dir=DIR)`` or ``PIPEMLX_TRACE=DIR``:
 each rank writes ``DIR/trace-rank<r>.json`` (Chrome trace-event format, one
 process per rank). :func:`merge_traces` joins the ranks' files into one that
-https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.timeline
+https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.cli.timeline
 merge DIR`` does it from the command line. :func:`read_spans` reads a trace back as
-:class:`Span` tuples (for tests, plots and the cost model). See docs/timeline.md.
+:class:`Span` tuples (for tests and plots), and :func:`samples_from_trace` the chunk timings
+that calibrate the cost model. See docs/timeline.md.
 
 Spans: ``handshake``, ``compute <chunk>`` (args chunk, tokens), ``recv <chunk>``
 (chunk, peer), ``send <chunk>`` (chunk, peer: the send being issued),
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
+
+from ..schedule.plan import Chunk
 
 TRACE_VARIABLE = "PIPEMLX_TRACE"
 THREADS: Mapping[str, int] = MappingProxyType(
@@ -184,3 +187,21 @@ def find_rank_traces(directory: str | os.PathLike[str]) -> list[Path]:
     if not found:
         raise ValueError(f"no {TRACE_FILE_PATTERN} files in {directory}")
     return found
+
+
+def samples_from_trace(path: str | os.PathLike[str], rank: int = 0) -> list[tuple[Chunk, float]]:
+    """``(chunk, seconds)`` of rank ``rank``'s compute spans in a pipemlx trace, for :func:`pipemlx.schedule.costmodel.fit_layer_costs`.
+
+    Chunk positions are rebuilt from the spans' ``tokens``, in order; a trace
+    of a 1-rank run times the whole model, one process, chunk by chunk.
+    """
+    samples: list[tuple[Chunk, float]] = []
+    start = 0
+    for span in read_spans(path):
+        if span.rank == rank and span.kind == "compute":
+            length = int(span.args["tokens"])
+            samples.append((Chunk(len(samples), start, start + length), span.dur_us / 1e6))
+            start += length
+    if not samples:
+        raise ValueError(f"{path} has no compute spans of rank {rank}")
+    return samples

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
-from typing import Protocol
 from .stage import PipelineStage
 from .waits import wait_for
 

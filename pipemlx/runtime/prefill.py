@@ -11,7 +11,8 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
 from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
-from ..schedule.autostep import AutoRequest, calibrate, choose_step
+from ..schedule.autostep import AutoRequest, choose_step
+from .calibrate import calibrate
 from .caches import cache_state, trim_to
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
 from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args

@@ -90,7 +90,7 @@ class PipelineStage:
             yield
         finally:
             self._detached = False
-        self._broadcast = True
+            self._broadcast = True
 
     @contextmanager
     def without_broadcast(self) -> Generator[None, None, None]:

@@ -17,32 +17,32 @@ The model is deliberately small:
 - an agreement point (or the handshake) ends ``collective_s`` after the last
   rank enters it.
 
-:func:`predict` runs the real plans (:func:`pipemlx.plan.build_plans`) through
-:func:`pipemlx.simulate.simulate` with these durations, the executor's send
+:func:`predict` runs the real plans (:func:`pipemlx.schedule.plan.build_plans`) through
+:func:`pipemlx.schedule.simulate.simulate` with these durations, the executor's send
 semantics (sends issued asynchronously, awaited before the next agreement
 point), and reports the prefill time and the bubble fraction: the share of
 rank-seconds in which ranks were not computing. :func:`fit_layer_costs`
 calibrates a layer's costs from chunk timings of one process holding the
-whole model. Pure Python: no MLX.
+whole model (:func:`pipemlx.observe.trace.samples_from_trace` reads them from a
+trace). Pure Python: no MLX.
 
-Run ``python -m pipemlx.costmodel --help`` for a table of predictions for 1..16 ranks
+A prediction is a simulation: :func:`predict` needs :mod:`pipemlx.schedule.simulate`
+(pure Python too), and so does ``step_size="auto"``, which calls it.
+
+Run ``python -m pipemlx.cli.costmodel --help`` for a table of predictions for 1..16 ranks
 (``--calibrate TRACE`` fits the costs to the trace of a 1-rank run, ``--trace OUT``
-writes a predicted timeline that Perfetto and :mod:`pipemlx.timeline` show).
+writes a predicted timeline that Perfetto and :mod:`pipemlx.observe.timeline` show).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .plan import Action, Chunk, Compute, build_plans
 from .simulate import SimulationResult, simulate
 from .split import even_split
-from ..observe.trace import read_spans
 
 
 def cache_only_share(hidden_size: int, kv_size: int, intermediate_size: int) -> float:
@@ -75,7 +75,7 @@ class LayerCosts:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Durations of a pipeline whose rank ``r`` holds ``layers[r]`` layers (a :class:`~pipemlx.simulate.Durations`)."""
+    """Durations of a pipeline whose rank ``r`` holds ``layers[r]`` layers (a :class:`~pipemlx.schedule.simulate.Durations`)."""
 
     layer: LayerCosts
     layers: tuple[int, ...]
@@ -183,24 +183,6 @@ def fit_layer_costs(
     return LayerCosts(*coefficients)
 
 
-def samples_from_trace(path: str | os.PathLike[str], rank: int = 0) -> list[tuple[Chunk, float]]:
-    """``(chunk, seconds)`` of rank ``rank``'s compute spans in a pipemlx trace, for :func:`fit_layer_costs`.
-
-    Chunk positions are rebuilt from the spans' ``tokens``, in order; a trace
-    of a 1-rank run times the whole model, one process, chunk by chunk.
-    """
-    samples: list[tuple[Chunk, float]] = []
-    start = 0
-    for span in read_spans(path):
-        if span.rank == rank and span.kind == "compute":
-            length = int(span.args["tokens"])
-            samples.append((Chunk(len(samples), start, start + length), span.dur_us / 1e6))
-            start += length
-    if not samples:
-        raise ValueError(f"{path} has no compute spans of rank {rank}")
-    return samples
-
-
 def _least_squares(rows: list[list[float]], values: list[float]) -> list[float] | None:
     """Solve the normal equations by Gaussian elimination; None when they are singular."""
     n = len(rows[0])
@@ -217,57 +199,3 @@ def _least_squares(rows: list[list[float]], values: list[float]) -> list[float] 
                 f = a[k][col] / a[col][col]
                 a[k] = [u - f * w for u, w in zip(a[k], a[col])]
     return [a[i][n] / a[i][i] / scale[i] for i in range(n)]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipemlx.costmodel", description="Predicted prefill time and bubble fraction for 1..16 ranks."
-    )
-    parser.add_argument("--tokens", type=int, default=8192, help="prompt length M")
-    parser.add_argument("--step", type=int, default=512, help="step size (tokens per chunk)")
-    parser.add_argument("--layers", type=int, default=32, help="decoder layers of the model")
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size")
-    parser.add_argument("--token-us", type=float, default=50.0, help="microseconds per token per layer")
-    parser.add_argument("--pair-ns", type=float, default=2.0, help="nanoseconds per query-key pair per layer")
-    parser.add_argument("--chunk-us", type=float, default=100.0, help="fixed microseconds per chunk per layer")
-    parser.add_argument("--calibrate", metavar="TRACE", help="fit the three layer costs to a 1-rank run's trace instead")
-    parser.add_argument(
-        "--last-layer-share", type=float, default=1.0, help="cost of the model's last layer in a prefill, in layers"
-    )
-    parser.add_argument("--latency-us", type=float, default=100.0)
-    parser.add_argument("--bandwidth-gbs", type=float, default=1.0, help="GB/s per link")
-    parser.add_argument("--collective-us", type=float, default=200.0)
-    parser.add_argument("--max-ranks", type=int, default=16)
-    parser.add_argument("--trace", metavar="PATH", help="also write the predicted timeline of --ranks ranks here")
-    parser.add_argument("--ranks", type=int, default=2, help="ranks of the --trace prediction")
-    args = parser.parse_args(argv)
-    layer = LayerCosts(args.chunk_us * 1e-6, args.token_us * 1e-6, args.pair_ns * 1e-9)
-    if args.calibrate:
-        layer = fit_layer_costs(samples_from_trace(args.calibrate), args.layers, args.last_layer_share)
-    base = CostModel(
-        layer,
-        (args.layers,),
-        args.hidden,
-        latency_s=args.latency_us * 1e-6,
-        bandwidth=args.bandwidth_gbs * 1e9,
-        collective_s=args.collective_us * 1e-6,
-        last_layer_share=args.last_layer_share,
-    )
-    single = predict(args.tokens, args.step, base).prefill_s
-    print(f"M={args.tokens} step={args.step} layers={args.layers} hidden={args.hidden}; per layer {layer}")
-    print("ranks  prefill_s  speedup  bubble")
-    for ranks in range(1, min(args.max_ranks, args.layers) + 1):
-        p = predict(args.tokens, args.step, base.with_ranks(ranks))
-        print(f"{ranks:5d}  {p.prefill_s:9.3f}  {single / p.prefill_s:7.2f}  {p.bubble_fraction:6.1%}")
-    if args.trace:
-        from ..observe.timeline import simulated_trace
-
-        chosen = predict(args.tokens, args.step, base.with_ranks(args.ranks))
-        with open(args.trace, "w") as f:
-            json.dump(simulated_trace(chosen.result), f)
-        print(f"wrote the predicted {args.ranks}-rank timeline to {args.trace}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,10 +1,12 @@
-"""Plan a layer split from parameter bytes and per-rank memory budgets.
+"""Plan a layer split from parameter bytes and per-rank memory budgets (pure: no MLX, no files).
 
-The byte counts come either from a model directory's safetensors headers
-(:func:`model_bytes_from_dir`, no tensor is read) or from a built, possibly
-lazily loaded model (:func:`model_bytes_from_model`). :func:`plan_split` is a
-pure function from those counts and the budgets to a contiguous split;
-:func:`plan_main` is the ``pipemlx plan`` command.
+:func:`plan_split` is a pure function from a model's parameter bytes
+(:class:`ModelBytes`) and per-rank budgets to a contiguous split. The byte
+counts come from a model folder's safetensors headers
+(:func:`pipemlx.models.safetensors.model_bytes_from_dir`, no tensor is read) or
+from a built, possibly lazily loaded model
+(:func:`pipemlx.models.parameters.model_bytes_from_model`); ``pipemlx split``
+(:mod:`pipemlx.cli.split`) prints a split as a table.
 
 Besides its layers, every rank holds some fixed weights (see
 ``docs/loading.md``): the final norm and the output head on every rank (each
@@ -14,21 +16,11 @@ every rank when the head is tied to the embedding.
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import struct
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any, cast
-
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 
 from .split import check_world, layer_range
 
@@ -50,30 +42,6 @@ SIZE_UNITS: MappingProxyType[str, int] = MappingProxyType(
         "TIB": 2**40,
     }
 )
-LAYER_NAME = re.compile(r"^(.*?)(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-EMBEDDING_NAME = re.compile(r"(?:^|\.)(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.")
-HEAD_NAME = re.compile(r"(?:^|\.)(?:lm_head|output)\.")
-SAFETENSORS_ITEM_BYTES: MappingProxyType[str, int] = MappingProxyType(
-    {
-        "BOOL": 1,
-        "U8": 1,
-        "I8": 1,
-        "F8_E4M3": 1,
-        "F8_E5M2": 1,
-        "U16": 2,
-        "I16": 2,
-        "F16": 2,
-        "BF16": 2,
-        "U32": 4,
-        "I32": 4,
-        "F32": 4,
-        "U64": 8,
-        "I64": 8,
-        "F64": 8,
-    }
-)
-MAX_HEADER_BYTES = 100 * 2**20
-
 
 class MemoryPlanError(ValueError):
     """The model cannot be split so that every rank fits its memory budget."""
@@ -257,128 +225,6 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
     return plan
 
 
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets); no tensor is read."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file: shorter than its 8-byte header length")
-        (length,) = struct.unpack("<Q", raw)
-        if length > MAX_HEADER_BYTES:
-            raise ValueError(f"{path} is not a safetensors file: header length {length} is implausible")
-        text = f.read(length)
-    try:
-        header: dict[str, Any] = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not a safetensors file: its header is not JSON") from exc
-    header.pop("__metadata__", None)
-    return header
-
-
-def _tensor_bytes(name: str, entry: dict[str, Any]) -> int:
-    offsets = entry.get("data_offsets")
-    if isinstance(offsets, list) and len(offsets) == 2:  # pyright: ignore[reportUnknownArgumentType]
-        return int(offsets[1]) - int(offsets[0])  # pyright: ignore[reportUnknownArgumentType]
-    count = 1
-    for d in entry["shape"]:
-        count *= int(d)
-    return count * SAFETENSORS_ITEM_BYTES[entry["dtype"]]
-
-
-def _num_layers(config: dict[str, Any]) -> int | None:
-    for source in (config, config.get("text_config") or {}):
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            value = source.get(key)
-            if isinstance(value, int):
-                return value
-    return None
-
-
-def model_bytes_from_dir(path: str | Path) -> ModelBytes:
-    """Per-layer and fixed parameter bytes of an mlx-lm model directory, from its safetensors headers.
-
-    Reads ``config.json`` for the layer count and every ``model*.safetensors``
-    header (as mlx-lm's loader globs them); no tensor data is read. A tensor
-    belongs to layer ``i`` when its name has ``layers.i.`` (or ``h.i.``,
-    ``blocks.i.``) under the prefix holding the decoder layers; layers past the
-    config's count (multi-token-prediction heads that mlx-lm drops) are not
-    counted. The head is tied when no ``lm_head``/``output`` tensor exists.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a model directory")
-    files = sorted(root.glob("model*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no model*.safetensors files in {root}")
-    config_path = root / "config.json"
-    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-    sizes: dict[str, int] = {}
-    for file in files:
-        for name, entry in read_safetensors_header(file).items():
-            sizes[name] = _tensor_bytes(name, entry)
-    per_prefix: dict[str, dict[int, int]] = {}
-    outside: dict[str, int] = {}
-    for name, size in sizes.items():
-        match = LAYER_NAME.match(name)
-        if match is None:
-            outside[name] = size
-            continue
-        layers = per_prefix.setdefault(match.group(1), {})
-        index = int(match.group(2))
-        layers[index] = layers.get(index, 0) + size
-    if not per_prefix:
-        raise ValueError(f"no decoder layer weights (names with 'layers.N.') in the safetensors files of {root}")
-    prefix = max(per_prefix, key=lambda p: len(per_prefix[p]))
-    decoder = per_prefix.pop(prefix)
-    count = _num_layers(config) or max(decoder) + 1
-    missing = sorted(set(range(count)) - set(decoder))
-    if missing:
-        raise ValueError(f"{root}: the safetensors files hold no weights for layers {missing} of {count}")
-    for other in per_prefix.values():  # other stacks of layers (a vision tower, ...): fixed weights
-        outside[f"<other layers {len(other)}>"] = sum(other.values())
-    embedding = sum(s for n, s in outside.items() if EMBEDDING_NAME.search(n))
-    head = sum(s for n, s in outside.items() if not EMBEDDING_NAME.search(n))
-    tied = not any(HEAD_NAME.search(n) for n in outside)
-    return ModelBytes(tuple(decoder[i] for i in range(count)), embedding, head, tied)
-
-
-def flat_parameters(module: nn.Module) -> list[tuple[str, mx.array]]:
-    """``module``'s parameters as (dotted name, array) pairs; lazy arrays stay unevaluated."""
-    flat = cast(list[tuple[str, Any]], tree_flatten(module.parameters()))
-    return [(name, value) for name, value in flat if isinstance(value, mx.array)]
-
-
-def _nbytes(module: nn.Module) -> int:
-    return sum(p.nbytes for _, p in flat_parameters(module))
-
-
-def embedding_modules(owner: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The input embeddings held by ``owner`` (the module holding the layer list): name and module."""
-    return [(k, v) for k, v in owner.items() if isinstance(v, (nn.Embedding, nn.QuantizedEmbedding))]  # pyright: ignore[reportUnknownVariableType]
-
-
-def has_separate_head(model: nn.Module) -> bool:
-    """Whether ``model`` has an output head of its own rather than the embedding tied to it.
-
-    True when some module is named ``lm_head`` and no ``tie_word_embeddings``
-    flag (on a model module or its ``args``) says the embedding is the head.
-    """
-    names = cast(list[tuple[str, Any]], model.named_modules())
-    for _, module in names:
-        for holder in (module, getattr(module, "args", None)):
-            if getattr(holder, "tie_word_embeddings", None) is True:
-                return False
-    return any(name.rsplit(".", 1)[-1] == "lm_head" for name, _ in names)
-
-
-def model_bytes_from_model(model: nn.Module, owner: nn.Module, layers: Sequence[nn.Module]) -> ModelBytes:
-    """Parameter bytes of a built model (lazy arrays are not evaluated: their sizes are known)."""
-    per_layer = tuple(_nbytes(layer) for layer in layers)
-    embedding = sum(_nbytes(m) for _, m in embedding_modules(owner))
-    total = _nbytes(model)
-    return ModelBytes(per_layer, embedding, total - embedding - sum(per_layer), not has_separate_head(model))
-
-
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table: layers, bytes and share of budget per rank."""
     header = ("rank", "layers", "count", "layer bytes", "fixed bytes", "total", "budget", "share")
@@ -407,73 +253,15 @@ def format_plan(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def plan_main(argv: list[str]) -> int:
-    """``pipemlx plan MODEL_DIR [--ranks N] [--memory 24GB,16GB,8GB]``: print the split as a table.
-
-    ``argv`` holds the arguments after ``plan``. Returns 0, 1 when the model
-    does not fit, 2 for bad arguments (with a message on stderr).
-    """
-    parser = argparse.ArgumentParser(
-        prog="pipemlx plan",
-        description="Plan a pipeline split of an mlx-lm model directory from its safetensors headers.",
-    )
-    parser.add_argument("model_dir", help="mlx-lm model directory (config.json, model*.safetensors)")
-    parser.add_argument("--ranks", type=int, help="number of ranks (default: the number of --memory budgets)")
-    parser.add_argument(
-        "--memory",
-        help="per-rank memory budgets, comma separated (24GB,16GB,8GB), or one for every rank; "
-        "omitted: equal memory, balance bytes",
-    )
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        budgets_text: list[str] | None = None if args.memory is None else [m for m in args.memory.split(",") if m.strip()]
-        ranks: int | None = args.ranks
-        if ranks is None:
-            if budgets_text is None:
-                raise ValueError("give --ranks, --memory with one budget per rank, or both")
-            ranks = len(budgets_text)
-        if budgets_text is not None and len(budgets_text) == 1:
-            budgets_text = budgets_text * ranks
-        budgets = resolve_budgets(budgets_text, ranks)
-        model = model_bytes_from_dir(args.model_dir)
-        plan = plan_split(model, ranks, budgets)
-    except MemoryPlanError as exc:
-        print(f"pipemlx plan: {exc}", file=sys.stderr)
-        return 1
-    except (ValueError, OSError) as exc:
-        print(f"pipemlx plan: {exc}", file=sys.stderr)
-        return 2
-    print(format_plan(plan))
-    return 0
-
-
-def split_for_memory(
-    model: nn.Module,
-    owner: nn.Module,
-    layers: Sequence[nn.Module],
-    world_size: int,
-    memory: Sequence[int | str] | int | str | None,
-) -> tuple[int, ...]:
-    """The memory-planned split of a built model (what ``shard_model(split="memory")`` uses)."""
-    return plan_split(model_bytes_from_model(model, owner, layers), world_size, resolve_budgets(memory, world_size)).split
-
-
 __all__ = [
     "MemoryPlan",
     "MemoryPlanError",
     "ModelBytes",
     "RankPlan",
     "format_plan",
-    "model_bytes_from_dir",
-    "model_bytes_from_model",
+    "format_size",
     "parse_size",
     "plan_layers",
-    "plan_main",
     "plan_split",
-    "read_safetensors_header",
     "resolve_budgets",
-    "split_for_memory",
 ]

@@ -3,8 +3,8 @@
 A plan is built by a pure function of ``(num_tokens, step_size, world_size, rank)``
 and nothing else, so every rank derives the same schedule and can check that
 with the others (:meth:`PrefillPlan.fingerprint`). The executor in
-:mod:`pipemlx.prefill` only carries a plan out; the simulator in
-:mod:`pipemlx.simulate` runs the very same objects.
+:mod:`pipemlx.runtime.prefill` only carries a plan out; the simulator in
+:mod:`pipemlx.schedule.simulate` runs the very same objects.
 
 The schedule is a wavefront. The prompt minus its last token is cut into ``n``
 chunks of ``step_size`` tokens (the last may be shorter), exactly as mlx-lm's
@@ -95,7 +95,6 @@ class Progress:
 
 
 Action: TypeAlias = Union[Handshake, Send, Recv, Compute, Agree, Progress]
-COLLECTIVES = (Handshake, Agree)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from mlx_lm.utils import load
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.schedule.memory_split import embedding_modules, flat_parameters
+from pipemlx.models.parameters import embedding_modules, flat_parameters
 from pipemlx.models.sharding import find_layer_list
 
 

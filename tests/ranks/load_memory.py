@@ -23,7 +23,8 @@ from mlx_lm.utils import load, load_tokenizer
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.schedule.memory_split import flat_parameters, model_bytes_from_dir
+from pipemlx.models.parameters import flat_parameters
+from pipemlx.models.safetensors import model_bytes_from_dir
 
 
 def status_kb(field: str) -> int:
