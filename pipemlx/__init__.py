@@ -16,12 +16,12 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
-from .runtime.lean_decode import lean_generate_step
 from .models.loading import load_sharded
+from .models.sharding import shard_model
+from .runtime.lean_decode import lean_generate_step
 from .runtime.prefill import pipeline_prefill
 from .runtime.send_mode import send_mode
 from .runtime.send_queue import SendQueue
-from .models.sharding import shard_model
 from .runtime.stage import PipelineStage, stage_of
 
 __version__ = "0.1.0"

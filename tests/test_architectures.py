@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import run_ranks
+from fakes import FakeGroup
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from conftest import run_ranks
-from fakes import FakeGroup
 from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
 from pipemlx.models.sharding import find_layer_list
 from pipemlx.testing import build_model, tiny_config
@@ -56,7 +56,9 @@ def matrix_reports() -> dict[int, list[dict[str, Any]]]:
 
 @pytest.mark.parametrize("size", WORLD_SIZES)
 @pytest.mark.parametrize("arch", list(MATRIX))
-def test_architecture_matches_single_device(matrix_reports: dict[int, list[dict[str, Any]]], arch: str, size: int) -> None:
+def test_architecture_matches_single_device(
+    matrix_reports: dict[int, list[dict[str, Any]]], arch: str, size: int
+) -> None:
     reports = matrix_reports[size]
     assert [r["rank"] for r in reports] == list(range(size))
     first_tokens: list[list[int]] | None = None

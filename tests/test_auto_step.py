@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_ranks
+
 from pipemlx.schedule.autostep import candidate_steps, choose_step
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
@@ -56,7 +56,10 @@ def reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: float =
         (["generate", "--prompt", "   \n"], "the prompt is empty"),
         (["generate", "--rank", "0"], "--rank only goes with --hostfile"),
         (["generate", "--split", "5,5"], "--split: split [5, 5] adds up to 10 layers but the model has 8"),
-        (["generate", "--ranks", "3", "--split", "6,2"], "--split: split [6, 2] has 2 entries but the group has 3 ranks"),
+        (
+            ["generate", "--ranks", "3", "--split", "6,2"],
+            "--split: split [6, 2] has 2 entries but the group has 3 ranks",
+        ),
         (["bench", "--ranks", "9"], "more ranks than layers: 9 ranks"),
         (["bench", "--model", "/no/such/model"], "does not exist"),
     ],
@@ -95,7 +98,9 @@ def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, conten
     assert code == 2 and words in err, err
 
 
-def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_hostfile_without_this_host(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(common, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text('[["host-a:5000"], ["host-b:5000"]]')
@@ -139,7 +144,10 @@ def test_split_hands_its_arguments_over(
 def test_a_subprocess_error_has_no_traceback() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--model", "/no/such/model"],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "pipemlx generate: error: model folder '/no/such/model' does not exist"
@@ -151,7 +159,10 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
     max_tokens = 20
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--max-tokens", str(max_tokens)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     _, tokenizer = load(str(MODEL_DIR))
@@ -172,11 +183,30 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
-    argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16",
-            "--split", "6,2", "--temp", "0", "--json"]
+    argv = [
+        "generate",
+        "--hostfile",
+        str(hostfile),
+        "--prompt",
+        prompt,
+        "--step-size",
+        "4",
+        "--max-tokens",
+        "16",
+        "--split",
+        "6,2",
+        "--temp",
+        "0",
+        "--json",
+    ]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     outputs: list[tuple[str, str]] = []
@@ -206,7 +236,10 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json"]
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)

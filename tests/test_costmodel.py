@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import run_ranks
+
 from pipemlx.cli.costmodel import main
+from pipemlx.observe.timeline import simulated_trace, write_trace
+from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
 from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
@@ -22,8 +24,6 @@ from pipemlx.schedule.costmodel import (
 )
 from pipemlx.schedule.plan import Action, Chunk, build_plans, chunk_prompt
 from pipemlx.schedule.simulate import simulate
-from pipemlx.observe.timeline import simulated_trace, write_trace
-from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
 
 
 def uniform(world_size: int, *, collective_s: float = 0.0, latency_s: float = 0.0) -> CostModel:

@@ -13,9 +13,20 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from hypothesis_profiles import Case, cases
-from pipemlx.schedule.plan import Action, Agree, Compute, PrefillPlan, Progress, Recv, Send, build_plan, build_plans, chunk_prompt
+
+from pipemlx.schedule.plan import (
+    Action,
+    Agree,
+    Compute,
+    PrefillPlan,
+    Progress,
+    Recv,
+    Send,
+    build_plan,
+    build_plans,
+    chunk_prompt,
+)
 from pipemlx.schedule.simulate import DeadlockError, PlanMismatchError, SimulationResult, simulate
 
 SEMANTICS = [(0, False), (1, False), (None, False), (None, True)]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from hypothesis_profiles import Case, cases, note_size
+
 from pipemlx.schedule.plan import build_plans
 from pipemlx.schedule.simulate import SimulationResult, simulate
 
@@ -69,9 +69,7 @@ def test_progress_is_mlx_lm_progress_on_every_rank(case: Case) -> None:
 
 
 @given(cases(), st.sampled_from(SEMANTICS))
-def test_every_position_once_in_order_with_s_minus_1_idle_slots(
-    case: Case, semantics: tuple[int | None, bool]
-) -> None:
+def test_every_position_once_in_order_with_s_minus_1_idle_slots(case: Case, semantics: tuple[int | None, bool]) -> None:
     result = run(case, *semantics)
     assert result.ok, result.report()
     S, positions = case.world_size, list(range(case.num_tokens - 1))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from conftest import run_ranks
+from fakes import sharded_tiny, tokens
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from conftest import run_ranks
-from fakes import sharded_tiny, tokens
 from pipemlx.testing import build_model, tiny_config
 
 

@@ -82,7 +82,9 @@ def time_pipemlx(
         tokens = 0
         decode_start = decode_end = 0.0
         if lean:
-            decoded: Any = pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
+            decoded: Any = pipemlx.lean_generate_step(
+                prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1
+            )
         else:
             decoded = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
         for _ in decoded:
@@ -131,7 +133,19 @@ def main() -> None:
             sent.append(b)
     if group is not None:
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    print(json.dumps({"rank": rank, "mode": mode, "prefill_s": prefill, "decode_tok_s": decode, "decode_bytes_per_token": sent, "steps": STEPS_USED}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "mode": mode,
+                "prefill_s": prefill,
+                "decode_tok_s": decode,
+                "decode_bytes_per_token": sent,
+                "steps": STEPS_USED,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ def _timed_tokens(tokens: Iterator[tuple[Any, Any]]) -> tuple[list[int], float]:
     return out, last - first
 
 
-def _measure(model: nn.Module, prompt: mx.array, spec: dict[str, Any], pipelined: bool, trace: str | None) -> dict[str, Any]:
+def _measure(
+    model: nn.Module, prompt: mx.array, spec: dict[str, Any], pipelined: bool, trace: str | None
+) -> dict[str, Any]:
     step, max_tokens = spec["step_size"], spec["max_tokens"]
     cache = make_prompt_cache(model)
     start = time.perf_counter()
@@ -53,7 +55,11 @@ def _measure(model: nn.Module, prompt: mx.array, spec: dict[str, Any], pipelined
     else:
         clock = PrefillClock(start)
         generator = generate_step(
-            prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=max_tokens,
+            prompt,
+            model,
+            prompt_cache=cache,
+            prefill_step_size=step,
+            max_tokens=max_tokens,
             prompt_progress_callback=clock,
         )
         tokens, decode_s = _timed_tokens(generator)

@@ -127,7 +127,7 @@ def hostfile_rank(path: str, rank: int | None) -> int:
         raise UserError(f"cannot read hostfile {path!r}: {exc}") from None
     if not _is_hostfile(entries):
         raise UserError(
-            f"hostfile {path!r} must be a JSON list with one list of \"ip:port\" strings per rank, "
+            f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
             'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]]'
         )
     hosts = cast("list[list[str]]", entries)

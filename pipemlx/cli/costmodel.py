@@ -18,7 +18,8 @@ from ..schedule.costmodel import CostModel, LayerCosts, fit_layer_costs, predict
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pipemlx.cli.costmodel", description="Predicted prefill time and bubble fraction for 1..16 ranks."
+        prog="python -m pipemlx.cli.costmodel",
+        description="Predicted prefill time and bubble fraction for 1..16 ranks.",
     )
     parser.add_argument("--tokens", type=int, default=8192, help="prompt length M")
     parser.add_argument("--step", type=int, default=512, help="step size (tokens per chunk)")
@@ -27,7 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--token-us", type=float, default=50.0, help="microseconds per token per layer")
     parser.add_argument("--pair-ns", type=float, default=2.0, help="nanoseconds per query-key pair per layer")
     parser.add_argument("--chunk-us", type=float, default=100.0, help="fixed microseconds per chunk per layer")
-    parser.add_argument("--calibrate", metavar="TRACE", help="fit the three layer costs to a 1-rank run's trace instead")
+    parser.add_argument(
+        "--calibrate", metavar="TRACE", help="fit the three layer costs to a 1-rank run's trace instead"
+    )
     parser.add_argument(
         "--last-layer-share", type=float, default=1.0, help="cost of the model's last layer in a prefill, in layers"
     )

@@ -20,9 +20,9 @@ from rich.text import Text
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
+from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from ..runtime.prefill import pipeline_prefill
 from ..runtime.stage import stage_of
-from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from .common import check_ranks, default_step_size, model_name
 
 PROMPT_TAIL_CHARS = 300
@@ -116,8 +116,13 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     pieces: list[str] = []
     generated, first_token, last_token = 0, 0.0, 0.0
     for response in stream_generate(
-        model, tokenizer, prompt[-1:], max_tokens=args.max_tokens, prompt_cache=cache,
-        sampler=make_sampler(args.temp), prefill_step_size=step_size,
+        model,
+        tokenizer,
+        prompt[-1:],
+        max_tokens=args.max_tokens,
+        prompt_cache=cache,
+        sampler=make_sampler(args.temp),
+        prefill_step_size=step_size,
     ):
         if response.finish_reason != "stop":
             tokens.append(response.token)

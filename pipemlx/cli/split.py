@@ -37,7 +37,9 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        budgets_text: list[str] | None = None if args.memory is None else [m for m in args.memory.split(",") if m.strip()]
+        budgets_text: list[str] | None = (
+            None if args.memory is None else [m for m in args.memory.split(",") if m.strip()]
+        )
         ranks: int | None = args.ranks
         if ranks is None:
             if budgets_text is None:

@@ -24,7 +24,16 @@ from typing import Any, cast
 
 NIL_TYPES = (242, 251, 252, 253, 254)
 SYMBOL, PAIRLIST, CHARS, LOGICAL, INTEGER, REAL, STRINGS, LIST, EXPRESSIONS, REFERENCE = (
-    1, 2, 9, 10, 13, 14, 16, 19, 20, 255,
+    1,
+    2,
+    9,
+    10,
+    13,
+    14,
+    16,
+    19,
+    20,
+    255,
 )
 
 

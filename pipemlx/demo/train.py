@@ -114,7 +114,10 @@ def train(
     """AdamW with warm-up and cosine decay on random ``seq``-token windows of ``tokens``."""
     warmup = max(1, steps // 20)
     schedule = optim.join_schedules(
-        [optim.linear_schedule(0.0, learning_rate, warmup), optim.cosine_decay(learning_rate, steps - warmup, 0.1 * learning_rate)],
+        [
+            optim.linear_schedule(0.0, learning_rate, warmup),
+            optim.cosine_decay(learning_rate, steps - warmup, 0.1 * learning_rate),
+        ],
         [warmup],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
@@ -167,8 +170,14 @@ def main() -> None:
         print(f"step {step:5d}  loss {loss:.3f}  ({math.exp(loss):.1f} ppl)  {seconds:.0f} s", flush=True)
 
     train(
-        model, tokens, steps=args.steps, batch=args.batch, seq=args.seq,
-        learning_rate=args.lr, seed=args.seed, report=report,
+        model,
+        tokens,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        learning_rate=args.lr,
+        seed=args.seed,
+        report=report,
     )
     save_model(args.out, model)
     (args.out / "model.safetensors.index.json").unlink(missing_ok=True)  # one file; the index is noise

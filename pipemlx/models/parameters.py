@@ -63,4 +63,6 @@ def split_for_memory(
     memory: Sequence[int | str] | int | str | None,
 ) -> tuple[int, ...]:
     """The memory-planned split of a built model (what ``shard_model(split="memory")`` uses)."""
-    return plan_split(model_bytes_from_model(model, owner, layers), world_size, resolve_budgets(memory, world_size)).split
+    return plan_split(
+        model_bytes_from_model(model, owner, layers), world_size, resolve_budgets(memory, world_size)
+    ).split

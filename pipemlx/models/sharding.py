@@ -9,12 +9,12 @@ from typing import Any, Literal, TypeVar, Union, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from .architectures import apply_fixups, check_architecture
 from ..errors import PipelineError
 from ..runtime.edges import wrap_edge
-from .parameters import embedding_modules, flat_parameters, has_separate_head, split_for_memory
-from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
+from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
+from .architectures import apply_fixups, check_architecture
+from .parameters import embedding_modules, flat_parameters, has_separate_head, split_for_memory
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 

@@ -206,4 +206,3 @@ def write_trace(trace: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.write_text(json.dumps(trace))
     return out
-

@@ -50,7 +50,9 @@ class Tracer:
         return self.directory is not None
 
     @contextmanager
-    def span(self, kind: str, chunk: int | None = None, peer: int | None = None, **extra: Any) -> Generator[None, None, None]:
+    def span(
+        self, kind: str, chunk: int | None = None, peer: int | None = None, **extra: Any
+    ) -> Generator[None, None, None]:
         """Time the block as a ``kind`` span; a no-op when tracing is off."""
         if self.directory is None:
             yield

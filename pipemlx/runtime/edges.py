@@ -37,8 +37,7 @@ class SendingLayer(nn.Module):
         output = super().__call__(x, *args, **kwargs)  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType, reportUnknownVariableType]
         if not isinstance(output, mx.array):
             raise TypeError(
-                f"pipemlx expects {type(self).__name__} to return an array, "
-                f"got {type(output).__name__}"  # pyright: ignore[reportUnknownArgumentType]
+                f"pipemlx expects {type(self).__name__} to return an array, got {type(output).__name__}"  # pyright: ignore[reportUnknownArgumentType]
             )
         bound = self._pipemlx_signature.bind_partial(x, *args, **kwargs)
         return self._pipemlx_stage.emit(output, bound.arguments.get("cache"))

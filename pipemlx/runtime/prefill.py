@@ -10,15 +10,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
-from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
-from ..schedule.autostep import AutoRequest, choose_step
-from .calibrate import calibrate
-from .caches import cache_state, trim_to
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
+from ..observe.trace import Tracer, tracer_for
+from ..schedule.autostep import AutoRequest, choose_step
 from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
+from .agreement import STATUS_CANCEL, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
+from .caches import cache_state, trim_to
+from .calibrate import calibrate
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
-from ..observe.trace import Tracer, tracer_for
 from .waits import wait_for
 
 ProgressCallback = Callable[[int, int], Any]

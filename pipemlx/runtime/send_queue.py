@@ -45,10 +45,7 @@ class SendQueue:
 
     def flush(self) -> int:
         """Issue every pending send, oldest first, without waiting; return how many."""
-        issued = [
-            mx.distributed.send(p.array, p.peer, group=self._group, stream=self._stream)
-            for p in self._pending
-        ]
+        issued = [mx.distributed.send(p.array, p.peer, group=self._group, stream=self._stream) for p in self._pending]
         self._pending.clear()
         if issued:
             mx.async_eval(issued)  # pyright: ignore[reportUnknownMemberType]

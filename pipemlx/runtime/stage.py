@@ -9,8 +9,8 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import attach_dependency
 from ..errors import NotShardedError, PipelineError
+from .caches import attach_dependency
 from .send_queue import SendQueue
 
 SendMode = Literal["immediate", "queue"]

@@ -43,6 +43,7 @@ SIZE_UNITS: MappingProxyType[str, int] = MappingProxyType(
     }
 )
 
+
 class MemoryPlanError(ValueError):
     """The model cannot be split so that every rank fits its memory budget."""
 
@@ -208,7 +209,9 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
     for r in range(world_size):
         local = layer_range(split, r)
         ranks.append(
-            RankPlan(r, local, sum(model.layers[local.start : local.stop]), fixed[r], None if budgets is None else budgets[r])
+            RankPlan(
+                r, local, sum(model.layers[local.start : local.stop]), fixed[r], None if budgets is None else budgets[r]
+            )
         )
     plan = MemoryPlan(split, tuple(ranks), model)
     over = [p for p in ranks if p.budget is not None and p.total > p.budget]
@@ -243,7 +246,10 @@ def format_plan(plan: MemoryPlan) -> str:
             )
         )
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = ["  ".join(cell.rjust(w) if c > 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines = [
+        "  ".join(cell.rjust(w) if c > 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     model = plan.model
     lines.append(
         f"model: {len(model.layers)} layers, {format_size(model.total)} "

@@ -433,8 +433,7 @@ class _Run:
                 held = f"holds {self.names(queue)}" if queue else "is empty"
                 extra = " (a queued send was never issued)" if len(queue) > 1 else ""
                 self.mismatch(
-                    f"rank {s.rank} sends {_chunk(action.chunk)} to rank {action.peer} "
-                    f"but its send queue {held}{extra}"
+                    f"rank {s.rank} sends {_chunk(action.chunk)} to rank {action.peer} but its send queue {held}{extra}"
                 )
                 return True
             message = queue.pop()
@@ -568,18 +567,14 @@ class _Run:
                 reason = "inside the collective, waiting for the ranks outside it: " + "; ".join(outside)
         elif isinstance(action, Send):
             reason = (
-                f"the send waits for rank {action.peer} to receive it "
-                f"(send capacity {self.capacity} per link is full)"
+                f"the send waits for rank {action.peer} to receive it (send capacity {self.capacity} per link is full)"
             )
         else:
             assert isinstance(action, Recv)
             peer = self.ranks[action.peer] if 0 <= action.peer < self.size else None
             reason = f"nothing has been sent on link {action.peer}->{s.rank}"
             if peer is not None and peer.queue:
-                reason += (
-                    f"; rank {action.peer}'s send queue holds {self.names(peer.queue)}, "
-                    "computed but never sent"
-                )
+                reason += f"; rank {action.peer}'s send queue holds {self.names(peer.queue)}, computed but never sent"
         return Blocked(s.rank, s.pc, action, reason)
 
     def final_checks(self) -> None:

@@ -29,7 +29,9 @@ def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
     return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
 
 
-def decode(prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int) -> tuple[list[int], list[list[int]]]:
+def decode(
+    prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int
+) -> tuple[list[int], list[list[int]]]:
     calls: list[list[int]] = []
     tokens = [
         int(t)

@@ -90,7 +90,8 @@ def main() -> None:
         full, _ = load(str(path))
         report["full_peak"] = peak_growth(baseline)
         report["ref_tokens"] = [
-            int(t) for t, _ in generate_step(prompt, full, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
+            int(t)
+            for t, _ in generate_step(prompt, full, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
         ]
         mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))

@@ -50,7 +50,11 @@ def main() -> None:
         cache = make_prompt_cache(model)
         try:
             pipemlx.pipeline_prefill(
-                model, prompt, cache, step_size=step, should_cancel=lambda: cancel and rank == who and next(polls) == when
+                model,
+                prompt,
+                cache,
+                step_size=step,
+                should_cancel=lambda: cancel and rank == who and next(polls) == when,
             )
         except pipemlx.PrefillCancelled as exc:
             entry.update(outcome="cancelled", expected=cancel, processed=exc.processed)
