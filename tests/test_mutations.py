@@ -1,6 +1,6 @@
 """Deliberately broken plans: the simulator must report each as a deadlock or a mismatch, readably.
 
-Each mutation starts from the real plans of pipemlx.plan.build_plans and breaks
+Each mutation starts from the real plans of pipemlx.schedule.plan.build_plans and breaks
 them the way a bug in the schedule would; hypothesis chooses the prompt, step
 size, world size, rank and send semantics.
 """

@@ -1,6 +1,6 @@
 """Properties of the prefill plan for every prompt length, step size and world size (hypothesis).
 
-The plans are the objects pipeline_prefill carries out (pipemlx.plan.build_plans),
+The plans are the objects pipeline_prefill carries out (pipemlx.schedule.plan.build_plans),
 run together by the simulator under several send semantics. The progress
 sequence is compared with a reference model of mlx-lm's generate_step, which is
 itself checked against the real generate_step in test_reference_model_is_mlx_lm.

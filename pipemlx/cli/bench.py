@@ -120,6 +120,6 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
 
 
 def draw_timeline(trace_dir: Path, output: Path, label: str) -> Path:
-    """Draw the pipeline's per-rank traces in ``trace_dir`` as a PNG (:func:`pipemlx.timeline.plot_timeline`)."""
+    """Draw the pipeline's per-rank traces in ``trace_dir`` as a PNG (:func:`pipemlx.observe.timeline.plot_timeline`)."""
     merged = merge_traces(find_rank_traces(trace_dir), trace_dir / "trace.json")
     return plot_timeline([(label, read_spans(merged))], output)

@@ -1,7 +1,7 @@
 """Run every rank's prefill plan together, without MLX, and report what happens.
 
-:func:`simulate` executes the :class:`~pipemlx.plan.PrefillPlan` objects of
-:func:`pipemlx.plan.build_plans` (the objects :func:`pipemlx.pipeline_prefill`
+:func:`simulate` executes the :class:`~pipemlx.schedule.plan.PrefillPlan` objects of
+:func:`pipemlx.schedule.plan.build_plans` (the objects :func:`pipemlx.pipeline_prefill`
 carries out; there is no second copy of the schedule here) as ``S`` sequential
 programs that interact only through their actions, with these semantics:
 
@@ -42,7 +42,7 @@ run). :meth:`SimulationResult.raise_for_failure` turns a failure into
 :class:`DeadlockError` or :class:`PlanMismatchError` (both
 :class:`SimulationError`); :func:`check_plans` simulates and raises in one go.
 
-Given :class:`Durations` (see :mod:`pipemlx.costmodel`), every action gets a
+Given :class:`Durations` (see :mod:`pipemlx.schedule.costmodel`), every action gets a
 start and end time: a compute takes its duration, a message arrives
 ``transfer`` seconds after it is sent, a receive ends when its message has
 arrived, a blocked send ends when the receive that unblocks it ends, and a

@@ -30,7 +30,7 @@ def resolve_split(split: Sequence[int] | str | None, num_layers: int, world_size
     """Return the layers per rank, checking an explicit ``split`` against the model and the group.
 
     ``None`` and ``"even"`` mean :func:`even_split` (``"memory"`` is planned by
-    :mod:`pipemlx.memory_split`). Raises ``ValueError``/``TypeError`` naming the numbers.
+    :mod:`pipemlx.schedule.memory_split`). Raises ``ValueError``/``TypeError`` naming the numbers.
     """
     check_world(num_layers, world_size)
     if split is None or split == "even":
