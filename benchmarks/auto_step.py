@@ -19,8 +19,14 @@ from common import BENCH_CONFIG, openblas_available, run_ranks
 
 
 def prefill_seconds(num_tokens: int, step: int | str, openblas: bool) -> tuple[float, int]:
-    spec: dict[str, Any] = {"mode": "pipemlx", "M": num_tokens, "step": step, "repeats": 2, "decode_tokens": 0,
-                            "config": BENCH_CONFIG}
+    spec: dict[str, Any] = {
+        "mode": "pipemlx",
+        "M": num_tokens,
+        "step": step,
+        "repeats": 2,
+        "decode_tokens": 0,
+        "config": BENCH_CONFIG,
+    }
     reports = run_ranks(2, spec, openblas)
     seconds = statistics.median(max(r["prefill_s"][i] for r in reports) for i in range(2))
     return seconds, reports[0]["steps"][-1]
@@ -52,8 +58,12 @@ def main() -> None:
         fixed = {s: t for s, t in median.items() if s != "auto"}
         best = min(fixed, key=fixed.__getitem__)
         share = fixed[best] / median["auto"]
-        rows.append({"M": m, "seconds": median, "auto_step": chosen[m], "best_fixed_step": int(best), "auto_vs_best": share})
-        print(f"{m:>6}  " + "  ".join(f"{median[str(s)]:>7.2f}s" for s in steps) + f"   {chosen[m]:>10}   {share:>11.1%}")
+        rows.append(
+            {"M": m, "seconds": median, "auto_step": chosen[m], "best_fixed_step": int(best), "auto_vs_best": share}
+        )
+        print(
+            f"{m:>6}  " + "  ".join(f"{median[str(s)]:>7.2f}s" for s in steps) + f"   {chosen[m]:>10}   {share:>11.1%}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

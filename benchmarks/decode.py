@@ -39,12 +39,17 @@ def main() -> None:
     print(f"prompt {args.prompt_tokens} tokens, {args.tokens} decoded; OpenBLAS {'on' if openblas else 'off'}")
     print(f"{'mode':<28} {'tokens/s':>9} {'vs one process':>15} {'bytes sent per token, by rank':>32}")
     print(f"{'one process':<28} {single:>9.1f} {1.0:>15.2f}")
-    for mode, label in (("native", "mlx-lm native pipeline"), ("pipemlx", "pipemlx + generate_step"),
-                        ("lean", "pipemlx lean_generate_step")):
+    for mode, label in (
+        ("native", "mlx-lm native pipeline"),
+        ("pipemlx", "pipemlx + generate_step"),
+        ("lean", "pipemlx lean_generate_step"),
+    ):
         reports = run_ranks(2, {**spec, "mode": mode}, openblas)
         rate = statistics.median(reports[0]["decode_tok_s"])
-        sent = [round(statistics.median(r["decode_bytes_per_token"])) if r["decode_bytes_per_token"][0] else "-"
-                for r in reports]
+        sent = [
+            round(statistics.median(r["decode_bytes_per_token"])) if r["decode_bytes_per_token"][0] else "-"
+            for r in reports
+        ]
         row[f"{mode}_tok_s"], row[f"{mode}_ratio"], row[f"{mode}_bytes"] = rate, rate / single, sent
         print(f"{label:<28} {rate:>9.1f} {rate / single:>15.2f} {str(sent):>32}")
     if args.json:

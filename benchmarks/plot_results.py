@@ -1,6 +1,6 @@
 """Draw docs/images/performance.png from benchmarks/results/{prefill_2048,sweep}.json (needs matplotlib).
 
-    python benchmarks/plot_results.py
+python benchmarks/plot_results.py
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ def main() -> None:
     steps = sorted({int(s) for row in sweep for s in row["pipemlx_s"]})
     for step in steps:
         xs = [row["M"] for row in sweep if str(step) in row["pipemlx_s"]]
-        ys = [row["single_s"][str(step)] / row["pipemlx_s"][str(step)] for row in sweep if str(step) in row["pipemlx_s"]]
+        ys = [
+            row["single_s"][str(step)] / row["pipemlx_s"][str(step)] for row in sweep if str(step) in row["pipemlx_s"]
+        ]
         right.plot(xs, ys, marker="o", label=f"step {step}")
     right.set_xscale("log", base=2)
     right.set_xlabel("prompt tokens")

@@ -84,11 +84,15 @@ def sweep(lengths: list[int], steps: list[int], repeats: int, openblas: bool) ->
         row["auto_vs_best"] = row["best_fixed_s"] / row["auto_s"]
         rows.append(row)
         cells = "  ".join(
-            f"{s}: {row['single_s'][s] / row['pipemlx_s'][s]:.2f}x ({row['pipemlx_s'][s]:.2f}s)" for s in row["pipemlx_s"]
+            f"{s}: {row['single_s'][s] / row['pipemlx_s'][s]:.2f}x ({row['pipemlx_s'][s]:.2f}s)"
+            for s in row["pipemlx_s"]
         )
         print(f"M={m:>5}  speed-up over one process at step {cells}")
-        print(f"         auto chose {row['auto_step']}: {row['auto_s']:.2f}s = {row['auto_vs_best']:.1%} of the best "
-              f"fixed step's throughput (step {best_step}, {row['best_fixed_s']:.2f}s)", flush=True)
+        print(
+            f"         auto chose {row['auto_step']}: {row['auto_s']:.2f}s = {row['auto_vs_best']:.1%} of the best "
+            f"fixed step's throughput (step {best_step}, {row['best_fixed_s']:.2f}s)",
+            flush=True,
+        )
     return rows
 
 
@@ -113,15 +117,19 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
-    parser.add_argument("--sweep", action="store_true", help="one process vs pipemlx: steps 64..512 x lengths, and auto")
+    parser.add_argument(
+        "--sweep", action="store_true", help="one process vs pipemlx: steps 64..512 x lengths, and auto"
+    )
     parser.add_argument("--lengths", default="256,512,1024,2048,4096,8192", help="prompt lengths for --sweep")
     parser.add_argument("--steps", default="64,128,256,512", help="fixed step sizes for --sweep")
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     openblas = not args.no_openblas and openblas_available()
-    print(f"OpenBLAS preload: {'on' if openblas else 'off'}; model: {BENCH_CONFIG['hidden_size']}-d, "
-          f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']})")
+    print(
+        f"OpenBLAS preload: {'on' if openblas else 'off'}; model: {BENCH_CONFIG['hidden_size']}-d, "
+        f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']})"
+    )
     if args.sweep:
         lengths = [int(v) for v in args.lengths.split(",")]
         steps = [int(v) for v in args.steps.split(",")]

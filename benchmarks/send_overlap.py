@@ -35,8 +35,15 @@ def spans(path: Path) -> list[dict[str, Any]]:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"mode": "pipemlx", "M": 4 * 512 + 1, "step": 512, "repeats": 1, "decode_tokens": 0,
-                "config": CONFIG, "trace_dir": tmp}
+        spec = {
+            "mode": "pipemlx",
+            "M": 4 * 512 + 1,
+            "step": 512,
+            "repeats": 1,
+            "decode_tokens": 0,
+            "config": CONFIG,
+            "trace_dir": tmp,
+        }
         run_ranks(2, spec, openblas_available())
         rank0, rank1 = spans(Path(tmp) / "trace-rank0.json"), spans(Path(tmp) / "trace-rank1.json")
     message_mb = 512 * CONFIG["hidden_size"] * 4 / 2**20
@@ -49,10 +56,14 @@ def main() -> None:
     print(f"activation message: {message_mb:.1f} MB per chunk")
     print(f"{'chunk':>5} {'r0 compute ms':>14} {'r0 send issue ms':>17} {'r0 send wait ms':>16} {'r1 recv ms':>11}")
     for k in range(len(compute)):
-        print(f"{k:>5} {compute[k]:>14.1f} {flush[k] if k < len(flush) else 0:>17.2f} "
-              f"{wait[k] if k < len(wait) else 0:>16.2f} {recv[k] if k < len(recv) else 0:>11.2f}")
-    print(f"sends issued in {max(flush):.2f} ms at most; waits for completion {max(wait):.2f} ms at most; "
-          f"rank 0's compute per chunk {min(compute):.0f}-{max(compute):.0f} ms")
+        print(
+            f"{k:>5} {compute[k]:>14.1f} {flush[k] if k < len(flush) else 0:>17.2f} "
+            f"{wait[k] if k < len(wait) else 0:>16.2f} {recv[k] if k < len(recv) else 0:>11.2f}"
+        )
+    print(
+        f"sends issued in {max(flush):.2f} ms at most; waits for completion {max(wait):.2f} ms at most; "
+        f"rank 0's compute per chunk {min(compute):.0f}-{max(compute):.0f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
 
 
@@ -38,8 +38,18 @@ def run_rank(args: argparse.Namespace) -> None:
     peak_mb = mx.get_peak_memory() / 2**20
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
     if args.json:
-        print(json.dumps({"rank": group.rank(), "split": list(stage.split), "step_size": args.step_size,
-                          "layers": [stage.layers.start, stage.layers.stop], "tokens": tokens}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "rank": group.rank(),
+                    "split": list(stage.split),
+                    "step_size": args.step_size,
+                    "layers": [stage.layers.start, stage.layers.stop],
+                    "tokens": tokens,
+                }
+            ),
+            flush=True,
+        )
         return
     print(f"{stage.describe()}: {len(model.layers)} local layers, peak memory {peak_mb:.1f} MB", flush=True)
     if group.rank() == 0:

@@ -26,7 +26,7 @@ from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
 
 
@@ -73,15 +73,24 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
             )
         except pipemlx.PrefillCancelled as stop:
             # Every rank lands here at the same agreement point; the group is ready for the next request.
-            say(f"\n[{request.id}] cancelled by rank(s) {stop.cancelling_ranks} after {stop.processed} "
-                f"positions (cache trimmed: {stop.cache_trimmed})")
-            outcome.update(status="cancelled", processed=stop.processed, cache_trimmed=stop.cache_trimmed,
-                           cache_offsets=sorted({c.offset for c in cache}), cancelling_ranks=stop.cancelling_ranks)
+            say(
+                f"\n[{request.id}] cancelled by rank(s) {stop.cancelling_ranks} after {stop.processed} "
+                f"positions (cache trimmed: {stop.cache_trimmed})"
+            )
+            outcome.update(
+                status="cancelled",
+                processed=stop.processed,
+                cache_trimmed=stop.cache_trimmed,
+                cache_offsets=sorted({c.offset for c in cache}),
+                cancelling_ranks=stop.cancelling_ranks,
+            )
             outcomes.append(outcome)
             continue
         say(f"\n[{request.id}] ", end="")
         tokens: list[int] = []
-        for response in stream_generate(model, tokenizer, prompt[-1:], max_tokens=request.max_tokens, prompt_cache=cache):
+        for response in stream_generate(
+            model, tokenizer, prompt[-1:], max_tokens=request.max_tokens, prompt_cache=cache
+        ):
             if response.finish_reason != "stop":
                 tokens.append(response.token)
             say(response.text, end="", flush=True)

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 import pipemlx
-from pipemlx.demo_model import MODEL_DIR, book_text, default_prompt
+from pipemlx.demo import MODEL_DIR, book_text, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
 
 
@@ -53,8 +53,17 @@ def run_rank(args: argparse.Namespace) -> None:
 
     stage = pipemlx.stage_of(model)
     if args.json:
-        print(json.dumps({"rank": rank, "layers": [stage.layers.start, stage.layers.stop],
-                          "step_size": args.step_size, "tokens": tokens}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "rank": rank,
+                    "layers": [stage.layers.start, stage.layers.stop],
+                    "step_size": args.step_size,
+                    "tokens": tokens,
+                }
+            ),
+            flush=True,
+        )
     else:  # rank 0 on stdout, the others on stderr: the same tokens everywhere
         out = sys.stdout if rank == 0 else sys.stderr
         print(f"\n{stage.describe()}: prefill of {prompt.size} tokens in {prefill_s:.2f} s; tokens {tokens}", file=out)

@@ -16,14 +16,14 @@ from .errors import (
     PipelineTimeoutError,
     PrefillCancelled,
 )
-from .generate import generate_step, stream_generate
-from .lean_decode import lean_generate_step
-from .loading import load_sharded
-from .prefill import pipeline_prefill
-from .send_mode import send_mode
-from .send_queue import SendQueue
-from .sharding import shard_model
-from .stage import PipelineStage, stage_of
+from .models.loading import load_sharded
+from .models.sharding import shard_model
+from .runtime.generate import generate_step, stream_generate
+from .runtime.lean_decode import lean_generate_step
+from .runtime.prefill import pipeline_prefill
+from .runtime.send_mode import send_mode
+from .runtime.send_queue import SendQueue
+from .runtime.stage import PipelineStage, stage_of
 
 __version__ = "0.1.0"
 

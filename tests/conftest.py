@@ -15,7 +15,11 @@ RANKS_DIR = Path(__file__).parent / "ranks"
 
 
 def run_ranks(
-    num_ranks: int, program: str, spec: dict[str, Any], timeout: float = 120.0, expect_exit: dict[int, int] | None = None
+    num_ranks: int,
+    program: str,
+    spec: dict[str, Any],
+    timeout: float = 120.0,
+    expect_exit: dict[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``tests/ranks/<program>`` on ``num_ranks`` ranks; return each rank's last stdout line as JSON.
 

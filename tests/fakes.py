@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 
 from pipemlx import shard_model
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 class FakeGroup:

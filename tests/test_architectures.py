@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import run_ranks
+from fakes import FakeGroup
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from conftest import run_ranks
-from fakes import FakeGroup
-from pipemlx.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
-from pipemlx.sharding import find_layer_list
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
+from pipemlx.models.sharding import find_layer_list
+from pipemlx.testing import build_model, tiny_config
 
 # arch -> split per world size (None: even).
 MATRIX: dict[str, dict[int, list[int] | None]] = {
@@ -56,7 +56,9 @@ def matrix_reports() -> dict[int, list[dict[str, Any]]]:
 
 @pytest.mark.parametrize("size", WORLD_SIZES)
 @pytest.mark.parametrize("arch", list(MATRIX))
-def test_architecture_matches_single_device(matrix_reports: dict[int, list[dict[str, Any]]], arch: str, size: int) -> None:
+def test_architecture_matches_single_device(
+    matrix_reports: dict[int, list[dict[str, Any]]], arch: str, size: int
+) -> None:
     reports = matrix_reports[size]
     assert [r["rank"] for r in reports] == list(range(size))
     first_tokens: list[list[int]] | None = None
@@ -136,7 +138,9 @@ def test_unregistered_architecture_is_refused_naming_the_covered_ones() -> None:
     """A family the registry does not cover (hunyuan, exaone4, ...) is refused unless explicitly allowed."""
     model = build_model(dict(EXAONE4))
     layers = list(model.layers)
-    with pytest.raises(pipemlx.PipelineError, match=r"exaone4 is not an architecture pipemlx has been verified on .*llama.*qwen3"):
+    with pytest.raises(
+        pipemlx.PipelineError, match=r"exaone4 is not an architecture pipemlx has been verified on .*llama.*qwen3"
+    ):
         pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
     assert list(model.layers) == layers
 

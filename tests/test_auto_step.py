@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_ranks
-from pipemlx.autostep import candidate_steps, choose_step
-from pipemlx.costmodel import CostModel, LayerCosts
+
+from pipemlx.schedule.autostep import candidate_steps, choose_step
+from pipemlx.schedule.costmodel import CostModel, LayerCosts
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -6,12 +6,12 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from conftest import run_ranks
+from fakes import FakeGroup, sharded_tiny, tokens
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from conftest import run_ranks
-from fakes import FakeGroup, sharded_tiny, tokens
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 @pytest.mark.parametrize(

@@ -5,19 +5,20 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
-import pytest
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 
 from pipemlx import cli
-from pipemlx.cli_generate import default_step_size
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.cli import common
+from pipemlx.cli import split as split_command
+from pipemlx.cli.common import default_step_size
+from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +56,10 @@ def reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: float =
         (["generate", "--prompt", "   \n"], "the prompt is empty"),
         (["generate", "--rank", "0"], "--rank only goes with --hostfile"),
         (["generate", "--split", "5,5"], "--split: split [5, 5] adds up to 10 layers but the model has 8"),
-        (["generate", "--ranks", "3", "--split", "6,2"], "--split: split [6, 2] has 2 entries but the group has 3 ranks"),
+        (
+            ["generate", "--ranks", "3", "--split", "6,2"],
+            "--split: split [6, 2] has 2 entries but the group has 3 ranks",
+        ),
         (["bench", "--ranks", "9"], "more ranks than layers: 9 ranks"),
         (["bench", "--model", "/no/such/model"], "does not exist"),
     ],
@@ -94,8 +98,10 @@ def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, conten
     assert code == 2 and words in err, err
 
 
-def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cli, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
+def test_hostfile_without_this_host(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(common, "_is_local", lambda host: False)  # no address is this machine's: nothing may connect
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text('[["host-a:5000"], ["host-b:5000"]]')
     code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile))
@@ -103,7 +109,7 @@ def test_hostfile_without_this_host(capsys: pytest.CaptureFixture[str], monkeypa
 
 
 def test_loopback_is_a_local_address() -> None:
-    assert cli._is_local("127.0.0.1")  # pyright: ignore[reportPrivateUsage]
+    assert common._is_local("127.0.0.1")  # pyright: ignore[reportPrivateUsage]
 
 
 def test_rank_outside_the_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -119,30 +125,29 @@ def test_png_without_matplotlib(capsys: pytest.CaptureFixture[str], monkeypatch:
     assert code == 2 and "--png needs matplotlib: pip install matplotlib" in err
 
 
-def test_plan_when_memory_split_is_missing(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", None)  # import pipemlx.memory_split now fails
-    code, err = run_cli(capsys, "plan", "model", "--ranks", "3")
-    assert code == 2 and "pipemlx plan: error: not available in this build" in err
+@pytest.mark.parametrize("command", ["split", "plan"])
+def test_split_hands_its_arguments_over(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """`pipemlx split` (and `pipemlx plan`, its old name) hand their arguments to pipemlx.cli.split."""
+    seen: list[tuple[list[str], str]] = []
 
-
-def test_plan_hands_its_arguments_over(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[list[str]] = []
-
-    def plan_main(argv: list[str]) -> int:
-        seen.append(argv)
+    def split_main(argv: list[str], prog: str = "") -> int:
+        seen.append((argv, prog))
         return 7
 
-    fake = types.ModuleType("pipemlx.memory_split")
-    fake.plan_main = plan_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pipemlx.memory_split", fake)
-    code, _ = run_cli(capsys, "plan", "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
-    assert code == 7 and seen == [["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"]]
+    monkeypatch.setattr(split_command, "main", split_main)
+    code, _ = run_cli(capsys, command, "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
+    assert code == 7 and seen == [(["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"], f"pipemlx {command}")]
 
 
 def test_a_subprocess_error_has_no_traceback() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--model", "/no/such/model"],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == "pipemlx generate: error: model folder '/no/such/model' does not exist"
@@ -154,7 +159,10 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
     max_tokens = 20
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--max-tokens", str(max_tokens)],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     _, tokenizer = load(str(MODEL_DIR))
@@ -175,11 +183,30 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
-    argv = ["generate", "--hostfile", str(hostfile), "--prompt", prompt, "--step-size", "4", "--max-tokens", "16",
-            "--split", "6,2", "--temp", "0", "--json"]
+    argv = [
+        "generate",
+        "--hostfile",
+        str(hostfile),
+        "--prompt",
+        prompt,
+        "--step-size",
+        "4",
+        "--max-tokens",
+        "16",
+        "--split",
+        "6,2",
+        "--temp",
+        "0",
+        "--json",
+    ]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "pipemlx", *argv, "--rank", str(r)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     outputs: list[tuple[str, str]] = []
@@ -209,7 +236,10 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json"]
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)

@@ -9,22 +9,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import run_ranks
-from pipemlx.costmodel import (
+
+from pipemlx.cli.costmodel import main
+from pipemlx.observe.timeline import simulated_trace, write_trace
+from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
+from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
     attention_pairs,
     cache_only_share,
     fit_layer_costs,
-    main,
     predict,
-    samples_from_trace,
 )
-from pipemlx.plan import Action, Chunk, build_plans, chunk_prompt
-from pipemlx.simulate import simulate
-from pipemlx.timeline import simulated_trace, write_trace
-from pipemlx.trace import Span, find_rank_traces, read_spans
+from pipemlx.schedule.plan import Action, Chunk, build_plans, chunk_prompt
+from pipemlx.schedule.simulate import simulate
 
 
 def uniform(world_size: int, *, collective_s: float = 0.0, latency_s: float = 0.0) -> CostModel:

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
-from pipemlx.demo_model import MODEL_DIR, default_prompt
+from pipemlx.demo import MODEL_DIR, default_prompt
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUN_TIMEOUT = 180
@@ -24,7 +24,9 @@ def run_example(name: str, *args: str) -> list[dict[str, Any]]:
     """Run ``examples/<name> --ranks 2 --json args...``; return each rank's JSON report, by rank."""
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / name), "--ranks", "2", "--json", *args],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
     )
     assert result.returncode == 0, f"{name} failed:\n{result.stderr}"
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -40,7 +42,10 @@ def reference(
     calls: list[int] = []
     tokens: list[int] = []
     for token, _ in generate_step(
-        mx.array(prompt_ids), model, prefill_step_size=step_size, max_tokens=max_tokens,
+        mx.array(prompt_ids),
+        model,
+        prefill_step_size=step_size,
+        max_tokens=max_tokens,
         prompt_progress_callback=lambda done, total: calls.append(done),
     ):
         if stop_at_eos and int(token) in tokenizer.eos_token_ids:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import run_ranks
-from pipemlx.plan import build_plan
+
+from pipemlx.schedule.plan import build_plan
 
 M, STEP = 30, 4
 TIMEOUT = 2.0
@@ -125,8 +125,10 @@ def test_a_killed_rank_surfaces_on_every_survivor(world_size: int, tmp_path: Pat
         assert outcome["broken"], "the stage must refuse further use after a lost peer"
         assert "cannot communicate any more" in outcome["next_call"], outcome
         assert 0 <= outcome["at_time"] - killed_at <= TIMEOUT + MARGIN, outcome
-        print(f"S={world_size} kill: rank {report['rank']} raised {outcome['error']} "
-              f"{outcome['at_time'] - killed_at:.2f} s after the kill")
+        print(
+            f"S={world_size} kill: rank {report['rank']} raised {outcome['error']} "
+            f"{outcome['at_time'] - killed_at:.2f} s after the kill"
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -143,5 +145,7 @@ def test_a_stalled_rank_times_out_on_every_survivor(world_size: int, tmp_path: P
         assert outcome["error"] == "PipelineTimeoutError", outcome
         assert f"no progress after {TIMEOUT:g} s" in outcome["message"]
         assert TIMEOUT - 0.5 <= outcome["at_time"] - stalled_at <= TIMEOUT + MARGIN, outcome
-        print(f"S={world_size} stall: rank {report['rank']} raised {outcome['error']} "
-              f"{outcome['at_time'] - stalled_at:.2f} s after the stall began (timeout {TIMEOUT:g} s)")
+        print(
+            f"S={world_size} stall: rank {report['rank']} raised {outcome['error']} "
+            f"{outcome['at_time'] - stalled_at:.2f} s after the stall began (timeout {TIMEOUT:g} s)"
+        )

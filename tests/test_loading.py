@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_ranks
+from fakes import FakeGroup
 from mlx_lm.convert import convert
 
 import pipemlx
-from conftest import run_ranks
-from fakes import FakeGroup
-from pipemlx.memory_split import model_bytes_from_dir, plan_split
-from pipemlx.split import layer_range
-from pipemlx.tiny import build_model, save_model_dir, tiny_config
+from pipemlx.models.safetensors import model_bytes_from_dir
+from pipemlx.schedule.memory_split import plan_split
+from pipemlx.schedule.split import layer_range
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 MARGIN = 1.15
 BIG = {
@@ -154,6 +155,8 @@ def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: d
     whole = build_model(dict(config))
     model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2))  # type: ignore[arg-type]
     assert (type(model.model.embed_tokens).__name__ == "Embedding") is kept
-    assert model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
+    assert (
+        model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
+    )
     first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2))  # type: ignore[arg-type]
     assert type(first.model.embed_tokens).__name__ == "Embedding"

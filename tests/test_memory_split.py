@@ -8,38 +8,53 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from fakes import FakeGroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
 import pipemlx
-from fakes import FakeGroup
-from pipemlx.memory_split import (
+from pipemlx.cli.split import main as plan_main
+from pipemlx.models.parameters import model_bytes_from_model
+from pipemlx.models.safetensors import model_bytes_from_dir, read_safetensors_header
+from pipemlx.models.sharding import find_layer_list
+from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
     format_size,
-    model_bytes_from_dir,
-    model_bytes_from_model,
     parse_size,
     plan_layers,
-    plan_main,
     plan_split,
-    read_safetensors_header,
 )
-from pipemlx.sharding import find_layer_list
-from pipemlx.split import even_split
-from pipemlx.tiny import build_model, save_model_dir, tiny_config
+from pipemlx.schedule.split import even_split
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("24GB", 24 * 10**9), ("16GiB", 16 * 2**30), ("512M", 512 * 10**6), ("1.5G", 1_500_000_000), ("1000", 1000), (7, 7), (" 2 kb ", 2000)],
+    [
+        ("24GB", 24 * 10**9),
+        ("16GiB", 16 * 2**30),
+        ("512M", 512 * 10**6),
+        ("1.5G", 1_500_000_000),
+        ("1000", 1000),
+        (7, 7),
+        (" 2 kb ", 2000),
+    ],
 )
 def test_sizes_are_read_with_decimal_and_binary_units(text: str | int, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text,words", [("24XB", "cannot read memory size '24XB'"), ("GB", "cannot read"), ("0GB", "must be positive"), ("-3", "cannot read")])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("24XB", "cannot read memory size '24XB'"),
+        ("GB", "cannot read"),
+        ("0GB", "must be positive"),
+        ("-3", "cannot read"),
+    ],
+)
 def test_bad_sizes_are_named(text: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         parse_size(text)
@@ -68,7 +83,10 @@ def brute_force(layer_bytes: list[int], fixed: list[int], budgets: list[int]) ->
         bounds = (0, *cuts, n)
         sizes = tuple(bounds[r + 1] - bounds[r] for r in range(world))
         loads = tuple(
-            sorted(((fixed[r] + sum(layer_bytes[bounds[r] : bounds[r + 1]])) / budgets[r] for r in range(world)), reverse=True)
+            sorted(
+                ((fixed[r] + sum(layer_bytes[bounds[r] : bounds[r + 1]])) / budgets[r] for r in range(world)),
+                reverse=True,
+            )
         )
         key = (loads, tuple(reversed(sizes)))
         if best is None or key < best:
@@ -108,7 +126,10 @@ def test_a_model_that_does_not_fit_is_named() -> None:
     model = ModelBytes(layers=(100,) * 4, embedding=50, head=60, tied=False)
     plan = plan_split(model, 2, [400, 300])
     assert [p.total for p in plan.ranks] == [310, 260] and plan.split == (2, 2)
-    with pytest.raises(MemoryPlanError, match=r"does not fit: 510 B in 4 layers .* best split \[2, 2\] still puts rank 0 at 310 B, over its 300 B"):
+    with pytest.raises(
+        MemoryPlanError,
+        match=r"does not fit: 510 B in 4 layers .* best split \[2, 2\] still puts rank 0 at 310 B, over its 300 B",
+    ):
         plan_split(model, 2, [300, 300])
     with pytest.raises(ValueError, match="more ranks than layers: 5 ranks cannot share 4 layers"):
         plan_split(model, 5, None)
@@ -225,7 +246,9 @@ def test_shard_model_follows_the_memory_plan() -> None:
         ({"memory": ["1KB", "1XB"]}, ValueError, "cannot read memory size '1XB'"),
     ],
 )
-def test_bad_memory_split_arguments_leave_the_model_untouched(kwargs: dict[str, object], error: type[Exception], words: str) -> None:
+def test_bad_memory_split_arguments_leave_the_model_untouched(
+    kwargs: dict[str, object], error: type[Exception], words: str
+) -> None:
     model = build_model(tiny_config("llama"))
     layers = list(model.layers)
     with pytest.raises(error, match=words):

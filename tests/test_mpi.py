@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from test_equivalence import check_reports
 from test_multihost import scenario
 
@@ -125,7 +124,9 @@ def run_mpi(
             f"--- rank {r} stdout:\n{stdouts[r][-1000:]}\n--- stderr:\n{stderrs[r][-4000:] or '(empty)'}"
             for r in range(num_ranks)
         )
-        pytest.fail(f"{program} under mpirun -np {num_ranks}: {failure}\n{shown}\n--- mpirun:\n{own[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"{program} under mpirun -np {num_ranks}: {failure}\n{shown}\n--- mpirun:\n{own[-3000:]}", pytrace=False
+        )
     reports: list[dict[str, Any]] = []
     for rank in range(num_ranks):
         lines = [line for line in stdouts[rank].splitlines() if line.startswith("{")]
@@ -145,7 +146,9 @@ def test_pipeline_matches_single_device_under_mpi(mpi: tuple[str, dict[str, str]
 def test_mpirun_timeout_kills_every_rank(mpi: tuple[str, dict[str, str]], tmp_path: Path) -> None:
     """The hard bound works: ranks that never finish are killed, and the failure shows their output."""
     sleeper = tmp_path / "sleeper.py"
-    sleeper.write_text("import os, sys, time\nprint('pid', os.getpid(), file=sys.stderr, flush=True)\ntime.sleep(600)\n")
+    sleeper.write_text(
+        "import os, sys, time\nprint('pid', os.getpid(), file=sys.stderr, flush=True)\ntime.sleep(600)\n"
+    )
     with pytest.raises(pytest.fail.Exception, match="timed out after 6 s") as failed:
         run_mpi(mpi, 2, str(sleeper), {}, timeout=6)
     message = str(failed.value)

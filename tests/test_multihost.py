@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from pipemlx.launch import free_ports, launch
 from netns import SUBNET, existing, ip, namespace_hosts, run_namespaced_ranks, skip_unless_available
 from test_equivalence import check_reports
+
+from pipemlx.launch import free_ports, launch
 
 M, STEP = 30, 4
 TIMEOUT = 2.0
@@ -34,7 +34,11 @@ def needs_namespaces() -> None:
 def scenario() -> list[dict[str, Any]]:
     steps: list[dict[str, Any]] = [{"kind": "plain", "M": 12, "step": 4}]
     steps += [{"kind": "pipeline", "M": m, "step": 8} for m in (1, 8, 9, 51)]
-    steps += [{"kind": "pipeline", "M": 6, "step": 1}, {"kind": "queue_exception"}, {"kind": "plain", "M": 20, "step": 8}]
+    steps += [
+        {"kind": "pipeline", "M": 6, "step": 1},
+        {"kind": "queue_exception"},
+        {"kind": "plain", "M": 20, "step": 8},
+    ]
     return steps
 
 
@@ -50,7 +54,9 @@ def test_namespace_hosts_are_private_and_always_removed() -> None:
                 assert f"{SUBNET}.{rank + 1}/24" in shown and "127.0.0.1/8" in shown, shown  # eth0 and lo are up
             route = ip("-n", hosts.hosts[0], "route", "get", f"{SUBNET}.3").stdout
             assert "dev eth0" in route, route
-            assert SUBNET not in ip("-o", "-4", "addr", "show").stdout, "the test addresses leaked into the root namespace"
+            assert SUBNET not in ip("-o", "-4", "addr", "show").stdout, (
+                "the test addresses leaked into the root namespace"
+            )
             raise KeyError("a failure inside the block")
     assert name and existing(name) == [], "namespaces left behind after a failure"
 
@@ -126,7 +132,11 @@ def test_launch_puts_each_prefix_before_the_command_and_the_addresses_in_the_hos
     addresses = [f"127.0.0.1:{p}" for p in ports]
     show = "import json, os; print(json.dumps([os.environ['WHERE'], os.environ['MLX_RANK'], open(os.environ['MLX_HOSTFILE']).read()]))"
     results = launch(
-        2, [sys.executable, "-c", show], timeout=60, addresses=addresses, prefixes=[["env", f"WHERE=host{r}"] for r in range(2)]
+        2,
+        [sys.executable, "-c", show],
+        timeout=60,
+        addresses=addresses,
+        prefixes=[["env", f"WHERE=host{r}"] for r in range(2)],
     )
     for r in results:
         where, rank, hostfile = json.loads(r.stdout)
@@ -160,10 +170,29 @@ def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None,
     with namespace_hosts(2) as hosts:
         hostfile = tmp_path / "hosts.json"
         hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
-        argv = [sys.executable, "-m", "pipemlx", "generate", "--hostfile", str(hostfile), "--prompt", prompt,
-                "--step-size", "4", "--max-tokens", "12", "--temp", "0", "--json"]
-        procs = [subprocess.Popen([*hosts.prefix(r), *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(2)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pipemlx",
+            "generate",
+            "--hostfile",
+            str(hostfile),
+            "--prompt",
+            prompt,
+            "--step-size",
+            "4",
+            "--max-tokens",
+            "12",
+            "--temp",
+            "0",
+            "--json",
+        ]
+        procs = [
+            subprocess.Popen(
+                [*hosts.prefix(r), *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for r in range(2)
+        ]
         try:
             for p in procs:
                 p.wait(timeout=120)
@@ -173,7 +202,9 @@ def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None,
             for p in procs:
                 p.kill()
         outputs = [p.communicate() for p in procs]
-    stderr = "\n".join(f"--- rank {r} (status {p.returncode}):\n{err[-2000:]}" for r, (p, (_, err)) in enumerate(zip(procs, outputs)))
+    stderr = "\n".join(
+        f"--- rank {r} (status {p.returncode}):\n{err[-2000:]}" for r, (p, (_, err)) in enumerate(zip(procs, outputs))
+    )
     assert [p.returncode for p in procs] == [0, 0], stderr
     report = json.loads(outputs[0][0])
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 4], [4, 8]]

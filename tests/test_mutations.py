@@ -1,6 +1,6 @@
 """Deliberately broken plans: the simulator must report each as a deadlock or a mismatch, readably.
 
-Each mutation starts from the real plans of pipemlx.plan.build_plans and breaks
+Each mutation starts from the real plans of pipemlx.schedule.plan.build_plans and breaks
 them the way a bug in the schedule would; hypothesis chooses the prompt, step
 size, world size, rank and send semantics.
 """
@@ -13,10 +13,21 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from hypothesis_profiles import Case, cases
-from pipemlx.plan import Action, Agree, Compute, PrefillPlan, Progress, Recv, Send, build_plan, build_plans, chunk_prompt
-from pipemlx.simulate import DeadlockError, PlanMismatchError, SimulationResult, simulate
+
+from pipemlx.schedule.plan import (
+    Action,
+    Agree,
+    Compute,
+    PrefillPlan,
+    Progress,
+    Recv,
+    Send,
+    build_plan,
+    build_plans,
+    chunk_prompt,
+)
+from pipemlx.schedule.simulate import DeadlockError, PlanMismatchError, SimulationResult, simulate
 
 SEMANTICS = [(0, False), (1, False), (None, False), (None, True)]
 semantics = st.sampled_from(SEMANTICS)

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 VOCAB, STEP = 32000, 256
 LOGITS_BYTES = STEP * VOCAB * 4

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipemlx.plan import (
+from pipemlx.schedule.plan import (
     Agree,
     Compute,
     Handshake,

@@ -1,6 +1,6 @@
 """Properties of the prefill plan for every prompt length, step size and world size (hypothesis).
 
-The plans are the objects pipeline_prefill carries out (pipemlx.plan.build_plans),
+The plans are the objects pipeline_prefill carries out (pipemlx.schedule.plan.build_plans),
 run together by the simulator under several send semantics. The progress
 sequence is compared with a reference model of mlx-lm's generate_step, which is
 itself checked against the real generate_step in test_reference_model_is_mlx_lm.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from hypothesis_profiles import Case, cases, note_size
-from pipemlx.plan import build_plans
-from pipemlx.simulate import SimulationResult, simulate
+
+from pipemlx.schedule.plan import build_plans
+from pipemlx.schedule.simulate import SimulationResult, simulate
 
 # (capacity, await_sends): rendezvous sends, one buffered message per link, unbounded buffers, and the
 # executor's way (sends issued asynchronously, waited for before the next agreement point).
@@ -69,9 +69,7 @@ def test_progress_is_mlx_lm_progress_on_every_rank(case: Case) -> None:
 
 
 @given(cases(), st.sampled_from(SEMANTICS))
-def test_every_position_once_in_order_with_s_minus_1_idle_slots(
-    case: Case, semantics: tuple[int | None, bool]
-) -> None:
+def test_every_position_once_in_order_with_s_minus_1_idle_slots(case: Case, semantics: tuple[int | None, bool]) -> None:
     result = run(case, *semantics)
     assert result.ok, result.report()
     S, positions = case.world_size, list(range(case.num_tokens - 1))
@@ -92,7 +90,7 @@ def test_reference_model_is_mlx_lm(num_tokens: int, step: int) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from pipemlx.tiny import build_model, tiny_config
+    from pipemlx.testing import build_model, tiny_config
 
     model = build_model(tiny_config("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=32), seed=0)
     calls: list[tuple[int, int]] = []

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
-
 from live_group import LiveGroup
 
 TIMEOUT = 20.0
@@ -126,7 +125,13 @@ def test_decode_faults_end_in_typed_errors_within_the_bound(kind: str, num_ranks
     timeout = 3.0
     group = LiveGroup(num_ranks, "request_server.py", {"timeout": timeout}, timeout=60)
     faulty = 1
-    command = {"op": "fault", "M": 9, "seed": 2, "max_tokens": 8, "fault": {"kind": kind, "rank": faulty, "token": 2, "seconds": 20}}
+    command = {
+        "op": "fault",
+        "M": 9,
+        "seed": 2,
+        "max_tokens": 8,
+        "fault": {"kind": kind, "rank": faulty, "token": 2, "seconds": 20},
+    }
     survivors = [r for r in range(num_ranks) if r != faulty]
     try:
         answers = group.ask(command, ranks=survivors)
@@ -164,7 +169,9 @@ class RequestMachine(RuleBasedStateMachine):
         self.offset = final.get("offset") or 0
         return answers
 
-    @rule(m=st.integers(1, 24), step=st.sampled_from([1, 3, 8]), temp=st.sampled_from([0.0, 0.9]), seed=st.integers(0, 9))
+    @rule(
+        m=st.integers(1, 24), step=st.sampled_from([1, 3, 8]), temp=st.sampled_from([0.0, 0.9]), seed=st.integers(0, 9)
+    )
     def new_request(self, m: int, step: int, temp: float, seed: int) -> None:
         self.ask({**BASE, "M": m, "step": step, "temp": temp, "seed": seed, "max_tokens": 4})
 

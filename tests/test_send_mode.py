@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from conftest import run_ranks
+from fakes import sharded_tiny, tokens
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from conftest import run_ranks
-from fakes import sharded_tiny, tokens
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def queue_one_send(model: object) -> None:

@@ -8,8 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from pipemlx.plan import Action, Agree, Chunk, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plans
-from pipemlx.simulate import (
+from pipemlx.schedule.plan import (
+    Action,
+    Agree,
+    Chunk,
+    Compute,
+    Handshake,
+    PrefillPlan,
+    Progress,
+    Recv,
+    Send,
+    build_plans,
+)
+from pipemlx.schedule.simulate import (
     DeadlockError,
     PlanMismatchError,
     SimulationError,
@@ -22,7 +33,9 @@ C0, C1 = Chunk(0, 0, 2), Chunk(1, 2, 4)
 
 
 def plan(rank: int, actions: list[Action], world_size: int = 2) -> PrefillPlan:
-    return PrefillPlan(num_tokens=5, step_size=2, world_size=world_size, rank=rank, chunks=(C0, C1), actions=tuple(actions))
+    return PrefillPlan(
+        num_tokens=5, step_size=2, world_size=world_size, rank=rank, chunks=(C0, C1), actions=tuple(actions)
+    )
 
 
 def eager_sender() -> list[PrefillPlan]:
@@ -68,7 +81,9 @@ def test_collective_mismatch_names_every_rank() -> None:
     plans = [plan(0, [Handshake(), Agree(0), Agree(1)]), plan(1, [Handshake(), Agree(1), Agree(2)])]
     result = simulate(plans)
     assert not result.ok and not result.blocked
-    assert result.mismatches[0] == "the ranks entered different collectives (rank 0: Agree(step 0), rank 1: Agree(step 1))"
+    assert (
+        result.mismatches[0] == "the ranks entered different collectives (rank 0: Agree(step 0), rank 1: Agree(step 1))"
+    )
     with pytest.raises(PlanMismatchError):
         result.raise_for_failure()
 
@@ -92,7 +107,10 @@ def test_wrong_chunk_received_is_a_mismatch_with_shapes() -> None:
 
 
 def test_compute_without_its_receive_and_send_of_nothing() -> None:
-    no_recv = [plan(0, [Handshake(), Compute(C0), Send(C0, 1), Agree(0)]), plan(1, [Handshake(), Compute(C0), Agree(0)])]
+    no_recv = [
+        plan(0, [Handshake(), Compute(C0), Send(C0, 1), Agree(0)]),
+        plan(1, [Handshake(), Compute(C0), Agree(0)]),
+    ]
     assert "but it has received nothing (a missing or extra Recv)" in simulate(no_recv, capacity=None).report()
     no_compute = [plan(0, [Handshake(), Send(C0, 1), Agree(0)]), plan(1, [Handshake(), Agree(0)])]
     assert simulate(no_compute).mismatches[0] == "rank 0 sends chunk 0 [0:2) to rank 1 but its send queue is empty"
@@ -189,7 +207,7 @@ def test_errors_carry_the_result() -> None:
     assert info.value.result.deadlocked and str(info.value) == info.value.result.report()
 
 
-@pytest.mark.parametrize("module", ["simulate", "costmodel", "timeline"])
+@pytest.mark.parametrize("module", ["schedule/simulate", "schedule/costmodel", "observe/timeline"])
 def test_pure_python_modules_do_not_import_mlx(module: str) -> None:
     path = Path(__file__).parent.parent / "pipemlx" / f"{module}.py"
     tree = ast.parse(path.read_text())

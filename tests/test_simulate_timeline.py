@@ -6,15 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from pipemlx.costmodel import CostModel, LayerCosts, predict
-from pipemlx.plan import build_plans
-from pipemlx.timeline import gantt, main, plot_timeline, simulated_trace, write_trace
-from pipemlx.trace import read_spans
+from pipemlx.cli.timeline import main
+from pipemlx.observe.timeline import gantt, plot_timeline, simulated_trace, write_trace
+from pipemlx.observe.trace import read_spans
+from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
+from pipemlx.schedule.plan import build_plans
 
 
 def parse(text: str) -> dict[str, list[str]]:
     rows = text.splitlines()[1:]
-    return {" ".join(r.split()[:2]) if r.startswith("rank") else r.split()[0]: r.split()[2 if r.startswith("rank") else 1 :] for r in rows}
+    return {
+        " ".join(r.split()[:2]) if r.startswith("rank") else r.split()[0]: r.split()[2 if r.startswith("rank") else 1 :]
+        for r in rows
+    }
 
 
 @pytest.mark.parametrize("num_tokens,step,ranks", [(13, 3, 3), (9, 4, 1), (30, 2, 5), (5, 8, 4)])
@@ -28,7 +32,10 @@ def test_gantt_shows_the_wavefront(num_tokens: int, step: int, ranks: int) -> No
         assert table[f"rank {r}"] == [str(t - r) if 0 <= t - r < n else "." for t in range(steps)], r
     assert table["done"] == [str(c) for c in range(n)]  # right-aligned under steps S-1 .. n+S-2
     header = gantt(plans).splitlines()[0]
-    assert header == f"{num_tokens - 1} prompt positions in {n} chunk(s) of <= {step} tokens on {ranks} rank(s): {steps} step(s)"
+    assert (
+        header
+        == f"{num_tokens - 1} prompt positions in {n} chunk(s) of <= {step} tokens on {ranks} rank(s): {steps} step(s)"
+    )
 
 
 def test_gantt_elides_the_middle_of_long_plans() -> None:

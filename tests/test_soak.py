@@ -1,12 +1,11 @@
 """Soak: 100 consecutive requests of random length with random cancellations on one group (run by hand).
 
-    python -m pytest -m slow tests/test_soak.py -s
+python -m pytest -m slow tests/test_soak.py -s
 """
 
 from __future__ import annotations
 
 import pytest
-
 from conftest import run_ranks
 
 REQUESTS = 100

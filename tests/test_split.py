@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipemlx.split import even_split, layer_range, resolve_split
+from pipemlx.schedule.split import even_split, layer_range, resolve_split
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,8 @@ def test_layer_ranges_are_contiguous_from_rank_zero() -> None:
         ([1, 1, 1, 0], 3, 4, ValueError, "more ranks than layers"),
     ],
 )
-def test_bad_splits_name_the_numbers(split: object, layers: int, ranks: int, error: type[Exception], words: str) -> None:
+def test_bad_splits_name_the_numbers(
+    split: object, layers: int, ranks: int, error: type[Exception], words: str
+) -> None:
     with pytest.raises(error, match=words):
         resolve_split(split, layers, ranks)  # type: ignore[arg-type]

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import run_ranks
-from pipemlx.plan import Agree, Compute, Handshake, Progress, Recv, Send, build_plans
-from pipemlx.simulate import describe, simulate
-from pipemlx.timeline import main
-from pipemlx.trace import Span, Tracer, find_rank_traces, merge_traces, read_spans, tracer_for
+
+from pipemlx.cli.timeline import main
+from pipemlx.observe.trace import Span, Tracer, find_rank_traces, merge_traces, read_spans, tracer_for
+from pipemlx.schedule.plan import Agree, Compute, Handshake, Progress, Recv, Send, build_plans
+from pipemlx.schedule.simulate import describe, simulate
 
 M, STEP, RANKS = 23, 4, 2  # 22 positions: 6 chunks, the last of 2 tokens
 

@@ -5,7 +5,8 @@ Spec: {"mode": "single" | "native" | "pipemlx" | "lean", "M", "step", "repeats",
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
   pipemlx  pipemlx.shard_model + pipeline_prefill, then generate_step(prompt[-1:]) to decode
   lean     as pipemlx, decoding with pipemlx.lean_generate_step (only the last rank applies the head)
-Prefill time: from the call until the progress callback reports (M-1, M), the same point for every mode.
+Prefill time and decode tokens/s are pipemlx.observe.metrics' (prefill: from the call until the cache holds
+the M-1 prompt positions, i.e. the progress callback reports (M-1, M), the same point for every mode).
 Prints one JSON line: per-repeat prefill seconds, decode tokens/s, and the prefill's bytes sent.
 """
 
@@ -25,7 +26,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model
+from pipemlx.observe.metrics import PrefillClock, decode_tokens_per_s
+from pipemlx.testing import build_model
 
 
 def tcp_bytes_sent() -> int:
@@ -48,26 +50,18 @@ def pin(rank: int) -> None:
 
 def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: int) -> tuple[float, float]:
     """Prefill seconds (until the (M-1, M) report) and decode tokens/s of mlx-lm's generate_step."""
-    start = time.perf_counter()
-    marks: dict[str, float] = {}
-    total = prompt.size
-
-    def on_progress(processed: int, _: int) -> None:
-        if processed == total - 1:
-            marks["prefill"] = time.perf_counter()
-
+    clock = PrefillClock(time.perf_counter())
     tokens = 0
-    decode_start = 0.0
+    decode_start = decode_end = 0.0
     for _ in generate_step(
-        prompt, model, prefill_step_size=step, max_tokens=decode_tokens + 1, prompt_progress_callback=on_progress
+        prompt, model, prefill_step_size=step, max_tokens=decode_tokens + 1, prompt_progress_callback=clock
     ):
         tokens += 1
+        decode_end = time.perf_counter()
         if tokens == 1:
-            decode_start = time.perf_counter()
-    decode_s = time.perf_counter() - decode_start
+            decode_start = decode_end
     mx.synchronize(generation_stream)
-    prefill_end = marks.get("prefill", start)
-    return prefill_end - start, (tokens - 1) / decode_s if decode_tokens else 0.0
+    return clock.seconds, decode_tokens_per_s(tokens, decode_end - decode_start)
 
 
 STEPS_USED: list[int] = []
@@ -86,16 +80,19 @@ def time_pipemlx(
     if decode_tokens:
         sent_before = tcp_bytes_sent()
         tokens = 0
-        decode_start = 0.0
+        decode_start = decode_end = 0.0
         if lean:
-            decoded: Any = pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
+            decoded: Any = pipemlx.lean_generate_step(
+                prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1
+            )
         else:
             decoded = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
         for _ in decoded:
             tokens += 1
+            decode_end = time.perf_counter()
             if tokens == 1:
-                decode_start = time.perf_counter()
-        rate = (tokens - 1) / (time.perf_counter() - decode_start)
+                decode_start = decode_end
+        rate = decode_tokens_per_s(tokens, decode_end - decode_start)
         mx.synchronize(generation_stream)
         # generate_step runs decode_tokens + 2 forward passes (the first, the rest, one left in flight);
         # lean_generate_step leaves none in flight.
@@ -136,7 +133,19 @@ def main() -> None:
             sent.append(b)
     if group is not None:
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    print(json.dumps({"rank": rank, "mode": mode, "prefill_s": prefill, "decode_tok_s": decode, "decode_bytes_per_token": sent, "steps": STEPS_USED}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "mode": mode,
+                "prefill_s": prefill,
+                "decode_tok_s": decode,
+                "decode_bytes_per_token": sent,
+                "steps": STEPS_USED,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

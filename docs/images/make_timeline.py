@@ -16,11 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipemlx.costmodel import CostModel, cache_only_share, fit_layer_costs, predict
+from pipemlx.schedule.costmodel import CostModel, cache_only_share, fit_layer_costs, predict
 from pipemlx.launch import launch
-from pipemlx.plan import Chunk
-from pipemlx.timeline import plot_timeline, simulated_trace, write_trace
-from pipemlx.trace import find_rank_traces, merge_traces, read_spans
+from pipemlx.schedule.plan import Chunk
+from pipemlx.observe.timeline import plot_timeline, simulated_trace, write_trace
+from pipemlx.observe.trace import find_rank_traces, merge_traces, read_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_key_value_heads": 2}

@@ -23,14 +23,16 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
     return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
 
 
-def decode(prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int) -> tuple[list[int], list[mx.array]]:
+def decode(
+    prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int
+) -> tuple[list[int], list[mx.array]]:
     tokens: list[int] = []
     logprobs: list[mx.array] = []
     for token, lp in generate_step(prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=max_tokens):

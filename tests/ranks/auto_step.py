@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def main() -> None:
@@ -30,27 +30,47 @@ def main() -> None:
         prompt = mx.random.randint(0, 256, (length,), key=mx.random.key(length)).astype(mx.int32)
         cache = make_prompt_cache(model)
         calls: list[list[int]] = []
-        step = pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b]))
+        step = pipemlx.pipeline_prefill(
+            model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b])
+        )
         tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
         ref_calls: list[list[int]] = []
         ref = [
             int(t)
             for t, _ in generate_step(
-                prompt, reference, prefill_step_size=step, max_tokens=5, prompt_progress_callback=lambda a, b: ref_calls.append([a, b])
+                prompt,
+                reference,
+                prefill_step_size=step,
+                max_tokens=5,
+                prompt_progress_callback=lambda a, b: ref_calls.append([a, b]),
             )
         ]
         mx.synchronize(generation_stream)
-        results.append({"M": length, "step": step, "tokens": tokens, "reference": ref, "progress": calls, "ref_progress": ref_calls[:-1]})
+        results.append(
+            {
+                "M": length,
+                "step": step,
+                "tokens": tokens,
+                "reference": ref,
+                "progress": calls,
+                "ref_progress": ref_calls[:-1],
+            }
+        )
     mismatch = None
     if spec.get("mismatch_rank") is not None:
         fixed = group.rank() == spec["mismatch_rank"]
         try:
-            pipemlx.pipeline_prefill(model, mx.arange(40, dtype=mx.int32), make_prompt_cache(model), step_size=8 if fixed else "auto")
+            pipemlx.pipeline_prefill(
+                model, mx.arange(40, dtype=mx.int32), make_prompt_cache(model), step_size=8 if fixed else "auto"
+            )
         except pipemlx.PipelineMismatchError as exc:
             mismatch = str(exc)
     calibrated = pipemlx.stage_of(model).cost_model is not None
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    print(json.dumps({"rank": group.rank(), "results": results, "mismatch": mismatch, "calibrated": calibrated}), flush=True)
+    print(
+        json.dumps({"rank": group.rank(), "results": results, "mismatch": mismatch, "calibrated": calibrated}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

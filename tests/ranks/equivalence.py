@@ -22,14 +22,16 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
     return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
 
 
-def decode(prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int) -> tuple[list[int], list[list[int]]]:
+def decode(
+    prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int
+) -> tuple[list[int], list[list[int]]]:
     calls: list[list[int]] = []
     tokens = [
         int(t)

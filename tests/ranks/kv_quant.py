@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def main() -> None:
@@ -34,7 +34,16 @@ def main() -> None:
         kv = {k: run[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start")}
         prompt = mx.random.randint(0, config["vocab_size"], (run["M"],), key=mx.random.key(run["M"])).astype(mx.int32)
         ref_cache = make_prompt_cache(reference)
-        ref = list(generate_step(prompt, reference, prompt_cache=ref_cache, prefill_step_size=run["step"], max_tokens=spec["max_tokens"], **kv))
+        ref = list(
+            generate_step(
+                prompt,
+                reference,
+                prompt_cache=ref_cache,
+                prefill_step_size=run["step"],
+                max_tokens=spec["max_tokens"],
+                **kv,
+            )
+        )
         cache = make_prompt_cache(model)
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=run["step"], **kv)
         after_prefill = [type(c).__name__ for c in cache]

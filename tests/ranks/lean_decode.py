@@ -17,7 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 def link_is_down(interface: str = "eth0") -> bool:
@@ -58,7 +58,12 @@ def main() -> None:
     outcome: dict[str, Any] = {"rank": rank, "error": None, "link_down": None}
     try:
         pipemlx.pipeline_prefill(
-            model, prompt, make_prompt_cache(model), step_size=spec["step"], progress_callback=on_progress, timeout=timeout
+            model,
+            prompt,
+            make_prompt_cache(model),
+            step_size=spec["step"],
+            progress_callback=on_progress,
+            timeout=timeout,
         )
     except (pipemlx.PipelineError, RuntimeError) as exc:
         outcome.update(error=type(exc).__name__, message=str(exc), at_time=time.time())

@@ -20,8 +20,8 @@ from mlx_lm.utils import load
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.memory_split import embedding_modules, flat_parameters
-from pipemlx.sharding import find_layer_list
+from pipemlx.models.parameters import embedding_modules, flat_parameters
+from pipemlx.models.sharding import find_layer_list
 
 
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -38,7 +38,8 @@ def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, An
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     reference, _ = load(path)
     ref_tokens = [
-        int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
+        int(t)
+        for t, _ in generate_step(prompt, reference, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
     ]
     mx.synchronize(generation_stream)
     return {

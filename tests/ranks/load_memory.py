@@ -23,7 +23,8 @@ from mlx_lm.utils import load, load_tokenizer
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.memory_split import flat_parameters, model_bytes_from_dir
+from pipemlx.models.parameters import flat_parameters
+from pipemlx.models.safetensors import model_bytes_from_dir
 
 
 def status_kb(field: str) -> int:
@@ -89,7 +90,8 @@ def main() -> None:
         full, _ = load(str(path))
         report["full_peak"] = peak_growth(baseline)
         report["ref_tokens"] = [
-            int(t) for t, _ in generate_step(prompt, full, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
+            int(t)
+            for t, _ in generate_step(prompt, full, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"])
         ]
         mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))

@@ -35,7 +35,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config
 
 
 class InjectedModelError(RuntimeError):
@@ -159,7 +159,9 @@ class Server:
             answer["then"] = self.request(command["then"])
         return answer
 
-    def replay(self, prompt: mx.array, command: dict[str, Any], outcome: dict[str, Any], taken: int, temp: float) -> dict[str, Any]:
+    def replay(
+        self, prompt: mx.array, command: dict[str, Any], outcome: dict[str, Any], taken: int, temp: float
+    ) -> dict[str, Any]:
         """The reference: mlx-lm on one process, from the same cache history, consumed as the pipeline was."""
         prefill_stopped = outcome["outcome"] == "cancelled" or outcome.get("in_prefill", False)
         if prefill_stopped:
@@ -205,7 +207,6 @@ class Server:
                 if len(got[i]) == command["take"]:
                     break
         return {"rank": self.rank, "tokens": got[0], "ref_tokens": got[1], "outcome": "done"}
-
 
     def fault(self, command: dict[str, Any]) -> None:
         """Decode with a fault on one rank ("die": os._exit(3), "stall": sleep) at token ``token``.

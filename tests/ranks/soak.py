@@ -19,8 +19,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.plan import build_plan
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.schedule.plan import build_plan
+from pipemlx.testing import build_model, tiny_config
 
 
 def rss_mb() -> float:
@@ -50,7 +50,11 @@ def main() -> None:
         cache = make_prompt_cache(model)
         try:
             pipemlx.pipeline_prefill(
-                model, prompt, cache, step_size=step, should_cancel=lambda: cancel and rank == who and next(polls) == when
+                model,
+                prompt,
+                cache,
+                step_size=step,
+                should_cancel=lambda: cancel and rank == who and next(polls) == when,
             )
         except pipemlx.PrefillCancelled as exc:
             entry.update(outcome="cancelled", expected=cancel, processed=exc.processed)

@@ -25,11 +25,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-import pipemlx.prefill
+import pipemlx.runtime.prefill
 from pipemlx.launch import init_group
-from pipemlx.plan import Chunk, PrefillPlan
-from pipemlx.simulate import describe
-from pipemlx.tiny import build_model, tiny_config
+from pipemlx.schedule.plan import Chunk, PrefillPlan
+from pipemlx.schedule.simulate import describe
+from pipemlx.testing import build_model, tiny_config
 
 
 def barrier(group: mx.distributed.Group) -> None:
@@ -83,14 +83,14 @@ def main() -> None:
     report: dict[str, Any] = {"rank": group.rank(), "size": group.size()}
 
     executed: list[PrefillPlan] = []
-    original = pipemlx.prefill.build_plan
+    original = pipemlx.runtime.prefill.build_plan
 
     def recording_build_plan(*args: Any) -> PrefillPlan:
         plan = original(*args)
         executed.append(plan)
         return plan
 
-    pipemlx.prefill.build_plan = recording_build_plan  # the executor's own plan, recorded as it is built
+    pipemlx.runtime.prefill.build_plan = recording_build_plan  # the executor's own plan, recorded as it is built
 
     whole = build_model(config, seed=spec["seed"]) if spec.get("calibrate") else None
     chunks = calibration_chunks(tokens.size, spec["step"])

@@ -1,0 +1,156 @@
+"""The ``pipemlx`` command: ``generate``, ``bench`` and ``split``; one module per command.
+
+``pipemlx generate`` (:mod:`.generate`) prefills a prompt across ranks and
+streams the decoded text; ``pipemlx bench`` (:mod:`.bench`, its ranks run
+:mod:`.bench_rank`) compares one process with a 2-rank pipeline;
+``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is its old name, still
+accepted) proposes a layer split from each rank's memory. Without ``--model``
+they use the demo model shipped in :mod:`pipemlx.demo`. What the commands
+share is in :mod:`.common`; this module holds the parser and the dispatcher.
+Two tools have a command line of their own: ``python -m pipemlx.cli.timeline``
+and ``python -m pipemlx.cli.costmodel``.
+
+Where the ranks come from (``generate``):
+
+- ``--ranks N`` (the default, N = 2): N local processes, started with
+  :func:`pipemlx.launch.launch`; rank 0's output is this command's output.
+- under ``mlx.launch`` or ``mpirun`` (``MLX_RANK`` or ``OMPI_COMM_WORLD_RANK`` set):
+  this process is one rank of the surrounding group.
+- ``--hostfile FILE``: MLX's ring hostfile (a JSON list with one list of
+  ``"ip:port"`` per rank); run the same command on every host, and each takes
+  the rank whose address is its own (``--rank`` when that is ambiguous).
+
+Exit status: 0 on success, 1 when a rank or the pipeline failed, 2 for bad
+input (named in one line on stderr, without a traceback), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..demo import MODEL_DIR
+from ..launch import LaunchError, launch
+from . import split as split_command
+from .common import (
+    UserError,
+    check_ranks,
+    hostfile_rank,
+    in_launched_rank,
+    layer_counts,
+    positive_float,
+    positive_int,
+    read_prompt,
+)
+
+DEFAULT_RANKS = 2
+LAUNCH_TIMEOUT = 7 * 24 * 3600.0
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pipemlx`` argument parser."""
+    parser = argparse.ArgumentParser(prog="pipemlx", description="Pipeline-parallel prefill for mlx-lm models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    generate = commands.add_parser(
+        "generate",
+        help="prefill a prompt across ranks with a progress bar, then stream the generated text",
+        description="Prefill a prompt across ranks, then stream the generated text and print a summary.",
+    )
+    _add_model_args(generate)
+    where = generate.add_mutually_exclusive_group()
+    where.add_argument("--ranks", type=positive_int, help=f"local ranks to start (default {DEFAULT_RANKS})")
+    where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
+    generate.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
+    generate.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
+    prompt = generate.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (default: the opening of Pride and Prejudice)")
+    prompt.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    generate.add_argument("--max-tokens", type=positive_int, default=100, help="tokens to generate (default 100)")
+    generate.add_argument(
+        "--temp", type=float, default=0.7, help="sampling temperature (default 0.7; 0 for greedy decoding)"
+    )
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
+
+    bench = commands.add_parser(
+        "bench",
+        help="one process against a 2-rank pipeline on the same model and prompt",
+        description="Time prefill and decode in one process and in a pipeline, and print the ratios.",
+    )
+    _add_model_args(bench)
+    bench.add_argument("--ranks", type=positive_int, default=2, help="pipeline ranks (default 2)")
+    bench.add_argument("--prompt-tokens", type=positive_int, default=2048, help="prompt length (default 2048)")
+    bench.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to decode (default 64)")
+    bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    bench.add_argument("--png", help="also write the pipeline's prefill timeline to this PNG (needs matplotlib)")
+
+    commands.add_parser(
+        "split",
+        aliases=["plan"],
+        help="propose a layer split from each rank's memory (pipemlx split MODEL_DIR --ranks N --memory ...); "
+        "plan: its old name",
+        add_help=False,
+    )
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="mlx-lm model folder (default: the demo model)")
+    parser.add_argument(
+        "--step-size",
+        type=positive_int,
+        help="prefill chunk in tokens (default 512, smaller for short prompts: at least 4 chunks per rank)",
+    )
+    parser.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any pipeline wait may take")
+
+
+def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Check the input, then run as a rank here or start the local ranks."""
+    prompt = read_prompt(args)
+    if args.rank is not None and args.hostfile is None:
+        raise UserError("--rank only goes with --hostfile")
+    if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
+        if args.hostfile is not None:
+            rank = hostfile_rank(args.hostfile, args.rank)
+            os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), "PIPEMLX_BACKEND": "ring"})
+        from .generate import generate_rank  # MLX and mlx-lm: imported only where a rank runs
+
+        return generate_rank(args, prompt, expected_ranks=args.ranks)
+    ranks: int = args.ranks or DEFAULT_RANKS
+    check_ranks(ranks, args.model, args.split)
+    command = [sys.executable, "-m", "pipemlx", *argv]
+    try:
+        launch(ranks, command, timeout=LAUNCH_TIMEOUT, passthrough_rank=0)
+    except LaunchError as exc:
+        print(f"pipemlx generate: {str(exc).splitlines()[0]}", file=sys.stderr)
+        for result in exc.results[1:]:
+            if result.stderr.strip():
+                tail = "\n".join(result.stderr.strip().splitlines()[-8:])
+                print(f"--- rank {result.rank} (status {result.returncode}):\n{tail}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pipemlx`` command; returns the exit status."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] in (["split"], ["plan"]):
+        return split_command.main(arguments[1:], prog=f"pipemlx {arguments[0]}")
+    args = build_parser().parse_args(arguments)
+    try:
+        if args.command == "generate":
+            return run_generate(args, arguments)
+        from .bench import run_bench  # MLX and mlx-lm: imported only when benchmarking
+
+        return run_bench(args)
+    except UserError as exc:
+        print(f"pipemlx {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"pipemlx {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -1,0 +1,170 @@
+"""What the ``pipemlx`` commands share: bad-input errors, argument types, model and rank checks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Any, cast
+
+from ..demo import MODEL_DIR, default_prompt
+from ..schedule.split import resolve_split
+
+RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
+MAX_STEP_SIZE = 512
+CHUNKS_PER_RANK = 4
+
+
+class UserError(Exception):
+    """Bad input: reported as ``pipemlx <command>: error: <message>`` with exit status 2."""
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def layer_counts(text: str) -> list[int]:
+    """argparse type: layers per rank, comma-separated (``6,2``)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layers per rank like 6,2, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number greater than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+    return value
+
+
+def in_launched_rank() -> bool:
+    """True when a launcher (pipemlx's, ``mlx.launch``, ``mpirun``) started this process as a rank."""
+    return any(name in os.environ for name in RANK_VARIABLES)
+
+
+def model_layers(model_dir: Path) -> int | None:
+    """Check that ``model_dir`` looks like an mlx-lm model folder; return its decoder layer count if known."""
+    if not model_dir.exists():
+        raise UserError(f"model folder {str(model_dir)!r} does not exist")
+    if not model_dir.is_dir():
+        raise UserError(f"{str(model_dir)!r} is not a folder; --model takes an mlx-lm model folder")
+    config_path = model_dir / "config.json"
+    try:
+        config: Any = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{str(model_dir)!r} has no config.json; it is not an mlx-lm model folder") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {config_path}: {exc}") from None
+    if not any(model_dir.glob("model*.safetensors")):
+        raise UserError(f"{str(model_dir)!r} has no model*.safetensors weights")
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path} does not hold a JSON object")
+    layers = config.get("num_hidden_layers")  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    text_config = config.get("text_config")  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    if layers is None and isinstance(text_config, dict):
+        layers = text_config.get("num_hidden_layers")  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+    return layers if isinstance(layers, int) else None
+
+
+def model_name(model_dir: Path) -> str:
+    """``the demo model`` for the shipped one, else the folder as given."""
+    return "the demo model" if Path(model_dir).resolve() == MODEL_DIR.resolve() else str(model_dir)
+
+
+def check_ranks(ranks: int, model_dir: Path, split: list[int] | None = None) -> None:
+    """Every rank needs at least one layer of the model; an explicit ``split`` must fit model and ranks."""
+    layers = model_layers(model_dir)
+    if layers is not None and ranks > layers:
+        raise UserError(
+            f"more ranks than layers: {ranks} ranks cannot share the {layers} layers of {model_name(model_dir)} "
+            "(every rank needs at least one)"
+        )
+    if split is not None:
+        if layers is None:
+            raise UserError(f"--split needs the model's layer count, which {model_dir}/config.json does not give")
+        try:
+            resolve_split(split, layers, ranks)
+        except ValueError as exc:
+            raise UserError(f"--split: {exc}") from None
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text from ``--prompt``, ``--prompt-file`` or the demo prompt."""
+    if args.prompt is not None:
+        text: str = args.prompt
+    elif args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read prompt file {args.prompt_file!r}: {exc}") from None
+    else:
+        text = default_prompt()
+    if not text.strip():
+        raise UserError("the prompt is empty")
+    return text
+
+
+def hostfile_rank(path: str, rank: int | None) -> int:
+    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+    try:
+        entries: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read hostfile {path!r}: {exc}") from None
+    if not _is_hostfile(entries):
+        raise UserError(
+            f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
+            'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]]'
+        )
+    hosts = cast("list[list[str]]", entries)
+    if rank is not None:
+        if not 0 <= rank < len(hosts):
+            raise UserError(f"--rank {rank} is not a rank of {path!r}, which has {len(hosts)} ranks")
+        return rank
+    local = [r for r, addresses in enumerate(hosts) if any(_is_local(a.rsplit(":", 1)[0]) for a in addresses)]
+    if len(local) == 1:
+        return local[0]
+    if not local:
+        raise UserError(f"no address in {path!r} belongs to this host; pass --rank R to choose this process's rank")
+    raise UserError(f"ranks {local} of {path!r} all have addresses of this host; pass --rank R to choose one")
+
+
+def _is_hostfile(entries: Any) -> bool:
+    """A non-empty list of non-empty lists of ``"host:port"`` strings."""
+    if not isinstance(entries, list) or not entries:
+        return False
+    for entry in cast("list[Any]", entries):
+        if not isinstance(entry, list) or not entry:
+            return False
+        if not all(isinstance(a, str) and ":" in a for a in cast("list[Any]", entry)):
+            return False
+    return True
+
+
+def _is_local(host: str) -> bool:
+    """Whether this machine has the address ``host`` (can bind to it)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host.strip("[]"), 0))
+        return True
+    except OSError:
+        return False
+
+
+def default_step_size(num_tokens: int, world_size: int) -> int:
+    """512 tokens, or less so that a short prompt still gives every rank ``CHUNKS_PER_RANK`` chunks."""
+    return max(1, min(MAX_STEP_SIZE, math.ceil((num_tokens - 1) / (CHUNKS_PER_RANK * world_size))))

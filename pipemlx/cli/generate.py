@@ -1,0 +1,205 @@
+"""``pipemlx generate``, one rank's side: load, shard, prefill with a progress bar, stream, summarise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream, stream_generate  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import PipelineError
+from ..launch import init_group
+from ..models.loading import load_sharded
+from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
+from ..runtime.prefill import pipeline_prefill
+from ..runtime.stage import stage_of
+from .common import check_ranks, default_step_size, model_name
+
+PROMPT_TAIL_CHARS = 300
+MB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """What one rank reports for the summary."""
+
+    rank: int
+    layer_start: int
+    layer_stop: int
+    peak_memory_mb: float
+
+
+class TokenRate(ProgressColumn):
+    """Tokens per second since the bar started."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        rate = task.completed / elapsed if elapsed > 0 else 0.0
+        return Text(f"{rate:,.0f} tok/s", style="progress.data.speed")
+
+
+def generate_rank(
+    args: argparse.Namespace,
+    prompt_text: str,
+    *,
+    expected_ranks: int | None,
+) -> int:
+    """Run ``pipemlx generate`` as one rank of the group this process belongs to; returns the exit status."""
+    group = init_group()
+    rank, size = group.rank(), group.size()
+    err = Console(stderr=True, quiet=rank != 0 or args.json)
+    if expected_ranks is not None and expected_ranks != size:
+        if rank == 0:
+            print(f"pipemlx generate: error: --ranks {expected_ranks} but the group has {size} ranks", file=sys.stderr)
+        return 2
+    check_ranks(size, args.model, args.split)
+    try:
+        return _generate(args, prompt_text, group, err)
+    except PipelineError as exc:
+        print(f"pipemlx generate: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
+    rank, size = group.rank(), group.size()
+    try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
+        model, tokenizer = load_sharded(args.model, group, split=args.split, timeout=args.timeout)
+    except (ValueError, OSError) as exc:
+        print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
+        return 2
+    stage = stage_of(model)
+    add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
+    prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
+    step_size: int = args.step_size or default_step_size(prompt.size, size)
+    name = model_name(args.model)
+    err.print(
+        f"[bold]pipemlx[/bold]: {name}, {stage.total_layers} layers on {size} rank{'s' if size > 1 else ''} "
+        f"(split {list(stage.split)}); prompt {prompt.size} tokens in chunks of {step_size}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+    cache = make_prompt_cache(model)
+    progress = Progress(
+        TextColumn("[bold]prefill"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("tokens"),
+        TokenRate(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=err,
+    )
+    task = progress.add_task("prefill", total=max(prompt.size - 1, 1))
+
+    def on_progress(processed: int, total: int) -> None:
+        progress.update(task, completed=processed)
+
+    start = time.perf_counter()
+    with progress:
+        pipeline_prefill(model, prompt, cache, step_size=step_size, progress_callback=on_progress, timeout=args.timeout)
+    prefill_s = time.perf_counter() - start
+
+    err.print(Text(_prompt_tail(prompt_text), style="dim"), end="")
+    mx.random.seed(args.seed)
+    tokens: list[int] = []
+    pieces: list[str] = []
+    generated, first_token, last_token = 0, 0.0, 0.0
+    for response in stream_generate(
+        model,
+        tokenizer,
+        prompt[-1:],
+        max_tokens=args.max_tokens,
+        prompt_cache=cache,
+        sampler=make_sampler(args.temp),
+        prefill_step_size=step_size,
+    ):
+        if response.finish_reason != "stop":
+            tokens.append(response.token)
+        pieces.append(response.text)
+        last_token = time.perf_counter()
+        generated += 1
+        if generated == 1:
+            first_token = last_token
+        if rank == 0 and not args.json:
+            sys.stdout.write(response.text)
+            sys.stdout.flush()
+    mx.synchronize(generation_stream)
+    figures = _gather_figures(group, stage.layers, rank)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]  # all done before any exits
+    if rank != 0:
+        return 0
+    prefill_tps = prefill_tokens_per_s(prompt.size, prefill_s)
+    decode_tps = decode_tokens_per_s(generated, last_token - first_token)
+    if args.json:
+        report = {
+            "ranks": size,
+            "split": list(stage.split),
+            "prompt_tokens": prompt.size,
+            "step_size": step_size,
+            "prefill_s": prefill_s,
+            "prefill_tokens_per_s": prefill_tps,
+            "decode_tokens_per_s": decode_tps,
+            "tokens": tokens,
+            "text": "".join(pieces),
+            "per_rank": [f.__dict__ for f in figures],
+        }
+        print(json.dumps(report), flush=True)
+        return 0
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    err.print(_summary(prompt.size, step_size, prefill_s, prefill_tps, len(tokens), decode_tps, figures))
+    return 0
+
+
+def _prompt_tail(text: str) -> str:
+    """The end of the prompt, shown before the generated text: whole lines, about ``PROMPT_TAIL_CHARS``."""
+    if len(text) <= PROMPT_TAIL_CHARS:
+        return text
+    tail = text[-PROMPT_TAIL_CHARS:]
+    if "\n" not in tail[:-1]:
+        return "…" + tail
+    return "…\n" + tail[tail.find("\n") + 1 :].lstrip("\n")
+
+
+def _gather_figures(group: mx.distributed.Group, layers: range, rank: int) -> list[RankFigures]:
+    """Every rank's layers and peak memory, by rank (a small all-gather)."""
+    mine = mx.array([layers.start, layers.stop, mx.get_peak_memory() / MB], dtype=mx.float32)
+    gathered: list[float] = mx.distributed.all_gather(mine, group=group).tolist()  # pyright: ignore[reportAssignmentType]
+    return [
+        RankFigures(r, int(gathered[3 * r]), int(gathered[3 * r + 1]), round(gathered[3 * r + 2], 1))
+        for r in range(group.size())
+    ]
+
+
+def _summary(
+    prompt_tokens: int,
+    step_size: int,
+    prefill_s: float,
+    prefill_tps: float,
+    generated: int,
+    decode_tps: float,
+    figures: list[RankFigures],
+) -> Table:
+    table = Table(title="pipemlx generate", title_justify="left", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("prompt tokens", f"{prompt_tokens} (chunks of {step_size})")
+    table.add_row("prefill", f"{prefill_s:.2f} s, {prefill_tps:,.0f} tokens/s")
+    table.add_row("decode", f"{generated} tokens, {decode_tps:,.0f} tokens/s")
+    for f in figures:
+        table.add_row(
+            f"rank {f.rank}",
+            f"layers {f.layer_start}-{f.layer_stop - 1}, peak memory {f.peak_memory_mb:,.1f} MB",
+        )
+    return table

@@ -1,0 +1,82 @@
+"""Helpers for mlx-lm cache objects that pipemlx needs."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+
+from ..errors import PipelineError
+
+
+def _depends(value: mx.array, dependency: mx.array) -> mx.array:
+    """``value``, made to depend on ``dependency``: evaluating it evaluates both."""
+    return cast(mx.array, mx.depends(value, dependency))  # pyright: ignore[reportUnknownMemberType]
+
+
+def attach_dependency(cache: Any, array: mx.array) -> None:
+    """Make evaluating ``cache.state`` also evaluate ``array``.
+
+    mlx-lm's ``generate_step`` evaluates only the caches' state while it prefills
+    a prompt. A rank's send and the broadcast of the final hidden state must run
+    all the same, or the next rank waits forever, so they are tied to the cache
+    of the rank's last local layer. Raises :class:`PipelineError` for a cache
+    pipemlx does not know how to tie to.
+    """
+    sub_caches = getattr(cache, "caches", None)
+    if isinstance(sub_caches, (list, tuple)) and sub_caches:
+        attach_dependency(sub_caches[0], array)
+        return
+    keys = getattr(cache, "keys", None)
+    if isinstance(keys, mx.array):
+        cache.keys = _depends(keys, array)
+        return
+    if isinstance(keys, (tuple, list)) and keys and isinstance(keys[0], mx.array):
+        # A QuantizedKVCache: (packed, scales, biases), a list straight from mx.quantize.
+        parts = cast(list[mx.array], list(keys))  # pyright: ignore[reportUnknownArgumentType]
+        cache.keys = type(keys)([_depends(parts[0], array), *parts[1:]])  # pyright: ignore[reportUnknownArgumentType]
+        return
+    arrays = getattr(cache, "cache", None)
+    if isinstance(arrays, list):
+        for i, entry in enumerate(arrays):  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+            if isinstance(entry, mx.array):
+                arrays[i] = _depends(entry, array)
+                return
+    raise PipelineError(
+        f"cannot tie the pipeline's send to a {type(cache).__name__} that holds no array yet; "
+        "the last local layer must update its cache"
+    )
+
+
+def cache_state(cache: list[Any]) -> list[Any]:
+    """The arrays to evaluate so that every cache holds what was computed into it."""
+    return [c.state for c in cache]
+
+
+def cache_offset(cache: list[Any]) -> int:
+    """How many positions ``cache`` already holds (a reused prefix): the first layer cache's offset.
+
+    Caches without positions (linear-attention state) count as 0 unless
+    another layer's cache has an offset; all layers of one prompt agree.
+    """
+    for c in cache:
+        offset = getattr(c, "offset", None)
+        if isinstance(offset, int):
+            return offset
+        sub_caches = getattr(c, "caches", None)
+        if isinstance(sub_caches, (list, tuple)):
+            inner = cache_offset(list(cast(list[Any], sub_caches)))
+            if inner:
+                return inner
+    return 0
+
+
+def trim_to(cache: list[Any], length: int) -> bool:
+    """Cut every cache back to its first ``length`` positions; False (and no change) if one cannot be trimmed."""
+    if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):
+        return False
+    for c in cache:
+        excess = c.size() - length
+        if excess > 0:
+            c.trim(excess)
+    return True

@@ -1,0 +1,99 @@
+"""Calibrating ``step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
+
+The first auto request calibrates: every rank times its own layers on a few
+chunks (no communication: the edges are detached), fits the per-layer costs of
+:class:`pipemlx.schedule.costmodel.LayerCosts` to them, and times a small
+collective. The ranks all-gather what they measured and keep the slowest
+rank's figures, so every rank holds the very same
+:class:`~pipemlx.schedule.costmodel.CostModel` and
+:func:`pipemlx.schedule.autostep.choose_step` derives the very same step on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..schedule.costmodel import CostModel, LayerCosts, cache_only_share, fit_layer_costs
+from ..schedule.plan import Chunk
+from .caches import cache_state
+from .stage import PipelineStage
+from .waits import wait_for
+
+CALIBRATION_CHUNKS = (Chunk(0, 0, 64), Chunk(1, 64, 320), Chunk(2, 320, 576))
+CALIBRATION_PASSES = 2
+COLLECTIVE_SAMPLES = 5
+
+
+def last_layer_share(model: nn.Module) -> float:
+    """The share of a layer the model's last layer costs in a prefill (only its cache is needed)."""
+    args: Any = getattr(model, "args", None)
+
+    def size(name: str) -> int:
+        value = getattr(args, name, None)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    hidden, heads, intermediate = size("hidden_size"), size("num_attention_heads"), size("intermediate_size")
+    kv_heads = size("num_key_value_heads") or heads
+    head_dim = size("head_dim") or (hidden // heads if heads else 0)
+    if not (hidden and kv_heads and intermediate and head_dim):
+        return 1.0
+    return cache_only_share(hidden, kv_heads * head_dim, intermediate)
+
+
+def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | None) -> list[tuple[Chunk, float]]:
+    """Seconds this rank's layers take on :data:`CALIBRATION_CHUNKS`: the fastest of
+    :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least disturbed by other work)."""
+    best = [math.inf] * len(CALIBRATION_CHUNKS)
+    tokens = mx.array([[0] * CALIBRATION_CHUNKS[-1].stop], dtype=mx.int32)  # data, not a lazy op of this thread
+    with stage.detached():
+        for attempt in range(1 + CALIBRATION_PASSES):
+            cache = make_prompt_cache(model)
+            for i, chunk in enumerate(CALIBRATION_CHUNKS):
+                start = time.perf_counter()
+                with mx.stream(stage.compute_stream):
+                    model(tokens[:, chunk.start : chunk.stop], cache=cache)
+                wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
+                if attempt:
+                    best[i] = min(best[i], time.perf_counter() - start)
+    return list(zip(CALIBRATION_CHUNKS, best))
+
+
+def time_collective(stage: PipelineStage, timeout: float | None) -> float:
+    """Median seconds of a tiny all-gather on this group."""
+    seconds: list[float] = []
+    for _ in range(COLLECTIVE_SAMPLES):
+        start = time.perf_counter()
+        with mx.stream(stage.compute_stream):
+            gathered = mx.distributed.all_gather(mx.array([0], dtype=mx.int32), group=stage.group)
+        wait_for(gathered, timeout, lambda: f"{stage.describe()} timing a collective")
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
+    """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
+    share = last_layer_share(model)
+    local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
+    layer = fit_layer_costs(time_local_layers(model, stage, timeout), num_layers=1)
+    per_layer = [v / local_layers for v in (layer.chunk_s, layer.token_s, layer.attention_s)]
+    mine = mx.array([*per_layer, time_collective(stage, timeout)], dtype=mx.float32)
+    with mx.stream(stage.compute_stream):
+        gathered = mx.distributed.all_gather(mine[None], group=stage.group)
+    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its calibration")
+    slowest: list[float] = gathered.max(axis=0).tolist()  # pyright: ignore[reportAssignmentType]
+    return CostModel(
+        layer=LayerCosts(*slowest[:3]),
+        layers=stage.split,
+        hidden_size=stage.hidden_size or 1,
+        collective_s=slowest[3],
+        latency_s=slowest[3] / 2,
+        last_layer_share=share,
+    )

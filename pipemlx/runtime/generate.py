@@ -1,0 +1,509 @@
+"""The whole request on a sharded model: pipelined prefill, then decoding with bounded waits and agreed stops.
+
+:func:`generate_step` and :func:`stream_generate` take mlx-lm's arguments and
+give mlx-lm's output on every rank. Per decoded token each rank runs its
+layers and sends on; only the last rank applies the head and samples, and one
+small all-gather per token hands every rank the token id together with every
+rank's word on whether to go on (see ``docs/design.md``, "The request
+lifecycle"):
+
+- Nothing is evaluated ahead: a token is computed only after every consumer
+  asked for it, so when a generator ends nothing is left in flight.
+- Every rank yields the same tokens and stops after the same one. A consumer
+  that stops (``break``, ``close()``, an exception, its ``should_cancel``)
+  stops the others at the same token: its generator still runs the step
+  that the others are running, saying "stop" in its all-gather.
+- Like mlx-lm, the forward pass of the last yielded token always runs before
+  the generator ends, so the cache holds the prompt and every yielded token.
+- Every wait is bounded by ``timeout``: a stalled peer ends in
+  :class:`PipelineTimeoutError`, a dead one in :class:`PeerLostError`.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
+
+from ..errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
+from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
+from .caches import cache_offset, cache_state, trim_to
+from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
+from .stage import PipelineStage, stage_of
+from .waits import wait_for
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+ProgressCallback = Callable[[int, int], Any]
+CancelCheck = Callable[[], bool]
+
+STATUS_END = 4
+"""A rank's word in the trailing step after the last token (``max_tokens`` reached): end, no token wanted."""
+DECODE_KIND = 7_771
+"""First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
+HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens")
+FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the header
+
+
+@dataclass(frozen=True)
+class DecodeStop:
+    """Why the last decode on a model ended, the same on every rank (``PipelineStage.last_stop``)."""
+
+    reason: Literal["length", "cancelled", "failed", "stop"]
+    tokens: int
+    """Tokens yielded before the end."""
+    ranks: tuple[int, ...] = ()
+    """Ranks that asked to stop (``cancelled``) or failed (``failed``)."""
+
+
+def generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    *,
+    prompt_cache: list[Any] | None = None,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    prefill_step_size: int | Literal["auto"] = 512,
+    prompt_progress_callback: ProgressCallback | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    should_cancel: CancelCheck | None = None,
+    timeout: float | None = None,
+    share_logprobs: bool = False,
+) -> Generator[tuple[int, mx.array | None], None, None]:
+    """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
+
+    Call it on every rank with the same arguments. ``prompt`` holds the *new*
+    tokens: ``prompt_cache`` may already hold a prefix (the ranks check that
+    they hold the same number of positions). The prompt is prefilled with
+    :func:`pipemlx.pipeline_prefill` in chunks of ``prefill_step_size``
+    (``"auto"``: the ranks choose), reporting progress exactly as mlx-lm does
+    (``(0, M)``, each chunk, then ``(M, M)`` once the first token exists), and
+    then decoded; the tokens are the ones one process holding the whole model
+    yields with the same sampler. ``max_tokens=-1`` means no limit.
+
+    Only the last rank applies the head, runs ``logits_processors`` and
+    samples, so a random ``sampler`` needs no seed shared by the ranks (seed
+    the last rank as a single process would be seeded). ``logprobs`` is that
+    rank's log-probability vector; the other ranks yield ``None`` unless
+    ``share_logprobs`` sends it to them too (one vocabulary-sized message per
+    token).
+
+    Stops are agreed: when any rank's consumer stops early or its
+    ``should_cancel()`` (polled before every token) says yes, every rank's
+    generator ends after the same token and nothing is left in flight; the
+    reason is in ``stage_of(model).last_stop``. A generator dropped without
+    being closed is closed by the next pipemlx call on the model, or at exit.
+    ``timeout`` bounds every wait (seconds; default: the model's). Raises
+    :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
+    a callback on its own rank, :class:`PipelineTimeoutError` /
+    :class:`PeerLostError` when a peer stalls or dies, and
+    ``ValueError``/``TypeError`` for bad arguments before anything is sent.
+    """
+    return _generate(
+        prompt,
+        model,
+        frozenset(),
+        prompt_cache=prompt_cache,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=logits_processors,
+        prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        should_cancel=should_cancel,
+        timeout=timeout,
+        share_logprobs=share_logprobs,
+    )
+
+
+def _generate(
+    prompt: mx.array,
+    model: nn.Module,
+    stop_tokens: frozenset[int],
+    *,
+    prompt_cache: list[Any] | None = None,
+    max_tokens: int = 256,
+    sampler: Sampler | None = None,
+    logits_processors: Sequence[LogitsProcessor] | None = None,
+    prefill_step_size: int | Literal["auto"] = 512,
+    prompt_progress_callback: ProgressCallback | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    should_cancel: CancelCheck | None = None,
+    timeout: float | None = None,
+    share_logprobs: bool = False,
+) -> Generator[tuple[int, mx.array | None], None, None]:
+    """:func:`generate_step` whose ranks also agree on ``stop_tokens`` (the caller ends at them)."""
+    stage = stage_of(model)
+    stage.check_usable()
+    tokens = check_prompt(prompt)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
+    check_timeout(timeout)
+    request = _Request(
+        stage,
+        model,
+        max_tokens=max_tokens,
+        sampler=sampler or _greedy,
+        logits_processors=list(logits_processors or []),
+        quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
+        timeout=timeout or stage.timeout,
+        share_logprobs=share_logprobs,
+        stop_fingerprint=_fingerprint(stop_tokens),
+    )
+    prefill = dict(
+        step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+    )
+    generator = request.run(
+        tokens, prompt_cache, prefill=prefill, progress=prompt_progress_callback, should_cancel=should_cancel
+    )
+    request.generator = weakref.ref(generator)
+    return generator
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | mx.array | list[int],
+    max_tokens: int = 256,
+    **kwargs: Any,
+) -> Generator[GenerationResponse, None, None]:
+    """mlx-lm's ``stream_generate`` for a sharded model: ``GenerationResponse`` objects, the same text on every rank.
+
+    ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
+    :func:`generate_step`'s. Every rank stops at the tokenizer's end-of-sequence
+    tokens alike. The last response has ``finish_reason`` ``"stop"`` (end of
+    sequence), ``"length"`` (``max_tokens``) or ``"cancelled"`` (a rank's
+    consumer or ``should_cancel`` stopped the request; the text so far is final).
+    """
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    wrapper = cast(Any, tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
+    if isinstance(prompt, str):
+        bos = wrapper.bos_token
+        ids: list[int] = wrapper.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        prompt = mx.array(ids)
+    elif not isinstance(prompt, mx.array):
+        prompt = mx.array(prompt)
+    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids))
+    generator = _generate(prompt, model, eos, max_tokens=max_tokens, **kwargs)
+    return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
+
+
+def _responses(
+    stage: PipelineStage,
+    generator: Generator[tuple[int, mx.array | None], None, None],
+    tokenizer: Any,
+    prompt_tokens: int,
+    max_tokens: int,
+    eos: frozenset[int],
+) -> Generator[GenerationResponse, None, None]:
+    """mlx-lm's ``stream_generate`` loop over a pipemlx token generator."""
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    token, logprobs, n = 0, cast(Any, None), -1
+    finish: str | None = None
+    with _closing(generator):
+        for n, (token, logprobs) in enumerate(generator):
+            if n == 0:
+                prompt_tps = prompt_tokens / max(time.perf_counter() - tic, 1e-9)
+                tic = time.perf_counter()
+            if token in eos:
+                finish = "stop"
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                finish = "length"
+                break
+            yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
+    if finish is None:
+        finish = "cancelled" if stage.last_stop is not None and stage.last_stop.reason != "length" else "length"
+    if n < 0:
+        return
+    detokenizer.finalize()
+    yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)
+
+
+def _response(
+    text: str,
+    token: int,
+    logprobs: Any,
+    prompt_tokens: int,
+    prompt_tps: float,
+    generated: int,
+    tic: float,
+    finish: str | None,
+) -> GenerationResponse:
+    return GenerationResponse(
+        text=text,
+        token=token,
+        logprobs=logprobs,
+        from_draft=False,
+        prompt_tokens=prompt_tokens,
+        prompt_tps=prompt_tps,
+        generation_tokens=generated,
+        generation_tps=generated / max(time.perf_counter() - tic, 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason=finish,
+    )
+
+
+class _closing:
+    """Close a generator on leaving the block, so the agreed stop runs now rather than at garbage collection."""
+
+    def __init__(self, generator: Generator[Any, None, None]) -> None:
+        self.generator = generator
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self.generator.close()
+
+
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def _fingerprint(tokens: Iterable[int]) -> int:
+    value = 0
+    for t in sorted(set(tokens)):
+        value = (value * 1_000_003 + t + 1) % FINGERPRINT_MODULUS
+    return value
+
+
+@dataclass
+class _StepResult:
+    token: int
+    logprobs: mx.array | None
+    statuses: list[int]
+
+
+class _Request:
+    """One request's decode on one rank: the steps, the agreement in each, and the trailing step."""
+
+    def __init__(
+        self,
+        stage: PipelineStage,
+        model: nn.Module,
+        *,
+        max_tokens: int,
+        sampler: Sampler,
+        logits_processors: list[LogitsProcessor],
+        quantize: Callable[[list[Any]], None],
+        timeout: float | None,
+        share_logprobs: bool,
+        stop_fingerprint: int,
+    ) -> None:
+        self.stage = stage
+        self.model = model
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.logits_processors = logits_processors
+        self.quantize = quantize
+        self.timeout = timeout
+        self.share_logprobs = share_logprobs
+        self.stop_fingerprint = stop_fingerprint
+        self.generator: weakref.ref[Generator[Any, None, None]] | None = None
+        self.cache: list[Any] = []
+        self.history: mx.array | None = None
+        self.deferred: BaseException | None = None
+        self.vocab_size = 0
+
+    def finish(self) -> None:
+        """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
+        live = self.generator() if self.generator is not None else None
+        if live is None:
+            return
+        try:
+            live.close()
+        except Exception as exc:  # the stage is marked broken; settle() reports it
+            if self.stage.broken is None:
+                self.stage.mark_broken(exc)
+
+    def run(
+        self,
+        prompt: mx.array,
+        cache: list[Any] | None,
+        *,
+        prefill: dict[str, Any],
+        progress: ProgressCallback | None,
+        should_cancel: CancelCheck | None,
+    ) -> Generator[tuple[int, mx.array | None], None, None]:
+        """The generator behind :func:`generate_step`."""
+        stage = self.stage
+        stage.settle(self.timeout)
+        self.cache = cache if cache is not None else cast(list[Any], make_prompt_cache(self.model))
+        stage.last_stop = None
+        self.history = prompt if self.logits_processors else None
+        num_tokens = prompt.size
+        pipeline_prefill(
+            self.model,
+            prompt,
+            self.cache,
+            progress_callback=progress,
+            should_cancel=should_cancel,
+            timeout=self.timeout,
+            **prefill,
+        )
+        inputs = prompt[-1:]
+        n = 0
+        while True:
+            status = STATUS_END if n == self.max_tokens else self._poll(should_cancel)
+            result = self._step(inputs, n, status)
+            if n == 0 and progress is not None:
+                try:
+                    progress(num_tokens, num_tokens)
+                except Exception as exc:  # acted on in the next step's agreement, by every rank
+                    self.deferred = exc
+            if any(s != STATUS_OK for s in result.statuses):
+                self._end(result.statuses, n)
+                return
+            stage.open_request = self
+            try:
+                yield result.token, result.logprobs
+            except BaseException:
+                stage.open_request = None
+                self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
+                stage.last_stop = DecodeStop("cancelled", n + 1, (stage.rank,))
+                raise
+            stage.open_request = None
+            inputs = mx.array([result.token], dtype=mx.int32)
+            n += 1
+
+    def _poll(self, should_cancel: CancelCheck | None) -> int:
+        if self.deferred is not None:
+            return STATUS_FAILED
+        if should_cancel is None:
+            return STATUS_OK
+        try:
+            return STATUS_CANCEL if should_cancel() else STATUS_OK
+        except Exception as exc:  # acted on by every rank in this step's agreement
+            self.deferred = exc
+            return STATUS_FAILED
+
+    def _end(self, statuses: list[int], n: int) -> None:
+        """Record why the decode ended (the same on every rank); re-raise this rank's own error."""
+        failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
+        asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
+        if failed:
+            self.stage.last_stop = DecodeStop("failed", n, failed)
+        elif asked:
+            self.stage.last_stop = DecodeStop("cancelled", n, asked)
+        else:
+            self.stage.last_stop = DecodeStop("length", n)
+        if self.deferred is not None:
+            raise self.deferred
+
+    def _step(self, inputs: mx.array, index: int, status: int) -> _StepResult:
+        """One forward pass of every rank and the all-gather that shares the token and every rank's status."""
+        stage = self.stage
+        mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
+        offset = cache_offset(self.cache)
+        try:
+            with mx.stream(stage.compute_stream), stage.without_broadcast():
+                stage.last_receive = None
+                try:
+                    share, logprobs = self._build(inputs, index, status)
+                except Exception as exc:  # the model failed here: stand in for this rank's part, report it
+                    self.deferred = self.deferred or exc
+                    share, logprobs = self._stand_in(inputs, index), None
+                if stage.world_size > 1:
+                    share = mx.distributed.all_gather(share, group=stage.group)
+            waited = [share] if logprobs is None else [share, logprobs]
+            wait_for(waited, self.timeout, lambda: f"{stage.describe()} decoding token {index}")
+        except (PipelineTimeoutError, PeerLostError) as exc:
+            stage.mark_broken(exc)
+            raise
+        rows = _rows(share, stage.world_size)
+        _check_rows(rows, stage)
+        if any(int(row[2]) == STATUS_CHUNK_FAILED for row in rows):
+            trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
+        last = rows[-1]
+        if self.share_logprobs and not stage.is_last:
+            logprobs = mx.array(last[len(HEADER) :])
+        return _StepResult(int(last[3]), logprobs, [int(row[2]) for row in rows])
+
+    def _stand_in(self, inputs: mx.array, index: int) -> mx.array:
+        """After a model error: take the step's input off the wire, pass zeros on, and say ``chunk failed``."""
+        stage = self.stage
+        like = mx.zeros((1, inputs.size, stage.hidden_size), dtype=stage.dtype or mx.float32)
+        moved: list[mx.array] = []
+        if not stage.is_first:  # the failed pass may have built its receive already: that one must run
+            received = stage.last_receive
+            moved.append(
+                received if received is not None else mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)
+            )
+        if not stage.is_last:
+            moved.append(mx.distributed.send(like, stage.rank + 1, group=stage.group))
+        header = mx.array([DECODE_KIND, index, STATUS_CHUNK_FAILED, 0, self.max_tokens, self.stop_fingerprint])
+        share = cast(mx.array, mx.depends(header.astype(mx.float32), moved))  # pyright: ignore[reportUnknownMemberType]
+        if self.share_logprobs:
+            share = mx.concatenate([share, mx.zeros((self.vocab_size,), dtype=mx.float32)])
+        return share
+
+    def _build(self, inputs: mx.array, index: int, status: int) -> tuple[mx.array, mx.array | None]:
+        """This rank's part of a step, lazily: the share vector for the all-gather and (last rank) the logprobs."""
+        stage = self.stage
+        output = cast(mx.array, self.model(inputs[None], cache=self.cache))
+        self.quantize(self.cache)
+        header = mx.array([DECODE_KIND, index, status, 0, self.max_tokens, self.stop_fingerprint], dtype=mx.float32)
+        if not stage.is_last:
+            # Issued after this rank's send, which is tied to its cache: evaluating the share sends.
+            leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
+            evaluated = [a for _, a in leaves if isinstance(a, mx.array)]
+            header = cast(mx.array, mx.depends(header, evaluated))  # pyright: ignore[reportUnknownMemberType]
+            if self.share_logprobs:
+                self.vocab_size = output.shape[-1]
+                header = mx.concatenate([header, mx.zeros((self.vocab_size,), dtype=mx.float32)])
+            return header, None
+        logits = output[:, -1, :]
+        if self.logits_processors:
+            self.history = inputs if self.history is None else mx.concatenate([self.history, inputs])
+            for processor in self.logits_processors:
+                logits = processor(self.history, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = self.sampler(logprobs).reshape(1).astype(mx.float32)
+        share = mx.concatenate([header[:3], token, header[4:]])
+        if self.share_logprobs:
+            self.vocab_size = logprobs.shape[-1]
+            share = mx.concatenate([share, logprobs.reshape(-1).astype(mx.float32)])
+        return share, logprobs.squeeze(0)
+
+
+def _rows(share: mx.array, world_size: int) -> list[list[float]]:
+    flat = cast(list[float], share.tolist())
+    width = len(flat) // world_size
+    return [flat[r * width : (r + 1) * width] for r in range(world_size)]
+
+
+def _check_rows(rows: list[list[float]], stage: PipelineStage) -> None:
+    """Raise :class:`PipelineMismatchError` (on every rank alike) when the ranks are not in the same decode step."""
+    columns = {name: [int(row[i]) if len(row) > i else -1 for row in rows] for i, name in enumerate(HEADER)}
+    if any(k != DECODE_KIND for k in columns["kind"]):
+        raise PipelineMismatchError(
+            f"{stage.describe()}: a rank is not decoding while the others are (all-gather kinds: {columns['kind']})"
+        )
+    for name in ("index", "max_tokens", "stop_tokens"):
+        if len(set(columns[name])) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(columns[name]))
+            raise PipelineMismatchError(f"ranks disagree on the decode's {name}: {shown}")
+    if len({len(row) for row in rows}) > 1:
+        raise PipelineError("ranks disagree on share_logprobs")

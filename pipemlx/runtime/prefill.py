@@ -1,0 +1,353 @@
+"""pipeline_prefill: carry out the prefill plan on a sharded model."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
+
+from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
+from ..observe.trace import Tracer, tracer_for
+from ..schedule.autostep import AutoRequest, choose_step
+from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
+from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
+from .caches import cache_offset, cache_state, trim_to
+from .calibrate import calibrate
+from .send_mode import send_mode
+from .stage import PipelineStage, stage_of
+from .waits import wait_for
+
+ProgressCallback = Callable[[int, int], Any]
+CancelCheck = Callable[[], bool]
+DEFAULT_QUANTIZED_KV_START = 5000
+
+
+def pipeline_prefill(
+    model: nn.Module,
+    prompt: mx.array,
+    cache: list[Any],
+    *,
+    step_size: int | Literal["auto"] = 512,
+    progress_callback: ProgressCallback | None = None,
+    should_cancel: CancelCheck | None = None,
+    timeout: float | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    trace_dir: str | os.PathLike[str] | None = None,
+) -> int:
+    """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
+
+    Call it on every rank with the same ``prompt`` (a 1-D integer array of M
+    tokens) and ``step_size``. The prompt minus its last token is processed in
+    chunks of ``step_size`` tokens, exactly as mlx-lm's ``generate_step`` does
+    with ``prefill_step_size=step_size``; afterwards every rank's cache holds
+    M-1 positions and decoding continues from ``prompt[-1:]`` (for instance
+    ``generate_step(prompt[-1:], model, prompt_cache=cache)``), giving the tokens
+    one process holding the whole model would give. ``kv_bits``,
+    ``kv_group_size`` and ``quantized_kv_start`` quantize the cache as
+    ``generate_step`` does; pass the same values to it when decoding.
+
+    ``progress_callback(processed, M)`` is called on every rank with the same
+    sequence ``generate_step`` reports before its first token: ``(0, M)``, then
+    ``(processed, M)`` as each chunk leaves the last rank, ending at ``(M-1, M)``.
+    No logits are computed. It returns once every rank has done its part,
+    with the step size it used.
+
+    ``should_cancel()`` is polled on every rank at every agreement point; when
+    it returns true on any rank, all ranks stop at that point and raise
+    :class:`PrefillCancelled`. An error raised by ``progress_callback`` on one
+    rank stops all ranks the same way at the next agreement point: that rank
+    re-raises its error, the others raise :class:`PrefillCancelled`. Either way
+    no send is left queued and every rank's cache is trimmed to the positions
+    all ranks completed (``error.processed``, the last progress reported) when
+    its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
+    the cache must be discarded.
+
+    ``step_size="auto"`` lets the ranks pick the step together: the first such
+    call calibrates the group (each rank times its layers on a few chunks) and
+    every call then takes the step the cost model predicts to be fastest for
+    M tokens (see :mod:`pipemlx.autostep`); the progress sequence is the one
+    ``generate_step`` reports for that step.
+
+    ``timeout`` bounds every blocking wait (seconds); it defaults to the one
+    given to :func:`pipemlx.shard_model`. ``trace_dir`` (or ``$PIPEMLX_TRACE``)
+    records a Chrome trace per rank. Raises ``TypeError``/``ValueError`` for
+    bad arguments before anything is sent, :class:`PipelineMismatchError` when
+    the ranks disagree, :class:`PipelineTimeoutError` / :class:`PeerLostError`
+    when a wait fails.
+    """
+    stage = stage_of(model)
+    stage.check_usable()
+    tokens = check_prompt(prompt)
+    if isinstance(step_size, str) and step_size != "auto":
+        raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
+    check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
+    check_timeout(timeout)
+    if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(
+            f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
+            f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
+        )
+    timeout = timeout or stage.timeout
+    stage.settle(timeout)
+    mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
+    prefix = cache_offset(cache)
+    try:
+        step = _agree_on_auto_step(model, stage, tokens.size, timeout, prefix) if step_size == "auto" else step_size
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    plan = build_plan(tokens.size, step, stage.world_size, stage.rank)
+    runner = _PlanRunner(
+        model,
+        stage,
+        plan,
+        tokens,
+        cache,
+        progress_callback=progress_callback,
+        should_cancel=should_cancel,
+        timeout=timeout,
+        quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
+        tracer=tracer_for(stage.rank, trace_dir),
+        prefix=prefix,
+    )
+    try:
+        with send_mode(model, "queue"), stage.executing_plan():
+            runner.run()
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    finally:
+        runner.tracer.save()
+    return step
+
+
+def _agree_on_auto_step(
+    model: nn.Module, stage: PipelineStage, num_tokens: int, timeout: float | None, prefix: int
+) -> int:
+    """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the step."""
+    table = handshake(
+        stage,
+        AutoRequest(num_tokens),
+        STATUS_OK,
+        timeout,
+        needs_calibration=stage.cost_model is None,
+        cache_offset=prefix,
+    )
+    if any(table["needs_calibration"]):
+        stage.cost_model = calibrate(model, stage, timeout)
+    return choose_step(num_tokens, stage.cost_model)
+
+
+def check_timeout(timeout: Any) -> None:
+    """Raise ``ValueError`` unless ``timeout`` is a positive number of seconds or ``None``."""
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def check_prompt(prompt: Any) -> mx.array:
+    """``prompt`` if it is a non-empty 1-D integer ``mx.array``; else ``TypeError``/``ValueError`` naming the problem."""
+    if not isinstance(prompt, mx.array):
+        raise TypeError(f"prompt must be an mx.array of token ids, got {type(prompt).__name__}")
+    if prompt.ndim != 1:
+        raise ValueError(f"prompt must be 1-D (M tokens), got shape {tuple(prompt.shape)}")
+    if not mx.issubdtype(prompt.dtype, mx.integer):
+        raise TypeError(f"prompt must hold integer token ids, got dtype {prompt.dtype}")
+    if prompt.size == 0:
+        raise ValueError("the prompt is empty (0 tokens); pipeline_prefill needs at least 1 token")
+    return prompt
+
+
+class _PlanRunner:
+    """Executes one rank's :class:`PrefillPlan`, action by action."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: PipelineStage,
+        plan: PrefillPlan,
+        tokens: mx.array,
+        cache: list[Any],
+        *,
+        progress_callback: ProgressCallback | None,
+        should_cancel: CancelCheck | None,
+        timeout: float | None,
+        quantize: Callable[[list[Any]], None],
+        tracer: Tracer,
+        prefix: int = 0,
+    ) -> None:
+        self.model = model
+        self.stage = stage
+        self.plan = plan
+        self.tokens = tokens
+        self.cache = cache
+        self.progress_callback = progress_callback
+        self.should_cancel = should_cancel
+        self.timeout = timeout
+        self.quantize = quantize
+        self.tracer = tracer
+        self.prefix = prefix
+        self.expected_receives = 0
+        self.deferred: BaseException | None = None
+        self.chunk_failed = False
+
+    def run(self) -> None:
+        """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
+        for action in self.plan.actions:
+            if isinstance(action, Handshake):
+                with self.tracer.span("handshake"):
+                    table = handshake(self.stage, self.plan, self.status(), self.timeout, cache_offset=self.prefix)
+                self.stop_if_asked(table["status"], step=None)
+            elif isinstance(action, Send):
+                self.send(action)
+            elif isinstance(action, Recv):
+                self.expected_receives += 1
+            elif isinstance(action, Compute):
+                self.compute(action)
+            elif isinstance(action, Agree):
+                self.agree(action)
+            else:
+                self.progress(action)
+        if len(self.stage.send_queue) or self.stage.received:
+            raise PipelineError(f"{self.stage.describe()}: the plan ended with sends or receives left over")
+
+    def status(self) -> int:
+        """This rank's word at an agreement point: failed, cancel, or OK."""
+        if self.deferred is not None:
+            return STATUS_CHUNK_FAILED if self.chunk_failed else STATUS_FAILED
+        if self.should_cancel is not None:
+            try:
+                if self.should_cancel():
+                    return STATUS_CANCEL
+            except Exception as exc:
+                self.deferred = exc
+                return STATUS_FAILED
+        return STATUS_OK
+
+    def stop_if_asked(self, statuses: list[int], step: int | None) -> None:
+        """When any rank's status is not OK, leave a consistent state and raise, on every rank alike."""
+        if all(s == STATUS_OK for s in statuses):
+            return
+        # A chunk the model failed on is in no cache of that rank: count only the steps before it.
+        closed = step if step is None or STATUS_CHUNK_FAILED not in statuses else step - 1
+        processed = 0 if closed is None else self.plan.completed_after(closed)
+        self.stage.send_queue.discard()
+        trimmed = trim_to(self.cache, self.prefix + processed)
+        if self.deferred is not None:
+            raise self.deferred
+        failed = [r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED)]
+        asked = [r for r, s in enumerate(statuses) if s == STATUS_CANCEL]
+        where = "the handshake" if step is None else f"the agreement closing step {step}"
+        reason = f"rank(s) {failed} raised an error" if failed else f"rank(s) {asked} asked to cancel"
+        raise PrefillCancelled(
+            f"prefill stopped on {self.stage.describe()} at {where}: {reason}; "
+            f"{processed} of {self.plan.num_tokens - 1} prompt positions were processed by every rank"
+            + (f" after a reused prefix of {self.prefix}" if self.prefix else ""),
+            processed=processed,
+            prefix=self.prefix,
+            cache_trimmed=trimmed,
+            failed_ranks=failed,
+            cancelling_ranks=asked,
+        )
+
+    def send(self, action: Send) -> None:
+        queue = self.stage.send_queue
+        if len(queue) != 1 or queue.pending[0].peer != action.peer:
+            raise PipelineError(
+                f"{self.stage.describe()}: plan says send chunk {action.chunk.index} to rank {action.peer}, "
+                f"but the queue holds sends to {[p.peer for p in queue.pending]}"
+            )
+        with self.tracer.span("send", action.chunk.index, action.peer):
+            queue.flush()
+
+    def compute(self, action: Compute) -> None:
+        """Run the local layers on the chunk; an error of the model's own is deferred to the next agreement.
+
+        The failing rank still takes this chunk's input off the wire (so
+        nothing stale is left for the next request) and reports the failure
+        at the agreement point that closes this step, where every rank stops.
+        """
+        try:
+            self._compute(action)
+        except (PipelineTimeoutError, PeerLostError, PipelineError):
+            raise
+        except Exception as exc:
+            if self.deferred is None:
+                self.deferred = exc
+            self.chunk_failed = True
+            self._drain_receives(action)
+
+    def _drain_receives(self, action: Compute) -> None:
+        """Receive (and drop) the chunk's input from the previous rank if the failed compute did not."""
+        stage, chunk = self.stage, action.chunk
+        wanted = self.expected_receives
+        self.expected_receives = 0
+        received, stage.received[:] = list(stage.received), []
+        if wanted == 0:
+            return
+        if not received:
+            like = mx.zeros((1, chunk.length, stage.hidden_size), dtype=stage.dtype or mx.float32)
+            with mx.stream(stage.compute_stream):
+                received = [mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)]
+        wait_for(
+            received,
+            self.timeout,
+            lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
+        )
+
+    def _compute(self, action: Compute) -> None:
+        chunk, stage = action.chunk, self.stage
+        with mx.stream(stage.compute_stream):
+            self.model(self.tokens[None, chunk.start : chunk.stop], cache=self.cache)
+            self.quantize(self.cache)
+        if len(stage.received) != self.expected_receives:
+            raise PipelineError(
+                f"{stage.describe()}: plan expects {self.expected_receives} receive(s) for chunk "
+                f"{chunk.index}, the model made {len(stage.received)}"
+            )
+        if stage.received:
+            peer = stage.rank - 1
+            with self.tracer.span("recv", chunk.index, peer):
+                wait_for(
+                    stage.received,
+                    self.timeout,
+                    lambda: f"{stage.describe()} receiving chunk {chunk.index} from rank {peer}",
+                )
+            stage.received.clear()
+            self.expected_receives = 0
+        queued = [p.array for p in stage.send_queue.pending]
+        with self.tracer.span("compute", chunk.index, tokens=chunk.length):
+            wait_for(
+                [cache_state(self.cache), queued],
+                self.timeout,
+                lambda: f"{stage.describe()} computing chunk {chunk.index}",
+            )
+
+    def agree(self, action: Agree) -> None:
+        stage, queue = self.stage, self.stage.send_queue
+        in_flight = queue.in_flight()
+        if in_flight:
+            with self.tracer.span("wait", peer=stage.rank + 1, step=action.step):
+                wait_for(
+                    in_flight,
+                    self.timeout,
+                    lambda: f"{stage.describe()} completing its send to rank {stage.rank + 1} in step {action.step}",
+                )
+            queue.mark_complete()
+        with self.tracer.span("agree", step=action.step):
+            statuses = agree_on_step(stage, action.step, self.status(), self.timeout)
+        self.stop_if_asked(statuses, action.step)
+
+    def progress(self, action: Progress) -> None:
+        if self.progress_callback is None or self.deferred is not None:
+            return
+        with self.tracer.span("progress", processed=action.processed):
+            try:
+                self.progress_callback(action.processed, action.total)
+            except Exception as exc:  # acted on at the next agreement point, on every rank
+                self.deferred = exc

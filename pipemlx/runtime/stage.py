@@ -1,0 +1,262 @@
+"""A sharded model's pipeline state: who it talks to, and how its sends go out."""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections import deque
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any, Literal, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import NotShardedError, PipelineError
+from .caches import attach_dependency
+from .send_queue import SendQueue
+from .waits import wait_for_scheduled
+
+
+class OpenRequest(Protocol):
+    """A request still holding the pipeline (an unfinished decode): the stage finishes it before the next one."""
+
+    def finish(self) -> None:
+        """Stop the request the way every rank agrees on, leaving nothing in flight; never raises."""
+        ...
+
+
+SendMode = Literal["immediate", "queue"]
+SEND_MODES: tuple[SendMode, ...] = ("immediate", "queue")
+STAGE_ATTRIBUTE = "_pipemlx_stage"
+OUTSTANDING_OUTPUTS = 4
+"""Immediate-mode outputs remembered for :meth:`PipelineStage.settle` (mlx-lm leaves one step in flight)."""
+EXIT_TIMEOUT = 10.0
+"""Seconds the end of the program may wait for what a stage left in flight."""
+
+
+class PipelineStage:
+    """What :func:`pipemlx.shard_model` attaches to a model: one rank's part of the pipeline.
+
+    It owns the model's :class:`SendQueue` and the current send mode. The mode
+    is read by the last local layer on every call and changed only by
+    :func:`pipemlx.send_mode`, which scopes it to a ``with`` block:
+
+    - ``"immediate"`` (outside any block): the last local layer sends its output
+      to the next rank inside the model's graph, then every rank receives the
+      final hidden state (an all-gather), so each rank computes the same logits.
+      The send is tied to the layer's cache, so evaluating the caches alone
+      (as mlx-lm's ``generate_step`` does while prefilling) still sends.
+    - ``"queue"``: the last local layer puts its output on the send queue and
+      returns; nothing is broadcast. The first local layer's receives are
+      recorded in :attr:`received` for the prefill executor to wait on.
+    """
+
+    def __init__(
+        self,
+        group: mx.distributed.Group,
+        split: tuple[int, ...],
+        layers: range,
+        total_layers: int,
+        timeout: float | None,
+    ) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.split = split
+        self.layers = layers
+        self.total_layers = total_layers
+        self.timeout = timeout
+        self.compute_stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self.send_queue = SendQueue(group, mx.new_thread_unsafe_stream(mx.default_device()))
+        self.received: list[mx.array] = []
+        self.last_receive: mx.array | None = None  # the latest receive built, whatever the mode
+        self.broken: str | None = None
+        self.hidden_size = 0
+        self.dtype: mx.Dtype | None = None
+        self._mode: SendMode = "immediate"
+        self._detached = False
+        self._broadcast = True
+        self._executing_plan = False
+        self.outstanding: deque[mx.array] = deque(maxlen=OUTSTANDING_OUTPUTS)
+        self.open_request: OpenRequest | None = None
+        self.last_stop: Any = None  # a pipemlx.runtime.generate.DecodeStop once a decode has ended
+        self.cost_model: Any = None  # set by pipemlx.autostep once the group has calibrated
+        if self.world_size > 1:
+            _finish_at_exit(self)
+
+    @property
+    def mode(self) -> SendMode:
+        return self._mode
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def set_mode(self, mode: SendMode) -> None:
+        """Switch the send mode; only :func:`pipemlx.send_mode` should call this."""
+        if mode not in SEND_MODES:
+            raise ValueError(f"unknown send mode {mode!r}; expected one of {SEND_MODES}")
+        self._mode = mode
+
+    @contextmanager
+    def detached(self) -> Generator[None, None, None]:
+        """Within the block the edges neither receive nor send: the local layers run on their own.
+
+        For timing the local layers (:mod:`pipemlx.autostep`); nothing crosses the wire.
+        """
+        self._detached = True
+        try:
+            yield
+        finally:
+            self._detached = False
+            self._broadcast = True
+
+    @contextmanager
+    def without_broadcast(self) -> Generator[None, None, None]:
+        """Within the block an immediate send is not followed by the final hidden state's all-gather.
+
+        For :func:`pipemlx.lean_generate_step`, where only the last rank applies the head.
+        """
+        self._broadcast = False
+        try:
+            yield
+        finally:
+            self._broadcast = True
+
+    @contextmanager
+    def executing_plan(self) -> Generator[None, None, None]:
+        """Within the block the prefill executor drives the model: forward passes in queue mode are allowed.
+
+        Outside it, calling the model in queue mode raises :class:`PipelineError`:
+        the last local layer only queues its output there, so the logits would be
+        computed from this rank's partial hidden state.
+        """
+        self._executing_plan = True
+        try:
+            yield
+        finally:
+            self._executing_plan = False
+
+    def settle(self, timeout: float | None) -> None:
+        """Leave nothing in flight before a new collective: finish an open request, drain what mlx-lm left.
+
+        mlx-lm's ``generate_step`` evaluates step n+1 before yielding token n; a
+        pipemlx decode whose consumer stopped without closing it leaves a step
+        unagreed. Both hold collectives, and a collective started before they
+        complete would interleave with theirs on the wire. Every pipemlx entry
+        point calls this first, so no caller has to synchronize by hand. The
+        drain is bounded by ``timeout``; a failure marks the stage broken.
+        """
+        self.check_usable()
+        request, self.open_request = self.open_request, None
+        if request is not None:
+            request.finish()
+            self.check_usable()
+        pending = list(self.outstanding)
+        self.outstanding.clear()
+        if pending:
+            try:
+                wait_for_scheduled(
+                    pending, timeout, lambda: f"{self.describe()} completing the step mlx-lm left in flight"
+                )
+            except Exception as exc:
+                self.mark_broken(exc)
+                raise
+
+    def mark_broken(self, reason: BaseException) -> None:
+        """Record that a wait failed: a communication may still be blocked in MLX."""
+        self.broken = f"{type(reason).__name__}: {reason}"
+
+    def check_usable(self) -> None:
+        """Raise if an earlier timeout or lost peer left this rank's communication unusable."""
+        if self.broken is not None:
+            raise PipelineError(
+                f"{self.describe()} cannot communicate any more after an earlier failure ({self.broken}); "
+                "exit the process and start every rank again"
+            )
+
+    def receive(self, like: mx.array) -> mx.array:
+        """The hidden state from the previous rank, shaped and typed like ``like``."""
+        self.check_usable()
+        if self._detached:
+            return like
+        received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
+        self.last_receive = received
+        if self._mode == "queue":
+            self.received.append(received)
+        return received
+
+    def emit(self, output: mx.array, cache: Any) -> mx.array:
+        """Route the last local layer's ``output`` according to the send mode."""
+        self.check_usable()
+        if self._detached:
+            return output
+        if self._mode == "queue":
+            if not self._executing_plan:
+                self.send_queue.discard()
+                self.received.clear()
+                raise PipelineError(
+                    f"{self.describe()}: the model was called inside send_mode(model, 'queue') outside "
+                    "pipemlx.pipeline_prefill; in queue mode the last local layer only queues its output, so "
+                    "the logits would come from this rank's partial hidden state. Decode outside the block "
+                    "(pipemlx.generate_step)"
+                )
+            if not self.is_last:
+                self.send_queue.put(output, self.rank + 1)
+            return output
+        if not self.is_last:
+            output = mx.distributed.send(output, self.rank + 1, group=self.group)
+        if self.world_size > 1 and self._broadcast:
+            output = mx.distributed.all_gather(output, group=self.group)[-output.shape[0] :]
+        if cache is not None:
+            attach_dependency(cache, output)
+        self.outstanding.append(output)
+        return output
+
+    def describe(self) -> str:
+        """``rank 1/3 (layers 4..7 of 12)`` for messages."""
+        return (
+            f"rank {self.rank}/{self.world_size} "
+            f"(layers {self.layers.start}..{self.layers.stop - 1} of {self.total_layers})"
+        )
+
+
+def stage_of(model: nn.Module) -> PipelineStage:
+    """The stage :func:`pipemlx.shard_model` attached to ``model``; raises :class:`NotShardedError`."""
+    stage = getattr(model, STAGE_ATTRIBUTE, None)
+    if not isinstance(stage, PipelineStage):
+        raise NotShardedError(
+            f"{type(model).__module__}.{type(model).__name__} is not sharded: "
+            "call pipemlx.shard_model(model, group) on every rank first"
+        )
+    return stage
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage)
+
+
+def ensure_unsharded(model: nn.Module) -> None:
+    if is_sharded(model):
+        raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")
+
+
+def _finish_at_exit(stage: PipelineStage) -> None:
+    """At interpreter exit, finish what ``stage`` left in flight so that peers are not cut off mid-step."""
+    reference = weakref.ref(stage)
+
+    def finish() -> None:
+        live = reference()
+        if live is None or live.broken is not None:
+            return
+        try:
+            live.settle(min(EXIT_TIMEOUT, live.timeout or EXIT_TIMEOUT))
+        except Exception:  # the program is ending: a peer that went first is not this rank's error
+            pass
+
+    atexit.register(finish)

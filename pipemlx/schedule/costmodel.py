@@ -1,0 +1,201 @@
+"""A cost model of the pipelined prefill: predicted time and bubble fraction, by simulating the plan.
+
+The model is deliberately small:
+
+- a decoder layer spends ``chunk_s + token_s * L + attention_s * P`` seconds on a
+  chunk of ``L`` tokens starting at position ``s``, where ``P = L*s + L*(L+1)/2``
+  is the number of query-key pairs under the causal mask: later chunks attend
+  to more positions, so they cost more;
+- rank ``r`` holding ``layers[r]`` layers spends ``layers[r]`` times that, except
+  that the model's very last layer costs only ``last_layer_share`` of a layer:
+  a prefill evaluates only the caches (mlx-lm's ``generate_step`` and
+  :func:`pipemlx.pipeline_prefill` alike), and MLX's lazy evaluation then skips
+  everything of the last layer after its key and value projections
+  (:func:`cache_only_share` estimates the share from the layer's shapes);
+- a hidden state of ``L x hidden_size`` elements arrives ``latency_s + bytes /
+  bandwidth`` seconds after it is sent;
+- an agreement point (or the handshake) ends ``collective_s`` after the last
+  rank enters it.
+
+:func:`predict` runs the real plans (:func:`pipemlx.schedule.plan.build_plans`) through
+:func:`pipemlx.schedule.simulate.simulate` with these durations, the executor's send
+semantics (sends issued asynchronously, awaited before the next agreement
+point), and reports the prefill time and the bubble fraction: the share of
+rank-seconds in which ranks were not computing. :func:`fit_layer_costs`
+calibrates a layer's costs from chunk timings of one process holding the
+whole model (:func:`pipemlx.observe.trace.samples_from_trace` reads them from a
+trace). Pure Python: no MLX.
+
+A prediction is a simulation: :func:`predict` needs :mod:`pipemlx.schedule.simulate`
+(pure Python too), and so does ``step_size="auto"``, which calls it.
+
+Run ``python -m pipemlx.cli.costmodel --help`` for a table of predictions for 1..16 ranks
+(``--calibrate TRACE`` fits the costs to the trace of a 1-rank run, ``--trace OUT``
+writes a predicted timeline that Perfetto and :mod:`pipemlx.observe.timeline` show).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .plan import Action, Chunk, Compute, build_plans
+from .simulate import SimulationResult, simulate
+from .split import even_split
+
+
+def cache_only_share(hidden_size: int, kv_size: int, intermediate_size: int) -> float:
+    """The share of a decoder layer's matmul work that filling its cache alone needs.
+
+    A layer multiplies each token by q and o (``hidden x hidden``), k and v
+    (``hidden x kv_size``, where ``kv_size`` is key-value heads x head size) and
+    a gated MLP (three ``hidden x intermediate``); the cache needs only k and v.
+    """
+    return 2 * kv_size / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
+
+
+def attention_pairs(chunk: Chunk) -> float:
+    """Query-key pairs the causal attention of ``chunk`` computes: ``L*start + L*(L+1)/2``."""
+    length = chunk.length
+    return length * chunk.start + length * (length + 1) / 2
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds one decoder layer spends on a chunk: fixed, per token, per query-key pair."""
+
+    chunk_s: float
+    token_s: float
+    attention_s: float
+
+    def seconds(self, chunk: Chunk) -> float:
+        return self.chunk_s + self.token_s * chunk.length + self.attention_s * attention_pairs(chunk)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Durations of a pipeline whose rank ``r`` holds ``layers[r]`` layers (a :class:`~pipemlx.schedule.simulate.Durations`)."""
+
+    layer: LayerCosts
+    layers: tuple[int, ...]
+    hidden_size: int
+    bytes_per_element: int = 4
+    latency_s: float = 1e-4
+    bandwidth: float = 1e9
+    collective_s: float = 2e-4
+    last_layer_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.layers or min(self.layers) < 1:
+            raise ValueError(f"every rank needs at least one layer, got layers {self.layers}")
+        if self.bandwidth <= 0 or min(self.latency_s, self.collective_s, self.hidden_size) < 0:
+            raise ValueError("bandwidth must be positive; latency, collective time and hidden size non-negative")
+        if not 0 <= self.last_layer_share <= 1:
+            raise ValueError(f"last_layer_share must be in 0..1, got {self.last_layer_share}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.layers)
+
+    def effective_layers(self, rank: int) -> float:
+        """Layers' worth of work rank ``rank`` does per chunk (the last rank's last layer counts its share)."""
+        saved = 1.0 - self.last_layer_share if rank == len(self.layers) - 1 else 0.0
+        return self.layers[rank] - saved
+
+    def compute(self, rank: int, chunk: Chunk) -> float:
+        return self.effective_layers(rank) * self.layer.seconds(chunk)
+
+    def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:
+        return self.latency_s + shape[0] * shape[1] * self.bytes_per_element / self.bandwidth
+
+    def collective(self, action: Action) -> float:
+        return self.collective_s
+
+    def with_ranks(self, world_size: int) -> CostModel:
+        """The same model and costs with the layers split evenly over ``world_size`` ranks."""
+        layers = even_split(sum(self.layers), world_size)
+        return dataclasses.replace(self, layers=layers)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model expects of one prefill.
+
+    ``prefill_s``: from the start of the handshake until the closing agreement
+    ends on every rank. ``busy_s[r]``: rank ``r``'s compute time.
+    ``bubble_fraction``: ``1 - sum(busy_s) / (S * prefill_s)``.
+    """
+
+    num_tokens: int
+    step_size: int
+    world_size: int
+    prefill_s: float
+    busy_s: tuple[float, ...]
+    result: SimulationResult
+
+    @property
+    def bubble_fraction(self) -> float:
+        if self.prefill_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s) / (self.world_size * self.prefill_s)
+
+
+def predict(num_tokens: int, step_size: int, costs: CostModel) -> Prediction:
+    """Simulate the plans for ``costs.world_size`` ranks with ``costs``' durations; raises if they do not run."""
+    plans = build_plans(num_tokens, step_size, costs.world_size)
+    result = simulate(
+        plans, capacity=None, await_sends=True, hidden_size=costs.hidden_size, durations=costs
+    ).raise_for_failure()
+    busy = [0.0] * costs.world_size
+    for event in result.events:
+        if isinstance(event.action, Compute):
+            busy[event.rank] += event.end - event.start
+    return Prediction(num_tokens, step_size, costs.world_size, result.makespan, tuple(busy), result)
+
+
+def fit_layer_costs(
+    samples: Sequence[tuple[Chunk, float]], num_layers: int, last_layer_share: float = 1.0
+) -> LayerCosts:
+    """Least-squares layer costs from ``(chunk, seconds)`` timings of a whole ``num_layers``-layer model.
+
+    Fits ``seconds = (num_layers - 1 + last_layer_share) * (chunk_s + token_s * L + attention_s * P)``;
+    a coefficient that would come out negative is dropped (set to 0) and the
+    rest refitted, so the costs are never negative. Needs at least one sample.
+    """
+    if not samples:
+        raise ValueError("fit_layer_costs needs at least one (chunk, seconds) sample")
+    rows = [(1.0, float(c.length), attention_pairs(c)) for c, _ in samples]
+    times = [t / (num_layers - 1 + last_layer_share) for _, t in samples]
+    active = [0, 1, 2]
+    while True:
+        solution = _least_squares([[row[i] for i in active] for row in rows], times)
+        if solution is not None and min(solution) >= 0:
+            break
+        # drop the most negative coefficient and refit; when singular (all chunks alike), the fixed cost first
+        drop = active[solution.index(min(solution))] if solution is not None else active[0]
+        active.remove(drop)
+        if not active:
+            return LayerCosts(0.0, 0.0, 0.0)
+    coefficients = [0.0, 0.0, 0.0]
+    for i, value in zip(active, solution):
+        coefficients[i] = value
+    return LayerCosts(*coefficients)
+
+
+def _least_squares(rows: list[list[float]], values: list[float]) -> list[float] | None:
+    """Solve the normal equations by Gaussian elimination; None when they are singular."""
+    n = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    x = [[r[j] / scale[j] for j in range(n)] for r in rows]
+    a = [[sum(r[i] * r[j] for r in x) for j in range(n)] + [sum(r[i] * v for r, v in zip(x, values))] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda k: abs(a[k][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for row in a for v in row[:n])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for k in range(n):
+            if k != col:
+                f = a[k][col] / a[col][col]
+                a[k] = [u - f * w for u, w in zip(a[k], a[col])]
+    return [a[i][n] / a[i][i] / scale[i] for i in range(n)]

@@ -1,0 +1,197 @@
+"""The prefill plan: what every rank does, in order, as plain data.
+
+A plan is built by a pure function of ``(num_tokens, step_size, world_size, rank)``
+and nothing else, so every rank derives the same schedule and can check that
+with the others (:meth:`PrefillPlan.fingerprint`). The executor in
+:mod:`pipemlx.runtime.prefill` only carries a plan out; the simulator in
+:mod:`pipemlx.schedule.simulate` runs the very same objects.
+
+The schedule is a wavefront. The prompt minus its last token is cut into ``n``
+chunks of ``step_size`` tokens (the last may be shorter), exactly as mlx-lm's
+``generate_step`` cuts it. There are ``n + S - 1`` steps; in step ``t`` rank ``r``
+works on chunk ``t - r`` when that chunk exists. One step of one rank is::
+
+    Send(t-1-r -> r+1)   issue the send queued by the previous step's compute
+    Recv(t-r <- r-1)     the first local layer receives its input
+    Compute(t-r)         run the local layers; the last one queues its output
+    Agree(t)             collective: every rank has finished step t
+    Progress(...)        from step S-1 on: chunk t-S+1 has left the last rank
+
+A closing ``Agree(n + S - 1)`` follows the last progress report, so that a
+failure anywhere, the progress callback included, reaches every rank before
+any of them returns. Agreement points are where ranks stop together: a
+cancellation or an error raised between two of them is acted on at the next.
+
+A send is issued one step after its compute, and after an agreement point, so
+a receive never waits on a peer that is itself waiting in a collective: the
+plan cannot deadlock even if every send blocks until it is received.
+Progress is reported when a chunk has passed through *all* ranks, so every rank
+reports the same sequence: ``(0, M)``, then ``(stop, M)`` for each chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Union
+
+from typing_extensions import TypeAlias
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt positions ``[start, stop)``, the ``index``-th chunk of the prefill."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """Collective at the start: ranks compare what they are about to do."""
+
+
+@dataclass(frozen=True)
+class Send:
+    """Issue the queued output of ``chunk``'s compute to rank ``peer``."""
+
+    chunk: Chunk
+    peer: int
+
+
+@dataclass(frozen=True)
+class Recv:
+    """The first local layer receives ``chunk``'s hidden state from rank ``peer``."""
+
+    chunk: Chunk
+    peer: int
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run this rank's layers on ``chunk``, filling their caches."""
+
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class Agree:
+    """Collective agreement point closing step ``step``; entered by every rank."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Call the progress callback with ``(processed, total)``."""
+
+    processed: int
+    total: int
+
+
+Action: TypeAlias = Union[Handshake, Send, Recv, Compute, Agree, Progress]
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One rank's ordered actions for prefilling ``num_tokens - 1`` prompt tokens."""
+
+    num_tokens: int
+    step_size: int
+    world_size: int
+    rank: int
+    chunks: tuple[Chunk, ...]
+    actions: tuple[Action, ...]
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of the wavefront: ``n + S - 1`` with ``n`` chunks, 0 when there is nothing to do."""
+        return len(self.chunks) + self.world_size - 1 if self.chunks else 0
+
+    def completed_after(self, step: int) -> int:
+        """Prompt positions that every rank has processed once step ``step`` is agreed."""
+        finished = min(step - (self.world_size - 1), len(self.chunks) - 1)
+        return self.chunks[finished].stop if finished >= 0 else 0
+
+    def fingerprint(self) -> int:
+        """A 31-bit digest of the schedule shared by all ranks (not of this rank's actions).
+
+        Two ranks whose fingerprints differ would not exchange the same messages.
+        """
+        text = f"{self.num_tokens}/{self.step_size}/{self.world_size}/" + ",".join(
+            f"{c.start}:{c.stop}" for c in self.chunks
+        )
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
+
+    def progress_sequence(self) -> list[tuple[int, int]]:
+        """The ``(processed, total)`` pairs this plan reports, in order."""
+        return [(a.processed, a.total) for a in self.actions if isinstance(a, Progress)]
+
+
+def check_prefill_args(num_tokens: int, step_size: int, world_size: int) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the bad number, or return quietly."""
+    for name, value in (("step_size", step_size), ("num_tokens", num_tokens), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if step_size < 1:
+        raise ValueError(f"step_size must be at least 1, got {step_size}")
+    if num_tokens < 1:
+        raise ValueError("the prompt is empty (0 tokens); pipeline_prefill needs at least 1 token")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+
+
+def chunk_prompt(num_tokens: int, step_size: int) -> tuple[Chunk, ...]:
+    """Cut positions ``0 .. num_tokens-2`` into chunks as mlx-lm's ``generate_step`` does.
+
+    The last prompt token is left for decoding, so a 1-token prompt has no chunk.
+    """
+    check_prefill_args(num_tokens, step_size, 1)
+    prefill = num_tokens - 1
+    return tuple(
+        Chunk(index=i, start=start, stop=min(start + step_size, prefill))
+        for i, start in enumerate(range(0, prefill, step_size))
+    )
+
+
+def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int) -> PrefillPlan:
+    """Rank ``rank``'s plan for prefilling a ``num_tokens`` prompt across ``world_size`` ranks."""
+    check_prefill_args(num_tokens, step_size, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    chunks = chunk_prompt(num_tokens, step_size)
+    last = world_size - 1
+    actions: list[Action] = [Handshake(), Progress(0, num_tokens)]
+    num_steps = len(chunks) + last if chunks else 0
+    for step in range(num_steps):
+        sent = step - 1 - rank
+        if rank < last and 0 <= sent < len(chunks):
+            actions.append(Send(chunks[sent], rank + 1))
+        current = step - rank
+        if 0 <= current < len(chunks):
+            if rank > 0:
+                actions.append(Recv(chunks[current], rank - 1))
+            actions.append(Compute(chunks[current]))
+        actions.append(Agree(step))
+        finished = step - last
+        if finished >= 0:
+            actions.append(Progress(chunks[finished].stop, num_tokens))
+    actions.append(Agree(num_steps))
+    return PrefillPlan(
+        num_tokens=num_tokens,
+        step_size=step_size,
+        world_size=world_size,
+        rank=rank,
+        chunks=chunks,
+        actions=tuple(actions),
+    )
+
+
+def build_plans(num_tokens: int, step_size: int, world_size: int) -> tuple[PrefillPlan, ...]:
+    """Every rank's plan, indexed by rank."""
+    return tuple(build_plan(num_tokens, step_size, world_size, r) for r in range(world_size))
