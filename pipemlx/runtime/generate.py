@@ -350,7 +350,7 @@ class _Request:
         """The generator behind :func:`generate_step`."""
         stage = self.stage
         stage.settle(self.timeout)
-        self.cache = cache if cache is not None else cast(list[Any], make_prompt_cache(self.model))
+        self.cache = cache if cache is not None else make_prompt_cache(self.model)
         stage.last_stop = None
         self.history = prompt if self.logits_processors else None
         num_tokens = prompt.size
@@ -480,11 +480,11 @@ class _Request:
             for processor in self.logits_processors:
                 logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = self.sampler(logprobs).reshape(1).astype(mx.float32)
+        token = mx.reshape(self.sampler(logprobs), (1,)).astype(mx.float32)
         share = mx.concatenate([header[:3], token, header[4:]])
         if self.share_logprobs:
             self.vocab_size = logprobs.shape[-1]
-            share = mx.concatenate([share, logprobs.reshape(-1).astype(mx.float32)])
+            share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
         return share, logprobs.squeeze(0)
 
 
