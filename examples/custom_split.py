@@ -15,7 +15,6 @@ import json
 import os
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
@@ -33,10 +32,9 @@ def run_rank(args: argparse.Namespace) -> None:
     prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
     cache = make_prompt_cache(model)
     pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size)
-    tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)]
-    mx.synchronize(generation_stream)
+    steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
+    tokens = [int(t) for t, _ in steps]  # the same on every rank; nothing is left in flight afterwards
     peak_mb = mx.get_peak_memory() / 2**20
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
     if args.json:
         print(
             json.dumps(

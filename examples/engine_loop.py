@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
@@ -88,13 +87,12 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
             continue
         say(f"\n[{request.id}] ", end="")
         tokens: list[int] = []
-        for response in stream_generate(
+        for response in pipemlx.stream_generate(
             model, tokenizer, prompt[-1:], max_tokens=request.max_tokens, prompt_cache=cache
         ):
             if response.finish_reason != "stop":
                 tokens.append(response.token)
             say(response.text, end="", flush=True)
-        mx.synchronize(generation_stream)  # stream_generate leaves one step in flight
         say("")
         outcome.update(status="done", tokens=tokens, progress=progress)
         outcomes.append(outcome)
@@ -105,7 +103,6 @@ def run_rank(args: argparse.Namespace) -> None:
     group = init_group()
     model, tokenizer = pipemlx.load_sharded(args.model, group)  # only this rank's weights are read
     outcomes = serve(model, tokenizer, group, args.step_size, quiet=args.json)
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
     if args.json:
         print(json.dumps({"rank": group.rank(), "step_size": args.step_size, "requests": outcomes}), flush=True)
 

@@ -16,7 +16,6 @@ import sys
 import time
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
@@ -45,11 +44,11 @@ def run_rank(args: argparse.Namespace) -> None:
     pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size, progress_callback=on_progress)
     prefill_s = time.perf_counter() - start
 
-    # Decoding is mlx-lm's own loop on the sharded model: every rank gets the same logits and tokens.
-    steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
+    # Decoding: pipemlx.generate_step takes mlx-lm's arguments; the cache already holds the prompt but
+    # its last token, so the new tokens are just that one. Every rank gets the same tokens, every wait is
+    # bounded, and nothing is left in flight when it ends: no synchronize, no barrier before exiting.
+    steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
     tokens = [int(token) for token, _ in steps]
-    mx.synchronize(generation_stream)  # generate_step leaves one step in flight
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before anyone exits
 
     stage = pipemlx.stage_of(model)
     if args.json:

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream, stream_generate  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 from rich.console import Console
@@ -21,6 +20,7 @@ from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
+from ..runtime.generate import stream_generate
 from ..runtime.prefill import pipeline_prefill
 from ..runtime.stage import stage_of
 from .common import check_ranks, default_step_size, model_name
@@ -134,9 +134,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         if rank == 0 and not args.json:
             sys.stdout.write(response.text)
             sys.stdout.flush()
-    mx.synchronize(generation_stream)
     figures = _gather_figures(group, stage.layers, rank)
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]  # all done before any exits
     if rank != 0:
         return 0
     prefill_tps = prefill_tokens_per_s(prompt.size, prefill_s)
