@@ -17,7 +17,8 @@ def test_lean_decode_matches_single_device(arch: str, world_size: int) -> None:
         for row in rows:
             assert row["lean"] == row["reference"], row
             assert len(row["lean"]) == MAX_TOKENS
-            # prefill M-1, then M-1+MAX_TOKENS-... : one forward per yielded token, none left in flight
-            assert row["offset"] == length - 1 + MAX_TOKENS, row
+            # Like mlx-lm: the prompt and every yielded token are in the cache, nothing is left in flight.
+            assert row["offset"] == length + MAX_TOKENS, row
+            assert row["early"] == row["reference"][:3], row  # rank 0 stopped after 3: so did every rank
         sampled = {tuple(row["sampled"]) for row in rows}
         assert len(sampled) == 1, f"ranks disagree on sampled tokens for M={length}: {sampled}"

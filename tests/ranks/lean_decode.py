@@ -41,8 +41,18 @@ def main() -> None:
                 prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], sampler=make_sampler(temp=1.0)
             )
         )
-        results.append({"M": length, "lean": lean, "reference": ref, "sampled": sampled, "offset": cache[0].offset})
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+        offset = cache[0].offset
+        # A consumer that stops early on rank 0 only: every rank stops after the same token.
+        cache = make_prompt_cache(model)
+        pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
+        early: list[int] = []
+        for token in pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]):
+            early.append(token)
+            if group.rank() == 0 and len(early) == 3:
+                break
+        results.append(
+            {"M": length, "lean": lean, "reference": ref, "sampled": sampled, "offset": offset, "early": early}
+        )
     print(json.dumps({"rank": group.rank(), "results": results}), flush=True)
 
 
