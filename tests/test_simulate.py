@@ -207,7 +207,14 @@ def test_errors_carry_the_result() -> None:
     assert info.value.result.deadlocked and str(info.value) == info.value.result.report()
 
 
-@pytest.mark.parametrize("module", ["schedule/simulate", "schedule/costmodel", "observe/timeline"])
+PURE_MODULES = sorted(
+    str(path.relative_to(Path(__file__).parent.parent / "pipemlx").with_suffix(""))
+    for folder in ("schedule", "observe")  # pure planning, and the traces/timelines/figures read without MLX
+    for path in (Path(__file__).parent.parent / "pipemlx" / folder).glob("*.py")
+)
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
 def test_pure_python_modules_do_not_import_mlx(module: str) -> None:
     path = Path(__file__).parent.parent / "pipemlx" / f"{module}.py"
     tree = ast.parse(path.read_text())
