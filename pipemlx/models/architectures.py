@@ -3,7 +3,7 @@
 Cutting a model's layer list down to a rank's local layers is all most mlx-lm
 architectures need (the cache list, which some architectures build from
 global layer indices, is handled for every architecture by
-:func:`pipemlx.sharding.shard_model`). Some keep bookkeeping about the *whole*
+:func:`pipemlx.models.sharding.shard_model`). Some keep bookkeeping about the *whole*
 list in the module that holds it: a per-layer type list, the index of the
 first layer of a kind whose cache gives the attention mask, a repeating
 sliding/global pattern counted from layer 0. Those must describe the local
@@ -250,7 +250,7 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
             raise PipelineError(
                 f"{type(model).__module__} is not supported by pipemlx yet: {type(owner).__name__} keeps "
                 f"bookkeeping over its whole layer list ({', '.join(suspicious)}) that would be wrong for a "
-                "rank's slice of the layers; add a fixup for it to pipemlx/architectures.py"
+                "rank's slice of the layers; add a fixup for it to pipemlx/models/architectures.py"
             )
         return
     if entry.check is not None:

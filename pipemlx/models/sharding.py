@@ -73,7 +73,7 @@ def choose_split(
 
     ``memory`` given with ``split=None`` means ``split="memory"``; with any
     other ``split`` it is an error. Raises ``ValueError``/``TypeError`` naming
-    the problem, :class:`~pipemlx.memory_split.MemoryPlanError` when the
+    the problem, :class:`~pipemlx.schedule.memory_split.MemoryPlanError` when the
     budgets cannot hold the model.
     """
     if memory is not None and split is None:

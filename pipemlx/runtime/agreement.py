@@ -46,7 +46,7 @@ def gather_ints(stage: PipelineStage, values: list[int], timeout: float | None, 
 
 
 class Request(Protocol):
-    """What ranks compare in a handshake: a :class:`~pipemlx.plan.PrefillPlan`, or an auto-step request."""
+    """What ranks compare in a handshake: a :class:`~pipemlx.schedule.plan.PrefillPlan`, or an auto-step request."""
 
     @property
     def num_tokens(self) -> int: ...

@@ -71,7 +71,7 @@ def pipeline_prefill(
     ``step_size="auto"`` lets the ranks pick the step together: the first such
     call calibrates the group (each rank times its layers on a few chunks) and
     every call then takes the step the cost model predicts to be fastest for
-    M tokens (see :mod:`pipemlx.autostep`); the progress sequence is the one
+    M tokens (see :mod:`pipemlx.schedule.autostep`); the progress sequence is the one
     ``generate_step`` reports for that step.
 
     ``timeout`` bounds every blocking wait (seconds); it defaults to the one

@@ -81,7 +81,7 @@ class PipelineStage:
         self.outstanding: deque[mx.array] = deque(maxlen=OUTSTANDING_OUTPUTS)
         self.open_request: OpenRequest | None = None
         self.last_stop: Any = None  # a pipemlx.runtime.generate.DecodeStop once a decode has ended
-        self.cost_model: Any = None  # set by pipemlx.autostep once the group has calibrated
+        self.cost_model: Any = None  # set by pipemlx.runtime.calibrate once the group has calibrated
         if self.world_size > 1:
             _finish_at_exit(self)
 
@@ -107,7 +107,7 @@ class PipelineStage:
     def detached(self) -> Generator[None, None, None]:
         """Within the block the edges neither receive nor send: the local layers run on their own.
 
-        For timing the local layers (:mod:`pipemlx.autostep`); nothing crosses the wire.
+        For timing the local layers (:mod:`pipemlx.runtime.calibrate`); nothing crosses the wire.
         """
         self._detached = True
         try:
