@@ -40,6 +40,15 @@ system_packages() {
 system_packages
 python -m pip install --quiet --disable-pip-version-check -e ".[test]"
 
+# The suite runs on the oldest mlx and mlx-lm that pyproject.toml admits, so its lower bounds are versions
+# tested here, not guesses: pin exactly those lower bounds.
+# shellcheck disable=SC2046  # one word per requirement
+python -m pip install --quiet --disable-pip-version-check $(python tests/oldest_versions.py)
+python - <<'PY'
+from importlib.metadata import version
+print(f"tests/run.sh: mlx {version('mlx')}, mlx-lm {version('mlx-lm')} (the lower bounds in pyproject.toml)")
+PY
+
 # Static checks: lint and format (ruff), the layers' import direction (import-linter, contract in
 # pyproject.toml) and types (pyright, strict, configured in pyproject.toml). The pyright package runs
 # the type checker (from the npm registry, the first time) with Node.js: the `node` on PATH, else the
