@@ -2,9 +2,9 @@
 
     python benchmarks/decode.py [--prompt-tokens 64] [--tokens 128] [--repeats 3]
 
-pipemlx decodes two ways: mlx-lm's generate_step on the sharded model (the default: every rank gets
-the final hidden state and applies the head) and pipemlx.lean_generate_step (only the last rank applies
-the head; a token id travels). Also prints the TCP bytes each rank sent per decoded token (from `ss`).
+pipemlx decodes with pipemlx.generate_step: only the last rank applies the head and samples, and a token
+id travels with every rank's word on whether to go on (bounded waits, agreed stops). Also prints the TCP
+bytes each rank sent per decoded token (from `ss`).
 OpenBLAS preloaded, one core per process; run by hand on an otherwise idle machine.
 """
 
@@ -41,8 +41,7 @@ def main() -> None:
     print(f"{'one process':<28} {single:>9.1f} {1.0:>15.2f}")
     for mode, label in (
         ("native", "mlx-lm native pipeline"),
-        ("pipemlx", "pipemlx + generate_step"),
-        ("lean", "pipemlx lean_generate_step"),
+        ("pipemlx", "pipemlx.generate_step"),
     ):
         reports = run_ranks(2, {**spec, "mode": mode}, openblas)
         rate = statistics.median(reports[0]["decode_tok_s"])

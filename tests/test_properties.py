@@ -37,22 +37,28 @@ def generate_step_progress(num_tokens: int, step: int) -> list[tuple[int, int]]:
     return calls
 
 
-def run(case: Case, capacity: int | None, await_sends: bool) -> SimulationResult:
+# Steps between agreement points: every step, a few, and (with 10_000) only the last step and the close.
+SPACINGS = st.sampled_from([1, 2, 3, 5, 10_000])
+
+
+def run(case: Case, capacity: int | None, await_sends: bool, agree_every: int = 1) -> SimulationResult:
     note_size(case)
-    plans = build_plans(case.num_tokens, case.step_size, case.world_size)
+    plans = build_plans(case.num_tokens, case.step_size, case.world_size, agree_every)
     return simulate(plans, capacity=capacity, await_sends=await_sends, record_events=False)
 
 
-@given(cases(), st.sampled_from(SEMANTICS))
-def test_plans_finish_without_deadlock_or_mismatch(case: Case, semantics: tuple[int | None, bool]) -> None:
-    result = run(case, *semantics)
+@given(cases(), st.sampled_from(SEMANTICS), SPACINGS)
+def test_plans_finish_without_deadlock_or_mismatch(
+    case: Case, semantics: tuple[int | None, bool], agree_every: int
+) -> None:
+    result = run(case, *semantics, agree_every)
     assert result.ok, result.report()
     assert not result.blocked and not result.mismatches
 
 
-@given(cases())
-def test_progress_is_mlx_lm_progress_on_every_rank(case: Case) -> None:
-    result = run(case, 0, False)
+@given(cases(), SPACINGS)
+def test_progress_is_mlx_lm_progress_on_every_rank(case: Case, agree_every: int) -> None:
+    result = run(case, 0, False, agree_every)
     assert result.ok, result.report()
     M = case.num_tokens
     reference = generate_step_progress(M, case.step_size)
@@ -68,9 +74,11 @@ def test_progress_is_mlx_lm_progress_on_every_rank(case: Case) -> None:
     assert len(set(result.progress)) == 1
 
 
-@given(cases(), st.sampled_from(SEMANTICS))
-def test_every_position_once_in_order_with_s_minus_1_idle_slots(case: Case, semantics: tuple[int | None, bool]) -> None:
-    result = run(case, *semantics)
+@given(cases(), st.sampled_from(SEMANTICS), SPACINGS)
+def test_every_position_once_in_order_with_s_minus_1_idle_slots(
+    case: Case, semantics: tuple[int | None, bool], agree_every: int
+) -> None:
+    result = run(case, *semantics, agree_every)
     assert result.ok, result.report()
     S, positions = case.world_size, list(range(case.num_tokens - 1))
     expected_chunks = -(-(case.num_tokens - 1) // case.step_size)  # ceil((M - 1) / step)
@@ -79,9 +87,11 @@ def test_every_position_once_in_order_with_s_minus_1_idle_slots(case: Case, sema
         assert [p for c in chunks for p in range(c.start, c.stop)] == positions, f"rank {rank} of {case}"
         assert len(chunks) == expected_chunks
         assert all(0 < c.length <= case.step_size for c in chunks)
-        # the wavefront: rank r computes chunk k in step k + r, at most one chunk per step
-        assert list(result.compute_steps[rank]) == [c.index + rank for c in chunks]
-        assert result.idle_slots(rank) == (S - 1 if expected_chunks else 0), f"rank {rank} of {case}"
+        # the wavefront: rank r computes chunk k in step k + r, so before the (k + r) // agree_every-th
+        # agreement point (the simulator counts steps by agreement points)
+        assert list(result.compute_steps[rank]) == [(c.index + rank) // agree_every for c in chunks]
+        if agree_every == 1:  # one chunk per step at most, S - 1 idle steps (fill and drain)
+            assert result.idle_slots(rank) == (S - 1 if expected_chunks else 0), f"rank {rank} of {case}"
 
 
 @pytest.mark.parametrize("num_tokens,step", [(1, 4), (2, 4), (5, 4), (6, 4), (13, 3), (40, 7), (9, 1), (3, 100)])

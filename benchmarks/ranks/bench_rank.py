@@ -1,10 +1,10 @@
 """Benchmark rank program: time prefill (and decode) for one mode.
 
-Spec: {"mode": "single" | "native" | "pipemlx" | "lean", "M", "step", "repeats", "decode_tokens", "pin", "config"}
+Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
+       "agree_every"?}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
-  pipemlx  pipemlx.shard_model + pipeline_prefill, then generate_step(prompt[-1:]) to decode
-  lean     as pipemlx, decoding with pipemlx.lean_generate_step (only the last rank applies the head)
+  pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
 Prefill time and decode tokens/s are pipemlx.observe.metrics' (prefill: from the call until the cache holds
 the M-1 prompt positions, i.e. the progress callback reports (M-1, M), the same point for every mode).
 Prints one JSON line: per-repeat prefill seconds, decode tokens/s, and the prefill's bytes sent.
@@ -68,12 +68,12 @@ STEPS_USED: list[int] = []
 
 
 def time_pipemlx(
-    model: Any, prompt: mx.array, step: Any, decode_tokens: int, trace_dir: str | None, lean: bool = False
+    model: Any, prompt: mx.array, step: Any, decode_tokens: int, trace_dir: str | None, agree_every: int | None
 ) -> tuple[float, float, float]:
-    """Prefill seconds, decode tokens/s, and TCP bytes this rank sent per decode forward pass."""
+    """Prefill seconds, decode tokens/s (pipemlx.generate_step), and TCP bytes this rank sent per decode pass."""
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir)
+    used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir, agree_every=agree_every)
     prefill_s = time.perf_counter() - start
     STEPS_USED.append(used)
     rate, per_token = 0.0, 0.0
@@ -81,22 +81,15 @@ def time_pipemlx(
         sent_before = tcp_bytes_sent()
         tokens = 0
         decode_start = decode_end = 0.0
-        if lean:
-            decoded: Any = pipemlx.lean_generate_step(
-                prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1
-            )
-        else:
-            decoded = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1)
-        for _ in decoded:
+        for _ in pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1):
             tokens += 1
             decode_end = time.perf_counter()
             if tokens == 1:
                 decode_start = decode_end
         rate = decode_tokens_per_s(tokens, decode_end - decode_start)
-        mx.synchronize(generation_stream)
-        # generate_step runs decode_tokens + 2 forward passes (the first, the rest, one left in flight);
-        # lean_generate_step leaves none in flight.
-        per_token = (tcp_bytes_sent() - sent_before) / (decode_tokens + (1 if lean else 2))
+        # decode_tokens + 2 forward passes: the prompt's last token, one per yielded token after the first,
+        # and the pass of the last token (mlx-lm runs it too); nothing is left in flight.
+        per_token = (tcp_bytes_sent() - sent_before) / (decode_tokens + 2)
     return prefill_s, rate, per_token
 
 
@@ -111,7 +104,7 @@ def main() -> None:
     if mode == "native":
         model.model.pipeline(group)
         mx.eval(model.parameters())
-    elif mode in ("pipemlx", "lean"):
+    elif mode == "pipemlx":
         assert group is not None
         pipemlx.shard_model(model, group, timeout=600)
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
@@ -119,19 +112,20 @@ def main() -> None:
     decode: list[float] = []
     sent: list[float] = []
     for i in range(spec["repeats"] + 1):  # the first run warms up
-        if group is not None:
-            mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-        if mode in ("pipemlx", "lean"):
+        if mode == "pipemlx":  # its handshake lines the ranks up; nothing to synchronize by hand
             trace = spec.get("trace_dir") if i == spec["repeats"] else None
-            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, lean=mode == "lean")
+            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, spec.get("agree_every"))
         else:
+            if group is not None:  # mlx-lm's native pipeline: line the ranks up so their clocks start together
+                mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
             b = 0.0
         if i:
             prefill.append(p)
             decode.append(d)
             sent.append(b)
-    if group is not None:
+    if group is not None and mode == "native":  # mlx-lm leaves a step in flight; pipemlx leaves none
+        mx.synchronize(generation_stream)
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(
         json.dumps(

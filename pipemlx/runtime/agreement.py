@@ -109,23 +109,26 @@ STATUS_OK = 0
 STATUS_CANCEL = 1
 STATUS_FAILED = 2
 STATUS_CHUNK_FAILED = 3
-"""Failed in the model itself: this rank's chunk of the step being closed is not in its cache."""
+"""Failed in the model itself: the failed chunk, and every later one, is not in this rank's cache."""
 
 
-def agree_on_step(stage: PipelineStage, step: int, status: int, timeout: float | None) -> list[int]:
-    """Close step ``step`` with this rank's ``status``; returns every rank's status, by rank.
+def agree_on_step(
+    stage: PipelineStage, step: int, status: int, timeout: float | None, failed_chunk: int = -1
+) -> tuple[list[int], list[int]]:
+    """Close step ``step`` with this rank's ``status``; returns every rank's status and failed chunk, by rank.
 
     It returns once every rank has finished the step. ``status`` is
     :data:`STATUS_OK`, :data:`STATUS_CANCEL` (the caller's ``should_cancel`` said
-    yes), :data:`STATUS_CHUNK_FAILED` (the model raised while computing this
-    step's chunk) or :data:`STATUS_FAILED` (an error was raised on this rank since the
-    last agreement point); the caller stops when any rank's status is not OK.
+    yes), :data:`STATUS_CHUNK_FAILED` (the model raised while computing chunk
+    ``failed_chunk`` since the last agreement point) or :data:`STATUS_FAILED`
+    (a callback raised on this rank since the last agreement point); the
+    caller stops when any rank's status is not OK.
     """
-    rows = gather_ints(stage, [step, status], timeout, f"the agreement closing step {step}")
+    rows = gather_ints(stage, [step, status, failed_chunk], timeout, f"the agreement closing step {step}")
     steps = [row[0] for row in rows]
     if len(set(steps)) > 1:
         raise PipelineMismatchError(f"ranks are at different steps of the plan: {_per_rank(steps)}")
-    return [row[1] for row in rows]
+    return [row[1] for row in rows], [row[2] for row in rows]
 
 
 def _per_rank(values: list[object] | list[int] | list[str]) -> str:

@@ -39,6 +39,7 @@ def pipeline_prefill(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     trace_dir: str | os.PathLike[str] | None = None,
+    agree_every: int | None = None,
 ) -> int:
     """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
 
@@ -102,7 +103,8 @@ def pipeline_prefill(
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
-    plan = build_plan(tokens.size, step, stage.world_size, stage.rank)
+    spacing = agree_every if agree_every is not None else _agreement_spacing(tokens.size, step, stage.world_size)
+    plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing)
     runner = _PlanRunner(
         model,
         stage,
@@ -142,6 +144,20 @@ def _agree_on_auto_step(
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
     return choose_step(num_tokens, stage.cost_model)
+
+
+AGREEMENTS_PER_PREFILL = 8
+"""With the default spacing a prefill has at most about this many agreement points (plus the closing one)."""
+
+
+def _agreement_spacing(num_tokens: int, step: int, world_size: int) -> int:
+    """Steps between agreement points: enough for about :data:`AGREEMENTS_PER_PREFILL` of them.
+
+    Fewer agreement points let the ranks run free between them; each one still
+    bounds how late a cancellation or an error is acted on.
+    """
+    steps = -(-(num_tokens - 1) // step) + world_size - 1
+    return max(1, -(-steps // AGREEMENTS_PER_PREFILL))
 
 
 def check_timeout(timeout: Any) -> None:
@@ -194,7 +210,7 @@ class _PlanRunner:
         self.prefix = prefix
         self.expected_receives = 0
         self.deferred: BaseException | None = None
-        self.chunk_failed = False
+        self.failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
 
     def run(self) -> None:
         """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
@@ -219,7 +235,7 @@ class _PlanRunner:
     def status(self) -> int:
         """This rank's word at an agreement point: failed, cancel, or OK."""
         if self.deferred is not None:
-            return STATUS_CHUNK_FAILED if self.chunk_failed else STATUS_FAILED
+            return STATUS_CHUNK_FAILED if self.failed_chunk is not None else STATUS_FAILED
         if self.should_cancel is not None:
             try:
                 if self.should_cancel():
@@ -229,13 +245,14 @@ class _PlanRunner:
                 return STATUS_FAILED
         return STATUS_OK
 
-    def stop_if_asked(self, statuses: list[int], step: int | None) -> None:
+    def stop_if_asked(self, statuses: list[int], step: int | None, failed_chunks: list[int] | None = None) -> None:
         """When any rank's status is not OK, leave a consistent state and raise, on every rank alike."""
         if all(s == STATUS_OK for s in statuses):
             return
-        # A chunk the model failed on is in no cache of that rank: count only the steps before it.
-        closed = step if step is None or STATUS_CHUNK_FAILED not in statuses else step - 1
-        processed = 0 if closed is None else self.plan.completed_after(closed)
+        processed = 0 if step is None else self.plan.completed_after(step)
+        failed_at = [f for f in failed_chunks or [] if f >= 0]
+        if failed_at:  # a chunk the model failed on (and every later one) is in no cache of that rank
+            processed = min(processed, self.plan.chunks[min(failed_at)].start)
         self.stage.send_queue.discard()
         trimmed = trim_to(self.cache, self.prefix + processed)
         if self.deferred is not None:
@@ -268,10 +285,15 @@ class _PlanRunner:
     def compute(self, action: Compute) -> None:
         """Run the local layers on the chunk; an error of the model's own is deferred to the next agreement.
 
-        The failing rank still takes this chunk's input off the wire (so
-        nothing stale is left for the next request) and reports the failure
-        at the agreement point that closes this step, where every rank stops.
+        From the chunk the model failed on to the next agreement point, the
+        failing rank stands in for its layers: it takes each chunk's input off
+        the wire and passes zeros on, so every message of the plan is still
+        sent and received and nothing stale is left for the next request. It
+        reports the failed chunk at the agreement point, where every rank stops.
         """
+        if self.failed_chunk is not None:
+            self._stand_in(action)
+            return
         try:
             self._compute(action)
         except (PipelineTimeoutError, PeerLostError, PipelineError):
@@ -279,26 +301,28 @@ class _PlanRunner:
         except Exception as exc:
             if self.deferred is None:
                 self.deferred = exc
-            self.chunk_failed = True
-            self._drain_receives(action)
+            self.failed_chunk = action.chunk.index
+            self._stand_in(action)
 
-    def _drain_receives(self, action: Compute) -> None:
-        """Receive (and drop) the chunk's input from the previous rank if the failed compute did not."""
+    def _stand_in(self, action: Compute) -> None:
+        """This rank's part of ``action`` without its layers: receive the input, queue zeros for the next rank."""
         stage, chunk = self.stage, action.chunk
         wanted = self.expected_receives
         self.expected_receives = 0
         received, stage.received[:] = list(stage.received), []
-        if wanted == 0:
-            return
-        if not received:
-            like = mx.zeros((1, chunk.length, stage.hidden_size), dtype=stage.dtype or mx.float32)
+        stage.send_queue.discard()  # whatever the failed pass queued
+        like = mx.zeros((1, chunk.length, stage.hidden_size), dtype=stage.dtype or mx.float32)
+        if wanted and not received:
             with mx.stream(stage.compute_stream):
                 received = [mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)]
-        wait_for(
-            received,
-            self.timeout,
-            lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
-        )
+        if received:
+            wait_for(
+                received,
+                self.timeout,
+                lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
+            )
+        if not stage.is_last:
+            stage.send_queue.put(like, stage.rank + 1)
 
     def _compute(self, action: Compute) -> None:
         chunk, stage = action.chunk, self.stage
@@ -340,8 +364,9 @@ class _PlanRunner:
                 )
             queue.mark_complete()
         with self.tracer.span("agree", step=action.step):
-            statuses = agree_on_step(stage, action.step, self.status(), self.timeout)
-        self.stop_if_asked(statuses, action.step)
+            failed = -1 if self.failed_chunk is None else self.failed_chunk
+            statuses, failed_chunks = agree_on_step(stage, action.step, self.status(), self.timeout, failed)
+        self.stop_if_asked(statuses, action.step, failed_chunks)
 
     def progress(self, action: Progress) -> None:
         if self.progress_callback is None or self.deferred is not None:

@@ -107,6 +107,7 @@ class PrefillPlan:
     rank: int
     chunks: tuple[Chunk, ...]
     actions: tuple[Action, ...]
+    agree_every: int = 1
 
     @property
     def num_steps(self) -> int:
@@ -123,7 +124,8 @@ class PrefillPlan:
 
         Two ranks whose fingerprints differ would not exchange the same messages.
         """
-        text = f"{self.num_tokens}/{self.step_size}/{self.world_size}/" + ",".join(
+        spacing = f"a{self.agree_every}/" if self.agree_every != 1 else ""
+        text = f"{self.num_tokens}/{self.step_size}/{self.world_size}/{spacing}" + ",".join(
             f"{c.start}:{c.stop}" for c in self.chunks
         )
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
@@ -159,15 +161,26 @@ def chunk_prompt(num_tokens: int, step_size: int) -> tuple[Chunk, ...]:
     )
 
 
-def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int) -> PrefillPlan:
-    """Rank ``rank``'s plan for prefilling a ``num_tokens`` prompt across ``world_size`` ranks."""
+def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int, agree_every: int = 1) -> PrefillPlan:
+    """Rank ``rank``'s plan for prefilling a ``num_tokens`` prompt across ``world_size`` ranks.
+
+    ``agree_every`` spaces the agreement points: step ``t`` closes with an
+    :class:`Agree` when ``t + 1`` is a multiple of it, and the last step always
+    does. Between two agreement points the ranks run free (only the sends
+    and receives of the wavefront connect them), and the progress of the
+    chunks that left the last rank since the previous agreement point is
+    reported, in order, after the next one.
+    """
     check_prefill_args(num_tokens, step_size, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
+    if isinstance(agree_every, bool) or not isinstance(agree_every, int) or agree_every < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"agree_every must be a positive int, got {agree_every!r}")
     chunks = chunk_prompt(num_tokens, step_size)
     last = world_size - 1
     actions: list[Action] = [Handshake(), Progress(0, num_tokens)]
     num_steps = len(chunks) + last if chunks else 0
+    reported = 0  # chunks whose progress is already in the plan
     for step in range(num_steps):
         sent = step - 1 - rank
         if rank < last and 0 <= sent < len(chunks):
@@ -177,10 +190,13 @@ def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int) -> P
             if rank > 0:
                 actions.append(Recv(chunks[current], rank - 1))
             actions.append(Compute(chunks[current]))
+        if (step + 1) % agree_every and step != num_steps - 1:
+            continue
         actions.append(Agree(step))
         finished = step - last
-        if finished >= 0:
-            actions.append(Progress(chunks[finished].stop, num_tokens))
+        while reported <= finished:
+            actions.append(Progress(chunks[reported].stop, num_tokens))
+            reported += 1
     actions.append(Agree(num_steps))
     return PrefillPlan(
         num_tokens=num_tokens,
@@ -189,9 +205,10 @@ def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int) -> P
         rank=rank,
         chunks=chunks,
         actions=tuple(actions),
+        agree_every=agree_every,
     )
 
 
-def build_plans(num_tokens: int, step_size: int, world_size: int) -> tuple[PrefillPlan, ...]:
+def build_plans(num_tokens: int, step_size: int, world_size: int, agree_every: int = 1) -> tuple[PrefillPlan, ...]:
     """Every rank's plan, indexed by rank."""
-    return tuple(build_plan(num_tokens, step_size, world_size, r) for r in range(world_size))
+    return tuple(build_plan(num_tokens, step_size, world_size, r, agree_every) for r in range(world_size))
