@@ -76,7 +76,10 @@ def pipeline_prefill(
     ``generate_step`` reports for that step.
 
     ``timeout`` bounds every blocking wait (seconds); it defaults to the one
-    given to :func:`pipemlx.shard_model`. ``trace_dir`` (or ``$PIPEMLX_TRACE``)
+    given to :func:`pipemlx.shard_model`. ``agree_every`` spaces the agreement
+    points (steps between two; default: about 8 per prefill): between them the
+    ranks run free, and cancellations, errors and progress reports are acted on
+    at the next one. ``trace_dir`` (or ``$PIPEMLX_TRACE``)
     records a Chrome trace per rank. Raises ``TypeError``/``ValueError`` for
     bad arguments before anything is sent, :class:`PipelineMismatchError` when
     the ranks disagree, :class:`PipelineTimeoutError` / :class:`PeerLostError`

@@ -89,6 +89,7 @@ def main() -> None:
                 progress_callback=on_progress,
                 should_cancel=should_cancel,
                 timeout=timeout,
+                agree_every=request.get("agree_every", 1),  # the expected figures count one agreement per step
             )
         except (pipemlx.PipelineError, ValueError, RuntimeError) as exc:
             outcome.update(error=type(exc).__name__, message=str(exc), at_time=time.time())
