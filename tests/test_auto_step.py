@@ -19,7 +19,11 @@ def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
         for r in reports:
             result = r["results"][i]
             assert result["tokens"] == result["reference"], result
-            assert result["progress"] == result["ref_progress"], result
+            # auto's documented sequence: (0, M), the end of each chunk, strictly increasing, to (M-1, M)
+            progress = result["progress"]
+            assert progress[0] == [0, length] and progress[-1] == [max(length - 1, 0), length], result
+            assert all(a[0] < b[0] for a, b in zip(progress, progress[1:])), result
+            assert progress == reports[0]["results"][i]["progress"], "ranks reported different progress"
     for r in reports:
         assert r["calibrated"]
         assert r["mismatch"] is not None and "ranks disagree on step_size" in r["mismatch"] and "auto" in r["mismatch"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,8 +12,19 @@ from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnk
 
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
 from ..observe.trace import Tracer, tracer_for
-from ..schedule.autostep import AutoRequest, choose_step
-from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send, build_plan, check_prefill_args
+from ..schedule.autostep import DEFAULT_MAX_CHUNK_SECONDS, AutoRequest, choose_chunks
+from ..schedule.plan import (
+    Agree,
+    Compute,
+    Handshake,
+    PrefillPlan,
+    Progress,
+    Recv,
+    Send,
+    build_plan,
+    check_prefill_args,
+    default_agreement_spacing,
+)
 from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
 from .caches import cache_offset, cache_state, trim_to
 from .calibrate import calibrate
@@ -40,6 +51,7 @@ def pipeline_prefill(
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     trace_dir: str | os.PathLike[str] | None = None,
     agree_every: int | None = None,
+    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS,
 ) -> int:
     """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
 
@@ -69,11 +81,15 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
-    ``step_size="auto"`` lets the ranks pick the step together: the first such
-    call calibrates the group (each rank times its layers on a few chunks) and
-    every call then takes the step the cost model predicts to be fastest for
-    M tokens (see :mod:`pipemlx.schedule.autostep`); the progress sequence is the one
-    ``generate_step`` reports for that step.
+    ``step_size="auto"`` lets the ranks cut the prompt together: the first
+    such call calibrates the group (each rank times its layers on a few
+    chunks) and every call then takes the cut the cost model predicts to be
+    fastest for M tokens: chunks of one size, or of one size with smaller
+    chunks at both ends where the pipeline fills and drains, never a chunk
+    predicted to take longer than ``max_chunk_seconds`` on any rank (see
+    :mod:`pipemlx.schedule.autostep`). The progress sequence is then ``(0, M)``,
+    the end of each chunk as it leaves the last rank (strictly increasing),
+    ending at ``(M-1, M)``; the call returns the largest chunk.
 
     ``timeout`` bounds every blocking wait (seconds); it defaults to the one
     given to :func:`pipemlx.shard_model`. ``agree_every`` spaces the agreement
@@ -102,12 +118,18 @@ def pipeline_prefill(
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = cache_offset(cache)
     try:
-        step = _agree_on_auto_step(model, stage, tokens.size, timeout, prefix) if step_size == "auto" else step_size
+        lengths = (
+            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds)
+            if step_size == "auto"
+            else None
+        )
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
-    spacing = agree_every if agree_every is not None else _agreement_spacing(tokens.size, step, stage.world_size)
-    plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing)
+    step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
+    num_chunks = len(lengths) if lengths is not None else -(-(tokens.size - 1) // step)
+    spacing = agree_every if agree_every is not None else default_agreement_spacing(num_chunks, stage.world_size)
+    plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
     runner = _PlanRunner(
         model,
         stage,
@@ -132,10 +154,15 @@ def pipeline_prefill(
     return step
 
 
-def _agree_on_auto_step(
-    model: nn.Module, stage: PipelineStage, num_tokens: int, timeout: float | None, prefix: int
-) -> int:
-    """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the step."""
+def _agree_on_auto_chunks(
+    model: nn.Module,
+    stage: PipelineStage,
+    num_tokens: int,
+    timeout: float | None,
+    prefix: int,
+    max_chunk_seconds: float,
+) -> tuple[int, ...]:
+    """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the chunks."""
     table = handshake(
         stage,
         AutoRequest(num_tokens),
@@ -146,21 +173,7 @@ def _agree_on_auto_step(
     )
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
-    return choose_step(num_tokens, stage.cost_model)
-
-
-AGREEMENTS_PER_PREFILL = 8
-"""With the default spacing a prefill has at most about this many agreement points (plus the closing one)."""
-
-
-def _agreement_spacing(num_tokens: int, step: int, world_size: int) -> int:
-    """Steps between agreement points: enough for about :data:`AGREEMENTS_PER_PREFILL` of them.
-
-    Fewer agreement points let the ranks run free between them; each one still
-    bounds how late a cancellation or an error is acted on.
-    """
-    steps = -(-(num_tokens - 1) // step) + world_size - 1
-    return max(1, -(-steps // AGREEMENTS_PER_PREFILL))
+    return choose_chunks(num_tokens, stage.cost_model, max_chunk_seconds)
 
 
 def check_timeout(timeout: Any) -> None:

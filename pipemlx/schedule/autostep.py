@@ -12,8 +12,10 @@ very same cost model.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from .costmodel import CostModel, predict
+from .plan import chunks_of_lengths
 
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Powers of two: BLAS kernels run some odd chunk lengths markedly slower than the cost model's
@@ -44,5 +46,87 @@ def candidate_steps(num_tokens: int) -> list[int]:
 
 def choose_step(num_tokens: int, costs: CostModel) -> int:
     """The candidate step with the shortest predicted prefill; the larger step on a tie."""
-    timed = [(predict(num_tokens, step, costs).prefill_s, -step) for step in candidate_steps(num_tokens)]
+    timed = [
+        (predict(num_tokens, step, costs, agree_every=None).prefill_s, -step) for step in candidate_steps(num_tokens)
+    ]
     return -min(timed)[1]
+
+
+DEFAULT_MAX_CHUNK_SECONDS = 2.0
+"""Metal ends a command buffer that runs for more than a few seconds (exo's users met it in pipeline
+prefill): auto never plans a chunk the cost model predicts to take longer than this on any rank."""
+RAMP_MIN_TOKENS = 16
+"""The smallest chunk a ramp starts or ends with."""
+NEAR_TIE = 0.01
+"""A non-uniform cut must be predicted this much faster than the best uniform one to be chosen."""
+
+
+def ramp_lengths(num_tokens: int, step: int) -> tuple[int, ...] | None:
+    """Chunks of ``step`` tokens with a ramp at each end (``step/4, step/2, ..., step/2, step/4``).
+
+    The pipeline fills and drains on its first and last chunks: while the
+    first chunk runs on rank 0 the others wait, and while the last runs on the
+    last rank the others are idle. Small chunks there shorten both (the idea of
+    TeraPipe, Li et al. 2021, where dynamic programming cuts the chunks). The
+    remainder goes right after the ramp-up, where attention is cheapest.
+    None when the prompt is too short for a ramp of this step.
+    """
+    prefill = num_tokens - 1
+    ramp = [n for n in (step // 4, step // 2) if n >= RAMP_MIN_TOKENS]
+    if not ramp:
+        return None
+    rest = prefill - 2 * sum(ramp)
+    if rest < 2 * step:
+        return None
+    middle = [step] * (rest // step)
+    if rest % step:
+        middle.insert(0, rest % step)
+    return (*ramp, *middle, *reversed(ramp))
+
+
+def uniform_lengths(num_tokens: int, step: int) -> tuple[int, ...]:
+    """The chunks mlx-lm's ``generate_step`` cuts a ``num_tokens`` prompt into with ``step``."""
+    prefill = num_tokens - 1
+    return (step,) * (prefill // step) + ((prefill % step,) if prefill % step else ())
+
+
+def slowest_chunk_s(num_tokens: int, lengths: Sequence[int], costs: CostModel) -> float:
+    """The cost model's time for the most expensive chunk on the busiest rank."""
+    chunks = chunks_of_lengths(num_tokens, lengths)
+    return max(costs.compute(rank, chunk) for chunk in chunks for rank in range(costs.world_size))
+
+
+def choose_chunks(
+    num_tokens: int, costs: CostModel, max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS
+) -> tuple[int, ...]:
+    """The chunk lengths with the shortest predicted prefill, uniform or ramped, each chunk within the cap.
+
+    Candidates: every step of :func:`candidate_steps` cut as mlx-lm cuts it,
+    and the same steps with ramps at both ends (:func:`ramp_lengths`). Each is
+    simulated with the executor's agreement spacing; a ramped cut wins only
+    when it is predicted :data:`NEAR_TIE` faster than the best uniform one.
+    Candidates with a chunk predicted above ``max_chunk_seconds`` on some rank
+    are dropped (when all would be, the uniform cut whose slowest chunk is
+    cheapest is taken). Pure and deterministic: every rank derives the same
+    lengths from the same cost model.
+    """
+    if num_tokens < 2:
+        return ()
+    steps = candidate_steps(num_tokens)
+    uniform = [uniform_lengths(num_tokens, step) for step in steps]
+    ramped = [r for r in (ramp_lengths(num_tokens, step) for step in steps) if r is not None]
+    allowed = [c for c in uniform + ramped if slowest_chunk_s(num_tokens, c, costs) <= max_chunk_seconds]
+    if not allowed:
+        return min(uniform, key=lambda c: (slowest_chunk_s(num_tokens, c, costs), -max(c)))
+
+    def seconds(lengths: tuple[int, ...]) -> float:
+        return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
+
+    best_uniform = min((c for c in allowed if c in uniform), key=lambda c: (seconds(c), -max(c)), default=None)
+    best_ramped = min((c for c in allowed if c in ramped), key=lambda c: (seconds(c), -max(c)), default=None)
+    if best_uniform is None:
+        assert best_ramped is not None
+        return best_ramped
+    if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
+        return best_ramped
+    return best_uniform

@@ -40,7 +40,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import Action, Chunk, Compute, build_plans
+from .plan import Action, Chunk, Compute, build_plans, default_agreement_spacing
 from .simulate import SimulationResult, simulate
 from .split import even_split
 
@@ -141,9 +141,22 @@ class Prediction:
         return 1.0 - sum(self.busy_s) / (self.world_size * self.prefill_s)
 
 
-def predict(num_tokens: int, step_size: int, costs: CostModel) -> Prediction:
-    """Simulate the plans for ``costs.world_size`` ranks with ``costs``' durations; raises if they do not run."""
-    plans = build_plans(num_tokens, step_size, costs.world_size)
+def predict(
+    num_tokens: int,
+    step_size: int,
+    costs: CostModel,
+    chunk_lengths: Sequence[int] | None = None,
+    agree_every: int | None = 1,
+) -> Prediction:
+    """Simulate the plans for ``costs.world_size`` ranks with ``costs``' durations; raises if they do not run.
+
+    ``chunk_lengths`` and ``agree_every`` are :func:`~pipemlx.schedule.plan.build_plan`'s
+    (``agree_every=None``: the executor's default spacing).
+    """
+    if agree_every is None:
+        num_chunks = len(chunk_lengths) if chunk_lengths is not None else -(-(num_tokens - 1) // step_size)
+        agree_every = default_agreement_spacing(num_chunks, costs.world_size)
+    plans = build_plans(num_tokens, step_size, costs.world_size, agree_every, chunk_lengths)
     result = simulate(
         plans, capacity=None, await_sends=True, hidden_size=costs.hidden_size, durations=costs
     ).raise_for_failure()

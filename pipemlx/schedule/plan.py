@@ -32,6 +32,7 @@ reports the same sequence: ``(0, M)``, then ``(stop, M)`` for each chunk.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
@@ -161,8 +162,52 @@ def chunk_prompt(num_tokens: int, step_size: int) -> tuple[Chunk, ...]:
     )
 
 
-def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int, agree_every: int = 1) -> PrefillPlan:
+def chunks_of_lengths(num_tokens: int, lengths: Sequence[int]) -> tuple[Chunk, ...]:
+    """Cut positions ``0 .. num_tokens-2`` into consecutive chunks of the given ``lengths``.
+
+    Raises ``ValueError`` unless the lengths are positive and add up to ``num_tokens - 1``.
+    """
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ValueError(f"chunk lengths must be positive ints, got {list(lengths)}")
+    if sum(lengths) != num_tokens - 1:
+        raise ValueError(
+            f"chunk lengths add up to {sum(lengths)}, but a {num_tokens}-token prompt prefills {num_tokens - 1}"
+        )
+    chunks: list[Chunk] = []
+    start = 0
+    for index, length in enumerate(lengths):
+        chunks.append(Chunk(index, start, start + length))
+        start += length
+    return tuple(chunks)
+
+
+AGREEMENTS_PER_PREFILL = 8
+"""With the default spacing a prefill has at most about this many agreement points (plus the closing one)."""
+
+
+def default_agreement_spacing(num_chunks: int, world_size: int) -> int:
+    """Steps between agreement points for ``num_chunks`` chunks: about :data:`AGREEMENTS_PER_PREFILL` of them.
+
+    Fewer agreement points let the ranks run free between them; each one still
+    bounds how late a cancellation or an error is acted on.
+    """
+    steps = num_chunks + world_size - 1
+    return max(1, -(-steps // AGREEMENTS_PER_PREFILL))
+
+
+def build_plan(
+    num_tokens: int,
+    step_size: int,
+    world_size: int,
+    rank: int,
+    agree_every: int = 1,
+    chunk_lengths: Sequence[int] | None = None,
+) -> PrefillPlan:
     """Rank ``rank``'s plan for prefilling a ``num_tokens`` prompt across ``world_size`` ranks.
+
+    The prompt is cut as mlx-lm cuts it with ``step_size``, or, when
+    ``chunk_lengths`` is given, into chunks of those lengths (``step_size``
+    must then be the largest of them).
 
     ``agree_every`` spaces the agreement points: step ``t`` closes with an
     :class:`Agree` when ``t + 1`` is a multiple of it, and the last step always
@@ -176,7 +221,12 @@ def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int, agre
         raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank}")
     if isinstance(agree_every, bool) or not isinstance(agree_every, int) or agree_every < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"agree_every must be a positive int, got {agree_every!r}")
-    chunks = chunk_prompt(num_tokens, step_size)
+    if chunk_lengths is None:
+        chunks = chunk_prompt(num_tokens, step_size)
+    else:
+        chunks = chunks_of_lengths(num_tokens, chunk_lengths)
+        if chunks and step_size != max(c.length for c in chunks):
+            raise ValueError(f"step_size {step_size} is not the largest of the chunk lengths {list(chunk_lengths)}")
     last = world_size - 1
     actions: list[Action] = [Handshake(), Progress(0, num_tokens)]
     num_steps = len(chunks) + last if chunks else 0
@@ -209,6 +259,14 @@ def build_plan(num_tokens: int, step_size: int, world_size: int, rank: int, agre
     )
 
 
-def build_plans(num_tokens: int, step_size: int, world_size: int, agree_every: int = 1) -> tuple[PrefillPlan, ...]:
+def build_plans(
+    num_tokens: int,
+    step_size: int,
+    world_size: int,
+    agree_every: int = 1,
+    chunk_lengths: Sequence[int] | None = None,
+) -> tuple[PrefillPlan, ...]:
     """Every rank's plan, indexed by rank."""
-    return tuple(build_plan(num_tokens, step_size, world_size, r, agree_every) for r in range(world_size))
+    return tuple(
+        build_plan(num_tokens, step_size, world_size, r, agree_every, chunk_lengths) for r in range(world_size)
+    )

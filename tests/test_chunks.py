@@ -1,0 +1,92 @@
+"""Plans with chunks of any lengths (step_size="auto"'s cuts) and the auto chooser, checked by simulation."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipemlx.schedule.autostep import candidate_steps, choose_chunks, ramp_lengths, slowest_chunk_s
+from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
+from pipemlx.schedule.plan import build_plans, chunks_of_lengths
+from pipemlx.schedule.simulate import simulate
+
+
+@st.composite
+def cuts(draw: st.DrawFn) -> tuple[int, tuple[int, ...], int, int]:
+    """A prompt length, chunk lengths that cover its prefill, a world size and an agreement spacing."""
+    lengths = tuple(draw(st.lists(st.integers(1, 40), min_size=1, max_size=12)))
+    return sum(lengths) + 1, lengths, draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 3, 100]))
+
+
+@given(cuts(), st.sampled_from([0, 1, None]))
+@settings(max_examples=150, deadline=None)
+def test_any_cut_runs_without_deadlock_each_position_once_in_order(
+    cut: tuple[int, tuple[int, ...], int, int], capacity: int | None
+) -> None:
+    num_tokens, lengths, world_size, agree_every = cut
+    plans = build_plans(num_tokens, max(lengths), world_size, agree_every, lengths)
+    result = simulate(plans, capacity=capacity, await_sends=False, record_events=False)
+    assert result.ok, result.report()
+    for rank in range(world_size):
+        assert [p for c in result.computed[rank] for p in range(c.start, c.stop)] == list(range(num_tokens - 1))
+        assert [c.length for c in result.computed[rank]] == list(lengths)
+    # progress: (0, M), each chunk's end as it leaves the last rank, strictly increasing, ending at (M-1, M)
+    expected = [(0, num_tokens)] + [(c.stop, num_tokens) for c in chunks_of_lengths(num_tokens, lengths)]
+    assert all(list(p) == expected for p in result.progress)
+
+
+def test_cuts_that_do_not_cover_the_prompt_are_refused() -> None:
+    with pytest.raises(ValueError, match="add up to 9, but a 12-token prompt prefills 11"):
+        build_plans(12, 5, 2, 1, (5, 4))
+    with pytest.raises(ValueError, match="positive ints"):
+        build_plans(12, 11, 2, 1, (11, 0))
+    with pytest.raises(ValueError, match="not the largest"):
+        build_plans(12, 4, 2, 1, (5, 6))
+
+
+def costs(chunk_s: float, token_s: float, attention_s: float = 0.0, layers: tuple[int, ...] = (4, 4)) -> CostModel:
+    return CostModel(LayerCosts(chunk_s, token_s, attention_s), layers=layers, hidden_size=512)
+
+
+@given(
+    st.integers(2, 5_000),
+    st.floats(1e-6, 1e-2),
+    st.floats(1e-7, 1e-3),
+    st.floats(0.0, 1e-8),
+    st.sampled_from([(4, 4), (3, 3, 2), (8,)]),
+    st.floats(0.05, 5.0),
+)
+@settings(max_examples=25, deadline=None)
+def test_auto_never_plans_a_chunk_above_the_cap_when_one_fits(
+    num_tokens: int, chunk_s: float, token_s: float, attention_s: float, layers: tuple[int, ...], cap: float
+) -> None:
+    model = costs(chunk_s, token_s, attention_s, layers)
+    lengths = choose_chunks(num_tokens, model, cap)
+    assert sum(lengths) == num_tokens - 1 and min(lengths) >= 1
+    prefill = num_tokens - 1
+    uniform_cuts = [
+        (s,) * (prefill // s) + ((prefill % s,) if prefill % s else ()) for s in candidate_steps(num_tokens)
+    ]
+    cheapest = min(slowest_chunk_s(num_tokens, c, model) for c in uniform_cuts)
+    if cheapest <= cap:
+        assert slowest_chunk_s(num_tokens, lengths, model) <= cap
+    else:  # nothing fits: the cut whose slowest chunk is cheapest
+        assert slowest_chunk_s(num_tokens, lengths, model) == cheapest
+
+
+def test_ramps_cover_the_prompt_and_shrink_at_both_ends() -> None:
+    ramp = ramp_lengths(2049, 256)
+    assert ramp is not None and sum(ramp) == 2048
+    assert ramp[:2] == (64, 128) and ramp[-2:] == (128, 64) and max(ramp) == 256
+    assert ramp_lengths(300, 256) is None  # too short for a ramp of this step
+
+
+def test_a_ramp_is_chosen_when_fill_and_drain_dominate() -> None:
+    """Cheap per-chunk overhead, per-token cost: small end chunks shorten fill and drain, and auto takes them."""
+    model = costs(chunk_s=1e-5, token_s=1e-3)
+    lengths = choose_chunks(4097, model, 100.0)
+    uniform = predict(4097, max(lengths), model, agree_every=None).prefill_s
+    chosen = predict(4097, max(lengths), model, chunk_lengths=lengths, agree_every=None).prefill_s
+    assert chosen <= uniform
+    assert lengths[0] < max(lengths) or len(set(lengths)) == 1
