@@ -220,3 +220,12 @@ def test_request_state_machine() -> None:
         statuses = RequestMachine.group.close()
         RequestMachine.group = None
     assert statuses == [0, 0]
+
+
+def test_two_passes_evaluated_together_raise_a_clear_error_not_a_hang() -> None:
+    """mx.eval(model(a), model(b)) would interleave the passes' messages: refused on every rank, then exact."""
+    from conftest import run_ranks
+
+    for report in run_ranks(2, "two_passes.py", {}, timeout=60):
+        assert report["error"] is not None and "previous one was never evaluated" in report["error"], report
+        assert report["tokens"] == report["reference"], report

@@ -429,6 +429,7 @@ class _Request:
                     share = mx.distributed.all_gather(share, group=stage.group)
             waited = [share] if logprobs is None else [share, logprobs]
             wait_for(waited, self.timeout, lambda: f"{stage.describe()} decoding token {index}")
+            stage.outstanding.clear()  # this pass is complete: nothing for the next one to wait for
         except (PipelineTimeoutError, PeerLostError) as exc:
             stage.mark_broken(exc)
             raise

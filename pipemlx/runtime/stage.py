@@ -168,6 +168,35 @@ class PipelineStage:
                 self.mark_broken(exc)
                 raise
 
+    def _check_previous_pass(self) -> None:
+        """Refuse to build a forward pass while the previous one was built but never handed to MLX.
+
+        Two passes evaluated together (``mx.eval(model(a), model(b))``) would
+        interleave their messages on the wire in an order the ranks need not
+        agree on, which hangs every rank. A previous pass that was evaluated, or
+        scheduled with ``mx.async_eval`` as mlx-lm's ``generate_step`` does, is
+        waited for (bounded by the timeout); one that was not raises here, on
+        every rank, before anything of the new pass is sent.
+        """
+        if not self.outstanding:
+            return
+        previous = self.outstanding[-1]
+        try:
+            skipped = wait_for_scheduled(
+                [previous], self.timeout, lambda: f"{self.describe()} completing the previous forward pass"
+            )
+        except Exception as exc:
+            self.mark_broken(exc)
+            raise
+        if skipped:
+            self.outstanding.clear()
+            raise PipelineError(
+                f"{self.describe()}: a forward pass of the sharded model was built while the previous one was "
+                "never evaluated; evaluate each pass (mx.eval or mx.async_eval) before building the next: two "
+                "passes evaluated together would interleave their messages between the ranks. Discard the cache "
+                "both passes wrote to"
+            )
+
     def mark_broken(self, reason: BaseException) -> None:
         """Record that a wait failed: a communication may still be blocked in MLX."""
         self.broken = f"{type(reason).__name__}: {reason}"
@@ -185,6 +214,8 @@ class PipelineStage:
         self.check_usable()
         if self._detached:
             return like
+        if self._mode == "immediate":
+            self._check_previous_pass()
         received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
         self.last_receive = received
         if self._mode == "queue":
@@ -209,6 +240,8 @@ class PipelineStage:
             if not self.is_last:
                 self.send_queue.put(output, self.rank + 1)
             return output
+        if self.is_first:
+            self._check_previous_pass()
         if not self.is_last:
             output = mx.distributed.send(output, self.rank + 1, group=self.group)
         if self.world_size > 1 and self._broadcast:

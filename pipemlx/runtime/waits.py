@@ -52,15 +52,16 @@ def _in_helper_thread(work: Callable[[], None], timeout: float | None, describe:
 NOT_THIS_THREAD_MARKER = "in current thread"
 
 
-def wait_for_scheduled(arrays: list[mx.array], timeout: float | None, describe: Callable[[], str]) -> None:
+def wait_for_scheduled(arrays: list[mx.array], timeout: float | None, describe: Callable[[], str]) -> list[mx.array]:
     """Wait, as :func:`wait_for` does, for those of ``arrays`` that MLX was asked to evaluate; skip the rest.
 
     The arrays are evaluated in a helper thread. An array on a thread-local
     stream (mlx-lm's generation stream, the default stream) that its own thread
     never scheduled cannot be evaluated there: MLX says so, and such an array is
     not in flight, so it is skipped rather than evaluated (which would start
-    communication the other ranks never will).
+    communication the other ranks never will). Returns the arrays skipped.
     """
+    skipped: list[mx.array] = []
 
     def evaluate() -> None:
         for array in arrays:
@@ -69,8 +70,10 @@ def wait_for_scheduled(arrays: list[mx.array], timeout: float | None, describe: 
             except RuntimeError as exc:
                 if NOT_THIS_THREAD_MARKER not in str(exc):
                     raise
+                skipped.append(array)
 
     _in_helper_thread(evaluate, timeout, describe)
+    return skipped
 
 
 def _reraise(exc: BaseException) -> None:
