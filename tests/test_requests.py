@@ -229,3 +229,15 @@ def test_two_passes_evaluated_together_raise_a_clear_error_not_a_hang() -> None:
     for report in run_ranks(2, "two_passes.py", {}, timeout=60):
         assert report["error"] is not None and "previous one was never evaluated" in report["error"], report
         assert report["tokens"] == report["reference"], report
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_stream_generate_matches_mlx_lm_on_the_demo_model(num_ranks: int) -> None:
+    """Same text, tokens and finish reasons as mlx-lm's stream_generate, at max_tokens and at an EOS token."""
+    from conftest import run_ranks
+
+    for report in run_ranks(num_ranks, "stream.py", {"max_tokens": 24, "eos_at": 7}, timeout=180):
+        assert report["pipe"] == report["ref"], report
+        assert report["pipe"]["finish"] == "length" and report["pipe"]["generation_tokens"] == 24
+        assert report["pipe_eos"] == report["ref_eos"], report
+        assert report["pipe_eos"]["finish"] == "stop", report
