@@ -126,6 +126,45 @@ def test_a_link_cut_mid_prefill_ends_in_an_error_on_every_rank(num_ranks: int, s
         )
 
 
+@pytest.mark.usefixtures("needs_namespaces")
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_a_link_cut_mid_decode_ends_in_a_typed_error_on_every_rank(num_ranks: int, tmp_path: Path) -> None:
+    """pipemlx.generate_step: the victim's link goes down at its 3rd token; every rank raises within the bound."""
+    victim, at, max_tokens = 1, 3, 40
+    request, cut_marker = tmp_path / "request", tmp_path / "cut"
+    spec = {
+        "timeout": TIMEOUT,
+        "M": 9,
+        "step": 4,
+        "victim": victim,
+        "at": at,
+        "request": str(request),
+        "cut": str(cut_marker),
+        "wait_for_cut": 10.0,
+        "phase": "decode",
+        "max_tokens": max_tokens,
+    }
+    stop = threading.Event()
+    with namespace_hosts(num_ranks) as hosts:
+        harness = threading.Thread(
+            target=cut_on_request, args=(request, lambda: hosts.cut(victim, "host"), stop), daemon=True
+        )
+        harness.start()
+        try:
+            reports = run_namespaced_ranks(hosts, "link_cut.py", spec, timeout=60)
+        finally:
+            stop.set()
+            harness.join()
+    cut_at = float(cut_marker.read_text())
+    for report in reports:
+        where = f"rank {report['rank']}/{num_ranks}, decode, rank {victim}'s link cut: {report}"
+        assert report["error"] in ("PipelineTimeoutError", "PeerLostError"), where
+        assert report["broken"], where
+        assert report["tokens"] < max_tokens, where
+        if report["rank"] != victim:
+            assert 0 <= report["at_time"] - cut_at <= TIMEOUT + MARGIN, where
+
+
 def test_launch_puts_each_prefix_before_the_command_and_the_addresses_in_the_hostfile() -> None:
     """launch()'s ``addresses`` and ``prefixes``, checked without root: ``env VAR=...`` as the prefix."""
     ports = free_ports(2)

@@ -1,8 +1,8 @@
-"""Rank program: a network link goes down in the middle of pipeline_prefill.
+"""Rank program: a network link goes down in the middle of pipeline_prefill, or of pipemlx.generate_step.
 
 Spec: {"timeout": s, "M", "step", "victim": rank, "at": progress call, "request": path, "cut": path,
-       "wait_for_cut": s}
-At its `at`-th progress call, rank `victim` writes `request` (asking the test harness to take its link
+       "wait_for_cut": s, "phase": "prefill" | "decode", "max_tokens"}
+In the prefill phase, at its `at`-th progress call (in decode, at its `at`-th token), rank `victim` writes `request` (asking the test harness to take its link
 down), waits until its eth0 has lost its carrier or is down (at most `wait_for_cut` s), writes the time to
 `cut` and carries on. Every rank reports the error its prefill ended with and when, then leaves with
 os._exit(0): a communication may still be blocked inside MLX.
@@ -45,8 +45,10 @@ def main() -> None:
 
     def on_progress(processed: int, total: int) -> None:
         calls.append(processed)
-        if rank != spec["victim"] or len(calls) - 1 != spec["at"]:
-            return
+        if rank == spec["victim"] and len(calls) - 1 == spec["at"]:
+            cut_my_link()
+
+    def cut_my_link() -> None:
         Path(spec["request"]).write_text(str(time.time()))
         deadline = time.monotonic() + spec["wait_for_cut"]
         while not link_is_down():
@@ -55,16 +57,26 @@ def main() -> None:
             time.sleep(0.01)
         Path(spec["cut"]).write_text(str(time.time()))
 
-    outcome: dict[str, Any] = {"rank": rank, "error": None, "link_down": None}
+    outcome: dict[str, Any] = {"rank": rank, "error": None, "link_down": None, "tokens": 0}
     try:
-        pipemlx.pipeline_prefill(
-            model,
-            prompt,
-            make_prompt_cache(model),
-            step_size=spec["step"],
-            progress_callback=on_progress,
-            timeout=timeout,
-        )
+        if spec.get("phase", "prefill") == "prefill":
+            pipemlx.pipeline_prefill(
+                model,
+                prompt,
+                make_prompt_cache(model),
+                step_size=spec["step"],
+                progress_callback=on_progress,
+                timeout=timeout,
+                agree_every=1,
+            )
+        else:  # decode: the victim's link goes down at its `at`-th token
+            decoded = pipemlx.generate_step(
+                prompt, model, max_tokens=spec["max_tokens"], prefill_step_size=spec["step"], timeout=timeout
+            )
+            for _ in decoded:
+                outcome["tokens"] += 1
+                if rank == spec["victim"] and outcome["tokens"] == spec["at"]:
+                    cut_my_link()
     except (pipemlx.PipelineError, RuntimeError) as exc:
         outcome.update(error=type(exc).__name__, message=str(exc), at_time=time.time())
     outcome["link_down"] = link_is_down()
