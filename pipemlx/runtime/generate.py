@@ -56,7 +56,11 @@ FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the heade
 
 @dataclass(frozen=True)
 class DecodeStop:
-    """Why the last decode on a model ended, the same on every rank (``PipelineStage.last_stop``)."""
+    """Why the last decode on a model ended, the same on every rank (``PipelineStage.last_stop``).
+
+    ``length``: ``max_tokens`` reached; ``stop``: one of ``stop_tokens`` was yielded; ``cancelled``: a
+    rank's consumer stopped or its ``should_cancel`` said yes; ``failed``: a callback or the model raised.
+    """
 
     reason: Literal["length", "cancelled", "failed", "stop"]
     tokens: int
@@ -81,6 +85,7 @@ def generate_step(
     should_cancel: CancelCheck | None = None,
     timeout: float | None = None,
     share_logprobs: bool = False,
+    stop_tokens: Iterable[int] = (),
 ) -> Generator[tuple[int, mx.array | None], None, None]:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -105,56 +110,20 @@ def generate_step(
     generator ends after the same token and nothing is left in flight; the
     reason is in ``stage_of(model).last_stop``. A generator dropped without
     being closed is closed by the next pipemlx call on the model, or at exit.
-    ``timeout`` bounds every wait (seconds; default: the model's). Raises
+    The generator also ends after yielding any of ``stop_tokens`` (the ranks
+    check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
     a callback on its own rank, :class:`PipelineTimeoutError` /
     :class:`PeerLostError` when a peer stalls or dies, and
     ``ValueError``/``TypeError`` for bad arguments before anything is sent.
     """
-    return _generate(
-        prompt,
-        model,
-        frozenset(),
-        prompt_cache=prompt_cache,
-        max_tokens=max_tokens,
-        sampler=sampler,
-        logits_processors=logits_processors,
-        prefill_step_size=prefill_step_size,
-        prompt_progress_callback=prompt_progress_callback,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        should_cancel=should_cancel,
-        timeout=timeout,
-        share_logprobs=share_logprobs,
-    )
-
-
-def _generate(
-    prompt: mx.array,
-    model: nn.Module,
-    stop_tokens: frozenset[int],
-    *,
-    prompt_cache: list[Any] | None = None,
-    max_tokens: int = 256,
-    sampler: Sampler | None = None,
-    logits_processors: Sequence[LogitsProcessor] | None = None,
-    prefill_step_size: int | Literal["auto"] = 512,
-    prompt_progress_callback: ProgressCallback | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-    should_cancel: CancelCheck | None = None,
-    timeout: float | None = None,
-    share_logprobs: bool = False,
-) -> Generator[tuple[int, mx.array | None], None, None]:
-    """:func:`generate_step` whose ranks also agree on ``stop_tokens`` (the caller ends at them)."""
     stage = stage_of(model)
     stage.check_usable()
     tokens = check_prompt(prompt)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
+    stops = frozenset(int(t) for t in stop_tokens)
     request = _Request(
         stage,
         model,
@@ -164,7 +133,7 @@ def _generate(
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
         timeout=timeout or stage.timeout,
         share_logprobs=share_logprobs,
-        stop_fingerprint=_fingerprint(stop_tokens),
+        stop_tokens=stops,
     )
     prefill = dict(
         step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
@@ -201,7 +170,7 @@ def stream_generate(
     elif not isinstance(prompt, mx.array):
         prompt = mx.array(prompt)
     eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids))
-    generator = _generate(prompt, model, eos, max_tokens=max_tokens, **kwargs)
+    generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
     return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
 
 
@@ -234,7 +203,8 @@ def _responses(
                 break
             yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
     if finish is None:
-        finish = "cancelled" if stage.last_stop is not None and stage.last_stop.reason != "length" else "length"
+        reason = stage.last_stop.reason if stage.last_stop is not None else "length"
+        finish = reason if reason in ("stop", "length") else "cancelled"
     if n < 0:
         return
     detokenizer.finalize()
@@ -310,7 +280,7 @@ class _Request:
         quantize: Callable[[list[Any]], None],
         timeout: float | None,
         share_logprobs: bool,
-        stop_fingerprint: int,
+        stop_tokens: frozenset[int],
     ) -> None:
         self.stage = stage
         self.model = model
@@ -320,7 +290,9 @@ class _Request:
         self.quantize = quantize
         self.timeout = timeout
         self.share_logprobs = share_logprobs
-        self.stop_fingerprint = stop_fingerprint
+        self.stop_tokens = stop_tokens
+        self.stopped_at_token = False
+        self.stop_fingerprint = _fingerprint(stop_tokens)
         self.generator: weakref.ref[Generator[Any, None, None]] | None = None
         self.cache: list[Any] = []
         self.history: mx.array | None = None
@@ -365,8 +337,9 @@ class _Request:
         )
         inputs = prompt[-1:]
         n = 0
+        ended = False  # max_tokens reached, or a stop token yielded
         while True:
-            status = STATUS_END if n == self.max_tokens else self._poll(should_cancel)
+            status = STATUS_END if ended or n == self.max_tokens else self._poll(should_cancel)
             result = self._step(inputs, n, status)
             if n == 0 and progress is not None:
                 try:
@@ -385,6 +358,7 @@ class _Request:
                 stage.last_stop = DecodeStop("cancelled", n + 1, (stage.rank,))
                 raise
             stage.open_request = None
+            ended = self.stopped_at_token = result.token in self.stop_tokens
             inputs = mx.array([result.token], dtype=mx.int32)
             n += 1
 
@@ -408,7 +382,7 @@ class _Request:
         elif asked:
             self.stage.last_stop = DecodeStop("cancelled", n, asked)
         else:
-            self.stage.last_stop = DecodeStop("length", n)
+            self.stage.last_stop = DecodeStop("stop" if self.stopped_at_token else "length", n)
         if self.deferred is not None:
             raise self.deferred
 
