@@ -31,7 +31,9 @@ from .common import UserError, check_ranks, hostfile_rank, in_launched_rank, lay
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
 STOP_GRACE = 15.0
-"""Seconds the other ranks get to leave on their own once rank 0 has exited (or was asked to stop)."""
+"""Seconds the other ranks get to leave on their own once rank 0 has stopped the group (or was asked to)."""
+FAULT_GRACE = 2.0
+"""Seconds they get after rank 0 failed (a lost peer): a follower notices within about a second."""
 PARENT_VARIABLE = "PIPEMLX_SERVE_PARENT"
 """Set for local ranks: rank 0 stops the group when the supervising process is gone."""
 
@@ -220,7 +222,8 @@ def _wait(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes] | None], st
         if all(c is not None for c in codes):
             break
         started = leader_done if leader_done is not None else (stopping[0] if stopping else None)
-        if started is not None and time.monotonic() - started > STOP_GRACE:
+        grace = FAULT_GRACE if codes[0] not in (None, 0) else STOP_GRACE
+        if started is not None and time.monotonic() - started > grace:
             break
         time.sleep(0.1)
     for rank, proc in enumerate(procs[1:], start=1):

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from ..errors import PipelineError
 from ..launch import init_group
@@ -45,11 +45,14 @@ def model_context(model_dir: Path) -> int | None:
         config: Any = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    for where in (config, config.get("text_config") if isinstance(config, dict) else None):
-        if isinstance(where, dict):
-            value: Any = where.get("max_position_embeddings")  # pyright: ignore[reportUnknownMemberType]
-            if isinstance(value, int) and value > 0:
-                return value
+    if not isinstance(config, dict):
+        return None
+    top = cast(dict[str, Any], config)
+    text_config = top.get("text_config")
+    for where in (top, cast(dict[str, Any], text_config) if isinstance(text_config, dict) else {}):
+        value = where.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
     return None
 
 

@@ -62,11 +62,11 @@ CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
 
 
 def float_bits(value: float) -> int:
-    return cast(int, struct.unpack("<i", struct.pack("<f", value))[0])
+    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def bits_float(value: int) -> float:
-    return cast(float, struct.unpack("<f", struct.pack("<i", value))[0])
+    return struct.unpack("<f", struct.pack("<i", value))[0]
 
 
 def checksum(tokens: list[int]) -> int:

@@ -143,6 +143,8 @@ class RequestResult:
     generated: list[int]
     cached: int
     cache_tokens: int
+    prefilled: int
+    """Prompt positions computed by this request (``processed`` of a cancelled prefill)."""
     error: BaseException | None = None
 
 
@@ -224,6 +226,7 @@ class Engine:
         outcome: Outcome = "length"
         error: BaseException | None = None
         kept = tokens
+        prefilled = len(tokens) - plan.reuse
         generator = generate_step(
             mx.array(tokens[plan.reuse :], dtype=mx.int32),
             self.model,
@@ -252,6 +255,7 @@ class Engine:
         except PrefillCancelled as exc:
             outcome = "cancelled" if not exc.failed_ranks else "failed"
             kept = tokens[: plan.reuse + exc.processed] if exc.cache_trimmed else []
+            prefilled = exc.processed
             error = exc if exc.failed_ranks else None
         except PipelineMismatchError as exc:  # every rank raised it (the group is fine): drop the prefix caches
             self.prefix.clear()
@@ -266,7 +270,7 @@ class Engine:
         self.last_seq = f["seq"]
         self.last_cache_tokens = offset
         self.last_outcome = OUTCOMES.index(outcome)
-        return RequestResult(outcome, generated, plan.reuse, offset, error)
+        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error)
 
 
 class LeaderConsumer:
@@ -548,7 +552,7 @@ class Leader:
     def _record(self, job: Job, consumer: LeaderConsumer, result: RequestResult) -> None:
         """The request's one log line, and its entry in /health's ``recent``."""
         end = time.perf_counter()
-        prefilled = len(job.tokens) - result.cached
+        prefilled = result.prefilled
         prefill_s = (consumer.prefill_end or end) - consumer.start
         decode_s = (consumer.last_token or end) - (consumer.first_token or end)
         prefill_tps = max(prefilled - 1, 0) / prefill_s if prefill_s > 0 else 0.0
@@ -560,7 +564,7 @@ class Leader:
             "kind": job.kind,
             "prompt_tokens": len(job.tokens),
             "cached_tokens": result.cached,
-            "prefilled_tokens": prefilled if phase == "decode" else job.prefilled,
+            "prefilled_tokens": prefilled,
             "completion_tokens": len(result.generated),
             "finish_reason": result.outcome,
             "ended_in": phase,
