@@ -578,7 +578,7 @@ class Leader:
             self.recent = (self.recent + [record])[-16:]
         log(
             f"request {job.seq} ({job.kind}): prompt {len(job.tokens)} tokens, cached {result.cached}, "
-            f"prefill {prefilled} tokens at {prefill_tps:,.0f} tokens/s, decode {len(result.generated)} tokens "
+            f"prefill {_count(prefilled)} at {prefill_tps:,.0f} tokens/s, decode {_count(len(result.generated))} "
             f"at {decode_tps:,.1f} tokens/s, finish {result.outcome}"
             + (f" in the {phase}" if result.outcome == "cancelled" else "")
             + f", {end - consumer.start:.2f} s"
@@ -612,6 +612,10 @@ class Leader:
     def fail_idle(self, exc: BaseException) -> None:
         """A fault outside any request (an idle heartbeat found a rank gone)."""
         self._fail(exc, None)
+
+
+def _count(tokens: int) -> str:
+    return f"{tokens} token{'' if tokens == 1 else 's'}"
 
 
 def _default_step(new_tokens: int, ranks: int) -> int:
