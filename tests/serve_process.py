@@ -33,14 +33,24 @@ T = TypeVar("T")
 class ServeProcess:
     """``pipemlx serve`` with ``args`` on 127.0.0.1 and a free port."""
 
-    def __init__(self, *args: str, ranks: int = 2) -> None:
+    def __init__(
+        self, *args: str, ranks: int = 2, launcher: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.port = free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-test-")
         self._err: IO[bytes] = open(Path(self._dir.name) / "stderr.txt", "w+b")  # noqa: SIM115 (closed in stop())
-        command = [sys.executable, "-m", "pipemlx", "serve", "--ranks", str(ranks), "--port", str(self.port), *args]
+        serve = [sys.executable, "-m", "pipemlx", "serve", "--port", str(self.port), *args]
+        # Local ranks (pipemlx's supervisor), or every rank started by a launcher such as mpirun.
+        command = [*launcher, *serve] if launcher else [*serve, "--ranks", str(ranks)]
+        self.launcher = launcher is not None
         self.proc = subprocess.Popen(
-            command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self._err, start_new_session=True
+            command,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=self._err,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         self.rank_pids: list[int] = []
         self.stopped = False
@@ -92,16 +102,20 @@ class ServeProcess:
         if not self.stopped:
             self.stopped = True
             if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
+                if self.launcher and self.rank_pids:  # rank 0 stops the group; the launcher then exits
+                    os.kill(self.rank_pids[0], signal.SIGTERM)
+                else:
+                    self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(STOP_TIMEOUT)
             except subprocess.TimeoutExpired:
                 pass
             for pid in [self.proc.pid, *self.rank_pids]:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                for kill in (os.killpg, os.kill):  # a rank's own group (local ranks), else the rank itself
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             self.proc.wait()
             self._err.close()
         return self.proc.returncode

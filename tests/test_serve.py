@@ -26,6 +26,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
 from serve_process import ServeProcess
+from test_mpi import MPI_OPTIONS, mpi_setup
 
 from pipemlx import cli
 from pipemlx.cli.common import default_step_size
@@ -520,4 +521,24 @@ def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        process.close()
+
+
+def test_serve_under_mpirun_answers_like_one_process(ref: Reference) -> None:
+    """Every rank started by Open MPI's mpirun (MLX's MPI backend): the request broadcast is backend-neutral."""
+    setup = mpi_setup()
+    if isinstance(setup, str):
+        pytest.skip(f"MPI unavailable: {setup}")
+    mpirun, extra_env = setup
+    launcher = [mpirun, *MPI_OPTIONS, "-np", "2"]
+    process = ServeProcess(launcher=launcher, env={**extra_env, "PIPEMLX_BACKEND": "mpi", "PYTHONUNBUFFERED": "1"})
+    try:
+        health = process.wait_ready()
+        assert health["ranks"] == 2 and health["split"] == [4, 4]
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
+        text, finish, _ = stream_text(chat(client, CHAT, max_tokens=20, temperature=0, stream=True))
+        assert text == ref.answer(ref.chat_tokens(CHAT), 20) and finish == "length"
+        status = process.stop()
+        assert status == 0, process.stderr()[-4000:]
+    finally:
         process.close()
