@@ -288,7 +288,6 @@ class LeaderConsumer:
         self.last_token: float | None = None
         self.next_log = self.start + PROGRESS_LOG_S
         self.total = 0
-        self.eos_seen = False
 
     def progress(self, processed: int, total: int) -> None:
         job = self.job
@@ -298,7 +297,7 @@ class LeaderConsumer:
         if processed >= total - 1 and self.prefill_end is None:
             self.prefill_end = time.perf_counter()
         now = time.perf_counter()
-        if now >= self.next_log and processed < total - 1:
+        if now >= self.next_log and 0 < processed < total - 1:
             rate = processed / max(now - self.start, 1e-9)
             log(f"request {job.seq}: prefill {processed}/{total} tokens ({rate:,.0f} tokens/s)")
             self.next_log = now + PROGRESS_LOG_S
@@ -318,7 +317,6 @@ class LeaderConsumer:
         job.phase = "decode"
         job.generated += 1
         if token in self.eos:
-            self.eos_seen = True
             return True
         self.detokenizer.add_token(token)
         piece = self.stop_text.update(self.detokenizer.text)
@@ -418,8 +416,9 @@ class Leader:
             "prefix_cache": None
             if prefix is None
             else {
-                "entries": len(prefix.entries),
-                "tokens": prefix.tokens,
+                # As of the last header (the main thread changes the entries while this thread reads).
+                "entries": engine.slots[0]["prefix_entries"] if engine and engine.slots else 0,
+                "tokens": engine.slots[0]["prefix_tokens"] if engine and engine.slots else 0,
                 "budget_tokens": prefix.budget_tokens,
                 "budget_mb": self.settings.prefix_cache_mb,
                 "hits": prefix.hits,
@@ -578,8 +577,11 @@ class Leader:
             self.recent = (self.recent + [record])[-16:]
         log(
             f"request {job.seq} ({job.kind}): prompt {len(job.tokens)} tokens, cached {result.cached}, "
-            f"prefill {_count(prefilled)} at {prefill_tps:,.0f} tokens/s, decode {_count(len(result.generated))} "
-            f"at {decode_tps:,.1f} tokens/s, finish {result.outcome}"
+            f"prefill {_count(prefilled)}"
+            + (f" at {prefill_tps:,.0f} tokens/s" if prefilled > 1 else "")
+            + f", decode {_count(len(result.generated))}"
+            + (f" at {decode_tps:,.1f} tokens/s" if len(result.generated) > 1 else "")
+            + f", finish {result.outcome}"
             + (f" in the {phase}" if result.outcome == "cancelled" else "")
             + f", {end - consumer.start:.2f} s"
         )
@@ -606,6 +608,7 @@ class Leader:
         log(f"the pipeline failed ({self.fault}); answering 503 for {self.settings.fault_grace:g} s, then exiting")
         self.stopping.wait(self.settings.fault_grace)
         self._reject_waiting(error)
+        time.sleep(0.2)  # let the HTTP thread deliver the last 503s
         print(f"pipemlx serve: exiting after a pipeline fault: {self.fault}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
