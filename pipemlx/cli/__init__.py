@@ -1,7 +1,8 @@
-"""The ``pipemlx`` command: ``generate``, ``bench`` and ``split``; one module per command.
+"""The ``pipemlx`` command: ``generate``, ``serve``, ``bench`` and ``split``; one module per command.
 
 ``pipemlx generate`` (:mod:`.generate`) prefills a prompt across ranks and
-streams the decoded text; ``pipemlx bench`` (:mod:`.bench`, its ranks run
+streams the decoded text; ``pipemlx serve`` (:mod:`.serve`, over
+:mod:`pipemlx.serve`) is an OpenAI-compatible server over the ranks; ``pipemlx bench`` (:mod:`.bench`, its ranks run
 :mod:`.bench_rank`) compares one process with a 2-rank pipeline;
 ``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is its old name, still
 accepted) proposes a layer split from each rank's memory. Without ``--model``
@@ -10,7 +11,7 @@ share is in :mod:`.common`; this module holds the parser and the dispatcher.
 Two tools have a command line of their own: ``python -m pipemlx.cli.timeline``
 and ``python -m pipemlx.cli.costmodel``.
 
-Where the ranks come from (``generate``):
+Where the ranks come from (``generate``, ``serve``):
 
 - ``--ranks N`` (the default, N = 2): N local processes, started with
   :func:`pipemlx.launch.launch`; rank 0's output is this command's output.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from ..demo import MODEL_DIR
 from ..launch import LaunchError, launch
+from . import serve as serve_command
 from . import split as split_command
 from .common import (
     UserError,
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
+
+    serve_command.add_parser(commands)
 
     bench = commands.add_parser(
         "bench",
@@ -145,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args, arguments)
+        if args.command == "serve":
+            return serve_command.run_serve(args, arguments)
         from .bench import run_bench  # MLX and mlx-lm: imported only when benchmarking
 
         return run_bench(args)

@@ -1,0 +1,261 @@
+"""Serving through HTTP: pipemlx serve at S=2 against mlx-lm's own server, same model, same prompt, one run each.
+
+For each server it sends one long prompt as a streamed ``/v1/completions``
+request (greedy) and measures, at the client, the time to the first token and
+the decode speed (tokens after the first, over the time from the first to the
+last). Then a second turn (the first turn's prompt and answer plus a few new
+tokens) measures the time to first token that the prefix cache saves:
+pipemlx serve with its prefix cache and with ``--prefix-cache 0``.
+
+Servers: ``pipemlx serve --ranks 2``; ``mlx_lm.server`` (one process); and
+``mlx_lm.server --pipeline`` on 2 local ranks (mlx-lm's own pipeline, for the
+models that have one: qwen2 does) when it runs here.
+
+The default model is the benchmarks' reference setup (a 512-d, 8-layer qwen2
+with random weights and the demo model's byte-level tokenizer), written once to
+``benchmarks/results/serve-model``; ``--model DIR`` takes any mlx-lm folder.
+The prompt is *Pride and Prejudice* cut to ``--prompt-tokens`` tokens (or
+``--prompt-file``).
+OpenBLAS is preloaded in every server process when it is installed.
+
+Usage: python benchmarks/serve.py [--prompt-tokens 2048] [--max-tokens 64] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO
+
+import httpx
+from common import BENCH_CONFIG, HERE, bench_env, openblas_available
+
+from pipemlx.demo import MODEL_DIR, book_text
+from pipemlx.launch import free_ports, write_hostfile
+
+RESULTS = HERE / "results"
+READY_TIMEOUT = 300.0
+
+
+@dataclass
+class Figures:
+    server: str
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens: int
+    decode_tokens_per_s: float
+    turn2_ttft_s: float | None = None
+    turn2_cached_tokens: int | None = None
+
+
+class Server:
+    """Server processes (one per rank) on a free port; rank 0's HTTP is at ``url``."""
+
+    def __init__(self, name: str, commands: list[list[str]], port: int, envs: list[dict[str, str]]) -> None:
+        self.name = name
+        self.url = f"http://127.0.0.1:{port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="pipemlx-bench-serve-")
+        self.logs: list[IO[bytes]] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for i, (command, env) in enumerate(zip(commands, envs)):
+            log = open(Path(self._dir.name) / f"{i}.log", "w+b")  # noqa: SIM115 (closed in stop())
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log, start_new_session=True)
+            )
+
+    def log_tail(self) -> str:
+        parts = []
+        for i, log in enumerate(self.logs):
+            log.flush()
+            log.seek(0)
+            parts.append(f"--- process {i}:\n" + log.read().decode(errors="replace")[-2000:])
+        return "\n".join(parts)
+
+    def wait_ready(self, path: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"{self.name} exited before it was ready:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + path, timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"{self.name} was not ready after {READY_TIMEOUT:g} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20.0
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in self.logs:
+            log.close()
+        self._dir.cleanup()
+
+
+def stream(url: str, prompt: str, max_tokens: int) -> tuple[float, int, float, str, int | None]:
+    """One greedy streamed completion: (ttft_s, tokens, decode tokens/s, text, cached prompt tokens if told)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    pieces: list[str] = []
+    times: list[float] = []
+    cached: int | None = None
+    generated: int | None = None
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600.0) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            usage = event.get("usage")
+            if usage:
+                generated = usage.get("completion_tokens")
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            for choice in event.get("choices", []):
+                if choice.get("text"):
+                    pieces.append(choice["text"])
+                    times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError(f"{url}: no text came back")
+    ttft = times[0] - start
+    tokens = generated or len(times)  # a piece of text per token, unless the server tells the count
+    decode = (tokens - 1) / (times[-1] - times[0]) if tokens > 1 and times[-1] > times[0] else 0.0
+    return ttft, tokens, decode, "".join(pieces), cached
+
+
+def measure(server: Server, name: str, prompt: str, prompt_tokens: int, args: argparse.Namespace) -> Figures:
+    stream(server.url, "It is a truth universally acknowledged", 4)  # warm-up, not timed
+    ttft, tokens, decode, text, _ = stream(server.url, prompt, args.max_tokens)
+    figures = Figures(name, prompt_tokens, round(ttft, 3), tokens, round(decode, 1))
+    if args.turn2:
+        turn2 = f"{prompt}{text}\n\n{args.turn2_text}"
+        ttft2, _, _, _, cached = stream(server.url, turn2, 8)
+        figures.turn2_ttft_s, figures.turn2_cached_tokens = round(ttft2, 3), cached
+    print(f"  {name}: {figures}", file=sys.stderr, flush=True)
+    return figures
+
+
+def pipemlx_server(model: Path, env: dict[str, str], extra: list[str]) -> Server:
+    port = free_ports(1)[0]
+    command = [sys.executable, "-m", "pipemlx", "serve", "--ranks", "2", "--model", str(model), "--port", str(port)]
+    command += ["--max-tokens", "4096", *extra]
+    return Server("pipemlx serve", [command], port, [env])
+
+
+def mlx_lm_server(model: Path, env: dict[str, str], ranks: int) -> Server:
+    port = free_ports(1)[0]
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+    if ranks == 1:
+        return Server("mlx_lm.server", [command], port, [env])
+    directory = Path(tempfile.mkdtemp(prefix="pipemlx-bench-ring-"))
+    hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(ranks)], directory)
+    envs = [{**env, "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} for r in range(ranks)]
+    return Server("mlx_lm.server --pipeline", [[*command, "--pipeline"]] * ranks, port, envs)
+
+
+def bench_model() -> Path:
+    """The reference qwen2 as an mlx-lm folder (random weights, the demo model's tokenizer), made once."""
+    root = RESULTS / "serve-model"
+    if not (root / "model.safetensors").exists():
+        from pipemlx.testing import build_model, save_model_dir
+
+        save_model_dir(build_model(dict(BENCH_CONFIG), seed=0), BENCH_CONFIG, root)
+        # A byte-level BPE that transformers reads whatever the model type (ids < 1024 of the 32000 rows).
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(MODEL_DIR / name, root / name)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--model", type=Path, help="mlx-lm model folder (default: the reference qwen2)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="tokens in the long prompt (2048)")
+    parser.add_argument("--prompt-file", type=Path, help="use this text as the long prompt instead")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to decode (64)")
+    parser.add_argument("--turn2-tokens", type=int, default=64, help="new tokens in the second turn (64)")
+    parser.add_argument("--no-turn2", dest="turn2", action="store_false", help="skip the second-turn measurement")
+    parser.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
+    parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "mlx-lm-pipeline"])
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+
+    model = args.model or bench_model()
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    text = args.prompt_file.read_text(encoding="utf-8") if args.prompt_file else book_text()[2000:]
+    prompt = tokenizer.decode(tokenizer.encode(text)[: args.prompt_tokens])
+    prompt_tokens = len(tokenizer.encode(prompt))
+    args.turn2_text = tokenizer.decode(tokenizer.encode(book_text()[200000:])[: args.turn2_tokens])
+    openblas = not args.no_openblas and openblas_available()
+    env = bench_env(openblas)
+    print(f"model {model}, OpenBLAS {'on' if openblas else 'off'}, {os.cpu_count()} cores", file=sys.stderr)
+
+    runners: list[tuple[str, Callable[[], Server]]] = [
+        ("pipemlx serve S=2", lambda: pipemlx_server(model, env, [])),
+        ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"])),
+    ]
+    if "mlx-lm" not in args.skip:
+        runners.append(("mlx_lm.server (1 process)", lambda: mlx_lm_server(model, env, 1)))
+    if "mlx-lm-pipeline" not in args.skip:
+        runners.append(("mlx_lm.server --pipeline S=2", lambda: mlx_lm_server(model, env, 2)))
+    results: list[Figures] = []
+    failures: dict[str, str] = {}
+    for name, start in runners:  # one server at a time: they would share the cores
+        server: Server | None = None
+        try:
+            server = start()
+            server.wait_ready("/health")
+            results.append(measure(server, name, prompt, prompt_tokens, args))
+        except Exception as exc:  # a server that cannot run here is reported, not fatal
+            failures[name] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+            print(f"  {name}: failed: {failures[name]}", file=sys.stderr)
+        finally:
+            if server is not None:
+                server.stop()
+    print_table(results, failures, args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"results": [asdict(r) for r in results], "failures": failures}, indent=1))
+    return 0
+
+
+def print_table(results: list[Figures], failures: dict[str, str], args: argparse.Namespace) -> None:
+    print(f"\nlong prompt: {results[0].prompt_tokens if results else '?'} tokens, {args.max_tokens} decoded, greedy")
+    print(f"{'server':38} {'TTFT s':>8} {'decode tok/s':>13} {'turn-2 TTFT s':>14} {'turn-2 cached':>14}")
+    for r in results:
+        turn2 = f"{r.turn2_ttft_s:.3f}" if r.turn2_ttft_s is not None else "-"
+        cached = str(r.turn2_cached_tokens) if r.turn2_cached_tokens is not None else "-"
+        print(f"{r.server:38} {r.ttft_s:8.3f} {r.decode_tokens_per_s:13.1f} {turn2:>14} {cached:>14}")
+    for name, why in failures.items():
+        print(f"{name}: did not run: {why.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

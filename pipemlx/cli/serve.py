@@ -1,0 +1,237 @@
+"""``pipemlx serve``: the options, where the ranks come from, and the supervisor of local ranks.
+
+Like ``pipemlx generate``: ``--ranks N`` starts N local ranks (this process
+supervises them), under ``mlx.launch``/``mpirun`` or with ``--hostfile`` this
+process is one rank. Unlike ``generate``, a local follower that dies does not
+take rank 0 down at once: rank 0 notices, answers 503 for a moment and exits
+with one clear line, and then the supervisor ends the rest. Ctrl-C or SIGTERM
+asks rank 0 to stop the group (every rank exits 0); what is still running
+after :data:`STOP_GRACE` seconds is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO
+
+from ..demo import MODEL_DIR
+from ..launch import BACKEND_VARIABLE, free_ports, write_hostfile
+from .common import UserError, check_ranks, hostfile_rank, in_launched_rank, layer_counts, positive_float, positive_int
+
+DEFAULT_RANKS = 2
+DEFAULT_PORT = 8080
+STOP_GRACE = 15.0
+"""Seconds the other ranks get to leave on their own once rank 0 has stopped the group (or was asked to)."""
+FAULT_GRACE = 2.0
+"""Seconds they get after rank 0 failed (a lost peer): a follower notices within about a second."""
+PARENT_VARIABLE = "PIPEMLX_SERVE_PARENT"
+"""Set for local ranks: rank 0 stops the group when the supervising process is gone."""
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:  # pyright: ignore[reportPrivateUsage]
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over the pipeline (needs pip install 'pipemlx[serve]')",
+        description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
+        "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health.",
+    )
+    serve.add_argument("--model", type=Path, default=MODEL_DIR, help="mlx-lm model folder (default: the demo model)")
+    serve.add_argument("--model-name", help="the model id clients use (default: pipemlx-demo, or the folder's name)")
+    where = serve.add_mutually_exclusive_group()
+    where.add_argument("--ranks", type=positive_int, help=f"local ranks to start (default {DEFAULT_RANKS})")
+    where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
+    serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
+    serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("PIPEMLX_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $PIPEMLX_API_KEY, else no key)",
+    )
+    serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429 (64)")
+    serve.add_argument(
+        "--prefix-cache",
+        type=float,
+        default=1024.0,
+        metavar="MB",
+        help="KV caches of recent requests kept for reuse, in MB (default 1024; 0: off)",
+    )
+    serve.add_argument("--step-size", type=_step_size, help="prefill chunk in tokens, or 'auto' (default: as generate)")
+    serve.add_argument(
+        "--max-tokens", type=positive_int, default=512, help="tokens per answer when a request says none (512)"
+    )
+    serve.add_argument(
+        "--temp", type=float, default=0.0, help="temperature when a request says none (default 0: greedy)"
+    )
+    serve.add_argument(
+        "--context",
+        type=positive_int,
+        help="most tokens (prompt + answer) a request may use (default: the model's max_position_embeddings)",
+    )
+    serve.add_argument(
+        "--timeout", type=positive_float, default=60.0, help="seconds any wait on another rank may take (60)"
+    )
+    serve.add_argument(
+        "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting (5)"
+    )
+
+
+def _step_size(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def model_id(args: argparse.Namespace) -> str:
+    if args.model_name:
+        return str(args.model_name)
+    return "pipemlx-demo" if Path(args.model).resolve() == MODEL_DIR.resolve() else Path(args.model).resolve().name
+
+
+def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Check the input, then serve as a rank here or start and supervise the local ranks."""
+    from ..serve import INSTALL_HINT, missing_packages  # no MLX: the check runs before anything starts
+
+    missing = missing_packages()
+    if missing:
+        raise UserError(f"needs the serve extra ({', '.join(missing)} missing): {INSTALL_HINT}")
+    if args.rank is not None and args.hostfile is None:
+        raise UserError("--rank only goes with --hostfile")
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.prefix_cache < 0:
+        raise UserError(f"--prefix-cache must be 0 or more MB, got {args.prefix_cache:g}")
+    if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
+        if args.hostfile is not None:
+            rank = hostfile_rank(args.hostfile, args.rank)
+            os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), BACKEND_VARIABLE: "ring"})
+        return _as_rank(args)
+    ranks: int = args.ranks or DEFAULT_RANKS
+    check_ranks(ranks, args.model, args.split)
+    _check_port(args.host, args.port)
+    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv])
+
+
+def _as_rank(args: argparse.Namespace) -> int:
+    from ..serve import RankOptions, ServeSettings, run_rank  # MLX and mlx-lm: imported only where a rank runs
+
+    parent = os.environ.get(PARENT_VARIABLE)
+    settings = ServeSettings(
+        model_id=model_id(args),
+        max_queue=args.max_queue,
+        prefix_cache_mb=args.prefix_cache,
+        step_size=args.step_size,
+        timeout=args.timeout,
+        default_max_tokens=args.max_tokens,
+        default_temperature=args.temp,
+        context=args.context,
+        fault_grace=max(0.0, args.fault_grace),
+        api_key=args.api_key or None,
+        parent_pid=int(parent) if parent else None,
+    )
+    options = RankOptions(args.model, settings, host=args.host, port=args.port, split=args.split)
+    if args.ranks is not None and in_launched_rank():
+        options.expected_ranks = args.ranks
+    return run_rank(options)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail early, before any rank starts, when the address cannot be listened on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def supervise(num_ranks: int, command: list[str]) -> int:
+    """Start ``num_ranks`` local ranks of ``command`` and wait for them; returns rank 0's exit status.
+
+    Rank 0's output is this process's. When rank 0 exits, the others get
+    :data:`STOP_GRACE` seconds to follow, then are killed; a follower's stderr
+    tail is shown when it failed. Ctrl-C / SIGTERM forward SIGTERM to rank 0.
+    """
+    with tempfile.TemporaryDirectory(prefix="pipemlx-serve-") as tmp:
+        directory = Path(tmp)
+        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[IO[bytes] | None] = []
+        stopping: list[float] = []
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            if stopping:  # a second Ctrl-C: no more waiting
+                raise KeyboardInterrupt
+            stopping.append(time.monotonic())
+            if procs and procs[0].poll() is None:
+                procs[0].send_signal(signal.SIGTERM)
+
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for rank in range(num_ranks):
+                env = {
+                    **os.environ,
+                    "MLX_RANK": str(rank),
+                    "MLX_HOSTFILE": str(hostfile),
+                    BACKEND_VARIABLE: "ring",
+                    PARENT_VARIABLE: str(os.getpid()),
+                    "PYTHONUNBUFFERED": "1",
+                }
+                err = None if rank == 0 else open(directory / f"rank{rank}.err", "w+b")
+                logs.append(err)
+                out = None if rank == 0 else subprocess.DEVNULL
+                procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True))
+            return _wait(procs, logs, stopping)
+        except KeyboardInterrupt:
+            print("pipemlx serve: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            for proc in procs:
+                proc.wait()
+            for f in logs:
+                if f is not None:
+                    f.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes] | None], stopping: list[float]) -> int:
+    leader_done: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if codes[0] is not None and leader_done is None:
+            leader_done = time.monotonic()
+        if all(c is not None for c in codes):
+            break
+        started = leader_done if leader_done is not None else (stopping[0] if stopping else None)
+        grace = FAULT_GRACE if codes[0] not in (None, 0) else STOP_GRACE
+        if started is not None and time.monotonic() - started > grace:
+            break
+        time.sleep(0.1)
+    for rank, proc in enumerate(procs[1:], start=1):
+        code = proc.poll()
+        f = logs[rank]
+        if code not in (0, None) and f is not None and procs[0].poll() not in (1, 2):
+            f.seek(0)
+            tail = "\n".join(f.read().decode(errors="replace").strip().splitlines()[-8:])
+            print(f"--- rank {rank} (status {code}):\n{tail}", file=sys.stderr)
+    code = procs[0].poll()
+    return 1 if code is None else (code if code >= 0 else 128 - code)

@@ -1,0 +1,150 @@
+"""``pipemlx serve``: an OpenAI-compatible HTTP server over a pipeline of ranks, built on pipemlx's public API.
+
+Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
+the pipeline up and greets the others (:mod:`.broadcast`); then rank 0 serves
+HTTP (:mod:`.app`) and runs requests one at a time (:class:`.engine.Leader`),
+and every other rank follows the requests rank 0 broadcasts
+(:class:`.engine.Follower`). Requests reuse the KV caches of earlier ones
+(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+
+Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
+uvicorn) on rank 0; :func:`missing_packages` says what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+from ..errors import PipelineError
+from ..launch import init_group
+from ..models.loading import load_sharded
+from .engine import Engine, Follower, Leader, ServeSettings, describe_ranks, log
+
+SERVE_PACKAGES = ("starlette", "uvicorn")
+INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn)"
+
+__all__ = ["INSTALL_HINT", "RankOptions", "ServeSettings", "missing_packages", "model_context", "run_rank"]
+
+
+def missing_packages() -> list[str]:
+    """The packages of the ``serve`` extra that cannot be imported here."""
+    return [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+
+
+def model_context(model_dir: Path) -> int | None:
+    """The model's ``max_position_embeddings`` (from ``config.json``, or its ``text_config``), if it says."""
+    try:
+        config: Any = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    top = cast(dict[str, Any], config)
+    text_config = top.get("text_config")
+    for where in (top, cast(dict[str, Any], text_config) if isinstance(text_config, dict) else {}):
+        value = where.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass
+class RankOptions:
+    """What one rank needs to start serving."""
+
+    model_dir: Path
+    settings: ServeSettings
+    host: str = "127.0.0.1"
+    port: int = 8080
+    split: list[int] | None = None
+    expected_ranks: int | None = None
+
+
+def run_rank(options: RankOptions) -> int:
+    """Serve as one rank of the group this process belongs to; returns the exit status (or exits after a fault)."""
+    group = init_group()
+    rank, size = group.rank(), group.size()
+    settings = options.settings
+    if options.expected_ranks is not None and options.expected_ranks != size:
+        if rank == 0:
+            print(
+                f"pipemlx serve: error: --ranks {options.expected_ranks} but the group has {size} ranks",
+                file=sys.stderr,
+            )
+        return 2
+    if rank == 0 and missing_packages():
+        print(f"pipemlx serve: error: rank 0 needs the serve extra: {INSTALL_HINT}", file=sys.stderr)
+        os._exit(2)  # the other ranks notice the lost peer and exit
+    try:
+        model, tokenizer = load_sharded(options.model_dir, group, split=options.split, timeout=settings.timeout)
+    except (ValueError, OSError) as exc:
+        print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)
+        os._exit(2)
+    engine = Engine(model, tokenizer, group, settings)
+    try:
+        engine.start()
+    except PipelineError as exc:
+        print(
+            f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        os._exit(1)
+    if rank != 0:
+        return _follow(engine, settings)
+    return _lead(engine, tokenizer, options)
+
+
+def _follow(engine: Engine, settings: ServeSettings) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
+    try:
+        return Follower(engine, settings).serve()
+    except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
+        print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+
+
+def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
+    from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
+
+    settings = options.settings
+    leader = Leader(engine, settings)
+    context = settings.context if settings.context is not None else model_context(options.model_dir)
+    api = Api(leader, tokenizer, settings, context)
+    http = HttpThread(api.app(), options.host, options.port)
+    if not http.start():
+        print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
+        leader.stopping.set()
+        leader.serve()  # tells the other ranks to stop
+        return 2
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if leader.stopping.is_set():
+            os._exit(130)
+        log(f"{signal.Signals(signum).name}: finishing the current request's agreed stop, then stopping")
+        leader.stopping.set()
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    split = list(engine.stage.split)
+    prefix = engine.prefix
+    log(
+        f"{settings.model_id}: {sum(split)} layers on {len(split)} rank{'s' if len(split) > 1 else ''} "
+        f"({describe_ranks(split)}); prefix cache {settings.prefix_cache_mb:g} MB ({prefix.budget_tokens} tokens); "
+        f"context {context or 'unlimited'}; queue {settings.max_queue}"
+    )
+    log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
+    try:
+        status = leader.serve()
+    except Exception as exc:  # an idle heartbeat found a rank lost or stalled
+        leader.fail_idle(exc)
+        status = 1
+    http.stop()
+    log("stopped")
+    return status

@@ -1,0 +1,357 @@
+"""The HTTP side (rank 0): an ASGI app (Starlette) speaking OpenAI's API, and the uvicorn thread that serves it.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, ``GET /health``. A handler checks the request (4xx with an
+OpenAI-style error body; nothing reaches the ranks), tokenizes it, and queues a
+:class:`~.engine.Job` (429 when the queue is full). The answer is one JSON
+object, or server-sent events ending in ``data: [DONE]``. While a request
+waits or runs, its response also listens for the client going away
+(``http.disconnect``): then the job is cancelled, and rank 0's loop stops it on
+every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from .engine import Event, Job, Leader, ServeSettings
+from .protocol import (
+    ApiError,
+    ParsedRequest,
+    bad_request,
+    chunk_object,
+    completion_object,
+    models_object,
+    new_id,
+    now,
+    parse_chat,
+    parse_completion,
+)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class Api:
+    """The endpoints, over a :class:`Leader` and the tokenizer."""
+
+    def __init__(self, leader: Leader, tokenizer: Any, settings: ServeSettings, context: int | None) -> None:
+        self.leader = leader
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.context = context
+        self.created = now()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+
+    def _guard(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """The API key check, and :class:`ApiError` as its JSON response."""
+
+        async def guarded(request: Request) -> Response:
+            try:
+                self._check_key(request)
+                return await handler(request)
+            except ApiError as error:
+                return error_response(error)
+
+        return guarded
+
+    def _check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                if given
+                else "no API key given: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        http = cast(HTTPException, exc)
+        if http.status_code == 404:
+            error = ApiError(404, f"no such endpoint: {request.method} {request.url.path}", code="unknown_url")
+        elif http.status_code == 405:
+            error = ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        else:
+            error = ApiError(http.status_code, str(http.detail))
+        return error_response(error)
+
+    async def _crash(self, request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+    # --- endpoints ---------------------------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        report = self.leader.health()
+        return JSONResponse(report, status_code=200 if report["status"] == "ready" else 503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(models_object(self.settings.model_id, self.created))
+
+    async def chat(self, request: Request) -> Response:
+        parsed = parse_chat(await self._body(request))
+        self._check_model(parsed)
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
+        try:
+            tokens = list(self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True))
+        except Exception as exc:  # the template rejected the conversation (roles out of order, ...)
+            raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
+        return await self._generate(request, parsed, tokens)
+
+    async def completions(self, request: Request) -> Response:
+        parsed = parse_completion(await self._body(request))
+        self._check_model(parsed)
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            bos = getattr(self.tokenizer, "bos_token", None)
+            add_special = bos is None or not prompt.startswith(bos)
+            tokens = list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+        else:
+            tokens = list(cast(list[int], prompt))
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in tokens):
+                raise bad_request(f"token ids must be in 0..{vocab - 1}", param="prompt")
+        return await self._generate(request, parsed, tokens)
+
+    # --- helpers -----------------------------------------------------------------------------------------------------
+
+    async def _body(self, request: Request) -> Any:
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+    def _check_model(self, parsed: ParsedRequest) -> None:
+        if parsed.model not in (None, self.settings.model_id):
+            raise ApiError(
+                404,
+                f"the model {parsed.model!r} does not exist; this server serves {self.settings.model_id!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _generate(self, request: Request, parsed: ParsedRequest, tokens: list[int]) -> Response:
+        if not tokens:
+            raise bad_request("the prompt is empty after tokenization", param="prompt")
+        context = self.context
+        if context is not None and len(tokens) >= context:
+            raise bad_request(
+                f"the prompt has {len(tokens)} tokens; this server's context is {context} tokens",
+                code="context_length_exceeded",
+                param="messages" if parsed.kind == "chat" else "prompt",
+            )
+        max_tokens = parsed.max_tokens
+        if max_tokens is None:
+            max_tokens = self.settings.default_max_tokens
+            if context is not None:
+                max_tokens = min(max_tokens, context - len(tokens))
+        elif context is not None and len(tokens) + max_tokens > context:
+            raise bad_request(
+                f"the prompt ({len(tokens)} tokens) plus max_tokens ({max_tokens}) exceed this server's "
+                f"context of {context} tokens",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        loop = asyncio.get_running_loop()
+        job = Job(
+            kind=parsed.kind,
+            request_id=new_id(parsed.kind),
+            created=now(),
+            tokens=tokens,
+            max_tokens=max_tokens,
+            temperature=parsed.temperature if parsed.temperature is not None else self.settings.default_temperature,
+            top_p=parsed.top_p,
+            seed=parsed.seed,
+            stop=parsed.stop,
+            stream=parsed.stream,
+            include_usage=parsed.include_usage,
+            loop=loop,
+            events=asyncio.Queue(),
+        )
+        self.leader.submit(job)
+        if parsed.stream:
+            return EventStream(job, self.settings.model_id)
+        return WholeAnswer(job, self.settings.model_id)
+
+
+async def _watch_disconnect(receive: Receive, job: Job) -> None:
+    """Wait for the client to go away, then cancel ``job`` (rank 0 stops it on every rank)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
+
+
+class WholeAnswer(Response):
+    """A request's answer as one JSON object, sent when the request ends; the client leaving cancels it."""
+
+    def __init__(self, job: Job, model: str) -> None:
+        super().__init__()
+        self.job = job
+        self.model = model
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job = self.job
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
+        pieces: list[str] = []
+        try:
+            while True:
+                event = await job.events.get()
+                if event.kind == "text":
+                    pieces.append(event.text)
+                    continue
+                break
+        finally:
+            watcher.cancel()
+            if not job.finished:
+                job.cancel()
+        if event.kind == "error":
+            assert event.error is not None
+            response: Response = error_response(event.error)
+        elif job.cancelled.is_set():
+            return  # nobody to answer
+        else:
+            body = completion_object(
+                job.kind,
+                job.request_id,
+                self.model,
+                "".join(pieces),
+                event.finish_reason or "stop",
+                event.usage or {},
+                job.created,
+            )
+            response = JSONResponse(body)
+        await response(scope, receive, send)
+
+
+class EventStream(Response):
+    """Server-sent events: a first chunk, one chunk per piece of text, the finish, maybe usage, ``[DONE]``.
+
+    An error after the stream began is an ``error`` event (OpenAI's error body)
+    followed by ``[DONE]``. The client leaving cancels the job.
+    """
+
+    def __init__(self, job: Job, model: str) -> None:
+        super().__init__()
+        self.job = job
+        self.model = model
+
+    def _event(self, obj: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        job = self.job
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in SSE_HEADERS.items()]
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            if job.kind == "chat":
+                first = chunk_object(job.kind, job.request_id, self.model, job.created, text="", first=True)
+                await self._send(send, self._event(first))
+            while not job.cancelled.is_set():
+                event = await self._next(job, watcher)
+                if event is None:
+                    break
+                if event.kind == "text":
+                    chunk = chunk_object(job.kind, job.request_id, self.model, job.created, text=event.text)
+                    await self._send(send, self._event(chunk))
+                    continue
+                if event.kind == "error":
+                    assert event.error is not None
+                    await self._send(send, self._event(event.error.body()))
+                else:
+                    last = chunk_object(
+                        job.kind, job.request_id, self.model, job.created, finish_reason=event.finish_reason
+                    )
+                    if job.kind == "completion":
+                        last["choices"][0]["text"] = ""
+                    await self._send(send, self._event(last))
+                    if job.include_usage and event.usage is not None:
+                        tail = chunk_object(job.kind, job.request_id, self.model, job.created, usage_=event.usage)
+                        await self._send(send, self._event(tail))
+                await self._send(send, b"data: [DONE]\n\n")
+                break
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            job.cancel()  # the client is gone
+        finally:
+            watcher.cancel()
+            if not job.finished:
+                job.cancel()
+
+    async def _next(self, job: Job, watcher: asyncio.Future[None]) -> Event | None:
+        """The job's next event, or ``None`` when the client leaves first."""
+        getter = asyncio.ensure_future(job.events.get())
+        done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            return getter.result()
+        getter.cancel()
+        return None
+
+    async def _send(self, send: Send, data: bytes) -> None:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+class HttpThread:
+    """uvicorn serving the app in a thread of its own (rank 0's main thread runs the pipeline)."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, name="pipemlx-serve-http", daemon=True)
+        self.failure: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as exc:  # uvicorn exits (SystemExit) when it cannot bind
+            self.failure = exc
+
+    def start(self, timeout: float = 30.0) -> bool:
+        """Start listening; False when uvicorn could not (the port is taken, the host is not ours)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.server.started:
+                return True
+            if not self.thread.is_alive():
+                return False
+            time.sleep(0.02)
+        return False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)

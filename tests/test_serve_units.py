@@ -1,0 +1,167 @@
+"""The parts of pipemlx serve that need no server: request checking, stop strings, the prefix cache, the header."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+from pipemlx.serve.broadcast import BASE_FIELDS, REQUEST, SLOT_FIELDS, Channel, bits_float, checksum, float_bits
+from pipemlx.serve.prefix_cache import Plan, PrefixCache
+from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ([], None, "must be a JSON object"),
+        ({}, "messages", "'messages' is a required property"),
+        ({"messages": "hi"}, "messages", "non-empty list"),
+        ({"messages": [{"role": "king", "content": "x"}]}, "messages[0].role", "must be one of"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string or a list of text parts"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content", "only text"),
+        ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens", "at least 1"),
+        ({"messages": MESSAGES, "max_completion_tokens": 2.5}, "max_completion_tokens", "whole number"),
+        ({"messages": MESSAGES, "temperature": -1}, "temperature", "from 0 to 2"),
+        ({"messages": MESSAGES, "top_p": 0}, "top_p", "(0, 1]"),
+        ({"messages": MESSAGES, "seed": "x"}, "seed", "whole number"),
+        ({"messages": MESSAGES, "stop": ["a", ""]}, "stop", "non-empty strings"),
+        ({"messages": MESSAGES, "stop": ["a"] * 5}, "stop", "up to 4"),
+        ({"messages": MESSAGES, "n": 2}, "n", "only n=1"),
+        ({"messages": MESSAGES, "stream": "yes"}, "stream", "true or false"),
+        ({"messages": MESSAGES, "model": 7}, "model", "must be a string"),
+    ],
+)
+def test_bad_chat_requests_name_the_field(body: Any, param: str | None, words: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_chat(body)
+    error = caught.value
+    assert error.status == 400 and error.param == param and words in error.message
+    assert error.body() == {
+        "error": {"message": error.message, "type": "invalid_request_error", "param": param, "code": None}
+    }
+
+
+def test_good_requests_are_read_fully() -> None:
+    chat = parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_completion_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": -1,
+            "stop": "x",
+        }
+    )
+    assert chat.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""}]
+    assert (chat.stream, chat.include_usage, chat.max_tokens, chat.temperature, chat.top_p) == (True, True, 7, 0.5, 0.9)
+    assert chat.seed == (1 << 31) - 1 and chat.stop == ("x",)
+    assert parse_completion({"prompt": ["text"]}).prompt == "text"
+    assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    for bad in ({"prompt": ""}, {"prompt": [1, "a"]}, {"prompt": ["a", "b"]}, {}):
+        with pytest.raises(ApiError):
+            parse_completion(bad)
+
+
+def released(text: str, stops: list[str], cuts: list[int]) -> tuple[list[str], str, bool]:
+    """Feed ``text`` to a StopText growing to each cut, then finish; return the pieces, all, and stopped."""
+    stop_text = StopText(stops)
+    pieces: list[str] = []
+    for cut in sorted(cuts) + [len(text)]:
+        pieces.append(stop_text.update(text[:cut]))
+    pieces.append(stop_text.finish(text))
+    return pieces, "".join(pieces), stop_text.stopped
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet='ab"c ', max_size=30),
+    stops=st.lists(st.text(alphabet='ab"c', min_size=1, max_size=3), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
+def test_stop_text_releases_exactly_the_text_before_the_first_stop(
+    text: str, stops: list[str], cuts: list[int]
+) -> None:
+    _, whole, stopped = released(text, stops, [c for c in cuts if c <= len(text)])
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert whole == (text[: min(found)] if found else text)
+    assert stopped == bool(found)
+
+
+def test_stop_text_holds_back_a_possible_stop() -> None:
+    stop_text = StopText(["END"])
+    assert stop_text.update("abc E") == "abc "
+    assert stop_text.update("abc EN") == ""
+    assert stop_text.update("abc ENd") == "ENd"
+    assert stop_text.update("abc ENd END more") == " " and stop_text.stopped
+    assert stop_text.text_of("abc ENd END more") == "abc ENd "
+
+
+def kv(tokens: int, layers: int = 2, seed: int = 0) -> list[Any]:
+    """Real mlx-lm KV caches holding ``tokens`` positions (values tell the positions apart)."""
+    caches: list[Any] = []
+    for layer in range(layers):
+        cache = KVCache()
+        values = mx.arange(tokens, dtype=mx.float32).reshape(1, 1, tokens, 1) + 1000 * layer + seed
+        cache.update_and_fetch(values, values)
+        caches.append(cache)
+    return caches
+
+
+def test_prefix_cache_takes_extends_copies_and_evicts() -> None:
+    cache = PrefixCache(budget_tokens=20)
+    assert cache.plan([1, 2, 3]) == Plan()
+    assert cache.store([1, 2, 3, 4, 5], kv(5))
+    # A request extending the entry takes it over (no copy) and keeps one token to compute.
+    plan = cache.plan([1, 2, 3, 4, 5, 6, 7])
+    assert plan == Plan(entry=1, reuse=5, copy=False)
+    taken = cache.checkout(plan, lambda: kv(0))
+    assert taken[0].offset == 5 and not cache.entries
+    # The same prompt again: everything but its last token is reused, from a trimmed copy.
+    assert cache.store([1, 2, 3, 4, 5, 6, 7, 8], kv(8))
+    plan = cache.plan([1, 2, 3, 4, 5, 6, 7])
+    assert plan == Plan(entry=2, reuse=6, copy=True)
+    copied = cache.checkout(plan, lambda: kv(0))
+    assert copied[0].offset == 6 and cache.entries[2].cache[0].offset == 8
+    keys = copied[0].state[0][..., :6, :]
+    assert keys.reshape(-1).tolist() == [0, 1, 2, 3, 4, 5]
+    # A diverging request shares only the common part.
+    assert cache.plan([1, 2, 9, 9]) == Plan(entry=2, reuse=2, copy=True)
+    # Storing what an entry already holds keeps the entry; a longer one replaces the entries it extends.
+    assert not cache.store([1, 2, 3], kv(3))
+    assert cache.store([1, 2, 3, 4, 5, 6, 7, 8, 9], kv(9)) and list(cache.entries) == [3]
+    # The budget (in tokens) evicts the least recently used; an entry over the budget is not kept.
+    assert cache.store([7] * 12, kv(12, seed=7))
+    assert list(cache.entries) == [4] and cache.tokens == 12
+    assert not cache.store([8] * 21, kv(21))
+    assert PrefixCache(0).store([1], kv(1)) is False
+
+
+def test_a_missing_entry_starts_from_an_empty_cache() -> None:
+    cache = PrefixCache(10)
+    fresh = cache.checkout(Plan(entry=99, reuse=3, copy=False), lambda: kv(0))
+    assert fresh[0].offset == 0  # the ranks' prefill check then reports the disagreement
+
+
+def test_header_fields_survive_the_int32_sum() -> None:
+    for value in (0.0, 0.7, 1.0, 2.0, 1e-6):
+        assert bits_float(float_bits(value)) == pytest.approx(value, rel=1e-7)
+    assert checksum([1, 2, 3]) != checksum([1, 3, 2]) and checksum([]) == 0
+    channel = Channel(mx.distributed.init())  # a group of one: the sum is the values themselves
+    header = channel.exchange({"kind": REQUEST, "seq": 5, "temperature": float_bits(0.5)}, {"pid": 42}, 5.0, "test")
+    assert header.kind == REQUEST and header.fields["seq"] == 5 and header.float("temperature") == 0.5
+    assert header.slots == [{**dict.fromkeys(SLOT_FIELDS, 0), "present": 1, "pid": 42}]
+    assert len(header.fields) == len(BASE_FIELDS)
+    assert channel.tokens([3, 1, 4], 3, 5.0, "test") == [3, 1, 4]
