@@ -60,7 +60,7 @@ def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: i
         decode_end = time.perf_counter()
         if tokens == 1:
             decode_start = decode_end
-    mx.synchronize(generation_stream)
+    mx.synchronize(generation_stream)  # mlx-lm (one process or its native pipeline) leaves a step in flight
     return clock.seconds, decode_tokens_per_s(tokens, decode_end - decode_start)
 
 

@@ -2,7 +2,8 @@
 
 ``SPEC`` is a JSON object from :mod:`.bench`: model, prompt_tokens,
 step_size, max_tokens, timeout, mode (``"single"``: one process, mlx-lm's
-``generate_step``; ``"pipeline"``: a rank of a pipemlx pipeline) and, for the
+``generate_step``; ``"pipeline"``: a rank of a pipemlx pipeline, prefilled with
+``pipeline_prefill`` and decoded with ``pipemlx.generate_step``) and, for the
 pipeline, an optional trace_dir. Rank 0 prints its figures (those of
 :mod:`pipemlx.observe.metrics`) as one JSON line.
 """
@@ -17,13 +18,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from ..launch import init_group
 from ..models.loading import load_sharded
 from ..observe.metrics import PrefillClock, decode_tokens_per_s, prefill_tokens_per_s
+from ..runtime.generate import generate_step as pipemlx_generate_step
 from ..runtime.prefill import pipeline_prefill
 
 WARMUP_TOKENS = 3
@@ -38,7 +40,6 @@ def _timed_tokens(tokens: Iterator[tuple[Any, Any]]) -> tuple[list[int], float]:
         if i == 0:
             first = last
         out.append(int(token))
-    mx.synchronize(generation_stream)
     return out, last - first
 
 
@@ -51,7 +52,8 @@ def _measure(
     if pipelined:
         pipeline_prefill(model, prompt, cache, step_size=step, timeout=spec["timeout"], trace_dir=trace)
         prefill_s = time.perf_counter() - start
-        tokens, decode_s = _timed_tokens(generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=max_tokens))
+        decoded = pipemlx_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=max_tokens)
+        tokens, decode_s = _timed_tokens(decoded)
     else:
         clock = PrefillClock(start)
         generator = generate_step(
@@ -86,8 +88,6 @@ def bench_rank(spec: dict[str, Any]) -> None:
     warmup = {**spec, "max_tokens": WARMUP_TOKENS}
     _measure(model, prompt[: min(prompt.size, 2 * spec["step_size"] + 1)], warmup, pipelined, None)
     figures = _measure(model, prompt, spec, pipelined, spec.get("trace_dir"))
-    if group is not None:
-        mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]  # all done before any exits
     if group is None or group.rank() == 0:
         print(json.dumps(figures), flush=True)
 
