@@ -1,0 +1,47 @@
+"""pipemlx.BatchGenerator: requests decoded together through the pipeline, each equal to its solo run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conftest import run_ranks
+
+REQUESTS: list[dict[str, Any]] = [
+    {"M": 7, "max_tokens": 12, "insert_at": 0},
+    {"M": 23, "max_tokens": 10, "insert_at": 2},
+    {"M": 41, "max_tokens": 9, "insert_at": 5},
+]
+REMOVE = {"index": 1, "at": 6}  # request 1 has yielded 4 of its 10 tokens when it is removed
+
+
+def test_batched_requests_equal_their_solo_runs() -> None:
+    spec = {"requests": REQUESTS, "remove": REMOVE, "steps": 16, "step_size": 8}
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    for report in reports:
+        assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
+    report = reports[0]
+    tokens, solo = report["tokens"], report["solo"]
+    assert tokens[0] == solo[0] and report["finish"][0] == "length"
+    assert tokens[2] == solo[2] and report["finish"][2] == "length"
+    removed_after = REMOVE["at"] - REQUESTS[1]["insert_at"]
+    assert tokens[1] == solo[1][:removed_after] and report["finish"][1] is None
+    # Rows per step: 1 alone, then 2, then 3; the removal, then each request leaving at its max_tokens.
+    assert report["rows"] == [1, 1, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+    assert report["left"] == 0
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+
+
+def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
+    spec = {
+        "requests": REQUESTS[:2],
+        "remove": {"index": -1, "at": -1},
+        "steps": 8,
+        "step_size": 8,
+        "timeout": 5.0,
+        "kill": {"rank": 1, "at": 4},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=60, expect_exit={1: 3})
+    survivor = reports[0]
+    assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
+    assert "rank 0/2" in survivor["message"]
+    assert survivor["waited"] <= 5.0 + 3.0, survivor
