@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from conftest import run_ranks
 
 REQUESTS: list[dict[str, Any]] = [
@@ -14,21 +15,33 @@ REQUESTS: list[dict[str, Any]] = [
 REMOVE = {"index": 1, "at": 6}  # request 1 has yielded 4 of its 10 tokens when it is removed
 
 
-def test_batched_requests_equal_their_solo_runs() -> None:
-    spec = {"requests": REQUESTS, "remove": REMOVE, "steps": 16, "step_size": 8}
-    reports = run_ranks(2, "batch.py", spec, timeout=90)
+def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None) -> tuple[list[int], str | None]:
+    """A request's solo tokens cut at its first stop token (inclusive) or at ``limit`` (a removal)."""
+    tokens = solo[:limit]
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1], "stop"
+    return tokens, "length" if limit is None else None
+
+
+@pytest.mark.parametrize("arch,world_size,stop_at", [("llama", 2, None), ("qwen3", 3, None), ("llama", 2, [2, 3])])
+def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop_at: list[int] | None) -> None:
+    spec = {"arch": arch, "requests": REQUESTS, "remove": REMOVE, "steps": 16, "step_size": 8, "stop_at": stop_at}
+    reports = run_ranks(world_size, "batch.py", spec, timeout=90)
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
     report = reports[0]
-    tokens, solo = report["tokens"], report["solo"]
-    assert tokens[0] == solo[0] and report["finish"][0] == "length"
-    assert tokens[2] == solo[2] and report["finish"][2] == "length"
-    removed_after = REMOVE["at"] - REQUESTS[1]["insert_at"]
-    assert tokens[1] == solo[1][:removed_after] and report["finish"][1] is None
-    # Rows per step: 1 alone, then 2, then 3; the removal, then each request leaving at its max_tokens.
-    assert report["rows"] == [1, 1, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
-    assert report["left"] == 0
+    solo, stops = report["solo"], report["stops"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = REMOVE["at"] - REQUESTS[i]["insert_at"] if i == REMOVE["index"] else None
+        assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
+    if stop_at is None:
+        # Rows per step: 1 alone, then 2, then 3; the removal, then each request leaving at its max_tokens.
+        assert report["rows"] == [1, 1, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+    else:
+        assert "stop" in report["finish"], report
+    assert report["left"] == 0
 
 
 def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:

@@ -44,7 +44,7 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineMismatchError
 from .agreement import STATUS_OK
@@ -123,6 +123,9 @@ class BatchGenerator:
         self._active: list[_Sequence] = []
         self._inputs: list[int] = []  # per active row: the token its next step feeds
         self._cache: list[Any] = []  # one BatchKVCache per local layer; empty while no request is active
+        unbatchable = sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")})
+        if unbatchable:
+            raise TypeError(f"{self.stage.describe()}: mlx-lm cannot batch these layer caches: {unbatchable}")
 
     @property
     def active_uids(self) -> list[int]:
@@ -223,7 +226,8 @@ class BatchGenerator:
                 timeout=self.timeout,
             )
             caches.append(cache)
-        merged = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]  # pyright: ignore[reportUnknownMemberType]
+        # Each layer cache's own batch class, as mlx-lm's BatchGenerator does: KVCache -> BatchKVCache (left-padded).
+        merged = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
         if self._cache:
             for batch, extra in zip(self._cache, merged):
                 batch.extend(extra)

@@ -1,9 +1,10 @@
 """Rank program: pipemlx.BatchGenerator (continuous batching) against solo single-device mlx-lm runs.
 
-Spec: {"requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": {"index", "at"}, "steps", "step_size",
-"kill": {"rank", "at"} | null, "timeout"}. Step s inserts every request with insert_at == s, removes request
+Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": {"index", "at"}, "steps", "step_size",
+"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
+"stop_at", the k-th solo token of that request is the generator's stop token. With
 "kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error.
 """
 
@@ -31,11 +32,25 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     group = init_group()
     rank = group.rank()
-    config = tiny_config("llama")
+    config = tiny_config(spec.get("arch", "llama"))
     model = pipemlx.shard_model(build_model(config), group)
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
-    engine = pipemlx.BatchGenerator(model, prefill_step_size=spec["step_size"], timeout=spec.get("timeout"))
+    reference = build_model(config)
+    solo = [
+        [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(p), reference, prefill_step_size=spec["step_size"], max_tokens=r["max_tokens"]
+            )
+        ]
+        for p, r in zip(prompts, requests)
+    ]
+    stop_at = spec.get("stop_at")
+    stops = [solo[stop_at[0]][stop_at[1]]] if stop_at else []
+    engine = pipemlx.BatchGenerator(
+        model, prefill_step_size=spec["step_size"], timeout=spec.get("timeout"), stop_tokens=stops
+    )
     uid_of: dict[int, int] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
@@ -65,16 +80,6 @@ def main() -> None:
     if error is not None:
         print(json.dumps({"rank": rank, **error}), flush=True)
         os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
-    reference = build_model(config)
-    solo = [
-        [
-            int(t)
-            for t, _ in generate_step(
-                mx.array(p), reference, prefill_step_size=spec["step_size"], max_tokens=r["max_tokens"]
-            )
-        ]
-        for p, r in zip(prompts, requests)
-    ]
     report = {
         "rank": rank,
         "tokens": [tokens[i] for i in range(len(requests))],
@@ -82,6 +87,7 @@ def main() -> None:
         "finish": [finish.get(i) for i in range(len(requests))],
         "rows": rows,
         "left": len(engine),
+        "stops": stops,
     }
     print(json.dumps(report), flush=True)
 
