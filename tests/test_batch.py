@@ -26,7 +26,7 @@ def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None)
 
 @pytest.mark.parametrize("arch,world_size,stop_at", [("llama", 2, None), ("qwen3", 3, None), ("llama", 2, [2, 3])])
 def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop_at: list[int] | None) -> None:
-    spec = {"arch": arch, "requests": REQUESTS, "remove": REMOVE, "steps": 16, "step_size": 8, "stop_at": stop_at}
+    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 16, "step_size": 8, "stop_at": stop_at}
     reports = run_ranks(world_size, "batch.py", spec, timeout=90)
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
@@ -44,10 +44,43 @@ def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop
     assert report["left"] == 0
 
 
+INTERLEAVED: list[dict[str, Any]] = [
+    {"M": 7, "max_tokens": 14, "insert_at": 0},
+    {"M": 30, "max_tokens": 6, "insert_at": 1},  # removed mid-prefill
+    {"M": 23, "max_tokens": 8, "insert_at": 2},  # removed mid-decode
+    {"M": 41, "max_tokens": 6, "insert_at": 5},  # prefilled in 5 slices while the others decode
+]
+INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
+
+
+def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs() -> None:
+    spec = {
+        "requests": INTERLEAVED,
+        "remove": INTERLEAVED_REMOVALS,
+        "steps": 20,
+        "step_size": 8,
+        "prefill_budget": 8,
+    }
+    report = run_ranks(2, "batch.py", spec, timeout=90)[0]
+    solo = report["solo"]
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    # Request 1: 2 slices (16 of 29 positions) when removed, no token. Request 2: queued behind it, then
+    # 3 slices (steps 3-5; it joins in the step of its last slice), tokens in steps 5-7. Request 3: queued
+    # behind 2, slices in steps 6-10, tokens in steps 10-15. Request 0: tokens in steps 0-13.
+    assert report["tokens"][1] == [] and report["finish"][1] is None
+    assert report["tokens"][2] == solo[2][:3] and report["finish"][2] is None
+    for i in (0, 3):
+        assert report["tokens"][i] == solo[i] and report["finish"][i] == "length", (i, report)
+    # Request 0 decoded in every step while the others' prompts were being prefilled.
+    assert report["rows"][:17] == [1, 1, 1, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 2, 1, 1, 0], report["rows"]
+    assert report["partial"][:11] == [0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0], report["partial"]
+    assert report["left"] == 0
+
+
 def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
     spec = {
         "requests": REQUESTS[:2],
-        "remove": {"index": -1, "at": -1},
+        "remove": [],
         "steps": 8,
         "step_size": 8,
         "timeout": 5.0,

@@ -17,8 +17,10 @@ Within :meth:`~BatchGenerator.next`:
    :func:`pipemlx.pipeline_prefill` into its own cache (one mlx-lm
    ``KVCache`` per local layer), then merged into the batch caches
    (mlx-lm's ``BatchKVCache``, left-padded, exactly as mlx-lm's
-   ``BatchGenerator`` builds and extends them). A prefill blocks the decode
-   of the others (no interleaving yet).
+   ``BatchGenerator`` builds and extends them). With ``prefill_budget`` only
+   one slice of the first queued prompt is prefilled per call (pipelined
+   across the ranks), so prompts are prefilled between the decode steps of
+   the others; without it a prompt is prefilled whole and the others wait.
 2. One forward pass of the whole batch runs through the pipeline (edges in
    immediate mode without the final broadcast); the last rank applies the
    head and samples every row with that request's sampler.
@@ -83,6 +85,8 @@ class _Sequence:
     max_tokens: int
     sampler: Sampler | None
     generated: int = 0
+    filled: int = 0  # prompt positions prefilled into ``cache`` so far
+    cache: list[Any] | None = None
 
 
 class BatchGenerator:
@@ -94,6 +98,15 @@ class BatchGenerator:
     ``prefill_step_size`` is the chunk size of each new prompt's
     :func:`pipemlx.pipeline_prefill`; ``timeout`` bounds every wait (default:
     the model's).
+
+    ``prefill_budget`` interleaves new prompts with the decode steps: each
+    :meth:`next` prefills at most that many positions of the first queued
+    prompt (one pipelined :func:`pipemlx.pipeline_prefill` over the slice)
+    before the decode step of the active requests, so a long prompt delays
+    each step by about one slice instead of stalling everyone for its whole
+    prefill. A multiple of ``prefill_step_size`` keeps the chunks where a solo
+    run cuts them. ``None`` (the default): every queued prompt is prefilled
+    whole in the next :meth:`next`.
     """
 
     def __init__(
@@ -104,6 +117,7 @@ class BatchGenerator:
         stop_tokens: Iterable[int] = (),
         sampler: Sampler | None = None,
         prefill_step_size: int = 512,
+        prefill_budget: int | None = None,
         timeout: float | None = None,
     ) -> None:
         self.model = model
@@ -112,6 +126,11 @@ class BatchGenerator:
         check_timeout(timeout)
         if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
             raise ValueError(f"prefill_step_size must be a positive int, got {prefill_step_size!r}")
+        if prefill_budget is not None and (
+            isinstance(prefill_budget, bool) or not isinstance(prefill_budget, int) or prefill_budget < 1  # pyright: ignore[reportUnnecessaryIsInstance]
+        ):
+            raise ValueError(f"prefill_budget must be a positive int or None, got {prefill_budget!r}")
+        self.prefill_budget = prefill_budget
         self.max_tokens = max_tokens
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.sampler = sampler
@@ -134,8 +153,12 @@ class BatchGenerator:
 
     @property
     def queued_uids(self) -> list[int]:
-        """Requests inserted but not yet prefilled (the next :meth:`next` prefills them)."""
+        """Requests inserted and not yet in the batch (their prompts not yet wholly prefilled), in order."""
         return [s.uid for s in self._queued]
+
+    def prefilled(self, uid: int) -> int:
+        """Prompt positions of a queued request prefilled so far (0 for an unknown uid)."""
+        return next((s.filled for s in self._queued if s.uid == uid), 0)
 
     def __len__(self) -> int:
         return len(self._queued) + len(self._active)
@@ -178,7 +201,10 @@ class BatchGenerator:
         return uids
 
     def remove(self, uids: Iterable[int]) -> None:
-        """Drop requests, queued or active; unknown uids are ignored. Takes effect before the next step."""
+        """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
+
+        Takes effect before the next step; a dropped request's caches are freed.
+        """
         gone = set(uids)
         self._queued = [s for s in self._queued if s.uid not in gone]
         keep = [i for i, s in enumerate(self._active) if s.uid not in gone]
@@ -211,21 +237,35 @@ class BatchGenerator:
         return responses
 
     def _admit(self) -> None:
-        """Prefill every queued request into its own cache and merge those caches into the batch."""
-        if not self._queued:
+        """Prefill queued prompts (all, or one slice of the first within the budget); merge the finished ones."""
+        admitted: list[_Sequence] = []
+        budget = self.prefill_budget
+        while self._queued:
+            sequence = self._queued[0]
+            if sequence.cache is None:
+                sequence.cache = make_prompt_cache(self.model)
+            remaining = len(sequence.prompt) - 1 - sequence.filled
+            take = remaining if budget is None else min(remaining, budget)
+            if take > 0:
+                # Fills positions filled .. filled+take-1; the cache already holds the ones before.
+                pipeline_prefill(
+                    self.model,
+                    mx.array(sequence.prompt[sequence.filled : sequence.filled + take + 1], dtype=mx.int32),
+                    sequence.cache,
+                    step_size=self.prefill_step_size,
+                    timeout=self.timeout,
+                )
+                sequence.filled += take
+            if sequence.filled < len(sequence.prompt) - 1:
+                break  # the budget is spent: the rest of this prompt in the next steps
+            admitted.append(self._queued.pop(0))
+            if budget is not None and take > 0:
+                break  # one slice per step, so the chunks stay where a solo run cuts them
+        if not admitted:
             return
-        admitted, self._queued = self._queued, []
-        caches: list[list[Any]] = []
-        for sequence in admitted:
-            cache: list[Any] = make_prompt_cache(self.model)
-            pipeline_prefill(
-                self.model,
-                mx.array(sequence.prompt, dtype=mx.int32),
-                cache,
-                step_size=self.prefill_step_size,
-                timeout=self.timeout,
-            )
-            caches.append(cache)
+        caches = [cast(list[Any], s.cache) for s in admitted]
+        for s in admitted:
+            s.cache = None
         # Each layer cache's own batch class, as mlx-lm's BatchGenerator does: KVCache -> BatchKVCache (left-padded).
         merged = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
         if self._cache:

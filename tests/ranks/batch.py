@@ -1,6 +1,7 @@
 """Rank program: pipemlx.BatchGenerator (continuous batching) against solo single-device mlx-lm runs.
 
-Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": {"index", "at"}, "steps", "step_size",
+Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
+"step_size", "prefill_budget",
 "kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
@@ -49,12 +50,17 @@ def main() -> None:
     stop_at = spec.get("stop_at")
     stops = [solo[stop_at[0]][stop_at[1]]] if stop_at else []
     engine = pipemlx.BatchGenerator(
-        model, prefill_step_size=spec["step_size"], timeout=spec.get("timeout"), stop_tokens=stops
+        model,
+        prefill_step_size=spec["step_size"],
+        prefill_budget=spec.get("prefill_budget"),
+        timeout=spec.get("timeout"),
+        stop_tokens=stops,
     )
     uid_of: dict[int, int] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
     rows: list[int] = []
+    partial: list[int] = []  # per step: queued requests partly prefilled after it
     kill = spec.get("kill")
     error: dict[str, Any] | None = None
     for step in range(spec["steps"]):
@@ -62,8 +68,9 @@ def main() -> None:
         if arriving:
             uids = engine.insert([prompts[i] for i in arriving], [requests[i]["max_tokens"] for i in arriving])
             uid_of.update(zip(uids, arriving))
-        if spec["remove"]["at"] == step:
-            engine.remove([u for u, i in uid_of.items() if i == spec["remove"]["index"]])
+        for removal in spec["remove"]:
+            if removal["at"] == step:
+                engine.remove([u for u, i in uid_of.items() if i == removal["index"]])
         if kill is not None and kill["rank"] == rank and kill["at"] == step:
             os._exit(3)
         try:
@@ -73,6 +80,7 @@ def main() -> None:
             error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
             break
         rows.append(len(responses))
+        partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
         for response in responses:
             tokens[uid_of[response.uid]].append(response.token)
             if response.finish_reason is not None:
@@ -86,6 +94,7 @@ def main() -> None:
         "solo": solo,
         "finish": [finish.get(i) for i in range(len(requests))],
         "rows": rows,
+        "partial": partial,
         "left": len(engine),
         "stops": stops,
     }
