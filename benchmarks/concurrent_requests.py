@@ -1,36 +1,28 @@
 """Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
 
-    python benchmarks/concurrent.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
+    python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
 
 Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
 process): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
 pipemlx.generate_step on 2 ranks one request after another, and mlx-lm's own BatchGenerator in one process
 holding all layers. Decode only: each request's tokens after its first (see ranks/concurrent_rank.py).
-Run by hand, on an otherwise idle machine when the figures matter.
+Run by hand, on an otherwise idle machine when the figures matter. (Not named `concurrent.py`: in this
+folder that name would shadow the standard library's `concurrent` package for every benchmark script.)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-# This file's name shadows the standard library's `concurrent` package for scripts in this folder: import
-# the real one first, with this folder off the path, then put the folder back (at the end) for `common`.
-_FOLDER = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _FOLDER]
-import concurrent.futures  # noqa: E402, F401
+from common import BENCH_CONFIG, HERE, bench_env, openblas_available
 
-sys.path.append(str(_FOLDER))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-from typing import Any  # noqa: E402
-
-from common import BENCH_CONFIG, HERE, bench_env, openblas_available  # noqa: E402
-
-from pipemlx.launch import launch  # noqa: E402
+from pipemlx.launch import launch
 
 PROGRAM = HERE / "ranks" / "concurrent_rank.py"
 
