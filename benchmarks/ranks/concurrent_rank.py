@@ -1,6 +1,7 @@
 """Benchmark rank program: aggregate decode tokens/s of R concurrent requests, for one mode.
 
-Spec: {"mode": "mlx_batch" | "pipemlx_batch" | "pipemlx_serial", "R", "M", "tokens", "step", "config"}
+Spec: {"mode": "mlx_batch" | "pipemlx_batch" | "pipemlx_serial" | "arrival", "R", "M", "tokens", "step", "config",
+       "arrival_tokens", "budgets"}
   mlx_batch       one process holding all layers, mlx-lm's BatchGenerator with the R requests inserted at once
   pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once
   pipemlx_serial  pipemlx.generate_step on the group, the R requests one after another
@@ -8,6 +9,10 @@ Every request has an M-token prompt and `tokens` generated tokens. The aggregate
 each request's first one over the time after the first one (the prefill excluded): batched modes from the
 step that gave every request its first token to the last step; serial mode the sum of the decode times.
 Prints one JSON line: {"rank", "tok_s", "tokens"}.
+  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill budget (null: whole)
+                  the R requests' p95 time between tokens before and while it is prefilled, and its time to
+                  first token against its solo run (pipemlx.generate_step's first token, nothing else active).
+                  Prints {"rank", "solo_ttft", "runs": [{"budget", "p95_before", "p95_during", "ttft"}]}.
 """
 
 from __future__ import annotations
@@ -87,6 +92,48 @@ def pipemlx_serial(model: Any, prompts: list[list[int]], tokens: int, step: int)
     return elapsed, counted
 
 
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    vocab = spec["config"]["vocab_size"]
+    long_prompt: list[int] = mx.random.randint(0, vocab, (spec["arrival_tokens"],), key=mx.random.key(7)).tolist()  # pyright: ignore[reportAssignmentType]
+    solo_ttft = float("inf")
+    for _ in range(2):  # the first run also warms up: the best of two
+        start = time.perf_counter()
+        for _ in pipemlx.generate_step(mx.array(long_prompt), model, max_tokens=1, prefill_step_size=spec["step"]):
+            break
+        solo_ttft = min(solo_ttft, time.perf_counter() - start)
+    runs: list[dict[str, Any]] = []
+    for budget in spec["budgets"]:
+        engine = pipemlx.BatchGenerator(model, max_tokens=-1, prefill_step_size=spec["step"], prefill_budget=budget)
+        decoding = engine.insert(prompts_of(spec))
+        engine.next()
+        before: list[float] = []
+        last = time.perf_counter()
+        for _ in range(16):
+            engine.next()
+            now = time.perf_counter()
+            before.append(now - last)
+            last = now
+        (uid,) = engine.insert([long_prompt], max_tokens=2)
+        inserted = last = time.perf_counter()
+        during: list[float] = []
+        ttft = 0.0
+        while not ttft:
+            responses = engine.next()
+            now = time.perf_counter()
+            during.append(now - last)
+            last = now
+            if any(r.uid == uid for r in responses):
+                ttft = now - inserted
+        engine.remove([*decoding, uid])
+        runs.append({"budget": budget, "p95_before": p95(before), "p95_during": p95(during), "ttft": ttft})
+    return {"solo_ttft": solo_ttft, "runs": runs}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     mode = spec["mode"]
@@ -100,6 +147,9 @@ def main() -> None:
     else:
         assert group is not None
         model = pipemlx.shard_model(model, group)
+        if mode == "arrival":
+            print(json.dumps({"rank": rank, **arrival(model, spec)}), flush=True)
+            return
         run = pipemlx_batch if mode == "pipemlx_batch" else pipemlx_serial
         seconds, counted = run(model, prompts, spec["tokens"], spec["step"])
     print(json.dumps({"rank": rank, "tok_s": counted / seconds, "tokens": counted}), flush=True)
