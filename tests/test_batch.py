@@ -6,6 +6,10 @@ from typing import Any
 
 import pytest
 from conftest import run_ranks
+from fakes import FakeGroup
+
+import pipemlx
+from pipemlx.testing import build_model, tiny_config
 
 REQUESTS: list[dict[str, Any]] = [
     {"M": 7, "max_tokens": 12, "insert_at": 0},
@@ -91,3 +95,33 @@ def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
     assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
     assert "rank 0/2" in survivor["message"]
     assert survivor["waited"] <= 5.0 + 3.0, survivor
+
+
+def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
+    """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent."""
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2))  # type: ignore[arg-type]
+    return pipemlx.BatchGenerator(model, **kwargs)
+
+
+def test_bad_arguments_raise_before_anything_changes() -> None:
+    engine = fake_engine(max_tokens=5)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.insert([[1, 2], []])
+    with pytest.raises(ValueError, match="as many max_tokens"):
+        engine.insert([[1, 2], [3]], max_tokens=[4])
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.insert([[1, 2]], max_tokens=0)
+    assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]
+    for bad in ({"prefill_budget": 0}, {"prefill_step_size": 0}, {"max_tokens": 0}, {"timeout": -1.0}):
+        with pytest.raises(ValueError):
+            fake_engine(**bad)
+
+
+def test_queued_requests_are_removed_without_communication() -> None:
+    engine = fake_engine()
+    uids = engine.insert([[1, 2, 3], [4, 5], [6]], max_tokens=[3, 4, 5])
+    assert engine.queued_uids == uids and engine.active_uids == [] and len(engine) == 3
+    engine.remove([uids[1], 99])
+    assert engine.queued_uids == [uids[0], uids[2]] and engine.prefilled(uids[0]) == 0
+    engine.remove(uids)
+    assert len(engine) == 0 and engine.next() == []
