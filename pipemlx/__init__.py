@@ -18,6 +18,7 @@ from .errors import (
 )
 from .models.loading import load_sharded
 from .models.sharding import shard_model
+from .runtime.batch import BatchGenerator
 from .runtime.generate import generate_step, stream_generate
 from .runtime.lean_decode import lean_generate_step
 from .runtime.prefill import pipeline_prefill
@@ -28,6 +29,7 @@ from .runtime.stage import PipelineStage, stage_of
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchGenerator",
     "NotShardedError",
     "PeerLostError",
     "PipelineError",

@@ -6,5 +6,6 @@
 - :mod:`.prefill`: ``pipeline_prefill``, the executor of :mod:`pipemlx.schedule.plan`'s plans.
 - :mod:`.agreement`, :mod:`.waits`, :mod:`.caches`: agreement points, bounded waits, cache bookkeeping.
 - :mod:`.calibrate`: measures the group for ``step_size="auto"``.
+- :mod:`.batch`: ``BatchGenerator``, many requests decoded together as one batch through the pipeline.
 - :mod:`.lean_decode`: ``lean_generate_step``, decoding in which only the last rank applies the head.
 """

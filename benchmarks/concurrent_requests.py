@@ -1,0 +1,97 @@
+"""Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
+
+    python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
+                                             [--arrival-tokens 4096 --budgets none,256,1024]
+
+Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
+process): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
+pipemlx.generate_step on 2 ranks one request after another, and mlx-lm's own BatchGenerator in one process
+holding all layers. Decode only: each request's tokens after its first (see ranks/concurrent_rank.py).
+With --arrival-tokens N, then: a prompt of N tokens arrives while 4 requests decode (pipemlx batched, S=2),
+for each prefill budget (`none`: prefilled whole); the 4 requests' p95 time between tokens before and while
+it is prefilled, and its time to first token against its solo run.
+Run by hand, on an otherwise idle machine when the figures matter. (Not named `concurrent.py`: in this
+folder that name would shadow the standard library's `concurrent` package for every benchmark script.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from common import BENCH_CONFIG, HERE, bench_env, openblas_available
+
+from pipemlx.launch import launch
+
+PROGRAM = HERE / "ranks" / "concurrent_rank.py"
+
+
+def run_mode(spec: dict[str, Any], openblas: bool) -> Any:
+    """Rank 0's report figure of one mode: aggregate tokens/s (one process for mlx_batch), or the arrival's report."""
+    command = [sys.executable, str(PROGRAM), json.dumps(spec)]
+    if spec["mode"] == "mlx_batch":
+        env = {**os.environ, **bench_env(openblas)}
+        env.pop("MLX_RANK", None)
+        env.pop("MLX_HOSTFILE", None)
+        out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        if out.returncode != 0:
+            raise RuntimeError(f"mlx_batch failed:\n{out.stderr[-3000:]}")
+        return float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+    results = launch(2, command, timeout=1800, env=bench_env(openblas))
+    report = json.loads(results[0].stdout.strip().splitlines()[-1])
+    return report if spec["mode"] == "arrival" else float(report["tok_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", default="1,2,4,8")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=33, help="generated tokens per request (decode: all but 1)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--arrival-tokens", type=int, default=0, help="0: no arrival test")
+    parser.add_argument("--budgets", default="none,256,1024", help="prefill budgets of the arrival test")
+    parser.add_argument("--skip-table", action="store_true", help="only the arrival test")
+    args = parser.parse_args()
+    openblas = openblas_available()
+    base: dict[str, Any] = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}"
+    )
+    header = f"{'R':>3} {'batched S=2':>12} {'one at a time':>14} {'mlx-lm batch':>13} {'vs one-at-a-time':>17} {'vs mlx-lm':>10}"
+    if not args.skip_table:
+        print(header)
+    rows: list[dict[str, Any]] = []
+    for r in [] if args.skip_table else (int(x) for x in args.requests.split(",")):
+        batched = run_mode({**base, "R": r, "mode": "pipemlx_batch"}, openblas)
+        serial = run_mode({**base, "R": r, "mode": "pipemlx_serial"}, openblas)
+        single = run_mode({**base, "R": r, "mode": "mlx_batch"}, openblas)
+        rows.append({"R": r, "pipemlx_batch": batched, "pipemlx_serial": serial, "mlx_batch": single})
+        print(
+            f"{r:>3} {batched:>12.1f} {serial:>14.1f} {single:>13.1f} {batched / serial:>17.2f} {batched / single:>10.2f}"
+        )
+    arrival: dict[str, Any] = {}
+    if args.arrival_tokens:
+        budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
+        spec = {**base, "R": 4, "mode": "arrival", "arrival_tokens": args.arrival_tokens, "budgets": budgets}
+        arrival = run_mode(spec, openblas)
+        print(
+            f"\n{args.arrival_tokens}-token prompt arriving while 4 requests decode; solo TTFT {arrival['solo_ttft']:.2f} s"
+        )
+        print(f"{'budget':>7} {'p95 between tokens before':>26} {'during':>8} {'ratio':>6} {'TTFT':>7} {'vs solo':>8}")
+        for run in arrival["runs"]:
+            print(
+                f"{str(run['budget']):>7} {run['p95_before'] * 1000:>23.1f} ms {run['p95_during'] * 1000:>5.0f} ms"
+                f" {run['p95_during'] / run['p95_before']:>6.1f} {run['ttft']:>6.2f}s"
+                f" {run['ttft'] / arrival['solo_ttft']:>8.2f}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"table": rows, "arrival": arrival}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Benchmark rank program: aggregate decode tokens/s of R concurrent requests, for one mode.
+
+Spec: {"mode": "mlx_batch" | "pipemlx_batch" | "pipemlx_serial" | "arrival", "R", "M", "tokens", "step", "config",
+       "arrival_tokens", "budgets"}
+  mlx_batch       one process holding all layers, mlx-lm's BatchGenerator with the R requests inserted at once
+  pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once
+  pipemlx_serial  pipemlx.generate_step on the group, the R requests one after another
+Every request has an M-token prompt and `tokens` generated tokens. The aggregate counts the tokens after
+each request's first one over the time after the first one (the prefill excluded): batched modes from the
+step that gave every request its first token to the last step; serial mode the sum of the decode times.
+Prints one JSON line: {"rank", "tok_s", "tokens"}.
+  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill budget (null: whole)
+                  the R requests' p95 time between tokens before and while it is prefilled, and its time to
+                  first token against its solo run (pipemlx.generate_step's first token, nothing else active).
+                  Prints {"rank", "solo_ttft", "runs": [{"budget", "p95_before", "p95_during", "ttft"}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
+from mlx_lm.generate import generation_stream
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.testing import build_model
+
+
+def pin(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def prompts_of(spec: dict[str, Any]) -> list[list[int]]:
+    vocab = spec["config"]["vocab_size"]
+    return [
+        mx.random.randint(0, vocab, (spec["M"],), key=mx.random.key(100 + i)).tolist()  # pyright: ignore[reportUnknownMemberType]
+        for i in range(spec["R"])
+    ]
+
+
+def mlx_batch(model: Any, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    engine = MlxBatchGenerator(model, max_tokens=tokens)
+    engine.insert(prompts, max_tokens=[tokens] * len(prompts))
+    seen: set[int] = set()
+    start, counted = 0.0, 0
+    while True:
+        _, generated = engine.next()
+        if not generated and not seen and start == 0.0:
+            continue
+        if not generated:
+            break
+        for response in generated:
+            if response.uid in seen:
+                counted += 1
+            seen.add(response.uid)
+        if start == 0.0 and len(seen) == len(prompts):
+            mx.synchronize(generation_stream)
+            start, counted = time.perf_counter(), 0
+    mx.synchronize(generation_stream)
+    return time.perf_counter() - start, counted
+
+
+def pipemlx_batch(model: Any, prompts: list[list[int]], tokens: int, step: int) -> tuple[float, int]:
+    engine = pipemlx.BatchGenerator(model, max_tokens=tokens, prefill_step_size=step)
+    engine.insert(prompts)
+    engine.next()  # prefills every prompt, then the first token of each
+    start, counted = time.perf_counter(), 0
+    while len(engine):
+        counted += len(engine.next())
+    return time.perf_counter() - start, counted
+
+
+def pipemlx_serial(model: Any, prompts: list[list[int]], tokens: int, step: int) -> tuple[float, int]:
+    elapsed, counted = 0.0, 0
+    for prompt in prompts:
+        start = 0.0
+        for n, _ in enumerate(
+            pipemlx.generate_step(mx.array(prompt), model, max_tokens=tokens, prefill_step_size=step)
+        ):
+            if n == 0:
+                start = time.perf_counter()
+            else:
+                counted += 1
+        elapsed += time.perf_counter() - start
+    return elapsed, counted
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    vocab = spec["config"]["vocab_size"]
+    long_prompt: list[int] = mx.random.randint(0, vocab, (spec["arrival_tokens"],), key=mx.random.key(7)).tolist()  # pyright: ignore[reportAssignmentType]
+    solo_ttft = float("inf")
+    for _ in range(2):  # the first run also warms up: the best of two
+        start = time.perf_counter()
+        for _ in pipemlx.generate_step(mx.array(long_prompt), model, max_tokens=1, prefill_step_size=spec["step"]):
+            break
+        solo_ttft = min(solo_ttft, time.perf_counter() - start)
+    runs: list[dict[str, Any]] = []
+    for budget in spec["budgets"]:
+        engine = pipemlx.BatchGenerator(model, max_tokens=-1, prefill_step_size=spec["step"], prefill_budget=budget)
+        decoding = engine.insert(prompts_of(spec))
+        engine.next()
+        before: list[float] = []
+        last = time.perf_counter()
+        for _ in range(16):
+            engine.next()
+            now = time.perf_counter()
+            before.append(now - last)
+            last = now
+        (uid,) = engine.insert([long_prompt], max_tokens=2)
+        inserted = last = time.perf_counter()
+        during: list[float] = []
+        ttft = 0.0
+        while not ttft:
+            responses = engine.next()
+            now = time.perf_counter()
+            during.append(now - last)
+            last = now
+            if any(r.uid == uid for r in responses):
+                ttft = now - inserted
+        engine.remove([*decoding, uid])
+        runs.append({"budget": budget, "p95_before": p95(before), "p95_during": p95(during), "ttft": ttft})
+    return {"solo_ttft": solo_ttft, "runs": runs}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    mode = spec["mode"]
+    group = init_group() if mode != "mlx_batch" else None
+    rank = group.rank() if group is not None else 0
+    pin(rank)
+    model = build_model(spec["config"], seed=0)
+    prompts = prompts_of(spec)
+    if mode == "mlx_batch":
+        seconds, counted = mlx_batch(model, prompts, spec["tokens"])
+    else:
+        assert group is not None
+        model = pipemlx.shard_model(model, group)
+        if mode == "arrival":
+            print(json.dumps({"rank": rank, **arrival(model, spec)}), flush=True)
+            return
+        run = pipemlx_batch if mode == "pipemlx_batch" else pipemlx_serial
+        seconds, counted = run(model, prompts, spec["tokens"], spec["step"])
+    print(json.dumps({"rank": rank, "tok_s": counted / seconds, "tokens": counted}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Rank program: pipemlx.BatchGenerator (continuous batching) against solo single-device mlx-lm runs.
+
+Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
+"step_size", "prefill_budget",
+"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null}. Step s inserts every request with insert_at == s, removes request
+`remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
+greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
+"stop_at", the k-th solo token of that request is the generator's stop token. With
+"kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.testing import build_model, tiny_config
+
+
+def prompt_of(length: int) -> list[int]:
+    return mx.random.randint(0, 256, (length,), key=mx.random.key(length)).tolist()  # pyright: ignore[reportReturnType]
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    rank = group.rank()
+    config = tiny_config(spec.get("arch", "llama"))
+    model = pipemlx.shard_model(build_model(config), group)
+    requests = spec["requests"]
+    prompts = [prompt_of(r["M"]) for r in requests]
+    reference = build_model(config)
+    solo = [
+        [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(p), reference, prefill_step_size=spec["step_size"], max_tokens=r["max_tokens"]
+            )
+        ]
+        for p, r in zip(prompts, requests)
+    ]
+    stop_at = spec.get("stop_at")
+    stops = [solo[stop_at[0]][stop_at[1]]] if stop_at else []
+    engine = pipemlx.BatchGenerator(
+        model,
+        prefill_step_size=spec["step_size"],
+        prefill_budget=spec.get("prefill_budget"),
+        timeout=spec.get("timeout"),
+        stop_tokens=stops,
+    )
+    uid_of: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    finish: dict[int, str | None] = {}
+    rows: list[int] = []
+    partial: list[int] = []  # per step: queued requests partly prefilled after it
+    kill = spec.get("kill")
+    error: dict[str, Any] | None = None
+    for step in range(spec["steps"]):
+        arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
+        if arriving:
+            uids = engine.insert([prompts[i] for i in arriving], [requests[i]["max_tokens"] for i in arriving])
+            uid_of.update(zip(uids, arriving))
+        for removal in spec["remove"]:
+            if removal["at"] == step:
+                engine.remove([u for u, i in uid_of.items() if i == removal["index"]])
+        if kill is not None and kill["rank"] == rank and kill["at"] == step:
+            os._exit(3)
+        try:
+            started = time.time()
+            responses = engine.next()
+        except pipemlx.PipelineError as exc:
+            error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
+            break
+        rows.append(len(responses))
+        partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+        for response in responses:
+            tokens[uid_of[response.uid]].append(response.token)
+            if response.finish_reason is not None:
+                finish[uid_of[response.uid]] = response.finish_reason
+    if error is not None:
+        print(json.dumps({"rank": rank, **error}), flush=True)
+        os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
+    report = {
+        "rank": rank,
+        "tokens": [tokens[i] for i in range(len(requests))],
+        "solo": solo,
+        "finish": [finish.get(i) for i in range(len(requests))],
+        "rows": rows,
+        "partial": partial,
+        "left": len(engine),
+        "stops": stops,
+    }
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
