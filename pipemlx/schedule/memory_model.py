@@ -32,8 +32,9 @@ the grown one is filled).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -106,6 +107,9 @@ class Settings:
     kv_group_size: int = 64
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
     head: HeadPolicy = "all"
+    fused_attention: bool = False
+    """True where attention runs as one fused kernel (MLX on Metal for common head sizes): no scores are
+    materialised. Only the CPU's materialised attention is measured (``tests/test_memory_model.py``)."""
 
     def __post_init__(self) -> None:
         for name in ("context", "step", "kv_group_size"):
@@ -186,11 +190,11 @@ def layer_cache_trace(layer: LayerCache, dtype_bytes: int, settings: Settings) -
     return rows
 
 
-def chunk_peak(activations: Activations, chunk: int, span: int) -> int:
+def chunk_peak(activations: Activations, chunk: int, span: int, fused_attention: bool = False) -> int:
     """Peak bytes of one chunk's activations (no caches, no weights); see the module docstring."""
     b = activations.dtype_bytes
-    scores = activations.heads * chunk * span * b
-    mask = chunk * span if chunk > 1 else 0
+    scores = 0 if fused_attention else activations.heads * chunk * span * b
+    mask = chunk * span if chunk > 1 and not fused_attention else 0
     return (
         scores
         + mask
@@ -249,7 +253,10 @@ def rank_memory(
         converted = sum(t[k][4] for t in traces)  # mlx-lm converts every layer at once
         peak = max(
             peak,
-            cache_now + converted + chunk_peak(model.activations, chunk, span) + int(CACHE_GROWTH * growth),
+            cache_now
+            + converted
+            + chunk_peak(model.activations, chunk, span, settings.fused_attention)
+            + int(CACHE_GROWTH * growth),
         )
     return RankMemory(rank, layers, weights, final_kv, max(peak, kv) - final_kv, budget)
 
@@ -345,9 +352,7 @@ def longest_context(
     ceiling = model.max_context or 2**24
 
     def fits(context: int) -> int | None:
-        chosen = Settings(
-            context, settings.step, settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start, settings.head
-        )
+        chosen = dataclasses.replace(settings, context=context)
         for r in range(world):
             if rank_memory(model, layer_range(split, r), r, world, chosen).total > budgets[r]:
                 return r
@@ -424,7 +429,63 @@ __all__ = [
     "format_context_plan",
     "layer_cache_trace",
     "longest_context",
+    "check_speeds",
+    "plan_balanced",
     "plan_context",
     "prefill_chunks",
     "rank_memory",
 ]
+
+
+def check_speeds(speeds: Sequence[float], world_size: int) -> tuple[float, ...]:
+    """Per-rank speeds (any unit: only their ratios count), checked."""
+    values = tuple(float(s) for s in speeds)
+    if len(values) != world_size:
+        raise ValueError(f"speeds lists {len(values)} ranks but the group has {world_size}")
+    if not all(math.isfinite(s) and s > 0 for s in values):
+        raise ValueError(f"speeds must be positive numbers, got {list(speeds)}")
+    return values
+
+
+def plan_balanced(
+    model: MemoryModel,
+    world_size: int,
+    speeds: Sequence[float],
+    budgets: Sequence[int] | None = None,
+    settings: Settings | None = None,
+) -> tuple[int, ...]:
+    """Layers per rank in proportion to each rank's speed, within its memory budget.
+
+    A rank's prefill time is its layers' compute (taken as their parameter
+    bytes) over its speed; the split makes the slowest rank as fast as it can
+    be, then the next, and so on. With ``budgets`` a rank may hold only what
+    fits: its layers' weights and caches at ``settings.context`` plus its fixed
+    weights and one chunk's peak (parameters alone without ``settings``).
+    Raises :class:`MemoryPlanError` when no split fits.
+    """
+    n = len(model.bytes.layers)
+    check_world(n, world_size)
+    rates = check_speeds(speeds, world_size)
+    allowed: Callable[[int, int, int], bool] | None = None
+    if budgets is not None:
+        if len(budgets) != world_size:
+            raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
+        if settings is not None:
+            check_context(model, settings.context)
+            costs = [layer_cost(model, i, settings) for i in range(n)]
+            peak = max(rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n))
+        else:
+            costs, peak = list(model.bytes.layers), 0
+        head: HeadPolicy = settings.head if settings is not None else "all"
+        fixed = [fixed_bytes(model.bytes, r, world_size, head) + peak for r in range(world_size)]
+        prefix = [0]
+        for c in costs:
+            prefix.append(prefix[-1] + c)
+        limits = list(budgets)
+
+        def fits(rank: int, start: int, stop: int) -> bool:
+            return fixed[rank] + prefix[stop] - prefix[start] <= limits[rank]
+
+        allowed = fits
+
+    return plan_layers(model.bytes.layers, [0] * world_size, rates, allowed)
