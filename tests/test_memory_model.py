@@ -8,6 +8,7 @@ for every tiny architecture; and MLX's measured peak memory (``mx.get_peak_memor
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -255,3 +256,59 @@ def test_head_last_refuses_mlx_lm_decoding_on_other_ranks() -> None:
             assert head(hidden).shape == (1, 3, 256)  # pipemlx's decoding: zeros, never read
     held_untied = sum(p.nbytes for _, p in flat_parameters(untied))
     assert held_untied == sum(p.nbytes for _, p in flat_parameters(untied.model))  # no lm_head weight left
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def split_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from pipemlx.cli import main
+
+    status = main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = str(MODEL_DIR)
+    status, out, _ = split_command(
+        ["split", demo, "--memory", "30MB,20MB", "--context", "2k", "--step-size", "256"], capsys
+    )
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].split()[:6] == ["rank", "layers", "count", "weights", "KV@2048", "chunk"]
+    model = memory_model_from_dir(MODEL_DIR)
+    plan = plan_context(model, 2, Settings(2048, 256), [30 * 10**6, 20 * 10**6])
+    for rank, line in zip(plan.ranks, lines[1:3]):
+        assert line.split()[1] == f"{rank.layers.start}-{rank.layers.stop - 1}"
+        assert f"{rank.total / 1e6:.2f} MB" in line
+    assert "longest context: 2048 tokens" in out
+    # the same through the old name, with an explicit split and with speeds
+    status, out, _ = split_command(["plan", demo, "--split", "4,4", "--context", "1024", "--memory", "1GB"], capsys)
+    assert status == 0 and "split [4, 4]" in out
+    status, out, _ = split_command(["split", demo, "--speeds", "3,1", "--context", "1024"], capsys)
+    assert status == 0 and "split [6, 2]" in out
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (
+            ["--memory", "20MB,12MB", "--context", "2048", "--step-size", "256"],
+            r"rank 0 needs .* but has 20.00 MB.*longest context this split holds is \d+ tokens",
+        ),
+        (["--memory", "20MB,12MB", "--context", "4096"], "longer than the model's maximum of 2048"),
+        (["--memory", "20MB,-12MB", "--context", "1k"], "cannot be negative"),
+        (["--memory", "20MB,12XB", "--context", "1k"], "cannot read memory size '12XB'"),
+        (["--ranks", "2", "--context", "-5"], "at least 1 token"),
+        (["--ranks", "2", "--kv-bits", "8"], "need --context"),
+        (["--ranks", "2", "--context", "1k", "--kv-bits", "7"], "kv_bits must be one of"),
+    ],
+)
+def test_split_command_bad_input_is_one_line_and_status_2(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = split_command(["split", str(MODEL_DIR), *argv], capsys)
+    assert status == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 or "usage" in err, err
+    assert re.search(words, err), err

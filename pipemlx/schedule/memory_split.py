@@ -110,6 +110,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         value = text
     else:
+        if text.strip().startswith("-"):
+            raise ValueError(f"a memory size cannot be negative, got {text!r}")
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in SIZE_UNITS:
