@@ -240,7 +240,11 @@ def test_shard_model_follows_the_memory_plan() -> None:
     "kwargs,error,words",
     [
         ({"split": [4, 4], "memory": ["1GB", "1GB"]}, ValueError, "only used with split='memory'"),
-        ({"split": "fast"}, TypeError, "split must be a sequence of ints .*'even' or 'memory' or 'balanced', got 'fast'"),
+        (
+            {"split": "fast"},
+            TypeError,
+            "split must be a sequence of ints .*'even' or 'memory' or 'balanced', got 'fast'",
+        ),
         ({"memory": ["1GB"]}, ValueError, "memory lists 1 budgets but the group has 2 ranks"),
         ({"memory": ["1KB", "1KB"]}, MemoryPlanError, "does not fit"),
         ({"memory": ["1KB", "1XB"]}, ValueError, "cannot read memory size '1XB'"),
