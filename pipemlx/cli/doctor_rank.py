@@ -34,7 +34,7 @@ def versions() -> dict[str, str]:
     import pipemlx
 
     return {
-        "mlx": str(mx.__version__),
+        "mlx": str(getattr(mx, "__version__", "?")),
         "mlx-lm": str(getattr(mlx_lm, "__version__", "?")),
         "pipemlx": os.environ.get(VERSION_VARIABLE) or pipemlx.__version__,
         "python": platform.python_version(),
@@ -115,9 +115,13 @@ def format_bytes(n: float) -> str:
 def run_rank(args: argparse.Namespace) -> int:
     """The doctor's work on this rank; returns the exit status."""
     try:
-        report = check(args)
+        report: dict[str, Any] = check(args)
     except DoctorFailure as exc:
-        report = {"ok": False, "problems": exc.problems, "rank": int(os.environ.get("MLX_RANK", "0"))}
+        report = {
+            "ok": False,
+            "problems": exc.problems,
+            "rank": int(os.environ.get("MLX_RANK", "0")),
+        }
     rank = report.get("rank", 0)
     if rank == 0 or not report.get("joined", False):
         print(json.dumps(report) if args.json else render(report), flush=True)
@@ -138,7 +142,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     problems: list[str] = []
     backend = os.environ.get("PIPEMLX_BACKEND", "any")
     addresses = ring_addresses()
-    facts = {
+    facts: dict[str, Any] = {
         "rank": rank,
         "host": socket.gethostname(),
         "address": addresses[rank] if rank < len(addresses) else "",
@@ -191,7 +195,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         from ..runtime.waits import wait_for
 
         wait_for(gathered, args.timeout, lambda: f"rank {rank}/{size} comparing the tokens")
-        if len(set(gathered.tolist())) > 1:  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
+        fingerprints: list[int] = gathered.tolist()  # pyright: ignore[reportAssignmentType]
+        if len(set(fingerprints)) > 1:
             problems.append("end-to-end: the ranks decoded different tokens")
     report["problems"] = problems
     report["ok"] = not problems
@@ -248,7 +253,7 @@ def render(report: dict[str, Any]) -> str:
         memory = report.get("memory")
         lines.append(f"pipemlx doctor: {len(ranks)} ranks, backend {report.get('backend')}")
         header = ("rank", "host", "address", "mlx", "mlx-lm", "pipemlx", "available", "needs")
-        rows = [header]
+        rows: list[tuple[str, ...]] = [header]
         for r in ranks:
             need = memory["needs"][r["rank"]] if memory else None
             rows.append(
