@@ -95,7 +95,7 @@ def supervise(args: argparse.Namespace, argv: Sequence[str]) -> int:
     TCP connect, and the failure is reported naming the link that does not
     answer. Returns the exit status: the child's, or 1.
     """
-    from .doctor_rank import JOINED_VARIABLE, probe, render, ring_addresses
+    from .doctor_rank import JOINED_VARIABLE, render
 
     rank = int(os.environ.get("MLX_RANK", "0"))
     with tempfile.TemporaryDirectory(prefix="pipemlx-doctor-") as tmp:
@@ -108,20 +108,12 @@ def supervise(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 time.sleep(POLL_S)
             if not marker.exists():
                 status = child.poll()
+                links = probe_neighbours(rank)  # while this rank's own listener still runs
                 if status is None:
                     child.kill()
                     child.wait()
                 how = f"within {args.join_timeout:g} s" if status is None else f"(it ended with status {status})"
-                problems = [f"rank {rank} could not join the group {how}"]
-                addresses = ring_addresses()
-                if len(addresses) > 1:
-                    size = len(addresses)
-                    for peer in sorted({(rank + 1) % size, (rank - 1) % size} - {rank}):
-                        answer = probe(addresses[peer])
-                        if answer != "ok":
-                            problems.append(
-                                f"link rank {rank} ({addresses[rank]}) -> rank {peer} ({addresses[peer]}): {answer}"
-                            )
+                problems = [*links, f"rank {rank} could not join the group {how}"]
                 report = {"ok": False, "rank": rank, "problems": problems}
                 print(json.dumps(report) if args.json else render(report), flush=True)
                 print(f"pipemlx doctor: rank {rank}: {'; '.join(problems)}", file=sys.stderr, flush=True)
@@ -136,3 +128,31 @@ def supervise(args: argparse.Namespace, argv: Sequence[str]) -> int:
         finally:
             if child.poll() is None:
                 child.kill()
+
+
+def probe_neighbours(rank: int) -> list[str]:
+    """Problems with this rank's ring neighbours' addresses: a plain TCP connect to each.
+
+    A refused connection means the network path works (the host answered)
+    but no rank listens there (not started, or given up already): that peer,
+    not the link, is named. A connect that times out or finds no route names
+    the link.
+    """
+    from .doctor_rank import probe, ring_addresses
+
+    addresses = ring_addresses()
+    if len(addresses) < 2:
+        return []
+    size = len(addresses)
+    links: list[str] = []
+    peers: list[str] = []
+    for peer in sorted({(rank + 1) % size, (rank - 1) % size} - {rank}):
+        answer = probe(addresses[peer])
+        if answer == "ok":
+            continue
+        where = f"rank {rank} ({addresses[rank]}) -> rank {peer} ({addresses[peer]})"
+        if "refused" in answer.lower():
+            peers.append(f"rank {peer} ({addresses[peer]}) is reachable but no rank listens there: {where}")
+        else:
+            links.append(f"link {where}: {answer}")
+    return links or peers  # with a link down, a peer that gave up waiting is no news
