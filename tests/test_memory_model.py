@@ -203,18 +203,17 @@ def check_runs(reports: list[dict[str, Any]], what: str) -> list[str]:
 def test_one_process_peaks_are_within_10_percent() -> None:
     wide = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 64: quantizable
     cases = [
-        {"arch": "llama", "contexts": [1024, 4096], "step": 512},
+        {"arch": "llama", "contexts": [2048], "step": 512},
         {"arch": "llama", "contexts": [1024], "step": 64},
         {"arch": "qwen3", "contexts": [2048], "step": 256},
         {"arch": "llama_swa", "config": {"sliding_window": 256}, "contexts": [2048], "step": 256},
-        {"arch": "gemma3_text", "contexts": [2048], "step": 256},
         {"arch": "qwen3_next", "contexts": [2048], "step": 512},
         {"arch": "lfm2", "contexts": [2048], "step": 256},
         {"arch": "llama", "config": wide, "contexts": [2048], "step": 256, "kv_bits": 4, "kv_group_size": 32},
-        {"arch": "llama", "config": wide, "contexts": [4096], "step": 512, "kv_bits": 8, "quantized_kv_start": 1024},
+        {"arch": "llama", "config": wide, "contexts": [2048], "step": 256, "kv_bits": 8, "quantized_kv_start": 1024},
     ]
     reports = run_ranks(1, "memory_peak.py", {"cases": cases}, timeout=240)
-    assert len(check_runs(reports, "1 process")) == 10
+    assert len(check_runs(reports, "1 process")) == 8
 
 
 def test_demo_model_pipelined_peaks_are_within_10_percent() -> None:
