@@ -287,6 +287,10 @@ def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> N
     assert status == 0 and "split [4, 4]" in out
     status, out, _ = split_command(["split", demo, "--speeds", "3,1", "--context", "1024"], capsys)
     assert status == 0 and "split [6, 2]" in out
+    status, out, _ = split_command(["split", demo, "--speeds", "3,1"], capsys)  # parameters only
+    assert status == 0 and "split [6, 2]" in out and out.splitlines()[0].split()[3:5] == ["layer", "bytes"]
+    status, _, err = split_command(["split", demo, "--split", "7,1", "--memory", "4MB,1MB"], capsys)
+    assert status == 2 and "rank 0 needs 4.66 MB of parameters but has 4.00 MB" in err
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,17 @@ import sys
 from ..models.memory import memory_model_from_dir
 from ..models.safetensors import model_bytes_from_dir
 from ..schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
-from ..schedule.memory_split import MemoryPlanError, format_plan, plan_split, resolve_budgets
-from ..schedule.split import resolve_split
+from ..schedule.memory_split import (
+    MemoryPlan,
+    MemoryPlanError,
+    ModelBytes,
+    RankPlan,
+    format_plan,
+    format_size,
+    plan_split,
+    resolve_budgets,
+)
+from ..schedule.split import layer_range, resolve_split
 
 EXIT_DOES_NOT_FIT = 2
 EXIT_USAGE = 2
@@ -125,6 +134,12 @@ def _run(args: argparse.Namespace, prog: str) -> int:
             print(format_plan(plan_split(model_bytes_from_dir(args.model_dir), ranks, budgets)))
             return 0
     model = memory_model_from_dir(args.model_dir)
+    if args.context is None:  # a given or balanced split, parameters only
+        layers = len(model.bytes.layers)
+        given = resolve_split([int(s) for s in split], layers, ranks) if split is not None else None
+        chosen_split = given or plan_balanced(model, ranks, speeds or [1.0] * ranks, budgets)
+        print(format_plan(parameter_plan(model.bytes, chosen_split, budgets)))
+        return 0
     settings = Settings(
         args.context or 1,
         args.step_size,
@@ -142,3 +157,19 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     plan = plan_context(model, ranks, settings, budgets, chosen)
     print(format_context_plan(plan))
     return 0
+
+
+def parameter_plan(model: ModelBytes, split: tuple[int, ...], budgets: tuple[int, ...] | None) -> MemoryPlan:
+    """The parameter-only table of a given split; :class:`MemoryPlanError` when a rank exceeds its budget."""
+    world = len(split)
+    ranks: list[RankPlan] = []
+    for r in range(world):
+        local = layer_range(split, r)
+        budget = None if budgets is None else budgets[r]
+        rank = RankPlan(r, local, sum(model.layers[local.start : local.stop]), model.fixed(r, world), budget)
+        if budget is not None and rank.total > budget:
+            raise MemoryPlanError(
+                f"rank {r} needs {format_size(rank.total)} of parameters but has {format_size(budget)}; split {list(split)}"
+            )
+        ranks.append(rank)
+    return MemoryPlan(split, tuple(ranks), model)
