@@ -5,7 +5,9 @@ streams the decoded text; ``pipemlx serve`` (:mod:`.serve`, over
 :mod:`pipemlx.serve`) is an OpenAI-compatible server over the ranks; ``pipemlx bench`` (:mod:`.bench`, its ranks run
 :mod:`.bench_rank`) compares one process with a 2-rank pipeline;
 ``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is its old name, still
-accepted) proposes a layer split from each rank's memory. Without ``--model``
+accepted) proposes a layer split from each rank's memory (and the KV cache at a
+context, and each rank's speed); ``pipemlx doctor`` (:mod:`.doctor`) checks a
+cluster: versions, links, memory and a real prefill + decode. Without ``--model``
 they use the demo model shipped in :mod:`pipemlx.demo`. What the commands
 share is in :mod:`.common`; this module holds the parser and the dispatcher.
 Two tools have a command line of their own: ``python -m pipemlx.cli.timeline``
@@ -35,6 +37,7 @@ from pathlib import Path
 
 from ..demo import MODEL_DIR
 from ..launch import LaunchError, launch
+from . import doctor as doctor_command
 from . import serve as serve_command
 from . import split as split_command
 from .common import (
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to decode (default 64)")
     bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     bench.add_argument("--png", help="also write the pipeline's prefill timeline to this PNG (needs matplotlib)")
+
+    doctor_command.add_parser(commands)
 
     commands.add_parser(
         "split",
@@ -151,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_generate(args, arguments)
         if args.command == "serve":
             return serve_command.run_serve(args, arguments)
+        if args.command == "doctor":
+            return doctor_command.run_doctor(args, arguments)
         from .bench import run_bench  # MLX and mlx-lm: imported only when benchmarking
 
         return run_bench(args)

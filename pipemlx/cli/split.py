@@ -1,29 +1,71 @@
-"""``pipemlx split MODEL_DIR --ranks N --memory 24GB,16GB,8GB``: a layer split that fits each rank's memory.
+"""``pipemlx split MODEL_DIR --ranks N --memory 24GB,16GB,8GB [--context 32768]``: a layer split that fits.
 
-``pipemlx plan`` is accepted as an alias for now (the command's old name;
-"plan" now means the prefill schedule, :mod:`pipemlx.schedule.plan`).
+Without ``--context`` the split weighs parameter bytes only; with it, each
+rank's memory is its weights, its layers' KV cache at that context and one
+prefill chunk's peak (:mod:`pipemlx.schedule.memory_model`, ``docs/planning.md``),
+and the table shows the headroom and the longest context the split holds.
+``pipemlx plan`` is accepted as an alias (the command's old name; "plan" now
+means the prefill schedule, :mod:`pipemlx.schedule.plan`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
+from ..models.memory import memory_model_from_dir
 from ..models.safetensors import model_bytes_from_dir
-from ..schedule.memory_split import MemoryPlanError, format_plan, plan_split, resolve_budgets
+from ..schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
+from ..schedule.memory_split import (
+    MemoryPlan,
+    MemoryPlanError,
+    ModelBytes,
+    RankPlan,
+    format_plan,
+    format_size,
+    plan_split,
+    resolve_budgets,
+)
+from ..schedule.split import layer_range, resolve_split
+
+EXIT_DOES_NOT_FIT = 2
+EXIT_USAGE = 2
+
+
+def context_tokens(text: str) -> int:
+    """argparse type: a token count, ``32768`` or ``32k`` (x1024)."""
+    match = re.fullmatch(r"\s*(-?[0-9]+)\s*([kK]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens like 32768 or 32k, got {text!r}")
+    value = int(match.group(1)) * (1024 if match.group(2) else 1)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 token, got {text!r}")
+    return value
+
+
+def _numbers(text: str | None, kind: type[int] | type[float], what: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated numbers, got {text!r}") from None
 
 
 def main(argv: list[str], prog: str = "pipemlx split") -> int:
-    """``pipemlx split MODEL_DIR [--ranks N] [--memory 24GB,16GB,8GB]``: print the split as a table.
+    """``pipemlx split MODEL_DIR [--ranks N] [--memory ...] [--context N] ...``: print the split as a table.
 
     ``argv`` holds the arguments after ``split``; ``prog`` names the command in
-    messages (``pipemlx plan`` when called by its old name). Returns 0, 1 when
-    the model does not fit, 2 for bad arguments (with a message on stderr).
+    messages (``pipemlx plan`` when called by its old name). Returns 0, or 2
+    (with one line on stderr) for bad arguments and for budgets that cannot
+    hold the model: that line names the rank, what it needs and has, and the
+    longest context that would fit.
     """
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Split an mlx-lm model directory's layers over ranks from its safetensors headers "
-        "and each rank's memory.",
+        description="Split an mlx-lm model directory's layers over ranks from its safetensors headers, "
+        "its config and each rank's memory (and speed).",
     )
     parser.add_argument("model_dir", help="mlx-lm model directory (config.json, model*.safetensors)")
     parser.add_argument("--ranks", type=int, help="number of ranks (default: the number of --memory budgets)")
@@ -32,29 +74,102 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
         help="per-rank memory budgets, comma separated (24GB,16GB,8GB), or one for every rank; "
         "omitted: equal memory, balance bytes",
     )
+    parser.add_argument(
+        "--context", type=context_tokens, help="tokens each request holds (32768 or 32k): count the KV cache"
+    )
+    parser.add_argument("--step-size", type=context_tokens, default=512, help="prefill chunk in tokens (default 512)")
+    parser.add_argument("--kv-bits", type=int, help="quantized KV cache bits (mlx-lm's kv_bits; default: none)")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="quantized KV group size (default 64)")
+    parser.add_argument(
+        "--quantized-kv-start", type=int, default=5000, help="position from which the KV cache is quantized"
+    )
+    parser.add_argument("--split", help="layers per rank (6,2): show that split instead of planning one")
+    parser.add_argument("--speeds", help="per-rank speeds (3,1): a balanced split, layers in proportion")
+    parser.add_argument(
+        "--head",
+        choices=("all", "last"),
+        default="all",
+        help="output head on every rank (default) or the last only (load_sharded(head='last'))",
+    )
+    parser.add_argument(
+        "--fused-attention",
+        action="store_true",
+        help="attention runs fused (MLX on Metal): no score matrix in the chunk peak",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        budgets_text: list[str] | None = (
-            None if args.memory is None else [m for m in args.memory.split(",") if m.strip()]
-        )
-        ranks: int | None = args.ranks
-        if ranks is None:
-            if budgets_text is None:
-                raise ValueError("give --ranks, --memory with one budget per rank, or both")
-            ranks = len(budgets_text)
-        if budgets_text is not None and len(budgets_text) == 1:
-            budgets_text = budgets_text * ranks
-        budgets = resolve_budgets(budgets_text, ranks)
-        model = model_bytes_from_dir(args.model_dir)
-        plan = plan_split(model, ranks, budgets)
+        return _run(args, prog)
     except MemoryPlanError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 1
+        print(f"{prog}: does not fit: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except (ValueError, OSError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    print(format_plan(plan))
+        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+    budgets_text: list[str] | None = None if args.memory is None else [m for m in args.memory.split(",") if m.strip()]
+    split = _numbers(args.split, int, "--split")
+    speeds = _numbers(args.speeds, float, "--speeds")
+    ranks: int | None = args.ranks
+    for given in (split, speeds, budgets_text if budgets_text and len(budgets_text) > 1 else None):
+        if ranks is None and given is not None:
+            ranks = len(given)
+    if ranks is None:
+        raise ValueError("give --ranks, or --memory / --split / --speeds with one entry per rank")
+    if ranks < 1:
+        raise ValueError(f"--ranks must be at least 1, got {ranks}")
+    if budgets_text is not None and len(budgets_text) == 1:
+        budgets_text = budgets_text * ranks
+    if split is not None and speeds is not None:
+        raise ValueError("give --split or --speeds, not both")
+    budgets = resolve_budgets(budgets_text, ranks)
+    if args.context is None:
+        if args.kv_bits is not None or args.head != "all" or args.fused_attention:
+            raise ValueError("--kv-bits, --head and --fused-attention need --context")
+        if split is None and speeds is None:
+            print(format_plan(plan_split(model_bytes_from_dir(args.model_dir), ranks, budgets)))
+            return 0
+    model = memory_model_from_dir(args.model_dir)
+    if args.context is None:  # a given or balanced split, parameters only
+        layers = len(model.bytes.layers)
+        given = resolve_split([int(s) for s in split], layers, ranks) if split is not None else None
+        chosen_split = given or plan_balanced(model, ranks, speeds or [1.0] * ranks, budgets)
+        print(format_plan(parameter_plan(model.bytes, chosen_split, budgets)))
+        return 0
+    settings = Settings(
+        args.context or 1,
+        args.step_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
+        head=args.head,
+        fused_attention=args.fused_attention,
+    )
+    chosen: tuple[int, ...] | None = None
+    if split is not None:
+        chosen = resolve_split([int(s) for s in split], len(model.bytes.layers), ranks)
+    elif speeds is not None:
+        chosen = plan_balanced(model, ranks, speeds, budgets, settings if args.context else None)
+    plan = plan_context(model, ranks, settings, budgets, chosen)
+    print(format_context_plan(plan))
     return 0
+
+
+def parameter_plan(model: ModelBytes, split: tuple[int, ...], budgets: tuple[int, ...] | None) -> MemoryPlan:
+    """The parameter-only table of a given split; :class:`MemoryPlanError` when a rank exceeds its budget."""
+    world = len(split)
+    ranks: list[RankPlan] = []
+    for r in range(world):
+        local = layer_range(split, r)
+        budget = None if budgets is None else budgets[r]
+        rank = RankPlan(r, local, sum(model.layers[local.start : local.stop]), model.fixed(r, world), budget)
+        if budget is not None and rank.total > budget:
+            raise MemoryPlanError(
+                f"rank {r} needs {format_size(rank.total)} of parameters but has {format_size(budget)}; split {list(split)}"
+            )
+        ranks.append(rank)
+    return MemoryPlan(split, tuple(ranks), model)

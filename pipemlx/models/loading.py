@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
+from ..schedule.memory_model import HeadPolicy
 from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, shard_model
 
 
@@ -37,6 +39,11 @@ def load_sharded(
     model_config: dict[str, Any] | None = None,
     tokenizer_config: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
+    speeds: Sequence[float] | None = None,
+    context: int | None = None,
+    kv_bits: int | None = None,
+    step_size: int = 512,
+    head: HeadPolicy = "all",
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
@@ -48,8 +55,12 @@ def load_sharded(
     head (every rank computes the logits while decoding), and the input
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
-    ``split``, ``memory`` and ``timeout`` are :func:`pipemlx.shard_model`'s;
-    ``split="memory"`` plans from the byte sizes of the layers as built.
+    ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
+    ``step_size`` and ``head`` are :func:`pipemlx.shard_model`'s;
+    ``split="memory"`` plans from the byte sizes of the layers as built
+    (and their caches at ``context`` tokens when given), ``split="balanced"``
+    from each rank's speed; ``head="last"`` keeps the output head on the last
+    rank only (then decode with :func:`pipemlx.generate_step`).
     The tokenizer is mlx-lm's ``load_tokenizer``'s (``tokenizer_config``
     passes extra settings to it); ``model_config`` overrides entries of
     ``config.json``. Weight files may be one or many, with or without
@@ -63,6 +74,17 @@ def load_sharded(
     loaded: Any = load_model(root, lazy=True, model_config=model_config, trust_remote_code=trust_remote_code)  # pyright: ignore[reportUnknownVariableType]
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
-    shard_model(model, group, split=split, memory=memory, timeout=timeout)
+    shard_model(
+        model,
+        group,
+        split=split,
+        memory=memory,
+        timeout=timeout,
+        speeds=speeds,
+        context=context,
+        kv_bits=kv_bits,
+        step_size=step_size,
+        head=head,
+    )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

@@ -66,3 +66,22 @@ def split_for_memory(
     return plan_split(
         model_bytes_from_model(model, owner, layers), world_size, resolve_budgets(memory, world_size)
     ).split
+
+
+def model_config(model: nn.Module) -> dict[str, Any]:
+    """The config a built mlx-lm model was made from (its ``args``), as a dict."""
+    args: Any = getattr(model, "args", None)
+    if args is None:
+        return {}
+    if isinstance(args, dict):
+        return dict(cast(dict[str, Any], args))
+    fields = cast(dict[str, Any], vars(args))
+    return {k: v for k, v in fields.items() if not k.startswith("_")}
+
+
+def activation_dtype(layers: Sequence[nn.Module]) -> mx.Dtype:
+    """The floating dtype of the first layer's weights (a quantized layer's scales): the activations' dtype."""
+    for _, p in flat_parameters(layers[0]):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

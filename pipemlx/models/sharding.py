@@ -10,11 +10,23 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import PipelineError
+from ..runtime.calibrate import measure_speeds
 from ..runtime.edges import wrap_edge
 from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
+from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
+from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .architectures import apply_fixups, check_architecture
-from .parameters import embedding_modules, flat_parameters, has_separate_head, split_for_memory
+from .memory import memory_model_from_config, text_config
+from .parameters import (
+    activation_dtype,
+    embedding_modules,
+    flat_parameters,
+    has_separate_head,
+    model_bytes_from_model,
+    model_config,
+    split_for_memory,
+)
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -55,8 +67,9 @@ def activation_signature(model: nn.Module, kept: list[nn.Module]) -> tuple[int, 
     return (hidden if isinstance(hidden, int) else 0), dtype
 
 
-SplitSpec = Union[Sequence[int], Literal["even", "memory"], None]
-"""Layers per rank, ``"even"`` (the default), or ``"memory"`` (planned from parameter bytes and budgets)."""
+SplitSpec = Union[Sequence[int], Literal["even", "memory", "balanced"], None]
+"""Layers per rank, ``"even"`` (the default), ``"memory"`` (planned from memory budgets) or ``"balanced"``
+(layers in proportion to each rank's speed, within its budget)."""
 MemorySpec = Union[Sequence[Union[int, str]], int, str, None]
 """Per-rank memory budgets: bytes or sizes like ``"24GB"``, one per rank or one for all."""
 
@@ -67,25 +80,60 @@ def choose_split(
     model: nn.Module,
     owner: nn.Module,
     layers: list[nn.Module],
-    world_size: int,
+    group: mx.distributed.Group,
+    *,
+    speeds: Sequence[float] | None = None,
+    context: int | None = None,
+    kv_bits: int | None = None,
+    step_size: int = 512,
+    head: HeadPolicy = "all",
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> tuple[int, ...]:
-    """Layers per rank for ``split``/``memory``, checked against the model and the group.
+    """Layers per rank for ``split``/``memory``/``speeds``, checked against the model and the group.
 
-    ``memory`` given with ``split=None`` means ``split="memory"``; with any
-    other ``split`` it is an error. Raises ``ValueError``/``TypeError`` naming
-    the problem, :class:`~pipemlx.schedule.memory_split.MemoryPlanError` when the
-    budgets cannot hold the model.
+    ``memory`` given with ``split=None`` means ``split="memory"``, ``speeds``
+    given with ``split=None`` means ``split="balanced"``; budgets go with
+    ``"memory"`` and ``"balanced"`` only, speeds with ``"balanced"`` only.
+    ``context`` (tokens; with ``kv_bits`` and ``step_size``) makes the
+    memory plan count each layer's cache at that context and one prefill
+    chunk's peak (:mod:`pipemlx.schedule.memory_model`). ``"balanced"``
+    without ``speeds`` measures them on the group (a collective). Raises
+    ``ValueError``/``TypeError`` naming the problem,
+    :class:`~pipemlx.schedule.memory_split.MemoryPlanError` when the budgets
+    cannot hold the model.
     """
+    world_size = group.size()
+    if split is None and speeds is not None:
+        split = "balanced"
     if memory is not None and split is None:
         split = "memory"
-    if memory is not None and split != "memory":
-        raise ValueError(f"memory budgets are only used with split='memory', got split={split!r}")
-    if isinstance(split, str) and split in SPLIT_NAMES:
-        check_world(len(layers), world_size)
-        if split == "even":
-            return even_split(len(layers), world_size)
+    if memory is not None and split not in ("memory", "balanced"):
+        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
+    if speeds is not None and split != "balanced":
+        raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
+    if context is not None and split not in ("memory", "balanced"):
+        raise ValueError(f"context is only used with split='memory' or 'balanced', got split={split!r}")
+    if not (isinstance(split, str) and split in SPLIT_NAMES):
+        return resolve_split(split, len(layers), world_size)
+    check_world(len(layers), world_size)
+    if split == "even":
+        return even_split(len(layers), world_size)
+    budgets = resolve_budgets(memory, world_size)
+    settings = None if context is None else Settings(context, step_size, kv_bits=kv_bits, head=head)
+    if split == "memory" and settings is None:
         return split_for_memory(model, owner, layers, world_size, memory)
-    return resolve_split(split, len(layers), world_size)
+    dtype = activation_dtype(layers)
+    memory_model = memory_model_from_config(
+        model_config(model), model_bytes_from_model(model, owner, layers), dtype.size
+    )
+    if split == "memory":
+        assert settings is not None
+        return plan_context(memory_model, world_size, settings, budgets).split
+    if speeds is None:
+        config = text_config(model_config(model))
+        hidden, intermediate = int(config.get("hidden_size") or 0), int(config.get("intermediate_size") or 0)
+        speeds = measure_speeds(group, hidden or 256, intermediate, dtype, timeout)
+    return plan_balanced(memory_model, world_size, check_speeds(speeds, world_size), budgets, settings)
 
 
 def shard_model(
@@ -96,6 +144,11 @@ def shard_model(
     memory: MemorySpec = None,
     timeout: float | None = DEFAULT_TIMEOUT,
     allow_unregistered: bool = False,
+    speeds: Sequence[float] | None = None,
+    context: int | None = None,
+    kv_bits: int | None = None,
+    step_size: int = 512,
+    head: HeadPolicy = "all",
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -117,6 +170,21 @@ def shard_model(
     never used: the first layer receives its input). Only the weights this rank
     keeps are evaluated, so a lazily loaded model materialises its share only.
 
+    ``split="balanced"`` gives each rank layers in proportion to its speed:
+    ``speeds`` (one number per rank, only ratios count), or measured on the
+    group when not given (:func:`pipemlx.runtime.calibrate.measure_speeds`),
+    within the ``memory`` budgets if given. ``context`` (with ``kv_bits`` and
+    ``step_size``) makes a ``"memory"`` or ``"balanced"`` split count each
+    layer's KV cache at that many tokens and one prefill chunk's peak
+    (``docs/planning.md``).
+
+    ``head="last"`` keeps the output head on the last rank only (tied: rank 0
+    keeps the embedding, the last rank the head): less memory on the other
+    ranks, but only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate`
+    and :func:`pipemlx.lean_generate_step` can decode then (mlx-lm's own
+    ``generate_step`` needs the logits on every rank and is refused on the
+    others). The default ``"all"`` keeps it on every rank.
+
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
     Architectures pipemlx has not been verified on are refused, naming the
@@ -127,9 +195,24 @@ def shard_model(
     ensure_unsharded(model)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if head not in ("all", "last"):
+        raise ValueError(f"head must be 'all' or 'last', got {head!r}")
     owner, attribute = find_layer_list(model)
     layers = cast(list[nn.Module], owner[attribute])
-    sizes = choose_split(split, memory, model, owner, layers, group.size())
+    sizes = choose_split(
+        split,
+        memory,
+        model,
+        owner,
+        layers,
+        group,
+        speeds=speeds,
+        context=context,
+        kv_bits=kv_bits,
+        step_size=step_size,
+        head=head,
+        timeout=timeout,
+    )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
     local_caches = local_cache_factory(model, len(layers), local)
@@ -151,7 +234,9 @@ def shard_model(
             wrap_edge(first, stage, receives=not stage.is_first, sends=False)
         wrap_edge(last, stage, receives=first is last and not stage.is_first, sends=True)
     if not stage.is_first:
-        drop_input_embedding(model, owner)
+        drop_input_embedding(model, owner, keep_as_head=head == "all" or stage.is_last, stage=stage)
+    if head == "last" and not stage.is_last:
+        drop_output_head(model, stage)
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
     mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
     return model
@@ -191,39 +276,93 @@ def local_cache_factory(model: nn.Module, num_layers: int, local: range) -> Loca
     return LocalCaches(caches[local.start : local.stop])  # pyright: ignore[reportUnknownArgumentType]
 
 
+def _refuse_logits(stage: PipelineStage | None) -> None:
+    """Raise when logits are wanted on a rank that holds no head: mlx-lm's decoding, not pipemlx's."""
+    if stage is not None and not stage.head_needed:
+        return
+    raise PipelineError(
+        "this rank holds no output head (shard_model(..., head='last') keeps it on the last rank only): "
+        "decode with pipemlx.generate_step / stream_generate, or shard with head='all' for mlx-lm's generate_step"
+    )
+
+
 class EmbeddingStandIn(nn.Module):
     """Takes an input embedding's place on a rank that never uses its output.
 
     On ranks other than 0 the first local layer replaces its input by the
     hidden state received from the previous rank, so the embedding's output
     only lends its shape and dtype. This returns zeros of that shape and dtype
-    without holding any weight.
+    without holding any weight. With ``vocab`` (a tied head dropped by
+    ``head="last"``), ``as_linear`` stands in for the head the same way.
     """
 
-    def __init__(self, dims: int, dtype: mx.Dtype) -> None:
+    def __init__(self, dims: int, dtype: mx.Dtype, vocab: int = 0, stage: PipelineStage | None = None) -> None:
         super().__init__()
         self._dims = dims
         self._dtype = dtype
+        self._vocab = vocab
+        object.__setattr__(self, "_stage", stage)
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.zeros((*x.shape, self._dims), dtype=self._dtype)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        """Refuse: a model that uses its embedding as the output head must keep it on every rank."""
-        raise PipelineError(
-            "this model uses its input embedding as the output head although it has an lm_head; "
-            "pipemlx dropped the embedding on this rank. Please report the model type"
-        )
+        """Zeros in place of logits where pipemlx never reads them; refuse elsewhere."""
+        if not self._vocab:
+            raise PipelineError(
+                "this model uses its input embedding as the output head although it has an lm_head; "
+                "pipemlx dropped the embedding on this rank. Please report the model type"
+            )
+        _refuse_logits(cast(Any, self)._stage)
+        return mx.zeros((*x.shape[:-1], self._vocab), dtype=self._dtype)
 
 
-def drop_input_embedding(model: nn.Module, owner: nn.Module) -> None:
-    """Replace ``owner``'s input embedding by an :class:`EmbeddingStandIn` unless it is also the output head."""
-    if not has_separate_head(model):
+class HeadStandIn(nn.Module):
+    """Takes the output head's place on a rank that holds none (``head="last"``): zeros where unread."""
+
+    def __init__(self, vocab: int, dtype: mx.Dtype, stage: PipelineStage) -> None:
+        super().__init__()
+        self._vocab = vocab
+        self._dtype = dtype
+        object.__setattr__(self, "_stage", stage)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        _refuse_logits(cast(Any, self)._stage)
+        return mx.zeros((*x.shape[:-1], self._vocab), dtype=self._dtype)
+
+
+def _embedding_shape(embedding: nn.Module) -> tuple[int, int, mx.Dtype]:
+    weights = dict(flat_parameters(embedding))
+    if isinstance(embedding, nn.QuantizedEmbedding):
+        return int(embedding.num_embeddings), int(embedding.dims), weights["scales"].dtype
+    return weights["weight"].shape[0], weights["weight"].shape[-1], weights["weight"].dtype
+
+
+def drop_input_embedding(
+    model: nn.Module, owner: nn.Module, *, keep_as_head: bool = True, stage: PipelineStage | None = None
+) -> None:
+    """Replace ``owner``'s input embedding by an :class:`EmbeddingStandIn` unless it is also the output head.
+
+    A tied head is kept when ``keep_as_head``; otherwise (``head="last"`` on a
+    rank before the last) the stand-in also stands in for the head.
+    """
+    separate = has_separate_head(model)
+    if not separate and keep_as_head:
         return
     for name, embedding in embedding_modules(owner):
-        weights = dict(flat_parameters(embedding))
-        if isinstance(embedding, nn.QuantizedEmbedding):
-            dims, dtype = int(embedding.dims), weights["scales"].dtype
-        else:
-            dims, dtype = weights["weight"].shape[-1], weights["weight"].dtype
-        setattr(owner, name, EmbeddingStandIn(dims, dtype))
+        vocab, dims, dtype = _embedding_shape(embedding)
+        setattr(owner, name, EmbeddingStandIn(dims, dtype, 0 if separate else vocab, stage))
+
+
+def drop_output_head(model: nn.Module, stage: PipelineStage) -> None:
+    """Replace every module named ``lm_head`` by a :class:`HeadStandIn` (``head="last"``, ranks before the last)."""
+    for name, module in cast(list[tuple[str, nn.Module]], model.named_modules()):
+        if name.rsplit(".", 1)[-1] != "lm_head" or isinstance(module, HeadStandIn):
+            continue
+        weights = dict(flat_parameters(module))
+        weight = weights["weight"]
+        dtype = weights["scales"].dtype if "scales" in weights else weight.dtype
+        parent = model
+        for part in name.split(".")[:-1]:
+            parent = cast(nn.Module, getattr(parent, part))
+        parent.lm_head = HeadStandIn(int(weight.shape[0]), dtype, stage)

@@ -13,6 +13,7 @@ every rank.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from typing import Any
@@ -97,3 +98,47 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
         latency_s=slowest[3] / 2,
         last_layer_share=share,
     )
+
+
+SPEED_TOKENS = 128
+SLOWDOWN_VARIABLE = "PIPEMLX_TEST_SLOWDOWN"
+"""For tests: a factor this rank's measured time is multiplied by (a slower machine, simulated)."""
+SPEED_PASSES = 3
+
+
+def measure_speeds(
+    group: mx.distributed.Group, hidden: int, intermediate: int, dtype: mx.Dtype, timeout: float | None
+) -> list[float]:
+    """Every rank's speed (higher is faster), the same list on every rank (a collective: all ranks call it).
+
+    Each rank times a layer-shaped workload, the two matrix products of an MLP
+    of the model's widths (capped to 256..1024) on :data:`SPEED_TOKENS`
+    tokens, best of :data:`SPEED_PASSES` after a warm-up, so that what makes a
+    rank slow (its BLAS, its share of the cores, its chip) shows; the ranks
+    all-gather the seconds. ``split="balanced"`` plans from these speeds.
+    """
+    width = max(256, min(1024, hidden))
+    inner = max(256, min(1024, intermediate or 4 * hidden))
+    key = mx.random.key(0)
+    x = mx.random.normal((SPEED_TOKENS, width), key=key).astype(dtype)
+    up = (mx.random.normal((width, inner), key=key) * 0.02).astype(dtype)
+    down = (mx.random.normal((inner, width), key=key) * 0.02).astype(dtype)
+    mx.eval(x, up, down)  # pyright: ignore[reportUnknownMemberType]
+    best = math.inf
+    for attempt in range(1 + SPEED_PASSES):
+        start = time.perf_counter()
+        y = x
+        for _ in range(4):
+            y = (y @ up) @ down
+        mx.eval(y)  # pyright: ignore[reportUnknownMemberType]
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    best *= float(os.environ.get(SLOWDOWN_VARIABLE, "1") or 1)
+    mine = mx.array([best], dtype=mx.float32)
+    if group.size() == 1:
+        return [1.0 / best]
+    with mx.stream(mx.new_thread_unsafe_stream(mx.default_device())):  # a stream wait_for's thread can run
+        gathered = mx.distributed.all_gather(mine, group=group)
+    wait_for(gathered, timeout, lambda: f"rank {group.rank()}/{group.size()} sharing its speed")
+    seconds: list[float] = gathered.tolist()  # pyright: ignore[reportAssignmentType]
+    return [1.0 / max(s, 1e-9) for s in seconds]

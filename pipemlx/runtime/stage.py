@@ -97,6 +97,11 @@ class PipelineStage:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
+    @property
+    def head_needed(self) -> bool:
+        """Whether a forward pass now needs this rank's logits: in immediate mode with the broadcast (mlx-lm's decoding)."""
+        return self._mode == "immediate" and self._broadcast and not self._detached
+
     def set_mode(self, mode: SendMode) -> None:
         """Switch the send mode; only :func:`pipemlx.send_mode` should call this."""
         if mode not in SEND_MODES:

@@ -17,7 +17,7 @@ every rank when the head is tied to the embedding.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from types import MappingProxyType
@@ -110,6 +110,8 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         value = text
     else:
+        if text.strip().startswith("-"):
+            raise ValueError(f"a memory size cannot be negative, got {text!r}")
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
         unit = match.group(2).upper() if match else ""
         if match is None or unit not in SIZE_UNITS:
@@ -146,7 +148,12 @@ def resolve_budgets(memory: Sequence[int | str] | int | str | None, world_size: 
     return budgets
 
 
-def plan_layers(layer_bytes: Sequence[int], fixed: Sequence[int], budgets: Sequence[int]) -> tuple[int, ...]:
+def plan_layers(
+    layer_bytes: Sequence[int],
+    fixed: Sequence[int],
+    budgets: Sequence[float],
+    allowed: Callable[[int, int, int], bool] | None = None,
+) -> tuple[int, ...]:
     """Layers per rank: the contiguous split whose loads are as even as the budgets allow.
 
     Rank ``r`` holding layers ``j..i-1`` carries ``fixed[r] + sum(layer_bytes[j:i])``
@@ -155,6 +162,9 @@ def plan_layers(layer_bytes: Sequence[int], fixed: Sequence[int], budgets: Seque
     (so with budgets 3:2:1 and equal layers, the layers go 3:2:1). Every rank
     gets at least one layer; among equal choices the lower ranks get more
     layers. It does not check that the loads are at most 1: see :func:`plan_split`.
+    ``allowed(rank, start, stop)``, when given, rules out ranks holding layers
+    ``start..stop-1`` (a memory limit while the loads are times); raises
+    :class:`MemoryPlanError` when no split is allowed.
     """
     n, world = len(layer_bytes), len(budgets)
     check_world(n, world)
@@ -172,18 +182,27 @@ def plan_layers(layer_bytes: Sequence[int], fixed: Sequence[int], budgets: Seque
         return (fixed[rank] + prefix[stop] - prefix[start]) / budgets[rank]
 
     # best[i] = (loads sorted largest first, previous boundary) for ranks 0..r holding layers 0..i-1.
-    best: list[dict[int, tuple[tuple[float, ...], int]]] = [{i: ((load(0, 0, i),), 0) for i in range(1, n - world + 2)}]
+    def ok(rank: int, start: int, stop: int) -> bool:
+        return allowed is None or allowed(rank, start, stop)
+
+    best: list[dict[int, tuple[tuple[float, ...], int]]] = [
+        {i: ((load(0, 0, i),), 0) for i in range(1, n - world + 2) if ok(0, 0, i)}
+    ]
     for rank in range(1, world):
         row: dict[int, tuple[tuple[float, ...], int]] = {}
         for stop in range(rank + 1, n - (world - 1 - rank) + 1):
             chosen: tuple[tuple[float, ...], int] | None = None
             for start in range(stop - 1, rank - 1, -1):  # later boundary first: lower ranks get more on ties
+                if start not in best[rank - 1] or not ok(rank, start, stop):
+                    continue
                 loads = tuple(sorted((*best[rank - 1][start][0], load(rank, start, stop)), reverse=True))
                 if chosen is None or loads < chosen[0]:
                     chosen = (loads, start)
-            assert chosen is not None
-            row[stop] = chosen
+            if chosen is not None:
+                row[stop] = chosen
         best.append(row)
+    if n not in best[world - 1]:
+        raise MemoryPlanError(f"no split of {n} layers over {world} ranks keeps every rank within its memory")
     bounds = [n]
     for rank in range(world - 1, 0, -1):
         bounds.append(best[rank][bounds[-1]][1])

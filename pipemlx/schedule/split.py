@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-SPLIT_NAMES = ("even", "memory")
+SPLIT_NAMES = ("even", "memory", "balanced")
 """The named splits :func:`pipemlx.shard_model` accepts besides a list of layers per rank."""
 
 
