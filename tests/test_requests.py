@@ -141,6 +141,11 @@ def test_decode_faults_end_in_typed_errors_within_the_bound(kind: str, num_ranks
     for answer in answers:
         assert answer["outcome"] in typed, answer
         assert answer["after"] <= timeout + 3, answer
+    for answer in answers:
+        print(
+            f"S={num_ranks} rank 1 {kind}s at token 2: rank {answer['rank']} raised {answer['outcome']} "
+            f"{answer['after']:.2f} s after its last token (timeout {timeout:g} s)"
+        )
     outcomes = [a["outcome"] for a in answers]
     if kind == "die":  # the dead rank's ring neighbours see the lost connection (others may time out first)
         assert "PeerLostError" in outcomes, answers
