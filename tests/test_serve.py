@@ -110,13 +110,20 @@ def client(server: ServeProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120.0)
 
 
-def last_record(server: ServeProcess, seq: int | None = None) -> dict[str, Any]:
-    """/health's record of request ``seq`` (default: the latest), once every rank has reported finishing it."""
+def last_record(server: ServeProcess, seq: int | None = None, request_id: str | None = None) -> dict[str, Any]:
+    """/health's record of request ``seq`` or ``request_id`` (default: the latest), once every rank finished it.
+
+    A request a client hung up on is recorded when the ranks have stopped it, a moment after the client
+    left: with ``request_id`` this waits for that record instead of taking the previous one.
+    """
 
     def check() -> dict[str, Any] | None:
         health = server.health()
         records = health["recent"]
-        record = records[-1] if seq is None and records else next((r for r in records if r["seq"] == seq), None)
+        if request_id is not None:
+            record = next((r for r in records if r["id"] == request_id), None)
+        else:
+            record = records[-1] if seq is None and records else next((r for r in records if r["seq"] == seq), None)
         if record is None or any(r["last_request"] != record["seq"] for r in health["rank_status"]):
             return None
         return {**record, "rank_status": health["rank_status"]}
@@ -323,7 +330,7 @@ def test_second_turn_prefills_only_its_new_tokens(server: ServeProcess, client: 
     usage = second.usage
     assert usage.prompt_tokens == len(prompt2)
     assert usage.prompt_tokens_details.cached_tokens == expected_cached
-    record = last_record(server)
+    record = last_record(server, request_id=second.id)
     assert record["id"] == second.id
     assert record["cached_tokens"] == expected_cached
     assert record["prefilled_tokens"] == len(prompt2) - expected_cached
@@ -376,7 +383,7 @@ def test_disconnect_mid_decode_stops_every_rank_and_the_next_request_is_exact(
         if len(pieces) >= 3:
             break
     stream.close()
-    record = last_record(server)
+    record = last_record(server, request_id=chunk.id)
     assert record["id"] == chunk.id
     assert record["finish_reason"] == "cancelled" and record["ended_in"] == "decode", record
     assert 3 <= record["completion_tokens"] < 300, record
