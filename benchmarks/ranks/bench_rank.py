@@ -60,8 +60,18 @@ def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: i
         decode_end = time.perf_counter()
         if tokens == 1:
             decode_start = decode_end
-    mx.synchronize(generation_stream)  # mlx-lm (one process or its native pipeline) leaves a step in flight
     return clock.seconds, decode_tokens_per_s(tokens, decode_end - decode_start)
+
+
+def native_handoff(group: Any) -> None:
+    """What a caller of mlx-lm's native pipeline (the peer measured here, not pipemlx) must do after each run.
+
+    Its ``generate_step`` leaves one step with collectives in flight and has no agreed stop, so before the
+    next run (or the end of the program) every rank drains that step and waits for the others. pipemlx's
+    own mode needs none of this: its calls settle what is in flight and its handshake lines the ranks up.
+    """
+    mx.synchronize(generation_stream)
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
 
 
 STEPS_USED: list[int] = []
@@ -116,17 +126,14 @@ def main() -> None:
             trace = spec.get("trace_dir") if i == spec["repeats"] else None
             p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, spec.get("agree_every"))
         else:
-            if group is not None:  # mlx-lm's native pipeline: line the ranks up so their clocks start together
-                mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
+            if group is not None:
+                native_handoff(group)
             b = 0.0
         if i:
             prefill.append(p)
             decode.append(d)
             sent.append(b)
-    if group is not None and mode == "native":  # mlx-lm leaves a step in flight; pipemlx leaves none
-        mx.synchronize(generation_stream)
-        mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(
         json.dumps(
             {

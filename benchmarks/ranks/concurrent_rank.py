@@ -61,6 +61,8 @@ def mlx_batch(model: Any, prompts: list[list[int]], tokens: int) -> tuple[float,
                 counted += 1
             seen.add(response.uid)
         if start == 0.0 and len(seen) == len(prompts):
+            # Clock fences for mlx-lm's one-process BatchGenerator, which evaluates asynchronously; no
+            # ranks and no collectives are involved (pipemlx's side below needs none).
             mx.synchronize(generation_stream)
             start, counted = time.perf_counter(), 0
     mx.synchronize(generation_stream)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .memory_split import MemoryPlanError, ModelBytes, format_size, plan_layers
+from .memory_split import MemoryPlanError, ModelBytes, align_columns, format_size, plan_layers
 from .split import check_world, layer_range
 
 KV_BLOCK = 256
@@ -392,11 +392,7 @@ def format_context_plan(plan: ContextPlan) -> str:
                 "-" if p.headroom is None else f"{format_size(p.headroom)} ({100 * p.headroom / (p.budget or 1):.0f}%)",
             )
         )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = [
-        "  ".join(cell.rjust(w) if c > 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
+    lines = align_columns(rows)
     m = plan.model.bytes
     kinds = sorted(
         {c.kind for c in plan.model.caches} | ({"state"} if any(c.state_bytes for c in plan.model.caches) else set())

@@ -247,6 +247,15 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
     return plan
 
 
+def align_columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """A table's rows as lines: the first two columns left-aligned, the others right-aligned."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return [
+        "  ".join(cell.rjust(w) if c > 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
+
+
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table: layers, bytes and share of budget per rank."""
     header = ("rank", "layers", "count", "layer bytes", "fixed bytes", "total", "budget", "share")
@@ -264,11 +273,7 @@ def format_plan(plan: MemoryPlan) -> str:
                 "-" if p.share is None else f"{100 * p.share:.1f}%",
             )
         )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-    lines = [
-        "  ".join(cell.rjust(w) if c > 1 else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths)))
-        for row in rows
-    ]
+    lines = align_columns(rows)
     model = plan.model
     lines.append(
         f"model: {len(model.layers)} layers, {format_size(model.total)} "
