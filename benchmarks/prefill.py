@@ -1,17 +1,21 @@
 """Prefill benchmark: one process vs mlx-lm's native pipeline vs pipemlx at S=2, each at its own best setting.
 
-    python benchmarks/prefill.py                        # 2048 and 8192 tokens, the table below
-    python benchmarks/prefill.py --lengths 2048 --repeats 3 --json out.json
+    python benchmarks/prefill.py                                  # 2048 and 8192 tokens, the table below
+    python benchmarks/prefill.py --lengths 2048 --rounds 3 --json out.json
+    python benchmarks/prefill.py --lengths 8192 --rounds 1 --single-steps 256,512 --pipeline-steps 128,256
 
 For every prompt length, in one run: one process at steps 256, 512 and 2048; mlx-lm's native pipeline
 (``model.model.pipeline(group)``) at steps 128, 256 and 512; pipemlx at the same fixed steps and with
-``step_size="auto"``. Each time is the median over the repeats of the slowest rank's prefill (after one
-warm-up), as ``pipemlx.observe.metrics`` defines it. The table gives each contender's time, its speed-up
-over one process at one process's fastest step, over native at native's fastest step, and as a fraction
-of the bound for perfect overlap: one process's best time divided by the share of the work the busiest
-rank holds (the last layer counted at the share a prefill computes of it, see
-``pipemlx.schedule.costmodel``), i.e. no bubble and no communication. The 512-d 8-layer qwen2 with random
-weights, one core per process, OpenBLAS preloaded (../shared/NOTES.md); run by hand on an idle machine.
+``step_size="auto"``. The contenders take turns: each round launches every contender once (one warm-up
+prefill, then ``--repeats`` timed ones), so a disturbance of the shared machine falls on all of them
+rather than on one; a time is the best over all rounds and repeats of the slowest rank's prefill, as
+``pipemlx.observe.metrics`` defines it (the JSON also holds the medians). The table gives each contender's
+time, its speed-up over one process at one process's fastest step, over native at native's fastest step,
+and as a fraction of the bound for perfect overlap: one process's best time divided by the share of the
+work the busiest rank holds (the last layer counted at the share a prefill computes of it, see
+``pipemlx.schedule.costmodel``), i.e. no bubble, no communication and no slowdown from two processes
+sharing the machine. The 512-d 8-layer qwen2 with random weights, one core per process, OpenBLAS
+preloaded (../shared/NOTES.md); run by hand on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -41,43 +45,54 @@ def overlap_bound(ranks: int) -> float:
     return sum(work) / max(work)
 
 
-def median_prefill(reports: list[dict[str, Any]]) -> float:
-    """A repeat ends when the slowest rank ends; the median over repeats."""
-    repeats = len(reports[0]["prefill_s"])
-    return statistics.median(max(r["prefill_s"][i] for r in reports) for i in range(repeats))
+def slowest_rank(reports: list[dict[str, Any]]) -> list[float]:
+    """A repeat ends when its slowest rank ends: one time per repeat."""
+    return [max(r["prefill_s"][i] for r in reports) for i in range(len(reports[0]["prefill_s"]))]
 
 
-def measure(num_tokens: int, repeats: int, openblas: bool) -> list[dict[str, Any]]:
-    """One row per contender and setting, all measured in this call."""
+def contenders(num_tokens: int, single_steps: list[int], pipeline_steps: list[int]) -> list[tuple[str, Any]]:
+    """``(who, setting)`` pairs measured for a prompt of ``num_tokens``."""
+    return (
+        [("one process", s) for s in single_steps if s < num_tokens]
+        + [("native", s) for s in pipeline_steps]
+        + [("pipemlx", s) for s in pipeline_steps]
+        + [("pipemlx", "auto")]
+    )
+
+
+def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) -> tuple[list[float], Any]:
+    """One launch of one contender: its prefill times (slowest rank, per repeat) and the step it used."""
+    if who == "one process":
+        report = run_single({**base, "mode": "single", "step": setting}, openblas)
+        return report["prefill_s"], setting
+    reports = run_ranks(2, {**base, "mode": "native" if who == "native" else "pipemlx", "step": setting}, openblas)
+    return slowest_rank(reports), reports[0].get("steps", [setting])[-1]
+
+
+def measure(
+    num_tokens: int, rounds: int, repeats: int, openblas: bool, single_steps: list[int], pipeline_steps: list[int]
+) -> list[dict[str, Any]]:
+    """One row per contender and setting, all measured in this call, the contenders taking turns."""
     base: dict[str, Any] = {"M": num_tokens, "repeats": repeats, "decode_tokens": 0, "config": BENCH_CONFIG}
+    entries = contenders(num_tokens, single_steps, pipeline_steps)
+    samples: dict[int, list[float]] = {i: [] for i in range(len(entries))}
+    used: dict[int, Any] = {}
+    for _ in range(rounds):
+        for i, (who, setting) in enumerate(entries):
+            times, used[i] = run_contender(who, setting, base, openblas)
+            samples[i].extend(times)
     rows: list[dict[str, Any]] = []
-    for step in SINGLE_STEPS:
-        if step < num_tokens:
-            rows.append(
-                {
-                    "who": "one process",
-                    "setting": step,
-                    "s": median_prefill([run_single({**base, "mode": "single", "step": step}, openblas)]),
-                }
-            )
-    for step in PIPELINE_STEPS:
+    for i, (who, setting) in enumerate(entries):
+        label = f"auto ({used[i]})" if setting == "auto" else setting
         rows.append(
             {
-                "who": "native",
-                "setting": step,
-                "s": median_prefill(run_ranks(2, {**base, "mode": "native", "step": step}, openblas)),
+                "who": who,
+                "setting": label,
+                "s": min(samples[i]),
+                "median_s": statistics.median(samples[i]),
+                "samples": samples[i],
             }
         )
-    for step in PIPELINE_STEPS:
-        rows.append(
-            {
-                "who": "pipemlx",
-                "setting": step,
-                "s": median_prefill(run_ranks(2, {**base, "mode": "pipemlx", "step": step}, openblas)),
-            }
-        )
-    auto = run_ranks(2, {**base, "mode": "pipemlx", "step": "auto"}, openblas)
-    rows.append({"who": "pipemlx", "setting": f"auto ({auto[0]['steps'][-1]})", "s": median_prefill(auto)})
     return rows
 
 
@@ -94,13 +109,16 @@ def print_table(num_tokens: int, rows: list[dict[str, Any]], bound: float) -> No
             f"{r['who']:<12} {str(r['setting']):>12} {r['s']:>8.2f} {speedup:>14.2f}x {native / r['s']:>9.2f}x "
             f"{speedup / bound:>8.0%}{mark}"
         )
-    print("(* the contender's fastest setting; ratios against one process's and native's fastest)")
+    print("(* the contender's fastest setting; ratios against one process's and native's fastest; best of all rounds)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="2048,8192", help="prompt lengths")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every contender")
+    parser.add_argument("--repeats", type=int, default=1, help="timed prefills per launch, after a warm-up")
+    parser.add_argument("--single-steps", default=",".join(map(str, SINGLE_STEPS)))
+    parser.add_argument("--pipeline-steps", default=",".join(map(str, PIPELINE_STEPS)))
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
@@ -108,11 +126,14 @@ def main() -> None:
     bound = overlap_bound(2)
     print(
         f"OpenBLAS preload: {'on' if openblas else 'off'}; model: {BENCH_CONFIG['hidden_size']}-d, "
-        f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']}); {args.repeats} repeats"
+        f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']}); {args.rounds} round(s) of "
+        f"{args.repeats} timed prefill(s) per contender"
     )
     results: dict[int, list[dict[str, Any]]] = {}
     for num_tokens in (int(v) for v in args.lengths.split(",")):
-        results[num_tokens] = measure(num_tokens, args.repeats, openblas)
+        single = [int(v) for v in args.single_steps.split(",")]
+        pipeline = [int(v) for v in args.pipeline_steps.split(",")]
+        results[num_tokens] = measure(num_tokens, args.rounds, args.repeats, openblas, single, pipeline)
         print_table(num_tokens, results[num_tokens], bound)
     if args.json:
         args.json.write_text(json.dumps({"bound": bound, "rows": results}, indent=2))

@@ -82,6 +82,31 @@ def test_ramps_cover_the_prompt_and_shrink_at_both_ends() -> None:
     assert ramp_lengths(300, 256) is None  # too short for a ramp of this step
 
 
+@given(st.integers(2, 20_000), st.sampled_from([16, 32, 64, 128, 256, 512]), st.integers(0, 4), st.integers(0, 5))
+@settings(max_examples=200, deadline=None)
+def test_ramps_of_any_depth_cover_the_prompt_with_halving_ends(num_tokens: int, step: int, head: int, tail: int) -> None:
+    ramp = ramp_lengths(num_tokens, step, head, tail)
+    if ramp is None:
+        assert step >> max(head, tail) < 16 or num_tokens - 1 - sum(step >> i for i in range(1, head + 1)) - sum(
+            step >> i for i in range(1, tail + 1)
+        ) < 2 * step
+        return
+    assert sum(ramp) == num_tokens - 1 and max(ramp) == step and min(ramp) >= 1
+    assert list(ramp[len(ramp) - tail :]) == [step >> i for i in range(1, tail + 1)]
+    assert list(ramp[:head]) == [step >> i for i in range(head, 0, -1)]
+
+
+def test_a_tail_ramp_is_chosen_when_the_drain_dominates() -> None:
+    """Attention-heavy chunks and a real per-chunk cost: the last chunks shrink, the first stay large."""
+    model = costs(chunk_s=3e-3, token_s=1.6e-4, attention_s=2e-7)
+    model = CostModel(model.layer, layers=(4, 4), hidden_size=512, last_layer_share=0.1)
+    lengths = choose_chunks(2049, model, 100.0)
+    assert lengths[-1] < max(lengths) and lengths[-2] < max(lengths)
+    uniform = predict(2049, max(lengths), model, agree_every=None).prefill_s
+    chosen = predict(2049, max(lengths), model, chunk_lengths=lengths, agree_every=None).prefill_s
+    assert chosen < uniform
+
+
 def test_a_ramp_is_chosen_when_fill_and_drain_dominate() -> None:
     """Cheap per-chunk overhead, per-token cost: small end chunks shorten fill and drain, and auto takes them."""
     model = costs(chunk_s=1e-5, token_s=1e-3)

@@ -28,7 +28,7 @@ from .caches import cache_state
 from .stage import PipelineStage
 from .waits import wait_for
 
-CALIBRATION_CHUNKS = (Chunk(0, 0, 64), Chunk(1, 64, 320), Chunk(2, 320, 576))
+CALIBRATION_CHUNKS = (Chunk(0, 0, 16), Chunk(1, 16, 80), Chunk(2, 80, 336), Chunk(3, 336, 592))
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 

@@ -61,27 +61,39 @@ NEAR_TIE = 0.01
 """A non-uniform cut must be predicted this much faster than the best uniform one to be chosen."""
 
 
-def ramp_lengths(num_tokens: int, step: int) -> tuple[int, ...] | None:
-    """Chunks of ``step`` tokens with a ramp at each end (``step/4, step/2, ..., step/2, step/4``).
+RAMP_LEVELS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 4))
+"""``(head, tail)`` ramp depths tried for each step: the drain (tail) matters most, so it goes deeper."""
+RAMPED_STEPS = 3
+"""Ramps are tried around the best this many uniform steps (each ramp is one more simulation)."""
 
-    The pipeline fills and drains on its first and last chunks: while the
-    first chunk runs on rank 0 the others wait, and while the last runs on the
-    last rank the others are idle. Small chunks there shorten both (the idea of
-    TeraPipe, Li et al. 2021, where dynamic programming cuts the chunks). The
-    remainder goes right after the ramp-up, where attention is cheapest.
-    None when the prompt is too short for a ramp of this step.
+
+def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tuple[int, ...] | None:
+    """Chunks of ``step`` tokens, ``head`` halvings ramping up at the start and ``tail`` ramping down at the end.
+
+    ``ramp_lengths(M, 256, 2, 3)`` is ``64, 128, 256, ..., 256, 128, 64, 32``.
+    The pipeline fills on its first chunks and drains on its last ones: while
+    the first chunk runs on rank 0 the others wait, and while the last chunk
+    runs on the last rank the others are idle. Small chunks there shorten both
+    (the idea of TeraPipe, Li et al. 2021, which cuts chunks by dynamic
+    programming over a cost model; here the ramps are a small family whose
+    every member the cost model simulates). The drain is usually the costlier
+    end: the last chunks attend to the whole prompt. The remainder goes right
+    after the ramp-up, where attention is cheapest. None when a ramp would
+    hold a chunk under :data:`RAMP_MIN_TOKENS` or the prompt is too short
+    for it; ``head=tail=0`` is the uniform cut with the remainder first.
     """
     prefill = num_tokens - 1
-    ramp = [n for n in (step // 4, step // 2) if n >= RAMP_MIN_TOKENS]
-    if not ramp:
+    up = [step >> level for level in range(head, 0, -1)]
+    down = [step >> level for level in range(1, tail + 1)]
+    if min(up + down, default=RAMP_MIN_TOKENS) < RAMP_MIN_TOKENS:
         return None
-    rest = prefill - 2 * sum(ramp)
+    rest = prefill - sum(up) - sum(down)
     if rest < 2 * step:
         return None
     middle = [step] * (rest // step)
     if rest % step:
         middle.insert(0, rest % step)
-    return (*ramp, *middle, *reversed(ramp))
+    return (*up, *middle, *down)
 
 
 def uniform_lengths(num_tokens: int, step: int) -> tuple[int, ...]:
@@ -102,7 +114,8 @@ def choose_chunks(
     """The chunk lengths with the shortest predicted prefill, uniform or ramped, each chunk within the cap.
 
     Candidates: every step of :func:`candidate_steps` cut as mlx-lm cuts it,
-    and the same steps with ramps at both ends (:func:`ramp_lengths`). Each is
+    and, around the :data:`RAMPED_STEPS` best of those, the same step with the
+    ramps of :data:`RAMP_LEVELS` at its ends (:func:`ramp_lengths`). Each is
     simulated with the executor's agreement spacing; a ramped cut wins only
     when it is predicted :data:`NEAR_TIE` faster than the best uniform one.
     Candidates with a chunk predicted above ``max_chunk_seconds`` on some rank
@@ -112,21 +125,27 @@ def choose_chunks(
     """
     if num_tokens < 2:
         return ()
-    steps = candidate_steps(num_tokens)
-    uniform = [uniform_lengths(num_tokens, step) for step in steps]
-    ramped = [r for r in (ramp_lengths(num_tokens, step) for step in steps) if r is not None]
-    allowed = [c for c in uniform + ramped if slowest_chunk_s(num_tokens, c, costs) <= max_chunk_seconds]
-    if not allowed:
-        return min(uniform, key=lambda c: (slowest_chunk_s(num_tokens, c, costs), -max(c)))
 
     def seconds(lengths: tuple[int, ...]) -> float:
         return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
 
-    best_uniform = min((c for c in allowed if c in uniform), key=lambda c: (seconds(c), -max(c)), default=None)
-    best_ramped = min((c for c in allowed if c in ramped), key=lambda c: (seconds(c), -max(c)), default=None)
-    if best_uniform is None:
-        assert best_ramped is not None
-        return best_ramped
+    def within_cap(lengths: tuple[int, ...]) -> bool:
+        return slowest_chunk_s(num_tokens, lengths, costs) <= max_chunk_seconds
+
+    uniform = [uniform_lengths(num_tokens, step) for step in candidate_steps(num_tokens)]
+    allowed = [c for c in uniform if within_cap(c)]
+    if not allowed:
+        return min(uniform, key=lambda c: (slowest_chunk_s(num_tokens, c, costs), -max(c)))
+    ranked = sorted(allowed, key=lambda c: (seconds(c), -max(c)))
+    best_uniform = ranked[0]
+    ramped = {
+        r
+        for c in ranked[:RAMPED_STEPS]
+        for head, tail in RAMP_LEVELS
+        if head or tail
+        if (r := ramp_lengths(num_tokens, max(c), head, tail)) is not None and within_cap(r)
+    }
+    best_ramped = min(ramped, key=lambda c: (seconds(c), -max(c), c), default=None)
     if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
         return best_ramped
     return best_uniform
