@@ -84,12 +84,16 @@ def test_ramps_cover_the_prompt_and_shrink_at_both_ends() -> None:
 
 @given(st.integers(2, 20_000), st.sampled_from([16, 32, 64, 128, 256, 512]), st.integers(0, 4), st.integers(0, 5))
 @settings(max_examples=200, deadline=None)
-def test_ramps_of_any_depth_cover_the_prompt_with_halving_ends(num_tokens: int, step: int, head: int, tail: int) -> None:
+def test_ramps_of_any_depth_cover_the_prompt_with_halving_ends(
+    num_tokens: int, step: int, head: int, tail: int
+) -> None:
     ramp = ramp_lengths(num_tokens, step, head, tail)
     if ramp is None:
-        assert step >> max(head, tail) < 16 or num_tokens - 1 - sum(step >> i for i in range(1, head + 1)) - sum(
-            step >> i for i in range(1, tail + 1)
-        ) < 2 * step
+        assert (
+            step >> max(head, tail) < 16
+            or num_tokens - 1 - sum(step >> i for i in range(1, head + 1)) - sum(step >> i for i in range(1, tail + 1))
+            < 2 * step
+        )
         return
     assert sum(ramp) == num_tokens - 1 and max(ramp) == step and min(ramp) >= 1
     assert list(ramp[len(ramp) - tail :]) == [step >> i for i in range(1, tail + 1)]
