@@ -61,19 +61,50 @@ def contenders(num_tokens: int, single_steps: list[int], pipeline_steps: list[in
 
 
 def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) -> tuple[list[float], Any]:
-    """One launch of one contender: its prefill times (slowest rank, per repeat) and the step it used."""
+    """One launch of one contender: its prefill times (slowest rank, per repeat) and the cut it used."""
     if who == "one process":
         report = run_single({**base, "mode": "single", "step": setting}, openblas)
         return report["prefill_s"], setting
     reports = run_ranks(2, {**base, "mode": "native" if who == "native" else "pipemlx", "step": setting}, openblas)
-    return slowest_rank(reports), reports[0].get("steps", [setting])[-1]
+    return slowest_rank(reports), describe_cut(reports[0].get("chunks") or [])
+
+
+def describe_cut(chunks: list[int]) -> str:
+    """``128 + 64,32,16 tail`` style summary of an auto cut: its largest chunk and the ramps at its ends."""
+    if not chunks:
+        return ""
+    step = max(chunks)
+    head = [c for c in chunks[: chunks.index(step)]]
+    tail: list[int] = []
+    for c in reversed(chunks):
+        if c == step:
+            break
+        tail.insert(0, c)
+    parts = [str(step)]
+    if head:
+        parts.insert(0, ",".join(map(str, head)) + " +")
+    if tail:
+        parts.append("+ " + ",".join(map(str, tail)))
+    return " ".join(parts)
 
 
 def measure(
-    num_tokens: int, rounds: int, repeats: int, openblas: bool, single_steps: list[int], pipeline_steps: list[int]
+    num_tokens: int,
+    rounds: int,
+    repeats: int,
+    openblas: bool,
+    single_steps: list[int],
+    pipeline_steps: list[int],
+    warmup: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per contender and setting, all measured in this call, the contenders taking turns."""
-    base: dict[str, Any] = {"M": num_tokens, "repeats": repeats, "decode_tokens": 0, "config": BENCH_CONFIG}
+    base: dict[str, Any] = {
+        "M": num_tokens,
+        "repeats": repeats,
+        "decode_tokens": 0,
+        "config": BENCH_CONFIG,
+        "warmup": warmup,
+    }
     entries = contenders(num_tokens, single_steps, pipeline_steps)
     samples: dict[int, list[float]] = {i: [] for i in range(len(entries))}
     used: dict[int, Any] = {}
@@ -101,12 +132,12 @@ def print_table(num_tokens: int, rows: list[dict[str, Any]], bound: float) -> No
     native = min(r["s"] for r in rows if r["who"] == "native")
     best = {who: min((r for r in rows if r["who"] == who), key=lambda r: r["s"]) for who in ("one process", "native")}
     print(f"\n{num_tokens} tokens, S=2; bound for perfect overlap {bound:.2f}x")
-    print(f"{'contender':<12} {'setting':>12} {'seconds':>8} {'vs one process':>15} {'vs native':>10} {'of bound':>9}")
+    print(f"{'contender':<12} {'setting':>22} {'seconds':>8} {'vs one process':>15} {'vs native':>10} {'of bound':>9}")
     for r in rows:
         mark = " *" if r is best.get(r["who"]) else ""
         speedup = single / r["s"]
         print(
-            f"{r['who']:<12} {str(r['setting']):>12} {r['s']:>8.2f} {speedup:>14.2f}x {native / r['s']:>9.2f}x "
+            f"{r['who']:<12} {str(r['setting']):>22} {r['s']:>8.2f} {speedup:>14.2f}x {native / r['s']:>9.2f}x "
             f"{speedup / bound:>8.0%}{mark}"
         )
     print("(* the contender's fastest setting; ratios against one process's and native's fastest; best of all rounds)")
@@ -117,6 +148,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="2048,8192", help="prompt lengths")
     parser.add_argument("--rounds", type=int, default=3, help="turns of every contender")
     parser.add_argument("--repeats", type=int, default=1, help="timed prefills per launch, after a warm-up")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="time every prefill (long prompts, where a warm-up changes little)"
+    )
     parser.add_argument("--single-steps", default=",".join(map(str, SINGLE_STEPS)))
     parser.add_argument("--pipeline-steps", default=",".join(map(str, PIPELINE_STEPS)))
     parser.add_argument("--no-openblas", action="store_true")
@@ -133,7 +167,9 @@ def main() -> None:
     for num_tokens in (int(v) for v in args.lengths.split(",")):
         single = [int(v) for v in args.single_steps.split(",")]
         pipeline = [int(v) for v in args.pipeline_steps.split(",")]
-        results[num_tokens] = measure(num_tokens, args.rounds, args.repeats, openblas, single, pipeline)
+        results[num_tokens] = measure(
+            num_tokens, args.rounds, args.repeats, openblas, single, pipeline, warmup=not args.no_warmup
+        )
         print_table(num_tokens, results[num_tokens], bound)
     if args.json:
         args.json.write_text(json.dumps({"bound": bound, "rows": results}, indent=2))

@@ -1,7 +1,7 @@
 """Benchmark rank program: time prefill (and decode) for one mode.
 
 Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
-       "agree_every"?}
+       "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it)}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
@@ -27,6 +27,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.observe.metrics import PrefillClock, decode_tokens_per_s
+from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.autostep import choose_chunks
 from pipemlx.testing import build_model
 
 
@@ -103,6 +105,13 @@ def time_pipemlx(
     return prefill_s, rate, per_token
 
 
+def auto_chunks(model: Any, spec: dict[str, Any]) -> list[int]:
+    """The cut ``step_size="auto"`` took for this prompt (the same pure choice pipeline_prefill makes)."""
+    if spec["mode"] != "pipemlx" or spec["step"] != "auto":
+        return []
+    return list(choose_chunks(spec["M"], stage_of(model).cost_model))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     mode = spec["mode"]
@@ -121,16 +130,19 @@ def main() -> None:
     prefill: list[float] = []
     decode: list[float] = []
     sent: list[float] = []
-    for i in range(spec["repeats"] + 1):  # the first run warms up
+    warmup = 1 if spec.get("warmup", True) else 0
+    if mode == "pipemlx" and spec["step"] == "auto" and not warmup:  # calibrate outside the timed runs
+        pipemlx.pipeline_prefill(model, prompt[:64], make_prompt_cache(model), step_size="auto")
+    for i in range(spec["repeats"] + warmup):  # the first run warms up
         if mode == "pipemlx":  # its handshake lines the ranks up; nothing to synchronize by hand
-            trace = spec.get("trace_dir") if i == spec["repeats"] else None
+            trace = spec.get("trace_dir") if i == spec["repeats"] + warmup - 1 else None
             p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, spec.get("agree_every"))
         else:
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
             if group is not None:
                 native_handoff(group)
             b = 0.0
-        if i:
+        if i >= warmup:
             prefill.append(p)
             decode.append(d)
             sent.append(b)
@@ -143,6 +155,7 @@ def main() -> None:
                 "decode_tok_s": decode,
                 "decode_bytes_per_token": sent,
                 "steps": STEPS_USED,
+                "chunks": auto_chunks(model, spec),
             }
         ),
         flush=True,
