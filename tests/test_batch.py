@@ -16,7 +16,7 @@ REQUESTS: list[dict[str, Any]] = [
     {"M": 23, "max_tokens": 10, "insert_at": 2},
     {"M": 41, "max_tokens": 9, "insert_at": 5},
 ]
-REMOVE = {"index": 1, "at": 6}  # request 1 has yielded 4 of its 10 tokens when it is removed
+REMOVE = {"index": 1, "at": 7}  # request 1 has yielded 3 of its 10 tokens at S=2 (1 at S=3) when it is removed
 
 
 def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None) -> tuple[list[int], str | None]:
@@ -30,7 +30,7 @@ def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None)
 
 @pytest.mark.parametrize("arch,world_size,stop_at", [("llama", 2, None), ("qwen3", 3, None), ("llama", 2, [2, 3])])
 def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop_at: list[int] | None) -> None:
-    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 16, "step_size": 8, "stop_at": stop_at}
+    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 20, "step_size": 8, "stop_at": stop_at}
     reports = run_ranks(world_size, "batch.py", spec, timeout=90)
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
@@ -38,11 +38,14 @@ def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop
     solo, stops = report["solo"], report["stops"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
     for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
-        removed_after = REMOVE["at"] - REQUESTS[i]["insert_at"] if i == REMOVE["index"] else None
+        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
         assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
     if stop_at is None:
-        # Rows per step: 1 alone, then 2, then 3; the removal, then each request leaving at its max_tokens.
-        assert report["rows"] == [1, 1, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+        # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2; request 1
+        # leaves at its removal (tick 7), the others at their max_tokens.
+        expected = [0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0] if world_size == 2 else None
+        assert expected is None or report["rows"] == expected, report["rows"]
+        assert report["first"][1] is not None and report["first"][1] < REMOVE["at"], report
     else:
         assert "stop" in report["finish"], report
     assert report["left"] == 0
@@ -58,26 +61,20 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
 def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs() -> None:
-    spec = {
-        "requests": INTERLEAVED,
-        "remove": INTERLEAVED_REMOVALS,
-        "steps": 20,
-        "step_size": 8,
-        "prefill_budget": 8,
-    }
+    spec = {"requests": INTERLEAVED, "remove": INTERLEAVED_REMOVALS, "steps": 20, "step_size": 8, "chunk": 8}
     report = run_ranks(2, "batch.py", spec, timeout=90)[0]
     solo = report["solo"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
-    # Request 1: 2 slices (16 of 29 positions) when removed, no token. Request 2: queued behind it, then
-    # 3 slices (steps 3-5; it joins in the step of its last slice), tokens in steps 5-7. Request 3: queued
-    # behind 2, slices in steps 6-10, tokens in steps 10-15. Request 0: tokens in steps 0-13.
+    # Chunks of 8 positions, on rank 0 in tick t and on rank 1 in tick t+1; a request joins the tick after its
+    # last chunk leaves rank 1. Request 1: 1 of its 4 chunks through both ranks when removed (tick 3), no token.
+    # Request 2: chunks on rank 0 in ticks 3-5, joins in tick 7, removed before tick 8 with 1 token. Request 3:
+    # chunks on rank 0 in ticks 6-10, joins in tick 12. Request 0 decodes in every tick from tick 2.
     assert report["tokens"][1] == [] and report["finish"][1] is None
-    assert report["tokens"][2] == solo[2][:3] and report["finish"][2] is None
+    assert report["tokens"][2] == solo[2][:1] and report["finish"][2] is None
     for i in (0, 3):
         assert report["tokens"][i] == solo[i] and report["finish"][i] == "length", (i, report)
-    # Request 0 decoded in every step while the others' prompts were being prefilled.
-    assert report["rows"][:17] == [1, 1, 1, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 2, 1, 1, 0], report["rows"]
-    assert report["partial"][:11] == [0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0], report["partial"]
+    assert report["rows"] == [0, 0, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+    assert report["partial"][:13] == [0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0], report["partial"]
     assert report["left"] == 0
 
 
@@ -142,7 +139,13 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         engine.insert([[1, 2]], max_tokens=0)
     assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]
-    for bad in ({"prefill_budget": 0}, {"prefill_step_size": 0}, {"max_tokens": 0}, {"timeout": -1.0}):
+    for bad in (
+        {"prefill_budget": 0},
+        {"prefill_chunk_tokens": 0},
+        {"prefill_step_size": 0},
+        {"max_tokens": 0},
+        {"timeout": -1.0},
+    ):
         with pytest.raises(ValueError):
             fake_engine(**bad)
 

@@ -1,7 +1,7 @@
 """Rank program: pipemlx.BatchGenerator (continuous batching) against solo single-device mlx-lm runs.
 
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
-"step_size", "prefill_budget",
+"step_size", "chunk" (prefill_chunk_tokens),
 "kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P}}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
@@ -64,7 +64,7 @@ def main() -> None:
     engine = pipemlx.BatchGenerator(
         model,
         prefill_step_size=spec["step_size"],
-        prefill_budget=spec.get("prefill_budget"),
+        prefill_chunk_tokens=spec.get("chunk", 64),
         timeout=spec.get("timeout"),
         stop_tokens=stops,
     )
@@ -73,6 +73,7 @@ def main() -> None:
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
     rows: list[int] = []
+    first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
     kill = spec.get("kill")
     error: dict[str, Any] | None = None
@@ -99,7 +100,10 @@ def main() -> None:
             break
         rows.append(len(responses))
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+        if engine.last_error is not None and "model_error" not in spec:
+            raise engine.last_error
         for response in responses:
+            first.setdefault(uid_of[response.uid], step)
             tokens[uid_of[response.uid]].append(response.token)
             if response.finish_reason is not None:
                 finish[uid_of[response.uid]] = response.finish_reason
@@ -114,6 +118,7 @@ def main() -> None:
         "rows": rows,
         "partial": partial,
         "left": len(engine),
+        "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
     }
     print(json.dumps(report), flush=True)
