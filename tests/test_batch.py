@@ -104,6 +104,25 @@ def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts() 
     assert report["left"] == 0
 
 
+def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -> None:
+    # Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
+    # position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
+    # together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
+    spec = {"requests": REQUESTS, "remove": [REMOVE], "steps": 30, "step_size": 8, "memory_budget": 80 * 768}
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    report = reports[0]
+    assert [r["admission"] for r in reports] == [[768, 768]] * 2
+    solo = report["solo"]
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
+        assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
+    last_of_0 = report["first"][0] + REQUESTS[0]["max_tokens"] - 1
+    # Request 2: 5 chunks of 8 on rank 0 from tick 14, the last through rank 1 in tick 19, joins in tick 20.
+    assert report["first"][2] == last_of_0 + 7 == 20, report["first"]
+    assert max(report["rows"]) == 2 and report["left"] == 0
+    assert "would never fit the memory budget" in report["too_big"], report["too_big"]
+
+
 def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
     spec = {
         "requests": REQUESTS[:2],

@@ -2,7 +2,8 @@
 
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
 "step_size", "chunk" (prefill_chunk_tokens),
-"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P}}. Step s inserts every request with insert_at == s, removes request
+"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P},
+"memory_budget": bytes}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
@@ -67,6 +68,7 @@ def main() -> None:
         prefill_chunk_tokens=spec.get("chunk", 64),
         timeout=spec.get("timeout"),
         stop_tokens=stops,
+        memory_budget=spec.get("memory_budget"),
     )
     prefixes: dict[str, int] = spec.get("prefixes", {})
     uid_of: dict[int, int] = {}
@@ -110,8 +112,16 @@ def main() -> None:
     if error is not None:
         print(json.dumps({"rank": rank, **error}), flush=True)
         os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
+    too_big = None
+    if engine.admission is not None:
+        try:
+            engine.insert([[1] * 4000])
+        except ValueError as exc:
+            too_big = str(exc)
     report = {
         "rank": rank,
+        "admission": None if engine.admission is None else list(engine.admission.bytes_per_position),
+        "too_big": too_big,
         "tokens": [tokens[i] for i in range(len(requests))],
         "solo": solo,
         "finish": [finish.get(i) for i in range(len(requests))],
