@@ -307,7 +307,9 @@ class BatchGenerator:
         if done is not None and done.uid in self._sequences:
             self._sequences[done.uid].filled = done.stop
         responses: list[Response] = []
-        failed = set(outcome.failed_uids) | (set(self.active_uids) if outcome.failed_decode else set())
+        failed: set[int] = set(outcome.failed_uids)
+        if outcome.failed_decode:
+            failed.update(self.active_uids)
         keep: list[int] = []
         for i, sequence in enumerate(self._active):
             if sequence.uid in failed:
