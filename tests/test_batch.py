@@ -123,7 +123,9 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
 
-def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> None:
+    # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks.
     spec = {
         "requests": REQUESTS[:2],
         "remove": [],
@@ -132,11 +134,13 @@ def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
         "timeout": 5.0,
         "kill": {"rank": 1, "at": 4},
     }
-    reports = run_ranks(2, "batch.py", spec, timeout=60, expect_exit={1: 3})
-    survivor = reports[0]
-    assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
-    assert "rank 0/2" in survivor["message"]
-    assert survivor["waited"] <= 5.0 + 3.0, survivor
+    reports = run_ranks(world_size, "batch.py", spec, timeout=60, expect_exit={1: 3})
+    for rank, survivor in enumerate(reports):
+        if rank == 1:
+            continue
+        assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
+        assert f"rank {rank}/{world_size}" in survivor["message"]
+        assert survivor["waited"] <= 5.0 + 3.0, survivor
 
 
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:

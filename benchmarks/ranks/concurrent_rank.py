@@ -119,7 +119,7 @@ def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             engine.next()
         before: list[float] = []
         last = time.perf_counter()
-        for _ in range(16):
+        for _ in range(32):
             engine.next()
             now = time.perf_counter()
             before.append(now - last)

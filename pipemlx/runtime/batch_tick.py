@@ -42,7 +42,7 @@ from .agreement import STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_state
 from .send_mode import send_mode
 from .stage import PipelineStage
-from .waits import wait_for
+from .waits import PEER_LOST_MARKERS, wait_for
 
 BATCH_KIND = 7_772
 """First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
@@ -115,9 +115,9 @@ class TickRunner:
                 if work.rows:  # 2. the decode step
                     try:
                         sent = self._decode(work)
-                    except (PipelineError, PeerLostError, PipelineTimeoutError):
-                        raise
                     except Exception as exc:
+                        if not _is_model_error(exc):
+                            raise
                         self._note(exc)
                         failed_decode = True
                         self._stand_in(work.rows, 1)
@@ -151,6 +151,8 @@ class TickRunner:
             wait_for(share, self.timeout, lambda: f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)")
         except Exception as exc:  # a stalled or lost peer, or a failure mid-evaluation: peers may be blocked
             stage.mark_broken(exc)
+            if _is_peer_lost(exc):
+                raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
         return _outcome(cast(list[float], share.tolist()), work.rows, stage)
 
@@ -186,9 +188,9 @@ class TickRunner:
             if received:
                 mx.async_eval(received)  # pyright: ignore[reportUnknownMemberType]
             return Held(chunk, output, cache), False
-        except (PipelineError, PeerLostError, PipelineTimeoutError):
-            raise
         except Exception as exc:
+            if not _is_model_error(exc):
+                raise
             self._note(exc)
             self._stand_in(1, chunk.length)
             return Held(chunk, None, []), True
@@ -224,6 +226,15 @@ class TickRunner:
     def _note(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
+
+
+def _is_peer_lost(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST_MARKERS)
+
+
+def _is_model_error(exc: BaseException) -> bool:
+    """An error of the model's own (stood in for), not of the pipeline or the wire (which ends the tick)."""
+    return not isinstance(exc, (PipelineError, PeerLostError, PipelineTimeoutError)) and not _is_peer_lost(exc)
 
 
 def _outcome(flat: list[float], rows: int, stage: PipelineStage) -> TickOutcome:
