@@ -16,7 +16,7 @@ REQUESTS: list[dict[str, Any]] = [
     {"M": 23, "max_tokens": 10, "insert_at": 2},
     {"M": 41, "max_tokens": 9, "insert_at": 5},
 ]
-REMOVE = {"index": 1, "at": 6}  # request 1 has yielded 4 of its 10 tokens when it is removed
+REMOVE = {"index": 1, "at": 7}  # request 1 has yielded 3 of its 10 tokens at S=2 (1 at S=3) when it is removed
 
 
 def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None) -> tuple[list[int], str | None]:
@@ -30,7 +30,7 @@ def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None)
 
 @pytest.mark.parametrize("arch,world_size,stop_at", [("llama", 2, None), ("qwen3", 3, None), ("llama", 2, [2, 3])])
 def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop_at: list[int] | None) -> None:
-    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 16, "step_size": 8, "stop_at": stop_at}
+    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 20, "step_size": 8, "stop_at": stop_at}
     reports = run_ranks(world_size, "batch.py", spec, timeout=90)
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
@@ -38,11 +38,14 @@ def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop
     solo, stops = report["solo"], report["stops"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
     for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
-        removed_after = REMOVE["at"] - REQUESTS[i]["insert_at"] if i == REMOVE["index"] else None
+        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
         assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
     if stop_at is None:
-        # Rows per step: 1 alone, then 2, then 3; the removal, then each request leaving at its max_tokens.
-        assert report["rows"] == [1, 1, 2, 2, 2, 3, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+        # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2; request 1
+        # leaves at its removal (tick 7), the others at their max_tokens.
+        expected = [0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0] if world_size == 2 else None
+        assert expected is None or report["rows"] == expected, report["rows"]
+        assert report["first"][1] is not None and report["first"][1] < REMOVE["at"], report
     else:
         assert "stop" in report["finish"], report
     assert report["left"] == 0
@@ -58,30 +61,71 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
 def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs() -> None:
-    spec = {
-        "requests": INTERLEAVED,
-        "remove": INTERLEAVED_REMOVALS,
-        "steps": 20,
-        "step_size": 8,
-        "prefill_budget": 8,
-    }
+    spec = {"requests": INTERLEAVED, "remove": INTERLEAVED_REMOVALS, "steps": 20, "step_size": 8, "chunk": 8}
     report = run_ranks(2, "batch.py", spec, timeout=90)[0]
     solo = report["solo"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
-    # Request 1: 2 slices (16 of 29 positions) when removed, no token. Request 2: queued behind it, then
-    # 3 slices (steps 3-5; it joins in the step of its last slice), tokens in steps 5-7. Request 3: queued
-    # behind 2, slices in steps 6-10, tokens in steps 10-15. Request 0: tokens in steps 0-13.
+    # Chunks of 8 positions, on rank 0 in tick t and on rank 1 in tick t+1; a request joins the tick after its
+    # last chunk leaves rank 1. Request 1: 1 of its 4 chunks through both ranks when removed (tick 3), no token.
+    # Request 2: chunks on rank 0 in ticks 3-5, joins in tick 7, removed before tick 8 with 1 token. Request 3:
+    # chunks on rank 0 in ticks 6-10, joins in tick 12. Request 0 decodes in every tick from tick 2.
     assert report["tokens"][1] == [] and report["finish"][1] is None
-    assert report["tokens"][2] == solo[2][:3] and report["finish"][2] is None
+    assert report["tokens"][2] == solo[2][:1] and report["finish"][2] is None
     for i in (0, 3):
         assert report["tokens"][i] == solo[i] and report["finish"][i] == "length", (i, report)
-    # Request 0 decoded in every step while the others' prompts were being prefilled.
-    assert report["rows"][:17] == [1, 1, 1, 1, 1, 2, 2, 2, 1, 1, 2, 2, 2, 2, 1, 1, 0], report["rows"]
-    assert report["partial"][:11] == [0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 0], report["partial"]
+    assert report["rows"] == [0, 0, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+    assert report["partial"][:13] == [0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0], report["partial"]
     assert report["left"] == 0
 
 
-def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
+PREFIXED: list[dict[str, Any]] = [
+    {"M": 9, "max_tokens": 8, "insert_at": 0},
+    {"M": 33, "max_tokens": 7, "insert_at": 0},  # 16 positions reused, 17 inserted
+    {"M": 25, "max_tokens": 6, "insert_at": 2},  # 24 positions reused: only its last token is inserted
+    {"M": 12, "max_tokens": 6, "insert_at": 3},  # 8 reused, joining while the others decode
+]
+
+
+def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts() -> None:
+    spec = {
+        "requests": PREFIXED,
+        "remove": [],
+        "steps": 12,
+        "step_size": 8,
+        "prefixes": {"1": 16, "2": 24, "3": 8},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    assert reports[1]["tokens"] == reports[0]["tokens"], "ranks disagree"
+    report = reports[0]
+    solo = report["solo"]
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        assert tokens == solo[i] and finish == "length", (i, tokens, solo[i])
+    assert report["left"] == 0
+
+
+def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -> None:
+    # Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
+    # position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
+    # together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
+    spec = {"requests": REQUESTS, "remove": [REMOVE], "steps": 30, "step_size": 8, "memory_budget": 80 * 768}
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    report = reports[0]
+    assert [r["admission"] for r in reports] == [[768, 768]] * 2
+    solo = report["solo"]
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
+        assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
+    last_of_0 = report["first"][0] + REQUESTS[0]["max_tokens"] - 1
+    # Request 2: 5 chunks of 8 on rank 0 from tick 14, the last through rank 1 in tick 19, joins in tick 20.
+    assert report["first"][2] == last_of_0 + 7 == 20, report["first"]
+    assert max(report["rows"]) == 2 and report["left"] == 0
+    assert "would never fit the memory budget" in report["too_big"], report["too_big"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> None:
+    # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks.
     spec = {
         "requests": REQUESTS[:2],
         "remove": [],
@@ -90,11 +134,13 @@ def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
         "timeout": 5.0,
         "kill": {"rank": 1, "at": 4},
     }
-    reports = run_ranks(2, "batch.py", spec, timeout=60, expect_exit={1: 3})
-    survivor = reports[0]
-    assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
-    assert "rank 0/2" in survivor["message"]
-    assert survivor["waited"] <= 5.0 + 3.0, survivor
+    reports = run_ranks(world_size, "batch.py", spec, timeout=60, expect_exit={1: 3})
+    for rank, survivor in enumerate(reports):
+        if rank == 1:
+            continue
+        assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
+        assert f"rank {rank}/{world_size}" in survivor["message"]
+        assert survivor["waited"] <= 5.0 + 3.0, survivor
 
 
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
@@ -109,10 +155,20 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
         engine.insert([[1, 2], []])
     with pytest.raises(ValueError, match="as many max_tokens"):
         engine.insert([[1, 2], [3]], max_tokens=[4])
+    with pytest.raises(ValueError, match="as many max_tokens, samplers and caches"):
+        engine.insert([[1, 2]], caches=[None, None])
+    with pytest.raises(ValueError, match=r"caches\[0\] must be a list of 3 layer caches"):
+        engine.insert([[1, 2]], caches=[[]])
     with pytest.raises(ValueError, match="max_tokens"):
         engine.insert([[1, 2]], max_tokens=0)
     assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]
-    for bad in ({"prefill_budget": 0}, {"prefill_step_size": 0}, {"max_tokens": 0}, {"timeout": -1.0}):
+    for bad in (
+        {"prefill_budget": 0},
+        {"prefill_chunk_tokens": 0},
+        {"prefill_step_size": 0},
+        {"max_tokens": 0},
+        {"timeout": -1.0},
+    ):
         with pytest.raises(ValueError):
             fake_engine(**bad)
 

@@ -1,7 +1,7 @@
 """Benchmark rank program: aggregate decode tokens/s of R concurrent requests, for one mode.
 
 Spec: {"mode": "mlx_batch" | "pipemlx_batch" | "pipemlx_serial" | "arrival", "R", "M", "tokens", "step", "config",
-       "arrival_tokens", "budgets"}
+       "arrival_tokens", "chunks"}
   mlx_batch       one process holding all layers, mlx-lm's BatchGenerator with the R requests inserted at once
   pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once
   pipemlx_serial  pipemlx.generate_step on the group, the R requests one after another
@@ -9,10 +9,11 @@ Every request has an M-token prompt and `tokens` generated tokens. The aggregate
 each request's first one over the time after the first one (the prefill excluded): batched modes from the
 step that gave every request its first token to the last step; serial mode the sum of the decode times.
 Prints one JSON line: {"rank", "tok_s", "tokens"}.
-  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill budget (null: whole)
-                  the R requests' p95 time between tokens before and while it is prefilled, and its time to
-                  first token against its solo run (pipemlx.generate_step's first token, nothing else active).
-                  Prints {"rank", "solo_ttft", "runs": [{"budget", "p95_before", "p95_during", "ttft"}]}.
+  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill_chunk_tokens in
+                  `chunks` the R requests' p95 time between tokens before and while it is prefilled, and its
+                  time to first token against its solo run (pipemlx.generate_step's first token, nothing else
+                  active, measured right before each run). Prints
+                  {"rank", "runs": [{"chunk", "p95_before", "p95_during", "ttft", "solo"}]}.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def mlx_batch(model: Any, prompts: list[list[int]], tokens: int) -> tuple[float,
 def pipemlx_batch(model: Any, prompts: list[list[int]], tokens: int, step: int) -> tuple[float, int]:
     engine = pipemlx.BatchGenerator(model, max_tokens=tokens, prefill_step_size=step)
     engine.insert(prompts)
-    engine.next()  # prefills every prompt, then the first token of each
+    while len(engine.active_uids) < len(prompts):  # the prompts' prefill ticks, then the first token of each
+        engine.next()
     start, counted = time.perf_counter(), 0
     while len(engine):
         counted += len(engine.next())
@@ -102,20 +104,26 @@ def p95(values: list[float]) -> float:
 def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     vocab = spec["config"]["vocab_size"]
     long_prompt: list[int] = mx.random.randint(0, vocab, (spec["arrival_tokens"],), key=mx.random.key(7)).tolist()  # pyright: ignore[reportAssignmentType]
-    solo_ttft = float("inf")
-    for _ in range(2):  # the first run also warms up: the best of two
+
+    def solo() -> float:
         start = time.perf_counter()
         for _ in pipemlx.generate_step(mx.array(long_prompt), model, max_tokens=1, prefill_step_size=spec["step"]):
             break
-        solo_ttft = min(solo_ttft, time.perf_counter() - start)
+        return time.perf_counter() - start
+
+    solo()  # warm-up
     runs: list[dict[str, Any]] = []
-    for budget in spec["budgets"]:
-        engine = pipemlx.BatchGenerator(model, max_tokens=-1, prefill_step_size=spec["step"], prefill_budget=budget)
+    for chunk in spec["chunks"]:
+        solo_ttft = solo()  # measured next to each run: on a shared machine the load drifts
+        engine = pipemlx.BatchGenerator(
+            model, max_tokens=-1, prefill_step_size=spec["step"], prefill_chunk_tokens=chunk, timeout=120.0
+        )
         decoding = engine.insert(prompts_of(spec))
-        engine.next()
+        while len(engine.active_uids) < len(decoding):
+            engine.next()
         before: list[float] = []
         last = time.perf_counter()
-        for _ in range(16):
+        for _ in range(32):
             engine.next()
             now = time.perf_counter()
             before.append(now - last)
@@ -132,8 +140,10 @@ def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             if any(r.uid == uid for r in responses):
                 ttft = now - inserted
         engine.remove([*decoding, uid])
-        runs.append({"budget": budget, "p95_before": p95(before), "p95_during": p95(during), "ttft": ttft})
-    return {"solo_ttft": solo_ttft, "runs": runs}
+        runs.append(
+            {"chunk": chunk, "p95_before": p95(before), "p95_during": p95(during), "ttft": ttft, "solo": solo_ttft}
+        )
+    return {"runs": runs}
 
 
 def main() -> None:

@@ -1,11 +1,14 @@
 """Rank program: pipemlx.BatchGenerator (continuous batching) against solo single-device mlx-lm runs.
 
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
-"step_size", "prefill_budget",
-"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null}. Step s inserts every request with insert_at == s, removes request
+"step_size", "chunk" (prefill_chunk_tokens),
+"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P},
+"memory_budget": bytes}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
+"prefixes", request i's first P tokens are prefilled (pipemlx.pipeline_prefill) into a cache of its own
+before it is inserted, and only the rest of its prompt is inserted, with that cache. With
 "kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error.
 """
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
@@ -27,6 +31,15 @@ from pipemlx.testing import build_model, tiny_config
 
 def prompt_of(length: int) -> list[int]:
     return mx.random.randint(0, 256, (length,), key=mx.random.key(length)).tolist()  # pyright: ignore[reportReturnType]
+
+
+def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: int) -> list[Any] | None:
+    """A cache holding the first ``length`` positions of ``prompt`` (None for no prefix)."""
+    if not length:
+        return None
+    cache = make_prompt_cache(model)
+    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, step_size=step_size)
+    return cache
 
 
 def main() -> None:
@@ -52,21 +65,29 @@ def main() -> None:
     engine = pipemlx.BatchGenerator(
         model,
         prefill_step_size=spec["step_size"],
-        prefill_budget=spec.get("prefill_budget"),
+        prefill_chunk_tokens=spec.get("chunk", 64),
         timeout=spec.get("timeout"),
         stop_tokens=stops,
+        memory_budget=spec.get("memory_budget"),
     )
+    prefixes: dict[str, int] = spec.get("prefixes", {})
     uid_of: dict[int, int] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
     rows: list[int] = []
+    first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
     kill = spec.get("kill")
     error: dict[str, Any] | None = None
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
         if arriving:
-            uids = engine.insert([prompts[i] for i in arriving], [requests[i]["max_tokens"] for i in arriving])
+            caches = [reused_cache(model, prompts[i], prefixes.get(str(i)), spec["step_size"]) for i in arriving]
+            uids = engine.insert(
+                [prompts[i][prefixes.get(str(i), 0) :] for i in arriving],
+                [requests[i]["max_tokens"] for i in arriving],
+                caches=caches,
+            )
             uid_of.update(zip(uids, arriving))
         for removal in spec["remove"]:
             if removal["at"] == step:
@@ -81,21 +102,33 @@ def main() -> None:
             break
         rows.append(len(responses))
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+        if engine.last_error is not None and "model_error" not in spec:
+            raise engine.last_error
         for response in responses:
+            first.setdefault(uid_of[response.uid], step)
             tokens[uid_of[response.uid]].append(response.token)
             if response.finish_reason is not None:
                 finish[uid_of[response.uid]] = response.finish_reason
     if error is not None:
         print(json.dumps({"rank": rank, **error}), flush=True)
         os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
+    too_big = None
+    if engine.admission is not None:
+        try:
+            engine.insert([[1] * 4000])
+        except ValueError as exc:
+            too_big = str(exc)
     report = {
         "rank": rank,
+        "admission": None if engine.admission is None else list(engine.admission.bytes_per_position),
+        "too_big": too_big,
         "tokens": [tokens[i] for i in range(len(requests))],
         "solo": solo,
         "finish": [finish.get(i) for i in range(len(requests))],
         "rows": rows,
         "partial": partial,
         "left": len(engine),
+        "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
     }
     print(json.dumps(report), flush=True)

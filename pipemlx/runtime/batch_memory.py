@@ -1,0 +1,52 @@
+"""Admission control for :class:`pipemlx.BatchGenerator`: every rank's KV bytes per position and budget, shared once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+
+from ..errors import PeerLostError, PipelineTimeoutError
+from ..schedule.batch_plan import Admission
+from .agreement import gather_ints
+from .stage import PipelineStage
+
+BUDGET_UNIT = 1024
+"""Budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB."""
+
+
+def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:
+    """Bytes one cached position costs in this rank's local layers, measured on a one-token cache.
+
+    The local layers run on their own (nothing crosses the wire) on one token
+    into a fresh ``make_prompt_cache(model)``; each layer cache's keys and
+    values are counted per position (a cache without them, a fixed-size
+    state, counts 0).
+    """
+    cache = make_prompt_cache(model)
+    with stage.detached(), mx.stream(stage.compute_stream):
+        model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)
+        mx.eval([c.state for c in cache])  # pyright: ignore[reportUnknownMemberType]
+    total = 0.0
+    for c in cache:
+        for array in (getattr(c, "keys", None), getattr(c, "values", None)):
+            if isinstance(array, mx.array) and array.ndim == 4 and array.shape[2] > 0:
+                total += array.nbytes / array.shape[2]
+    return int(round(total))
+
+
+def exchange_admission(model: nn.Module, stage: PipelineStage, budget: int, timeout: float | None) -> Admission:
+    """Every rank's bytes per position and budget (one all-gather): the same :class:`Admission` on every rank."""
+    mine: list[Any] = [cache_bytes_per_position(model, stage), budget // BUDGET_UNIT]
+    try:
+        rows = (
+            gather_ints(stage, mine, timeout, "the batch generator's memory exchange")
+            if stage.world_size > 1
+            else [mine]
+        )
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    return Admission(tuple(r[0] for r in rows), tuple(r[1] * BUDGET_UNIT for r in rows))

@@ -1,0 +1,263 @@
+"""One rank's part of one tick of :class:`pipemlx.BatchGenerator`: a decode step and a prefill chunk.
+
+The tick's :class:`~pipemlx.schedule.batch_plan.Tick` says which chunk each
+rank computes. Rank ``r`` does, in this order, all on its compute stream
+(whose work MLX runs first in, first out, so every message leaves and is
+taken in the order below on both ends of each link):
+
+1. ``r > 0``: the chunk it received at the end of the last tick (its graph was
+   built then; only the receive was evaluated), while rank 0 runs the decode;
+2. the decode step of the batch: receive the rows' hidden states (``r > 0``),
+   run the local layers, send them on (``r < S - 1``) or sample every row
+   (last rank);
+3. ``r = 0``: the tick's new chunk; ``r < S - 1``: send the chunk computed in
+   this tick to rank ``r + 1`` (after the decode's send);
+4. ``r > 0``: receive the chunk rank ``r - 1`` computed in this tick and build
+   its graph for the next tick;
+5. the tick's all-gather: a header (tick, status, rows, fingerprints of the
+   rows and of the tick's plan, what failed) and the last rank's tokens.
+
+Every send is taken by its receiver within the same tick, so nothing is on the
+wire between ticks; sends are issued asynchronously and nothing blocks until
+the all-gather, which is waited for with the stage's timeout.
+
+A model error while building a rank's part (the model raised) does not skip
+its messages: that rank *stands in* — it takes its input off the wire and
+sends zeros of the right shape on — and reports the failure in the header;
+every rank then fails the same requests (:class:`TickOutcome`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
+from ..schedule.batch_plan import Chunk, Tick
+from .agreement import STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
+from .caches import cache_state
+from .send_mode import send_mode
+from .stage import PipelineStage
+from .waits import PEER_LOST_MARKERS, wait_for
+
+BATCH_KIND = 7_772
+"""First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
+HEADER = ("kind", "tick", "status", "rows", "uids", "plan", "failed_decode", "failed_uid")
+AGREED = ("tick", "rows", "uids", "plan")
+
+Forward = Callable[[mx.array, list[Any]], mx.array]
+"""Runs the sharded model on ``[B, L]`` token ids with a cache; returns the logits or this rank's output."""
+
+
+@dataclass
+class Held:
+    """A chunk received at the end of a tick, to compute in the next: its graph is built, its input is here."""
+
+    chunk: Chunk
+    output: mx.array | None  # what goes on to the next rank (None on the last rank, or when standing in)
+    cache: list[Any]
+
+
+@dataclass(frozen=True)
+class TickOutcome:
+    """What every rank learned from a tick's all-gather: the sampled tokens and what failed on some rank."""
+
+    tokens: list[int]
+    failed_decode: bool
+    failed_uids: frozenset[int]
+
+
+@dataclass
+class TickWork:
+    """One rank's inputs for a tick (prepared by the generator from data every rank has)."""
+
+    tick: Tick
+    rows: int
+    inputs: list[int]  # per row: the token the decode step feeds
+    batch_cache: list[Any]
+    uids_fingerprint: int
+    chunk_tokens: Callable[[Chunk], list[int]]  # a chunk's token ids
+    chunk_cache: Callable[[Chunk], list[Any]]  # the cache of a chunk's request on this rank
+    sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
+
+
+class TickRunner:
+    """Runs ticks on one rank, holding the chunk received for the next tick between calls."""
+
+    def __init__(self, model: nn.Module, stage: PipelineStage, timeout: float | None) -> None:
+        self.model = model
+        self.stage = stage
+        self.timeout = timeout
+        self.held: Held | None = None
+        self.error: BaseException | None = None  # the first model error this rank stood in for
+
+    def drop(self, uids: set[int]) -> None:
+        """Forget a held chunk of a removed request (its input was already taken off the wire)."""
+        if self.held is not None and self.held.chunk.uid in uids:
+            self.held = None
+
+    def run(self, work: TickWork) -> TickOutcome:
+        """Carry out this rank's part of ``work.tick``; every rank returns the same outcome."""
+        stage, tick = self.stage, work.tick
+        failed_decode = False
+        failed_uid = -1
+        try:
+            with send_mode(self.model, "queue"), stage.executing_plan(), mx.stream(stage.compute_stream):
+                tokens = mx.zeros((work.rows,), dtype=mx.float32)
+                mine = tick.chunks[stage.rank]
+                held = self._take_held(mine)
+                if held is not None:  # 1. the chunk received last tick
+                    mx.async_eval(self._chunk_results(held))  # pyright: ignore[reportUnknownMemberType]
+                if work.rows:  # 2. the decode step
+                    try:
+                        sent = self._decode(work)
+                    except Exception as exc:
+                        if not _is_model_error(exc):
+                            raise
+                        self._note(exc)
+                        failed_decode = True
+                        self._stand_in(work.rows, 1)
+                        sent = (
+                            self._zeros(1, work.rows)[:, 0, 0]
+                            if stage.is_last
+                            else self._send(self._zeros(1, work.rows))
+                        )
+                    if stage.is_last:
+                        tokens = sent
+                    mx.async_eval(sent, cache_state(work.batch_cache))  # pyright: ignore[reportUnknownMemberType]
+                if stage.is_first and mine is not None:  # 3. rank 0's new chunk
+                    held, failed = self._build_chunk(mine, work)
+                    if failed:
+                        failed_uid = mine.uid
+                    mx.async_eval(self._chunk_results(held))  # pyright: ignore[reportUnknownMemberType]
+                if held is not None and not stage.is_last:
+                    output = held.output if held.output is not None else self._zeros(held.chunk.length)
+                    mx.async_eval(self._send(output))  # pyright: ignore[reportUnknownMemberType]
+                coming = tick.receives(stage.rank)
+                if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
+                    self.held, failed = self._build_chunk(coming, work)
+                    if failed:
+                        failed_uid = coming.uid
+                status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
+                header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint, tick.fingerprint()]
+                header += [int(failed_decode), failed_uid + 1]
+                share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
+                if stage.world_size > 1:
+                    share = mx.distributed.all_gather(share, group=stage.group)
+            wait_for(share, self.timeout, lambda: f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)")
+        except Exception as exc:  # a stalled or lost peer, or a failure mid-evaluation: peers may be blocked
+            stage.mark_broken(exc)
+            if _is_peer_lost(exc):
+                raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
+            raise
+        return _outcome(cast(list[float], share.tolist()), work.rows, stage)
+
+    def _take_held(self, mine: Chunk | None) -> Held | None:
+        held, self.held = self.held, None
+        if self.stage.is_first:
+            return None
+        if (held is None) != (mine is None) or (held is not None and held.chunk != mine):
+            raise PipelineError(f"{self.stage.describe()}: the tick plans chunk {mine}, but this rank holds {held}")
+        return held
+
+    def _chunk_results(self, held: Held) -> list[Any]:
+        return [cache_state(held.cache), *([] if held.output is None else [held.output])]
+
+    def _decode(self, work: TickWork) -> mx.array:
+        """Build the decode step: what this rank sends on, or (last rank) the sampled tokens."""
+        stage = self.stage
+        inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
+        logits = self._forward(inputs, work.batch_cache)
+        if stage.is_last:
+            return work.sample(logits[:, -1, :]).astype(mx.float32)
+        return self._send(self._queued_output())
+
+    def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
+        """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
+        cache = work.chunk_cache(chunk)
+        try:
+            tokens = mx.array(work.chunk_tokens(chunk), dtype=mx.int32)[None]
+            self._forward(tokens, cache)
+            output = None if self.stage.is_last else self._queued_output()
+            received = list(self.stage.received)
+            self.stage.received.clear()
+            if received:
+                mx.async_eval(received)  # pyright: ignore[reportUnknownMemberType]
+            return Held(chunk, output, cache), False
+        except Exception as exc:
+            if not _is_model_error(exc):
+                raise
+            self._note(exc)
+            self._stand_in(1, chunk.length)
+            return Held(chunk, None, []), True
+
+    def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        self.stage.received.clear()
+        return cast(mx.array, self.model(tokens, cache=cache))
+
+    def _queued_output(self) -> mx.array:
+        queue = self.stage.send_queue
+        if len(queue) != 1:
+            raise PipelineError(f"{self.stage.describe()}: a forward pass queued {len(queue)} sends, expected 1")
+        output = queue.pending[0].array
+        queue.discard()
+        return output
+
+    def _stand_in(self, rows: int, length: int) -> None:
+        """Take this rank's input of a failed pass off the wire (its sends are zeros, sent by the caller)."""
+        stage = self.stage
+        stage.send_queue.discard()
+        received, stage.received[:] = list(stage.received), []
+        if not stage.is_first and not received:
+            received = [mx.distributed.recv_like(self._zeros(length, rows), stage.rank - 1, group=stage.group)]
+        if received:
+            mx.async_eval(received)  # pyright: ignore[reportUnknownMemberType]
+
+    def _send(self, output: mx.array) -> mx.array:
+        return mx.distributed.send(output, self.stage.rank + 1, group=self.stage.group)
+
+    def _zeros(self, length: int, rows: int = 1) -> mx.array:
+        return mx.zeros((rows, length, self.stage.hidden_size), dtype=self.stage.dtype or mx.float32)
+
+    def _note(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+
+def _is_peer_lost(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_LOST_MARKERS)
+
+
+def _is_model_error(exc: BaseException) -> bool:
+    """An error of the model's own (stood in for), not of the pipeline or the wire (which ends the tick)."""
+    return not isinstance(exc, (PipelineError, PeerLostError, PipelineTimeoutError)) and not _is_peer_lost(exc)
+
+
+def _outcome(flat: list[float], rows: int, stage: PipelineStage) -> TickOutcome:
+    """Check the gathered headers agree; the last rank's tokens and every rank's failures."""
+    width = len(HEADER) + rows
+    gathered = [flat[r * width : (r + 1) * width] for r in range(len(flat) // width)]
+    columns = {name: [int(row[i]) for row in gathered] for i, name in enumerate(HEADER)}
+    if (
+        len(flat) != width * stage.world_size
+        or any(k != BATCH_KIND for k in columns["kind"])
+        or len(gathered) != stage.world_size
+    ):
+        raise PipelineMismatchError(f"{stage.describe()}: a rank is not in the same batch tick as the others")
+    for name in AGREED:
+        if len(set(columns[name])) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(columns[name]))
+            raise PipelineMismatchError(f"ranks disagree on the batch tick's {name}: {shown}")
+    failed_uids = frozenset(u - 1 for u in columns["failed_uid"] if u > 0)
+    statuses = set(columns["status"]) - {STATUS_OK, STATUS_CHUNK_FAILED, STATUS_FAILED}
+    if statuses:
+        raise PipelineMismatchError(f"unknown batch tick status {sorted(statuses)}")
+    return TickOutcome(
+        tokens=[int(t) for t in gathered[-1][len(HEADER) :]],
+        failed_decode=any(columns["failed_decode"]),
+        failed_uids=failed_uids,
+    )

@@ -1,0 +1,238 @@
+"""The tick schedule of continuous batching: which prefill chunk each rank computes, when requests join.
+
+:class:`pipemlx.BatchGenerator` runs in *ticks*: in every tick each rank runs
+the decode step of the active batch and at most one chunk of a queued prompt.
+Chunks travel the ranks like a pipeline: the chunk rank 0 computes in tick t,
+rank 1 computes in tick t+1, and so on, so in one tick the ranks work on
+different chunks at once. This module decides all of it as plain data, from
+data every rank has (the queue of requests and their lengths, the batch size,
+removals agreed between ticks), so every rank derives the same :class:`Tick`
+and checks the others did with :meth:`Tick.fingerprint`.
+
+Nothing here imports MLX: the schedule is checked by itself (the properties in
+``tests/test_batch_plan.py``) and by a small simulator of the ranks'
+messages (:func:`simulate_ticks`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the tick's all-gather
+
+
+@dataclass(frozen=True)
+class Job:
+    """A queued request: ``positions`` prompt positions to prefill, ``reserve`` positions its cache may reach."""
+
+    uid: int
+    positions: int
+    reserve: int = 0
+
+    def __post_init__(self) -> None:
+        if self.positions < 0 or self.reserve < 0:
+            raise ValueError(f"job {self.uid}: positions and reserve must be >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Positions ``start`` .. ``stop - 1`` of request ``uid``'s prefill; ``last`` when they end it."""
+
+    uid: int
+    start: int
+    stop: int
+    last: bool
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A memory budget per rank: a request starts only when every rank's KV cache still fits.
+
+    ``bytes_per_position[r]`` is what one cached position costs on rank ``r``
+    (its local layers); ``budget[r]`` the bytes rank ``r`` may spend on caches.
+    The batch cache is left-padded, so a batch of ``n`` rows whose longest
+    reservation is ``L`` positions costs ``n * L`` positions on every rank.
+    """
+
+    bytes_per_position: tuple[int, ...]
+    budget: tuple[int, ...]
+
+    def fits(self, reserves: Sequence[int]) -> bool:
+        """Whether requests reserving ``reserves`` positions fit in one left-padded batch on every rank."""
+        if not reserves:
+            return True
+        positions = len(reserves) * max(reserves)
+        return all(positions * b <= limit for b, limit in zip(self.bytes_per_position, self.budget))
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """What every rank knows between two ticks.
+
+    ``queue``: requests not yet wholly handed to rank 0, in order (``started``
+    positions of the first one already were); ``inflight[r - 1]``: the chunk
+    rank ``r`` computes in the next tick (rank ``r - 1`` computed it in the
+    last one); ``ready``: requests whose every chunk every rank has computed,
+    joining the batch in the next tick; ``tick``: ticks run so far.
+    """
+
+    world_size: int
+    queue: tuple[Job, ...] = ()
+    started: int = 0
+    inflight: tuple[Chunk | None, ...] = ()
+    ready: tuple[int, ...] = ()
+    tick: int = 0
+    reserves: dict[int, int] = field(default_factory=dict[int, int], compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not self.inflight:
+            object.__setattr__(self, "inflight", (None,) * (self.world_size - 1))
+
+    @property
+    def prefilling(self) -> tuple[int, ...]:
+        """Requests with a chunk on some rank or ready to join, in order: admitted, not yet decoding."""
+        seen: list[int] = []
+        for chunk in reversed(self.inflight):
+            if chunk is not None and chunk.uid not in seen:
+                seen.append(chunk.uid)
+        if self.queue and self.started and self.queue[0].uid not in seen:
+            seen.append(self.queue[0].uid)
+        return (*self.ready, *(u for u in seen if u not in self.ready))
+
+    def idle(self) -> bool:
+        """True when there is nothing to prefill and nothing to join."""
+        return not self.queue and not self.ready and all(c is None for c in self.inflight)
+
+
+@dataclass(frozen=True)
+class Tick:
+    """One tick of the schedule, the same on every rank.
+
+    ``joins``: requests that join the decode batch at the start of the tick
+    (their caches are complete on every rank); ``chunks[r]``: the chunk rank
+    ``r`` computes in the tick after the decode step (``None``: none);
+    ``completes``: requests whose last chunk the last rank computes in this
+    tick (they join in the next one).
+    """
+
+    index: int
+    joins: tuple[int, ...]
+    chunks: tuple[Chunk | None, ...]
+    completes: tuple[int, ...]
+
+    def fingerprint(self) -> int:
+        """A number every rank computes alike from the tick's content (exact in float32)."""
+        value = self.index % FINGERPRINT_MODULUS
+        for uid in self.joins:
+            value = _mix(value, uid + 1)
+        for chunk in self.chunks:
+            for part in (0, 0, 0) if chunk is None else (chunk.uid + 1, chunk.start + 1, chunk.stop + 1):
+                value = _mix(value, part)
+        return value
+
+    def receives(self, rank: int) -> Chunk | None:
+        """The chunk ``rank`` receives from ``rank - 1`` at the end of the tick (to compute in the next one)."""
+        return self.chunks[rank - 1] if rank > 0 else None
+
+
+def _mix(value: int, part: int) -> int:
+    return (value * 1_000_003 + part) % FINGERPRINT_MODULUS
+
+
+def enqueue(state: PlanState, jobs: Iterable[Job]) -> PlanState:
+    """``state`` with ``jobs`` queued behind the others."""
+    added = tuple(jobs)
+    reserves = {**state.reserves, **{j.uid: j.reserve for j in added}}
+    return replace(state, queue=state.queue + added, reserves=reserves)
+
+
+def drop(state: PlanState, uids: Iterable[int]) -> PlanState:
+    """``state`` without the requests ``uids`` (queued, in flight or ready); their in-flight chunks are dropped."""
+    gone = set(uids)
+    if not gone:
+        return state
+    head_dropped = bool(state.queue) and state.queue[0].uid in gone
+    return replace(
+        state,
+        queue=tuple(j for j in state.queue if j.uid not in gone),
+        started=0 if head_dropped else state.started,
+        inflight=tuple(None if c is not None and c.uid in gone else c for c in state.inflight),
+        ready=tuple(u for u in state.ready if u not in gone),
+        reserves={u: r for u, r in state.reserves.items() if u not in gone},
+    )
+
+
+def plan_tick(
+    state: PlanState,
+    decoding: Sequence[int],
+    chunk_tokens: int,
+    lone_chunk_tokens: int | None = None,
+    admission: Admission | None = None,
+) -> tuple[Tick, PlanState]:
+    """The next tick and the state after it.
+
+    ``decoding``: the reservations (positions) of the requests in the decode
+    batch before the tick's joins. Rank 0 takes the next ``chunk_tokens``
+    positions of the first queued request (``lone_chunk_tokens`` when no
+    request decodes or joins in the tick: a lone prompt is prefilled in
+    larger chunks); rank ``r`` computes what rank ``r - 1`` computed in the
+    last tick. A request starts only when ``admission`` admits it together with
+    everything decoding and prefilling; requests start in order, so one that
+    waits holds back those behind it. A request with no positions to prefill
+    is ready at once. Pure: the same arguments give the same tick everywhere.
+    """
+    if chunk_tokens < 1 or (lone_chunk_tokens is not None and lone_chunk_tokens < 1):
+        raise ValueError(f"chunk sizes must be >= 1, got {chunk_tokens} and {lone_chunk_tokens}")
+    joins = state.ready
+    rows = len(decoding) + len(joins)
+    size = chunk_tokens if rows or lone_chunk_tokens is None else lone_chunk_tokens
+    queue, started = list(state.queue), state.started
+    ready: list[int] = []
+    committed = [*decoding, *(state.reserves.get(u, 0) for u in _in_pipeline(state))]
+    first: Chunk | None = None
+    while queue and first is None:
+        job = queue[0]
+        if not started:
+            if admission is not None and not admission.fits([*committed, job.reserve]):
+                break
+            committed.append(job.reserve)
+        if job.positions == 0:
+            ready.append(job.uid)
+            queue.pop(0)
+            started = 0
+            continue
+        stop = min(job.positions, started + size)
+        first = Chunk(job.uid, started, stop, stop == job.positions)
+        if first.last:
+            queue.pop(0)
+            started = 0
+        else:
+            started = stop
+    chunks = (first, *state.inflight)
+    done = chunks[-1]
+    completes = (done.uid,) if done is not None and done.last else ()
+    if state.world_size == 1:
+        chunks = (first,)
+    tick = Tick(state.tick, joins, chunks, completes)
+    after = PlanState(
+        world_size=state.world_size,
+        queue=tuple(queue),
+        started=started,
+        inflight=chunks[:-1],
+        ready=(*ready, *completes),
+        tick=state.tick + 1,
+        reserves={u: r for u, r in state.reserves.items() if u not in joins},
+    )
+    return tick, after
+
+
+def _in_pipeline(state: PlanState) -> list[int]:
+    """Requests admitted and not yet decoding: ready, in flight, or the started head of the queue."""
+    return list(state.prefilling)

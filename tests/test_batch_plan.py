@@ -1,0 +1,190 @@
+"""The tick schedule of continuous batching (pipemlx.schedule.batch_plan), checked by itself and simulated.
+
+Random arrivals, prompt lengths, decode lengths and cancellations at random ticks are driven through
+plan_tick exactly as pipemlx.BatchGenerator drives it; then every rank's messages run through the batch
+simulator with rendezvous sends (no buffering at all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipemlx.schedule.batch_plan import Admission, Chunk, Job, PlanState, Tick, drop, enqueue, plan_tick
+from pipemlx.schedule.batch_sim import Op, run_ticks, tick_ops
+
+
+@dataclass
+class Run:
+    """The record of one driven schedule."""
+
+    ticks: list[Tick] = field(default_factory=list[Tick])
+    rows: list[int] = field(default_factory=list[int])
+    joined: dict[int, int] = field(default_factory=dict[int, int])  # uid -> tick it joined
+    cancelled: set[int] = field(default_factory=set[int])
+    peaks: list[list[int]] = field(default_factory=list[list[int]])  # reservations committed per tick
+
+
+@dataclass(frozen=True)
+class Scenario:
+    world_size: int
+    chunk: int
+    lone: int | None
+    arrivals: list[tuple[int, int, int]]  # (tick, positions, decode tokens)
+    cancels: list[tuple[int, int]]  # (tick, index of an arrival)
+    budget: int | None
+
+
+scenarios = st.builds(
+    Scenario,
+    world_size=st.integers(1, 4),
+    chunk=st.integers(1, 12),
+    lone=st.none() | st.integers(1, 24),
+    arrivals=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=6),
+    cancels=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), max_size=3),
+    budget=st.none() | st.integers(50, 200),
+)
+
+
+def drive(s: Scenario, limit: int = 400) -> Run:
+    """Drive plan_tick the way BatchGenerator does; decoding requests leave after their decode tokens."""
+    state = PlanState(s.world_size)
+    admission = None if s.budget is None else Admission((1,) * s.world_size, (s.budget,) * s.world_size)
+    run = Run()
+    decoding: dict[int, list[int]] = {}  # uid -> [reserve, tokens left]
+    jobs = {i: Job(i, positions, positions + 1 + tokens) for i, (_, positions, tokens) in enumerate(s.arrivals)}
+    for t in range(limit):
+        state = enqueue(state, [jobs[i] for i, a in enumerate(s.arrivals) if a[0] == t])
+        gone = {i for at, i in s.cancels if at == t and i < len(s.arrivals) and s.arrivals[i][0] <= t}
+        gone -= run.cancelled | {u for u in run.joined if u not in decoding}
+        if gone:
+            state = drop(state, gone)
+            run.cancelled |= gone
+            for uid in gone:
+                decoding.pop(uid, None)
+        pending = t <= max(a[0] for a in s.arrivals)
+        if state.idle() and not decoding:
+            if not pending:
+                break
+            continue
+        tick, state = plan_tick(state, [r for r, _ in decoding.values()], s.chunk, s.lone, admission)
+        for uid in tick.joins:
+            assert uid not in run.joined, f"request {uid} joins twice"
+            run.joined[uid] = tick.index
+            decoding[uid] = [jobs[uid].reserve, s.arrivals[uid][2]]
+        run.peaks.append([r for r, _ in decoding.values()] + [state.reserves.get(u, 0) for u in state.prefilling])
+        run.ticks.append(tick)
+        run.rows.append(len(decoding))
+        for uid in list(decoding):
+            decoding[uid][1] -= 1
+            if decoding[uid][1] == 0:
+                del decoding[uid]
+    else:
+        pytest.fail(f"the schedule did not finish in {limit} ticks: {state}")
+    return run
+
+
+def computed(run: Run, rank: int) -> dict[int, list[Chunk]]:
+    chunks: dict[int, list[Chunk]] = {}
+    for tick in run.ticks:
+        chunk = tick.chunks[rank]
+        if chunk is not None:
+            chunks.setdefault(chunk.uid, []).append(chunk)
+    return chunks
+
+
+@settings(deadline=None)
+@given(scenarios)
+def test_every_position_is_prefilled_once_in_order_on_every_rank(s: Scenario) -> None:
+    run = drive(s)
+    for rank in range(s.world_size):
+        per_request = computed(run, rank)
+        for uid, chunks in per_request.items():
+            starts = [c.start for c in chunks]
+            stops = [c.stop for c in chunks]
+            assert starts == [0, *stops[:-1]], f"rank {rank}, request {uid}: chunks not contiguous: {chunks}"
+            assert all(c.length > 0 for c in chunks)
+            assert [c.last for c in chunks].count(True) <= 1 and (
+                not chunks[-1].last or stops[-1] == s.arrivals[uid][1]
+            )
+        for uid, (_, positions, _) in enumerate(s.arrivals):
+            if uid in run.joined:
+                done = per_request.get(uid, [])
+                assert sum(c.length for c in done) == positions, f"rank {rank}, request {uid}: {done}"
+
+
+@settings(deadline=None)
+@given(scenarios)
+def test_chunks_travel_the_ranks_one_tick_apart_and_requests_join_after_the_last_rank(s: Scenario) -> None:
+    run = drive(s)
+    for t, tick in enumerate(run.ticks[1:], start=1):
+        for rank in range(1, s.world_size):
+            chunk = tick.chunks[rank]
+            if chunk is not None:
+                assert run.ticks[t - 1].chunks[rank - 1] == chunk, (t, rank, chunk)
+    last = s.world_size - 1
+    for uid, joined in run.joined.items():
+        if s.arrivals[uid][1]:
+            finished = [k.index for k in run.ticks if (c := k.chunks[last]) and c.uid == uid and c.last]
+            assert finished == [joined - 1], (uid, finished, joined)
+    # No request lost or duplicated: every request joins once or was cancelled, never both.
+    for uid in range(len(s.arrivals)):
+        assert (uid in run.joined) or (uid in run.cancelled), f"request {uid} was lost"
+
+
+@settings(deadline=None)
+@given(scenarios)
+def test_the_ranks_messages_run_through_without_buffering(s: Scenario) -> None:
+    run = drive(s)
+    programs: list[list[Op]] = [
+        [op for tick, rows in zip(run.ticks, run.rows) for op in tick_ops(tick, rows, r, s.world_size)]
+        for r in range(s.world_size)
+    ]
+    assert run_ticks(programs, capacity=0) == []
+
+
+@settings(deadline=None)
+@given(scenarios.filter(lambda s: s.budget is not None))
+def test_admitted_requests_always_fit_the_budget(s: Scenario) -> None:
+    run = drive(s)
+    assert s.budget is not None
+    for reserves in run.peaks:  # decoding and admitted requests after each tick's decisions (left-padded batch)
+        assert not reserves or len(reserves) * max(reserves) <= s.budget, reserves
+
+
+def test_the_simulator_finds_a_swapped_order_and_a_missing_receive() -> None:
+    tick = Tick(0, (), (Chunk(0, 0, 4, True), None), ())
+    good = [tick_ops(tick, 2, r, 2) for r in range(2)]
+    assert run_ticks(good) == []
+    receives = [op for op in good[1] if op.kind == "recv"]
+    assert [op.what[0] for op in receives] == ["decode", "chunk"]
+    swapped = [good[0], [receives[1], receives[0], *(op for op in good[1] if op.kind != "recv")]]
+    assert any("receives" in p for p in run_ticks(swapped))
+    missing = [good[0], [op for op in good[1] if op.kind != "recv" or op.what[0] != "chunk"]]
+    assert any("deadlock" in p for p in run_ticks(missing))
+
+
+def test_requests_wait_for_memory_in_order() -> None:
+    state = enqueue(PlanState(2), [Job(0, 4, 60), Job(1, 4, 60), Job(2, 0, 10)])
+    admission = Admission((1, 2), (1000, 200))  # rank 1: 2 bytes per position, 200 bytes: 100 positions
+    tick, state = plan_tick(state, [], 8, None, admission)
+    assert tick.chunks[0] == Chunk(0, 0, 4, True)
+    tick, state = plan_tick(state, [], 8, None, admission)
+    assert tick.chunks[0] is None, "request 1 does not fit beside request 0 (2 x 60 positions on rank 1)"
+    assert state.queue[0].uid == 1, "and request 2, behind it, waits too"
+    tick, state = plan_tick(state, [60], 8, None, admission)
+    assert tick.joins == (0,) and tick.chunks[0] is None
+    tick, state = plan_tick(state, [], 8, None, admission)  # request 0 has finished
+    assert tick.chunks[0] == Chunk(1, 0, 4, True)
+
+
+def test_bad_plan_arguments() -> None:
+    with pytest.raises(ValueError, match="chunk sizes"):
+        plan_tick(PlanState(2), [], 0)
+    with pytest.raises(ValueError, match="positions"):
+        Job(0, -1)
+    with pytest.raises(ValueError, match="world_size"):
+        PlanState(0)
