@@ -3,9 +3,10 @@
 Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
 the pipeline up and greets the others (:mod:`.broadcast`); then rank 0 serves
 HTTP (:mod:`.app`) and runs requests one at a time (:class:`.engine.Leader`),
-and every other rank follows the requests rank 0 broadcasts
-(:class:`.engine.Follower`). Requests reuse the KV caches of earlier ones
-(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+or up to ``--max-concurrency`` of them batched together
+(:class:`.batching.BatchLeader`), and every other rank follows the requests or
+batch steps rank 0 broadcasts (:class:`.engine.Follower`). Requests reuse the
+KV caches of earlier ones (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
 uvicorn) on rank 0; :func:`missing_packages` says what is missing.
@@ -104,7 +105,16 @@ def run_rank(options: RankOptions) -> int:
 def _follow(engine: Engine, settings: ServeSettings) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     try:
-        return Follower(engine, settings).serve()
+        batch = None
+        if settings.max_concurrency > 1:
+            from .batching import BatchRunner, decode_ops
+
+            runner = BatchRunner(engine)
+
+            def batch(payload: list[int]) -> object:
+                return runner.apply(decode_ops(payload))
+
+        return Follower(engine, settings, batch).serve()
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
         print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
@@ -114,7 +124,12 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
     from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
 
     settings = options.settings
-    leader = Leader(engine, settings)
+    if settings.max_concurrency > 1:
+        from .batching import BatchLeader
+
+        leader: Leader = BatchLeader(engine, settings)
+    else:
+        leader = Leader(engine, settings)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(leader, tokenizer, settings, context)
     http = HttpThread(api.app(), options.host, options.port)
@@ -138,6 +153,7 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
         f"{settings.model_id}: {sum(split)} layers on {len(split)} rank{'s' if len(split) > 1 else ''} "
         f"({describe_ranks(split)}); prefix cache {settings.prefix_cache_mb:g} MB ({prefix.budget_tokens} tokens); "
         f"context {context or 'unlimited'}; queue {settings.max_queue}"
+        + (f"; up to {settings.max_concurrency} requests batched" if settings.max_concurrency > 1 else "")
     )
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
     try:
