@@ -256,6 +256,7 @@ class BatchLeader(Leader):
             insert = Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed)
             self.running[job.seq] = Running(job, LeaderConsumer(job, engine.tokenizer, self), insert)
             inserts.append(insert)
+        self.peak_running = max(self.peak_running, running + len(inserts))
         return inserts
 
     def _step(self, ops: Ops) -> None:

@@ -344,6 +344,7 @@ class Leader:
         self.fault: str | None = None
         self.stopping = threading.Event()
         self.active: Job | None = None
+        self.peak_running = 0  # the most requests that ran at once
         self.seq = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.recent: list[dict[str, Any]] = []
@@ -405,6 +406,8 @@ class Leader:
             "queue": {"waiting": self.queue.qsize(), "max": self.settings.max_queue},
             "active": None if not active else _job_status(active[0]),
             "running": [_job_status(job) for job in active],
+            "max_concurrency": self.settings.max_concurrency,
+            "peak_running": self.peak_running,
             "requests": dict(self.counts),
             "recent": list(self.recent),
             "prefix_cache": None
@@ -483,6 +486,7 @@ class Leader:
         self.seq += 1
         job.seq = self.seq
         self.active = job
+        self.peak_running = max(self.peak_running, 1)
         plan = engine.prefix.plan(job.tokens) if engine.prefix.budget_tokens > 0 else Plan()
         job.cached = plan.reuse
         new_tokens = len(job.tokens) - plan.reuse
