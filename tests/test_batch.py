@@ -81,6 +81,32 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs() -> None:
     assert report["left"] == 0
 
 
+PREFIXED: list[dict[str, Any]] = [
+    {"M": 9, "max_tokens": 8, "insert_at": 0},
+    {"M": 33, "max_tokens": 7, "insert_at": 0},  # 16 positions reused, 17 inserted
+    {"M": 25, "max_tokens": 6, "insert_at": 2},  # 24 positions reused: only its last token is inserted
+    {"M": 12, "max_tokens": 6, "insert_at": 3},  # 8 reused, joining while the others decode
+]
+
+
+def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts() -> None:
+    spec = {
+        "requests": PREFIXED,
+        "remove": [],
+        "steps": 12,
+        "step_size": 8,
+        "prefixes": {"1": 16, "2": 24, "3": 8},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    assert reports[1]["tokens"] == reports[0]["tokens"], "ranks disagree"
+    report = reports[0]
+    solo = report["solo"]
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        assert tokens == solo[i] and finish == "length", (i, tokens, solo[i])
+    assert report["left"] == 0
+
+
 def test_a_killed_rank_fails_the_batch_on_the_survivor() -> None:
     spec = {
         "requests": REQUESTS[:2],
@@ -109,6 +135,10 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
         engine.insert([[1, 2], []])
     with pytest.raises(ValueError, match="as many max_tokens"):
         engine.insert([[1, 2], [3]], max_tokens=[4])
+    with pytest.raises(ValueError, match="as many max_tokens, samplers and caches"):
+        engine.insert([[1, 2]], caches=[None, None])
+    with pytest.raises(ValueError, match=r"caches\[0\] must be a list of 3 layer caches"):
+        engine.insert([[1, 2]], caches=[[]])
     with pytest.raises(ValueError, match="max_tokens"):
         engine.insert([[1, 2]], max_tokens=0)
     assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]

@@ -50,7 +50,7 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 
 from ..errors import PipelineMismatchError
 from .agreement import STATUS_OK
-from .caches import cache_state
+from .caches import cache_offset, cache_state
 from .prefill import check_timeout, pipeline_prefill
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
@@ -84,6 +84,7 @@ class _Sequence:
     prompt: list[int]
     max_tokens: int
     sampler: Sampler | None
+    prefix: int = 0  # positions the caller's cache already held at insert (a reused prefix)
     generated: int = 0
     filled: int = 0  # prompt positions prefilled into ``cache`` so far
     cache: list[Any] | None = None
@@ -168,13 +169,23 @@ class BatchGenerator:
         prompts: Sequence[Sequence[int]],
         max_tokens: Sequence[int] | int | None = None,
         samplers: Sequence[Sampler | None] | None = None,
+        caches: Sequence[list[Any] | None] | None = None,
     ) -> list[int]:
         """Queue ``prompts`` (token ids); return their uids. Nothing is sent: the next :meth:`next` prefills them.
 
         ``max_tokens`` is one int for all or one per prompt (default: the
         generator's); ``samplers`` one per prompt (``None`` entries: the
-        default). Raises ``ValueError`` for an empty prompt or a bad count,
-        on every rank alike, before anything changes.
+        default). ``caches`` reuses prefixes per request: ``caches[i]`` is
+        ``None`` or a per-layer list of mlx-lm caches of this rank's local
+        layers (``make_prompt_cache(model)`` on the sharded model) that
+        already holds a prefix of request ``i``; ``prompts[i]`` is then only
+        the tokens not yet in it (at least one: the last prompt token feeds
+        the first decode step). The generator takes the cache over (it is
+        extended, merged into the batch and not handed back); every rank must
+        pass caches holding the same number of positions. Tokens then equal a
+        solo run of the whole prompt. Raises ``ValueError`` for an empty
+        prompt, a bad count or a cache that does not fit the model, on every
+        rank alike, before anything changes.
         """
         count = len(prompts)
         limits = (
@@ -185,10 +196,15 @@ class BatchGenerator:
             else list(max_tokens)
         )
         chosen: list[Sampler | None] = [None] * count if samplers is None else list(samplers)
-        if len(limits) != count or len(chosen) != count:
+        given: list[list[Any] | None] = [None] * count if caches is None else list(caches)
+        if len(limits) != count or len(chosen) != count or len(given) != count:
             raise ValueError(
-                f"{count} prompts need as many max_tokens and samplers, got {len(limits)} and {len(chosen)}"
+                f"{count} prompts need as many max_tokens, samplers and caches, "
+                f"got {len(limits)}, {len(chosen)} and {len(given)}"
             )
+        for i, cache in enumerate(given):
+            if cache is not None:
+                self._check_cache(i, cache)
         tokens = [[int(t) for t in p] for p in prompts]
         for i, (prompt, limit) in enumerate(zip(tokens, limits)):
             if not prompt:
@@ -196,9 +212,23 @@ class BatchGenerator:
             _check_max_tokens(limit)
         uids = list(range(self._next_uid, self._next_uid + count))
         self._next_uid += count
-        for uid, prompt, limit, sampler in zip(uids, tokens, limits, chosen):
-            self._queued.append(_Sequence(uid, prompt, limit, sampler))
+        for uid, prompt, limit, sampler, cache in zip(uids, tokens, limits, chosen, given):
+            prefix = 0 if cache is None else cache_offset(cache)
+            self._queued.append(_Sequence(uid, prompt, limit, sampler, prefix=prefix, cache=cache))
         return uids
+
+    def _check_cache(self, index: int, cache: object) -> None:
+        """Raise ``ValueError`` unless ``cache`` is one batchable mlx-lm cache per local layer."""
+        layers = len(self.stage.layers)
+        if not isinstance(cache, list) or len(cast(list[Any], cache)) != layers:
+            raise ValueError(
+                f"caches[{index}] must be a list of {layers} layer caches ({self.stage.describe()}), made with "
+                "mlx_lm.models.cache.make_prompt_cache(model) on the sharded model"
+            )
+        entries = cast(list[Any], cache)
+        if any(not hasattr(c, "merge") for c in entries):
+            kinds = sorted({type(c).__name__ for c in entries})
+            raise ValueError(f"caches[{index}] holds caches mlx-lm cannot batch: {kinds}")
 
     def remove(self, uids: Iterable[int]) -> None:
         """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
@@ -299,6 +329,7 @@ class BatchGenerator:
         value = 0
         for s in self._active:
             value = (value * 1_000_003 + s.uid + 1) % FINGERPRINT_MODULUS
+            value = (value * 1_000_003 + s.prefix) % FINGERPRINT_MODULUS
         return value
 
     def _step(self) -> list[int]:

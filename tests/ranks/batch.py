@@ -2,10 +2,12 @@
 
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
 "step_size", "prefill_budget",
-"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null}. Step s inserts every request with insert_at == s, removes request
+"kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P}}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
+"prefixes", request i's first P tokens are prefilled (pipemlx.pipeline_prefill) into a cache of its own
+before it is inserted, and only the rest of its prompt is inserted, with that cache. With
 "kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
@@ -27,6 +30,15 @@ from pipemlx.testing import build_model, tiny_config
 
 def prompt_of(length: int) -> list[int]:
     return mx.random.randint(0, 256, (length,), key=mx.random.key(length)).tolist()  # pyright: ignore[reportReturnType]
+
+
+def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: int) -> list[Any] | None:
+    """A cache holding the first ``length`` positions of ``prompt`` (None for no prefix)."""
+    if not length:
+        return None
+    cache = make_prompt_cache(model)
+    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, step_size=step_size)
+    return cache
 
 
 def main() -> None:
@@ -56,6 +68,7 @@ def main() -> None:
         timeout=spec.get("timeout"),
         stop_tokens=stops,
     )
+    prefixes: dict[str, int] = spec.get("prefixes", {})
     uid_of: dict[int, int] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
@@ -66,7 +79,12 @@ def main() -> None:
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
         if arriving:
-            uids = engine.insert([prompts[i] for i in arriving], [requests[i]["max_tokens"] for i in arriving])
+            caches = [reused_cache(model, prompts[i], prefixes.get(str(i)), spec["step_size"]) for i in arriving]
+            uids = engine.insert(
+                [prompts[i][prefixes.get(str(i), 0) :] for i in arriving],
+                [requests[i]["max_tokens"] for i in arriving],
+                caches=caches,
+            )
             uid_of.update(zip(uids, arriving))
         for removal in spec["remove"]:
             if removal["at"] == step:
