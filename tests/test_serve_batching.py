@@ -241,3 +241,33 @@ def test_a_killed_follower_fails_every_request_in_flight_and_the_server_exits() 
     finally:
         process.close()
 
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_batched_requests_reuse_the_prefix_cache(server: ServeProcess, client: openai.OpenAI, ref: Reference) -> None:
+    """A batched request's prompt is kept for later ones: three concurrent follow-ups prefill only what is new."""
+    system = {"role": "system", "content": "Netherfield Park is let at last, said Mrs. Bennet to her husband."}
+    first = [system, {"role": "user", "content": "Who has taken it?"}]
+    prompt1 = ref.chat_tokens(first)
+    answer = chat(client, first, max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content == ref.answer(prompt1, 8)
+    questions = ["Is he married or single?", "What is his name?", "How can it affect them?"]
+
+    def follow_up(question: str) -> Any:
+        return chat(client, [system, {"role": "user", "content": question}], max_tokens=12, temperature=0)
+
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(follow_up, questions))
+    for question, reply in zip(questions, replies):
+        prompt = ref.chat_tokens([system, {"role": "user", "content": question}])
+        assert reply.choices[0].message.content == ref.answer(prompt, 12), question  # equals a cold run
+        # The first request's prompt (all but its last token, which fed the first decode step) was kept.
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        assert cached >= common_prefix(prompt1[:-1], prompt) > len(ref.chat_tokens([system])) // 2, (question, cached)
+        assert cached <= len(prompt) - 1

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineMismatchError
 from ..runtime.batch import BatchGenerator, Response, Sampler
+from ..runtime.caches import cache_offset
 from .broadcast import IDLE, OUTCOMES, SHUTDOWN, STEP, bits_float, checksum, float_bits
 from .engine import (
     TICK,
@@ -132,6 +135,17 @@ def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | No
     return sample
 
 
+def _share_entries(inserts: list[Insert]) -> list[Insert]:
+    """Inserts of one step that start from the same prefix-cache entry copy it (none may take it from another)."""
+    uses: dict[int, int] = {}
+    for i in inserts:
+        uses[i.plan.entry] = uses.get(i.plan.entry, 0) + 1
+    return [
+        replace(i, plan=replace(i.plan, copy=True)) if i.plan.entry >= 0 and uses[i.plan.entry] > 1 else i
+        for i in inserts
+    ]
+
+
 class BatchRunner:
     """Every rank's :class:`pipemlx.BatchGenerator`, driven by the broadcast operations.
 
@@ -155,29 +169,54 @@ class BatchRunner:
         self.uids: dict[int, int] = {}  # request number -> the generator's uid
         self.seqs: dict[int, int] = {}
         self.lengths: dict[int, int] = {}  # request number -> prompt + generated tokens so far
+        self.prompts: dict[int, tuple[list[int], list[Any]]] = {}  # prompts not yet stored in the prefix cache
 
     def apply(self, ops: Ops) -> list[tuple[int, Response]]:
-        """Remove, insert, then one :meth:`~pipemlx.BatchGenerator.next`; every response with its request number."""
+        """Remove, insert, then one :meth:`~pipemlx.BatchGenerator.next`; every response with its request number.
+
+        Each insert starts from its planned prefix-cache entry (checked out
+        before anything is stored in this step, so the plans rank 0 made still
+        hold) and is prefilled from the first token the entry lacks. Once a
+        request's prompt is in its cache (its first token arrives), or when it
+        is removed while its prompt is still being prefilled, the cache it was
+        prefilled in is stored in the prefix cache, on every rank alike.
+        """
+        engine = self.engine
+        caches = [engine.prefix.checkout(i.plan, lambda: make_prompt_cache(engine.model)) for i in ops.inserts]
         gone = [seq for seq in ops.removes if seq in self.uids]
         self.generator.remove([self.uids[seq] for seq in gone])
         for seq in gone:
+            self._keep_prompt(seq)
             self._forget(seq, "cancelled")
         if ops.inserts:
             uids = self.generator.insert(
-                [i.tokens for i in ops.inserts],
+                [i.tokens[i.plan.reuse :] for i in ops.inserts],
                 max_tokens=[i.max_tokens for i in ops.inserts],
                 samplers=[request_sampler(i.temperature, i.top_p, i.seed) for i in ops.inserts],
+                caches=caches,
             )
-            for insert, uid in zip(ops.inserts, uids):
+            for insert, uid, cache in zip(ops.inserts, uids, caches):
                 self.uids[insert.seq] = uid
                 self.seqs[uid] = insert.seq
                 self.lengths[insert.seq] = len(insert.tokens)
+                self.prompts[insert.seq] = (insert.tokens, cache)
         responses = [(self.seqs[r.uid], r) for r in self.generator.next()]
         for seq, response in responses:
             self.lengths[seq] += 1
+            self._keep_prompt(seq)
             if response.finish_reason is not None:
                 self._forget(seq, response.finish_reason)
         return responses
+
+    def _keep_prompt(self, seq: int) -> None:
+        """Store the positions of request ``seq``'s prompt that its own cache holds (once, the first time)."""
+        kept = self.prompts.pop(seq, None)
+        if kept is None or self.engine.prefix.budget_tokens <= 0:
+            return
+        tokens, cache = kept
+        offset = cache_offset(cache)
+        if 0 < offset < len(tokens):
+            self.engine.prefix.store(tokens[:offset], cache)
 
     def prefilled(self, seq: int) -> int:
         """Prompt positions of a request still being prefilled (0 otherwise)."""
@@ -242,6 +281,7 @@ class BatchLeader(Leader):
         engine = self.engine
         assert engine is not None
         inserts: list[Insert] = []
+        jobs: dict[int, Job] = {}
         while running + len(inserts) < self.settings.max_concurrency:
             job = self._next_job(wait)
             wait = 0.0
@@ -249,13 +289,18 @@ class BatchLeader(Leader):
                 break
             self.seq += 1
             job.seq = self.seq
+            jobs[job.seq] = job
             job.phase = "prefill"
             seed = job.seed
             if seed is None:
                 seed = random.randrange(1 << 31) if job.temperature > 0 else -1
-            insert = Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed)
-            self.running[job.seq] = Running(job, LeaderConsumer(job, engine.tokenizer, self), insert)
-            inserts.append(insert)
+            plan = engine.prefix.plan(job.tokens) if engine.prefix.budget_tokens > 0 else Plan()
+            job.cached = plan.reuse
+            inserts.append(Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan))
+        inserts = _share_entries(inserts)
+        for insert in inserts:
+            job = jobs[insert.seq]
+            self.running[insert.seq] = Running(job, LeaderConsumer(job, engine.tokenizer, self), insert)
         self.peak_running = max(self.peak_running, running + len(inserts))
         return inserts
 
