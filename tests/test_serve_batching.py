@@ -242,7 +242,6 @@ def test_a_killed_follower_fails_every_request_in_flight_and_the_server_exits() 
         process.close()
 
 
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:

@@ -12,8 +12,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
 from pipemlx.errors import PipelineMismatchError
-from pipemlx.serve.batching import Insert, Ops, _share_entries, decode_ops, encode_ops, request_sampler  # pyright: ignore[reportPrivateUsage]
-
+from pipemlx.serve.batching import Insert, Ops, decode_ops, encode_ops, request_sampler, share_entries
 from pipemlx.serve.broadcast import BASE_FIELDS, REQUEST, SLOT_FIELDS, Channel, bits_float, checksum, float_bits
 from pipemlx.serve.prefix_cache import Plan, PrefixCache
 from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
@@ -212,7 +211,7 @@ def test_inserts_of_one_step_sharing_an_entry_copy_it() -> None:
     def insert(seq: int, entry: int, copy: bool) -> Insert:
         return Insert(seq, [1, 2, 3], 4, 0.0, 1.0, -1, Plan(entry, 2, copy))
 
-    shared = _share_entries([insert(1, 5, False), insert(2, 5, False), insert(3, 6, False), insert(4, -1, False)])
+    shared = share_entries([insert(1, 5, False), insert(2, 5, False), insert(3, 6, False), insert(4, -1, False)])
     assert [i.plan.copy for i in shared] == [True, True, False, False]
     assert [i.plan.entry for i in shared] == [5, 5, 6, -1] and [i.seq for i in shared] == [1, 2, 3, 4]
 

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -105,15 +106,16 @@ def run_rank(options: RankOptions) -> int:
 def _follow(engine: Engine, settings: ServeSettings) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     try:
-        batch = None
+        batch: Callable[[list[int]], object] | None = None
         if settings.max_concurrency > 1:
             from .batching import BatchRunner, decode_ops
 
             runner = BatchRunner(engine)
 
-            def batch(payload: list[int]) -> object:
+            def step(payload: list[int]) -> object:
                 return runner.apply(decode_ops(payload))
 
+            batch = step
         return Follower(engine, settings, batch).serve()
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
         print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

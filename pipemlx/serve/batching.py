@@ -135,7 +135,7 @@ def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | No
     return sample
 
 
-def _share_entries(inserts: list[Insert]) -> list[Insert]:
+def share_entries(inserts: list[Insert]) -> list[Insert]:
     """Inserts of one step that start from the same prefix-cache entry copy it (none may take it from another)."""
     uses: dict[int, int] = {}
     for i in inserts:
@@ -297,7 +297,7 @@ class BatchLeader(Leader):
             plan = engine.prefix.plan(job.tokens) if engine.prefix.budget_tokens > 0 else Plan()
             job.cached = plan.reuse
             inserts.append(Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan))
-        inserts = _share_entries(inserts)
+        inserts = share_entries(inserts)
         for insert in inserts:
             job = jobs[insert.seq]
             self.running[insert.seq] = Running(job, LeaderConsumer(job, engine.tokenizer, self), insert)
