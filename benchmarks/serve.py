@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip", action="append", default=[], choices=["mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"]
     )
     parser.add_argument(
-        "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[4, 8], help="concurrent clients (4,8)"
+        "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8], help="concurrent clients (1,4,8)"
     )
     parser.add_argument("--concurrent-tokens", type=int, default=64, help="tokens per concurrent client (64)")
     parser.add_argument("--json", type=Path, help="also write the figures here")

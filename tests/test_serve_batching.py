@@ -188,8 +188,10 @@ def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     assert "argument --max-concurrency: must be at least 1, got 0" in capsys.readouterr().err
 
 
-def test_a_killed_follower_fails_every_request_in_flight_and_the_server_exits() -> None:
-    """Rank 1 dies while three streams decode together and one waits: every client gets a 503, the server exits."""
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
+def test_a_lost_follower_fails_every_request_in_flight_and_the_server_exits(fault: str) -> None:
+    """Rank 1 dies (SIGKILL) or stalls (SIGSTOP) while three streams decode together and one waits: every client
+    gets a 503, the server exits."""
     grace = 2.0
     process = ServeProcess("--max-concurrency", "3", "--fault-grace", str(grace), "--timeout", "4")
     try:
@@ -220,7 +222,8 @@ def test_a_killed_follower_fails_every_request_in_flight_and_the_server_exits() 
         )
         waiter.start()
         process.wait_for("the fourth request to wait", lambda: process.health()["queue"]["waiting"] == 1)
-        os.kill(process.rank_pids[1], signal.SIGKILL)
+        os.kill(process.rank_pids[1], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        expected = "PeerLostError" if fault == "killed" else "PipelineTimeoutError"
 
         for thread in [*readers, waiter]:
             thread.join(30.0)
@@ -228,17 +231,23 @@ def test_a_killed_follower_fails_every_request_in_flight_and_the_server_exits() 
         for lines in streams:
             assert lines[-1] == "data: [DONE]", lines[-3:]
             error = json.loads(lines[-2][len("data: ") :])["error"]
-            assert error["code"] == "pipeline_unavailable" and "PeerLostError" in error["message"], error
+            assert error["code"] == "pipeline_unavailable" and expected in error["message"], error
         assert queued[0].status_code == 503 and queued[0].json()["error"]["code"] == "pipeline_unavailable"
         health = httpx.get(url + "/health", timeout=10.0)
-        assert health.status_code == 503 and "PeerLostError" in health.json()["last_fault"]
+        assert health.status_code == 503 and expected in health.json()["last_fault"]
         assert process.proc.wait(grace + 30.0) == 1
         last = process.stderr().strip().splitlines()[-1]
-        assert last.startswith("pipemlx serve: exiting after a pipeline fault: PeerLostError in batch step"), last
+        assert last.startswith(f"pipemlx serve: exiting after a pipeline fault: {expected} in batch step"), last
     except BaseException:
         print(process.stderr()[-6000:])
         raise
     finally:
+        if fault == "stalled":
+            for pid in process.rank_pids[1:]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         process.close()
 
 
