@@ -28,6 +28,7 @@ from typing import Any, cast
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
+from .batching import BatchLeader, BatchRunner
 from .engine import Engine, Follower, Leader, ServeSettings, describe_ranks, log
 
 SERVE_PACKAGES = ("starlette", "uvicorn")
@@ -98,40 +99,35 @@ def run_rank(options: RankOptions) -> int:
             f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
         )
         os._exit(1)
+    runner: BatchRunner | None = None
+    if settings.max_concurrency > 1:
+        try:
+            runner = BatchRunner(engine)
+        except TypeError as exc:  # the same model on every rank: every rank says so and exits
+            print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
+            os._exit(2)
     if rank != 0:
-        return _follow(engine, settings)
-    return _lead(engine, tokenizer, options)
+        return _follow(engine, settings, runner)
+    return _lead(engine, tokenizer, options, runner)
 
 
-def _follow(engine: Engine, settings: ServeSettings) -> int:
+def _follow(engine: Engine, settings: ServeSettings, runner: BatchRunner | None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     try:
         batch: Callable[[list[int]], object] | None = None
-        if settings.max_concurrency > 1:
-            from .batching import BatchRunner, decode_ops
-
-            runner = BatchRunner(engine)
-
-            def step(payload: list[int]) -> object:
-                return runner.apply(decode_ops(payload))
-
-            batch = step
+        if runner is not None:
+            batch = runner.apply_payload
         return Follower(engine, settings, batch).serve()
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
         print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
+def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRunner | None) -> int:
     from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
 
     settings = options.settings
-    if settings.max_concurrency > 1:
-        from .batching import BatchLeader
-
-        leader: Leader = BatchLeader(engine, settings)
-    else:
-        leader = Leader(engine, settings)
+    leader = Leader(engine, settings) if runner is None else BatchLeader(engine, settings, runner)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(leader, tokenizer, settings, context)
     http = HttpThread(api.app(), options.host, options.port)

@@ -155,6 +155,7 @@ class BatchRunner:
     """
 
     def __init__(self, engine: Engine) -> None:
+        """Raises ``TypeError`` (on every rank alike) when mlx-lm cannot batch this model's layer caches."""
         self.engine = engine
         settings = engine.settings
         step = settings.step_size if isinstance(settings.step_size, int) else DEFAULT_STEP
@@ -218,6 +219,10 @@ class BatchRunner:
         if 0 < offset < len(tokens):
             self.engine.prefix.store(tokens[:offset], cache)
 
+    def apply_payload(self, payload: list[int]) -> list[tuple[int, Response]]:
+        """:meth:`apply` on operations as they arrive from the broadcast (:func:`decode_ops`)."""
+        return self.apply(decode_ops(payload))
+
     def prefilled(self, seq: int) -> int:
         """Prompt positions of a request still being prefilled (0 otherwise)."""
         uid = self.uids.get(seq)
@@ -247,9 +252,9 @@ class Running:
 class BatchLeader(Leader):
     """Rank 0 with ``--max-concurrency`` above 1: up to N requests in one batch, the rest wait in the queue."""
 
-    def __init__(self, engine: Engine, settings: ServeSettings) -> None:
+    def __init__(self, engine: Engine, settings: ServeSettings, runner: BatchRunner) -> None:
         super().__init__(engine, settings)
-        self.runner = BatchRunner(engine)
+        self.runner = runner
         self.running: dict[int, Running] = {}
         self.snapshot: tuple[Job, ...] = ()  # the running requests as of the last step, for the HTTP thread
         self.step = 0
