@@ -18,7 +18,15 @@ The prompt is *Pride and Prejudice* cut to ``--prompt-tokens`` tokens (or
 ``--prompt-file``).
 OpenBLAS is preloaded in every server process when it is installed.
 
+Concurrency: ``pipemlx serve`` with ``--max-concurrency 1`` (one request at a
+time) and ``--max-concurrency 4`` (continuous batching), each sent 4 and then 8
+clients at once (``--clients``), each a different short greedy prompt streaming
+``--concurrent-tokens`` tokens; the figure is the aggregate decode speed, all
+the clients' completion tokens over the wall time from the first request sent to
+the last token received.
+
 Usage: python benchmarks/serve.py [--prompt-tokens 2048] [--max-tokens 64] [--json OUT]
+       python benchmarks/serve.py --skip long-prompt   # only the concurrency figure
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 from common import BENCH_CONFIG, HERE, bench_env, openblas_available
@@ -56,6 +65,16 @@ class Figures:
     decode_tokens_per_s: float
     turn2_ttft_s: float | None = None
     turn2_cached_tokens: int | None = None
+
+
+@dataclass
+class Concurrency:
+    server: str
+    clients: int
+    tokens_each: int
+    completion_tokens: int
+    wall_s: float
+    aggregate_tokens_per_s: float
 
 
 class Server:
@@ -201,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turn2-tokens", type=int, default=64, help="new tokens in the second turn (64)")
     parser.add_argument("--no-turn2", dest="turn2", action="store_false", help="skip the second-turn measurement")
     parser.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
-    parser.add_argument("--skip", action="append", default=[], choices=["mlx-lm", "mlx-lm-pipeline"])
+    parser.add_argument(
+        "--skip", action="append", default=[], choices=["mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"]
+    )
+    parser.add_argument(
+        "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8], help="concurrent clients (1,4,8)"
+    )
+    parser.add_argument("--concurrent-tokens", type=int, default=64, help="tokens per concurrent client (64)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -217,14 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     env = bench_env(openblas)
     print(f"model {model}, OpenBLAS {'on' if openblas else 'off'}, {os.cpu_count()} cores", file=sys.stderr)
 
-    runners: list[tuple[str, Callable[[], Server]]] = [
-        ("pipemlx serve S=2", lambda: pipemlx_server(model, env, [])),
-        ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"])),
-    ]
-    if "mlx-lm" not in args.skip:
-        runners.append(("mlx_lm.server (1 process)", lambda: mlx_lm_server(model, env, 1)))
-    if "mlx-lm-pipeline" not in args.skip:
-        runners.append(("mlx_lm.server --pipeline S=2", lambda: mlx_lm_server(model, env, 2)))
+    runners: list[tuple[str, Callable[[], Server]]] = []
+    if "long-prompt" not in args.skip:
+        runners.append(("pipemlx serve S=2", lambda: pipemlx_server(model, env, [])))
+        runners.append(
+            ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"]))
+        )
+        if "mlx-lm" not in args.skip:
+            runners.append(("mlx_lm.server (1 process)", lambda: mlx_lm_server(model, env, 1)))
+        if "mlx-lm-pipeline" not in args.skip:
+            runners.append(("mlx_lm.server --pipeline S=2", lambda: mlx_lm_server(model, env, 2)))
     results: list[Figures] = []
     failures: dict[str, str] = {}
     for name, start in runners:  # one server at a time: they would share the cores
@@ -239,14 +266,82 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.stop()
+    concurrency: list[Concurrency] = []
+    if "concurrency" not in args.skip:
+        concurrency = measure_concurrency(model, env, tokenizer, args, failures)
     print_table(results, failures, args)
+    print_concurrency(concurrency)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": [asdict(r) for r in results], "failures": failures}, indent=1))
+        report = {
+            "results": [asdict(r) for r in results],
+            "concurrency": [asdict(c) for c in concurrency],
+            "failures": failures,
+        }
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
+def concurrent_prompts(tokenizer: Any, count: int) -> list[str]:
+    """``count`` different short prompts (about 16 tokens each) cut from the book."""
+    text = book_text()[50000:]
+    ids = tokenizer.encode(text)
+    return [tokenizer.decode(ids[i * 97 : i * 97 + 16]) for i in range(count)]
+
+
+def run_clients(url: str, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+    """Send every prompt at once (streamed, greedy); return all completion tokens and the wall time."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: stream(url, p, max_tokens), prompts))
+    wall = time.perf_counter() - start
+    return sum(tokens for _, tokens, _, _, _ in answers), wall
+
+
+def measure_concurrency(
+    model: Path, env: dict[str, str], tokenizer: Any, args: argparse.Namespace, failures: dict[str, str]
+) -> list[Concurrency]:
+    figures: list[Concurrency] = []
+    for n in (1, 4):
+        name = f"pipemlx serve S=2 --max-concurrency {n}"
+        server: Server | None = None
+        try:
+            server = pipemlx_server(model, env, ["--max-concurrency", str(n), "--max-queue", "64"])
+            server.wait_ready("/health")
+            stream(server.url, "It is a truth universally acknowledged", 4)  # warm-up, not timed
+            for clients in args.clients:
+                tokens, wall = run_clients(server.url, concurrent_prompts(tokenizer, clients), args.concurrent_tokens)
+                figure = Concurrency(
+                    name, clients, args.concurrent_tokens, tokens, round(wall, 3), round(tokens / wall, 1)
+                )
+                print(f"  {figure}", file=sys.stderr, flush=True)
+                figures.append(figure)
+        except Exception as exc:  # reported, not fatal
+            failures[name] = f"{type(exc).__name__}: {str(exc)[:1500]}"
+            print(f"  {name}: failed: {failures[name]}", file=sys.stderr)
+        finally:
+            if server is not None:
+                server.stop()
+    return figures
+
+
+def print_concurrency(figures: list[Concurrency]) -> None:
+    if not figures:
+        return
+    print("\nconcurrent clients: short prompts, greedy; aggregate = completion tokens / wall time")
+    print(f"{'server':40} {'clients':>7} {'tokens':>7} {'wall s':>8} {'aggregate tok/s':>16} {'vs N=1':>7}")
+    base = {f.clients: f.aggregate_tokens_per_s for f in figures if f.server.endswith("concurrency 1")}
+    for f in figures:
+        ratio = f.aggregate_tokens_per_s / base[f.clients] if base.get(f.clients) else float("nan")
+        print(
+            f"{f.server:40} {f.clients:7d} {f.completion_tokens:7d} {f.wall_s:8.2f} "
+            f"{f.aggregate_tokens_per_s:16.1f} {ratio:6.2f}x"
+        )
+
+
 def print_table(results: list[Figures], failures: dict[str, str], args: argparse.Namespace) -> None:
+    if not results and not failures:
+        return
     print(f"\nlong prompt: {results[0].prompt_tokens if results else '?'} tokens, {args.max_tokens} decoded, greedy")
     print(f"{'server':38} {'TTFT s':>8} {'decode tok/s':>13} {'turn-2 TTFT s':>14} {'turn-2 cached':>14}")
     for r in results:

@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_sampler
 
+from pipemlx.errors import PipelineMismatchError
+from pipemlx.serve.batching import Insert, Ops, decode_ops, encode_ops, request_sampler, share_entries
 from pipemlx.serve.broadcast import BASE_FIELDS, REQUEST, SLOT_FIELDS, Channel, bits_float, checksum, float_bits
 from pipemlx.serve.prefix_cache import Plan, PrefixCache
 from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
@@ -94,10 +97,18 @@ def released(text: str, stops: list[str], cuts: list[int]) -> tuple[list[str], s
 def test_stop_text_releases_exactly_the_text_before_the_first_stop(
     text: str, stops: list[str], cuts: list[int]
 ) -> None:
-    _, whole, stopped = released(text, stops, [c for c in cuts if c <= len(text)])
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert whole == (text[: min(found)] if found else text)
-    assert stopped == bool(found)
+    points = sorted(c for c in cuts if c <= len(text))
+    _, whole, stopped = released(text, stops, points)
+    # Generation ends at the first text seen that holds a stop string: what a longer stop starting earlier
+    # would have needed is never generated (text '"a' with stops 'a' and '"aa' stops after '"').
+    expected, expect_stop = text, False
+    for point in [*points, len(text)]:
+        found = [i for i in (text[:point].find(s) for s in stops) if i >= 0]
+        if found:
+            expected, expect_stop = text[: min(found)], True
+            break
+    assert whole == expected
+    assert stopped == expect_stop
 
 
 def test_stop_text_holds_back_a_possible_stop() -> None:
@@ -165,3 +176,53 @@ def test_header_fields_survive_the_int32_sum() -> None:
     assert header.slots == [{**dict.fromkeys(SLOT_FIELDS, 0), "present": 1, "pid": 42}]
     assert len(header.fields) == len(BASE_FIELDS)
     assert channel.tokens([3, 1, 4], 3, 5.0, "test") == [3, 1, 4]
+
+
+# --- batching (--max-concurrency above 1) -------------------------------------------------------------------------
+
+inserts_strategy = st.lists(
+    st.builds(
+        Insert,
+        seq=st.integers(1, 10_000),
+        tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=20),
+        max_tokens=st.integers(1, 4096),
+        temperature=st.sampled_from([0.0, 0.75, 1.0, 1.875]),  # float32 values: sent as their bits
+        top_p=st.sampled_from([1.0, 0.5, 0.25]),
+        seed=st.integers(-1, (1 << 31) - 1),
+        plan=st.builds(Plan, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(removes=st.lists(st.integers(1, 10_000), max_size=6), inserts=inserts_strategy)
+def test_batch_operations_survive_the_broadcast(removes: list[int], inserts: list[Insert]) -> None:
+    ops = Ops(removes, inserts)
+    values = encode_ops(ops)
+    assert all(-(1 << 31) <= v < (1 << 31) for v in values)  # int32 on the wire
+    assert decode_ops(values) == ops
+    if values:
+        with pytest.raises(PipelineMismatchError, match="arrived damaged"):
+            decode_ops(values[:-1] if inserts else [*values, 7])
+
+
+def test_inserts_of_one_step_sharing_an_entry_copy_it() -> None:
+    def insert(seq: int, entry: int, copy: bool) -> Insert:
+        return Insert(seq, [1, 2, 3], 4, 0.0, 1.0, -1, Plan(entry, 2, copy))
+
+    shared = share_entries([insert(1, 5, False), insert(2, 5, False), insert(3, 6, False), insert(4, -1, False)])
+    assert [i.plan.copy for i in shared] == [True, True, False, False]
+    assert [i.plan.entry for i in shared] == [5, 5, 6, -1] and [i.seq for i in shared] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_a_request_sampler_draws_what_a_seeded_solo_run_draws(top_p: float) -> None:
+    logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1]]), axis=-1))
+    sampler = request_sampler(0.8, top_p, 1234)
+    assert sampler is not None and request_sampler(0.0, top_p, 1234) is None
+    ours = [int(sampler(logprobs).item()) for _ in range(40)]
+    mx.random.seed(1234)
+    solo = make_sampler(0.8, top_p=top_p)
+    assert ours == [int(solo(logprobs).item()) for _ in range(40)]
+    assert len(set(ours)) > 1  # the draws are random, not one token

@@ -63,6 +63,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429 (64)")
     serve.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="requests decoded together in one batch; more wait in the queue (default 1: one at a time)",
+    )
+    serve.add_argument(
         "--prefix-cache",
         type=float,
         default=1024.0,
@@ -130,6 +137,7 @@ def _as_rank(args: argparse.Namespace) -> int:
     settings = ServeSettings(
         model_id=model_id(args),
         max_queue=args.max_queue,
+        max_concurrency=args.max_concurrency,
         prefix_cache_mb=args.prefix_cache,
         step_size=args.step_size,
         timeout=args.timeout,

@@ -3,9 +3,10 @@
 Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
 the pipeline up and greets the others (:mod:`.broadcast`); then rank 0 serves
 HTTP (:mod:`.app`) and runs requests one at a time (:class:`.engine.Leader`),
-and every other rank follows the requests rank 0 broadcasts
-(:class:`.engine.Follower`). Requests reuse the KV caches of earlier ones
-(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+or up to ``--max-concurrency`` of them batched together
+(:class:`.batching.BatchLeader`), and every other rank follows the requests or
+batch steps rank 0 broadcasts (:class:`.engine.Follower`). Requests reuse the
+KV caches of earlier ones (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
 uvicorn) on rank 0; :func:`missing_packages` says what is missing.
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -26,6 +28,7 @@ from typing import Any, cast
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
+from .batching import BatchLeader, BatchRunner
 from .engine import Engine, Follower, Leader, ServeSettings, describe_ranks, log
 
 SERVE_PACKAGES = ("starlette", "uvicorn")
@@ -96,25 +99,35 @@ def run_rank(options: RankOptions) -> int:
             f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
         )
         os._exit(1)
+    runner: BatchRunner | None = None
+    if settings.max_concurrency > 1:
+        try:
+            runner = BatchRunner(engine)
+        except TypeError as exc:  # the same model on every rank: every rank says so and exits
+            print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
+            os._exit(2)
     if rank != 0:
-        return _follow(engine, settings)
-    return _lead(engine, tokenizer, options)
+        return _follow(engine, settings, runner)
+    return _lead(engine, tokenizer, options, runner)
 
 
-def _follow(engine: Engine, settings: ServeSettings) -> int:
+def _follow(engine: Engine, settings: ServeSettings, runner: BatchRunner | None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     try:
-        return Follower(engine, settings).serve()
+        batch: Callable[[list[int]], object] | None = None
+        if runner is not None:
+            batch = runner.apply_payload
+        return Follower(engine, settings, batch).serve()
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
         print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
+def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRunner | None) -> int:
     from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
 
     settings = options.settings
-    leader = Leader(engine, settings)
+    leader = Leader(engine, settings) if runner is None else BatchLeader(engine, settings, runner)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(leader, tokenizer, settings, context)
     http = HttpThread(api.app(), options.host, options.port)
@@ -138,6 +151,7 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions) -> int:
         f"{settings.model_id}: {sum(split)} layers on {len(split)} rank{'s' if len(split) > 1 else ''} "
         f"({describe_ranks(split)}); prefix cache {settings.prefix_cache_mb:g} MB ({prefix.budget_tokens} tokens); "
         f"context {context or 'unlimited'}; queue {settings.max_queue}"
+        + (f"; up to {settings.max_concurrency} requests batched" if settings.max_concurrency > 1 else "")
     )
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
     try:

@@ -10,7 +10,9 @@ elsewhere, so the sum is exact (no floating point on the wire). Being plain
 collectives, this runs on any backend the group runs on (ring, MPI, JACCL).
 
 Kinds: ``HELLO`` (start-up: slots only), ``IDLE`` (rank 0 has no request; the
-other ranks pause ``pause_ms`` and come back: the heartbeat), ``REQUEST`` and
+other ranks pause ``pause_ms`` and come back: the heartbeat), ``REQUEST`` (one
+request, served alone), ``STEP`` (``--max-concurrency`` above 1: one batch step,
+with the requests to insert and remove before it, see :mod:`.batching`) and
 ``SHUTDOWN``. Every wait is bounded (a helper thread evaluates the collective;
 MLX cannot interrupt one), so a rank that dies or stalls becomes
 :class:`PeerLostError` / :class:`PipelineTimeoutError`, never a hang.
@@ -28,13 +30,13 @@ import mlx.core as mx
 from ..errors import PeerLostError, PipelineMismatchError, PipelineTimeoutError
 
 MAGIC = 0x7E4D
-HELLO, IDLE, REQUEST, SHUTDOWN = 1, 2, 3, 4
-KIND_NAMES = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown"}
+HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
+KIND_NAMES = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
 BASE_FIELDS = (
     "magic",
     "kind",
-    "seq",  # the request's number (0 for the other kinds)
-    "n_tokens",  # the prompt's length: the token all-sum that follows
+    "seq",  # the request's number (STEP: the step's number; 0 for the other kinds)
+    "n_tokens",  # the prompt's length (STEP: the operations' length): the token all-sum that follows
     "max_tokens",
     "temperature",  # float32 bits
     "top_p",  # float32 bits

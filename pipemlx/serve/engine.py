@@ -28,7 +28,7 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -47,6 +47,7 @@ from .broadcast import (
     OUTCOMES,
     REQUEST,
     SHUTDOWN,
+    STEP,
     Channel,
     Header,
     bits_float,
@@ -85,6 +86,8 @@ class ServeSettings:
     fault_grace: float = 5.0
     api_key: str | None = None
     parent_pid: int | None = None
+    max_concurrency: int = 1
+    """Requests decoded together (:mod:`.batching`); 1: one at a time, here."""
 
 
 @dataclass
@@ -341,6 +344,7 @@ class Leader:
         self.fault: str | None = None
         self.stopping = threading.Event()
         self.active: Job | None = None
+        self.peak_running = 0  # the most requests that ran at once
         self.seq = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.recent: list[dict[str, Any]] = []
@@ -372,7 +376,7 @@ class Leader:
 
     def health(self) -> dict[str, Any]:
         engine = self.engine
-        active = self.active
+        active = self.active_jobs()
         ranks: list[dict[str, Any]] = []
         split: list[int] = []
         if engine is not None:
@@ -400,17 +404,10 @@ class Leader:
             "split": split,
             "rank_status": ranks,
             "queue": {"waiting": self.queue.qsize(), "max": self.settings.max_queue},
-            "active": None
-            if active is None
-            else {
-                "id": active.request_id,
-                "seq": active.seq,
-                "phase": active.phase,
-                "prompt_tokens": len(active.tokens),
-                "cached_tokens": active.cached,
-                "prefilled_tokens": active.prefilled,
-                "generated_tokens": active.generated,
-            },
+            "active": None if not active else _job_status(active[0]),
+            "running": [_job_status(job) for job in active],
+            "max_concurrency": self.settings.max_concurrency,
+            "peak_running": self.peak_running,
             "requests": dict(self.counts),
             "recent": list(self.recent),
             "prefix_cache": None
@@ -427,6 +424,11 @@ class Leader:
             "last_fault": self.fault,
             "uptime_s": round(time.time() - self.started, 1),
         }
+
+    def active_jobs(self) -> list[Job]:
+        """The requests running now, oldest first (read by the HTTP thread for ``/health``)."""
+        active = self.active
+        return [] if active is None else [active]
 
     # --- the serving loop (rank 0's main thread) ----------------------------------------------------------------------
 
@@ -484,6 +486,7 @@ class Leader:
         self.seq += 1
         job.seq = self.seq
         self.active = job
+        self.peak_running = max(self.peak_running, 1)
         plan = engine.prefix.plan(job.tokens) if engine.prefix.budget_tokens > 0 else Plan()
         job.cached = plan.reuse
         new_tokens = len(job.tokens) - plan.reuse
@@ -513,7 +516,7 @@ class Leader:
             engine.channel.tokens(job.tokens, len(job.tokens), self.settings.timeout, f"sending request {job.seq}")
             result = engine.run(header, job.tokens, consumer)
         except Exception as exc:  # a lost or stalled peer, or ranks out of step: the group cannot go on
-            self._fail(exc, job)
+            self._fail(exc, [job], f" while serving request {job.seq}")
             return  # not reached: _fail exits
         finally:
             self.active = None
@@ -594,13 +597,13 @@ class Leader:
                 return
             job.emit(Event("error", error=error))
 
-    def _fail(self, exc: BaseException, job: Job | None) -> None:
-        """The pipeline is gone: answer 503 to everyone for ``fault_grace`` seconds, then exit with status 1."""
+    def _fail(self, exc: BaseException, jobs: Sequence[Job], where: str) -> None:
+        """The pipeline is gone: answer 503 to ``jobs`` (those in flight) and to everyone for ``fault_grace``
+        seconds, then exit with status 1."""
         self.status = "failed"
-        where = f" while serving request {job.seq}" if job is not None else ""
         self.fault = f"{type(exc).__name__}{where}: {exc}"
         error = unavailable(f"the pipeline failed: {self.fault}")
-        if job is not None:
+        for job in jobs:
             job.emit(Event("error", error=error))
             with self.lock:
                 self.counts["failed"] += 1
@@ -614,7 +617,7 @@ class Leader:
 
     def fail_idle(self, exc: BaseException) -> None:
         """A fault outside any request (an idle heartbeat found a rank gone)."""
-        self._fail(exc, None)
+        self._fail(exc, [], "")
 
 
 def _count(tokens: int) -> str:
@@ -629,9 +632,13 @@ def _default_step(new_tokens: int, ranks: int) -> int:
 class Follower:
     """Every rank but 0: wait for the next header, run what it says, until ``SHUTDOWN``."""
 
-    def __init__(self, engine: Engine, settings: ServeSettings) -> None:
+    def __init__(
+        self, engine: Engine, settings: ServeSettings, batch: Callable[[list[int]], object] | None = None
+    ) -> None:
         self.engine = engine
         self.settings = settings
+        self.batch = batch
+        """With ``--max-concurrency`` above 1: runs one ``STEP`` from its encoded operations (:mod:`.batching`)."""
 
     def serve(self) -> int:
         engine = self.engine
@@ -658,6 +665,31 @@ class Follower:
                         f"rank {engine.rank}: request {header.fields['seq']} arrived damaged (token checksum differs)"
                     )
                 engine.run(header, tokens, None)
+            elif header.kind == STEP:
+                self._step(header)
+
+    def _step(self, header: Header) -> None:
+        engine = self.engine
+        count = header.fields["n_tokens"]
+        what = f"receiving batch step {header.fields['seq']}"
+        payload = engine.channel.tokens(None, count, self.settings.timeout, what) if count else []
+        if checksum(payload) != header.fields["checksum"]:
+            raise PipelineMismatchError(f"rank {engine.rank}: batch step {header.fields['seq']} arrived damaged")
+        if self.batch is None:
+            raise PipelineMismatchError(f"rank {engine.rank}: rank 0 batches requests but this rank was not told to")
+        self.batch(payload)
+
+
+def _job_status(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.request_id,
+        "seq": job.seq,
+        "phase": job.phase,
+        "prompt_tokens": len(job.tokens),
+        "cached_tokens": job.cached,
+        "prefilled_tokens": job.prefilled,
+        "generated_tokens": job.generated,
+    }
 
 
 def describe_ranks(split: Sequence[int]) -> str:
