@@ -53,9 +53,8 @@ from .prefix_cache import Plan
 from .protocol import unavailable
 
 DEFAULT_STEP = 128
-"""Prefill chunk of a new prompt when ``--step-size`` is not a number."""
-PREFILL_CHUNKS_PER_STEP = 4
-"""A new prompt is prefilled at most this many chunks per decode step of the others."""
+"""Prefill chunk of a new prompt when ``--step-size`` is not a number: while others decode, each batch step
+(one tick of :class:`pipemlx.BatchGenerator`) adds one chunk of this many tokens per rank."""
 INSERT_FIELDS = 9
 """seq, prompt length, max_tokens, temperature bits, top_p bits, seed, prefix entry, reuse, copy."""
 
@@ -164,7 +163,7 @@ class BatchRunner:
             engine.model,
             stop_tokens=eos,
             prefill_step_size=step,
-            prefill_budget=step * PREFILL_CHUNKS_PER_STEP,
+            prefill_chunk_tokens=step,
             timeout=settings.timeout,
         )
         self.uids: dict[int, int] = {}  # request number -> the generator's uid
@@ -204,9 +203,11 @@ class BatchRunner:
         responses = [(self.seqs[r.uid], r) for r in self.generator.next()]
         for seq, response in responses:
             self.lengths[seq] += 1
+            if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
+                self.prompts.pop(seq, None)
             self._keep_prompt(seq)
             if response.finish_reason is not None:
-                self._forget(seq, response.finish_reason)
+                self._forget(seq, "failed" if response.finish_reason == "error" else response.finish_reason)
         return responses
 
     def _keep_prompt(self, seq: int) -> None:
@@ -347,6 +348,10 @@ class BatchLeader(Leader):
             if finished:
                 self._finish(r, "cancelled")
             return
+        if response.finish_reason == "error":  # a rank's model raised on this request; the others go on
+            r.done = True
+            self._finish(r, "failed")
+            return
         r.generated.append(response.token)
         complete = r.consumer.token(response.token)
         if complete or response.finish_reason == "stop":
@@ -358,12 +363,20 @@ class BatchLeader(Leader):
     def _finish(self, r: Running, outcome: str) -> None:
         job = r.job
         length = len(job.tokens) + len(r.generated)
+        error = self.runner.generator.last_error if outcome == "failed" else None
         result = RequestResult(
-            "stop" if outcome == "stop" else "length" if outcome == "length" else "cancelled",
+            "stop"
+            if outcome == "stop"
+            else "length"
+            if outcome == "length"
+            else "failed"
+            if outcome == "failed"
+            else "cancelled",
             r.generated,
             cached=r.insert.plan.reuse,
             cache_tokens=max(length - 1, 0),
             prefilled=len(job.tokens) - r.insert.plan.reuse,
+            error=error or (RuntimeError("the model raised on another rank") if outcome == "failed" else None),
         )
         self._answer(job, r.consumer, result)
 
