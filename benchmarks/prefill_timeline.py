@@ -1,6 +1,6 @@
-"""Draw the prefill before and after step_size="auto" cuts its ends: docs/images/prefill_ramps.png.
+"""Draw the prefill before and after step_size="auto" cuts its ends: docs/images/prefill_before_after.png.
 
-    python benchmarks/prefill_timeline.py [--tokens 2048] [--step 256] [-o docs/images/prefill_ramps.png]
+    python benchmarks/prefill_timeline.py [--tokens 2048] [--step 256] [-o docs/images/prefill_before_after.png]
 
 Two traced pipemlx prefills of the benchmark model at S=2 (OpenBLAS preloaded, one core per process),
 each the last of three in its launch: chunks of ``--step`` tokens as mlx-lm cuts them (what mlx-lm's
@@ -20,7 +20,7 @@ from common import BENCH_CONFIG, openblas_available, run_ranks
 from pipemlx.observe.timeline import plot_timeline
 from pipemlx.observe.trace import find_rank_traces, merge_traces, read_spans
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "images" / "prefill_ramps.png"
+OUT = Path(__file__).resolve().parents[1] / "docs" / "images" / "prefill_before_after.png"
 
 
 def traced(num_tokens: int, step: Any, directory: Path) -> tuple[Path, float, list[int]]:
