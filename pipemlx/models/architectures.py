@@ -47,8 +47,6 @@ class Architecture:
 
     fixup: Fixup | None = None
     check: Check | None = None
-    attention_boundary: bool = False
-    """Its decoder layer is attention then MLP, each with its residual: ``boundary="attention"`` may cut it."""
 
 
 def _first(layers: list[Any], predicate: Callable[[Any], bool], default: int | None) -> int | None:
@@ -202,15 +200,15 @@ def _nemotron_h(owner: Any, local: range) -> None:
 ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(
     {
         # Nothing to adjust: verified by tests/test_architectures.py.
-        "mlx_lm.models.qwen2": Architecture(attention_boundary=True),
-        "mlx_lm.models.qwen3": Architecture(attention_boundary=True),
-        "mlx_lm.models.qwen3_moe": Architecture(attention_boundary=True),
+        "mlx_lm.models.qwen2": Architecture(),
+        "mlx_lm.models.qwen3": Architecture(),
+        "mlx_lm.models.qwen3_moe": Architecture(),
         "mlx_lm.models.gemma2": Architecture(),
-        "mlx_lm.models.phi3": Architecture(attention_boundary=True),
+        "mlx_lm.models.phi3": Architecture(),
         "mlx_lm.models.deepseek_v3": Architecture(),
         "mlx_lm.models.falcon_h1": Architecture(),
         # Bookkeeping over the whole layer list.
-        "mlx_lm.models.llama": Architecture(fixup=_llama, attention_boundary=True),
+        "mlx_lm.models.llama": Architecture(fixup=_llama),
         "mlx_lm.models.gpt_oss": Architecture(fixup=_gpt_oss),
         "mlx_lm.models.gemma3_text": Architecture(fixup=_gemma3),
         "mlx_lm.models.gemma3": Architecture(fixup=_gemma3),
@@ -257,17 +255,6 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
         return
     if entry.check is not None:
         entry.check(model, owner, local)
-
-
-def check_attention_boundary(model: nn.Module) -> None:
-    """Raise :class:`PipelineError` unless ``model``'s family may have rank boundaries inside a layer."""
-    entry = architecture_of(model)
-    if entry is None or not entry.attention_boundary:
-        families = ", ".join(sorted(m.rsplit(".", 1)[-1] for m, a in ARCHITECTURES.items() if a.attention_boundary))
-        raise PipelineError(
-            f"boundary='attention' is not available for {type(model).__module__} (it is for: {families}); "
-            "use the default boundary='layer'"
-        )
 
 
 def apply_fixups(model: nn.Module, owner: nn.Module, local: range) -> None:

@@ -10,7 +10,6 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
-from ..runtime.stage import Boundary
 from ..schedule.memory_model import HeadPolicy
 from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, shard_model
 
@@ -45,7 +44,6 @@ def load_sharded(
     kv_bits: int | None = None,
     step_size: int = 512,
     head: HeadPolicy = "all",
-    boundary: Boundary = "layer",
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
@@ -58,7 +56,7 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size``, ``head`` and ``boundary`` are :func:`pipemlx.shard_model`'s;
+    ``step_size`` and ``head`` are :func:`pipemlx.shard_model`'s;
     ``split="memory"`` plans from the byte sizes of the layers as built
     (and their caches at ``context`` tokens when given), ``split="balanced"``
     from each rank's speed; ``head="last"`` keeps the output head on the last
@@ -87,7 +85,6 @@ def load_sharded(
         kv_bits=kv_bits,
         step_size=step_size,
         head=head,
-        boundary=boundary,
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

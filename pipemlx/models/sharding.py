@@ -12,12 +12,11 @@ import mlx.nn as nn
 from ..errors import PipelineError
 from ..runtime.calibrate import measure_speeds
 from ..runtime.edges import wrap_edge
-from ..runtime.stage import BOUNDARIES, STAGE_ATTRIBUTE, Boundary, PipelineStage, ensure_unsharded
+from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
-from .architectures import apply_fixups, check_architecture, check_attention_boundary
-from .layer_parts import check_cut, cut_at_attention
+from .architectures import apply_fixups, check_architecture
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -150,7 +149,6 @@ def shard_model(
     kv_bits: int | None = None,
     step_size: int = 512,
     head: HeadPolicy = "all",
-    boundary: Boundary = "layer",
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -187,16 +185,6 @@ def shard_model(
     ``generate_step`` needs the logits on every rank and is refused on the
     others). The default ``"all"`` keeps it on every rank.
 
-    ``boundary="attention"`` cuts the layer at each boundary between two ranks
-    after its attention block: the earlier rank keeps that layer's attention
-    and KV cache, the later rank runs its MLP before its own first layer
-    (:mod:`pipemlx.models.layer_parts`). In a prefill the last rank computes
-    only the key and value projections of the model's last layer, so moving
-    an MLP's work towards the end balances the ranks. Every rank must pass the
-    same value (the handshake checks). Only families with a plain
-    attention-then-MLP decoder layer support it (llama, mistral, qwen2, qwen3,
-    qwen3_moe, phi3); others raise :class:`PipelineError`.
-
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
     Architectures pipemlx has not been verified on are refused, naming the
@@ -209,8 +197,6 @@ def shard_model(
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
     if head not in ("all", "last"):
         raise ValueError(f"head must be 'all' or 'last', got {head!r}")
-    if boundary not in BOUNDARIES:
-        raise ValueError(f"boundary must be one of {BOUNDARIES}, got {boundary!r}")
     owner, attribute = find_layer_list(model)
     layers = cast(list[nn.Module], owner[attribute])
     sizes = choose_split(
@@ -229,19 +215,11 @@ def shard_model(
     )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
-    cut_last = boundary == "attention" and local.stop < len(layers)
-    previous = layers[local.start - 1] if boundary == "attention" and local.start > 0 else None
-    if boundary == "attention":
-        check_attention_boundary(model)
-        for layer in ([layers[local.stop - 1]] if cut_last else []) + ([previous] if previous is not None else []):
-            check_cut(layer)
     local_caches = local_cache_factory(model, len(layers), local)
-    stage = PipelineStage(group, sizes, local, len(layers), timeout, boundary)
+    stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
 
     kept = layers[local.start : local.stop]
-    if boundary == "attention":
-        kept = cut_at_attention(kept, previous, cut_last)
     setattr(owner, attribute, kept)
     shown = getattr(model, "layers", None)
     if not isinstance(shown, list) or [id(x) for x in shown] != [id(x) for x in kept]:  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]

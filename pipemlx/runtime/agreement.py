@@ -7,7 +7,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
-from .stage import BOUNDARIES, PipelineStage
+from .stage import PipelineStage
 from .waits import wait_for
 
 HANDSHAKE_FIELDS = (
@@ -22,7 +22,6 @@ HANDSHAKE_FIELDS = (
     "layer_start",
     "layer_stop",
     "cache_offset",
-    "boundary",
 )
 SHARED_FIELDS = (
     "num_tokens",
@@ -32,7 +31,6 @@ SHARED_FIELDS = (
     "hidden_size",
     "dtype",
     "cache_offset",
-    "boundary",
 )
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
@@ -86,7 +84,6 @@ def handshake(
         stage.layers.start,
         stage.layers.stop,
         cache_offset,
-        BOUNDARIES.index(stage.boundary),
     ]
     rows = gather_ints(stage, mine, timeout, "the handshake")
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}
@@ -97,8 +94,6 @@ def handshake(
                 shown = [_dtype_name(v) for v in table[name]]
             elif name == "step_size":
                 shown = ["auto" if v == 0 else v for v in table[name]]
-            elif name == "boundary":
-                shown = [BOUNDARIES[v] for v in table[name]]
             raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(shown)}")
     starts, stops = table["layer_start"], table["layer_stop"]
     expected_starts = [0, *stops[:-1]]

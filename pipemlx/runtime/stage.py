@@ -26,9 +26,6 @@ class OpenRequest(Protocol):
         ...
 
 
-Boundary = Literal["layer", "attention"]
-BOUNDARIES: tuple[Boundary, ...] = ("layer", "attention")
-"""Where a rank boundary falls: between decoder layers, or after the attention of the earlier rank's last layer."""
 SendMode = Literal["immediate", "queue"]
 SEND_MODES: tuple[SendMode, ...] = ("immediate", "queue")
 STAGE_ATTRIBUTE = "_pipemlx_stage"
@@ -62,10 +59,8 @@ class PipelineStage:
         layers: range,
         total_layers: int,
         timeout: float | None,
-        boundary: Boundary = "layer",
     ) -> None:
         self.group = group
-        self.boundary: Boundary = boundary
         self.rank = group.rank()
         self.world_size = group.size()
         self.split = split

@@ -1,7 +1,7 @@
 """Rank program: several architectures in one launch, pipeline against single-device mlx-lm.
 
 Reads a JSON spec from argv[1]:
-  {"archs": [{"arch", "split"?, "boundary"?}...], "seed", "max_tokens", "prompts": [[M, step]...], "plain": [M, step]}
+  {"archs": [{"arch", "split"?}...], "seed", "max_tokens", "prompts": [[M, step]...], "plain": [M, step]}
 For each architecture every rank builds the tiny model twice (same seed): one
 whole (the reference, mlx-lm's own generate_step) and one sharded. It runs
 pipeline_prefill + generate_step(prompt[-1:]) for every prompt, and a plain
@@ -53,13 +53,6 @@ def cache_kind(cache: Any) -> str:
     return f"{type(cache).__name__}({', '.join(settings)})"
 
 
-def layer_class(layer: Any) -> str:
-    """``MlpThenLayer(AttentionPart(Qwen3DecoderLayer))`` for a layer wrapped by boundary='attention'."""
-    inner = layer.get("layer") if isinstance(layer, dict) else None
-    name = type(layer).__name__
-    return f"{name}({layer_class(inner)})" if inner is not None else name
-
-
 def largest_difference(a: list[mx.array], b: list[mx.array]) -> float:
     return max((float(mx.max(mx.abs(x - y))) for x, y in zip(a, b)), default=0.0)
 
@@ -75,16 +68,13 @@ def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.
     config = tiny_config(entry["arch"])
     seed, max_tokens = spec["seed"], spec["max_tokens"]
     reference = build_model(config, seed=seed)
-    model = pipemlx.shard_model(
-        build_model(config, seed=seed), group, split=entry.get("split"), boundary=entry.get("boundary", "layer")
-    )
+    model = pipemlx.shard_model(build_model(config, seed=seed), group, split=entry.get("split"))
     stage = pipemlx.stage_of(model)
     local = stage.layers
     report: dict[str, Any] = {
         "arch": entry["arch"],
         "split": list(stage.split),
         "cache_kinds": [cache_kind(c) for c in make_prompt_cache(model)],
-        "layer_classes": [layer_class(layer) for layer in model.layers],
         "reference_cache_kinds": [cache_kind(c) for c in make_prompt_cache(reference)[local.start : local.stop]],
         "runs": [],
     }
