@@ -143,6 +143,26 @@ def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> Non
         assert survivor["waited"] <= 5.0 + 3.0, survivor
 
 
+def test_a_stalled_first_rank_fails_the_batch_on_every_other_rank_within_the_timeout() -> None:
+    """Rank 0 alive but silent before tick 4: rank 1's next decode step starts with a receive that never
+    comes. Issuing that forward pass (mx.async_eval of a graph of hundreds of operations) blocks behind the
+    receive, so it must be bounded like every other wait; otherwise rank 1 would only learn of it when
+    rank 0 exits (the stall outlasts the timeout by 8 s here)."""
+    spec = {
+        "requests": REQUESTS[:2],
+        "remove": [],
+        "steps": 8,
+        "step_size": 8,
+        "timeout": 3.0,
+        "stall": {"rank": 0, "at": 4, "seconds": 11.0},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=60, expect_exit={0: 3})
+    survivor = reports[1]
+    assert survivor["error"] == "PipelineTimeoutError", survivor
+    assert "rank 1/2" in survivor["message"]
+    assert survivor["waited"] <= 3.0 + 3.0, survivor
+
+
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
     """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent."""
     model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2))  # type: ignore[arg-type]

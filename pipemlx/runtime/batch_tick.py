@@ -42,7 +42,7 @@ from .agreement import STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_state
 from .send_mode import send_mode
 from .stage import PipelineStage
-from .waits import PEER_LOST_MARKERS, wait_for
+from .waits import PEER_LOST_MARKERS, issue, wait_for
 
 BATCH_KIND = 7_772
 """First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
@@ -111,7 +111,7 @@ class TickRunner:
                 mine = tick.chunks[stage.rank]
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
-                    mx.async_eval(self._chunk_results(held))  # pyright: ignore[reportUnknownMemberType]
+                    self._issue(self._chunk_results(held), tick.index, "computing the chunk it received")
                 if work.rows:  # 2. the decode step
                     try:
                         sent = self._decode(work)
@@ -128,15 +128,15 @@ class TickRunner:
                         )
                     if stage.is_last:
                         tokens = sent
-                    mx.async_eval(sent, cache_state(work.batch_cache))  # pyright: ignore[reportUnknownMemberType]
+                    self._issue([sent, cache_state(work.batch_cache)], tick.index, "running the decode step")
                 if stage.is_first and mine is not None:  # 3. rank 0's new chunk
                     held, failed = self._build_chunk(mine, work)
                     if failed:
                         failed_uid = mine.uid
-                    mx.async_eval(self._chunk_results(held))  # pyright: ignore[reportUnknownMemberType]
+                    self._issue(self._chunk_results(held), tick.index, "computing its new chunk")
                 if held is not None and not stage.is_last:
                     output = held.output if held.output is not None else self._zeros(held.chunk.length)
-                    mx.async_eval(self._send(output))  # pyright: ignore[reportUnknownMemberType]
+                    self._issue(self._send(output), tick.index, "sending its chunk")
                 coming = tick.receives(stage.rank)
                 if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
                     self.held, failed = self._build_chunk(coming, work)
@@ -186,7 +186,7 @@ class TickRunner:
             received = list(self.stage.received)
             self.stage.received.clear()
             if received:
-                mx.async_eval(received)  # pyright: ignore[reportUnknownMemberType]
+                self._issue(received, None, f"receiving chunk {chunk.start}..{chunk.stop - 1} of request {chunk.uid}")
             return Held(chunk, output, cache), False
         except Exception as exc:
             if not _is_model_error(exc):
@@ -215,7 +215,12 @@ class TickRunner:
         if not stage.is_first and not received:
             received = [mx.distributed.recv_like(self._zeros(length, rows), stage.rank - 1, group=stage.group)]
         if received:
-            mx.async_eval(received)  # pyright: ignore[reportUnknownMemberType]
+            self._issue(received, None, "taking a failed pass's input off the wire")
+
+    def _issue(self, arrays: Any, tick: int | None, what: str) -> None:
+        """``mx.async_eval`` with the stage's deadline (it can block behind a receive: see :func:`issue`)."""
+        where = f" in batch tick {tick}" if tick is not None else ""
+        issue(arrays, self.timeout, lambda: f"{self.stage.describe()} {what}{where}")
 
     def _send(self, output: mx.array) -> mx.array:
         return mx.distributed.send(output, self.stage.rank + 1, group=self.stage.group)

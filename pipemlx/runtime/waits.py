@@ -29,6 +29,20 @@ def wait_for(arrays: Any, timeout: float | None, describe: Callable[[], str]) ->
     _in_helper_thread(lambda: mx.eval(arrays), timeout, describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
 
 
+def issue(arrays: Any, timeout: float | None, describe: Callable[[], str]) -> None:
+    """Hand ``arrays`` to MLX to evaluate in the background (``mx.async_eval``), raising after ``timeout`` seconds.
+
+    ``mx.async_eval`` itself blocks while MLX has too many tasks in flight:
+    measured, a 200-operation graph behind a receive its peer had not sent
+    yet kept ``async_eval`` from returning for the 4.2 s until the peer sent,
+    while a 5-operation one returned at once. A forward pass of a model is
+    such a graph, so issuing one that starts with a receive is a wait like
+    any other: it runs in a helper thread and fails with
+    :class:`PipelineTimeoutError` (or :class:`PeerLostError`) rather than hang.
+    """
+    _in_helper_thread(lambda: mx.async_eval(arrays), timeout, describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
+
+
 def _in_helper_thread(work: Callable[[], None], timeout: float | None, describe: Callable[[], str]) -> None:
     """Run ``work`` in a daemon thread and wait at most ``timeout`` seconds for it (``None``: no limit)."""
     failure: list[BaseException] = []

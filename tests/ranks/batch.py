@@ -9,7 +9,9 @@ greedy tokens (mlx-lm generate_step on the whole model, one process) and every s
 "stop_at", the k-th solo token of that request is the generator's stop token. With
 "prefixes", request i's first P tokens are prefilled (pipemlx.pipeline_prefill) into a cache of its own
 before it is inserted, and only the rest of its prompt is inserted, with that cache. With
-"kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error.
+"kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error. With
+"stall" ({"rank", "at", "seconds"}), that rank stays alive but silent for `seconds` before step `at`, then
+exits with status 3.
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ def main() -> None:
             if removal["at"] == step:
                 engine.remove([u for u, i in uid_of.items() if i == removal["index"]])
         if kill is not None and kill["rank"] == rank and kill["at"] == step:
+            os._exit(3)
+        stall = spec.get("stall")
+        if stall is not None and stall["rank"] == rank and stall["at"] == step:
+            time.sleep(stall["seconds"])
             os._exit(3)
         try:
             started = time.time()
