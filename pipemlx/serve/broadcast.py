@@ -21,13 +21,13 @@ MLX cannot interrupt one), so a rank that dies or stalls becomes
 from __future__ import annotations
 
 import struct
-import threading
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import mlx.core as mx
 
-from ..errors import PeerLostError, PipelineMismatchError, PipelineTimeoutError
+from ..errors import PipelineMismatchError
+from ..runtime.waits import wait_for
 
 MAGIC = 0x7E4D
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
@@ -59,7 +59,6 @@ SLOT_FIELDS = (
     "prefix_tokens",
 )
 OUTCOMES = ("none", "stop", "length", "cancelled", "failed")
-PEER_LOST_MARKERS = ("connection to a peer was lost", "Connection reset", "Broken pipe")
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
 
 
@@ -144,33 +143,5 @@ class Channel:
             return values
         with mx.stream(self.stream):
             summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
-        bounded_eval(summed, timeout, lambda: f"rank {self.rank}/{self.size} {what}")
+        wait_for(summed, timeout, lambda: f"rank {self.rank}/{self.size} {what}")
         return cast(list[int], summed.tolist())
-
-
-def bounded_eval(array: mx.array, timeout: float | None, describe: Any) -> None:
-    """Evaluate ``array`` in a helper thread, waiting at most ``timeout`` seconds (``None``: no limit).
-
-    Raises :class:`PipelineTimeoutError` when the time runs out (the helper
-    thread stays blocked inside MLX: the group is unusable) and
-    :class:`PeerLostError` when MLX reports a lost peer.
-    """
-    failure: list[BaseException] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            mx.eval(array)  # pyright: ignore[reportUnknownMemberType]
-        except BaseException as exc:  # handed to the waiting thread
-            failure.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="pipemlx-serve-wait", daemon=True).start()
-    if not done.wait(timeout):
-        raise PipelineTimeoutError(f"{describe()}: no answer after {timeout:g} s")
-    if failure:
-        exc = failure[0]
-        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in PEER_LOST_MARKERS):
-            raise PeerLostError(f"{describe()}: {exc}") from exc
-        raise exc
