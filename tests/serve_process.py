@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -123,3 +124,18 @@ class ServeProcess:
     def close(self) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[ServeProcess]:
+    """A ready ``pipemlx serve`` with ``args``; on leaving, it must stop cleanly (status 0, no traceback)."""
+    process = ServeProcess(*args)
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        status = process.stop()
+        stderr = process.stderr()
+        process.close()
+    assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
+    assert "Traceback" not in stderr, stderr[-4000:]

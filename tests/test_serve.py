@@ -25,7 +25,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
-from serve_process import ServeProcess
+from serve_process import ServeProcess, serving
 from test_mpi import MPI_OPTIONS, mpi_setup
 
 from pipemlx import cli
@@ -93,16 +93,8 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess("--max-queue", str(MAX_QUEUE), "--api-key", KEY)
-    try:
-        process.wait_ready()
+    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY) as process:
         yield process
-    finally:
-        status = process.stop()
-        stderr = process.stderr()
-        process.close()
-    assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
-    assert "Traceback" not in stderr, stderr[-4000:]
 
 
 @pytest.fixture(scope="module")

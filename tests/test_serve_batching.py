@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from serve_process import ServeProcess
+from serve_process import ServeProcess, serving
 from test_serve import CHAT, MODEL, Reference, chat, stream_text
 
 from pipemlx import cli
@@ -42,16 +42,8 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    process = ServeProcess("--max-concurrency", str(CONCURRENCY), "--max-queue", "32", "--api-key", KEY)
-    try:
-        process.wait_ready()
+    with serving("--max-concurrency", str(CONCURRENCY), "--max-queue", "32", "--api-key", KEY) as process:
         yield process
-    finally:
-        status = process.stop()
-        stderr = process.stderr()
-        process.close()
-    assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
-    assert "Traceback" not in stderr, stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
