@@ -13,7 +13,8 @@ Prints one JSON line: {"rank", "tok_s", "tokens"}.
                   `chunks` the R requests' p95 time between tokens before and while it is prefilled, and its
                   time to first token against its solo run (pipemlx.generate_step's first token, nothing else
                   active, measured right before each run). Prints
-                  {"rank", "runs": [{"chunk", "p95_before", "p95_during", "ttft", "solo"}]}.
+                  {"rank", "runs": [{"chunk", "p95_before", "p95_during", "ttft", "solo", "gaps_before",
+                  "gaps_during"}]} (the gaps: seconds of every step before and after the arrival).
 """
 
 from __future__ import annotations
@@ -141,7 +142,15 @@ def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
                 ttft = now - inserted
         engine.remove([*decoding, uid])
         runs.append(
-            {"chunk": chunk, "p95_before": p95(before), "p95_during": p95(during), "ttft": ttft, "solo": solo_ttft}
+            {
+                "chunk": chunk,
+                "p95_before": p95(before),
+                "p95_during": p95(during),
+                "ttft": ttft,
+                "solo": solo_ttft,
+                "gaps_before": before,
+                "gaps_during": during,
+            }
         )
     return {"runs": runs}
 
