@@ -3,7 +3,7 @@
 Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
        "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it)}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
-  native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill
+  native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill (prefill only)
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
 Prefill time and decode tokens/s are pipemlx.observe.metrics' (prefill: from the call until the cache holds
 the M-1 prompt positions, i.e. the progress callback reports (M-1, M), the same point for every mode).
@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
@@ -51,29 +51,24 @@ def pin(rank: int) -> None:
 
 
 def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: int) -> tuple[float, float]:
-    """Prefill seconds (until the (M-1, M) report) and decode tokens/s of mlx-lm's generate_step."""
+    """Prefill seconds (until the (M-1, M) report) and decode tokens/s of mlx-lm's generate_step.
+
+    Prefill alone (``decode_tokens=0``) runs it with ``max_tokens=0``: it then evaluates the first token
+    and issues nothing more, so no step is left in flight when it returns (with mlx-lm's native pipeline,
+    a step in flight holds collectives the next run's would interleave with).
+    """
     clock = PrefillClock(time.perf_counter())
     tokens = 0
     decode_start = decode_end = 0.0
+    max_tokens = decode_tokens + 1 if decode_tokens else 0
     for _ in generate_step(
-        prompt, model, prefill_step_size=step, max_tokens=decode_tokens + 1, prompt_progress_callback=clock
+        prompt, model, prefill_step_size=step, max_tokens=max_tokens, prompt_progress_callback=clock
     ):
         tokens += 1
         decode_end = time.perf_counter()
         if tokens == 1:
             decode_start = decode_end
     return clock.seconds, decode_tokens_per_s(tokens, decode_end - decode_start)
-
-
-def native_handoff(group: Any) -> None:
-    """What a caller of mlx-lm's native pipeline (the peer measured here, not pipemlx) must do after each run.
-
-    Its ``generate_step`` leaves one step with collectives in flight and has no agreed stop, so before the
-    next run (or the end of the program) every rank drains that step and waits for the others. pipemlx's
-    own mode needs none of this: its calls settle what is in flight and its handshake lines the ranks up.
-    """
-    mx.synchronize(generation_stream)
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
 
 
 STEPS_USED: list[int] = []
@@ -121,6 +116,8 @@ def main() -> None:
         pin(rank)
     model = build_model(spec["config"], seed=0)
     if mode == "native":
+        if spec["decode_tokens"]:  # its generate_step leaves a step with collectives in flight after decoding
+            raise SystemExit("native mode times prefill only (decode_tokens must be 0)")
         model.model.pipeline(group)
         mx.eval(model.parameters())
     elif mode == "pipemlx":
@@ -139,8 +136,6 @@ def main() -> None:
             p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, spec.get("agree_every"))
         else:
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
-            if group is not None:
-                native_handoff(group)
             b = 0.0
         if i >= warmup:
             prefill.append(p)
