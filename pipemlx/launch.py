@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import mlx.core as mx
 
@@ -152,10 +152,10 @@ def launch(
                 )
             failure = _wait(procs, timeout, fail_fast)
         except BaseException:
-            _kill_all(procs)
+            kill_all(procs)
             raise
         finally:
-            _kill_all(procs)
+            kill_all(procs)
         results = [_result(rank, proc, outputs[rank]) for rank, proc in enumerate(procs)]
         if failure is not None:
             raise LaunchError(failure, results)
@@ -211,7 +211,8 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float, fail_fast: bool) -
         time.sleep(0.05)
 
 
-def _kill_all(procs: list[subprocess.Popen[str]]) -> None:
+def kill_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGKILL each process's group (ranks start in their own session) and reap them all."""
     for proc in procs:
         if proc.poll() is None:
             try:

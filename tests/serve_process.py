@@ -125,6 +125,16 @@ class ServeProcess:
         self.stop()
         self._dir.cleanup()
 
+    def close_after_fault(self, stalled: bool) -> None:
+        """Close after a fault test; a rank left stalled on purpose is killed first (it would never exit)."""
+        if stalled:
+            for pid in self.rank_pids[1:]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.close()
+
 
 @contextmanager
 def serving(*args: str) -> Iterator[ServeProcess]:

@@ -514,13 +514,7 @@ def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
         print(process.stderr()[-6000:])
         raise
     finally:
-        if fault == "stalled":
-            for pid in process.rank_pids[1:]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        process.close()
+        process.close_after_fault(stalled=fault == "stalled")
 
 
 def test_serve_under_mpirun_answers_like_one_process(ref: Reference) -> None:

@@ -234,13 +234,7 @@ def test_a_lost_follower_fails_every_request_in_flight_and_the_server_exits(faul
         print(process.stderr()[-6000:])
         raise
     finally:
-        if fault == "stalled":
-            for pid in process.rank_pids[1:]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        process.close()
+        process.close_after_fault(stalled=fault == "stalled")
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -25,7 +25,7 @@ from types import FrameType
 from typing import IO
 
 from ..demo import MODEL_DIR
-from ..launch import BACKEND_VARIABLE, free_ports, write_hostfile
+from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from .common import UserError, check_ranks, hostfile_rank, in_launched_rank, layer_counts, positive_float, positive_int
 
 DEFAULT_RANKS = 2
@@ -206,14 +206,7 @@ def supervise(num_ranks: int, command: list[str]) -> int:
             print("pipemlx serve: interrupted", file=sys.stderr)
             return 130
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            for proc in procs:
-                proc.wait()
+            kill_all(procs)
             for f in logs:
                 if f is not None:
                     f.close()
