@@ -60,11 +60,23 @@ INTERLEAVED: list[dict[str, Any]] = [
 INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
-def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs() -> None:
-    spec = {"requests": INTERLEAVED, "remove": INTERLEAVED_REMOVALS, "steps": 20, "step_size": 8, "chunk": 8}
+# gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(arch: str) -> None:
+    spec = {
+        "arch": arch,
+        "requests": INTERLEAVED,
+        "remove": INTERLEAVED_REMOVALS,
+        "steps": 20,
+        "step_size": 8,
+        "chunk": 8,
+    }
     report = run_ranks(2, "batch.py", spec, timeout=90)[0]
     solo = report["solo"]
-    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    # (The tiny gemma2 settles into repeats sooner than llama, but no request of it is constant.)
+    assert all(len(set(t)) > 1 for t in solo) and len({x for t in solo for x in t}) > 8, (
+        f"the model repeats itself: the test loses its power: {solo}"
+    )
     # Chunks of 8 positions, on rank 0 in tick t and on rank 1 in tick t+1; a request joins the tick after its
     # last chunk leaves rank 1. Request 1: 1 of its 4 chunks through both ranks when removed (tick 3), no token.
     # Request 2: chunks on rank 0 in ticks 3-5, joins in tick 7, removed before tick 8 with 1 token. Request 3:

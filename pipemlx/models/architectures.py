@@ -169,6 +169,29 @@ class _LocalNemotronHModel(nn.Module):
         return me.norm_f(h)
 
 
+class _BatchMaskGemma2Attention(nn.Module):
+    """Gemma 2's attention, with a batch cache's mask lined up with its grouped-query scores.
+
+    mlx-lm's gemma2 attention computes scores of shape ``[B, kv_heads,
+    repeats, L, S]`` and adds the mask as given; a batch cache's mask is
+    ``[B, 1, L, S]``, which then lines up its batch axis with ``kv_heads``:
+    wrong rows are masked when ``B == kv_heads`` and shapes clash otherwise.
+    This gives the mask its missing axis; any other mask passes unchanged.
+    """
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        me: Any = self
+        if isinstance(mask, mx.array) and mask.ndim == 4 and me.repeats > 1:
+            mask = mx.expand_dims(mask, 2)
+        return cast(mx.array, super().__call__(x, mask, cache))  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+
+
+def _gemma2(owner: Any, local: range) -> None:
+    """gemma2: batch masks (pipemlx.BatchGenerator's decode steps) fit its grouped-query attention."""
+    for layer in owner.layers:
+        _swap_forward(layer.self_attn, _BatchMaskGemma2Attention)
+
+
 def _gemma3(owner: Any, local: range) -> None:
     """gemma3 text: a forward that reads each layer's kind instead of its position."""
     _swap_forward(owner, _LocalGemma3Model)
@@ -203,7 +226,6 @@ ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(
         "mlx_lm.models.qwen2": Architecture(),
         "mlx_lm.models.qwen3": Architecture(),
         "mlx_lm.models.qwen3_moe": Architecture(),
-        "mlx_lm.models.gemma2": Architecture(),
         "mlx_lm.models.phi3": Architecture(),
         "mlx_lm.models.deepseek_v3": Architecture(),
         "mlx_lm.models.falcon_h1": Architecture(),
@@ -211,6 +233,8 @@ ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(
         "mlx_lm.models.llama": Architecture(fixup=_llama),
         "mlx_lm.models.gpt_oss": Architecture(fixup=_gpt_oss),
         "mlx_lm.models.gemma3_text": Architecture(fixup=_gemma3),
+        # Not bookkeeping: mlx-lm's attention mishandles batch masks (found by the batch engine's tests).
+        "mlx_lm.models.gemma2": Architecture(fixup=_gemma2),
         "mlx_lm.models.gemma3": Architecture(fixup=_gemma3),
         "mlx_lm.models.lfm2": Architecture(fixup=_lfm2),
         "mlx_lm.models.qwen3_next": Architecture(fixup=_qwen3_next),
