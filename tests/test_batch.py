@@ -90,6 +90,28 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(arch: str)
     assert report["left"] == 0
 
 
+def test_a_finished_request_hands_back_its_cache_for_the_next_turn() -> None:
+    # Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
+    # cache its final response carried and joins the batch with request 1 still in it.
+    requests = [{"M": 9, "max_tokens": 5, "insert_at": 0}, {"M": 20, "max_tokens": 14, "insert_at": 0}]
+    spec = {
+        "requests": requests,
+        "remove": [],
+        "steps": 22,
+        "step_size": 8,
+        "chunk": 4,
+        "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    assert reports[0]["follow_up"]["tokens"] == reports[1]["follow_up"]["tokens"]
+    report = reports[0]
+    assert report["tokens"] == report["solo"], report
+    follow = report["follow_up"]
+    assert follow["positions"] == 9 + 5 - 1, follow  # the prompt and every answer token but the last
+    assert len(set(follow["solo"])) > 2, f"the model repeats itself: the test loses its power: {follow}"
+    assert (follow["tokens"], follow["finish"]) == (follow["solo"], "length"), follow
+
+
 PREFIXED: list[dict[str, Any]] = [
     {"M": 9, "max_tokens": 8, "insert_at": 0},
     {"M": 33, "max_tokens": 7, "insert_at": 0},  # 16 positions reused, 17 inserted

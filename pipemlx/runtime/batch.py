@@ -61,11 +61,20 @@ class Response:
     generator's stop tokens, and ``"error"`` (``token`` is -1) when the model
     raised on some rank while computing this request (its prefill chunk, or a
     decode step of the batch it was in); in all three the request has left.
+
+    ``prompt_cache``, on a ``"length"`` or ``"stop"`` response only (as in
+    mlx-lm's ``BatchGenerator``): this rank's per-layer caches of the finished
+    request, taken out of the batch — its prompt (with any reused prefix) and
+    every generated token but this last one, which was never fed back. Pass it
+    to :meth:`BatchGenerator.insert` with the next turn's tokens, starting with
+    ``token``, to continue the conversation without prefilling it again.
+    ``None`` otherwise (a failed request's cache may hold a stand-in's zeros).
     """
 
     uid: int
     token: int
     finish_reason: FinishReason | None
+    prompt_cache: list[Any] | None = None
 
 
 @dataclass
@@ -323,7 +332,7 @@ class BatchGenerator:
                 reason = "length"
             else:
                 keep.append(i)
-            responses.append(Response(sequence.uid, token, reason))
+            responses.append(Response(sequence.uid, token, reason, None if reason is None else self._extract(i)))
         responses.extend(Response(uid, -1, "error") for uid in sorted(failed) if uid in self._sequences)
         self._inputs = outcome.tokens
         finished = {r.uid for r in responses if r.finish_reason is not None}
@@ -367,6 +376,13 @@ class BatchGenerator:
         for c in self._cache:
             c.filter(keep)
         self._settle_cache()
+
+    def _extract(self, row: int) -> list[Any]:
+        """Row ``row``'s caches, taken out of the batch caches and evaluated (usable from any thread)."""
+        with mx.stream(self.stage.compute_stream):
+            caches = [c.extract(row) for c in self._cache]
+            mx.eval(cache_state(caches))  # pyright: ignore[reportUnknownMemberType]
+        return caches
 
     def _settle_cache(self) -> None:
         """Evaluate the batch caches after a merge or filter (local work, on the stage's compute stream)."""

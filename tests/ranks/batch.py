@@ -3,7 +3,7 @@
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
 "step_size", "chunk" (prefill_chunk_tokens),
 "kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P},
-"memory_budget": bytes}. Step s inserts every request with insert_at == s, removes request
+"memory_budget": bytes, "follow_up": {"of", "M", "max_tokens"}}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
@@ -11,7 +11,9 @@ greedy tokens (mlx-lm generate_step on the whole model, one process) and every s
 before it is inserted, and only the rest of its prompt is inserted, with that cache. With
 "kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error. With
 "stall" ({"rank", "at", "seconds"}), that rank stays alive but silent for `seconds` before step `at`, then
-exits with status 3.
+exits with status 3. With "follow_up", when request `of` finishes ("length") its returned prompt_cache is
+inserted at once with its last token and M new tokens: the next turn of a conversation, compared with a
+solo run of prompt + answer + new tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.caches import cache_offset
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -80,6 +83,9 @@ def main() -> None:
     first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
     kill = spec.get("kill")
+    follow = spec.get("follow_up")  # {"of": request, "M": new tokens, "max_tokens"}: a next turn on its cache
+    follow_prompt = prompt_of(follow["M"]) if follow is not None else []
+    kept: dict[str, int] = {}
     error: dict[str, Any] | None = None
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
@@ -115,6 +121,15 @@ def main() -> None:
             tokens[uid_of[response.uid]].append(response.token)
             if response.finish_reason is not None:
                 finish[uid_of[response.uid]] = response.finish_reason
+            if follow is not None and uid_of[response.uid] == follow["of"] and response.finish_reason == "length":
+                # The next turn: the answer's last token (never fed back) and new tokens, on the returned cache.
+                assert response.prompt_cache is not None
+                kept["positions"] = cache_offset(response.prompt_cache)
+                (uid,) = engine.insert(
+                    [[response.token, *follow_prompt]], [follow["max_tokens"]], caches=[response.prompt_cache]
+                )
+                uid_of[uid] = len(requests)
+                tokens[len(requests)] = []
     if error is not None:
         print(json.dumps({"rank": rank, **error}), flush=True)
         os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
@@ -137,6 +152,17 @@ def main() -> None:
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
     }
+    if follow is not None:
+        whole = prompts[follow["of"]] + tokens[follow["of"]] + follow_prompt
+        steps = generate_step(
+            mx.array(whole), reference, prefill_step_size=spec["step_size"], max_tokens=follow["max_tokens"]
+        )
+        report["follow_up"] = {
+            "tokens": tokens.get(len(requests), []),
+            "solo": [int(t) for t, _ in steps],
+            "positions": kept.get("positions"),
+            "finish": finish.get(len(requests)),
+        }
     print(json.dumps(report), flush=True)
 
 
