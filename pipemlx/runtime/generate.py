@@ -128,7 +128,7 @@ def generate_step(
         stage,
         model,
         max_tokens=max_tokens,
-        sampler=sampler or _greedy,
+        sampler=sampler,
         logits_processors=list(logits_processors or []),
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
         timeout=timeout or stage.timeout,
@@ -275,7 +275,7 @@ class _Request:
         model: nn.Module,
         *,
         max_tokens: int,
-        sampler: Sampler,
+        sampler: Sampler | None,
         logits_processors: list[LogitsProcessor],
         quantize: Callable[[list[Any]], None],
         timeout: float | None,
@@ -401,7 +401,8 @@ class _Request:
                     share, logprobs = self._stand_in(inputs, index), None
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
-            waited = [share] if logprobs is None else [share, logprobs]
+            # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
+            waited = [share] if logprobs is None or self.sampler is None else [share, logprobs]
             wait_for(waited, self.timeout, lambda: f"{stage.describe()} decoding token {index}")
             stage.outstanding.clear()  # this pass is complete: nothing for the next one to wait for
         except (PipelineTimeoutError, PeerLostError) as exc:
@@ -455,7 +456,10 @@ class _Request:
             for processor in self.logits_processors:
                 logits = processor(self.history, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        token = mx.reshape(self.sampler(logprobs), (1,)).astype(mx.float32)
+        # Greedy (no sampler): the argmax of the logits is the argmax of the log-probabilities, and the step
+        # need not wait for the vocabulary-wide logsumexp (1.2 ms on the CPU backend at 32000 entries).
+        chosen = _greedy(logits) if self.sampler is None else self.sampler(logprobs)
+        token = mx.reshape(chosen, (1,)).astype(mx.float32)
         share = mx.concatenate([header[:3], token, header[4:]])
         if self.share_logprobs:
             self.vocab_size = logprobs.shape[-1]
