@@ -39,7 +39,9 @@ MATRIX: dict[str, dict[int, list[int] | None]] = {
     "falcon_h1": {2: None, 3: None},
     "nemotron_h_mamba_attention": {2: [4, 2], 3: None},  # M * M M * M
 }
-SPEC = {"seed": 11, "max_tokens": 5, "prompts": [[1, 4], [9, 4], [23, 4]], "plain": [11, 4]}
+# "reuse": new tokens on the last prompt's cache (at S=3 qwen3_next, lfm2 and nemotron_h give a rank only
+# recurrent layers, whose caches count no positions).
+SPEC = {"seed": 11, "max_tokens": 5, "prompts": [[1, 4], [9, 4], [23, 4]], "reuse": [3, 4], "plain": [11, 4]}
 WORLD_SIZES = (2, 3)
 LOGPROB_TOLERANCE = 1e-4
 

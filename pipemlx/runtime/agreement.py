@@ -7,6 +7,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
+from .caches import UNCOUNTED
 from .stage import PipelineStage
 from .waits import wait_for
 
@@ -30,7 +31,6 @@ SHARED_FIELDS = (
     "total_layers",
     "hidden_size",
     "dtype",
-    "cache_offset",
 )
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
@@ -70,7 +70,9 @@ def handshake(
     table, one list per field indexed by rank: like :func:`agree_on_step` it
     exchanges a ``status``, and, for auto-step requests, ``needs_calibration``.
     ``cache_offset`` is how many positions the cache already holds (a reused
-    prefix): ranks holding different prefixes would compute different tokens.
+    prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose caches
+    count none): ranks holding different prefixes would compute different
+    tokens. :func:`agreed_offset` gives the prefix every rank holds.
     """
     mine = [
         status,
@@ -95,6 +97,10 @@ def handshake(
             elif name == "step_size":
                 shown = ["auto" if v == 0 else v for v in table[name]]
             raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(shown)}")
+    offsets = table["cache_offset"]
+    if len({v for v in offsets if v != UNCOUNTED}) > 1:
+        shown = ["uncounted" if v == UNCOUNTED else v for v in offsets]
+        raise PipelineMismatchError(f"ranks disagree on cache_offset: {_per_rank(shown)}")
     starts, stops = table["layer_start"], table["layer_stop"]
     expected_starts = [0, *stops[:-1]]
     if starts != expected_starts or stops[-1] != table["total_layers"][0]:
@@ -103,6 +109,11 @@ def handshake(
             f"layer ranges do not split {table['total_layers'][0]} layers contiguously: {_per_rank(ranges)}"
         )
     return table
+
+
+def agreed_offset(table: dict[str, list[int]]) -> int:
+    """The reused prefix a handshake's ranks hold: the offset of the ranks whose caches count positions."""
+    return max((v for v in table["cache_offset"] if v != UNCOUNTED), default=0)
 
 
 STATUS_OK = 0

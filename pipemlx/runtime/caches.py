@@ -71,6 +71,34 @@ def cache_offset(cache: list[Any]) -> int:
     return 0
 
 
+UNCOUNTED = -1
+""":func:`counted_offset` of caches that hold state but count no positions (linear attention, convolutions)."""
+
+
+def counted_offset(cache: list[Any]) -> int:
+    """:func:`cache_offset`, or :data:`UNCOUNTED` when no layer cache counts positions and some holds state.
+
+    A rank whose local layers all keep a recurrent state (linear attention,
+    convolutions, Mamba) cannot tell how long a reused prefix is; the ranks
+    whose caches count positions agree on it for that rank.
+    """
+    if any(_counts_positions(c) for c in cache) or all(_is_empty(c) for c in cache):
+        return cache_offset(cache)
+    return UNCOUNTED
+
+
+def _counts_positions(cache: Any) -> bool:
+    if isinstance(getattr(cache, "offset", None), int):
+        return True
+    sub_caches = getattr(cache, "caches", None)
+    return isinstance(sub_caches, (list, tuple)) and any(_counts_positions(c) for c in cast(list[Any], sub_caches))
+
+
+def _is_empty(cache: Any) -> bool:
+    empty = getattr(cache, "empty", None)
+    return callable(empty) and bool(empty())
+
+
 def trim_to(cache: list[Any], length: int) -> bool:
     """Cut every cache back to its first ``length`` positions; False (and no change) if one cannot be trimmed."""
     if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):

@@ -324,7 +324,10 @@ class _Request:
         stage.settle(self.timeout)
         self.cache = cache if cache is not None else make_prompt_cache(self.model)
         stage.last_stop = None
-        self.history = prompt if self.logits_processors else None
+        # mlx-lm's history: the prefilled tokens, then each step's input (the prompt's last token first).
+        self.history = prompt[:-1] if self.logits_processors else None
+        if self.history is not None:
+            mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         num_tokens = prompt.size
         pipeline_prefill(
             self.model,

@@ -25,8 +25,16 @@ from ..schedule.plan import (
     check_prefill_args,
     default_agreement_spacing,
 )
-from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK, agree_on_step, handshake
-from .caches import cache_offset, cache_state, trim_to
+from .agreement import (
+    STATUS_CANCEL,
+    STATUS_CHUNK_FAILED,
+    STATUS_FAILED,
+    STATUS_OK,
+    agree_on_step,
+    agreed_offset,
+    handshake,
+)
+from .caches import cache_state, counted_offset, trim_to
 from .calibrate import calibrate
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
@@ -116,7 +124,7 @@ def pipeline_prefill(
     timeout = timeout or stage.timeout
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
-    prefix = cache_offset(cache)
+    prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
     try:
         lengths = (
             _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds)
@@ -234,6 +242,7 @@ class _PlanRunner:
             if isinstance(action, Handshake):
                 with self.tracer.span("handshake"):
                     table = handshake(self.stage, self.plan, self.status(), self.timeout, cache_offset=self.prefix)
+                self.prefix = agreed_offset(table)
                 self.stop_if_asked(table["status"], step=None)
             elif isinstance(action, Send):
                 self.send(action)

@@ -1,11 +1,14 @@
 """Rank program: several architectures in one launch, pipeline against single-device mlx-lm.
 
 Reads a JSON spec from argv[1]:
-  {"archs": [{"arch", "split"?}...], "seed", "max_tokens", "prompts": [[M, step]...], "plain": [M, step]}
+  {"archs": [{"arch", "split"?}...], "seed", "max_tokens", "prompts": [[M, step]...], "plain": [M, step],
+   "reuse": [M, step]}
 For each architecture every rank builds the tiny model twice (same seed): one
 whole (the reference, mlx-lm's own generate_step) and one sharded. It runs
-pipeline_prefill + generate_step(prompt[-1:]) for every prompt, and a plain
-generate_step on the sharded model, and reports tokens, the largest logprob
+pipeline_prefill + generate_step(prompt[-1:]) for every prompt, then
+pipemlx.generate_step on ``reuse``'s M new tokens with the last prompt's cache
+(a reused prefix), and a plain mlx-lm generate_step on the sharded model, and
+reports tokens, the largest logprob
 difference against the reference, and the local cache kinds next to the
 whole model's cache kinds for the same layers. Prints one JSON line.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
@@ -63,6 +66,30 @@ def settle(group: mx.distributed.Group) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
 
 
+def reuse_prefix(
+    model: Any, reference: Any, cache: list[Any], ref_cache: list[Any], spec: dict[str, Any], vocab: int
+) -> dict[str, Any]:
+    """pipemlx.generate_step on new tokens after the prefix in ``cache``; mlx-lm's on the reference's."""
+    length, step = spec["reuse"]
+    prompt = prompt_of(length, vocab, spec["seed"] + 1)
+    ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, spec["max_tokens"])
+    tokens: list[int] = []
+    logprobs: list[mx.array] = []
+    for token, lp in pipemlx.generate_step(
+        prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=True
+    ):
+        tokens.append(token)
+        logprobs.append(cast(mx.array, lp))
+    return {
+        "kind": "reuse",
+        "M": length,
+        "step": step,
+        "tokens": tokens,
+        "ref_tokens": ref_tokens,
+        "logprob_diff": largest_difference(logprobs, ref_logprobs),
+    }
+
+
 def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
     started = time.perf_counter()
     config = tiny_config(entry["arch"])
@@ -78,9 +105,11 @@ def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.
         "reference_cache_kinds": [cache_kind(c) for c in make_prompt_cache(reference)[local.start : local.stop]],
         "runs": [],
     }
+    cache, ref_cache = make_prompt_cache(model), make_prompt_cache(reference)
     for length, step in spec["prompts"]:
         prompt = prompt_of(length, config["vocab_size"], seed)
-        ref_tokens, ref_logprobs = decode(prompt, reference, None, step, max_tokens)
+        ref_cache = make_prompt_cache(reference)
+        ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, max_tokens)
         cache = make_prompt_cache(model)
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=step)
         offsets = sorted({int(getattr(c, "offset", -1)) for c in cache if hasattr(c, "offset")})
@@ -97,6 +126,7 @@ def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.
                 "offsets": offsets,
             }
         )
+    report["runs"].append(reuse_prefix(model, reference, cache, ref_cache, spec, config["vocab_size"]))
     length, step = spec["plain"]
     prompt = prompt_of(length, config["vocab_size"], seed)
     ref_tokens, ref_logprobs = decode(prompt, reference, None, step, max_tokens)

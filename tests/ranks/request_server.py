@@ -8,12 +8,13 @@ holding the same cache history. Commands (one JSON object per stdin line):
   {"op": "request", "M", "seed", "step", "max_tokens", "temp", "reuse", "trim_to",
    "stop": {"rank", "after", "how"}, "cancel_prefill": {"rank", "at"},
    "cancel_decode": {"rank", "after"}, "raise_progress": {"rank", "at"}, "model_error": {"rank", "chunk"},
-   "decode_error": {"rank", "token"}}
+   "decode_error": {"rank", "token"}, "penalty"}
       pipemlx.generate_step on the pipeline; ``reuse`` keeps the cache of the previous requests (trimmed to
       ``trim_to`` positions when given), otherwise both caches start empty. ``stop.how`` is "break", "close",
       "raise" (the consumer's own exception) or "abandon" (the generator is dropped without being closed and
       the rank goes straight on to the request in ``then``, which every rank runs next). Answers tokens, progress calls, outcome, cache offset and
-      the reference's tokens and offset.
+      the reference's tokens and offset. ``penalty``: a repetition penalty plus a logits processor that
+      records the token history it is given (answered as ``histories`` / ``ref_histories``).
   {"op": "plain", "M", "seed", "step", "take"}
       mlx-lm's own generate_step on the sharded model, consumed for ``take`` tokens, nothing synchronized.
 End of input: the program simply ends (no barrier, no synchronize).
@@ -31,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step as mlx_generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
@@ -40,6 +41,24 @@ from pipemlx.testing import build_model, tiny_config
 
 class InjectedModelError(RuntimeError):
     pass
+
+
+class Recorder:
+    """A logits processor that keeps every token history it is shown."""
+
+    def __init__(self) -> None:
+        self.histories: list[list[int]] = []
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.histories.append([int(t) for t in tokens.tolist()])  # type: ignore[union-attr]
+        return logits
+
+
+def processors(command: dict[str, Any]) -> tuple[list[Any] | None, Recorder]:
+    recorder = Recorder()
+    if command.get("penalty") is None:
+        return None, recorder
+    return [*make_logits_processors(repetition_penalty=command["penalty"]), recorder], recorder
 
 
 def prompt_of(length: int, seed: int, vocab: int) -> mx.array:
@@ -120,12 +139,14 @@ class Server:
 
         outcome: dict[str, Any] = {"outcome": "done"}
         mx.random.seed(command["seed"])
+        logits_processors, recorder = processors(command)
         generator = pipemlx.generate_step(
             prompt,
             self.model,
             prompt_cache=self.cache,
             max_tokens=command["max_tokens"],
             sampler=make_sampler(temp),
+            logits_processors=logits_processors,
             prefill_step_size=command["step"],
             prompt_progress_callback=on_progress,
             should_cancel=should_cancel,
@@ -150,6 +171,7 @@ class Server:
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
         del generator
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
+        answer["histories"] = recorder.histories
         if stop and stop["how"] == "abandon":
             answer["offset"] = None  # the agreed stop runs when the next command settles the stage
         else:
@@ -174,6 +196,7 @@ class Server:
             return {"ref_tokens": [], "ref_offset": self.ref_cache[0].offset}
         mx.random.seed(command["seed"])
         ref_tokens: list[int] = []
+        logits_processors, recorder = processors(command)
         if taken > 0:
             for token, _ in mlx_generate_step(
                 prompt,
@@ -181,6 +204,7 @@ class Server:
                 prompt_cache=self.ref_cache,
                 max_tokens=command["max_tokens"],
                 sampler=make_sampler(temp),
+                logits_processors=logits_processors,
                 prefill_step_size=command["step"],
             ):
                 ref_tokens.append(token)
@@ -195,7 +219,7 @@ class Server:
         undone = self.ref_cache[0].offset - self.cache[0].offset
         if outcome.get("last_stop") and outcome["last_stop"][0] == "failed" and undone > 0:
             trim_prompt_cache(self.ref_cache, undone)  # pipemlx undoes a decode step the model failed in
-        return {"ref_tokens": ref_tokens, "ref_offset": self.ref_cache[0].offset}
+        return {"ref_tokens": ref_tokens, "ref_offset": self.ref_cache[0].offset, "ref_histories": recorder.histories}
 
     def plain(self, command: dict[str, Any]) -> dict[str, Any]:
         self.cache, self.ref_cache = make_prompt_cache(self.model), make_prompt_cache(self.reference)
