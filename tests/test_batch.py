@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 from conftest import run_ranks
 from fakes import FakeGroup
+from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
+from pipemlx.schedule.batch_plan import Admission
 from pipemlx.testing import build_model, tiny_config
 
 REQUESTS: list[dict[str, Any]] = [
@@ -120,16 +122,19 @@ PREFIXED: list[dict[str, Any]] = [
 ]
 
 
-def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts() -> None:
+# qwen3_next at S=3: rank 1 holds only linear-attention layers, whose caches cannot tell a prefix's length.
+@pytest.mark.parametrize("arch,world_size", [("llama", 2), ("qwen3_next", 3)])
+def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(arch: str, world_size: int) -> None:
     spec = {
+        "arch": arch,
         "requests": PREFIXED,
         "remove": [],
         "steps": 12,
         "step_size": 8,
         "prefixes": {"1": 16, "2": 24, "3": 8},
     }
-    reports = run_ranks(2, "batch.py", spec, timeout=90)
-    assert reports[1]["tokens"] == reports[0]["tokens"], "ranks disagree"
+    reports = run_ranks(world_size, "batch.py", spec, timeout=90)
+    assert all(r["tokens"] == reports[0]["tokens"] for r in reports), "ranks disagree"
     report = reports[0]
     solo = report["solo"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
@@ -216,6 +221,11 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         engine.insert([[1, 2]], max_tokens=0)
     assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]
+    # A rank of recurrent layers only (0 bytes per position) could not reserve a reused prefix like the others.
+    engine.admission = Admission(bytes_per_position=(768, 0), budget=(10**9, 10**9))
+    with pytest.raises(ValueError, match=r"rank\(s\) \[1\] hold only recurrent layers"):
+        engine.insert([[1, 2]], caches=[make_prompt_cache(engine.model)])
+    assert len(engine) == 2
     for bad in (
         {"prefill_budget": 0},
         {"prefill_chunk_tokens": 0},

@@ -43,8 +43,8 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 
 from ..schedule.batch_plan import FINGERPRINT_MODULUS, Admission, Chunk, Job, PlanState, drop, enqueue, plan_tick
 from .batch_memory import exchange_admission
-from .batch_tick import TickRunner, TickWork
-from .caches import cache_offset, cache_state
+from .batch_tick import UNKNOWN_PREFIXES, TickRunner, TickWork
+from .caches import UNCOUNTED, cache_state, counted_offset
 from .prefill import check_timeout
 from .stage import PipelineStage, stage_of
 
@@ -83,7 +83,7 @@ class _Sequence:
     prompt: list[int]  # the tokens not in the cache at insert
     max_tokens: int
     sampler: Sampler | None
-    prefix: int = 0  # positions the caller's cache already held at insert (a reused prefix)
+    prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
@@ -91,7 +91,7 @@ class _Sequence:
     @property
     def reserve(self) -> int:
         """Cache positions this request may reach: its prompt and every token it may generate."""
-        return self.prefix + len(self.prompt) + max(self.max_tokens, 0)
+        return max(self.prefix, 0) + len(self.prompt) + max(self.max_tokens, 0)
 
 
 class BatchGenerator:
@@ -232,9 +232,17 @@ class BatchGenerator:
                 self._check_cache(i, cache)
         uids = list(range(self._next_uid, self._next_uid + count))
         sequences = [
-            _Sequence(uid, prompt, limit, sampler, prefix=0 if cache is None else cache_offset(cache), cache=cache)
+            _Sequence(uid, prompt, limit, sampler, prefix=0 if cache is None else counted_offset(cache), cache=cache)
             for uid, prompt, limit, sampler, cache in zip(uids, tokens, limits, chosen, given)
         ]
+        if self.admission is not None and any(c is not None for c in given):
+            blind = [r for r, b in enumerate(self.admission.bytes_per_position) if b == 0]
+            if blind:  # their caches count no positions: they could not reserve a reused prefix alike
+                raise ValueError(
+                    f"caches= with memory_budget needs every rank's caches to count positions; rank(s) {blind} "
+                    "hold only recurrent layers (linear attention, convolutions, Mamba): insert without caches, "
+                    "or construct the generator without memory_budget"
+                )
         if self.admission is not None:
             for i, s in enumerate(sequences):
                 if not self.admission.fits([s.reserve]):
@@ -306,6 +314,7 @@ class BatchGenerator:
             inputs=self._inputs,
             batch_cache=self._cache,
             uids_fingerprint=self._fingerprint(),
+            prefixes_fingerprint=self._prefixes_fingerprint(),
             chunk_tokens=lambda c: self._sequences[c.uid].prompt[c.start : c.stop],
             chunk_cache=self._chunk_cache,
             sample=self._sample,
@@ -393,7 +402,15 @@ class BatchGenerator:
         value = 0
         for s in self._active:
             value = (value * 1_000_003 + s.uid + 1) % FINGERPRINT_MODULUS
-            value = (value * 1_000_003 + s.prefix) % FINGERPRINT_MODULUS
+        return value
+
+    def _prefixes_fingerprint(self) -> int:
+        """Of the rows' reused prefix lengths; ``UNKNOWN_PREFIXES`` when this rank cannot count one of them."""
+        value = 0
+        for s in self._active:
+            if s.prefix == UNCOUNTED:
+                return UNKNOWN_PREFIXES
+            value = (value * 1_000_003 + s.prefix + 1) % FINGERPRINT_MODULUS
         return value
 
     def _sample(self, logits: mx.array) -> mx.array:

@@ -15,7 +15,8 @@ taken in the order below on both ends of each link):
 4. ``r > 0``: receive the chunk rank ``r - 1`` computed in this tick and build
    its graph for the next tick;
 5. the tick's all-gather: a header (tick, status, rows, fingerprints of the
-   rows and of the tick's plan, what failed) and the last rank's tokens.
+   rows' uids, of their reused prefix lengths and of the tick's plan, what
+   failed) and the last rank's tokens.
 
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
@@ -46,8 +47,10 @@ from .waits import PEER_LOST_MARKERS, issue, wait_for
 
 BATCH_KIND = 7_772
 """First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
-HEADER = ("kind", "tick", "status", "rows", "uids", "plan", "failed_decode", "failed_uid")
+HEADER = ("kind", "tick", "status", "rows", "uids", "prefixes", "plan", "failed_decode", "failed_uid")
 AGREED = ("tick", "rows", "uids", "plan")
+UNKNOWN_PREFIXES = -1
+"""The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
 Forward = Callable[[mx.array, list[Any]], mx.array]
 """Runs the sharded model on ``[B, L]`` token ids with a cache; returns the logits or this rank's output."""
@@ -80,6 +83,7 @@ class TickWork:
     inputs: list[int]  # per row: the token the decode step feeds
     batch_cache: list[Any]
     uids_fingerprint: int
+    prefixes_fingerprint: int  # of the rows' reused prefix lengths; UNKNOWN_PREFIXES where this rank cannot count
     chunk_tokens: Callable[[Chunk], list[int]]  # a chunk's token ids
     chunk_cache: Callable[[Chunk], list[Any]]  # the cache of a chunk's request on this rank
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
@@ -143,7 +147,8 @@ class TickRunner:
                     if failed:
                         failed_uid = coming.uid
                 status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
-                header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint, tick.fingerprint()]
+                header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint]
+                header += [work.prefixes_fingerprint, tick.fingerprint()]
                 header += [int(failed_decode), failed_uid + 1]
                 share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
                 if stage.world_size > 1:
@@ -253,8 +258,9 @@ def _outcome(flat: list[float], rows: int, stage: PipelineStage) -> TickOutcome:
         or len(gathered) != stage.world_size
     ):
         raise PipelineMismatchError(f"{stage.describe()}: a rank is not in the same batch tick as the others")
-    for name in AGREED:
-        if len(set(columns[name])) > 1:
+    for name in (*AGREED, "prefixes"):
+        known = {v for v in columns[name] if name != "prefixes" or v != UNKNOWN_PREFIXES}
+        if len(known) > 1:
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(columns[name]))
             raise PipelineMismatchError(f"ranks disagree on the batch tick's {name}: {shown}")
     failed_uids = frozenset(u - 1 for u in columns["failed_uid"] if u > 0)
