@@ -35,6 +35,14 @@ def test_bad_prefill_arguments(prompt: Any, kwargs: dict[str, Any], error: type[
     assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
 
 
+@pytest.mark.parametrize("size", [0, -4, 2.5, True])
+def test_bad_max_kv_size_is_named_before_anything_runs(size: Any) -> None:
+    model = sharded_tiny(rank=0, size=2)
+    with pytest.raises(ValueError, match=f"max_kv_size must be a positive int or None, got {size!r}"):
+        pipemlx.generate_step(tokens(9), model, max_kv_size=size)
+    assert len(pipemlx.stage_of(model).send_queue) == 0
+
+
 def test_cache_of_the_wrong_length_is_named() -> None:
     model = sharded_tiny(rank=0, size=2)
     full = make_prompt_cache(build_model(tiny_config("llama")))

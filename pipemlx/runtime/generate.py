@@ -34,7 +34,7 @@ from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyrig
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
-from ..errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
+from ..errors import PipelineError, PipelineMismatchError
 from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_offset, cache_state, trim_to
 from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
@@ -77,6 +77,7 @@ def generate_step(
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
+    max_kv_size: int | None = None,
     prefill_step_size: int | Literal["auto"] = 512,
     prompt_progress_callback: ProgressCallback | None = None,
     kv_bits: int | None = None,
@@ -97,6 +98,8 @@ def generate_step(
     (``(0, M)``, each chunk, then ``(M, M)`` once the first token exists), and
     then decoded; the tokens are the ones one process holding the whole model
     yields with the same sampler. ``max_tokens=-1`` means no limit.
+    ``max_kv_size`` bounds a cache made here (no ``prompt_cache``) as mlx-lm
+    does: rotating caches of that many positions.
 
     Only the last rank applies the head, runs ``logits_processors`` and
     samples, so a random ``sampler`` needs no seed shared by the ranks (seed
@@ -124,6 +127,10 @@ def generate_step(
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
     stops = frozenset(int(t) for t in stop_tokens)
+    if not _positive_or_none(max_kv_size):
+        raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     request = _Request(
         stage,
         model,
@@ -246,6 +253,10 @@ class _closing:
 
     def __exit__(self, *exc: object) -> None:
         self.generator.close()
+
+
+def _positive_or_none(value: object) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
 def _greedy(logprobs: mx.array) -> mx.array:
@@ -408,7 +419,7 @@ class _Request:
             waited = [share] if logprobs is None or self.sampler is None else [share, logprobs]
             wait_for(waited, self.timeout, lambda: f"{stage.describe()} decoding token {index}")
             stage.outstanding.clear()  # this pass is complete: nothing for the next one to wait for
-        except (PipelineTimeoutError, PeerLostError) as exc:
+        except Exception as exc:  # failed mid-evaluation: a peer may be inside this step's collectives
             stage.mark_broken(exc)
             raise
         rows = _rows(share, stage.world_size)

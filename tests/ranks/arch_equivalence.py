@@ -75,11 +75,17 @@ def reuse_prefix(
     ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, spec["max_tokens"])
     tokens: list[int] = []
     logprobs: list[mx.array] = []
+    # S=2 shares the logprobs with every rank; S=3 leaves them on the last rank, lazy (greedy), read here.
+    stage = pipemlx.stage_of(model)
+    shared = stage.world_size == 2
     for token, lp in pipemlx.generate_step(
-        prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=True
+        prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=shared
     ):
         tokens.append(token)
-        logprobs.append(cast(mx.array, lp))
+        if shared or stage.is_last:
+            logprobs.append(cast(mx.array, lp))
+    if not logprobs:
+        ref_logprobs = []
     return {
         "kind": "reuse",
         "M": length,
