@@ -137,9 +137,9 @@ class ServeProcess:
 
 
 @contextmanager
-def serving(*args: str) -> Iterator[ServeProcess]:
+def serving(*args: str, ranks: int = 2) -> Iterator[ServeProcess]:
     """A ready ``pipemlx serve`` with ``args``; on leaving, it must stop cleanly (status 0, no traceback)."""
-    process = ServeProcess(*args)
+    process = ServeProcess(*args, ranks=ranks)
     try:
         process.wait_ready()
         yield process

@@ -24,6 +24,7 @@ from serve_process import ServeProcess, serving
 from test_serve import CHAT, MODEL, Reference, chat, stream_text
 
 from pipemlx import cli
+from pipemlx.demo import book_text
 
 pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
@@ -265,3 +266,29 @@ def test_batched_requests_reuse_the_prefix_cache(server: ServeProcess, client: o
         cached = reply.usage.prompt_tokens_details.cached_tokens
         assert cached >= common_prefix(prompt1[:-1], prompt) > len(ref.chat_tokens([system])) // 2, (question, cached)
         assert cached <= len(prompt) - 1
+
+
+def test_a_prefill_cut_short_on_three_ranks_keeps_what_every_rank_prefilled(ref: Reference) -> None:
+    """A client hangs up while its long prompt is prefilled through 3 ranks, whose caches then hold different
+    lengths (rank 0 is chunks ahead of rank 2): every rank keeps only the agreed part, so the same prompt again
+    reuses it and answers exactly (keeping each rank's own length made the ranks' prefix caches differ, and the
+    next request failed the whole pipeline with PipelineMismatchError)."""
+    messages = [{"role": "user", "content": book_text()[:1200]}]
+    prompt = ref.chat_tokens(messages)
+    with serving("--max-concurrency", "2", "--step-size", "16", ranks=3) as process:
+        body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
+        with httpx.stream("POST", process.url + "/v1/chat/completions", json=body, timeout=60.0):
+
+            def prefilling() -> bool:
+                running = process.health()["running"]
+                return bool(running) and running[0]["prefilled_tokens"] >= 64
+
+            process.wait_for("the prefill to be under way", prefilling, every=0.01)
+        cut = process.wait_for("the hung-up request's record", lambda: process.health()["recent"] or None)[-1]
+        assert cut["finish_reason"] == "cancelled" and cut["ended_in"] == "prefill", cut
+        ranks = process.health()["rank_status"]
+        assert len({r["prefix_entries"] for r in ranks}) == 1, ranks
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
+        again = chat(client, messages, max_tokens=4, temperature=0)
+        assert again.choices[0].message.content == ref.answer(prompt, 4)
+        assert 64 <= again.usage.prompt_tokens_details.cached_tokens < len(prompt) - 1, again.usage

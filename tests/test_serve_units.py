@@ -78,6 +78,20 @@ def test_good_requests_are_read_fully() -> None:
             parse_completion(bad)
 
 
+@pytest.mark.parametrize(
+    "body,param",
+    [({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo")],
+)
+def test_completion_options_that_change_the_answer_are_refused(body: dict[str, Any], param: str) -> None:
+    """logprobs 0 still asks for the chosen tokens' log probabilities, echo for the prompt in the text: a 400,
+    not an answer silently without them."""
+    with pytest.raises(ApiError) as caught:
+        parse_completion({"prompt": "x", **body})
+    assert caught.value.status == 400 and caught.value.param == param
+    assert parse_completion({"prompt": "x", "logprobs": None, "echo": False}).prompt == "x"
+    assert parse_chat({"messages": MESSAGES, "logprobs": False, "top_logprobs": 0}).messages == MESSAGES
+
+
 def released(text: str, stops: list[str], cuts: list[int]) -> tuple[list[str], str, bool]:
     """Feed ``text`` to a StopText growing to each cut, then finish; return the pieces, all, and stopped."""
     stop_text = StopText(stops)

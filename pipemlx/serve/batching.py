@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVari
 
 from ..errors import PipelineMismatchError
 from ..runtime.batch import BatchGenerator, Response, Sampler
-from ..runtime.caches import cache_offset
+from ..runtime.caches import trim_to
 from .broadcast import IDLE, OUTCOMES, SHUTDOWN, STEP, bits_float, checksum, float_bits
 from .engine import (
     TICK,
@@ -170,6 +170,7 @@ class BatchRunner:
         self.seqs: dict[int, int] = {}
         self.lengths: dict[int, int] = {}  # request number -> prompt + generated tokens so far
         self.prompts: dict[int, tuple[list[int], list[Any]]] = {}  # prompts not yet stored in the prefix cache
+        self.reused: dict[int, int] = {}  # request number -> prompt positions its cache held at insert
 
     def apply(self, ops: Ops) -> list[tuple[int, Response]]:
         """Remove, insert, then one :meth:`~pipemlx.BatchGenerator.next`; every response with its request number.
@@ -184,9 +185,10 @@ class BatchRunner:
         engine = self.engine
         caches = [engine.prefix.checkout(i.plan, lambda: make_prompt_cache(engine.model)) for i in ops.inserts]
         gone = [seq for seq in ops.removes if seq in self.uids]
+        agreed = {seq: self._agreed_prompt(seq) for seq in gone}  # asked before the generator forgets them
         self.generator.remove([self.uids[seq] for seq in gone])
         for seq in gone:
-            self._keep_prompt(seq)
+            self._keep_prompt(seq, agreed[seq])
             self._forget(seq, "cancelled")
         if ops.inserts:
             uids = self.generator.insert(
@@ -200,25 +202,42 @@ class BatchRunner:
                 self.seqs[uid] = insert.seq
                 self.lengths[insert.seq] = len(insert.tokens)
                 self.prompts[insert.seq] = (insert.tokens, cache)
+                self.reused[insert.seq] = insert.plan.reuse
         responses = [(self.seqs[r.uid], r) for r in self.generator.next()]
         for seq, response in responses:
             self.lengths[seq] += 1
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 self.prompts.pop(seq, None)
-            self._keep_prompt(seq)
+            self._keep_prompt(seq, None)
             if response.finish_reason is not None:
                 self._forget(seq, "failed" if response.finish_reason == "error" else response.finish_reason)
         return responses
 
-    def _keep_prompt(self, seq: int) -> None:
-        """Store the positions of request ``seq``'s prompt that its own cache holds (once, the first time)."""
+    def _agreed_prompt(self, seq: int) -> int:
+        """Positions of request ``seq``'s prompt that every rank holds: its reused prefix and what all prefilled.
+
+        A rank ahead in the prefill pipeline holds more in its own cache (rank 0
+        computes chunk k while the last rank computes an earlier one): only this
+        count is the same on every rank.
+        """
+        return self.reused.get(seq, 0) + self.generator.prefilled(self.uids[seq])
+
+    def _keep_prompt(self, seq: int, length: int | None) -> None:
+        """Store the first ``length`` positions of request ``seq``'s prompt (once, the first time).
+
+        ``length`` is the same on every rank (``None``: the prompt but its last
+        token, which a decoding request's cache holds on every rank); a cache
+        holding more (a rank ahead in the prefill) is cut back to it, so that
+        every rank stores the same entry.
+        """
         kept = self.prompts.pop(seq, None)
+        self.reused.pop(seq, None)
         if kept is None or self.engine.prefix.budget_tokens <= 0:
             return
         tokens, cache = kept
-        offset = cache_offset(cache)
-        if 0 < offset < len(tokens):
-            self.engine.prefix.store(tokens[:offset], cache)
+        length = len(tokens) - 1 if length is None else length
+        if 0 < length < len(tokens) and trim_to(cache, length):
+            self.engine.prefix.store(tokens[:length], cache)
 
     def apply_payload(self, payload: list[int]) -> list[tuple[int, Response]]:
         """:meth:`apply` on operations as they arrive from the broadcast (:func:`decode_ops`)."""

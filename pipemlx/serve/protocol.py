@@ -184,8 +184,19 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
     n = obj.get("n")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported", param="n")
-    if obj.get("logprobs") or obj.get("top_logprobs"):
+    if _asks_logprobs(obj, request.kind):
         raise bad_request("logprobs are not supported by pipemlx serve", param="logprobs")
+    if request.kind == "completion" and obj.get("echo"):
+        raise bad_request("echo is not supported by pipemlx serve", param="echo")
+
+
+def _asks_logprobs(obj: dict[str, Any], kind: Kind) -> bool:
+    """Chat asks with ``logprobs: true`` (or ``top_logprobs`` above 0); a completion with any ``logprobs``
+    number, 0 too (OpenAI then returns the chosen tokens' log probabilities)."""
+    logprobs = obj.get("logprobs")
+    if kind == "completion":
+        return logprobs is not None and logprobs is not False
+    return bool(logprobs) or bool(obj.get("top_logprobs"))
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
