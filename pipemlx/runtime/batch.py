@@ -387,11 +387,10 @@ class BatchGenerator:
         self._settle_cache()
 
     def _extract(self, row: int) -> list[Any]:
-        """Row ``row``'s caches, taken out of the batch caches and evaluated (usable from any thread)."""
+        """Row ``row``'s caches, taken out of the batch caches lazily, on the compute stream (any thread may
+        evaluate them: a next turn inserted on them does, in its first chunk). Nothing is copied unless used."""
         with mx.stream(self.stage.compute_stream):
-            caches = [c.extract(row) for c in self._cache]
-            mx.eval(cache_state(caches))  # pyright: ignore[reportUnknownMemberType]
-        return caches
+            return [c.extract(row) for c in self._cache]
 
     def _settle_cache(self) -> None:
         """Evaluate the batch caches after a merge or filter (local work, on the stage's compute stream)."""
