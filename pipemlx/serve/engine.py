@@ -223,7 +223,9 @@ class Engine:
         cache = self.prefix.checkout(plan, lambda: make_prompt_cache(self.model))
         if f["seed"] >= 0:
             mx.random.seed(f["seed"])
-        sampler = make_sampler(bits_float(f["temperature"]), top_p=bits_float(f["top_p"]))
+        temperature = bits_float(f["temperature"])
+        # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
+        sampler = None if temperature <= 0 else make_sampler(temperature, top_p=bits_float(f["top_p"]))
         step: int | Literal["auto"] = f["step"] if f["step"] > 0 else "auto"
         generated: list[int] = []
         outcome: Outcome = "length"
