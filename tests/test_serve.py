@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -31,6 +32,7 @@ from test_mpi import MPI_OPTIONS, mpi_setup
 from pipemlx import cli
 from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR, book_text
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
 pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
@@ -46,8 +48,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 class Reference:
     """One process, the whole demo model, mlx-lm's own generate_step: what every answer must equal."""
 
-    def __init__(self) -> None:
-        self.model, self.tokenizer = load(str(MODEL_DIR))
+    def __init__(self, path: Path = MODEL_DIR) -> None:
+        self.model, self.tokenizer = load(str(path))
         self.eos = set(self.tokenizer.eos_token_ids)
 
     def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
@@ -327,6 +329,29 @@ def test_second_turn_prefills_only_its_new_tokens(server: ServeProcess, client: 
     assert record["cached_tokens"] == expected_cached
     assert record["prefilled_tokens"] == len(prompt2) - expected_cached
     assert second.choices[0].message.content == ref.answer(prompt2, 16)  # equals a cold run
+
+
+def test_a_hybrid_model_on_three_ranks_reuses_the_conversation(tmp_path: Path) -> None:
+    """lfm2 at S=3: rank 1 holds only convolution layers, whose caches count no positions and cannot be cut back.
+
+    Every rank must still keep the same prefix-cache entries (rank 1 used to keep none, so the next turn failed
+    with 'ranks disagree on cache_offset'), and entries are reused only as exact prefixes.
+    """
+    config = tiny_config("lfm2")
+    path = save_model_dir(build_model(config), config, tmp_path / "lfm2")
+    ref = Reference(path)
+    prompt = list(range(5, 45))
+    cached: list[int] = []
+    with serving("--model", str(path), ranks=3) as process:
+        for _ in range(3):
+            body = {"model": "lfm2", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            reply = httpx.post(process.url + "/v1/completions", json=body, timeout=60.0)
+            assert reply.status_code == 200, reply.text
+            generated = ref.generate(prompt, 6)
+            assert reply.json()["choices"][0]["text"] == ref.text(generated)
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            prompt = [*prompt, *generated, 9, 10]
+    assert cached == [0, 46, 54], cached  # each turn reuses the whole last conversation
 
 
 # --- clients that hang up -----------------------------------------------------------------------------------------

@@ -268,6 +268,26 @@ def test_batched_requests_reuse_the_prefix_cache(server: ServeProcess, client: o
         assert cached <= len(prompt) - 1
 
 
+def test_a_batched_answer_is_kept_for_the_next_turn(
+    server: ServeProcess, client: openai.OpenAI, ref: Reference
+) -> None:
+    """A finished request's conversation (prompt and answer) is kept: the next turn prefills only what it adds."""
+    turn1 = [{"role": "user", "content": "Is Netherfield Park let at last, my dear?"}]
+    prompt1 = ref.chat_tokens(turn1)
+    generated1 = ref.generate(prompt1, 10)
+    first = chat(client, turn1, max_tokens=10, temperature=0)
+    assert first.choices[0].message.content == ref.text(generated1)
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content}]
+    turn2.append({"role": "user", "content": "Who has taken it?"})
+    prompt2 = ref.chat_tokens(turn2)
+    # The batch hands back the prompt and every answer token but the last, which was never fed back.
+    expected = min(common_prefix(prompt1 + generated1[:-1], prompt2), len(prompt2) - 1)
+    assert expected > len(prompt1), "the next turn does not share the answer: the test loses its power"
+    second = chat(client, turn2, max_tokens=10, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == expected, second.usage
+    assert second.choices[0].message.content == ref.answer(prompt2, 10)  # equals a cold run
+
+
 def test_a_prefill_cut_short_on_three_ranks_keeps_what_every_rank_prefilled(ref: Reference) -> None:
     """A client hangs up while its long prompt is prefilled through 3 ranks, whose caches then hold different
     lengths (rank 0 is chunks ahead of rank 2): every rank keeps only the agreed part, so the same prompt again

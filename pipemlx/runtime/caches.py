@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
 
@@ -85,6 +86,22 @@ def counted_offset(cache: list[Any]) -> int:
     if any(_counts_positions(c) for c in cache) or all(_is_empty(c) for c in cache):
         return cache_offset(cache)
     return UNCOUNTED
+
+
+def always_trimmable(cache: list[Any]) -> bool:
+    """Whether every layer cache can be cut back at any length: no rotating window (which cannot once it is
+    full) and no recurrent state (which never can)."""
+    return all(_always_trimmable(c) for c in cache)
+
+
+def _always_trimmable(cache: Any) -> bool:
+    sub_caches = getattr(cache, "caches", None)
+    if isinstance(sub_caches, (list, tuple)):
+        return all(_always_trimmable(c) for c in cast(list[Any], sub_caches))
+    if isinstance(cache, RotatingKVCache):
+        return False
+    trimmable = getattr(cache, "is_trimmable", None)
+    return callable(trimmable) and bool(trimmable())
 
 
 def _counts_positions(cache: Any) -> bool:

@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVari
 
 from ..errors import PipelineMismatchError
 from ..runtime.batch import BatchGenerator, Response, Sampler
-from ..runtime.caches import trim_to
+from ..runtime.caches import cache_state, trim_to
 from .broadcast import IDLE, OUTCOMES, SHUTDOWN, STEP, bits_float, checksum, float_bits
 from .engine import (
     TICK,
@@ -171,6 +171,7 @@ class BatchRunner:
         self.lengths: dict[int, int] = {}  # request number -> prompt + generated tokens so far
         self.prompts: dict[int, tuple[list[int], list[Any]]] = {}  # prompts not yet stored in the prefix cache
         self.reused: dict[int, int] = {}  # request number -> prompt positions its cache held at insert
+        self.answers: dict[int, list[int]] = {}  # request number -> its prompt and the tokens generated so far
 
     def apply(self, ops: Ops) -> list[tuple[int, Response]]:
         """Remove, insert, then one :meth:`~pipemlx.BatchGenerator.next`; every response with its request number.
@@ -202,14 +203,18 @@ class BatchRunner:
                 self.seqs[uid] = insert.seq
                 self.lengths[insert.seq] = len(insert.tokens)
                 self.prompts[insert.seq] = (insert.tokens, cache)
+                self.answers[insert.seq] = list(insert.tokens)
                 self.reused[insert.seq] = insert.plan.reuse
         responses = [(self.seqs[r.uid], r) for r in self.generator.next()]
         for seq, response in responses:
             self.lengths[seq] += 1
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 self.prompts.pop(seq, None)
+            else:
+                self.answers[seq].append(response.token)
             self._keep_prompt(seq, None)
             if response.finish_reason is not None:
+                self._keep_answer(seq, response)
                 self._forget(seq, "failed" if response.finish_reason == "error" else response.finish_reason)
         return responses
 
@@ -232,12 +237,30 @@ class BatchRunner:
         """
         kept = self.prompts.pop(seq, None)
         self.reused.pop(seq, None)
-        if kept is None or self.engine.prefix.budget_tokens <= 0:
+        prefix = self.engine.prefix
+        if kept is None or prefix.budget_tokens <= 0:
             return
         tokens, cache = kept
-        length = len(tokens) - 1 if length is None else length
-        if 0 < length < len(tokens) and trim_to(cache, length):
-            self.engine.prefix.store(tokens[:length], cache)
+        if length is None:  # the request decodes: its own cache holds exactly this on every rank, nothing to cut
+            if len(tokens) > 1:
+                prefix.store(tokens[:-1], cache)
+        elif 0 < length < len(tokens) and prefix.cut_back and trim_to(cache, length):
+            # (``cut_back``: every rank can cut back, so every rank stores it or none does.)
+            prefix.store(tokens[:length], cache)
+
+    def _keep_answer(self, seq: int, response: Response) -> None:
+        """Store a finished request's whole conversation: its prompt and every token but the last (never fed).
+
+        The cache is the one the generator hands back with the final response,
+        the same positions on every rank; the next turn of the conversation then
+        prefills only what it adds.
+        """
+        tokens = self.answers.pop(seq, [])
+        if response.prompt_cache is None or self.engine.prefix.budget_tokens <= 0 or len(tokens) < 2:
+            return
+        with mx.stream(self.engine.stage.compute_stream):  # copy the row out now: the batch's arrays can go
+            mx.eval(cache_state(response.prompt_cache))  # pyright: ignore[reportUnknownMemberType]
+        self.engine.prefix.store(tokens[:-1], response.prompt_cache)
 
     def apply_payload(self, payload: list[int]) -> list[tuple[int, Response]]:
         """:meth:`apply` on operations as they arrive from the broadcast (:func:`decode_ops`)."""
@@ -250,6 +273,7 @@ class BatchRunner:
 
     def _forget(self, seq: int, outcome: str) -> None:
         uid = self.uids.pop(seq)
+        self.answers.pop(seq, None)
         del self.seqs[uid]
         length = self.lengths.pop(seq)
         engine = self.engine

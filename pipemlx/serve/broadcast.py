@@ -55,6 +55,7 @@ SLOT_FIELDS = (
     "cache_tokens",  # positions its cache held when that request ended (-1: discarded)
     "outcome",  # OUTCOMES index of how it ended
     "bytes_per_token",  # HELLO: this rank's KV bytes per cached token
+    "trimmable",  # HELLO: 1 when every cache of this rank can be cut back at any length
     "prefix_entries",
     "prefix_tokens",
 )

@@ -39,6 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 from mlx_lm.sample_utils import make_sampler  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError, PipelineMismatchError, PrefillCancelled
+from ..runtime.caches import UNCOUNTED, always_trimmable, counted_offset
 from ..runtime.generate import generate_step
 from ..runtime.stage import stage_of
 from .broadcast import (
@@ -189,6 +190,7 @@ class Engine:
         self.last_cache_tokens = 0
         self.last_outcome = 0
         self.bytes_per_token = 0
+        self.trimmable = 0
         self.slots: list[dict[str, int]] = []
 
     def slot(self) -> dict[str, int]:
@@ -198,6 +200,7 @@ class Engine:
             "cache_tokens": self.last_cache_tokens,
             "outcome": self.last_outcome,
             "bytes_per_token": self.bytes_per_token,
+            "trimmable": self.trimmable,
             "prefix_entries": len(self.prefix.entries),
             "prefix_tokens": self.prefix.tokens,
         }
@@ -209,12 +212,16 @@ class Engine:
         for _ in generate_step(prompt, self.model, prompt_cache=cache, max_tokens=1, timeout=self.settings.timeout):
             pass
         self.bytes_per_token = _bytes_per_token(cache)
+        self.trimmable = int(always_trimmable(make_prompt_cache(self.model)))
         header = self.channel.exchange(
             {"kind": HELLO} if self.rank == 0 else None, self.slot(), self.settings.timeout, "greeting the other ranks"
         )
         self.slots = header.slots
         largest = max(s["bytes_per_token"] for s in header.slots)
-        self.prefix = PrefixCache(int(self.settings.prefix_cache_mb * MB) // largest)
+        # Entries are cut back only when every rank can cut its caches back.
+        self.prefix = PrefixCache(
+            int(self.settings.prefix_cache_mb * MB) // largest, cut_back=all(s["trimmable"] for s in header.slots)
+        )
 
     def run(self, header: Header, tokens: list[int], consumer: LeaderConsumer | None) -> RequestResult:
         """Run the request ``header`` announced, on this rank; every rank calls it with the same header and tokens."""
@@ -259,7 +266,8 @@ class Engine:
                 outcome = "failed" if reason == "failed" else "cancelled" if reason == "cancelled" else "length"
         except PrefillCancelled as exc:
             outcome = "cancelled" if not exc.failed_ranks else "failed"
-            kept = tokens[: plan.reuse + exc.processed] if exc.cache_trimmed else []
+            # A rank that cannot cut its caches back keeps nothing: every rank must keep the same entries.
+            kept = tokens[: plan.reuse + exc.processed] if exc.cache_trimmed and self.prefix.cut_back else []
             prefilled = exc.processed
             error = exc if exc.failed_ranks else None
         except PipelineMismatchError as exc:  # every rank raised it (the group is fine): drop the prefix caches
@@ -269,7 +277,9 @@ class Engine:
             raise
         except Exception as exc:  # this rank's own error (a callback, the model): the stop was agreed
             outcome, kept, error = "failed", [], exc
-        offset = _cache_offset(cache)
+        offset = counted_offset(cache)
+        if offset == UNCOUNTED:  # recurrent layers only: the agreed stop left the same positions as on the others
+            offset = len(kept)
         if outcome != "failed" and kept and offset == len(kept):
             self.prefix.store(kept, cache)
         self.last_seq = f["seq"]

@@ -51,10 +51,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class PrefixCache:
-    """An LRU of ``(tokens, KV cache)`` entries, bounded by ``budget_tokens`` tokens in all."""
+    """An LRU of ``(tokens, KV cache)`` entries, bounded by ``budget_tokens`` tokens in all.
 
-    def __init__(self, budget_tokens: int) -> None:
+    ``cut_back`` says whether every rank can cut any entry back to a shorter
+    prefix (the ranks share it at start-up); when one cannot (a sliding window,
+    a recurrent state), :meth:`plan` reuses entries only as exact prefixes.
+    """
+
+    def __init__(self, budget_tokens: int, cut_back: bool = True) -> None:
         self.budget_tokens = max(0, budget_tokens)
+        self.cut_back = cut_back
         self.entries: OrderedDict[int, Entry] = OrderedDict()
         self.next_id = 1
         self.hits = 0
@@ -70,8 +76,8 @@ class PrefixCache:
         limit = len(tokens) - 1
         for entry in self.entries.values():
             reuse = min(common_prefix(entry.tokens, tokens), limit)
-            if reuse < len(entry.tokens) and not can_trim_prompt_cache(entry.cache):
-                continue  # a cache that cannot be cut back (a full sliding window) only serves exact extensions
+            if reuse < len(entry.tokens) and not (self.cut_back and can_trim_prompt_cache(entry.cache)):
+                continue  # an entry some rank cannot cut back (a full window, a recurrent state): exact extensions
             if reuse > best_reuse:
                 best, best_reuse = entry, reuse
         if best is None:
