@@ -168,7 +168,6 @@ class BatchRunner:
         )
         self.uids: dict[int, int] = {}  # request number -> the generator's uid
         self.seqs: dict[int, int] = {}
-        self.lengths: dict[int, int] = {}  # request number -> prompt + generated tokens so far
         self.prompts: dict[int, tuple[list[int], list[Any]]] = {}  # prompts not yet stored in the prefix cache
         self.reused: dict[int, int] = {}  # request number -> prompt positions its cache held at insert
         self.answers: dict[int, list[int]] = {}  # request number -> its prompt and the tokens generated so far
@@ -201,17 +200,14 @@ class BatchRunner:
             for insert, uid, cache in zip(ops.inserts, uids, caches):
                 self.uids[insert.seq] = uid
                 self.seqs[uid] = insert.seq
-                self.lengths[insert.seq] = len(insert.tokens)
                 self.prompts[insert.seq] = (insert.tokens, cache)
                 self.answers[insert.seq] = list(insert.tokens)
                 self.reused[insert.seq] = insert.plan.reuse
         responses = [(self.seqs[r.uid], r) for r in self.generator.next()]
         for seq, response in responses:
-            self.lengths[seq] += 1
+            self.answers[seq].append(response.token)
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 self.prompts.pop(seq, None)
-            else:
-                self.answers[seq].append(response.token)
             self._keep_prompt(seq, None)
             if response.finish_reason is not None:
                 self._keep_answer(seq, response)
@@ -255,7 +251,7 @@ class BatchRunner:
         the same positions on every rank; the next turn of the conversation then
         prefills only what it adds.
         """
-        tokens = self.answers.pop(seq, [])
+        tokens = self.answers.get(seq, [])
         if response.prompt_cache is None or self.engine.prefix.budget_tokens <= 0 or len(tokens) < 2:
             return
         with mx.stream(self.engine.stage.compute_stream):  # copy the row out now: the batch's arrays can go
@@ -273,9 +269,8 @@ class BatchRunner:
 
     def _forget(self, seq: int, outcome: str) -> None:
         uid = self.uids.pop(seq)
-        self.answers.pop(seq, None)
         del self.seqs[uid]
-        length = self.lengths.pop(seq)
+        length = len(self.answers.pop(seq))
         engine = self.engine
         engine.last_seq = seq
         engine.last_cache_tokens = length - 1  # the last token is never fed back
