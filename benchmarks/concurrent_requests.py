@@ -1,14 +1,14 @@
 """Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
 
     python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
-                                             [--arrival-tokens 4096 --chunks 32,64,128]
+                                             [--arrival-tokens 4096 --chunks 32,64,128 --chunking fixed,equal-cost]
 
 Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
 process): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
 pipemlx.generate_step on 2 ranks one request after another, and mlx-lm's own BatchGenerator in one process
 holding all layers. Decode only: each request's tokens after its first (see ranks/concurrent_rank.py).
 With --arrival-tokens N, then: a prompt of N tokens arrives while 4 requests decode (pipemlx batched, S=2),
-for each prefill_chunk_tokens in --chunks; the 4 requests' p95 time between tokens before and while
+for each prefill_chunking in --chunking and prefill_chunk_tokens in --chunks; the 4 requests' p95 time between tokens before and while
 it is prefilled, and its time to first token against its solo run.
 Run by hand, on an otherwise idle machine when the figures matter. (Not named `concurrent.py`: in this
 folder that name would shadow the standard library's `concurrent` package for every benchmark script.)
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--arrival-tokens", type=int, default=0, help="0: no arrival test")
     parser.add_argument("--chunks", default="32,64,128", help="prefill_chunk_tokens values of the arrival test")
+    parser.add_argument("--chunking", default="fixed", help="prefill_chunking values of the arrival test")
     parser.add_argument("--skip-table", action="store_true", help="only the arrival test")
     args = parser.parse_args()
     openblas = openblas_available()
@@ -78,14 +79,15 @@ def main() -> None:
     if args.arrival_tokens:
         chunks = [int(c) for c in args.chunks.split(",")]
         spec = {**base, "R": 4, "mode": "arrival", "arrival_tokens": args.arrival_tokens, "chunks": chunks}
+        spec["chunkings"] = args.chunking.split(",")
         arrival = run_mode(spec, openblas)
         print(f"\n{args.arrival_tokens}-token prompt arriving while 4 requests decode")
         print(
-            f"{'chunk':>7} {'p95 between tokens before':>26} {'during':>8} {'ratio':>6} {'TTFT':>7} {'solo':>7} {'vs solo':>8}"
+            f"{'chunking':>10} {'chunk':>7} {'p95 between tokens before':>26} {'during':>8} {'ratio':>6} {'TTFT':>7} {'solo':>7} {'vs solo':>8}"
         )
         for run in arrival["runs"]:
             print(
-                f"{run['chunk']:>7} {run['p95_before'] * 1000:>23.1f} ms {run['p95_during'] * 1000:>5.0f} ms"
+                f"{run['chunking']:>10} {run['chunk']:>7} {run['p95_before'] * 1000:>23.1f} ms {run['p95_during'] * 1000:>5.0f} ms"
                 f" {run['p95_during'] / run['p95_before']:>6.1f} {run['ttft']:>6.2f}s {run['solo']:>6.2f}s"
                 f" {run['ttft'] / run['solo']:>8.2f}"
             )

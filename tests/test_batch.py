@@ -10,7 +10,8 @@ from fakes import FakeGroup
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from pipemlx.schedule.batch_plan import Admission
+from pipemlx.schedule.batch_plan import Admission, EqualCostChunks
+from pipemlx.schedule.costmodel import LayerCosts
 from pipemlx.testing import build_model, tiny_config
 
 REQUESTS: list[dict[str, Any]] = [
@@ -30,9 +31,19 @@ def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None)
     return tokens, "length" if limit is None else None
 
 
-@pytest.mark.parametrize("arch,world_size,stop_at", [("llama", 2, None), ("qwen3", 3, None), ("llama", 2, [2, 3])])
-def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop_at: list[int] | None) -> None:
+EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
+
+
+@pytest.mark.parametrize(
+    "arch,world_size,stop_at,chunking",
+    [("llama", 2, None, "fixed"), ("qwen3", 3, None, "equal-cost"), ("llama", 2, [2, 3], "fixed")],
+)
+def test_batched_requests_equal_their_solo_runs(
+    arch: str, world_size: int, stop_at: list[int] | None, chunking: str
+) -> None:
     spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 20, "step_size": 8, "stop_at": stop_at}
+    if chunking == "equal-cost":
+        spec.update(chunking=chunking, chunk=8, costs=EQUAL_COSTS, steps=28)  # smaller chunks: more ticks
     reports = run_ranks(world_size, "batch.py", spec, timeout=90)
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
@@ -40,16 +51,28 @@ def test_batched_requests_equal_their_solo_runs(arch: str, world_size: int, stop
     solo, stops = report["solo"], report["stops"]
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
     for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
-        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
+        first = report["first"][i]
+        removed_after = (
+            (REMOVE["at"] - (first if first is not None else REMOVE["at"])) if i == REMOVE["index"] else None
+        )
         assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
     if stop_at is None:
         # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2; request 1
         # leaves at its removal (tick 7), the others at their max_tokens.
         expected = [0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0] if world_size == 2 else None
         assert expected is None or report["rows"] == expected, report["rows"]
-        assert report["first"][1] is not None and report["first"][1] < REMOVE["at"], report
+        assert chunking != "fixed" or (report["first"][1] is not None and report["first"][1] < REMOVE["at"]), report
     else:
         assert "stop" in report["finish"], report
+    if chunking == "equal-cost":
+        # Request 2 (41 positions to prefill) is prefilled while the others decode: each chunk as long as the
+        # cost model allows for a first chunk's cost (ticks with nothing decoding take step_size chunks).
+        sizes = EqualCostChunks(8, LayerCosts(*EQUAL_COSTS))
+        filled = [0, *sorted(set(report["prefilled"]["2"]) - {0})]
+        lengths = [b - a for a, b in zip(filled, filled[1:])]
+        assert sum(lengths) == REQUESTS[2]["M"] - 1 and min(lengths) < 8, lengths
+        for start, length in zip(filled, lengths[:-1]):
+            assert length in (sizes.tokens_at(start), 8), (start, length, filled)
     assert report["left"] == 0
 
 
@@ -153,7 +176,10 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -
     assert [r["admission"] for r in reports] == [[768, 768]] * 2
     solo = report["solo"]
     for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
-        removed_after = REMOVE["at"] - report["first"][i] if i == REMOVE["index"] else None
+        first = report["first"][i]
+        removed_after = (
+            (REMOVE["at"] - (first if first is not None else REMOVE["at"])) if i == REMOVE["index"] else None
+        )
         assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
     last_of_0 = report["first"][0] + REQUESTS[0]["max_tokens"] - 1
     # Request 2: 5 chunks of 8 on rank 0 from tick 14, the last through rank 1 in tick 19, joins in tick 20.

@@ -13,8 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipemlx.schedule.batch_plan import Admission, Chunk, Job, PlanState, Tick, drop, enqueue, plan_tick
+from pipemlx.schedule.batch_plan import (
+    Admission,
+    Chunk,
+    EqualCostChunks,
+    Job,
+    PlanState,
+    Tick,
+    drop,
+    enqueue,
+    plan_tick,
+)
 from pipemlx.schedule.batch_sim import Op, run_ticks, tick_ops
+from pipemlx.schedule.costmodel import LayerCosts
 
 
 @dataclass
@@ -36,6 +47,13 @@ class Scenario:
     arrivals: list[tuple[int, int, int]]  # (tick, positions, decode tokens)
     cancels: list[tuple[int, int]]  # (tick, index of an arrival)
     budget: int | None
+    attention: float | None = None  # equal-cost chunks with this cost per query-key pair (a token costs 1)
+
+    @property
+    def sizes(self) -> int | EqualCostChunks:
+        return (
+            self.chunk if self.attention is None else EqualCostChunks(self.chunk, LayerCosts(0.5, 1.0, self.attention))
+        )
 
 
 scenarios = st.builds(
@@ -46,6 +64,7 @@ scenarios = st.builds(
     arrivals=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 40), st.integers(1, 5)), min_size=1, max_size=6),
     cancels=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), max_size=3),
     budget=st.none() | st.integers(50, 200),
+    attention=st.none() | st.floats(0.0, 2.0),
 )
 
 
@@ -70,7 +89,7 @@ def drive(s: Scenario, limit: int = 400) -> Run:
             if not pending:
                 break
             continue
-        tick, state = plan_tick(state, [r for r, _ in decoding.values()], s.chunk, s.lone, admission)
+        tick, state = plan_tick(state, [r for r, _ in decoding.values()], s.sizes, s.lone, admission)
         for uid in tick.joins:
             assert uid not in run.joined, f"request {uid} joins twice"
             run.joined[uid] = tick.index
@@ -181,10 +200,36 @@ def test_requests_wait_for_memory_in_order() -> None:
     assert tick.chunks[0] == Chunk(1, 0, 4, True)
 
 
+@given(
+    tokens=st.integers(1, 512),
+    costs=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+    starts=st.lists(st.integers(0, 100_000), min_size=2, max_size=8),
+)
+def test_equal_cost_chunks_never_exceed_the_first_chunks_cost(
+    tokens: int, costs: tuple[float, float, float], starts: list[int]
+) -> None:
+    sizes = EqualCostChunks(tokens, LayerCosts(*costs))
+    assert sizes.tokens_at(0) == (tokens if tokens < 32 else tokens - tokens % 8)
+    budget = sizes.cost(0, tokens)
+    lengths = [sizes.tokens_at(start) for start in sorted(starts)]
+    for start, length in zip(sorted(starts), lengths):
+        assert 1 <= length <= tokens and (length < 32 or length % 8 == 0), (start, length)
+        assert length == 1 or sizes.cost(start, length) <= budget, (start, length)
+    assert lengths == sorted(lengths, reverse=True), f"a later chunk is longer: {lengths}"
+
+
+def test_equal_cost_chunks_shrink_where_attention_dominates() -> None:
+    sizes = EqualCostChunks(64, LayerCosts(0.0, 1.0, 1e-3))  # a token costs what 1000 query-key pairs do
+    assert [sizes.tokens_at(s) for s in (0, 1000, 4000)] == [64, 32, 13]
+    assert EqualCostChunks(64, LayerCosts(0.0, 1.0, 0.0)).tokens_at(4000) == 64  # no attention cost: even chunks
+
+
 def test_bad_plan_arguments() -> None:
     with pytest.raises(ValueError, match="chunk sizes"):
         plan_tick(PlanState(2), [], 0)
     with pytest.raises(ValueError, match="positions"):
         Job(0, -1)
+    with pytest.raises(ValueError, match="tokens"):
+        EqualCostChunks(0, LayerCosts(0.0, 1.0, 0.0))
     with pytest.raises(ValueError, match="world_size"):
         PlanState(0)

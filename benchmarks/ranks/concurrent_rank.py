@@ -9,11 +9,11 @@ Every request has an M-token prompt and `tokens` generated tokens. The aggregate
 each request's first one over the time after the first one (the prefill excluded): batched modes from the
 step that gave every request its first token to the last step; serial mode the sum of the decode times.
 Prints one JSON line: {"rank", "tok_s", "tokens"}.
-  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill_chunk_tokens in
-                  `chunks` the R requests' p95 time between tokens before and while it is prefilled, and its
+  arrival         R requests decode; an `arrival_tokens` prompt arrives; for each prefill_chunking in
+                  `chunkings` (default ["fixed"]) and prefill_chunk_tokens in `chunks` the R requests' p95 time between tokens before and while it is prefilled, and its
                   time to first token against its solo run (pipemlx.generate_step's first token, nothing else
                   active, measured right before each run). Prints
-                  {"rank", "runs": [{"chunk", "p95_before", "p95_during", "ttft", "solo", "gaps_before",
+                  {"rank", "runs": [{"chunk", "chunking", "p95_before", "p95_during", "ttft", "solo", "gaps_before",
                   "gaps_during"}]} (the gaps: seconds of every step before and after the arrival).
 """
 
@@ -111,11 +111,16 @@ def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     solo()  # warm-up
     runs: list[dict[str, Any]] = []
-    for chunk in spec["chunks"]:
-        solo_ttft = solo()  # measured next to each run: on a shared machine the load drifts
+    for chunking, chunk in [(c, n) for c in spec.get("chunkings", ["fixed"]) for n in spec["chunks"]]:
         engine = pipemlx.BatchGenerator(
-            model, max_tokens=-1, prefill_step_size=spec["step"], prefill_chunk_tokens=chunk, timeout=120.0
+            model,
+            max_tokens=-1,
+            prefill_step_size=spec["step"],
+            prefill_chunk_tokens=chunk,
+            prefill_chunking=chunking,
+            timeout=120.0,
         )
+        solo_ttft = solo()  # measured next to each run: on a shared machine the load drifts
         decoding = engine.insert(prompts_of(spec))
         while len(engine.active_uids) < len(decoding):
             engine.next()
@@ -141,6 +146,7 @@ def arrival(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
         runs.append(
             {
                 "chunk": chunk,
+                "chunking": chunking,
                 "p95_before": p95(before),
                 "p95_during": p95(during),
                 "ttft": ttft,

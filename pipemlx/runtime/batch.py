@@ -41,10 +41,22 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
-from ..schedule.batch_plan import FINGERPRINT_MODULUS, Admission, Chunk, Job, PlanState, drop, enqueue, plan_tick
+from ..schedule.batch_plan import (
+    FINGERPRINT_MODULUS,
+    Admission,
+    Chunk,
+    ChunkSizes,
+    EqualCostChunks,
+    Job,
+    PlanState,
+    drop,
+    enqueue,
+    plan_tick,
+)
 from .batch_memory import exchange_admission
 from .batch_tick import UNKNOWN_PREFIXES, TickRunner, TickWork
 from .caches import UNCOUNTED, cache_state, counted_offset
+from .calibrate import calibrated
 from .prefill import check_timeout
 from .stage import PipelineStage, stage_of
 
@@ -109,6 +121,17 @@ class BatchGenerator:
     the chunk size while nothing decodes (a prompt prefilled alone).
     ``prefill_budget`` is the former name of ``prefill_chunk_tokens``.
 
+    ``prefill_chunking="equal-cost"`` keeps that trade steady over a long
+    prompt: a chunk attends to every position before it, so at a fixed length
+    the late chunks of a long prompt cost several times the first ones and the
+    others' time between tokens grows as it fills. With it, the chunk at the
+    start of a prompt has ``prefill_chunk_tokens`` positions and every later
+    one is as long as the cost model allows for the same predicted cost
+    (:class:`~pipemlx.schedule.batch_plan.EqualCostChunks`). The constructor
+    then calibrates the cost model on the group, as ``step_size="auto"`` does
+    (a collective, once per model: construct on every rank). ``"fixed"``
+    (the default): every chunk has ``prefill_chunk_tokens`` positions.
+
     ``memory_budget`` (bytes this rank may spend on KV caches) turns on
     admission control: the constructor then exchanges every rank's budget and
     cache bytes per position (one all-gather: construct on every rank), and a
@@ -128,6 +151,7 @@ class BatchGenerator:
         prefill_step_size: int = 512,
         prefill_chunk_tokens: int = 64,
         prefill_budget: int | None = None,
+        prefill_chunking: Literal["fixed", "equal-cost"] = "fixed",
         timeout: float | None = None,
         memory_budget: int | None = None,
     ) -> None:
@@ -140,6 +164,8 @@ class BatchGenerator:
             _check_positive(name, value)
         if memory_budget is not None:
             _check_positive("memory_budget", memory_budget)
+        if prefill_chunking not in ("fixed", "equal-cost"):
+            raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.sampler = sampler
@@ -159,6 +185,9 @@ class BatchGenerator:
         self.admission: Admission | None = (
             None if memory_budget is None else exchange_admission(model, self.stage, memory_budget, self.timeout)
         )
+        self.chunk_sizes: int | ChunkSizes = chunk
+        if prefill_chunking == "equal-cost":
+            self.chunk_sizes = EqualCostChunks(chunk, calibrated(model, self.stage, self.timeout).layer)
 
     @property
     def active_uids(self) -> list[int]:
@@ -300,7 +329,7 @@ class BatchGenerator:
         tick, after = plan_tick(
             self._plan,
             [s.reserve for s in self._active],
-            self.prefill_chunk_tokens,
+            self.chunk_sizes,
             self.prefill_step_size,
             self.admission,
         )

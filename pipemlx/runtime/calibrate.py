@@ -22,8 +22,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import PeerLostError, PipelineTimeoutError
 from ..schedule.costmodel import CostModel, LayerCosts, cache_only_share, fit_layer_costs
 from ..schedule.plan import Chunk
+from .agreement import gather_ints
 from .caches import cache_state
 from .stage import PipelineStage
 from .waits import wait_for
@@ -98,6 +100,26 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
         latency_s=slowest[3] / 2,
         last_layer_share=share,
     )
+
+
+def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
+    """The group's agreed cost model, calibrated first when some rank has none yet (a collective: all ranks call it).
+
+    One small all-gather asks whether any rank lacks it (a rank may have
+    calibrated for ``step_size="auto"`` already); then every rank calibrates
+    together or none does, so the ranks keep the same model.
+    """
+    needs = stage.cost_model is None
+    try:
+        if stage.world_size > 1:
+            rows = gather_ints(stage, [int(needs)], timeout, "asking whether the group has calibrated")
+            needs = any(row[0] for row in rows)
+        if needs:
+            stage.cost_model = calibrate(model, stage, timeout)
+    except (PipelineTimeoutError, PeerLostError) as exc:
+        stage.mark_broken(exc)
+        raise
+    return stage.cost_model
 
 
 SPEED_TOKENS = 128

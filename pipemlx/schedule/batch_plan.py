@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from . import plan as prefill_plan
+from .costmodel import LayerCosts
 
 FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the tick's all-gather
 
@@ -47,6 +51,50 @@ class Chunk:
     @property
     def length(self) -> int:
         return self.stop - self.start
+
+
+class ChunkSizes(Protocol):
+    """Chunk sizes that depend on where in its prompt a chunk starts (the same on every rank)."""
+
+    def tokens_at(self, start: int) -> int:
+        """The length (>= 1) of a chunk starting at prompt position ``start``."""
+        ...
+
+
+@dataclass(frozen=True)
+class EqualCostChunks:
+    """Chunks that each cost what a ``tokens``-token chunk at position 0 costs, by ``costs``.
+
+    Attention makes a chunk's cost grow with its start (it attends to every
+    position before it), so equal-length chunks load a tick more and more as a
+    long prompt fills, and the decoding requests' time between tokens grows
+    with it. Here the later chunks are shorter instead: at ``start``, the
+    longest chunk (at most ``tokens``, at least 1, a multiple of 8 from 32 up)
+    whose predicted cost stays within the first chunk's. ``costs`` must be the
+    same on every rank (the calibrated model the ranks agreed on).
+    """
+
+    tokens: int
+    costs: LayerCosts
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise ValueError(f"tokens must be >= 1, got {self.tokens}")
+
+    def cost(self, start: int, length: int) -> float:
+        """Predicted seconds of a layer on prompt positions ``start`` .. ``start + length - 1``."""
+        return self.costs.seconds(prefill_plan.Chunk(0, start, start + length))
+
+    def tokens_at(self, start: int) -> int:
+        budget = self.cost(0, self.tokens)
+        low, high = 1, self.tokens  # the longest length within the budget, by bisection (cost grows with length)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.cost(start, middle) <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        return low if low < 32 else low - low % 8
 
 
 @dataclass(frozen=True)
@@ -172,7 +220,7 @@ def drop(state: PlanState, uids: Iterable[int]) -> PlanState:
 def plan_tick(
     state: PlanState,
     decoding: Sequence[int],
-    chunk_tokens: int,
+    chunk_tokens: int | ChunkSizes,
     lone_chunk_tokens: int | None = None,
     admission: Admission | None = None,
 ) -> tuple[Tick, PlanState]:
@@ -180,7 +228,8 @@ def plan_tick(
 
     ``decoding``: the reservations (positions) of the requests in the decode
     batch before the tick's joins. Rank 0 takes the next ``chunk_tokens``
-    positions of the first queued request (``lone_chunk_tokens`` when no
+    positions of the first queued request (:class:`ChunkSizes`: as many as it
+    gives for where the chunk starts; ``lone_chunk_tokens`` when no
     request decodes or joins in the tick: a lone prompt is prefilled in
     larger chunks); rank ``r`` computes what rank ``r - 1`` computed in the
     last tick. A request starts only when ``admission`` admits it together with
@@ -188,11 +237,11 @@ def plan_tick(
     waits holds back those behind it. A request with no positions to prefill
     is ready at once. Pure: the same arguments give the same tick everywhere.
     """
-    if chunk_tokens < 1 or (lone_chunk_tokens is not None and lone_chunk_tokens < 1):
+    fixed = chunk_tokens if isinstance(chunk_tokens, int) else 1
+    if fixed < 1 or (lone_chunk_tokens is not None and lone_chunk_tokens < 1):
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_tokens} and {lone_chunk_tokens}")
     joins = state.ready
     rows = len(decoding) + len(joins)
-    size = chunk_tokens if rows or lone_chunk_tokens is None else lone_chunk_tokens
     queue, started = list(state.queue), state.started
     ready: list[int] = []
     committed = [*decoding, *(state.reserves.get(u, 0) for u in _in_pipeline(state))]
@@ -208,6 +257,7 @@ def plan_tick(
             queue.pop(0)
             started = 0
             continue
+        size = _size(chunk_tokens, started) if rows or lone_chunk_tokens is None else lone_chunk_tokens
         stop = min(job.positions, started + size)
         first = Chunk(job.uid, started, stop, stop == job.positions)
         if first.last:
@@ -231,6 +281,15 @@ def plan_tick(
         reserves={u: r for u, r in state.reserves.items() if u not in joins},
     )
     return tick, after
+
+
+def _size(chunk_tokens: int | ChunkSizes, start: int) -> int:
+    if isinstance(chunk_tokens, int):
+        return chunk_tokens
+    size = chunk_tokens.tokens_at(start)
+    if size < 1:
+        raise ValueError(f"{chunk_tokens} gave a chunk of {size} tokens at position {start}; chunks need >= 1")
+    return size
 
 
 def _in_pipeline(state: PlanState) -> list[int]:

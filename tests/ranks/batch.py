@@ -3,7 +3,8 @@
 Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{"index", "at"}, ...], "steps",
 "step_size", "chunk" (prefill_chunk_tokens),
 "kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P},
-"memory_budget": bytes, "follow_up": {"of", "M", "max_tokens"}}. Step s inserts every request with insert_at == s, removes request
+"memory_budget": bytes, "follow_up": {"of", "M", "max_tokens"}, "chunking": "fixed" | "equal-cost",
+"costs": [chunk_s, token_s, attention_s] | null}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
@@ -13,7 +14,8 @@ before it is inserted, and only the rest of its prompt is inserted, with that ca
 "stall" ({"rank", "at", "seconds"}), that rank stays alive but silent for `seconds` before step `at`, then
 exits with status 3. With "follow_up", when request `of` finishes ("length") its returned prompt_cache is
 inserted at once with its last token and M new tokens: the next turn of a conversation, compared with a
-solo run of prompt + answer + new tokens.
+solo run of prompt + answer + new tokens. With "costs", the group's cost model is set to those layer costs
+before the generator is made (instead of calibrating), so equal-cost chunk sizes are known in advance.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.runtime.caches import cache_offset
+from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.costmodel import CostModel, LayerCosts
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -65,6 +69,10 @@ def main() -> None:
         ]
         for p, r in zip(prompts, requests)
     ]
+    costs = spec.get("costs")
+    if costs is not None:
+        stage = stage_of(model)
+        stage.cost_model = CostModel(LayerCosts(*costs), layers=stage.split, hidden_size=stage.hidden_size or 1)
     stop_at = spec.get("stop_at")
     stops = [solo[stop_at[0]][stop_at[1]]] if stop_at else []
     engine = pipemlx.BatchGenerator(
@@ -74,6 +82,7 @@ def main() -> None:
         timeout=spec.get("timeout"),
         stop_tokens=stops,
         memory_budget=spec.get("memory_budget"),
+        prefill_chunking=spec.get("chunking", "fixed"),
     )
     prefixes: dict[str, int] = spec.get("prefixes", {})
     uid_of: dict[int, int] = {}
@@ -82,6 +91,7 @@ def main() -> None:
     rows: list[int] = []
     first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
+    prefilled: dict[int, list[int]] = {}  # request -> positions every rank had prefilled, after each step
     kill = spec.get("kill")
     follow = spec.get("follow_up")  # {"of": request, "M": new tokens, "max_tokens"}: a next turn on its cache
     follow_prompt = prompt_of(follow["M"]) if follow is not None else []
@@ -114,6 +124,8 @@ def main() -> None:
             break
         rows.append(len(responses))
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+        for u in engine.queued_uids:
+            prefilled.setdefault(uid_of[u], []).append(engine.prefilled(u))
         if engine.last_error is not None and "model_error" not in spec:
             raise engine.last_error
         for response in responses:
@@ -148,6 +160,7 @@ def main() -> None:
         "finish": [finish.get(i) for i in range(len(requests))],
         "rows": rows,
         "partial": partial,
+        "prefilled": {str(i): p for i, p in prefilled.items()},
         "left": len(engine),
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
