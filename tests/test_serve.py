@@ -153,6 +153,9 @@ CHAT = [
 
 def test_models_and_health(server: ServeProcess, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("some/other-model")
     health = server.health()
     assert health["status"] == "ready" and health["model"] == MODEL
     assert health["ranks"] == 2 and health["split"] == [4, 4]

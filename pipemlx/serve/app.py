@@ -1,7 +1,7 @@
 """The HTTP side (rank 0): an ASGI app (Starlette) speaking OpenAI's API, and the uvicorn thread that serves it.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /health``. A handler checks the request (4xx with an
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. A handler checks the request (4xx with an
 OpenAI-style error body; nothing reaches the ranks), tokenizes it, and queues a
 :class:`~.engine.Job` (429 when the queue is full). The answer is one JSON
 object, or server-sent events ending in ``data: [DONE]``. While a request
@@ -64,6 +64,7 @@ class Api:
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._crash})
@@ -117,6 +118,13 @@ class Api:
     async def models(self, request: Request) -> Response:
         return JSONResponse(models_object(self.settings.model_id, self.created))
 
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the served model's object, or 404 for any other id (ids may hold slashes)."""
+        name = str(request.path_params["model"])
+        self._check_model_name(name)
+        (entry,) = models_object(self.settings.model_id, self.created)["data"]
+        return JSONResponse(entry)
+
     async def chat(self, request: Request) -> Response:
         parsed = parse_chat(await self._body(request))
         self._check_model(parsed)
@@ -153,10 +161,14 @@ class Api:
             raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
     def _check_model(self, parsed: ParsedRequest) -> None:
-        if parsed.model not in (None, self.settings.model_id):
+        if parsed.model is not None:
+            self._check_model_name(parsed.model)
+
+    def _check_model_name(self, name: str) -> None:
+        if name != self.settings.model_id:
             raise ApiError(
                 404,
-                f"the model {parsed.model!r} does not exist; this server serves {self.settings.model_id!r}",
+                f"the model {name!r} does not exist; this server serves {self.settings.model_id!r}",
                 param="model",
                 code="model_not_found",
             )
