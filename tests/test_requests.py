@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import pytest
+from fakes import tokens
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from live_group import LiveGroup
+
+import pipemlx
+import pipemlx.runtime.generate as generate_module
+from pipemlx.testing import build_model, tiny_config
 
 TIMEOUT = 20.0
 BASE: dict[str, Any] = {"op": "request", "M": 13, "seed": 1, "step": 4, "max_tokens": 6}
@@ -248,3 +254,30 @@ def test_stream_generate_matches_mlx_lm_on_the_demo_model(num_ranks: int) -> Non
         assert report["pipe"]["finish"] == "length" and report["pipe"]["generation_tokens"] == 24
         assert report["pipe_eos"] == report["ref_eos"], report
         assert report["pipe_eos"]["finish"] == "stop", report
+
+
+def test_an_error_while_a_decode_step_evaluates_leaves_the_stage_refusing_further_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An error raised while MLX evaluates a step (not while the model builds it) may leave the ranks one
+    # collective apart: the stage must refuse the next request instead of exchanging garbage.
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
+    real_wait = generate_module.wait_for
+    waits = 0
+
+    def wait_then_fail(arrays: Any, timeout: float | None, what: Any) -> None:
+        nonlocal waits
+        waits += 1
+        if waits == 3:
+            raise RuntimeError("[test] the evaluation failed")
+        real_wait(arrays, timeout, what)
+
+    monkeypatch.setattr(generate_module, "wait_for", wait_then_fail)
+    produced: list[int] = []
+    with pytest.raises(RuntimeError, match="the evaluation failed"):
+        for token, _ in pipemlx.generate_step(tokens(10), model, max_tokens=8):
+            produced.append(int(token))
+    assert 0 < len(produced) < 8, produced
+    monkeypatch.undo()
+    with pytest.raises(pipemlx.PipelineError, match="start every rank again"):
+        next(pipemlx.generate_step(tokens(10), model, max_tokens=2))
