@@ -30,13 +30,13 @@ def main() -> None:
         raise SystemExit(__doc__)
     runs = json.loads(Path(sys.argv[1]).read_text())["arrival"]["runs"]
     fig, ax = plt.subplots(figsize=(10, 4))
-    for run, color in zip(runs, ["#3b7dd8", "#d62728", "#2ca02c", "#9467bd"]):
+    for run, color in zip(runs, ["#3b7dd8", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]):
         before = [g * 1000 for g in run["gaps_before"]]
         during = [g * 1000 for g in run["gaps_during"]]
         x_before = [-t for t in itertools.accumulate(reversed(run["gaps_before"]))][::-1]
         x_during = list(itertools.accumulate(run["gaps_during"]))
         label = (
-            f"chunk {run['chunk']}: p95 {run['p95_during'] / run['p95_before']:.1f}x, "
+            f"{run.get('chunking', 'fixed')} chunk {run['chunk']}: p95 {run['p95_during'] / run['p95_before']:.1f}x, "
             f"first token {run['ttft']:.1f} s = {run['ttft'] / run['solo']:.2f}x solo"
         )
         ax.plot(x_before + x_during, before + during, color=color, linewidth=0.9, label=label)
