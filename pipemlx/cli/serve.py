@@ -70,6 +70,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="requests decoded together in one batch; more wait in the queue (default 1: one at a time)",
     )
     serve.add_argument(
+        "--prefill-chunking",
+        choices=("equal-cost", "fixed"),
+        default="equal-cost",
+        help="with --max-concurrency above 1, a prompt prefilled while others decode comes in chunks that "
+        "shrink as positions grow, each costing what the first does (equal-cost: the default; calibrates at "
+        "start-up), or in chunks of --step-size (fixed)",
+    )
+    serve.add_argument(
         "--prefix-cache",
         type=float,
         default=1024.0,
@@ -138,6 +146,7 @@ def _as_rank(args: argparse.Namespace) -> int:
         model_id=model_id(args),
         max_queue=args.max_queue,
         max_concurrency=args.max_concurrency,
+        prefill_chunking=args.prefill_chunking,
         prefix_cache_mb=args.prefix_cache,
         step_size=args.step_size,
         timeout=args.timeout,

@@ -164,6 +164,7 @@ class BatchRunner:
             stop_tokens=eos,
             prefill_step_size=step,
             prefill_chunk_tokens=step,
+            prefill_chunking=settings.prefill_chunking,
             timeout=settings.timeout,
         )
         self.uids: dict[int, int] = {}  # request number -> the generator's uid

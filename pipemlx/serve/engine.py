@@ -89,6 +89,8 @@ class ServeSettings:
     parent_pid: int | None = None
     max_concurrency: int = 1
     """Requests decoded together (:mod:`.batching`); 1: one at a time, here."""
+    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
+    """With ``max_concurrency`` above 1: :class:`pipemlx.BatchGenerator`'s ``prefill_chunking``."""
 
 
 @dataclass
