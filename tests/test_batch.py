@@ -1,7 +1,13 @@
-"""pipemlx.BatchGenerator: requests decoded together through the pipeline, each equal to its solo run."""
+"""pipemlx.BatchGenerator: requests decoded together through the pipeline, each equal to its solo run.
+
+The scenarios that keep the group alive run in one launch per world size (tests/ranks/batch.py with
+"scenarios"), one after the other, each on its own sharded model and generator; each is then its own test,
+checked on its own report. The fault scenarios (a killed or stalled rank) end their group: one launch each.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,20 +37,46 @@ def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None)
     return tokens, "length" if limit is None else None
 
 
+SCENARIOS: dict[int, dict[str, dict[str, Any]]] = {2: {}, 3: {}}
+"""Per world size, the scenarios of its one launch, by name."""
+
+Reports = Callable[[int, str], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def scenario_reports() -> Reports:
+    """``scenario_reports(S, name)``: every rank's report of that scenario; the first call for S launches them all."""
+    launched: dict[int, list[dict[str, Any]]] = {}
+
+    def reports(world_size: int, name: str) -> list[dict[str, Any]]:
+        if world_size not in launched:
+            spec = {"scenarios": SCENARIOS[world_size]}
+            launched[world_size] = run_ranks(world_size, "batch.py", spec, timeout=360)
+        return [r["scenarios"][name] for r in launched[world_size]]
+
+    return reports
+
+
 EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
+BATCHED = [("llama", 2, None, "fixed"), ("qwen3", 3, None, "equal-cost"), ("llama", 2, [2, 3], "fixed")]
+for arch, world_size, stop_at, chunking in BATCHED:
+    SCENARIOS[world_size][f"batched {arch} stop_at={stop_at} {chunking}"] = {
+        "arch": arch,
+        "requests": REQUESTS,
+        "remove": [REMOVE],
+        "steps": 20,
+        "step_size": 8,
+        "stop_at": stop_at,
+        **({"chunking": chunking, "chunk": 8, "costs": EQUAL_COSTS, "steps": 28} if chunking != "fixed" else {}),
+    }
 
 
-@pytest.mark.parametrize(
-    "arch,world_size,stop_at,chunking",
-    [("llama", 2, None, "fixed"), ("qwen3", 3, None, "equal-cost"), ("llama", 2, [2, 3], "fixed")],
-)
+@pytest.mark.parametrize("arch,world_size,stop_at,chunking", BATCHED)
 def test_batched_requests_equal_their_solo_runs(
-    arch: str, world_size: int, stop_at: list[int] | None, chunking: str
+    scenario_reports: Reports, arch: str, world_size: int, stop_at: list[int] | None, chunking: str
 ) -> None:
-    spec = {"arch": arch, "requests": REQUESTS, "remove": [REMOVE], "steps": 20, "step_size": 8, "stop_at": stop_at}
-    if chunking == "equal-cost":
-        spec.update(chunking=chunking, chunk=8, costs=EQUAL_COSTS, steps=28)  # smaller chunks: more ticks
-    reports = run_ranks(world_size, "batch.py", spec, timeout=90)
+    # equal-cost: smaller chunks than the fixed 8, so more ticks (28) until every request is done
+    reports = scenario_reports(world_size, f"batched {arch} stop_at={stop_at} {chunking}")
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
     report = reports[0]
@@ -86,9 +118,9 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(arch: str) -> None:
-    spec = {
+INTERLEAVED_ARCHS = ["llama", "gemma2"]
+for arch in INTERLEAVED_ARCHS:
+    SCENARIOS[2][f"interleaved {arch}"] = {
         "arch": arch,
         "requests": INTERLEAVED,
         "remove": INTERLEAVED_REMOVALS,
@@ -96,7 +128,11 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(arch: str)
         "step_size": 8,
         "chunk": 8,
     }
-    report = run_ranks(2, "batch.py", spec, timeout=90)[0]
+
+
+@pytest.mark.parametrize("arch", INTERLEAVED_ARCHS)
+def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(scenario_reports: Reports, arch: str) -> None:
+    report = scenario_reports(2, f"interleaved {arch}")[0]
     solo = report["solo"]
     # (The tiny gemma2 settles into repeats sooner than llama, but no request of it is constant.)
     assert all(len(set(t)) > 1 for t in solo) and len({x for t in solo for x in t}) > 8, (
@@ -115,19 +151,20 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(arch: str)
     assert report["left"] == 0
 
 
-def test_a_finished_request_hands_back_its_cache_for_the_next_turn() -> None:
-    # Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
-    # cache its final response carried and joins the batch with request 1 still in it.
-    requests = [{"M": 9, "max_tokens": 5, "insert_at": 0}, {"M": 20, "max_tokens": 14, "insert_at": 0}]
-    spec = {
-        "requests": requests,
-        "remove": [],
-        "steps": 22,
-        "step_size": 8,
-        "chunk": 4,
-        "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
-    }
-    reports = run_ranks(2, "batch.py", spec, timeout=90)
+# Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
+# cache its final response carried and joins the batch with request 1 still in it.
+SCENARIOS[2]["follow-up"] = {
+    "requests": [{"M": 9, "max_tokens": 5, "insert_at": 0}, {"M": 20, "max_tokens": 14, "insert_at": 0}],
+    "remove": [],
+    "steps": 22,
+    "step_size": 8,
+    "chunk": 4,
+    "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
+}
+
+
+def test_a_finished_request_hands_back_its_cache_for_the_next_turn(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "follow-up")
     assert reports[0]["follow_up"]["tokens"] == reports[1]["follow_up"]["tokens"]
     report = reports[0]
     assert report["tokens"] == report["solo"], report
@@ -146,9 +183,9 @@ PREFIXED: list[dict[str, Any]] = [
 
 
 # qwen3_next at S=3: rank 1 holds only linear-attention layers, whose caches cannot tell a prefix's length.
-@pytest.mark.parametrize("arch,world_size", [("llama", 2), ("qwen3_next", 3)])
-def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(arch: str, world_size: int) -> None:
-    spec = {
+PREFIXED_RUNS = [("llama", 2), ("qwen3_next", 3)]
+for arch, world_size in PREFIXED_RUNS:
+    SCENARIOS[world_size][f"prefixes {arch}"] = {
         "arch": arch,
         "requests": PREFIXED,
         "remove": [],
@@ -156,7 +193,13 @@ def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(ar
         "step_size": 8,
         "prefixes": {"1": 16, "2": 24, "3": 8},
     }
-    reports = run_ranks(world_size, "batch.py", spec, timeout=90)
+
+
+@pytest.mark.parametrize("arch,world_size", PREFIXED_RUNS)
+def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(
+    scenario_reports: Reports, arch: str, world_size: int
+) -> None:
+    reports = scenario_reports(world_size, f"prefixes {arch}")
     assert all(r["tokens"] == reports[0]["tokens"] for r in reports), "ranks disagree"
     report = reports[0]
     solo = report["solo"]
@@ -166,12 +209,20 @@ def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(ar
     assert report["left"] == 0
 
 
-def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -> None:
-    # Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
-    # position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
-    # together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
-    spec = {"requests": REQUESTS, "remove": [REMOVE], "steps": 30, "step_size": 8, "memory_budget": 80 * 768}
-    reports = run_ranks(2, "batch.py", spec, timeout=90)
+# Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
+# position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
+# together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
+SCENARIOS[2]["memory budget"] = {
+    "requests": REQUESTS,
+    "remove": [REMOVE],
+    "steps": 30,
+    "step_size": 8,
+    "memory_budget": 80 * 768,
+}
+
+
+def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "memory budget")
     report = reports[0]
     assert [r["admission"] for r in reports] == [[768, 768]] * 2
     solo = report["solo"]

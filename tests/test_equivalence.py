@@ -3,10 +3,14 @@
 Each rank runs the reference itself (the whole model, mlx-lm's generate_step
 with the same prefill_step_size) and the pipeline, and reports both; here we
 compare tokens, progress-callback sequences and cache lengths rank by rank.
+
+One launch per world size runs every case of that size (each architecture, each uneven split), one after
+the other on the same group; each case is then its own test, checked on its own reports.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -54,17 +58,53 @@ def check_reports(reports: list[dict[str, Any]], num_ranks: int) -> int:
     return compared
 
 
+ARCHS = ["llama", "qwen3"]
+SPLITS = [[1, 5], [5, 1], [4, 1, 1], [1, 1, 4]]
+UNEVEN_STEPS: list[dict[str, Any]] = [{"kind": "pipeline", "M": m, "step": 4} for m in (1, 5, 23)]
+UNEVEN_STEPS.append({"kind": "plain", "M": 9, "step": 4})
+
+
+def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
+    """Every case that runs on ``num_ranks`` ranks, by name: the architectures, then the uneven splits."""
+    cases = {arch: {"arch": arch, "seed": 3, "max_tokens": 6, "steps": scenario(num_ranks)} for arch in ARCHS}
+    for split in SPLITS:
+        if len(split) == num_ranks:
+            cases[f"split {split}"] = {
+                "arch": "llama",
+                "seed": 5,
+                "max_tokens": 5,
+                "split": split,
+                "steps": UNEVEN_STEPS,
+            }
+    return cases
+
+
+@pytest.fixture(scope="module")
+def case_reports() -> Callable[[int, str], list[dict[str, Any]]]:
+    """``case_reports(S, name)``: every rank's report of that case; the first call for S launches all its cases."""
+    launched: dict[int, list[dict[str, Any]]] = {}
+
+    def reports(num_ranks: int, name: str) -> list[dict[str, Any]]:
+        if num_ranks not in launched:
+            spec = {"cases": cases_of_size(num_ranks)}
+            launched[num_ranks] = run_ranks(num_ranks, "equivalence.py", spec, timeout=480)
+        return [{"rank": r["rank"], "steps": r["cases"][name]} for r in launched[num_ranks]]
+
+    return reports
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_pipeline_matches_single_device(arch: str, num_ranks: int) -> None:
-    spec = {"arch": arch, "seed": 3, "max_tokens": 6, "steps": scenario(num_ranks)}
-    reports = run_ranks(num_ranks, "equivalence.py", spec, timeout=240)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pipeline_matches_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, num_ranks: int
+) -> None:
+    reports = case_reports(num_ranks, arch)
     assert check_reports(reports, num_ranks) == num_ranks * (len(scenario(num_ranks)) - 1)
 
 
-@pytest.mark.parametrize("split", [[1, 5], [5, 1], [4, 1, 1], [1, 1, 4]])
-def test_uneven_splits_match_single_device(split: list[int]) -> None:
-    steps = [{"kind": "pipeline", "M": m, "step": 4} for m in (1, 5, 23)] + [{"kind": "plain", "M": 9, "step": 4}]
-    spec = {"arch": "llama", "seed": 5, "max_tokens": 5, "split": split, "steps": steps}
-    reports = run_ranks(len(split), "equivalence.py", spec)
-    assert check_reports(reports, len(split)) == len(split) * len(steps)
+@pytest.mark.parametrize("split", SPLITS)
+def test_uneven_splits_match_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], split: list[int]
+) -> None:
+    reports = case_reports(len(split), f"split {split}")
+    assert check_reports(reports, len(split)) == len(split) * len(UNEVEN_STEPS)

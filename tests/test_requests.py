@@ -3,10 +3,14 @@
 Every rank holds the sharded model and a reference (the whole model, mlx-lm's
 own generate_step) and applies each request to both (tests/ranks/request_server.py).
 Nothing here calls mx.synchronize or a barrier: the library must leave nothing in flight.
+
+The tests that leave their group alive share one group per size (module fixture ``live_group``), each
+starting with a request on fresh caches; the tests that end or break their group start their own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -75,39 +79,51 @@ def resolve(command: dict[str, Any], num_ranks: int) -> dict[str, Any]:
     return resolved
 
 
+@pytest.fixture(scope="module")
+def live_group() -> Iterator[Callable[[int], LiveGroup]]:
+    """``live_group(S)``: the module's group of S request servers, started on first use and replaced when a
+    failed test ended it. At the end every group is closed, and every rank must exit with status 0."""
+    groups: dict[int, LiveGroup] = {}
+
+    def group_of(num_ranks: int) -> LiveGroup:
+        group = groups.get(num_ranks)
+        if group is None or any(proc.poll() is not None for proc in group.procs):
+            if group is not None:
+                group.close()
+            group = groups[num_ranks] = LiveGroup(num_ranks, "request_server.py", {"timeout": TIMEOUT})
+        return group
+
+    yield group_of
+    statuses = {num_ranks: group.close() for num_ranks, group in groups.items()}
+    assert all(s == [0] * n for n, s in statuses.items()), f"exit statuses by group size: {statuses}"
+
+
 @pytest.mark.parametrize("num_ranks", [2, 3])
-def test_request_sequence_matches_mlx_lm(num_ranks: int) -> None:
-    group = LiveGroup(num_ranks, "request_server.py", {"timeout": TIMEOUT})
-    try:
-        outcomes = []
-        for raw in SCENARIO:
-            command = resolve(raw, num_ranks)
-            answers = group.ask(command)
-            check_answers(command, answers)
-            outcomes.append([a.get("outcome") for a in answers])
-        # The stops were agreed: the failing rank re-raises its own error, the others stop cleanly.
-        by_command = {i: o for i, o in enumerate(outcomes)}
-        assert by_command[7] == ["cancelled"] * num_ranks
-        assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
-        assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
-        assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
-    finally:
-        statuses = group.close()
-    assert statuses == [0] * num_ranks
-
-
-def test_prefix_reuse_cancelled_prefill_keeps_the_prefix() -> None:
-    """Cancel right after the handshake: the cache keeps exactly the reused prefix on every rank."""
-    group = LiveGroup(2, "request_server.py", {"timeout": TIMEOUT})
-    try:
-        group.ask({**BASE, "M": 31})  # 31 prompt + 6 generated
-        command = {**BASE, "reuse": True, "trim_to": 30, "M": 20, "cancel_prefill": {"rank": 1, "at": 1}}
+def test_request_sequence_matches_mlx_lm(live_group: Callable[[int], LiveGroup], num_ranks: int) -> None:
+    group = live_group(num_ranks)
+    outcomes = []
+    for raw in SCENARIO:
+        command = resolve(raw, num_ranks)
         answers = group.ask(command)
         check_answers(command, answers)
-        assert [(a["outcome"], a["prefix"], a["offset"]) for a in answers] == [("cancelled", 30, 30)] * 2
-        assert [a["processed"] for a in answers] == [0, 0]
-    finally:
-        assert group.close() == [0, 0]
+        outcomes.append([a.get("outcome") for a in answers])
+    # The stops were agreed: the failing rank re-raises its own error, the others stop cleanly.
+    by_command = {i: o for i, o in enumerate(outcomes)}
+    assert by_command[7] == ["cancelled"] * num_ranks
+    assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
+    assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
+    assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
+
+
+def test_prefix_reuse_cancelled_prefill_keeps_the_prefix(live_group: Callable[[int], LiveGroup]) -> None:
+    """Cancel right after the handshake: the cache keeps exactly the reused prefix on every rank."""
+    group = live_group(2)
+    group.ask({**BASE, "M": 31})  # fresh caches: 31 prompt + 6 generated
+    command = {**BASE, "reuse": True, "trim_to": 30, "M": 20, "cancel_prefill": {"rank": 1, "at": 1}}
+    answers = group.ask(command)
+    check_answers(command, answers)
+    assert [(a["outcome"], a["prefix"], a["offset"]) for a in answers] == [("cancelled", 30, 30)] * 2
+    assert [a["processed"] for a in answers] == [0, 0]
 
 
 @pytest.mark.parametrize("last", ["abandon", "plain"])
@@ -213,8 +229,8 @@ class RequestMachine(RuleBasedStateMachine):
         self.ask({**BASE, "raise_progress": {"rank": rank, "at": at}})
 
 
-def test_request_state_machine() -> None:
-    RequestMachine.group = LiveGroup(2, "request_server.py", {"timeout": TIMEOUT})
+def test_request_state_machine(live_group: Callable[[int], LiveGroup]) -> None:
+    RequestMachine.group = live_group(2)
     try:
         from hypothesis.stateful import run_state_machine_as_test
 
@@ -230,9 +246,7 @@ def test_request_state_machine() -> None:
             ),
         )
     finally:
-        statuses = RequestMachine.group.close()
         RequestMachine.group = None
-    assert statuses == [0, 0]
 
 
 def test_two_passes_evaluated_together_raise_a_clear_error_not_a_hang() -> None:

@@ -16,6 +16,11 @@ exits with status 3. With "follow_up", when request `of` finishes ("length") its
 inserted at once with its last token and M new tokens: the next turn of a conversation, compared with a
 solo run of prompt + answer + new tokens. With "costs", the group's cost model is set to those layer costs
 before the generator is made (instead of calibrating), so equal-cost chunk sizes are known in advance.
+
+Or {"scenarios": {name: spec, ...}}: several such specs (none with "kill" or "stall") one after the other on
+one group, each with its own sharded model and generator, reported as {"rank", "scenarios": {name: report}};
+one launch instead of one per spec saves every rank's start-up. Solo runs are computed once per
+(architecture, prompt, max_tokens, step) and shared by the scenarios that ask for the same one.
 """
 
 from __future__ import annotations
@@ -51,24 +56,33 @@ def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: i
     return cache
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    group = init_group()
+class Solo:
+    """Greedy single-device mlx-lm runs (generate_step on the whole model), each computed once."""
+
+    def __init__(self) -> None:
+        self.references: dict[str, Any] = {}
+        self.runs: dict[tuple[str, tuple[int, ...], int, int], list[int]] = {}
+
+    def __call__(self, arch: str, prompt: list[int], max_tokens: int, step_size: int) -> list[int]:
+        key = (arch, tuple(prompt), max_tokens, step_size)
+        if key not in self.runs:
+            if arch not in self.references:
+                self.references[arch] = build_model(tiny_config(arch))
+            steps = generate_step(
+                mx.array(prompt), self.references[arch], prefill_step_size=step_size, max_tokens=max_tokens
+            )
+            self.runs[key] = [int(t) for t, _ in steps]
+        return self.runs[key]
+
+
+def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
+    """One scenario; a report, or {"error", "message", "waited"} when the group failed (kill, stall)."""
     rank = group.rank()
-    config = tiny_config(spec.get("arch", "llama"))
-    model = pipemlx.shard_model(build_model(config), group)
+    arch = spec.get("arch", "llama")
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), group)
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
-    reference = build_model(config)
-    solo = [
-        [
-            int(t)
-            for t, _ in generate_step(
-                mx.array(p), reference, prefill_step_size=spec["step_size"], max_tokens=r["max_tokens"]
-            )
-        ]
-        for p, r in zip(prompts, requests)
-    ]
+    solo = [solo_run(arch, p, r["max_tokens"], spec["step_size"]) for p, r in zip(prompts, requests)]
     costs = spec.get("costs")
     if costs is not None:
         stage = stage_of(model)
@@ -143,8 +157,7 @@ def main() -> None:
                 uid_of[uid] = len(requests)
                 tokens[len(requests)] = []
     if error is not None:
-        print(json.dumps({"rank": rank, **error}), flush=True)
-        os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
+        return {"rank": rank, **error}
     too_big = None
     if engine.admission is not None:
         try:
@@ -167,16 +180,34 @@ def main() -> None:
     }
     if follow is not None:
         whole = prompts[follow["of"]] + tokens[follow["of"]] + follow_prompt
-        steps = generate_step(
-            mx.array(whole), reference, prefill_step_size=spec["step_size"], max_tokens=follow["max_tokens"]
-        )
         report["follow_up"] = {
             "tokens": tokens.get(len(requests), []),
-            "solo": [int(t) for t, _ in steps],
+            "solo": solo_run(arch, whole, follow["max_tokens"], spec["step_size"]),
             "positions": kept.get("positions"),
             "finish": finish.get(len(requests)),
         }
+    return report
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    solo_run = Solo()
+    if "scenarios" in spec:
+        reports: dict[str, dict[str, Any]] = {}
+        for name, scenario in spec["scenarios"].items():
+            reports[name] = run(scenario, group, solo_run)
+            mx.synchronize()
+            mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before the next
+        failed = {name: r for name, r in reports.items() if "error" in r}
+        if failed:
+            raise RuntimeError(f"scenarios failed: {failed}")
+        print(json.dumps({"rank": group.rank(), "scenarios": reports}), flush=True)
+        return
+    report = run(spec, group, solo_run)
     print(json.dumps(report), flush=True)
+    if "error" in report:
+        os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@ Spec: {"arch", "config"?, "seed", "split"?, "max_tokens", "steps": [...]} where 
   {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
   {"kind": "plain", "M", "step"}           generate_step on the sharded model, no pipeline_prefill
   {"kind": "queue_exception"}              a send_mode(model, "queue") block left by an exception
+Reports {"rank", "size", "steps": [...]}. Or {"cases": {name: spec, ...}}: several such specs in one launch
+(each with its own reference and sharded model, one after the other on the same group), reported as
+{"rank", "size", "cases": {name: [step reports]}}; one launch instead of one per spec saves every rank's
+start-up (importing MLX and mlx-lm), which costs more than a tiny case.
 """
 
 from __future__ import annotations
@@ -47,9 +51,7 @@ def decode(
     return tokens, calls
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    group = init_group()
+def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str, Any]]:
     config = tiny_config(spec["arch"], **spec.get("config", {}))
     reference = build_model(config, seed=spec["seed"])
     model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group, split=spec.get("split"))
@@ -87,10 +89,21 @@ def main() -> None:
             entry["cache_offsets"] = sorted({c.offset for c in cache})
             entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
         seen.append(entry)
-    # generate_step leaves one forward pass in flight; let it finish on every rank before exiting.
+    # generate_step leaves one forward pass in flight; let it finish on every rank before going on.
     mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    print(json.dumps({"rank": group.rank(), "size": group.size(), "steps": seen}), flush=True)
+    return seen
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    report: dict[str, Any] = {"rank": group.rank(), "size": group.size()}
+    if "cases" in spec:
+        report["cases"] = {name: run_case(case, group) for name, case in spec["cases"].items()}
+    else:
+        report["steps"] = run_case(spec, group)
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
