@@ -114,6 +114,45 @@ def test_a_finished_request_hands_back_its_cache_for_the_next_turn() -> None:
     assert (follow["tokens"], follow["finish"]) == (follow["solo"], "length"), follow
 
 
+def test_finished_rows_left_in_the_batch_leak_into_no_answer() -> None:
+    # The four requests join in ticks 2, 4, 5 and 6. Request 0 finishes in tick 6 with 4 rows: its row stays in
+    # the batch caches (1 dead of 4) while its next turn is prefilled, and is filtered out when that turn joins
+    # (tick 9). Request 1, removed before tick 11, leaves a dead row too (1 of 4) until the next turn finishes
+    # (tick 14: 2 of 4, compacted); then 1 of 2, then none left. Every answer, the next turn's included, equals
+    # its solo run.
+    requests = [
+        {"M": 9, "max_tokens": 5, "insert_at": 0},
+        {"M": 20, "max_tokens": 14, "insert_at": 0},
+        {"M": 14, "max_tokens": 12, "insert_at": 0},
+        {"M": 11, "max_tokens": 10, "insert_at": 0},
+    ]
+    spec = {
+        "requests": requests,
+        "remove": [{"index": 1, "at": 11}],
+        "steps": 17,
+        "step_size": 8,
+        "chunk": 32,
+        "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
+    }
+    reports = run_ranks(2, "batch.py", spec, timeout=90)
+    for report in reports:
+        assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
+    report = reports[0]
+    solo, follow = report["solo"], report["follow_up"]
+    assert all(len(set(t)) > 2 for t in [*solo, follow["solo"]]), "the model repeats itself: the test loses its power"
+    assert report["first"] == [2, 4, 5, 6], report["first"]
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = 11 - report["first"][i] if i == 1 else None
+        assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
+    assert follow["positions"] == 9 + 5 - 1 and (follow["tokens"], follow["finish"]) == (follow["solo"], "length")
+    # Each finished request hands back its own row (prompt + answer but the last token), dead rows before it or not.
+    assert report["handed_back"] == [13, None, 14 + 12 - 1, 11 + 10 - 1, 13 + 7 + 6 - 1], report["handed_back"]
+    # Answers per step, and the batch caches' rows after it (dead rows included).
+    assert report["rows"] == [0, 0, 1, 1, 2, 3, 4, 3, 3, 4, 4, 3, 3, 3, 3, 2, 1], report["rows"]
+    assert report["batch_rows"] == [0, 0, 1, 1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4, 2, 1, 0], report["batch_rows"]
+    assert report["left"] == 0
+
+
 PREFIXED: list[dict[str, Any]] = [
     {"M": 9, "max_tokens": 8, "insert_at": 0},
     {"M": 33, "max_tokens": 7, "insert_at": 0},  # 16 positions reused, 17 inserted
