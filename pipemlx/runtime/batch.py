@@ -526,18 +526,21 @@ def _sample_rows(logits: mx.array, samplers: list[Sampler | None]) -> mx.array:
 def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list[list[Any]]) -> None:
     """Put request ``k``'s per-layer ``caches[k]`` into row ``slots[k]`` of the ``rows``-row batch caches.
 
-    What those rows held (dead rows) is dropped. A ``BatchKVCache`` layer
-    whose rows are all at least as long as the joining ones is written in
-    place: each row right-aligned at the batch's current position, its left
-    padding the rest (what the dead row left there is masked, as padding
-    is). Nothing else is copied: ``extend`` copies every row once or twice,
-    and the first step after it cost about 35 ms more than a steady one
-    (benchmark model, 8 rows). Any other layer cache is extended and then
-    filtered into the same row order.
+    What those rows held (dead rows) is dropped. A ``BatchKVCache`` layer is
+    written in place: each joining row right-aligned at the batch's current
+    position, its left padding the rest (what the dead row left there is
+    masked, as padding is). Only when a joining row is longer than the
+    batch's are all rows first moved right by the difference (one copy, as
+    ``extend`` makes one or two and the ``filter`` of the dead row another).
+    In place, only the joining rows are copied; the first step after an
+    ``extend`` cost about 35 ms more than a steady one (benchmark model, 8
+    rows). Any other layer cache is extended and then filtered into the
+    same row order.
     """
     for layer, batch in enumerate(batch_caches):
         joining = [c[layer] for c in caches]
         if all(_fits_in_place(batch, c) for c in joining):
+            _widen(batch, max(c.offset for c in joining))
             for slot, c in zip(slots, joining):
                 _write_row(batch, slot, c)
             continue
@@ -549,10 +552,18 @@ def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list
 
 
 def _fits_in_place(batch: Any, cache: Any) -> bool:
-    """Whether ``cache`` (one request's, of the same layer) fits a row of ``batch`` without moving the others."""
-    if (type(batch), type(cache)) != (BatchKVCache, KVCache):
-        return False
-    return batch.keys is not None and cache.offset <= batch.size()
+    """Whether ``cache`` (one request's, of the same layer) can be written into a row of ``batch``."""
+    return (type(batch), type(cache)) == (BatchKVCache, KVCache) and batch.keys is not None
+
+
+def _widen(batch: Any, positions: int) -> None:
+    """Move every row of ``batch`` (a ``BatchKVCache``) right, so that it holds at least ``positions``."""
+    shift = positions - batch.size()
+    if shift <= 0:
+        return
+    keys, values, offset, left_padding, end = batch.state
+    widths = [(0, 0), (0, 0), (shift, 0), (0, 0)]
+    batch.state = (mx.pad(keys, widths), mx.pad(values, widths), offset, left_padding + shift, end + shift)
 
 
 def _write_row(batch: Any, row: int, cache: Any) -> None:
