@@ -242,6 +242,23 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget() -
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
 
+def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request() -> None:
+    # 768 bytes per position, a budget of 100 positions. Requests 0-2 (19, 12 and 23 reserved) decode from
+    # ticks 2-4; request 1 finishes in tick 5 (1 dead row of 3, kept). Request 3 (30 reserved), inserted
+    # before tick 8, fits beside the two live rows (3 x 30) but not beside the dead row too (4 x 30): the dead
+    # row is filtered out in tick 8 and request 3 starts at once, decoding from tick 10 (else from tick 16).
+    requests = [
+        {"M": 7, "max_tokens": 12, "insert_at": 0},
+        {"M": 9, "max_tokens": 3, "insert_at": 0},
+        {"M": 11, "max_tokens": 12, "insert_at": 0},
+        {"M": 20, "max_tokens": 10, "insert_at": 8},
+    ]
+    spec = {"requests": requests, "remove": [], "steps": 20, "step_size": 8, "chunk": 32, "memory_budget": 100 * 768}
+    report = run_ranks(2, "batch.py", spec, timeout=90)[0]
+    assert report["tokens"] == report["solo"] and report["first"] == [2, 3, 4, 10], report
+    assert report["batch_rows"] == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0], report["batch_rows"]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> None:
     # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks.
