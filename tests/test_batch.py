@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from conftest import run_ranks
 from fakes import FakeGroup
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
+from pipemlx.runtime.batch import fill_rows
 from pipemlx.schedule.batch_plan import Admission, EqualCostChunks
 from pipemlx.schedule.costmodel import LayerCosts
 from pipemlx.testing import build_model, tiny_config
@@ -174,6 +176,86 @@ def test_a_finished_request_hands_back_its_cache_for_the_next_turn(scenario_repo
     assert (follow["tokens"], follow["finish"]) == (follow["solo"], "length"), follow
 
 
+DEAD_ROW_REQUESTS = [
+    {"M": 9, "max_tokens": 5, "insert_at": 0},
+    {"M": 20, "max_tokens": 14, "insert_at": 0},
+    {"M": 14, "max_tokens": 12, "insert_at": 0},
+    {"M": 11, "max_tokens": 7, "insert_at": 0},
+]
+SCENARIOS[2]["dead rows"] = {
+    "requests": DEAD_ROW_REQUESTS,
+    "remove": [{"index": 1, "at": 11}],
+    "steps": 17,
+    "step_size": 8,
+    "chunk": 32,
+    "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
+}
+
+
+def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: Reports) -> None:
+    # The four requests join in ticks 2, 4, 5 and 6. Request 0 finishes in tick 6 with 4 rows: its row stays in
+    # the batch caches (1 dead of 4) while its next turn is prefilled, which then takes that row (tick 9).
+    # Request 1, removed before tick 11, leaves a dead row before request 3, which finishes in tick 12 (2 of 4
+    # dead: compacted); then 1 of 2, then none left. Every answer, the next turn's included, equals its solo
+    # run, and each finished request hands back its own row.
+    reports = scenario_reports(2, "dead rows")
+    for report in reports:
+        assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
+    report = reports[0]
+    solo, follow = report["solo"], report["follow_up"]
+    assert all(len(set(t)) > 2 for t in [*solo, follow["solo"]]), "the model repeats itself: the test loses its power"
+    assert report["first"] == [2, 4, 5, 6], report["first"]
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = 11 - report["first"][i] if i == 1 else None
+        assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
+    assert follow["positions"] == 9 + 5 - 1 and (follow["tokens"], follow["finish"]) == (follow["solo"], "length")
+    # Prompt + answer but its last token: requests 0, 2, 3 and the next turn (13 positions + 7 inserted + 6).
+    assert report["handed_back"] == [13, None, 14 + 12 - 1, 11 + 7 - 1, 13 + 7 + 6 - 1], report["handed_back"]
+    # Answers per step, and the batch caches' rows after it (dead rows included).
+    assert report["rows"] == [0, 0, 1, 1, 2, 3, 4, 3, 3, 4, 4, 3, 3, 2, 2, 1, 1], report["rows"]
+    assert report["batch_rows"] == [0, 0, 1, 1, 2, 3, 4, 4, 4, 4, 4, 4, 2, 2, 1, 1, 0], report["batch_rows"]
+    assert report["left"] == 0
+
+
+# A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
+# linear-attention layers' caches are extended and filtered instead.
+@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20)])
+def test_a_joining_request_takes_a_dead_row_and_decodes_as_it_would_alone(arch: str, joining: int) -> None:
+    # One process, the whole tiny model: rows 0-2 decode 3 steps, row 1 is then dead and a new request takes it.
+    model = build_model(tiny_config(arch))
+    prompts = [mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 14, 11, joining)]
+
+    def prefilled(prompt: list[int]) -> list[Any]:
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(prompt[:-1])[None], cache=cache))
+        return cache
+
+    def decode(tokens: list[int], cache: list[Any]) -> list[int]:
+        return mx.argmax(model(mx.array(tokens)[:, None], cache=cache)[:, -1, :], axis=-1).tolist()
+
+    def solo(prompt: list[int], steps: int) -> list[int]:
+        cache, tokens = prefilled(prompt), [prompt[-1]]
+        for _ in range(steps):
+            tokens.append(decode(tokens[-1:], cache)[0])
+        return tokens[1:]
+
+    firsts = [prefilled(p) for p in prompts[:3]]
+    batch = [firsts[0][layer].merge([c[layer] for c in firsts]) for layer in range(len(firsts[0]))]
+    inputs, got = [p[-1] for p in prompts[:3]], [[], [], [], []]
+    for _ in range(3):
+        inputs = decode(inputs, batch)
+        for row in (0, 1, 2):
+            got[row].append(inputs[row])
+    fill_rows(batch, 3, [1], [prefilled(prompts[3])])
+    inputs[1] = prompts[3][-1]
+    for _ in range(4):
+        inputs = decode(inputs, batch)
+        for row, request in ((0, 0), (1, 3), (2, 2)):
+            got[request].append(inputs[row])
+    assert [got[0], got[2], got[3]] == [solo(prompts[0], 7), solo(prompts[2], 7), solo(prompts[3], 4)], got
+    assert len(set(got[3])) > 1, f"the model repeats itself: the test loses its power: {got}"
+
+
 PREFIXED: list[dict[str, Any]] = [
     {"M": 9, "max_tokens": 8, "insert_at": 0},
     {"M": 33, "max_tokens": 7, "insert_at": 0},  # 16 positions reused, 17 inserted
@@ -237,6 +319,32 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(sce
     assert report["first"][2] == last_of_0 + 7 == 20, report["first"]
     assert max(report["rows"]) == 2 and report["left"] == 0
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
+
+
+HELD_BACK_REQUESTS = [
+    {"M": 7, "max_tokens": 12, "insert_at": 0},
+    {"M": 9, "max_tokens": 3, "insert_at": 0},
+    {"M": 11, "max_tokens": 12, "insert_at": 0},
+    {"M": 20, "max_tokens": 10, "insert_at": 8},
+]
+SCENARIOS[2]["dead rows held back"] = {
+    "requests": HELD_BACK_REQUESTS,
+    "remove": [],
+    "steps": 20,
+    "step_size": 8,
+    "chunk": 32,
+    "memory_budget": 100 * 768,
+}
+
+
+def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request(scenario_reports: Reports) -> None:
+    # 768 bytes per position, a budget of 100 positions. Requests 0-2 (19, 12 and 23 reserved) decode from
+    # ticks 2-4; request 1 finishes in tick 5 (1 dead row of 3, kept). Request 3 (30 reserved), inserted
+    # before tick 8, fits beside the two live rows (3 x 30) but not beside the dead row too (4 x 30): the dead
+    # row is filtered out in tick 8 and request 3 starts at once, decoding from tick 10 (else from tick 16).
+    report = scenario_reports(2, "dead rows held back")[0]
+    assert report["tokens"] == report["solo"] and report["first"] == [2, 3, 4, 10], report
+    assert report["batch_rows"] == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0], report["batch_rows"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -23,8 +23,11 @@ planned differently fail with :class:`PipelineMismatchError`. Insertions,
 removals, completions and failures take effect at tick boundaries only.
 
 The batch caches are mlx-lm's ``BatchKVCache`` (left-padded, merged and
-filtered exactly as mlx-lm's ``BatchGenerator`` does); each prompt is
-prefilled into its own ``KVCache`` per local layer, merged in when it joins.
+filtered as mlx-lm's ``BatchGenerator`` does); each prompt is prefilled into
+its own ``KVCache`` per local layer, merged in when it joins. A finished or
+removed request's row stays in them as a dead row until half the rows are
+dead (see :meth:`BatchGenerator._compact_if_worth_it`); a joining request
+takes a dead row's place (:func:`fill_rows`).
 Nothing is left in flight between calls, and every wait is bounded by
 ``timeout``: a stalled peer raises :class:`PipelineTimeoutError`, a dead one
 :class:`PeerLostError`, and the stage is then unusable (start every rank
@@ -39,7 +42,7 @@ from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import (
     FINGERPRINT_MODULUS,
@@ -49,6 +52,7 @@ from ..schedule.batch_plan import (
     EqualCostChunks,
     Job,
     PlanState,
+    Tick,
     drop,
     enqueue,
     plan_tick,
@@ -62,6 +66,12 @@ from .stage import PipelineStage, stage_of
 
 Sampler = Callable[[mx.array], mx.array]
 FinishReason = Literal["length", "stop", "error"]
+
+COMPACT_DEAD_FRACTION = 0.5
+"""Dead rows (finished or removed requests) are filtered out of the batch caches once they are this share of
+the rows (or when no live row is left, or a request that joins finds too few of them to take their places)."""
+DEAD_ROW_INPUT = 0
+"""The token a dead row's decode step feeds (its output is ignored)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class _Sequence:
     generated: int = 0
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
+    done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
 
     @property
     def reserve(self) -> int:
@@ -178,8 +189,8 @@ class BatchGenerator:
         self._next_uid = 0
         self._plan = PlanState(self.stage.world_size)
         self._sequences: dict[int, _Sequence] = {}  # every request inserted and not yet finished
-        self._active: list[_Sequence] = []
-        self._inputs: list[int] = []  # per active row: the token its next step feeds
+        self._rows: list[_Sequence] = []  # per batch-cache row, in order; a ``done`` one is a dead row
+        self._inputs: list[int] = []  # per row: the token its next step feeds
         self._cache: list[Any] = []  # one BatchKVCache per local layer; empty while no request is active
         self._runner = TickRunner(model, self.stage, self.timeout)
         self.admission: Admission | None = (
@@ -195,6 +206,11 @@ class BatchGenerator:
         return [s.uid for s in self._active]
 
     @property
+    def _active(self) -> list[_Sequence]:
+        """The live rows' requests, in row order (without the dead rows)."""
+        return [s for s in self._rows if not s.done]
+
+    @property
     def queued_uids(self) -> list[int]:
         """Requests inserted and not yet decoding (queued, or their prompts being prefilled), in order."""
         active = set(self.active_uids)
@@ -208,7 +224,7 @@ class BatchGenerator:
     def prefilled(self, uid: int) -> int:
         """Prompt positions of a queued request that every rank has prefilled (0 for an unknown uid)."""
         sequence = self._sequences.get(uid)
-        return 0 if sequence is None or sequence in self._active else sequence.filled
+        return 0 if sequence is None or any(s is sequence for s in self._rows) else sequence.filled
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -301,7 +317,9 @@ class BatchGenerator:
     def remove(self, uids: Iterable[int]) -> None:
         """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
 
-        Takes effect before the next tick; a dropped request's caches are freed.
+        Takes effect before the next tick; a dropped request's own caches are
+        freed, and its batch row is left out of every later step's results
+        (the row itself is freed when the batch caches are next compacted).
         """
         gone = {u for u in uids if u in self._sequences}
         if not gone:
@@ -309,10 +327,8 @@ class BatchGenerator:
         self._plan = drop(self._plan, gone)
         self._runner.drop(gone)
         for uid in gone:
-            del self._sequences[uid]
-        keep = [i for i, s in enumerate(self._active) if s.uid not in gone]
-        if len(keep) < len(self._active):
-            self._filter(keep)
+            self._sequences.pop(uid).done = True
+        self._compact_if_worth_it()
 
     def next(self) -> list[Response]:
         """Run one tick: a decode step of every active request and one prefill chunk per rank.
@@ -324,22 +340,19 @@ class BatchGenerator:
         """
         stage = self.stage
         stage.settle(self.timeout)
-        if self._plan.idle() and not self._active:
+        if self._plan.idle() and not self._rows:
             return []
-        tick, after = plan_tick(
-            self._plan,
-            [s.reserve for s in self._active],
-            self.chunk_sizes,
-            self.prefill_step_size,
-            self.admission,
-        )
+        tick, after = self._plan_tick()
+        if self._dead_rows() and self.admission is not None and self._plan.queue and tick.chunks[0] is None:
+            self._compact()  # the dead rows may hold back a queued request: free them and plan again
+            tick, after = self._plan_tick()
         self._join(tick.joins)
-        if not self._active and all(c is None for c in tick.chunks):
+        if not self._rows and all(c is None for c in tick.chunks):
             self._plan = after
             return []
         work = TickWork(
             tick=tick,
-            rows=len(self._active),
+            rows=len(self._rows),
             inputs=self._inputs,
             batch_cache=self._cache,
             uids_fingerprint=self._fingerprint(),
@@ -357,9 +370,9 @@ class BatchGenerator:
         failed: set[int] = set(outcome.failed_uids)
         if outcome.failed_decode:
             failed.update(self.active_uids)
-        keep: list[int] = []
-        for i, sequence in enumerate(self._active):
-            if sequence.uid in failed:
+        extracted: list[list[Any]] = []
+        for i, sequence in enumerate(self._rows):
+            if sequence.done or sequence.uid in failed:
                 continue
             token = outcome.tokens[i]
             sequence.generated += 1
@@ -368,16 +381,25 @@ class BatchGenerator:
                 reason = "stop"
             elif sequence.max_tokens != -1 and sequence.generated >= sequence.max_tokens:
                 reason = "length"
-            else:
-                keep.append(i)
-            responses.append(Response(sequence.uid, token, reason, None if reason is None else self._extract(i)))
+            prompt_cache = None if reason is None else self._extract(i)
+            if prompt_cache is not None:
+                extracted.append(prompt_cache)
+            responses.append(Response(sequence.uid, token, reason, prompt_cache))
         responses.extend(Response(uid, -1, "error") for uid in sorted(failed) if uid in self._sequences)
-        self._inputs = outcome.tokens
-        finished = {r.uid for r in responses if r.finish_reason is not None}
-        if len(keep) < len(self._active):
-            self._filter(keep)
-        self.remove(finished)
+        self._settle_extracted(extracted)
+        self._inputs = [DEAD_ROW_INPUT if s.done else t for s, t in zip(self._rows, outcome.tokens)]
+        self.remove({r.uid for r in responses if r.finish_reason is not None})
         return responses
+
+    def _plan_tick(self) -> tuple[Tick, PlanState]:
+        # Dead rows keep their reservation until compacted: their cache positions are still held.
+        return plan_tick(
+            self._plan,
+            [s.reserve for s in self._rows],
+            self.chunk_sizes,
+            self.prefill_step_size,
+            self.admission,
+        )
 
     def _chunk_cache(self, chunk: Chunk) -> list[Any]:
         sequence = self._sequences[chunk.uid]
@@ -386,7 +408,14 @@ class BatchGenerator:
         return sequence.cache
 
     def _join(self, uids: tuple[int, ...]) -> None:
-        """Merge the caches of requests whose prefill every rank completed into the batch caches."""
+        """Merge the caches of requests whose prefill every rank completed into the batch caches.
+
+        Joining requests take the first dead rows' places when there are
+        enough of them (:func:`fill_rows`); otherwise the dead rows are
+        filtered out and the requests appended. Which rows they take is
+        decided from data every rank has, so the rows stay in one order on
+        every rank, whatever each rank's caches let it do in place.
+        """
         if not uids:
             return
         joining = [self._sequences[u] for u in uids]
@@ -394,19 +423,51 @@ class BatchGenerator:
         for s in joining:
             s.cache = None
             s.filled = len(s.prompt) - 1
-        # Each layer cache's own batch class, as mlx-lm's BatchGenerator does: KVCache -> BatchKVCache (left-padded).
-        merged = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
-        if self._cache:
-            for batch, extra in zip(self._cache, merged):
-                batch.extend(extra)
+        dead = [i for i, s in enumerate(self._rows) if s.done]
+        if self._cache and len(dead) >= len(joining):
+            slots = dead[: len(joining)]
+            fill_rows(self._cache, len(self._rows), slots, caches)
+            for slot, s in zip(slots, joining):
+                self._rows[slot] = s
+                self._inputs[slot] = s.prompt[-1]
         else:
-            self._cache = merged
-        self._active.extend(joining)
-        self._inputs = [*self._inputs, *(s.prompt[-1] for s in joining)]
+            if dead:
+                self._compact()
+            # Each layer cache's own batch class, as mlx-lm's BatchGenerator does: KVCache -> BatchKVCache
+            # (left-padded).
+            merged = [caches[0][layer].merge([c[layer] for c in caches]) for layer in range(len(caches[0]))]
+            if self._cache:
+                for batch, extra in zip(self._cache, merged):
+                    batch.extend(extra)
+            else:
+                self._cache = merged
+            self._rows.extend(joining)
+            self._inputs = [*self._inputs, *(s.prompt[-1] for s in joining)]
         self._settle_cache()
 
-    def _filter(self, keep: list[int]) -> None:
-        self._active = [self._active[i] for i in keep]
+    def _dead_rows(self) -> int:
+        return sum(1 for s in self._rows if s.done)
+
+    def _compact_if_worth_it(self) -> None:
+        """Filter the dead rows out once they are at least :data:`COMPACT_DEAD_FRACTION` of the batch.
+
+        A finished or removed request's row is not filtered out at once: a
+        ``filter`` rebuilds every batch cache (a copy of all of them), and
+        the first decode step after it cost about 35 ms more than a steady
+        one (measured, benchmark model, 8 rows), where one more dead row in a
+        step costs a few ms. Requests prefilled through the ticks join one
+        tick apart and so finish one tick apart: filtering each would pay the
+        rebuild once per request. The decision is made from data every rank
+        has (the rows and who finished), so every rank compacts alike.
+        """
+        dead = self._dead_rows()
+        if dead and dead >= COMPACT_DEAD_FRACTION * len(self._rows):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Filter the dead rows out of the batch caches (all of them: the caches go)."""
+        keep = [i for i, s in enumerate(self._rows) if not s.done]
+        self._rows = [self._rows[i] for i in keep]
         self._inputs = [self._inputs[i] for i in keep]
         if not keep:
             self._cache = []
@@ -416,10 +477,20 @@ class BatchGenerator:
         self._settle_cache()
 
     def _extract(self, row: int) -> list[Any]:
-        """Row ``row``'s caches, taken out of the batch caches lazily, on the compute stream (any thread may
-        evaluate them: a next turn inserted on them does, in its first chunk). Nothing is copied unless used."""
+        """Row ``row``'s caches, taken out of the batch caches on the compute stream (see :meth:`_settle_extracted`)."""
         with mx.stream(self.stage.compute_stream):
             return [c.extract(row) for c in self._cache]
+
+    def _settle_extracted(self, caches: list[list[Any]]) -> None:
+        """Evaluate extracted caches now: a copy of their rows only.
+
+        Left lazy, they would hold the batch caches' current buffers, and the
+        next decode step could not update those in place: it would copy
+        every batch cache (measured: about 25 ms more for that step, 8 rows).
+        """
+        if caches:
+            with mx.stream(self.stage.compute_stream):
+                mx.eval([cache_state(c) for c in caches])  # pyright: ignore[reportUnknownMemberType]
 
     def _settle_cache(self) -> None:
         """Evaluate the batch caches after a merge or filter (local work, on the stage's compute stream)."""
@@ -427,18 +498,19 @@ class BatchGenerator:
             mx.eval(cache_state(self._cache))  # pyright: ignore[reportUnknownMemberType]
 
     def _fingerprint(self) -> int:
+        """Of the rows' uids, a dead row counting as 0."""
         value = 0
-        for s in self._active:
-            value = (value * 1_000_003 + s.uid + 1) % FINGERPRINT_MODULUS
+        for s in self._rows:
+            value = (value * 1_000_003 + (0 if s.done else s.uid + 1)) % FINGERPRINT_MODULUS
         return value
 
     def _prefixes_fingerprint(self) -> int:
-        """Of the rows' reused prefix lengths; ``UNKNOWN_PREFIXES`` when this rank cannot count one of them."""
+        """Of the rows' reused prefix lengths (a dead row: 0); ``UNKNOWN_PREFIXES`` when this rank cannot count one."""
         value = 0
-        for s in self._active:
-            if s.prefix == UNCOUNTED:
+        for s in self._rows:
+            if not s.done and s.prefix == UNCOUNTED:
                 return UNKNOWN_PREFIXES
-            value = (value * 1_000_003 + s.prefix + 1) % FINGERPRINT_MODULUS
+            value = (value * 1_000_003 + (0 if s.done else s.prefix + 1)) % FINGERPRINT_MODULUS
         return value
 
     def _sample(self, logits: mx.array) -> mx.array:
@@ -449,20 +521,89 @@ class BatchGenerator:
         log-softmax only shifts each row), without a vocabulary-wide
         ``logsumexp`` per row (measured on the CPU backend at 32000 entries:
         about 1.2 ms a row, 10 ms of a 50 ms tick at 8 rows).
+
+        Dead rows (their tokens are ignored) are left out of every sampler
+        call: a sampler may keep state (a seeded request's random key), so it
+        sees exactly the rows it would see without them. Their tokens are 0.
         """
         samplers = [s.sampler or self.sampler for s in self._active]
         if all(s is None for s in samplers):
             return _greedy(logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        first = samplers[0]
-        if all(s is first for s in samplers):
-            sampled = _greedy(logprobs) if first is None else first(logprobs)
-            return mx.reshape(sampled, (-1,))
-        rows = [
-            mx.reshape(_greedy(logprobs[i : i + 1]) if s is None else s(logprobs[i : i + 1]), (-1,))
-            for i, s in enumerate(samplers)
-        ]
-        return mx.concatenate(rows)
+        live = [i for i, s in enumerate(self._rows) if not s.done]
+        if len(live) == len(self._rows):
+            return _sample_rows(logits, samplers)
+        index = mx.array(live)
+        sampled = _sample_rows(logits[index], samplers)
+        tokens = mx.zeros((len(self._rows),), dtype=sampled.dtype)
+        tokens[index] = sampled
+        return tokens
+
+
+def _sample_rows(logits: mx.array, samplers: list[Sampler | None]) -> mx.array:
+    """Row ``i`` of ``logits`` sampled with ``samplers[i]`` (``None``: greedy); one call when all are one."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    first = samplers[0]
+    if all(s is first for s in samplers):
+        sampled = _greedy(logprobs) if first is None else first(logprobs)
+        return mx.reshape(sampled, (-1,))
+    rows = [
+        mx.reshape(_greedy(logprobs[i : i + 1]) if s is None else s(logprobs[i : i + 1]), (-1,))
+        for i, s in enumerate(samplers)
+    ]
+    return mx.concatenate(rows)
+
+
+def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list[list[Any]]) -> None:
+    """Put request ``k``'s per-layer ``caches[k]`` into row ``slots[k]`` of the ``rows``-row batch caches.
+
+    What those rows held (dead rows) is dropped. A ``BatchKVCache`` layer is
+    written in place: each joining row right-aligned at the batch's current
+    position, its left padding the rest (what the dead row left there is
+    masked, as padding is). Only when a joining row is longer than the
+    batch's are all rows first moved right by the difference (one copy, as
+    ``extend`` makes one or two and the ``filter`` of the dead row another).
+    In place, only the joining rows are copied; the first step after an
+    ``extend`` cost about 35 ms more than a steady one (benchmark model, 8
+    rows). Any other layer cache is extended and then filtered into the
+    same row order.
+    """
+    for layer, batch in enumerate(batch_caches):
+        joining = [c[layer] for c in caches]
+        if all(_fits_in_place(batch, c) for c in joining):
+            _widen(batch, max(c.offset for c in joining))
+            for slot, c in zip(slots, joining):
+                _write_row(batch, slot, c)
+            continue
+        batch.extend(joining[0].merge(joining))
+        order = list(range(rows))
+        for k, slot in enumerate(slots):
+            order[slot] = rows + k
+        batch.filter(order)
+
+
+def _fits_in_place(batch: Any, cache: Any) -> bool:
+    """Whether ``cache`` (one request's, of the same layer) can be written into a row of ``batch``."""
+    return (type(batch), type(cache)) == (BatchKVCache, KVCache) and batch.keys is not None
+
+
+def _widen(batch: Any, positions: int) -> None:
+    """Move every row of ``batch`` (a ``BatchKVCache``) right, so that it holds at least ``positions``."""
+    shift = positions - batch.size()
+    if shift <= 0:
+        return
+    keys, values, offset, left_padding, end = batch.state
+    widths = [(0, 0), (0, 0), (shift, 0), (0, 0)]
+    batch.state = (mx.pad(keys, widths), mx.pad(values, widths), offset, left_padding + shift, end + shift)
+
+
+def _write_row(batch: Any, row: int, cache: Any) -> None:
+    """Row ``row`` of ``batch`` (a ``BatchKVCache``) becomes ``cache``'s positions, right-aligned, left-padded."""
+    end, length = batch.size(), cache.offset
+    if length:
+        batch.keys[row : row + 1, :, end - length : end, :] = cache.keys[..., :length, :]
+        batch.values[row : row + 1, :, end - length : end, :] = cache.values[..., :length, :]
+    batch.left_padding[row] = end - length
+    batch.offset[row] = length
 
 
 def _greedy(logprobs: mx.array) -> mx.array:

@@ -6,7 +6,8 @@ Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{
 "memory_budget": bytes, "follow_up": {"of", "M", "max_tokens"}, "chunking": "fixed" | "equal-cost",
 "costs": [chunk_s, token_s, attention_s] | null}. Step s inserts every request with insert_at == s, removes request
 `remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
-greedy tokens (mlx-lm generate_step on the whole model, one process) and every step's active rows. With
+greedy tokens (mlx-lm generate_step on the whole model, one process), every step's active rows (and the
+batch caches' rows, dead ones included) and the positions of each finished request's prompt_cache. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
 "prefixes", request i's first P tokens are prefilled (pipemlx.pipeline_prefill) into a cache of its own
 before it is inserted, and only the rest of its prompt is inserted, with that cache. With
@@ -103,6 +104,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
     rows: list[int] = []
+    handed_back: dict[int, int] = {}  # request -> positions of the prompt_cache its final response carried
+    batch_rows: list[int] = []  # per step: the batch caches' rows after it, finished rows not yet filtered out included
     first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
     prefilled: dict[int, list[int]] = {}  # request -> positions every rank had prefilled, after each step
@@ -137,6 +140,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
             break
         rows.append(len(responses))
+        batch_rows.append(len(engine._rows))  # pyright: ignore[reportPrivateUsage]  # dead rows included
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
         for u in engine.queued_uids:
             prefilled.setdefault(uid_of[u], []).append(engine.prefilled(u))
@@ -147,6 +151,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             tokens[uid_of[response.uid]].append(response.token)
             if response.finish_reason is not None:
                 finish[uid_of[response.uid]] = response.finish_reason
+            if response.prompt_cache is not None:
+                handed_back[uid_of[response.uid]] = cache_offset(response.prompt_cache)
             if follow is not None and uid_of[response.uid] == follow["of"] and response.finish_reason == "length":
                 # The next turn: the answer's last token (never fed back) and new tokens, on the returned cache.
                 assert response.prompt_cache is not None
@@ -172,6 +178,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "solo": solo,
         "finish": [finish.get(i) for i in range(len(requests))],
         "rows": rows,
+        "batch_rows": batch_rows,
+        "handed_back": [handed_back.get(i) for i in range(len(requests) + (follow is not None))],
         "partial": partial,
         "prefilled": {str(i): p for i, p in prefilled.items()},
         "left": len(engine),
