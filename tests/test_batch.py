@@ -411,14 +411,15 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] hold only recurrent layers"):
         engine.insert([[1, 2]], caches=[make_prompt_cache(engine.model)])
     assert len(engine) == 2
-    for bad in (
-        {"prefill_budget": 0},
-        {"prefill_chunk_tokens": 0},
-        {"prefill_step_size": 0},
-        {"max_tokens": 0},
-        {"timeout": -1.0},
+    for bad, named in (
+        ({"prefill_budget": 0}, "prefill_chunk_tokens"),  # its former name
+        ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
+        ({"prefill_step_size": 0}, "prefill_step_size"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"timeout": -1.0}, "timeout"),
+        ({"prefill_chunking": "even"}, "prefill_chunking"),
     ):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=named):
             fake_engine(**bad)
 
 
