@@ -45,7 +45,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import (
-    FINGERPRINT_MODULUS,
     Admission,
     Chunk,
     ChunkSizes,
@@ -55,6 +54,7 @@ from ..schedule.batch_plan import (
     Tick,
     drop,
     enqueue,
+    fingerprint,
     plan_tick,
 )
 from .batch_memory import exchange_admission
@@ -499,19 +499,13 @@ class BatchGenerator:
 
     def _fingerprint(self) -> int:
         """Of the rows' uids, a dead row counting as 0."""
-        value = 0
-        for s in self._rows:
-            value = (value * 1_000_003 + (0 if s.done else s.uid + 1)) % FINGERPRINT_MODULUS
-        return value
+        return fingerprint(0 if s.done else s.uid + 1 for s in self._rows)
 
     def _prefixes_fingerprint(self) -> int:
         """Of the rows' reused prefix lengths (a dead row: 0); ``UNKNOWN_PREFIXES`` when this rank cannot count one."""
-        value = 0
-        for s in self._rows:
-            if not s.done and s.prefix == UNCOUNTED:
-                return UNKNOWN_PREFIXES
-            value = (value * 1_000_003 + (0 if s.done else s.prefix + 1)) % FINGERPRINT_MODULUS
-        return value
+        if any(not s.done and s.prefix == UNCOUNTED for s in self._rows):
+            return UNKNOWN_PREFIXES
+        return fingerprint(0 if s.done else s.prefix + 1 for s in self._rows)
 
     def _sample(self, logits: mx.array) -> mx.array:
         """Sample every row with its request's sampler (one batched call when all rows share one).

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError, PipelineMismatchError
+from ..schedule.batch_plan import fingerprint
 from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_offset, cache_state, trim_to
 from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
@@ -51,7 +52,6 @@ STATUS_END = 4
 DECODE_KIND = 7_771
 """First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
 HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens")
-FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the header
 
 
 @dataclass(frozen=True)
@@ -264,10 +264,7 @@ def _greedy(logprobs: mx.array) -> mx.array:
 
 
 def _fingerprint(tokens: Iterable[int]) -> int:
-    value = 0
-    for t in sorted(set(tokens)):
-        value = (value * 1_000_003 + t + 1) % FINGERPRINT_MODULUS
-    return value
+    return fingerprint(t + 1 for t in sorted(set(tokens)))
 
 
 @dataclass

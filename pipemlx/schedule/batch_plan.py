@@ -177,21 +177,25 @@ class Tick:
 
     def fingerprint(self) -> int:
         """A number every rank computes alike from the tick's content (exact in float32)."""
-        value = self.index % FINGERPRINT_MODULUS
-        for uid in self.joins:
-            value = _mix(value, uid + 1)
+        parts = [uid + 1 for uid in self.joins]
         for chunk in self.chunks:
-            for part in (0, 0, 0) if chunk is None else (chunk.uid + 1, chunk.start + 1, chunk.stop + 1):
-                value = _mix(value, part)
-        return value
+            parts += (0, 0, 0) if chunk is None else (chunk.uid + 1, chunk.start + 1, chunk.stop + 1)
+        return fingerprint(parts, start=self.index)
 
     def receives(self, rank: int) -> Chunk | None:
         """The chunk ``rank`` receives from ``rank - 1`` at the end of the tick (to compute in the next one)."""
         return self.chunks[rank - 1] if rank > 0 else None
 
 
-def _mix(value: int, part: int) -> int:
-    return (value * 1_000_003 + part) % FINGERPRINT_MODULUS
+def fingerprint(parts: Iterable[int], start: int = 0) -> int:
+    """A number every rank computes alike from ``parts`` in order, below :data:`FINGERPRINT_MODULUS`.
+
+    All-gathers carry it as a float32, which holds every integer below the modulus exactly.
+    """
+    value = start % FINGERPRINT_MODULUS
+    for part in parts:
+        value = (value * 1_000_003 + part) % FINGERPRINT_MODULUS
+    return value
 
 
 def enqueue(state: PlanState, jobs: Iterable[Job]) -> PlanState:
@@ -237,8 +241,9 @@ def plan_tick(
     waits holds back those behind it. A request with no positions to prefill
     is ready at once. Pure: the same arguments give the same tick everywhere.
     """
-    fixed = chunk_tokens if isinstance(chunk_tokens, int) else 1
-    if fixed < 1 or (lone_chunk_tokens is not None and lone_chunk_tokens < 1):
+    if (isinstance(chunk_tokens, int) and chunk_tokens < 1) or (
+        lone_chunk_tokens is not None and lone_chunk_tokens < 1
+    ):
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_tokens} and {lone_chunk_tokens}")
     joins = state.ready
     rows = len(decoding) + len(joins)

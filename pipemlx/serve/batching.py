@@ -36,7 +36,7 @@ from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVari
 
 from ..errors import PipelineMismatchError
 from ..runtime.batch import BatchGenerator, Response, Sampler
-from ..runtime.caches import cache_state, trim_to
+from ..runtime.caches import trim_to
 from .broadcast import IDLE, OUTCOMES, SHUTDOWN, STEP, bits_float, checksum, float_bits
 from .engine import (
     TICK,
@@ -248,15 +248,13 @@ class BatchRunner:
     def _keep_answer(self, seq: int, response: Response) -> None:
         """Store a finished request's whole conversation: its prompt and every token but the last (never fed).
 
-        The cache is the one the generator hands back with the final response,
-        the same positions on every rank; the next turn of the conversation then
+        The cache is the one the generator hands back (evaluated) with the final
+        response, the same positions on every rank; the next turn of the conversation then
         prefills only what it adds.
         """
         tokens = self.answers.get(seq, [])
         if response.prompt_cache is None or self.engine.prefix.budget_tokens <= 0 or len(tokens) < 2:
             return
-        with mx.stream(self.engine.stage.compute_stream):  # copy the row out now: the batch's arrays can go
-            mx.eval(cache_state(response.prompt_cache))  # pyright: ignore[reportUnknownMemberType]
         self.engine.prefix.store(tokens[:-1], response.prompt_cache)
 
     def apply_payload(self, payload: list[int]) -> list[tuple[int, Response]]:
