@@ -153,6 +153,41 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(scenario_r
     assert report["left"] == 0
 
 
+# Logits processors (mlx-lm's make_logits_processors) per request: its own, the generator's default, none; and
+# one whose first 20 prompt positions are in a reused cache, named to its processors by all_tokens.
+PROCESSED: list[dict[str, Any]] = [
+    {"M": 9, "max_tokens": 10, "insert_at": 0},
+    {"M": 14, "max_tokens": 10, "insert_at": 0},
+    {"M": 11, "max_tokens": 8, "insert_at": 0},
+    {"M": 30, "max_tokens": 8, "insert_at": 2},
+]
+SCENARIOS[2]["processors"] = {
+    "requests": PROCESSED,
+    "remove": [],
+    "steps": 24,
+    "step_size": 8,
+    "chunk": 8,
+    "default_processors": {"presence_penalty": 2.0, "presence_context_size": 64},
+    "processors": {
+        "0": {"repetition_penalty": 1.8, "repetition_context_size": 64},
+        "2": None,
+        "3": {"repetition_penalty": 3.0, "repetition_context_size": 64, "logit_bias": {"7": 4.0}},
+    },
+    "all_tokens": {"3": 20},
+}
+
+
+def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "processors")
+    assert reports[0]["tokens"] == reports[1]["tokens"]
+    report = reports[0]
+    for i in (0, 1, 3):  # the processors change these requests' answers: the comparison has power
+        assert report["solo"][i] != report["unprocessed"][i], (i, report["solo"][i])
+    assert report["unprocessed"][2] is None
+    assert report["tokens"] == report["solo"], report
+    assert report["finish"] == ["length"] * 4 and report["left"] == 0
+
+
 # Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
 # cache its final response carried and joins the batch with request 1 still in it.
 SCENARIOS[2]["follow-up"] = {
@@ -397,10 +432,12 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     engine = fake_engine(max_tokens=5)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.insert([[1, 2], []])
-    with pytest.raises(ValueError, match="as many max_tokens"):
+    with pytest.raises(ValueError, match="2 prompts need one entry each .*got 1 max_tokens$"):
         engine.insert([[1, 2], [3]], max_tokens=[4])
-    with pytest.raises(ValueError, match="as many max_tokens, samplers and caches"):
+    with pytest.raises(ValueError, match="got 2 caches$"):
         engine.insert([[1, 2]], caches=[None, None])
+    with pytest.raises(ValueError, match="got 0 logits_processors, 3 all_tokens$"):
+        engine.insert([[1, 2]], logits_processors=[], all_tokens=[[1], None, None])
     with pytest.raises(ValueError, match=r"caches\[0\] must be a list of 3 layer caches"):
         engine.insert([[1, 2]], caches=[[]])
     with pytest.raises(ValueError, match="max_tokens"):

@@ -65,6 +65,7 @@ from .prefill import check_timeout
 from .stage import PipelineStage, stage_of
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 FinishReason = Literal["length", "stop", "error"]
 
 COMPACT_DEAD_FRACTION = 0.5
@@ -105,6 +106,8 @@ class _Sequence:
     prompt: list[int]  # the tokens not in the cache at insert
     max_tokens: int
     sampler: Sampler | None
+    processors: tuple[LogitsProcessor, ...] = ()
+    history: list[int] | None = None  # with processors: the tokens they see (all_tokens, the prompt, the answer so far)
     prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
@@ -122,8 +125,10 @@ class BatchGenerator:
 
     ``max_tokens`` is the default per request (-1: no limit); ``stop_tokens``
     end a request after yielding one of them (``finish_reason="stop"``);
-    ``sampler`` is the default sampler (greedy when ``None``), used only on the
-    last rank; ``timeout`` bounds every wait (default: the model's).
+    ``sampler`` is the default sampler (greedy when ``None``) and
+    ``logits_processors`` the default processors (mlx-lm's
+    ``make_logits_processors``: repetition penalty, logit bias, ...), both used
+    only on the last rank; ``timeout`` bounds every wait (default: the model's).
 
     ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a
     tick while other requests decode: each rank adds about one chunk's work to
@@ -159,6 +164,7 @@ class BatchGenerator:
         max_tokens: int = 128,
         stop_tokens: Iterable[int] = (),
         sampler: Sampler | None = None,
+        logits_processors: Sequence[LogitsProcessor] | None = None,
         prefill_step_size: int = 512,
         prefill_chunk_tokens: int = 64,
         prefill_budget: int | None = None,
@@ -180,6 +186,7 @@ class BatchGenerator:
         self.max_tokens = max_tokens
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.sampler = sampler
+        self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk_tokens = chunk
         self.timeout = timeout or self.stage.timeout
@@ -235,6 +242,8 @@ class BatchGenerator:
         max_tokens: Sequence[int] | int | None = None,
         samplers: Sequence[Sampler | None] | None = None,
         caches: Sequence[list[Any] | None] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
+        all_tokens: Sequence[Sequence[int] | None] | None = None,
     ) -> list[int]:
         """Queue ``prompts`` (token ids); return their uids. Nothing is sent: the next ticks prefill them.
 
@@ -248,7 +257,16 @@ class BatchGenerator:
         the first decode step). The generator takes the cache over (it is
         extended, merged into the batch and not handed back); every rank must
         pass caches holding the same number of positions. Tokens then equal a
-        solo run of the whole prompt. Raises ``ValueError`` for an empty
+        solo run of the whole prompt.
+
+        ``logits_processors`` is one list per prompt, as in mlx-lm's
+        ``BatchGenerator`` (default: the generator's for every prompt; a
+        ``None`` or empty entry: none for that prompt). A processor is called
+        as mlx-lm's ``generate_step`` calls it, on the last rank only, with the
+        request's tokens so far (``all_tokens[i]``, then the prompt, then the
+        tokens generated before this one) and its ``[1, vocabulary]`` logits.
+        ``all_tokens[i]`` names the tokens a reused cache holds (seen by the
+        processors only; default none). Raises ``ValueError`` for an empty
         prompt, a bad count, a cache that does not fit the model or a request
         that could never fit the memory budget, on every rank alike, before
         anything changes.
@@ -263,11 +281,23 @@ class BatchGenerator:
         )
         chosen: list[Sampler | None] = [None] * count if samplers is None else list(samplers)
         given: list[list[Any] | None] = [None] * count if caches is None else list(caches)
-        if len(limits) != count or len(chosen) != count or len(given) != count:
-            raise ValueError(
-                f"{count} prompts need as many max_tokens, samplers and caches, "
-                f"got {len(limits)}, {len(chosen)} and {len(given)}"
-            )
+        processors = (
+            [self.logits_processors] * count
+            if logits_processors is None
+            else [tuple(p or ()) for p in logits_processors]
+        )
+        earlier = [[] if t is None else [int(x) for x in t] for t in all_tokens or [None] * count]
+        lengths = {
+            "max_tokens": len(limits),
+            "samplers": len(chosen),
+            "caches": len(given),
+            "logits_processors": len(processors),
+            "all_tokens": len(earlier),
+        }
+        wrong = {name: n for name, n in lengths.items() if n != count}
+        if wrong:
+            shown = ", ".join(f"{n} {name}" for name, n in wrong.items())
+            raise ValueError(f"{count} prompts need one entry each of every per-prompt option, got {shown}")
         tokens = [[int(t) for t in p] for p in prompts]
         for i, (prompt, limit, cache) in enumerate(zip(tokens, limits, given)):
             if not prompt:
@@ -277,8 +307,19 @@ class BatchGenerator:
                 self._check_cache(i, cache)
         uids = list(range(self._next_uid, self._next_uid + count))
         sequences = [
-            _Sequence(uid, prompt, limit, sampler, prefix=0 if cache is None else counted_offset(cache), cache=cache)
-            for uid, prompt, limit, sampler, cache in zip(uids, tokens, limits, chosen, given)
+            _Sequence(
+                uid,
+                prompt,
+                limit,
+                sampler,
+                processors=chain,
+                history=[*before, *prompt] if chain else None,
+                prefix=0 if cache is None else counted_offset(cache),
+                cache=cache,
+            )
+            for uid, prompt, limit, sampler, cache, chain, before in zip(
+                uids, tokens, limits, chosen, given, processors, earlier
+            )
         ]
         if self.admission is not None and any(c is not None for c in given):
             blind = [r for r, b in enumerate(self.admission.bytes_per_position) if b == 0]
@@ -376,6 +417,8 @@ class BatchGenerator:
                 continue
             token = outcome.tokens[i]
             sequence.generated += 1
+            if sequence.history is not None:
+                sequence.history.append(token)
             reason: FinishReason | None = None
             if token in self.stop_tokens:
                 reason = "stop"
@@ -519,7 +562,10 @@ class BatchGenerator:
         Dead rows (their tokens are ignored) are left out of every sampler
         call: a sampler may keep state (a seeded request's random key), so it
         sees exactly the rows it would see without them. Their tokens are 0.
+        Rows with logits processors have their logits processed first, one
+        row at a time, as mlx-lm's ``BatchGenerator`` does.
         """
+        logits = self._processed(logits)
         samplers = [s.sampler or self.sampler for s in self._active]
         if all(s is None for s in samplers):
             return _greedy(logits)
@@ -531,6 +577,20 @@ class BatchGenerator:
         tokens = mx.zeros((len(self._rows),), dtype=sampled.dtype)
         tokens[index] = sampled
         return tokens
+
+    def _processed(self, logits: mx.array) -> mx.array:
+        """``logits`` with each live row's processors applied to it (the rows without any: as they are)."""
+        if not any(s.processors and not s.done for s in self._rows):
+            return logits
+        rows: list[mx.array] = []
+        for i, sequence in enumerate(self._rows):
+            row = logits[i : i + 1]
+            if sequence.processors and not sequence.done and sequence.history is not None:
+                context = mx.array(sequence.history)
+                for processor in sequence.processors:
+                    row = processor(context, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
 
 
 def _sample_rows(logits: mx.array, samplers: list[Sampler | None]) -> mx.array:

@@ -17,6 +17,11 @@ exits with status 3. With "follow_up", when request `of` finishes ("length") its
 inserted at once with its last token and M new tokens: the next turn of a conversation, compared with a
 solo run of prompt + answer + new tokens. With "costs", the group's cost model is set to those layer costs
 before the generator is made (instead of calibrating), so equal-cost chunk sizes are known in advance.
+With "default_processors" (mlx-lm make_logits_processors keyword arguments), the generator's default logits
+processors; with "processors" ({request: kwargs | null}), a request's own (null: none; a request not named
+gets the default); the solo runs then use the same processors. "all_tokens": {request: n} gives that
+request's processors its first n prompt tokens as `all_tokens`, with only the rest of the prompt inserted,
+on a cache holding those n (as "prefixes" does).
 
 Or {"scenarios": {name: spec, ...}}: several such specs (none with "kill" or "stall") one after the other on
 one group, each with its own sharded model and generator, reported as {"rank", "scenarios": {name: report}};
@@ -35,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 
 import pipemlx
 from pipemlx.launch import init_group
@@ -46,6 +52,16 @@ from pipemlx.testing import build_model, tiny_config
 
 def prompt_of(length: int) -> list[int]:
     return mx.random.randint(0, 256, (length,), key=mx.random.key(length)).tolist()  # pyright: ignore[reportReturnType]
+
+
+def processors_of(kwargs: dict[str, Any] | None) -> list[Any] | None:
+    """mlx-lm's logits processors from make_logits_processors keyword arguments (a logit_bias's keys as strings)."""
+    if not kwargs:
+        return None
+    given = dict(kwargs)
+    if "logit_bias" in given:
+        given["logit_bias"] = {int(k): v for k, v in given["logit_bias"].items()}
+    return make_logits_processors(**given)
 
 
 def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: int) -> list[Any] | None:
@@ -62,15 +78,21 @@ class Solo:
 
     def __init__(self) -> None:
         self.references: dict[str, Any] = {}
-        self.runs: dict[tuple[str, tuple[int, ...], int, int], list[int]] = {}
+        self.runs: dict[tuple[str, tuple[int, ...], int, int, str], list[int]] = {}
 
-    def __call__(self, arch: str, prompt: list[int], max_tokens: int, step_size: int) -> list[int]:
-        key = (arch, tuple(prompt), max_tokens, step_size)
+    def __call__(
+        self, arch: str, prompt: list[int], max_tokens: int, step_size: int, processors: dict[str, Any] | None = None
+    ) -> list[int]:
+        key = (arch, tuple(prompt), max_tokens, step_size, json.dumps(processors, sort_keys=True))
         if key not in self.runs:
             if arch not in self.references:
                 self.references[arch] = build_model(tiny_config(arch))
             steps = generate_step(
-                mx.array(prompt), self.references[arch], prefill_step_size=step_size, max_tokens=max_tokens
+                mx.array(prompt),
+                self.references[arch],
+                prefill_step_size=step_size,
+                max_tokens=max_tokens,
+                logits_processors=processors_of(processors),
             )
             self.runs[key] = [int(t) for t, _ in steps]
         return self.runs[key]
@@ -83,7 +105,10 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     model = pipemlx.shard_model(build_model(tiny_config(arch)), group)
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
-    solo = [solo_run(arch, p, r["max_tokens"], spec["step_size"]) for p, r in zip(prompts, requests)]
+    default_processors: dict[str, Any] | None = spec.get("default_processors")
+    own_processors: dict[str, Any] = spec.get("processors", {})
+    wanted = [own_processors.get(str(i), default_processors) for i in range(len(requests))]
+    solo = [solo_run(arch, p, r["max_tokens"], spec["step_size"], w) for p, r, w in zip(prompts, requests, wanted)]
     costs = spec.get("costs")
     if costs is not None:
         stage = stage_of(model)
@@ -98,8 +123,10 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         stop_tokens=stops,
         memory_budget=spec.get("memory_budget"),
         prefill_chunking=spec.get("chunking", "fixed"),
+        logits_processors=processors_of(default_processors),
     )
-    prefixes: dict[str, int] = spec.get("prefixes", {})
+    seen_before: dict[str, int] = spec.get("all_tokens", {})
+    prefixes: dict[str, int] = {**spec.get("prefixes", {}), **seen_before}
     uid_of: dict[int, int] = {}
     tokens: dict[int, list[int]] = {i: [] for i in range(len(requests))}
     finish: dict[int, str | None] = {}
@@ -118,10 +145,20 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
         if arriving:
             caches = [reused_cache(model, prompts[i], prefixes.get(str(i)), spec["step_size"]) for i in arriving]
+            chosen = None
+            if own_processors:
+                chosen = [
+                    processors_of(own_processors[str(i)]) if str(i) in own_processors else engine.logits_processors
+                    for i in arriving
+                ]
             uids = engine.insert(
                 [prompts[i][prefixes.get(str(i), 0) :] for i in arriving],
                 [requests[i]["max_tokens"] for i in arriving],
                 caches=caches,
+                logits_processors=chosen,
+                all_tokens=[prompts[i][: seen_before[str(i)]] if str(i) in seen_before else None for i in arriving]
+                if seen_before
+                else None,
             )
             uid_of.update(zip(uids, arriving))
         for removal in spec["remove"]:
@@ -185,6 +222,10 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "left": len(engine),
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
+        "unprocessed": [
+            solo_run(arch, p, r["max_tokens"], spec["step_size"]) if w else None
+            for p, r, w in zip(prompts, requests, wanted)
+        ],
     }
     if follow is not None:
         whole = prompts[follow["of"]] + tokens[follow["of"]] + follow_prompt
