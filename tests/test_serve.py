@@ -24,7 +24,7 @@ import mlx.core as mx
 import openai
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load
 from serve_process import ServeProcess, serving
 from test_mpi import MPI_OPTIONS, mpi_setup
@@ -58,8 +58,15 @@ class Reference:
     def text_tokens(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def generate(self, prompt: list[int], max_tokens: int, temp: float = 0.0, seed: int | None = None) -> list[int]:
-        """The tokens generated (up to and including an end-of-sequence token)."""
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temp: float = 0.0,
+        seed: int | None = None,
+        penalties: dict[str, float] | None = None,
+    ) -> list[int]:
+        """The tokens generated (up to and including an end-of-sequence token); ``penalties``: make_logits_processors'."""
         if seed is not None:
             mx.random.seed(seed)
         out: list[int] = []
@@ -68,6 +75,7 @@ class Reference:
             self.model,
             max_tokens=max_tokens,
             sampler=make_sampler(temp),
+            logits_processors=make_logits_processors(**penalties) if penalties else None,
             prefill_step_size=default_step_size(len(prompt), 2),
         ):
             out.append(int(token))
@@ -304,6 +312,37 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.25}
+
+
+def ask_penalized(client: openai.OpenAI, prompt: str, max_tokens: int) -> Any:
+    """A greedy completion with PENALTIES (repetition_penalty is mlx-lm's server's own field: sent as extra_body)."""
+    return client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        presence_penalty=PENALTIES["presence_penalty"],
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        extra_body={"repetition_penalty": PENALTIES["repetition_penalty"]},
+    )
+
+
+def test_penalties_equal_one_process_with_mlx_lm_processors_also_on_a_reused_prefix(
+    client: openai.OpenAI, ref: Reference
+) -> None:
+    prompt_text = "Mr. Darcy looked at her for a moment, and then"
+    prompt = ref.text_tokens(prompt_text)
+    expected = ref.answer(prompt, 30, penalties=PENALTIES)
+    assert expected != ref.answer(prompt, 30), "the penalties change nothing: the test loses its power"
+    first = ask_penalized(client, prompt_text, 30)
+    assert first.choices[0].text == expected
+    # The same prompt again: all but its last token come from the prefix cache, which the penalties must see.
+    again = ask_penalized(client, prompt_text, 30)
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+    assert again.choices[0].text == expected
 
 
 def test_second_turn_prefills_only_its_new_tokens(server: ServeProcess, client: openai.OpenAI, ref: Reference) -> None:

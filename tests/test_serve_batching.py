@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from serve_process import ServeProcess, serving
-from test_serve import CHAT, MODEL, Reference, chat, stream_text
+from test_serve import CHAT, MODEL, PENALTIES, Reference, ask_penalized, chat, stream_text
 
 from pipemlx import cli
 from pipemlx.demo import book_text
@@ -266,6 +266,28 @@ def test_batched_requests_reuse_the_prefix_cache(server: ServeProcess, client: o
         cached = reply.usage.prompt_tokens_details.cached_tokens
         assert cached >= common_prefix(prompt1[:-1], prompt) > len(ref.chat_tokens([system])) // 2, (question, cached)
         assert cached <= len(prompt) - 1
+
+
+def test_penalized_requests_batched_with_others_equal_one_process(
+    server: ServeProcess, client: openai.OpenAI, ref: Reference
+) -> None:
+    """Penalized and plain requests in one batch, twice (the second time from the prefix cache): each exact."""
+    prompt_text = "Mr. Darcy looked at her for a moment, and then"
+    prompt = ref.text_tokens(prompt_text)
+    expected = ref.answer(prompt, 30, penalties=PENALTIES)
+    plain = ref.answer(ref.text_tokens(PROMPTS[0]), 20)
+    for round in range(2):
+        with ThreadPoolExecutor(3) as pool:
+            penalized = [pool.submit(ask_penalized, client, prompt_text, 30) for _ in range(2)]
+            others = pool.submit(
+                client.completions.create, model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0
+            )
+            for future in penalized:
+                assert future.result().choices[0].text == expected, round
+            assert others.result().choices[0].text == plain, round
+    cached = ask_penalized(client, prompt_text, 30)
+    assert cached.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
+    assert cached.choices[0].text == expected
 
 
 def test_a_batched_answer_is_kept_for_the_next_turn(

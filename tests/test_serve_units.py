@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 from pipemlx.errors import PipelineMismatchError
 from pipemlx.serve.batching import Insert, Ops, decode_ops, encode_ops, request_sampler, share_entries
 from pipemlx.serve.broadcast import BASE_FIELDS, REQUEST, SLOT_FIELDS, Channel, bits_float, checksum, float_bits
+from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.prefix_cache import Plan, PrefixCache
 from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
 
@@ -76,6 +77,27 @@ def test_good_requests_are_read_fully() -> None:
     for bad in ({"prompt": ""}, {"prompt": [1, "a"]}, {"prompt": ["a", "b"]}, {}):
         with pytest.raises(ApiError):
             parse_completion(bad)
+
+
+@pytest.mark.parametrize(
+    "body,param,words",
+    [
+        ({"presence_penalty": 3}, "presence_penalty", "from -2 to 2"),
+        ({"frequency_penalty": "a"}, "frequency_penalty", "from -2 to 2"),
+        ({"repetition_penalty": -1}, "repetition_penalty", "from 0 to 10"),
+        ({"repetition_context_size": 0}, "repetition_context_size", "at least 1"),
+        ({"logit_bias": {"5": 10}}, "logit_bias", "not supported"),
+    ],
+)
+def test_bad_penalties_are_refused_and_good_ones_read(body: dict[str, Any], param: str, words: str) -> None:
+    """A penalty the server would ignore or mlx-lm would refuse is a 400 naming it, never a silent default."""
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": MESSAGES, **body})
+    assert caught.value.status == 400 and caught.value.param == param and words in str(caught.value)
+    read = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {}})
+    assert read.penalties == Penalties(presence_penalty=0.5, frequency_penalty=-1.0)
+    assert Penalties.from_ints(read.penalties.to_ints()) == read.penalties
+    assert parse_completion({"prompt": "x"}).penalties.processors() is None
 
 
 @pytest.mark.parametrize(
@@ -204,6 +226,15 @@ inserts_strategy = st.lists(
         top_p=st.sampled_from([1.0, 0.5, 0.25]),
         seed=st.integers(-1, (1 << 31) - 1),
         plan=st.builds(Plan, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
+        penalties=st.builds(
+            Penalties,
+            st.sampled_from([0.0, 1.25, 1.5]),
+            st.integers(1, 64),
+            st.sampled_from([0.0, -0.5, 2.0]),
+            st.integers(1, 64),
+            st.sampled_from([0.0, 0.75, -2.0]),
+            st.integers(1, 64),
+        ),
     ),
     max_size=5,
 )

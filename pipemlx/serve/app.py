@@ -206,6 +206,7 @@ class Api:
             top_p=parsed.top_p,
             seed=parsed.seed,
             stop=parsed.stop,
+            penalties=parsed.penalties,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
             loop=loop,

@@ -49,13 +49,15 @@ from .engine import (
     ServeSettings,
     log,
 )
+from .penalties import FIELD_NAMES as PENALTY_FIELDS
+from .penalties import Penalties
 from .prefix_cache import Plan
 from .protocol import unavailable
 
 DEFAULT_STEP = 128
 """Prefill chunk of a new prompt when ``--step-size`` is not a number: while others decode, each batch step
 (one tick of :class:`pipemlx.BatchGenerator`) adds one chunk of this many tokens per rank."""
-INSERT_FIELDS = 9
+INSERT_FIELDS = 9 + len(PENALTY_FIELDS)
 """seq, prompt length, max_tokens, temperature bits, top_p bits, seed, prefix entry, reuse, copy."""
 
 
@@ -70,6 +72,7 @@ class Insert:
     top_p: float
     seed: int
     plan: Plan = field(default_factory=Plan)
+    penalties: Penalties = field(default_factory=Penalties)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ def encode_ops(ops: Ops) -> list[int]:
     values = [len(ops.removes), len(ops.inserts), *ops.removes]
     for i in ops.inserts:
         values += [i.seq, len(i.tokens), i.max_tokens, float_bits(i.temperature), float_bits(i.top_p), i.seed]
-        values += [i.plan.entry, i.plan.reuse, int(i.plan.copy), *i.tokens]
+        values += [i.plan.entry, i.plan.reuse, int(i.plan.copy), *i.penalties.to_ints(), *i.tokens]
     return values
 
 
@@ -99,14 +102,15 @@ def decode_ops(values: Sequence[int]) -> Ops:
         removes = list(values[2:at])
         inserts: list[Insert] = []
         for _ in range(inserts_count):
-            seq, length, max_tokens, temp, top_p, seed, entry, reuse, copy = values[at : at + INSERT_FIELDS]
+            seq, length, max_tokens, temp, top_p, seed, entry, reuse, copy = values[at : at + 9]
+            penalties = Penalties.from_ints(list(values[at + 9 : at + INSERT_FIELDS]))
             at += INSERT_FIELDS
             tokens = list(values[at : at + length])
             at += length
             if len(tokens) != length or length < 1:
                 raise ValueError("a prompt is cut short")
             plan = Plan(entry, reuse, bool(copy))
-            inserts.append(Insert(seq, tokens, max_tokens, bits_float(temp), bits_float(top_p), seed, plan))
+            inserts.append(Insert(seq, tokens, max_tokens, bits_float(temp), bits_float(top_p), seed, plan, penalties))
     except ValueError as exc:
         raise PipelineMismatchError(f"a batch step's operations arrived damaged: {exc}") from exc
     if at != len(values) or len(removes) != removes_count:
@@ -197,6 +201,8 @@ class BatchRunner:
                 max_tokens=[i.max_tokens for i in ops.inserts],
                 samplers=[request_sampler(i.temperature, i.top_p, i.seed) for i in ops.inserts],
                 caches=caches,
+                logits_processors=[i.penalties.processors() for i in ops.inserts],
+                all_tokens=[i.tokens[: i.plan.reuse] for i in ops.inserts],
             )
             for insert, uid, cache in zip(ops.inserts, uids, caches):
                 self.uids[insert.seq] = uid
@@ -339,7 +345,9 @@ class BatchLeader(Leader):
                 seed = random.randrange(1 << 31) if job.temperature > 0 else -1
             plan = engine.prefix.plan(job.tokens) if engine.prefix.budget_tokens > 0 else Plan()
             job.cached = plan.reuse
-            inserts.append(Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan))
+            inserts.append(
+                Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan, job.penalties)
+            )
         inserts = share_entries(inserts)
         for insert in inserts:
             job = jobs[insert.seq]

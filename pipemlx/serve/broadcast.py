@@ -47,6 +47,13 @@ BASE_FIELDS = (
     "step",  # prefill step size, 0 for "auto"
     "pause_ms",  # IDLE: how long the other ranks wait before the next header
     "checksum",  # of the token ids
+    # The request's penalties (penalties.FIELD_NAMES: float32 bits and context sizes):
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
 )
 SLOT_FIELDS = (
     "present",  # 1: the rank filled its slot

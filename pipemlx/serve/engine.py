@@ -55,6 +55,8 @@ from .broadcast import (
     checksum,
     float_bits,
 )
+from .penalties import FIELD_NAMES as PENALTY_FIELDS
+from .penalties import LogitsProcessor, Penalties
 from .prefix_cache import Plan, PrefixCache
 from .protocol import ApiError, Kind, StopText, unavailable
 
@@ -119,6 +121,7 @@ class Job:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    penalties: Penalties
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event]
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -239,6 +242,7 @@ class Engine:
             prompt_cache=cache,
             max_tokens=f["max_tokens"],
             sampler=sampler,
+            logits_processors=_seeing(tokens[: plan.reuse], Penalties.from_ints([f[n] for n in PENALTY_FIELDS])),
             prefill_step_size=step,
             prompt_progress_callback=consumer.progress if consumer is not None else None,
             should_cancel=consumer.should_cancel if consumer is not None else None,
@@ -514,6 +518,7 @@ class Leader:
             "copy": int(plan.copy),
             "step": step_field,
             "checksum": checksum(job.tokens),
+            **dict(zip(PENALTY_FIELDS, job.penalties.to_ints())),
         }
         consumer = LeaderConsumer(job, engine.tokenizer, self)
         job.phase = "prefill"
@@ -700,3 +705,22 @@ def _job_status(job: Job) -> dict[str, Any]:
 
 def describe_ranks(split: Sequence[int]) -> str:
     return ", ".join(f"rank {r} layers {sum(split[:r])}-{sum(split[: r + 1]) - 1}" for r in range(len(split)))
+
+
+def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | None:
+    """``penalties``' processors, shown the ``reused`` prompt tokens (in the cache, not passed) before the rest.
+
+    ``generate_step`` hands its processors the prompt it was given and the
+    tokens generated since; a request continuing a cached prefix was given
+    only the rest of its prompt. Its answer equals a single process's on the
+    whole prompt only if the processors see all of it.
+    """
+    processors = penalties.processors()
+    if processors is None or not reused:
+        return processors
+    before = mx.array(reused, dtype=mx.int32)
+
+    def seeing(processor: LogitsProcessor) -> LogitsProcessor:
+        return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(mx.int32)]), logits)
+
+    return [seeing(p) for p in processors]

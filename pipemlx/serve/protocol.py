@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from .penalties import Penalties, PenaltyError, parse_penalties
+
 MAX_STOP_STRINGS = 4
 MAX_SEED = (1 << 31) - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -71,6 +73,7 @@ class ParsedRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple[str, ...])
+    penalties: Penalties = field(default_factory=Penalties)
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -181,6 +184,12 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
             raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
         request.seed = int(seed) % (MAX_SEED + 1)
     request.stop = _stop(obj.get("stop"))
+    try:
+        request.penalties = parse_penalties(obj)
+    except PenaltyError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    if obj.get("logit_bias"):
+        raise bad_request("logit_bias is not supported by pipemlx serve", param="logit_bias")
     n = obj.get("n")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported", param="n")
