@@ -30,11 +30,15 @@ REQUESTS: list[dict[str, Any]] = [
 REMOVE = {"index": 1, "at": 7}  # request 1 has yielded 3 of its 10 tokens at S=2 (1 at S=3) when it is removed
 
 
-def expected_tokens(solo: list[int], stops: list[int], limit: int | None = None) -> tuple[list[int], str | None]:
-    """A request's solo tokens cut at its first stop token (inclusive) or at ``limit`` (a removal)."""
+def expected_tokens(
+    solo: list[int], stops: list[int | list[int]], limit: int | None = None
+) -> tuple[list[int], str | None]:
+    """A request's solo tokens cut after the first that ends a stop (a token, or a sequence of its tokens), or at
+    ``limit`` (a removal)."""
     tokens = solo[:limit]
-    for i, token in enumerate(tokens):
-        if token in stops:
+    sequences = [[s] if isinstance(s, int) else s for s in stops]
+    for i in range(len(tokens)):
+        if any(tokens[max(0, i + 1 - len(s)) : i + 1] == s for s in sequences):
             return tokens[: i + 1], "stop"
     return tokens, "length" if limit is None else None
 
@@ -60,7 +64,12 @@ def scenario_reports() -> Reports:
 
 
 EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
-BATCHED = [("llama", 2, None, "fixed"), ("qwen3", 3, None, "equal-cost"), ("llama", 2, [2, 3], "fixed")]
+BATCHED = [
+    ("llama", 2, None, "fixed"),
+    ("qwen3", 3, None, "equal-cost"),
+    ("llama", 2, [2, 3], "fixed"),
+    ("llama", 2, [2, 5, 2], "fixed"),  # a stop sequence of two tokens, as mlx-lm's BatchGenerator takes them
+]
 for arch, world_size, stop_at, chunking in BATCHED:
     SCENARIOS[world_size][f"batched {arch} stop_at={stop_at} {chunking}"] = {
         "arch": arch,
@@ -98,6 +107,9 @@ def test_batched_requests_equal_their_solo_runs(
         assert chunking != "fixed" or (report["first"][1] is not None and report["first"][1] < REMOVE["at"]), report
     else:
         assert "stop" in report["finish"], report
+    if stop_at is not None and len(stop_at) == 3:  # the sequence, not its last token alone, stops a request
+        alone = [s[-1] for s in stops]
+        assert any(expected_tokens(t, alone) != expected_tokens(t, stops) for t in solo), (solo, stops)
     if chunking == "equal-cost":
         # Request 2 (41 positions to prefill) is prefilled while the others decode: each chunk as long as the
         # cost model allows for a first chunk's cost (ticks with nothing decoding take step_size chunks).

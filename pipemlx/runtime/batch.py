@@ -110,6 +110,7 @@ class _Sequence:
     history: list[int] | None = None  # with processors: the tokens they see (all_tokens, the prompt, the answer so far)
     prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
+    recent: tuple[int, ...] = ()  # its last generated tokens, as many as the longest stop sequence
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
@@ -124,7 +125,9 @@ class BatchGenerator:
     """Continuous batching on a sharded model; call every method identically on every rank.
 
     ``max_tokens`` is the default per request (-1: no limit); ``stop_tokens``
-    end a request after yielding one of them (``finish_reason="stop"``);
+    end a request after yielding one of them (``finish_reason="stop"``): token
+    ids, or sequences of them as mlx-lm's ``BatchGenerator`` takes (a request
+    stops at the token that completes one, counting its generated tokens only);
     ``sampler`` is the default sampler (greedy when ``None``) and
     ``logits_processors`` the default processors (mlx-lm's
     ``make_logits_processors``: repetition penalty, logit bias, ...), both used
@@ -162,7 +165,7 @@ class BatchGenerator:
         model: nn.Module,
         *,
         max_tokens: int = 128,
-        stop_tokens: Iterable[int] = (),
+        stop_tokens: Iterable[int | Sequence[int]] = (),
         sampler: Sampler | None = None,
         logits_processors: Sequence[LogitsProcessor] | None = None,
         prefill_step_size: int = 512,
@@ -184,7 +187,8 @@ class BatchGenerator:
         if prefill_chunking not in ("fixed", "equal-cost"):
             raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
-        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.stop_sequences = _stop_sequences(stop_tokens)
+        self.stop_tokens = frozenset(s[0] for s in self.stop_sequences if len(s) == 1)
         self.sampler = sampler
         self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
         self.prefill_step_size = prefill_step_size
@@ -419,8 +423,9 @@ class BatchGenerator:
             sequence.generated += 1
             if sequence.history is not None:
                 sequence.history.append(token)
+            sequence.recent = (sequence.recent + (token,))[-self._stop_span :] if self._stop_span > 1 else ()
             reason: FinishReason | None = None
-            if token in self.stop_tokens:
+            if token in self.stop_tokens or self._ends_in_a_stop(sequence.recent):
                 reason = "stop"
             elif sequence.max_tokens != -1 and sequence.generated >= sequence.max_tokens:
                 reason = "length"
@@ -433,6 +438,14 @@ class BatchGenerator:
         self._inputs = [DEAD_ROW_INPUT if s.done else t for s, t in zip(self._rows, outcome.tokens)]
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         return responses
+
+    @property
+    def _stop_span(self) -> int:
+        return max((len(s) for s in self.stop_sequences), default=0)
+
+    def _ends_in_a_stop(self, recent: tuple[int, ...]) -> bool:
+        """Whether ``recent`` (a request's last generated tokens) ends with a stop sequence of several tokens."""
+        return any(len(s) > 1 and recent[-len(s) :] == s for s in self.stop_sequences)
 
     def _plan_tick(self) -> tuple[Tick, PlanState]:
         # Dead rows keep their reservation until compacted: their cache positions are still held.
@@ -662,6 +675,17 @@ def _write_row(batch: Any, row: int, cache: Any) -> None:
 
 def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
+
+
+def _stop_sequences(stop_tokens: Iterable[int | Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``stop_tokens`` as token sequences (an int is a sequence of one); ``ValueError`` for an empty one."""
+    sequences: list[tuple[int, ...]] = []
+    for entry in stop_tokens:
+        sequence = (int(entry),) if isinstance(entry, int) else tuple(int(t) for t in entry)
+        if not sequence:
+            raise ValueError("stop_tokens holds an empty sequence; every stop sequence needs at least one token")
+        sequences.append(sequence)
+    return tuple(sequences)
 
 
 def _check_positive(name: str, value: object) -> None:

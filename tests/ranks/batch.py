@@ -113,8 +113,11 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     if costs is not None:
         stage = stage_of(model)
         stage.cost_model = CostModel(LayerCosts(*costs), layers=stage.split, hidden_size=stage.hidden_size or 1)
-    stop_at = spec.get("stop_at")
-    stops = [solo[stop_at[0]][stop_at[1]]] if stop_at else []
+    stop_at = spec.get("stop_at")  # [request, k] or [request, k, n]: its k-th solo token (ending n of them) stops
+    stops: list[Any] = []
+    if stop_at:
+        request, k, n = (*stop_at, 1) if len(stop_at) == 2 else stop_at
+        stops = [solo[request][k]] if n == 1 else [solo[request][k - n + 1 : k + 1]]
     engine = pipemlx.BatchGenerator(
         model,
         prefill_step_size=spec["step_size"],
