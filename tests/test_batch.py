@@ -200,6 +200,40 @@ def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario
     assert report["finish"] == ["length"] * 4 and report["left"] == 0
 
 
+# remove(..., return_prompt_caches=True): request 1 removed mid-prefill (chunks still travelling the ranks) and
+# request 2 mid-decode; each goes on at once from the caches handed back, and its answer equals its solo run.
+RESUMED: list[dict[str, Any]] = [
+    {"M": 7, "max_tokens": 12, "insert_at": 0},
+    {"M": 41, "max_tokens": 6, "insert_at": 1},
+    {"M": 23, "max_tokens": 9, "insert_at": 1},
+]
+RESUMED_RUNS = [("llama", 2), ("qwen3", 3)]
+for arch, world_size in RESUMED_RUNS:
+    SCENARIOS[world_size][f"resumed {arch}"] = {
+        "arch": arch,
+        "requests": RESUMED,
+        "remove": [{"index": 1, "at": 4, "resume": True}, {"index": 2, "at": 12, "resume": True}],
+        "steps": 30,
+        "step_size": 8,
+        "chunk": 8,
+    }
+
+
+@pytest.mark.parametrize("arch,world_size", RESUMED_RUNS)
+def test_removed_requests_hand_back_caches_that_go_on_exactly(
+    scenario_reports: Reports, arch: str, world_size: int
+) -> None:
+    reports = scenario_reports(world_size, f"resumed {arch}")
+    for report in reports:
+        resumed = report["resumed"]
+        assert resumed["1"]["generated"] == 0 and 0 < resumed["1"]["held"] < RESUMED[1]["M"] - 1, resumed
+        assert resumed["2"]["generated"] > 1, resumed  # removed mid-decode
+        for entry in resumed.values():
+            assert entry["matches"] and entry["positions"] == entry["held"], entry
+        assert report["tokens"] == report["solo"], report
+        assert report["finish"] == ["length"] * 3 and report["left"] == 0
+
+
 # Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
 # cache its final response carried and joins the batch with request 1 still in it.
 SCENARIOS[2]["follow-up"] = {

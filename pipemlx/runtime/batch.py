@@ -37,7 +37,7 @@ again). Greedy tokens of each request equal a solo run of it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -59,7 +59,7 @@ from ..schedule.batch_plan import (
 )
 from .batch_memory import exchange_admission
 from .batch_tick import UNKNOWN_PREFIXES, TickRunner, TickWork
-from .caches import UNCOUNTED, cache_state, counted_offset
+from .caches import UNCOUNTED, cache_state, counted_offset, trim_to
 from .calibrate import calibrated
 from .prefill import check_timeout
 from .stage import PipelineStage, stage_of
@@ -110,6 +110,8 @@ class _Sequence:
     history: list[int] | None = None  # with processors: the tokens they see (all_tokens, the prompt, the answer so far)
     prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
+    before: list[int] = field(default_factory=list[int])  # all_tokens at insert: what a reused cache holds
+    answer: list[int] = field(default_factory=list[int])  # the tokens generated so far
     recent: tuple[int, ...] = ()  # its last generated tokens, as many as the longest stop sequence
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
@@ -318,6 +320,7 @@ class BatchGenerator:
                 sampler,
                 processors=chain,
                 history=[*before, *prompt] if chain else None,
+                before=before,
                 prefix=0 if cache is None else counted_offset(cache),
                 cache=cache,
             )
@@ -359,21 +362,55 @@ class BatchGenerator:
             kinds = sorted({type(c).__name__ for c in entries})
             raise ValueError(f"caches[{index}] holds caches mlx-lm cannot batch: {kinds}")
 
-    def remove(self, uids: Iterable[int]) -> None:
+    def remove(
+        self, uids: Iterable[int], return_prompt_caches: bool = False
+    ) -> dict[int, tuple[list[Any] | None, list[int]]]:
         """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
 
         Takes effect before the next tick; a dropped request's own caches are
         freed, and its batch row is left out of every later step's results
         (the row itself is freed when the batch caches are next compacted).
+
+        With ``return_prompt_caches`` (as mlx-lm's ``BatchGenerator``), returns
+        ``{uid: (cache, tokens)}`` per dropped request: this rank's per-layer
+        caches of it and the tokens they hold (``all_tokens`` given at insert,
+        then its prompt and answer as far as every rank computed them). An
+        active request's cache is a copy of its batch row (its prompt and every
+        token it generated but the last, which was never fed back); a queued
+        one's holds the prompt positions every rank prefilled (:meth:`prefilled`),
+        or ``None`` when a part only some ranks prefilled cannot be cut off
+        (recurrent layers); one not started yet gets back the cache it was
+        inserted with (a new empty one if none). Otherwise ``{}``.
         """
         gone = {u for u in uids if u in self._sequences}
         if not gone:
-            return
+            return {}
+        handed_back = {u: self._handed_back(self._sequences[u]) for u in sorted(gone)} if return_prompt_caches else {}
         self._plan = drop(self._plan, gone)
         self._runner.drop(gone)
         for uid in gone:
             self._sequences.pop(uid).done = True
         self._compact_if_worth_it()
+        return handed_back
+
+    def _handed_back(self, sequence: _Sequence) -> tuple[list[Any] | None, list[int]]:
+        """A request's caches and the tokens they hold, for :meth:`remove` (before it forgets the request)."""
+        row = next((i for i, s in enumerate(self._rows) if s is sequence), None)
+        if row is not None:
+            cache = self._extract(row)
+            self._settle_extracted([cache])
+            return cache, [*sequence.before, *sequence.prompt, *sequence.answer[:-1]]
+        tokens = [*sequence.before, *sequence.prompt[: sequence.filled]]
+        cache = sequence.cache
+        if cache is None:
+            return make_prompt_cache(self.model), tokens
+        # Chunks still travelling the ranks are in some ranks' caches only: cut them off, or give nothing back.
+        ahead = any(c is not None and c.uid == sequence.uid for c in self._plan.inflight)
+        if ahead and (sequence.prefix == UNCOUNTED or not trim_to(cache, sequence.prefix + sequence.filled)):
+            return None, tokens
+        with mx.stream(self.stage.compute_stream):
+            mx.eval(cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
+        return cache, tokens
 
     def next(self) -> list[Response]:
         """Run one tick: a decode step of every active request and one prefill chunk per rank.
@@ -421,6 +458,7 @@ class BatchGenerator:
                 continue
             token = outcome.tokens[i]
             sequence.generated += 1
+            sequence.answer.append(token)
             if sequence.history is not None:
                 sequence.history.append(token)
             sequence.recent = (sequence.recent + (token,))[-self._stop_span :] if self._stop_span > 1 else ()

@@ -5,7 +5,8 @@ Spec: {"arch", "requests": [{"M", "max_tokens", "insert_at"}, ...], "remove": [{
 "kill": {"rank", "at"} | null, "timeout", "stop_at": [request, k] | null, "prefixes": {request: P},
 "memory_budget": bytes, "follow_up": {"of", "M", "max_tokens"}, "chunking": "fixed" | "equal-cost",
 "costs": [chunk_s, token_s, attention_s] | null}. Step s inserts every request with insert_at == s, removes request
-`remove.index` before step `remove.at`, then calls next(). Reports each request's batched tokens, its solo
+`remove.index` before step `remove.at` (with `remove.resume`, asking for its caches back and inserting the
+rest of its prompt and answer on them at once, to go on where it stopped), then calls next(). Reports each request's batched tokens, its solo
 greedy tokens (mlx-lm generate_step on the whole model, one process), every step's active rows (and the
 batch caches' rows, dead ones included) and the positions of each finished request's prompt_cache. With
 "stop_at", the k-th solo token of that request is the generator's stop token. With
@@ -143,6 +144,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     follow = spec.get("follow_up")  # {"of": request, "M": new tokens, "max_tokens"}: a next turn on its cache
     follow_prompt = prompt_of(follow["M"]) if follow is not None else []
     kept: dict[str, int] = {}
+    resumed: dict[int, dict[str, Any]] = {}  # request -> what remove(return_prompt_caches=True) handed back
     error: dict[str, Any] | None = None
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
@@ -166,7 +168,21 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             uid_of.update(zip(uids, arriving))
         for removal in spec["remove"]:
             if removal["at"] == step:
-                engine.remove([u for u, i in uid_of.items() if i == removal["index"]])
+                index = removal["index"]
+                resume = removal.get("resume", False)
+                handed = engine.remove([u for u, i in uid_of.items() if i == index], return_prompt_caches=resume)
+                for cache, held in handed.values():
+                    whole = prompts[index] + tokens[index]
+                    resumed[index] = {
+                        "positions": None if cache is None else cache_offset(cache),
+                        "held": len(held),
+                        "matches": whole[: len(held)] == held,
+                        "generated": len(tokens[index]),
+                    }
+                    if cache is not None:  # go on from the handed-back cache: the rest equals the solo run
+                        left = requests[index]["max_tokens"] - len(tokens[index])
+                        (uid,) = engine.insert([whole[len(held) :]], [left], caches=[cache])
+                        uid_of[uid] = index
         if kill is not None and kill["rank"] == rank and kill["at"] == step:
             os._exit(3)
         stall = spec.get("stall")
@@ -225,6 +241,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "left": len(engine),
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
+        "resumed": {str(i): r for i, r in resumed.items()},
         "unprocessed": [
             solo_run(arch, p, r["max_tokens"], spec["step_size"]) if w else None
             for p, r, w in zip(prompts, requests, wanted)
