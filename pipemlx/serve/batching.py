@@ -37,7 +37,7 @@ from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVari
 from ..errors import PipelineMismatchError
 from ..runtime.batch import BatchGenerator, Response, Sampler
 from ..runtime.caches import trim_to
-from .broadcast import IDLE, OUTCOMES, SHUTDOWN, STEP, bits_float, checksum, float_bits
+from .broadcast import IDLE, OUTCOMES, PENALTY_FIELDS, SHUTDOWN, STEP, bits_float, checksum, float_bits
 from .engine import (
     TICK,
     Engine,
@@ -49,7 +49,6 @@ from .engine import (
     ServeSettings,
     log,
 )
-from .penalties import FIELD_NAMES as PENALTY_FIELDS
 from .penalties import Penalties
 from .prefix_cache import Plan
 from .protocol import unavailable

@@ -32,6 +32,15 @@ from ..runtime.waits import wait_for
 MAGIC = 0x7E4D
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
 KIND_NAMES = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
+PENALTY_FIELDS = (
+    "repetition_penalty",  # float32 bits; 0: none
+    "repetition_context_size",
+    "presence_penalty",  # float32 bits; 0: none
+    "presence_context_size",
+    "frequency_penalty",  # float32 bits; 0: none
+    "frequency_context_size",
+)
+"""A request's penalties (:class:`~pipemlx.serve.penalties.Penalties`), in its header and its batch insert."""
 BASE_FIELDS = (
     "magic",
     "kind",
@@ -47,13 +56,7 @@ BASE_FIELDS = (
     "step",  # prefill step size, 0 for "auto"
     "pause_ms",  # IDLE: how long the other ranks wait before the next header
     "checksum",  # of the token ids
-    # The request's penalties (penalties.FIELD_NAMES: float32 bits and context sizes):
-    "repetition_penalty",
-    "repetition_context_size",
-    "presence_penalty",
-    "presence_context_size",
-    "frequency_penalty",
-    "frequency_context_size",
+    *PENALTY_FIELDS,
 )
 SLOT_FIELDS = (
     "present",  # 1: the rank filled its slot

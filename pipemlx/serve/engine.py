@@ -46,6 +46,7 @@ from .broadcast import (
     HELLO,
     IDLE,
     OUTCOMES,
+    PENALTY_FIELDS,
     REQUEST,
     SHUTDOWN,
     STEP,
@@ -55,7 +56,6 @@ from .broadcast import (
     checksum,
     float_bits,
 )
-from .penalties import FIELD_NAMES as PENALTY_FIELDS
 from .penalties import LogitsProcessor, Penalties
 from .prefix_cache import Plan, PrefixCache
 from .protocol import ApiError, Kind, StopText, unavailable

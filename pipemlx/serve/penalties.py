@@ -23,15 +23,6 @@ from .broadcast import bits_float, float_bits
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 DEFAULT_CONTEXT = 20
-FIELD_NAMES = (
-    "repetition_penalty",
-    "repetition_context_size",
-    "presence_penalty",
-    "presence_context_size",
-    "frequency_penalty",
-    "frequency_context_size",
-)
-"""The int32 fields of a request's penalties, in order (penalties as float32 bits)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,7 @@ class Penalties:
     frequency_context_size: int = DEFAULT_CONTEXT
 
     def to_ints(self) -> list[int]:
-        """The values of :data:`FIELD_NAMES`, as int32s."""
+        """The values of :data:`~pipemlx.serve.broadcast.PENALTY_FIELDS`, as int32s."""
         return [
             float_bits(self.repetition_penalty),
             self.repetition_context_size,
