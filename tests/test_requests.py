@@ -295,3 +295,27 @@ def test_an_error_while_a_decode_step_evaluates_leaves_the_stage_refusing_furthe
     monkeypatch.undo()
     with pytest.raises(pipemlx.PipelineError, match="start every rank again"):
         next(pipemlx.generate_step(tokens(10), model, max_tokens=2))
+
+
+def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
+    """mlx-lm's ``draft_model=None`` / ``num_draft_tokens`` and generate_step's ``stop_tokens`` pass through."""
+    import mlx_lm
+    from mlx_lm.generate import stream_generate as mlx_stream_generate
+
+    from pipemlx.demo import MODEL_DIR
+
+    model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
+    reference, ref_tokenizer = mlx_lm.load(str(MODEL_DIR))
+    prompt = "It is a truth"
+    plain = [r.token for r in mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8)]
+    ref_tokenizer.add_eos_token(plain[3])  # mlx-lm's way to stop at a token: it ends like an end of sequence
+
+    def seen(responses: Any) -> list[tuple[str, int, int, str | None]]:
+        return [(r.text, r.token, r.generation_tokens, r.finish_reason) for r in responses]
+
+    extra = {"draft_model": None, "num_draft_tokens": 3}
+    expected = seen(mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8, **extra))
+    got = seen(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, stop_tokens=[plain[3]], **extra))
+    assert got == expected and expected[-1][3] == "stop", (got, expected)
+    with pytest.raises(ValueError, match="draft_model"):
+        pipemlx.stream_generate(model, tokenizer, prompt, draft_model=reference)

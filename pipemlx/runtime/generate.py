@@ -157,18 +157,28 @@ def stream_generate(
     tokenizer: Any,
     prompt: str | mx.array | list[int],
     max_tokens: int = 256,
+    draft_model: nn.Module | None = None,
     **kwargs: Any,
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` for a sharded model: ``GenerationResponse`` objects, the same text on every rank.
 
     ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
     :func:`generate_step`'s. Every rank stops at the tokenizer's end-of-sequence
-    tokens alike. The last response has ``finish_reason`` ``"stop"`` (end of
-    sequence), ``"length"`` (``max_tokens``) or ``"cancelled"`` (a rank's
-    consumer or ``should_cancel`` stopped the request; the text so far is final).
+    tokens and at ``stop_tokens`` alike (a stop token, like an end-of-sequence
+    token, is not added to the text). The last response has ``finish_reason``
+    ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
+    or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
+    request; the text so far is final). As with mlx-lm, ``draft_model=None``
+    and ``num_draft_tokens`` (ignored without a draft model) are accepted;
+    speculative decoding itself is not supported: a ``draft_model`` raises
+    ``ValueError``.
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if draft_model is not None:
+        raise ValueError("draft_model: speculative decoding is not supported on a sharded model; pass None")
+    kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
+    extra_stops = cast(Iterable[int], kwargs.pop("stop_tokens", ()))
     wrapper = cast(Any, tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
     if isinstance(prompt, str):
         bos = wrapper.bos_token
@@ -176,7 +186,7 @@ def stream_generate(
         prompt = mx.array(ids)
     elif not isinstance(prompt, mx.array):
         prompt = mx.array(prompt)
-    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids))
+    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
     return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
 
