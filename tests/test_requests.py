@@ -37,6 +37,9 @@ def check_answers(command: dict[str, Any], answers: list[dict[str, Any]]) -> Non
         assert a["tokens"] == a["ref_tokens"], where
         if a.get("offset") is not None:
             assert a["offset"] == a["ref_offset"], where
+    # Why the decode ended is the same on every rank (an abandoning rank learns it at its next call).
+    if command.get("stop", {}).get("how") != "abandon":
+        assert len({str(a.get("last_stop")) for a in answers}) == 1, where
     # Logits processors run on the last rank only, shown the token history mlx-lm shows them.
     assert answers[-1].get("histories", []) == answers[-1].get("ref_histories", []), where
     if "then" in answers[0]:
@@ -64,6 +67,8 @@ SCENARIO: list[dict[str, Any]] = [
     {**BASE, "stop": {"rank": 0, "after": 1, "how": "raise"}},
     {**BASE, "stop": {"rank": -1, "after": 4, "how": "close"}},
     {**BASE, "raise_progress": {"rank": 0, "at": 5}},
+    {**BASE, "stop": {"rank": "all", "after": 2, "how": "break"}},
+    {**BASE, "stop": {"rank": "all", "after": 3, "how": "raise"}},
     BASE,
 ]
 
@@ -102,17 +107,22 @@ def live_group() -> Iterator[Callable[[int], LiveGroup]]:
 def test_request_sequence_matches_mlx_lm(live_group: Callable[[int], LiveGroup], num_ranks: int) -> None:
     group = live_group(num_ranks)
     outcomes = []
+    last_stops: list[list[dict[str, Any]]] = []
     for raw in SCENARIO:
         command = resolve(raw, num_ranks)
         answers = group.ask(command)
         check_answers(command, answers)
         outcomes.append([a.get("outcome") for a in answers])
+        last_stops.append(answers)
     # The stops were agreed: the failing rank re-raises its own error, the others stop cleanly.
     by_command = {i: o for i, o in enumerate(outcomes)}
     assert by_command[7] == ["cancelled"] * num_ranks
     assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
     assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
     assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
+    every_rank = list(range(num_ranks))  # all consumers stopped at the same token: all named, on every rank
+    assert [a["last_stop"] for a in last_stops[20]] == [["cancelled", 2, every_rank]] * num_ranks
+    assert [a["last_stop"] for a in last_stops[21]] == [["cancelled", 3, every_rank]] * num_ranks
 
 
 def test_prefix_reuse_cancelled_prefill_keeps_the_prefix(live_group: Callable[[int], LiveGroup]) -> None:

@@ -375,8 +375,8 @@ class _Request:
                 yield result.token, result.logprobs
             except BaseException:
                 stage.open_request = None
-                self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
-                stage.last_stop = DecodeStop("cancelled", n + 1, (stage.rank,))
+                last = self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
+                stage.last_stop = _decode_stop(last.statuses, n + 1, stopped_at_token=False)
                 raise
             stage.open_request = None
             ended = self.stopped_at_token = result.token in self.stop_tokens
@@ -396,14 +396,7 @@ class _Request:
 
     def _end(self, statuses: list[int], n: int) -> None:
         """Record why the decode ended (the same on every rank); re-raise this rank's own error."""
-        failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
-        asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
-        if failed:
-            self.stage.last_stop = DecodeStop("failed", n, failed)
-        elif asked:
-            self.stage.last_stop = DecodeStop("cancelled", n, asked)
-        else:
-            self.stage.last_stop = DecodeStop("stop" if self.stopped_at_token else "length", n)
+        self.stage.last_stop = _decode_stop(statuses, n, stopped_at_token=self.stopped_at_token)
         if self.deferred is not None:
             raise self.deferred
 
@@ -486,6 +479,17 @@ class _Request:
             self.vocab_size = logprobs.shape[-1]
             share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
         return share, logprobs.squeeze(0)
+
+
+def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:
+    """Why a decode ended after ``n`` tokens, from the last step's statuses (which every rank holds alike)."""
+    failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
+    asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
+    if failed:
+        return DecodeStop("failed", n, failed)
+    if asked:
+        return DecodeStop("cancelled", n, asked)
+    return DecodeStop("stop" if stopped_at_token else "length", n)
 
 
 def _rows(share: mx.array, world_size: int) -> list[list[float]]:

@@ -8,7 +8,7 @@ holding the same cache history. Commands (one JSON object per stdin line):
   {"op": "request", "M", "seed", "step", "max_tokens", "temp", "reuse", "trim_to",
    "stop": {"rank", "after", "how"}, "cancel_prefill": {"rank", "at"},
    "cancel_decode": {"rank", "after"}, "raise_progress": {"rank", "at"}, "model_error": {"rank", "chunk"},
-   "decode_error": {"rank", "token"}, "penalty"}
+   "decode_error": {"rank", "token"}, "penalty"}  (a fault's "rank" may be "all": every rank)
       pipemlx.generate_step on the pipeline; ``reuse`` keeps the cache of the previous requests (trimmed to
       ``trim_to`` positions when given), otherwise both caches start empty. ``stop.how`` is "break", "close",
       "raise" (the consumer's own exception) or "abandon" (the generator is dropped without being closed and
@@ -102,7 +102,7 @@ class Server:
 
     def mine(self, command: dict[str, Any], key: str) -> dict[str, Any] | None:
         entry = command.get(key)
-        return entry if entry is not None and entry["rank"] == self.rank else None
+        return entry if entry is not None and entry["rank"] in (self.rank, "all") else None
 
     def request(self, command: dict[str, Any]) -> dict[str, Any]:
         if not command.get("reuse"):
@@ -167,9 +167,9 @@ class Server:
         except (ValueError, InjectedModelError, KeyError) as exc:
             frames = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
             outcome = {"outcome": type(exc).__name__, "in_prefill": "pipeline_prefill" in frames}
+        del generator  # a generator left by ``break`` closes here, running the agreed stop
         last = pipemlx.stage_of(self.model).last_stop
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
-        del generator
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
         answer["histories"] = recorder.histories
         if stop and stop["how"] == "abandon":
