@@ -120,7 +120,8 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
-INTERLEAVED_ARCHS = ["llama", "gemma2"]
+# llama_swa: sliding-window layers (window 5, shorter than every prompt): mlx-lm's rotating caches batched.
+INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa"]
 for arch in INTERLEAVED_ARCHS:
     SCENARIOS[2][f"interleaved {arch}"] = {
         "arch": arch,
@@ -219,7 +220,7 @@ def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: R
 
 # A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
 # linear-attention layers' caches are extended and filtered instead.
-@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20)])
+@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20), ("llama_swa", 20)])
 def test_a_joining_request_takes_a_dead_row_and_decodes_as_it_would_alone(arch: str, joining: int) -> None:
     # One process, the whole tiny model: rows 0-2 decode 3 steps, row 1 is then dead and a new request takes it.
     model = build_model(tiny_config(arch))
