@@ -38,7 +38,13 @@ from ..errors import PipelineError, PipelineMismatchError
 from ..schedule.batch_plan import fingerprint
 from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_offset, cache_state, trim_to
-from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
+from .prefill import (
+    DEFAULT_QUANTIZED_KV_START,
+    check_kv_quantization,
+    check_prompt,
+    check_timeout,
+    pipeline_prefill,
+)
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
 
@@ -126,6 +132,7 @@ def generate_step(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
+    check_kv_quantization(kv_bits, kv_group_size)
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
