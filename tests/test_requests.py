@@ -329,3 +329,13 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
     assert got == expected and expected[-1][3] == "stop", (got, expected)
     with pytest.raises(ValueError, match="draft_model"):
         pipemlx.stream_generate(model, tokenizer, prompt, draft_model=reference)
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_stream_generate_names_an_empty_prompt(empty: Any) -> None:
+    """An empty text or token list is "the prompt is empty", not a dtype error (``mx.array([])`` is float32)."""
+    from pipemlx.demo import MODEL_DIR
+
+    model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        pipemlx.stream_generate(model, tokenizer, empty)

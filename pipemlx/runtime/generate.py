@@ -190,9 +190,10 @@ def stream_generate(
     if isinstance(prompt, str):
         bos = wrapper.bos_token
         ids: list[int] = wrapper.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-        prompt = mx.array(ids)
+        prompt = mx.array(ids, dtype=mx.int32)
     elif not isinstance(prompt, mx.array):
-        prompt = mx.array(prompt)
+        # mx.array([]) is float32: an empty prompt must be named as empty, not as a bad dtype.
+        prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
     eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
     return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
