@@ -69,6 +69,8 @@ SCENARIO: list[dict[str, Any]] = [
     {**BASE, "raise_progress": {"rank": 0, "at": 5}},
     {**BASE, "stop": {"rank": "all", "after": 2, "how": "break"}},
     {**BASE, "stop": {"rank": "all", "after": 3, "how": "raise"}},
+    # mlx-lm leaves a step of this model in flight; a request on another sharded model must not read it.
+    {"op": "second_model", "M": 9, "seed": 5, "step": 4, "take": 3, "max_tokens": 4},
     BASE,
 ]
 

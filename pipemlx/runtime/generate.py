@@ -118,7 +118,7 @@ def generate_step(
     ``should_cancel()`` (polled before every token) says yes, every rank's
     generator ends after the same token and nothing is left in flight; the
     reason is in ``stage_of(model).last_stop``. A generator dropped without
-    being closed is closed by the next pipemlx call on the model, or at exit.
+    being closed is closed by the next pipemlx call on any sharded model, or at exit.
     The generator also ends after yielding any of ``stop_tokens`` (the ranks
     check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
