@@ -424,6 +424,25 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
             fake_engine(**bad)
 
 
+def test_stop_tokens_may_be_given_as_mlx_lm_stop_sequences() -> None:
+    """mlx-lm's BatchGenerator takes stop sequences ([[2], [7]]): one-token ones are stop tokens, longer ones refused."""
+    from mlx_lm.generate import generate_step
+
+    whole = build_model(tiny_config("llama"), seed=3)
+    model = pipemlx.shard_model(build_model(tiny_config("llama"), seed=3), mx.distributed.init())  # one rank
+    prompt = mx.random.randint(0, 256, (9,), key=mx.random.key(4)).tolist()
+    solo = [t for t, _ in generate_step(mx.array(prompt), whole, max_tokens=8)]
+    stop = solo[3]
+    for stops in ([stop], [[stop]], ((stop,), [10**6])):
+        engine = pipemlx.BatchGenerator(model, max_tokens=8, stop_tokens=stops)
+        engine.insert([prompt])
+        answers = [r for _ in range(12) for r in engine.next()]
+        assert [r.token for r in answers] == solo[: solo.index(stop) + 1], (stops, answers, solo)
+        assert answers[-1].finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"only single-token stop sequences are supported, got \[1, 2\]"):
+        pipemlx.BatchGenerator(model, stop_tokens=[[1, 2]])
+
+
 def test_queued_requests_are_removed_without_communication() -> None:
     engine = fake_engine()
     uids = engine.insert([[1, 2, 3], [4, 5], [6]], max_tokens=[3, 4, 5])

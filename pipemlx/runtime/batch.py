@@ -121,7 +121,9 @@ class BatchGenerator:
     """Continuous batching on a sharded model; call every method identically on every rank.
 
     ``max_tokens`` is the default per request (-1: no limit); ``stop_tokens``
-    end a request after yielding one of them (``finish_reason="stop"``);
+    end a request after yielding one of them (``finish_reason="stop"``):
+    token ids, or mlx-lm's form, a list of stop sequences, each of one token
+    (``[[2], [7]]``; a longer sequence raises ``ValueError``);
     ``sampler`` is the default sampler (greedy when ``None``), used only on the
     last rank; ``timeout`` bounds every wait (default: the model's).
 
@@ -157,7 +159,7 @@ class BatchGenerator:
         model: nn.Module,
         *,
         max_tokens: int = 128,
-        stop_tokens: Iterable[int] = (),
+        stop_tokens: Iterable[int | Sequence[int]] = (),
         sampler: Sampler | None = None,
         prefill_step_size: int = 512,
         prefill_chunk_tokens: int = 64,
@@ -178,7 +180,7 @@ class BatchGenerator:
         if prefill_chunking not in ("fixed", "equal-cost"):
             raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
-        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.stop_tokens = _stop_token_set(stop_tokens)
         self.sampler = sampler
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk_tokens = chunk
@@ -602,6 +604,21 @@ def _write_row(batch: Any, row: int, cache: Any) -> None:
 
 def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
+
+
+def _stop_token_set(stop_tokens: Iterable[int | Sequence[int]]) -> frozenset[int]:
+    """Token ids from ints or from mlx-lm's one-token stop sequences; ``ValueError`` for a longer sequence."""
+    tokens: set[int] = set()
+    for entry in stop_tokens:
+        if isinstance(entry, Sequence):
+            if len(entry) != 1:
+                raise ValueError(
+                    f"stop_tokens: only single-token stop sequences are supported, got {list(entry)!r}; "
+                    "end longer sequences in the engine (remove the request)"
+                )
+            entry = entry[0]
+        tokens.add(int(entry))
+    return frozenset(tokens)
 
 
 def _check_positive(name: str, value: object) -> None:
