@@ -443,6 +443,30 @@ def test_stop_tokens_may_be_given_as_mlx_lm_stop_sequences() -> None:
         pipemlx.BatchGenerator(model, stop_tokens=[[1, 2]])
 
 
+def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tick's messages went out before its all-gather showed the disagreement: the links are not trusted.
+
+    At S=2, rank 0 inserting [1..5] and rank 1 [1, 2] raised PipelineMismatchError (plan) and every later
+    generate_step on the group then gave wrong tokens, without an error (bytes left on the link). One rank
+    here, the disagreement injected where the gathered headers are checked.
+    """
+    import pipemlx.runtime.batch_tick as batch_tick
+
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
+    engine = pipemlx.BatchGenerator(model, max_tokens=3)
+    engine.insert([[1, 2, 3]])
+
+    def disagree(flat: list[float], rows: int, stage: Any) -> Any:
+        raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
+
+    monkeypatch.setattr(batch_tick, "_outcome", disagree)
+    with pytest.raises(pipemlx.PipelineMismatchError, match="start every rank again"):
+        engine.next()
+    monkeypatch.undo()
+    with pytest.raises(pipemlx.PipelineError, match="cannot communicate any more"):
+        next(pipemlx.generate_step(mx.array([1, 2, 3]), model, max_tokens=2))
+
+
 def test_queued_requests_are_removed_without_communication() -> None:
     engine = fake_engine()
     uids = engine.insert([[1, 2, 3], [4, 5], [6]], max_tokens=[3, 4, 5])
