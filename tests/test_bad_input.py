@@ -25,6 +25,11 @@ from pipemlx.testing import build_model, tiny_config
         (tokens(9), {"step_size": -2}, ValueError, "step_size must be at least 1, got -2"),
         (tokens(9), {"step_size": 4.0}, TypeError, "step_size must be an int, got float 4.0"),
         (tokens(9), {"timeout": 0}, ValueError, "timeout must be a positive number"),
+        # MLX's own error came from the first rank to quantize, mid-prefill, and the others stopped with
+        # PrefillCancelled; a group size of 0 killed the process (SIGFPE).
+        (tokens(9), {"kv_bits": 4, "kv_group_size": 16}, ValueError, "kv_bits=4, kv_group_size=16: .*group size 16"),
+        (tokens(9), {"kv_bits": 7}, ValueError, "kv_bits=7, kv_group_size=64: .*number of bits 7"),
+        (tokens(9), {"kv_bits": 4, "kv_group_size": 0}, ValueError, "kv_group_size must be a positive int, got 0"),
     ],
 )
 def test_bad_prefill_arguments(prompt: Any, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
@@ -40,6 +45,13 @@ def test_bad_max_kv_size_is_named_before_anything_runs(size: Any) -> None:
     model = sharded_tiny(rank=0, size=2)
     with pytest.raises(ValueError, match=f"max_kv_size must be a positive int or None, got {size!r}"):
         pipemlx.generate_step(tokens(9), model, max_kv_size=size)
+    assert len(pipemlx.stage_of(model).send_queue) == 0
+
+
+def test_bad_kv_quantization_is_named_before_anything_runs() -> None:
+    model = sharded_tiny(rank=0, size=2)
+    with pytest.raises(ValueError, match="cannot quantize the KV cache with kv_bits=4, kv_group_size=16"):
+        pipemlx.generate_step(tokens(9), model, kv_bits=4, kv_group_size=16)
     assert len(pipemlx.stage_of(model).send_queue) == 0
 
 

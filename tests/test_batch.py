@@ -132,7 +132,8 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
-INTERLEAVED_ARCHS = ["llama", "gemma2"]
+# llama_swa: sliding-window layers (window 5, shorter than every prompt): mlx-lm's rotating caches batched.
+INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa"]
 for arch in INTERLEAVED_ARCHS:
     SCENARIOS[2][f"interleaved {arch}"] = {
         "arch": arch,
@@ -300,7 +301,7 @@ def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: R
 
 # A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
 # linear-attention layers' caches are extended and filtered instead.
-@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20)])
+@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20), ("llama_swa", 20)])
 def test_a_joining_request_takes_a_dead_row_and_decodes_as_it_would_alone(arch: str, joining: int) -> None:
     # One process, the whole tiny model: rows 0-2 decode 3 steps, row 1 is then dead and a new request takes it.
     model = build_model(tiny_config(arch))
@@ -504,6 +505,50 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     ):
         with pytest.raises(ValueError, match=named):
             fake_engine(**bad)
+
+
+def test_stop_tokens_may_be_given_as_mlx_lm_stop_sequences() -> None:
+    """mlx-lm's BatchGenerator takes stop sequences ([[2], [7]]); one-token ones are stop tokens, an empty one refused
+    (longer ones: the "stop sequence" batch scenario)."""
+    from mlx_lm.generate import generate_step
+
+    whole = build_model(tiny_config("llama"), seed=3)
+    model = pipemlx.shard_model(build_model(tiny_config("llama"), seed=3), mx.distributed.init())  # one rank
+    prompt = mx.random.randint(0, 256, (9,), key=mx.random.key(4)).tolist()
+    solo = [t for t, _ in generate_step(mx.array(prompt), whole, max_tokens=8)]
+    stop = solo[3]
+    for stops in ([stop], [[stop]], ((stop,), [10**6])):
+        engine = pipemlx.BatchGenerator(model, max_tokens=8, stop_tokens=stops)
+        engine.insert([prompt])
+        answers = [r for _ in range(12) for r in engine.next()]
+        assert [r.token for r in answers] == solo[: solo.index(stop) + 1], (stops, answers, solo)
+        assert answers[-1].finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop_tokens holds an empty sequence"):
+        pipemlx.BatchGenerator(model, stop_tokens=[[1, 2], []])
+
+
+def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tick's messages went out before its all-gather showed the disagreement: the links are not trusted.
+
+    At S=2, rank 0 inserting [1..5] and rank 1 [1, 2] raised PipelineMismatchError (plan) and every later
+    generate_step on the group then gave wrong tokens, without an error (bytes left on the link). One rank
+    here, the disagreement injected where the gathered headers are checked.
+    """
+    import pipemlx.runtime.batch_tick as batch_tick
+
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
+    engine = pipemlx.BatchGenerator(model, max_tokens=3)
+    engine.insert([[1, 2, 3]])
+
+    def disagree(flat: list[float], rows: int, stage: Any) -> Any:
+        raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
+
+    monkeypatch.setattr(batch_tick, "_outcome", disagree)
+    with pytest.raises(pipemlx.PipelineMismatchError, match="start every rank again"):
+        engine.next()
+    monkeypatch.undo()
+    with pytest.raises(pipemlx.PipelineError, match="cannot communicate any more"):
+        next(pipemlx.generate_step(mx.array([1, 2, 3]), model, max_tokens=2))
 
 
 def test_queued_requests_are_removed_without_communication() -> None:

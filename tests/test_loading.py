@@ -141,6 +141,15 @@ HELIUM_TIED = {
 }
 
 
+def test_load_sharded_passes_allow_unregistered_on(tmp_path: Path) -> None:
+    # helium is not in the registry: refused by default, loaded when asked (load_sharded had no way to ask).
+    path = save_model_dir(build_model(dict(HELIUM_TIED)), HELIUM_TIED, tmp_path / "helium")
+    with pytest.raises(pipemlx.PipelineError, match=r"pass allow_unregistered=True to shard_model \(or load_sharded\)"):
+        pipemlx.load_sharded(path, FakeGroup(0, 2))
+    model, _ = pipemlx.load_sharded(path, FakeGroup(1, 2), allow_unregistered=True)
+    assert pipemlx.stage_of(model).layers == range(2, 4)
+
+
 @pytest.mark.parametrize(
     "arch,config,kept",
     [

@@ -25,6 +25,7 @@ from pipemlx.schedule.memory_split import (
     parse_size,
     plan_layers,
     plan_split,
+    resolve_budgets,
 )
 from pipemlx.schedule.split import even_split
 from pipemlx.testing import build_model, save_model_dir, tiny_config
@@ -40,6 +41,8 @@ from pipemlx.testing import build_model, save_model_dir, tiny_config
         ("1000", 1000),
         (7, 7),
         (" 2 kb ", 2000),
+        (24e9, 24 * 10**9),  # a float of bytes (was AttributeError: 'float' object has no attribute 'strip')
+        (1536.7, 1536),
     ],
 )
 def test_sizes_are_read_with_decimal_and_binary_units(text: str | int, expected: int) -> None:
@@ -58,6 +61,17 @@ def test_sizes_are_read_with_decimal_and_binary_units(text: str | int, expected:
 def test_bad_sizes_are_named(text: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         parse_size(text)
+
+
+def test_budgets_may_be_floats_or_numpy_numbers() -> None:
+    import numpy as np
+
+    assert resolve_budgets([3e9, np.int64(10**9)], 2) == (3 * 10**9, 10**9)
+    assert resolve_budgets(8e9, 2) == (8 * 10**9,) * 2  # was TypeError: 'float' object is not iterable
+    with pytest.raises(ValueError, match="must be finite"):
+        parse_size(float("inf"))
+    with pytest.raises(TypeError, match="a number of bytes or a string like '24GB', got None"):
+        resolve_budgets([None, "8GB"], 2)  # type: ignore[list-item]
 
 
 def test_equal_layers_go_in_proportion_to_the_budgets() -> None:

@@ -37,6 +37,9 @@ def check_answers(command: dict[str, Any], answers: list[dict[str, Any]]) -> Non
         assert a["tokens"] == a["ref_tokens"], where
         if a.get("offset") is not None:
             assert a["offset"] == a["ref_offset"], where
+    # Why the decode ended is the same on every rank (an abandoning rank learns it at its next call).
+    if command.get("stop", {}).get("how") != "abandon":
+        assert len({str(a.get("last_stop")) for a in answers}) == 1, where
     # Logits processors run on the last rank only, shown the token history mlx-lm shows them.
     assert answers[-1].get("histories", []) == answers[-1].get("ref_histories", []), where
     if "then" in answers[0]:
@@ -64,6 +67,10 @@ SCENARIO: list[dict[str, Any]] = [
     {**BASE, "stop": {"rank": 0, "after": 1, "how": "raise"}},
     {**BASE, "stop": {"rank": -1, "after": 4, "how": "close"}},
     {**BASE, "raise_progress": {"rank": 0, "at": 5}},
+    {**BASE, "stop": {"rank": "all", "after": 2, "how": "break"}},
+    {**BASE, "stop": {"rank": "all", "after": 3, "how": "raise"}},
+    # mlx-lm leaves a step of this model in flight; a request on another sharded model must not read it.
+    {"op": "second_model", "M": 9, "seed": 5, "step": 4, "take": 3, "max_tokens": 4},
     BASE,
 ]
 
@@ -102,17 +109,22 @@ def live_group() -> Iterator[Callable[[int], LiveGroup]]:
 def test_request_sequence_matches_mlx_lm(live_group: Callable[[int], LiveGroup], num_ranks: int) -> None:
     group = live_group(num_ranks)
     outcomes = []
+    last_stops: list[list[dict[str, Any]]] = []
     for raw in SCENARIO:
         command = resolve(raw, num_ranks)
         answers = group.ask(command)
         check_answers(command, answers)
         outcomes.append([a.get("outcome") for a in answers])
+        last_stops.append(answers)
     # The stops were agreed: the failing rank re-raises its own error, the others stop cleanly.
     by_command = {i: o for i, o in enumerate(outcomes)}
     assert by_command[7] == ["cancelled"] * num_ranks
     assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
     assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
     assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
+    every_rank = list(range(num_ranks))  # all consumers stopped at the same token: all named, on every rank
+    assert [a["last_stop"] for a in last_stops[20]] == [["cancelled", 2, every_rank]] * num_ranks
+    assert [a["last_stop"] for a in last_stops[21]] == [["cancelled", 3, every_rank]] * num_ranks
 
 
 def test_prefix_reuse_cancelled_prefill_keeps_the_prefix(live_group: Callable[[int], LiveGroup]) -> None:
@@ -295,3 +307,37 @@ def test_an_error_while_a_decode_step_evaluates_leaves_the_stage_refusing_furthe
     monkeypatch.undo()
     with pytest.raises(pipemlx.PipelineError, match="start every rank again"):
         next(pipemlx.generate_step(tokens(10), model, max_tokens=2))
+
+
+def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
+    """mlx-lm's ``draft_model=None`` / ``num_draft_tokens`` and generate_step's ``stop_tokens`` pass through."""
+    import mlx_lm
+    from mlx_lm.generate import stream_generate as mlx_stream_generate
+
+    from pipemlx.demo import MODEL_DIR
+
+    model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
+    reference, ref_tokenizer = mlx_lm.load(str(MODEL_DIR))
+    prompt = "It is a truth"
+    plain = [r.token for r in mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8)]
+    ref_tokenizer.add_eos_token(plain[3])  # mlx-lm's way to stop at a token: it ends like an end of sequence
+
+    def seen(responses: Any) -> list[tuple[str, int, int, str | None]]:
+        return [(r.text, r.token, r.generation_tokens, r.finish_reason) for r in responses]
+
+    extra = {"draft_model": None, "num_draft_tokens": 3}
+    expected = seen(mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8, **extra))
+    got = seen(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, stop_tokens=[plain[3]], **extra))
+    assert got == expected and expected[-1][3] == "stop", (got, expected)
+    with pytest.raises(ValueError, match="draft_model"):
+        pipemlx.stream_generate(model, tokenizer, prompt, draft_model=reference)
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_stream_generate_names_an_empty_prompt(empty: Any) -> None:
+    """An empty text or token list is "the prompt is empty", not a dtype error (``mx.array([])`` is float32)."""
+    from pipemlx.demo import MODEL_DIR
+
+    model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        pipemlx.stream_generate(model, tokenizer, empty)

@@ -44,6 +44,7 @@ def load_sharded(
     kv_bits: int | None = None,
     step_size: int = 512,
     head: HeadPolicy = "all",
+    allow_unregistered: bool = False,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
@@ -56,7 +57,7 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size`` and ``head`` are :func:`pipemlx.shard_model`'s;
+    ``step_size``, ``head`` and ``allow_unregistered`` are :func:`pipemlx.shard_model`'s;
     ``split="memory"`` plans from the byte sizes of the layers as built
     (and their caches at ``context`` tokens when given), ``split="balanced"``
     from each rank's speed; ``head="last"`` keeps the output head on the last
@@ -85,6 +86,7 @@ def load_sharded(
         kv_bits=kv_bits,
         step_size=step_size,
         head=head,
+        allow_unregistered=allow_unregistered,
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

@@ -60,7 +60,7 @@ def split_for_memory(
     owner: nn.Module,
     layers: Sequence[nn.Module],
     world_size: int,
-    memory: Sequence[int | str] | int | str | None,
+    memory: Sequence[float | str] | float | str | None,
 ) -> tuple[int, ...]:
     """The memory-planned split of a built model (what ``shard_model(split="memory")`` uses)."""
     return plan_split(

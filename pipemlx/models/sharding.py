@@ -70,8 +70,8 @@ def activation_signature(model: nn.Module, kept: list[nn.Module]) -> tuple[int, 
 SplitSpec = Union[Sequence[int], Literal["even", "memory", "balanced"], None]
 """Layers per rank, ``"even"`` (the default), ``"memory"`` (planned from memory budgets) or ``"balanced"``
 (layers in proportion to each rank's speed, within its budget)."""
-MemorySpec = Union[Sequence[Union[int, str]], int, str, None]
-"""Per-rank memory budgets: bytes or sizes like ``"24GB"``, one per rank or one for all."""
+MemorySpec = Union[Sequence[Union[float, str]], float, str, None]
+"""Per-rank memory budgets: bytes (a number) or sizes like ``"24GB"``, one per rank or one for all."""
 
 
 def choose_split(

@@ -159,7 +159,17 @@ class TickRunner:
             if _is_peer_lost(exc):
                 raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
-        return _outcome(cast(list[float], share.tolist()), work.rows, stage)
+        try:
+            return _outcome(cast(list[float], share.tolist()), work.rows, stage)
+        except PipelineMismatchError as exc:
+            # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
+            # on a link, and every later message on it would be read shifted (wrong tokens, no error).
+            stage.mark_broken(exc)
+            raise PipelineMismatchError(
+                f"{exc}; the ranks already exchanged this tick's messages, sized by plans that differ, so "
+                "this rank's links cannot be trusted: exit and start every rank again (and make every rank "
+                "call the BatchGenerator alike)"
+            ) from exc
 
     def _take_held(self, mine: Chunk | None) -> Held | None:
         held, self.held = self.held, None

@@ -38,7 +38,13 @@ from ..errors import PipelineError, PipelineMismatchError
 from ..schedule.batch_plan import fingerprint
 from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_offset, cache_state, trim_to
-from .prefill import DEFAULT_QUANTIZED_KV_START, check_prompt, check_timeout, pipeline_prefill
+from .prefill import (
+    DEFAULT_QUANTIZED_KV_START,
+    check_kv_quantization,
+    check_prompt,
+    check_timeout,
+    pipeline_prefill,
+)
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
 
@@ -112,7 +118,7 @@ def generate_step(
     ``should_cancel()`` (polled before every token) says yes, every rank's
     generator ends after the same token and nothing is left in flight; the
     reason is in ``stage_of(model).last_stop``. A generator dropped without
-    being closed is closed by the next pipemlx call on the model, or at exit.
+    being closed is closed by the next pipemlx call on any sharded model, or at exit.
     The generator also ends after yielding any of ``stop_tokens`` (the ranks
     check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
@@ -126,6 +132,7 @@ def generate_step(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
+    check_kv_quantization(kv_bits, kv_group_size)
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
@@ -157,26 +164,37 @@ def stream_generate(
     tokenizer: Any,
     prompt: str | mx.array | list[int],
     max_tokens: int = 256,
+    draft_model: nn.Module | None = None,
     **kwargs: Any,
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` for a sharded model: ``GenerationResponse`` objects, the same text on every rank.
 
     ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
     :func:`generate_step`'s. Every rank stops at the tokenizer's end-of-sequence
-    tokens alike. The last response has ``finish_reason`` ``"stop"`` (end of
-    sequence), ``"length"`` (``max_tokens``) or ``"cancelled"`` (a rank's
-    consumer or ``should_cancel`` stopped the request; the text so far is final).
+    tokens and at ``stop_tokens`` alike (a stop token, like an end-of-sequence
+    token, is not added to the text). The last response has ``finish_reason``
+    ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
+    or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
+    request; the text so far is final). As with mlx-lm, ``draft_model=None``
+    and ``num_draft_tokens`` (ignored without a draft model) are accepted;
+    speculative decoding itself is not supported: a ``draft_model`` raises
+    ``ValueError``.
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if draft_model is not None:
+        raise ValueError("draft_model: speculative decoding is not supported on a sharded model; pass None")
+    kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
+    extra_stops = cast(Iterable[int], kwargs.pop("stop_tokens", ()))
     wrapper = cast(Any, tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
     if isinstance(prompt, str):
         bos = wrapper.bos_token
         ids: list[int] = wrapper.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-        prompt = mx.array(ids)
+        prompt = mx.array(ids, dtype=mx.int32)
     elif not isinstance(prompt, mx.array):
-        prompt = mx.array(prompt)
-    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids))
+        # mx.array([]) is float32: an empty prompt must be named as empty, not as a bad dtype.
+        prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
+    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
     return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
 
@@ -365,8 +383,8 @@ class _Request:
                 yield result.token, result.logprobs
             except BaseException:
                 stage.open_request = None
-                self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
-                stage.last_stop = DecodeStop("cancelled", n + 1, (stage.rank,))
+                last = self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
+                stage.last_stop = _decode_stop(last.statuses, n + 1, stopped_at_token=False)
                 raise
             stage.open_request = None
             ended = self.stopped_at_token = result.token in self.stop_tokens
@@ -386,14 +404,7 @@ class _Request:
 
     def _end(self, statuses: list[int], n: int) -> None:
         """Record why the decode ended (the same on every rank); re-raise this rank's own error."""
-        failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
-        asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
-        if failed:
-            self.stage.last_stop = DecodeStop("failed", n, failed)
-        elif asked:
-            self.stage.last_stop = DecodeStop("cancelled", n, asked)
-        else:
-            self.stage.last_stop = DecodeStop("stop" if self.stopped_at_token else "length", n)
+        self.stage.last_stop = _decode_stop(statuses, n, stopped_at_token=self.stopped_at_token)
         if self.deferred is not None:
             raise self.deferred
 
@@ -476,6 +487,17 @@ class _Request:
             self.vocab_size = logprobs.shape[-1]
             share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
         return share, logprobs.squeeze(0)
+
+
+def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:
+    """Why a decode ended after ``n`` tokens, from the last step's statuses (which every rank holds alike)."""
+    failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
+    asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
+    if failed:
+        return DecodeStop("failed", n, failed)
+    if asked:
+        return DecodeStop("cancelled", n, asked)
+    return DecodeStop("stop" if stopped_at_token else "length", n)
 
 
 def _rows(share: mx.array, world_size: int) -> list[list[float]]:

@@ -116,6 +116,7 @@ def pipeline_prefill(
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
+    check_kv_quantization(kv_bits, kv_group_size)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
             f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
@@ -188,6 +189,25 @@ def check_timeout(timeout: Any) -> None:
     """Raise ``ValueError`` unless ``timeout`` is a positive number of seconds or ``None``."""
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def check_kv_quantization(kv_bits: Any, kv_group_size: Any) -> None:
+    """Raise ``ValueError`` unless MLX can quantize with ``kv_bits`` and ``kv_group_size`` (``kv_bits=None``: off).
+
+    Checked on a tiny array before anything is sent, so that every rank raises the same error, rather than
+    the first rank to quantize a cache failing mid-prefill and the others stopping with it.
+    """
+    if kv_bits is None:
+        return
+    for name, value in (("kv_bits", kv_bits), ("kv_group_size", kv_group_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    try:
+        mx.eval(mx.quantize(mx.zeros((1, kv_group_size)), group_size=kv_group_size, bits=kv_bits))  # pyright: ignore[reportUnknownMemberType]
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise ValueError(
+            f"cannot quantize the KV cache with kv_bits={kv_bits!r}, kv_group_size={kv_group_size!r}: {exc}"
+        ) from exc
 
 
 def check_prompt(prompt: Any) -> mx.array:

@@ -83,6 +83,7 @@ class PipelineStage:
         self.last_stop: Any = None  # a pipemlx.runtime.generate.DecodeStop once a decode has ended
         self.cost_model: Any = None  # set by pipemlx.runtime.calibrate once the group has calibrated
         if self.world_size > 1:
+            _LIVE_STAGES.add(self)
             _finish_at_exit(self)
 
     @property
@@ -156,7 +157,23 @@ class PipelineStage:
         complete would interleave with theirs on the wire. Every pipemlx entry
         point calls this first, so no caller has to synchronize by hand. The
         drain is bounded by ``timeout``; a failure marks the stage broken.
+
+        Every sharded model of the process shares the wire: the other models'
+        stages are settled first (an open request finished, what mlx-lm left
+        in flight drained), so that a request on one model cannot read another
+        model's step off the wire.
         """
+        self.check_usable()
+        for other in [s for s in _LIVE_STAGES if s is not self and s.broken is None]:
+            try:
+                other.settle_own(timeout)
+            except Exception as exc:  # the other model's wait failed: the shared wire is not usable either
+                self.mark_broken(exc)
+                raise
+        self.settle_own(timeout)
+
+    def settle_own(self, timeout: float | None) -> None:
+        """:meth:`settle` for this stage alone: finish its open request, drain what mlx-lm left in flight."""
         self.check_usable()
         request, self.open_request = self.open_request, None
         if request is not None:
@@ -284,6 +301,10 @@ def ensure_unsharded(model: nn.Module) -> None:
         raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")
 
 
+_LIVE_STAGES: weakref.WeakSet[PipelineStage] = weakref.WeakSet()
+"""Every multi-rank stage of this process that is still alive: they share the wire (see :meth:`PipelineStage.settle`)."""
+
+
 def _finish_at_exit(stage: PipelineStage) -> None:
     """At interpreter exit, finish what ``stage`` left in flight so that peers are not cut off mid-step."""
     reference = weakref.ref(stage)
@@ -293,7 +314,7 @@ def _finish_at_exit(stage: PipelineStage) -> None:
         if live is None or live.broken is not None:
             return
         try:
-            live.settle(min(EXIT_TIMEOUT, live.timeout or EXIT_TIMEOUT))
+            live.settle_own(min(EXIT_TIMEOUT, live.timeout or EXIT_TIMEOUT))
         except Exception:  # the program is ending: a peer that went first is not this rank's error
             pass
 

@@ -16,6 +16,8 @@ every rank when the head is tied to the embedding.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -103,12 +105,17 @@ class MemoryPlan:
     model: ModelBytes
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes in ``text``: ``"24GB"`` (10^9), ``"16GiB"`` (2^30), ``"512M"``, ``"1.5G"``, ``"1000"``, or an int."""
-    if isinstance(text, bool):
-        raise TypeError(f"a memory size must be an int or a string like '24GB', got {text!r}")
-    if isinstance(text, int):
-        value = text
+def parse_size(text: str | float) -> int:
+    """Bytes in ``text``: ``"24GB"`` (10^9), ``"16GiB"`` (2^30), ``"512M"``, ``"1.5G"``, ``"1000"``, or a number.
+
+    A number (an int, a float such as ``24e9``, a NumPy scalar) is bytes, rounded down.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, numbers.Real)):
+        raise TypeError(f"a memory size must be a number of bytes or a string like '24GB', got {text!r}")
+    if isinstance(text, numbers.Real):
+        if not math.isfinite(text):
+            raise ValueError(f"a memory size must be finite, got {text!r}")
+        value = int(text)
     else:
         if text.strip().startswith("-"):
             raise ValueError(f"a memory size cannot be negative, got {text!r}")
@@ -136,11 +143,11 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes} B"
 
 
-def resolve_budgets(memory: Sequence[int | str] | int | str | None, world_size: int) -> tuple[int, ...] | None:
+def resolve_budgets(memory: Sequence[float | str] | float | str | None, world_size: int) -> tuple[int, ...] | None:
     """Per-rank budgets in bytes from a list, or one value for every rank; ``None`` stays ``None`` (even)."""
     if memory is None:
         return None
-    if isinstance(memory, (int, str)):
+    if isinstance(memory, (int, float, str, numbers.Real)):
         return (parse_size(memory),) * world_size
     budgets = tuple(parse_size(m) for m in memory)
     if len(budgets) != world_size:

@@ -8,7 +8,7 @@ holding the same cache history. Commands (one JSON object per stdin line):
   {"op": "request", "M", "seed", "step", "max_tokens", "temp", "reuse", "trim_to",
    "stop": {"rank", "after", "how"}, "cancel_prefill": {"rank", "at"},
    "cancel_decode": {"rank", "after"}, "raise_progress": {"rank", "at"}, "model_error": {"rank", "chunk"},
-   "decode_error": {"rank", "token"}, "penalty"}
+   "decode_error": {"rank", "token"}, "penalty"}  (a fault's "rank" may be "all": every rank)
       pipemlx.generate_step on the pipeline; ``reuse`` keeps the cache of the previous requests (trimmed to
       ``trim_to`` positions when given), otherwise both caches start empty. ``stop.how`` is "break", "close",
       "raise" (the consumer's own exception) or "abandon" (the generator is dropped without being closed and
@@ -17,6 +17,9 @@ holding the same cache history. Commands (one JSON object per stdin line):
       records the token history it is given (answered as ``histories`` / ``ref_histories``).
   {"op": "plain", "M", "seed", "step", "take"}
       mlx-lm's own generate_step on the sharded model, consumed for ``take`` tokens, nothing synchronized.
+  {"op": "second_model", "M", "seed", "step", "take", "max_tokens"}
+      "plain" (mlx-lm leaves a step in flight), then pipemlx.generate_step on a second sharded model (other
+      weights, the same group), against mlx-lm on that model's reference.
 End of input: the program simply ends (no barrier, no synchronize).
 """
 
@@ -77,6 +80,7 @@ class Server:
         self.cache: list[Any] = make_prompt_cache(self.model)
         self.ref_cache: list[Any] = make_prompt_cache(self.reference)
         self.abandoned: list[Any] = []
+        self.second: tuple[Any, Any] | None = None  # (sharded, reference) of a second model, built on first use
         self.error_chunk: int | None = None
         self.error_token: int | None = None
         self._wrap_first_layer()
@@ -102,7 +106,7 @@ class Server:
 
     def mine(self, command: dict[str, Any], key: str) -> dict[str, Any] | None:
         entry = command.get(key)
-        return entry if entry is not None and entry["rank"] == self.rank else None
+        return entry if entry is not None and entry["rank"] in (self.rank, "all") else None
 
     def request(self, command: dict[str, Any]) -> dict[str, Any]:
         if not command.get("reuse"):
@@ -167,9 +171,9 @@ class Server:
         except (ValueError, InjectedModelError, KeyError) as exc:
             frames = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
             outcome = {"outcome": type(exc).__name__, "in_prefill": "pipeline_prefill" in frames}
+        del generator  # a generator left by ``break`` closes here, running the agreed stop
         last = pipemlx.stage_of(self.model).last_stop
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
-        del generator
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
         answer["histories"] = recorder.histories
         if stop and stop["how"] == "abandon":
@@ -232,6 +236,24 @@ class Server:
                     break
         return {"rank": self.rank, "tokens": got[0], "ref_tokens": got[1], "outcome": "done"}
 
+    def second_model(self, command: dict[str, Any]) -> dict[str, Any]:
+        if self.second is None:
+            timeout = pipemlx.stage_of(self.model).timeout
+            sharded = pipemlx.shard_model(build_model(self.config, seed=97), self.group, timeout=timeout)
+            self.second = (sharded, build_model(self.config, seed=97))
+        model, reference = self.second
+        prompt = prompt_of(command["M"], command["seed"], self.config["vocab_size"])
+        take, limit, step = command["take"], command["max_tokens"], command["step"]
+        self.cache, self.ref_cache = make_prompt_cache(self.model), make_prompt_cache(self.reference)
+        steps = mlx_generate_step(prompt, self.model, prompt_cache=self.cache, prefill_step_size=step)
+        tokens = [next(steps)[0] for _ in range(take)]
+        del steps  # mlx-lm evaluated the next step asynchronously: it may still be on the wire
+        tokens += [t for t, _ in pipemlx.generate_step(prompt, model, max_tokens=limit, prefill_step_size=step)]
+        steps = mlx_generate_step(prompt, self.reference, prompt_cache=self.ref_cache, prefill_step_size=step)
+        ref_tokens = [next(steps)[0] for _ in range(take)]
+        ref_tokens += [t for t, _ in mlx_generate_step(prompt, reference, max_tokens=limit, prefill_step_size=step)]
+        return {"rank": self.rank, "tokens": tokens, "ref_tokens": ref_tokens, "outcome": "done"}
+
     def fault(self, command: dict[str, Any]) -> None:
         """Decode with a fault on one rank ("die": os._exit(3), "stall": sleep) at token ``token``.
 
@@ -263,7 +285,10 @@ def main() -> None:
         command = json.loads(line)
         if command["op"] == "fault":
             server.fault(command)
-        answer = server.request(command) if command["op"] == "request" else server.plain(command)
+        if command["op"] == "second_model":
+            answer = server.second_model(command)
+        else:
+            answer = server.request(command) if command["op"] == "request" else server.plain(command)
         print(json.dumps(answer), flush=True)
 
 
