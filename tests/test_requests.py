@@ -325,12 +325,14 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
     def seen(responses: Any) -> list[tuple[str, int, int, str | None]]:
         return [(r.text, r.token, r.generation_tokens, r.finish_reason) for r in responses]
 
-    extra = {"draft_model": None, "num_draft_tokens": 3}
+    extra = {"draft_model": None, "num_draft_tokens": 3, "input_embeddings": None}
     expected = seen(mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8, **extra))
     got = seen(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, stop_tokens=[plain[3]], **extra))
     assert got == expected and expected[-1][3] == "stop", (got, expected)
     with pytest.raises(ValueError, match="draft_model"):
         pipemlx.stream_generate(model, tokenizer, prompt, draft_model=reference)
+    with pytest.raises(ValueError, match="input_embeddings is not supported"):
+        next(pipemlx.stream_generate(model, tokenizer, prompt, input_embeddings=mx.zeros((1, 4, 8))))
 
 
 @pytest.mark.parametrize("empty", ["", []])

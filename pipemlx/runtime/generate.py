@@ -93,6 +93,7 @@ def generate_step(
     timeout: float | None = None,
     share_logprobs: bool = False,
     stop_tokens: Iterable[int] = (),
+    input_embeddings: mx.array | None = None,
 ) -> Generator[tuple[int, mx.array | None], None, None]:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -124,10 +125,14 @@ def generate_step(
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
     a callback on its own rank, :class:`PipelineTimeoutError` /
     :class:`PeerLostError` when a peer stalls or dies, and
-    ``ValueError``/``TypeError`` for bad arguments before anything is sent.
+    ``ValueError``/``TypeError`` for bad arguments before anything is sent
+    (``input_embeddings``, which mlx-lm takes for multimodal prompts, is
+    accepted only as ``None``).
     """
     stage = stage_of(model)
     stage.check_usable()
+    if input_embeddings is not None:
+        raise ValueError("input_embeddings is not supported on a sharded model: pass token ids as the prompt")
     tokens = check_prompt(prompt)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
