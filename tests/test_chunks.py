@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipemlx.schedule.autostep import candidate_steps, choose_chunks, ramp_lengths, slowest_chunk_s
+from pipemlx.schedule.autostep import (
+    candidate_steps,
+    choose_chunks,
+    ramp_lengths,
+    slowest_chunk_s,
+    tail_lengths,
+)
 from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
 from pipemlx.schedule.plan import build_plans, chunks_of_lengths
 from pipemlx.schedule.simulate import simulate
@@ -119,3 +125,32 @@ def test_a_ramp_is_chosen_when_fill_and_drain_dominate() -> None:
     chosen = predict(4097, max(lengths), model, chunk_lengths=lengths, agree_every=None).prefill_s
     assert chosen <= uniform
     assert lengths[0] < max(lengths) or len(set(lengths)) == 1
+
+
+@given(st.integers(2, 20_000), st.sampled_from([16, 32, 64, 128, 256, 512]), st.sampled_from([0.5, 0.625, 0.75, 0.9]))
+@settings(max_examples=200, deadline=None)
+def test_gentle_tails_cover_the_prompt_and_shrink_by_their_ratio(num_tokens: int, step: int, ratio: float) -> None:
+    lengths = tail_lengths(num_tokens, step, ratio)
+    if lengths is None:
+        return
+    assert sum(lengths) == num_tokens - 1 and max(lengths) == step and min(lengths) >= 1
+    tail = list(lengths[len(lengths) - lengths[::-1].index(step) :])  # after the last full chunk
+    assert tail and min(tail) >= 16 and all(t % 8 == 0 for t in tail)
+    assert all(b <= a for a, b in zip([step, *tail], tail)), tail
+    assert tail[0] == int(step * ratio) // 8 * 8
+
+
+def test_a_gentle_tail_is_chosen_when_the_last_rank_is_lighter() -> None:
+    """The benchmark model's calibrated costs (2 ranks; the last layer of the last rank only projects keys and
+    values): halving the last chunks lets rank 1 bound the drain, a tail shrinking by 3/4 keeps it just busy."""
+    layer = LayerCosts(chunk_s=1.58e-3, token_s=1.2e-4, attention_s=1.52e-7)
+    model = CostModel(layer, layers=(4, 4), hidden_size=512, last_layer_share=1 / 12)
+    lengths = choose_chunks(2049, model, 100.0)
+    tail = lengths[lengths.index(max(lengths)) :]
+    assert tail[-1] < max(lengths) and any(b > a // 2 for a, b in zip(tail, tail[1:]) if b < a), lengths
+
+    def seconds(cut: tuple[int, ...]) -> float:
+        return predict(2049, max(cut), model, chunk_lengths=cut, agree_every=None).prefill_s
+
+    halving = [r for t in range(1, 5) if (r := ramp_lengths(2049, max(lengths), 0, t)) is not None]
+    assert seconds(lengths) < min(seconds(r) for r in halving)

@@ -65,6 +65,8 @@ RAMP_LEVELS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3), (
 """``(head, tail)`` ramp depths tried for each step: the drain (tail) matters most, so it goes deeper."""
 RAMPED_STEPS = 3
 """Ramps are tried around the best this many uniform steps (each ramp is one more simulation)."""
+TAIL_RATIOS = (0.625, 0.75)
+"""Gentler drains tried too (:func:`tail_lengths`): each chunk of the tail this share of the one before."""
 
 
 def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tuple[int, ...] | None:
@@ -96,6 +98,30 @@ def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tu
     return (*up, *middle, *down)
 
 
+def tail_lengths(num_tokens: int, step: int, ratio: float) -> tuple[int, ...] | None:
+    """Chunks of ``step`` tokens, then a tail each ``ratio`` of the one before (multiples of 8, down to 16).
+
+    ``tail_lengths(M, 256, 0.75)`` ends ``256, 192, 144, 104, 80, 56, 40, 32, 24, 16``. A halving tail
+    (:func:`ramp_lengths`) drains fastest, but on a pipeline whose last ranks are lighter than the
+    first (the last rank's last layer only projects keys and values in a prefill), a chunk half as long
+    as the one before reaches a later rank before that rank is done with the one before: the later rank,
+    not rank 0, then bounds the drain. A tail shrinking more slowly keeps each later rank just busy. None
+    when the prompt is too short for the tail and two chunks of ``step``.
+    """
+    tail: list[int] = []
+    length = step * ratio
+    while length >= RAMP_MIN_TOKENS:
+        tail.append(int(length) // 8 * 8)
+        length *= ratio
+    rest = num_tokens - 1 - sum(tail)
+    if not tail or rest < 2 * step:
+        return None
+    middle = [step] * (rest // step)
+    if rest % step:
+        middle.insert(0, rest % step)
+    return (*middle, *tail)
+
+
 def uniform_lengths(num_tokens: int, step: int) -> tuple[int, ...]:
     """The chunks mlx-lm's ``generate_step`` cuts a ``num_tokens`` prompt into with ``step``."""
     prefill = num_tokens - 1
@@ -115,7 +141,8 @@ def choose_chunks(
 
     Candidates: every step of :func:`candidate_steps` cut as mlx-lm cuts it,
     and, around the :data:`RAMPED_STEPS` best of those, the same step with the
-    ramps of :data:`RAMP_LEVELS` at its ends (:func:`ramp_lengths`). Each is
+    ramps of :data:`RAMP_LEVELS` at its ends (:func:`ramp_lengths`) and with
+    the tails of :data:`TAIL_RATIOS` (:func:`tail_lengths`). Each is
     simulated with the executor's agreement spacing; a ramped cut wins only
     when it is predicted :data:`NEAR_TIE` faster than the best uniform one.
     Candidates with a chunk predicted above ``max_chunk_seconds`` on some rank
@@ -144,6 +171,11 @@ def choose_chunks(
         for head, tail in RAMP_LEVELS
         if head or tail
         if (r := ramp_lengths(num_tokens, max(c), head, tail)) is not None and within_cap(r)
+    } | {
+        r
+        for c in ranked[:RAMPED_STEPS]
+        for ratio in TAIL_RATIOS
+        if (r := tail_lengths(num_tokens, max(c), ratio)) is not None and within_cap(r)
     }
     best_ramped = min(ramped, key=lambda c: (seconds(c), -max(c), c), default=None)
     if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
