@@ -27,6 +27,9 @@ def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
     for r in reports:
         assert r["calibrated"]
         assert r["mismatch"] is not None and "ranks disagree on step_size" in r["mismatch"] and "auto" in r["mismatch"]
+        assert "ranks disagree on decode_settings" in (r["logprobs_mismatch"] or ""), r["logprobs_mismatch"]
+        assert "share_logprobs=True" in r["logprobs_mismatch"] and "share_logprobs=False" in r["logprobs_mismatch"]
+        assert r["after"][0] == r["after"][1] and r["after"][0], r["after"]  # the group goes on
 
 
 def costs(chunk_s: float, token_s: float, collective_s: float = 2e-4) -> CostModel:

@@ -23,6 +23,7 @@ HANDSHAKE_FIELDS = (
     "layer_start",
     "layer_stop",
     "cache_offset",
+    "decode_settings",
 )
 SHARED_FIELDS = (
     "num_tokens",
@@ -31,7 +32,10 @@ SHARED_FIELDS = (
     "total_layers",
     "hidden_size",
     "dtype",
+    "decode_settings",
 )
+DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
+"""What the ``decode_settings`` field's values mean: what the decode after the prefill will exchange."""
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
 
@@ -62,6 +66,7 @@ def handshake(
     timeout: float | None,
     needs_calibration: bool = False,
     cache_offset: int = 0,
+    decode_settings: int = 0,
 ) -> dict[str, list[int]]:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
@@ -73,6 +78,9 @@ def handshake(
     prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose caches
     count none): ranks holding different prefixes would compute different
     tokens. :func:`agreed_offset` gives the prefix every rank holds.
+    ``decode_settings`` (an index of :data:`DECODE_SETTINGS`) is what a decode
+    after the prefill will exchange: ranks that would send differently sized
+    messages in every decode step are told here, before anything is sent.
     """
     mine = [
         status,
@@ -86,6 +94,7 @@ def handshake(
         stage.layers.start,
         stage.layers.stop,
         cache_offset,
+        decode_settings,
     ]
     rows = gather_ints(stage, mine, timeout, "the handshake")
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}
@@ -96,6 +105,8 @@ def handshake(
                 shown = [_dtype_name(v) for v in table[name]]
             elif name == "step_size":
                 shown = ["auto" if v == 0 else v for v in table[name]]
+            elif name == "decode_settings":
+                shown = [DECODE_SETTINGS[v] if 0 <= v < len(DECODE_SETTINGS) else v for v in table[name]]
             raise PipelineMismatchError(f"ranks disagree on {name}: {_per_rank(shown)}")
     offsets = table["cache_offset"]
     if len({v for v in offsets if v != UNCOUNTED}) > 1:

@@ -43,7 +43,7 @@ from .prefill import (
     check_kv_quantization,
     check_prompt,
     check_timeout,
-    pipeline_prefill,
+    prefill_before_decode,
 )
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
@@ -360,13 +360,14 @@ class _Request:
         if self.history is not None:
             mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         num_tokens = prompt.size
-        pipeline_prefill(
+        prefill_before_decode(
             self.model,
             prompt,
             self.cache,
             progress_callback=progress,
             should_cancel=should_cancel,
             timeout=self.timeout,
+            decode_settings=2 if self.share_logprobs else 1,  # agreement.DECODE_SETTINGS
             **prefill,
         )
         inputs = prompt[-1:]

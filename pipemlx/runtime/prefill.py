@@ -109,6 +109,47 @@ def pipeline_prefill(
     the ranks disagree, :class:`PipelineTimeoutError` / :class:`PeerLostError`
     when a wait fails.
     """
+    return prefill_before_decode(
+        model,
+        prompt,
+        cache,
+        step_size=step_size,
+        progress_callback=progress_callback,
+        should_cancel=should_cancel,
+        timeout=timeout,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        trace_dir=trace_dir,
+        agree_every=agree_every,
+        max_chunk_seconds=max_chunk_seconds,
+        decode_settings=0,
+    )
+
+
+def prefill_before_decode(
+    model: nn.Module,
+    prompt: mx.array,
+    cache: list[Any],
+    *,
+    step_size: int | Literal["auto"] = 512,
+    progress_callback: ProgressCallback | None = None,
+    should_cancel: CancelCheck | None = None,
+    timeout: float | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    trace_dir: str | os.PathLike[str] | None = None,
+    agree_every: int | None = None,
+    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS,
+    decode_settings: int = 0,
+) -> int:
+    """:func:`pipeline_prefill` for a request that decodes next: the handshake also compares ``decode_settings``.
+
+    ``decode_settings`` indexes :data:`~pipemlx.runtime.agreement.DECODE_SETTINGS` (0: no decode follows);
+    ranks whose decodes would exchange messages of different sizes raise :class:`PipelineMismatchError`
+    at the handshake instead of waiting out their timeout in the first decode step.
+    """
     stage = stage_of(model)
     stage.check_usable()
     tokens = check_prompt(prompt)
@@ -128,7 +169,7 @@ def pipeline_prefill(
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
     try:
         lengths = (
-            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds)
+            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds, decode_settings)
             if step_size == "auto"
             else None
         )
@@ -151,6 +192,7 @@ def pipeline_prefill(
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
         tracer=tracer_for(stage.rank, trace_dir),
         prefix=prefix,
+        decode_settings=decode_settings,
     )
     try:
         with send_mode(model, "queue"), stage.executing_plan():
@@ -170,6 +212,7 @@ def _agree_on_auto_chunks(
     timeout: float | None,
     prefix: int,
     max_chunk_seconds: float,
+    decode_settings: int,
 ) -> tuple[int, ...]:
     """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the chunks."""
     table = handshake(
@@ -179,6 +222,7 @@ def _agree_on_auto_chunks(
         timeout,
         needs_calibration=stage.cost_model is None,
         cache_offset=prefix,
+        decode_settings=decode_settings,
     )
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
@@ -240,6 +284,7 @@ class _PlanRunner:
         quantize: Callable[[list[Any]], None],
         tracer: Tracer,
         prefix: int = 0,
+        decode_settings: int = 0,
     ) -> None:
         self.model = model
         self.stage = stage
@@ -252,6 +297,7 @@ class _PlanRunner:
         self.quantize = quantize
         self.tracer = tracer
         self.prefix = prefix
+        self.decode_settings = decode_settings
         self.expected_receives = 0
         self.deferred: BaseException | None = None
         self.failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
@@ -261,7 +307,14 @@ class _PlanRunner:
         for action in self.plan.actions:
             if isinstance(action, Handshake):
                 with self.tracer.span("handshake"):
-                    table = handshake(self.stage, self.plan, self.status(), self.timeout, cache_offset=self.prefix)
+                    table = handshake(
+                        self.stage,
+                        self.plan,
+                        self.status(),
+                        self.timeout,
+                        cache_offset=self.prefix,
+                        decode_settings=self.decode_settings,
+                    )
                 self.prefix = agreed_offset(table)
                 self.stop_if_asked(table["status"], step=None)
             elif isinstance(action, Send):

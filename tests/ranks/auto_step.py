@@ -1,7 +1,9 @@
 """Rank program: pipeline_prefill with step_size="auto" equals single device at the step it chose.
 
 Spec: {"lengths": [M, ...], "mismatch_rank": r or null}. With mismatch_rank, that rank passes a
-fixed step while the others pass "auto": every rank must raise PipelineMismatchError.
+fixed step while the others pass "auto": every rank must raise PipelineMismatchError; then that rank alone
+asks generate_step for share_logprobs (PipelineMismatchError again), and a request after both is reported
+with mlx-lm's tokens for it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def main() -> None:
                 "ref_progress": ref_calls[:-1],
             }
         )
-    mismatch = None
+    mismatch = logprobs_mismatch = None
+    after: list[int] = []
+    after_reference: list[int] = []
     if spec.get("mismatch_rank") is not None:
         fixed = group.rank() == spec["mismatch_rank"]
         try:
@@ -65,10 +69,27 @@ def main() -> None:
             )
         except pipemlx.PipelineMismatchError as exc:
             mismatch = str(exc)
+        try:  # ranks that would exchange differently sized decode messages are told before anything is sent
+            list(pipemlx.generate_step(mx.arange(9, dtype=mx.int32), model, max_tokens=3, share_logprobs=fixed))
+        except pipemlx.PipelineMismatchError as exc:
+            logprobs_mismatch = str(exc)
+        prompt = mx.arange(1, 12, dtype=mx.int32)
+        after = [int(t) for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4, timeout=20.0)]
+        after_reference = [int(t) for t, _ in generate_step(prompt, reference, max_tokens=4)]
+        mx.synchronize(generation_stream)
     calibrated = pipemlx.stage_of(model).cost_model is not None
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(
-        json.dumps({"rank": group.rank(), "results": results, "mismatch": mismatch, "calibrated": calibrated}),
+        json.dumps(
+            {
+                "rank": group.rank(),
+                "results": results,
+                "mismatch": mismatch,
+                "logprobs_mismatch": logprobs_mismatch,
+                "after": [after, after_reference],
+                "calibrated": calibrated,
+            }
+        ),
         flush=True,
     )
 
