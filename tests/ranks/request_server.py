@@ -170,7 +170,10 @@ class Server:
             outcome = {"outcome": "cancelled", "processed": exc.processed, "prefix": exc.prefix}
         except (ValueError, InjectedModelError, KeyError) as exc:
             frames = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
-            outcome = {"outcome": type(exc).__name__, "in_prefill": "pipeline_prefill" in frames}
+            outcome = {
+                "outcome": type(exc).__name__,
+                "in_prefill": bool({"pipeline_prefill", "prefill_before_decode"} & set(frames)),
+            }
         del generator  # a generator left by ``break`` closes here, running the agreed stop
         last = pipemlx.stage_of(self.model).last_stop
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
