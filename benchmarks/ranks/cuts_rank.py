@@ -1,7 +1,8 @@
 """Benchmark rank program: several cuts of one prompt prefilled in turn in one launch (less noise than launches).
 
 Spec: {"M", "rounds", "cuts": {name: [chunk lengths]}, "config"}. Each round prefills the prompt once per cut,
-in order, on a fresh cache (round 0 is a warm-up, not reported). A cut is imposed by standing in for the auto
+in order, on a fresh cache (round 0 is a warm-up, not reported); a cut's time on a rank runs from its call
+to its return, the prefill's handshake included, and the slowest rank's is reported. A cut is imposed by standing in for the auto
 planner's choice (``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path:
 the same handshake, agreement spacing and executor. Prints {"rank", "seconds": {name: [per round]}}.
 """
@@ -38,7 +39,6 @@ def main() -> None:
         for name, lengths in spec["cuts"].items():
             chosen.append(tuple(lengths))
             cache = make_prompt_cache(model)
-            mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]
             start = time.perf_counter()
             pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
             if round_:

@@ -107,12 +107,10 @@ class _Sequence:
     max_tokens: int
     sampler: Sampler | None
     processors: tuple[LogitsProcessor, ...] = ()
-    history: list[int] | None = None  # with processors: the tokens they see (all_tokens, the prompt, the answer so far)
     prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
     before: list[int] = field(default_factory=list[int])  # all_tokens at insert: what a reused cache holds
     answer: list[int] = field(default_factory=list[int])  # the tokens generated so far
-    recent: tuple[int, ...] = ()  # its last generated tokens, as many as the longest stop sequence
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
@@ -319,7 +317,6 @@ class BatchGenerator:
                 limit,
                 sampler,
                 processors=chain,
-                history=[*before, *prompt] if chain else None,
                 before=before,
                 prefix=0 if cache is None else counted_offset(cache),
                 cache=cache,
@@ -459,11 +456,8 @@ class BatchGenerator:
             token = outcome.tokens[i]
             sequence.generated += 1
             sequence.answer.append(token)
-            if sequence.history is not None:
-                sequence.history.append(token)
-            sequence.recent = (sequence.recent + (token,))[-self._stop_span :] if self._stop_span > 1 else ()
             reason: FinishReason | None = None
-            if token in self.stop_tokens or self._ends_in_a_stop(sequence.recent):
+            if token in self.stop_tokens or self._ends_in_a_stop(sequence.answer):
                 reason = "stop"
             elif sequence.max_tokens != -1 and sequence.generated >= sequence.max_tokens:
                 reason = "length"
@@ -477,13 +471,9 @@ class BatchGenerator:
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         return responses
 
-    @property
-    def _stop_span(self) -> int:
-        return max((len(s) for s in self.stop_sequences), default=0)
-
-    def _ends_in_a_stop(self, recent: tuple[int, ...]) -> bool:
-        """Whether ``recent`` (a request's last generated tokens) ends with a stop sequence of several tokens."""
-        return any(len(s) > 1 and recent[-len(s) :] == s for s in self.stop_sequences)
+    def _ends_in_a_stop(self, answer: list[int]) -> bool:
+        """Whether ``answer`` (a request's generated tokens) ends with a stop sequence of several tokens."""
+        return any(len(s) > 1 and tuple(answer[-len(s) :]) == s for s in self.stop_sequences)
 
     def _plan_tick(self) -> tuple[Tick, PlanState]:
         # Dead rows keep their reservation until compacted: their cache positions are still held.
@@ -636,8 +626,8 @@ class BatchGenerator:
         rows: list[mx.array] = []
         for i, sequence in enumerate(self._rows):
             row = logits[i : i + 1]
-            if sequence.processors and not sequence.done and sequence.history is not None:
-                context = mx.array(sequence.history)
+            if sequence.processors and not sequence.done:  # what they see: all_tokens, the prompt, the answer
+                context = mx.array([*sequence.before, *sequence.prompt, *sequence.answer])
                 for processor in sequence.processors:
                     row = processor(context, row)
             rows.append(row)
