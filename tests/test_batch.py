@@ -201,6 +201,47 @@ def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario
     assert report["finish"] == ["length"] * 4 and report["left"] == 0
 
 
+# mlx-lm's BatchGenerator API on the pipeline (tests/ranks/batch.py run_parity): insert's positional order with
+# per-request stop sequences, completion_batch_size, logprobs, all_tokens, extract_cache, next_generated, stats,
+# prompt_cache_nbytes and close.
+SCENARIOS[2]["mlx-lm parity"] = {"parity": True, "step_size": 8, "chunk": 8}
+PARITY_SHARED = ("tokens", "solo", "finish", "held_ok", "busy", "calls", "extracted", "after_close", "alone")
+
+
+def test_the_generator_answers_mlx_lm_batch_generator_calls_as_mlx_lm_does(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "mlx-lm parity")
+    for report in reports:
+        assert {k: report[k] for k in PARITY_SHARED} == {k: reports[0][k] for k in PARITY_SHARED}, "ranks disagree"
+    report = reports[0]
+    solo, default, own = report["solo"], report["default"], report["own"]
+    expected = [
+        expected_tokens(solo[0], []),  # its own (no) stops replace the generator's
+        expected_tokens(solo[1], own[1]),
+        expected_tokens(solo[2], [own[2]]),  # a two-token sequence, as an mlx-lm StopSequences
+        expected_tokens(solo[3], default),
+    ]
+    assert [(t, f) for t, f in zip(report["tokens"], report["finish"])] == expected, (report, expected)
+    assert expected_tokens(solo[0], default) != expected[0], "the generator's stop token would not cut request 0"
+    assert report["finish"][1] == "stop" and report["finish"][2] == "stop", report["finish"]
+    assert all(report["held_ok"]), report["held_ok"]  # all_tokens: what the finished request's cache holds
+    assert max(report["busy"]) == 2 and len(report["busy"]) == report["calls"], report["busy"]
+    extracted = report["extracted"]  # a copy of request 1's row at 3 tokens; the request went on (tokens above)
+    assert extracted["held"] and extracted["positions"] == extracted["count"] == 17 + 2, extracted
+    assert report["after_close"] == [0, 0] and report["alone"] == report["alone_solo"], report
+    for r in reports:
+        assert r["holding"] > 0
+        stats = r["stats"]
+        assert stats["prompt_tokens"] == sum(m - 1 for m in (9, 17, 12, 5)), stats
+        assert stats["generation_tokens"] == sum(len(t) for t in report["tokens"]), stats
+        assert 0 < stats["generation_steps"] <= stats["generation_tokens"], stats
+        prompt_time, decode_time, wall = stats["times"]
+        assert 0 < prompt_time and 0 < decode_time and prompt_time + decode_time <= wall, stats
+        if r["last"]:  # the log-probabilities the tokens were sampled from: single-device mlx-lm's
+            assert r["logprobs_given"] == [True] * 3 and r["logprobs_gap"] < 1e-4, r
+        else:
+            assert r["logprobs_given"] == [False] * 3, r
+
+
 # remove(..., return_prompt_caches=True): request 1 removed mid-prefill (chunks still travelling the ranks) and
 # request 2 mid-decode; each goes on at once from the caches handed back, and its answer equals its solo run.
 RESUMED: list[dict[str, Any]] = [
@@ -489,6 +530,10 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
         engine.insert([[1, 2]], caches=[[]])
     with pytest.raises(ValueError, match="max_tokens"):
         engine.insert([[1, 2]], max_tokens=0)
+    with pytest.raises(ValueError, match="got 2 stop_sequences$"):
+        engine.insert([[1, 2]], stop_sequences=[None, [3]])
+    with pytest.raises(ValueError, match="stop_sequences holds an empty sequence"):
+        engine.insert([[1, 2]], stop_sequences=[[[4], []]])
     assert len(engine) == 0 and engine.insert([[1, 2], [3]]) == [0, 1]
     # A rank of recurrent layers only (0 bytes per position) could not reserve a reused prefix like the others.
     engine.admission = Admission(bytes_per_position=(768, 0), budget=(10**9, 10**9))
@@ -502,6 +547,7 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"timeout": -1.0}, "timeout"),
         ({"prefill_chunking": "even"}, "prefill_chunking"),
+        ({"completion_batch_size": 0}, "completion_batch_size"),
     ):
         with pytest.raises(ValueError, match=named):
             fake_engine(**bad)

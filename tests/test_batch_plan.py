@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pipemlx.schedule.batch_plan import (
     Admission,
+    AdmissionLimits,
     Chunk,
     EqualCostChunks,
     Job,
@@ -48,6 +49,7 @@ class Scenario:
     cancels: list[tuple[int, int]]  # (tick, index of an arrival)
     budget: int | None
     attention: float | None = None  # equal-cost chunks with this cost per query-key pair (a token costs 1)
+    max_rows: int | None = None  # completion_batch_size: requests decoding or prefilling at once
 
     @property
     def sizes(self) -> int | EqualCostChunks:
@@ -65,13 +67,15 @@ scenarios = st.builds(
     cancels=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 5)), max_size=3),
     budget=st.none() | st.integers(50, 200),
     attention=st.none() | st.floats(0.0, 2.0),
+    max_rows=st.none() | st.integers(1, 3),
 )
 
 
 def drive(s: Scenario, limit: int = 400) -> Run:
     """Drive plan_tick the way BatchGenerator does; decoding requests leave after their decode tokens."""
     state = PlanState(s.world_size)
-    admission = None if s.budget is None else Admission((1,) * s.world_size, (s.budget,) * s.world_size)
+    memory = None if s.budget is None else Admission((1,) * s.world_size, (s.budget,) * s.world_size)
+    admission = None if memory is None and s.max_rows is None else AdmissionLimits(memory, s.max_rows)
     run = Run()
     decoding: dict[int, list[int]] = {}  # uid -> [reserve, tokens left]
     jobs = {i: Job(i, positions, positions + 1 + tokens) for i, (_, positions, tokens) in enumerate(s.arrivals)}
@@ -172,6 +176,14 @@ def test_admitted_requests_always_fit_the_budget(s: Scenario) -> None:
     assert s.budget is not None
     for reserves in run.peaks:  # decoding and admitted requests after each tick's decisions (left-padded batch)
         assert not reserves or len(reserves) * max(reserves) <= s.budget, reserves
+
+
+@settings(deadline=None)
+@given(scenarios.filter(lambda s: s.max_rows is not None))
+def test_no_more_requests_than_the_row_limit_decode_or_prefill_at_once(s: Scenario) -> None:
+    run = drive(s)
+    assert s.max_rows is not None
+    assert all(len(reserves) <= s.max_rows for reserves in run.peaks), run.peaks
 
 
 def test_the_simulator_finds_a_swapped_order_and_a_missing_receive() -> None:

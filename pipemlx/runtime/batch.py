@@ -36,16 +36,21 @@ again). Greedy tokens of each request equal a solo run of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+import contextlib
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import StopSequences
+from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import (
     Admission,
+    AdmissionLimits,
     Chunk,
     ChunkSizes,
     EqualCostChunks,
@@ -79,25 +84,34 @@ DEAD_ROW_INPUT = 0
 class Response:
     """One request's token from one :meth:`BatchGenerator.next` tick, the same on every rank.
 
+    The fields are those of mlx-lm's ``BatchGenerator`` responses, in its order.
     ``finish_reason`` is ``None`` while the request goes on, ``"length"`` when
-    it reached its ``max_tokens``, ``"stop"`` when ``token`` is one of the
-    generator's stop tokens, and ``"error"`` (``token`` is -1) when the model
-    raised on some rank while computing this request (its prefill chunk, or a
-    decode step of the batch it was in); in all three the request has left.
+    it reached its ``max_tokens``, ``"stop"`` when ``token`` ends one of its
+    stop sequences, and ``"error"`` (``token`` is -1) when the model raised
+    on some rank while computing this request (its prefill chunk, or a decode
+    step of the batch it was in); in all three the request has left.
 
-    ``prompt_cache``, on a ``"length"`` or ``"stop"`` response only (as in
-    mlx-lm's ``BatchGenerator``): this rank's per-layer caches of the finished
-    request, taken out of the batch — its prompt (with any reused prefix) and
-    every generated token but this last one, which was never fed back. Pass it
-    to :meth:`BatchGenerator.insert` with the next turn's tokens, starting with
+    ``logprobs``: on the last rank, the log-probabilities this token was
+    sampled from (``[vocabulary]``, after the request's logits processors),
+    computed only when read; ``None`` on the other ranks (they never see the
+    logits) and on an ``"error"`` response.
+
+    ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"``
+    response only (as in mlx-lm): this rank's per-layer caches of the
+    finished request, taken out of the batch, and the tokens they hold — its
+    ``all_tokens`` given at insert, its prompt and every generated token but
+    this last one, which was never fed back. Pass the cache to
+    :meth:`BatchGenerator.insert` with the next turn's tokens, starting with
     ``token``, to continue the conversation without prefilling it again.
     ``None`` otherwise (a failed request's cache may hold a stand-in's zeros).
     """
 
     uid: int
     token: int
-    finish_reason: FinishReason | None
+    logprobs: mx.array | None = field(default=None, compare=False)
+    finish_reason: FinishReason | None = None
     prompt_cache: list[Any] | None = None
+    all_tokens: list[int] | None = None
 
 
 @dataclass
@@ -106,6 +120,7 @@ class _Sequence:
     prompt: list[int]  # the tokens not in the cache at insert
     max_tokens: int
     sampler: Sampler | None
+    stop: StopSequences.Matcher  # where the request's generated tokens stand in its stop sequences
     processors: tuple[LogitsProcessor, ...] = ()
     prefix: int = 0  # positions the caller's cache held at insert (a reused prefix); UNCOUNTED: this rank can't tell
     generated: int = 0
@@ -114,6 +129,11 @@ class _Sequence:
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
+
+    @property
+    def held(self) -> list[int]:
+        """The tokens an active request's cache holds: ``all_tokens``, the prompt, the answer but its last token."""
+        return [*self.before, *self.prompt, *self.answer[:-1]]
 
     @property
     def reserve(self) -> int:
@@ -158,6 +178,10 @@ class BatchGenerator:
     longest reservation (prompt + ``max_tokens``), fits every rank's budget
     with it; requests start in order. A request that could never fit raises
     ``ValueError`` in :meth:`insert`.
+
+    ``completion_batch_size`` (as mlx-lm's): at most this many requests
+    decode or are prefilled at once; the others wait in the queue, in order.
+    ``None`` (the default; mlx-lm's is 32): no limit.
     """
 
     def __init__(
@@ -174,6 +198,7 @@ class BatchGenerator:
         prefill_chunking: Literal["fixed", "equal-cost"] = "fixed",
         timeout: float | None = None,
         memory_budget: int | None = None,
+        completion_batch_size: int | None = None,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -182,13 +207,13 @@ class BatchGenerator:
         chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget
         for name, value in (("prefill_step_size", prefill_step_size), ("prefill_chunk_tokens", chunk)):
             _check_positive(name, value)
-        if memory_budget is not None:
-            _check_positive("memory_budget", memory_budget)
+        for name, limit in (("memory_budget", memory_budget), ("completion_batch_size", completion_batch_size)):
+            if limit is not None:
+                _check_positive(name, limit)
         if prefill_chunking not in ("fixed", "equal-cost"):
             raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
-        self.stop_sequences = _stop_sequences(stop_tokens)
-        self.stop_tokens = frozenset(s[0] for s in self.stop_sequences if len(s) == 1)
+        self.stop_sequences = _stop_sequences(stop_tokens, "stop_tokens")
         self.sampler = sampler
         self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
         self.prefill_step_size = prefill_step_size
@@ -207,6 +232,14 @@ class BatchGenerator:
         self.admission: Admission | None = (
             None if memory_budget is None else exchange_admission(model, self.stage, memory_budget, self.timeout)
         )
+        self.completion_batch_size = completion_batch_size
+        self._limits = (
+            None
+            if self.admission is None and completion_batch_size is None
+            else AdmissionLimits(self.admission, completion_batch_size)
+        )
+        self._counters = BatchCounters()
+        self._logprobs: mx.array | None = None  # the last tick's, on the last rank: read by its responses
         self.chunk_sizes: int | ChunkSizes = chunk
         if prefill_chunking == "equal-cost":
             self.chunk_sizes = EqualCostChunks(chunk, calibrated(model, self.stage, self.timeout).layer)
@@ -244,13 +277,15 @@ class BatchGenerator:
         self,
         prompts: Sequence[Sequence[int]],
         max_tokens: Sequence[int] | int | None = None,
-        samplers: Sequence[Sampler | None] | None = None,
         caches: Sequence[list[Any] | None] | None = None,
-        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
         all_tokens: Sequence[Sequence[int] | None] | None = None,
+        samplers: Sequence[Sampler | None] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
+        stop_sequences: Sequence[StopSequences | Iterable[int | Sequence[int]] | None] | None = None,
     ) -> list[int]:
         """Queue ``prompts`` (token ids); return their uids. Nothing is sent: the next ticks prefill them.
 
+        The arguments are mlx-lm's ``BatchGenerator.insert``'s, in its order.
         ``max_tokens`` is one int for all or one per prompt (default: the
         generator's); ``samplers`` one per prompt (``None`` entries: the
         default). ``caches`` reuses prefixes per request: ``caches[i]`` is
@@ -270,10 +305,14 @@ class BatchGenerator:
         request's tokens so far (``all_tokens[i]``, then the prompt, then the
         tokens generated before this one) and its ``[1, vocabulary]`` logits.
         ``all_tokens[i]`` names the tokens a reused cache holds (seen by the
-        processors only; default none). Raises ``ValueError`` for an empty
-        prompt, a bad count, a cache that does not fit the model or a request
-        that could never fit the memory budget, on every rank alike, before
-        anything changes.
+        processors, and handed back with the cache; default none).
+        ``stop_sequences`` is one entry per prompt: mlx-lm's
+        ``StopSequences``, or token ids and sequences of them as the
+        generator's ``stop_tokens`` takes (``None``: the generator's); they
+        replace the generator's for that request. Raises ``ValueError`` for an
+        empty prompt, a bad count, a cache that does not fit the model or a
+        request that could never fit the memory budget, on every rank alike,
+        before anything changes.
         """
         count = len(prompts)
         limits = (
@@ -291,12 +330,17 @@ class BatchGenerator:
             else [tuple(p or ()) for p in logits_processors]
         )
         earlier = [[] if t is None else [int(x) for x in t] for t in all_tokens or [None] * count]
+        stops = [
+            self.stop_sequences if s is None else s if isinstance(s, StopSequences) else _stop_sequences(s)
+            for s in (stop_sequences or [None] * count)
+        ]
         lengths = {
             "max_tokens": len(limits),
             "samplers": len(chosen),
             "caches": len(given),
             "logits_processors": len(processors),
             "all_tokens": len(earlier),
+            "stop_sequences": len(stops),
         }
         wrong = {name: n for name, n in lengths.items() if n != count}
         if wrong:
@@ -316,13 +360,14 @@ class BatchGenerator:
                 prompt,
                 limit,
                 sampler,
+                stop.matcher(),
                 processors=chain,
                 before=before,
                 prefix=0 if cache is None else counted_offset(cache),
                 cache=cache,
             )
-            for uid, prompt, limit, sampler, cache, chain, before in zip(
-                uids, tokens, limits, chosen, given, processors, earlier
+            for uid, prompt, limit, sampler, cache, chain, before, stop in zip(
+                uids, tokens, limits, chosen, given, processors, earlier, stops
             )
         ]
         if self.admission is not None and any(c is not None for c in given):
@@ -390,13 +435,35 @@ class BatchGenerator:
         self._compact_if_worth_it()
         return handed_back
 
+    def extract_cache(self, uids: Iterable[int]) -> dict[int, tuple[list[Any] | None, list[int]]]:
+        """``{uid: (cache, tokens)}`` of requests that stay in the generator (as mlx-lm's ``extract_cache``).
+
+        An active request's cache is a copy of its batch row and ``tokens``
+        what it holds (``all_tokens``, the prompt, the answer but its last
+        token); a queued request's prefill is under way, so its cache is
+        ``None`` (``tokens``: ``all_tokens`` and the prompt positions every
+        rank prefilled). Unknown uids are left out. Nothing is sent.
+        """
+        found: dict[int, tuple[list[Any] | None, list[int]]] = {}
+        for uid in uids:
+            sequence = self._sequences.get(uid)
+            if sequence is None:
+                continue
+            row = next((i for i, s in enumerate(self._rows) if s is sequence), None)
+            if row is None:
+                found[uid] = None, [*sequence.before, *sequence.prompt[: sequence.filled]]
+            else:
+                found[uid] = self._extract(row), sequence.held
+        self._settle_extracted([c for c, _ in found.values() if c is not None])
+        return found
+
     def _handed_back(self, sequence: _Sequence) -> tuple[list[Any] | None, list[int]]:
         """A request's caches and the tokens they hold, for :meth:`remove` (before it forgets the request)."""
         row = next((i for i, s in enumerate(self._rows) if s is sequence), None)
         if row is not None:
             cache = self._extract(row)
             self._settle_extracted([cache])
-            return cache, [*sequence.before, *sequence.prompt, *sequence.answer[:-1]]
+            return cache, sequence.held
         tokens = [*sequence.before, *sequence.prompt[: sequence.filled]]
         cache = sequence.cache
         if cache is None:
@@ -415,14 +482,17 @@ class BatchGenerator:
         Returns the decode step's :class:`Response` per active request (and an
         ``"error"`` response per request that failed in the tick); the same
         on every rank. ``[]`` when nothing is active: a tick that only
-        prefilled, or nothing at all to do (then nothing is sent).
+        prefilled, or nothing at all to do (then nothing is sent). (mlx-lm's
+        ``BatchGenerator.next`` returns these as the second of a pair, after
+        its prompt-progress responses; :meth:`next_generated` is mlx-lm's.)
         """
         stage = self.stage
         stage.settle(self.timeout)
         if self._plan.idle() and not self._rows:
             return []
+        started = time.perf_counter()
         tick, after = self._plan_tick()
-        if self._dead_rows() and self.admission is not None and self._plan.queue and tick.chunks[0] is None:
+        if self._dead_rows() and self._limits is not None and self._plan.queue and tick.chunks[0] is None:
             self._compact()  # the dead rows may hold back a queued request: free them and plan again
             tick, after = self._plan_tick()
         self._join(tick.joins)
@@ -440,6 +510,7 @@ class BatchGenerator:
             chunk_cache=self._chunk_cache,
             sample=self._sample,
         )
+        self._logprobs = None
         outcome = self._runner.run(work)
         self._plan = after
         done = tick.chunks[-1]
@@ -457,23 +528,82 @@ class BatchGenerator:
             sequence.generated += 1
             sequence.answer.append(token)
             reason: FinishReason | None = None
-            if token in self.stop_tokens or self._ends_in_a_stop(sequence.answer):
+            if sequence.stop.advance(token):
                 reason = "stop"
             elif sequence.max_tokens != -1 and sequence.generated >= sequence.max_tokens:
                 reason = "length"
             prompt_cache = None if reason is None else self._extract(i)
             if prompt_cache is not None:
                 extracted.append(prompt_cache)
-            responses.append(Response(sequence.uid, token, reason, prompt_cache))
-        responses.extend(Response(uid, -1, "error") for uid in sorted(failed) if uid in self._sequences)
+            responses.append(
+                Response(
+                    sequence.uid,
+                    token,
+                    logprobs=None if self._logprobs is None else self._logprobs[i],
+                    finish_reason=reason,
+                    prompt_cache=prompt_cache,
+                    all_tokens=None if reason is None else sequence.held,
+                )
+            )
+        responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._sequences)
         self._settle_extracted(extracted)
         self._inputs = [DEAD_ROW_INPUT if s.done else t for s, t in zip(self._rows, outcome.tokens)]
         self.remove({r.uid for r in responses if r.finish_reason is not None})
+        self._count(tick, responses, time.perf_counter() - started)
         return responses
 
-    def _ends_in_a_stop(self, answer: list[int]) -> bool:
-        """Whether ``answer`` (a request's generated tokens) ends with a stop sequence of several tokens."""
-        return any(len(s) > 1 and tuple(answer[-len(s) :]) == s for s in self.stop_sequences)
+    def next_generated(self) -> list[Response]:
+        """Run ticks until one decodes (as mlx-lm's ``next_generated``): its responses, or ``[]`` with nothing to do."""
+        while True:
+            responses = self.next()
+            if responses or (self._plan.idle() and not self._rows):
+                return responses
+
+    def _count(self, tick: Tick, responses: list[Response], seconds: float) -> None:
+        """Add a tick to the counters :meth:`stats` reads (a tick that decodes counts as decode time)."""
+        counters = self._counters
+        done = tick.chunks[-1]
+        counters.prompt_tokens += 0 if done is None else done.length
+        if any(r.finish_reason != "error" for r in responses):
+            counters.generation_tokens += sum(1 for r in responses if r.finish_reason != "error")
+            counters.generation_steps += 1
+            counters.decode_time += seconds
+        else:
+            counters.prompt_time += seconds
+
+    @contextlib.contextmanager
+    def stats(self) -> Generator[BatchStats]:
+        """The work done while the block runs, as mlx-lm's ``BatchGenerator.stats()`` reports it.
+
+        Yields mlx-lm's ``BatchStats``, filled in on leaving the block:
+        ``prompt_tokens`` counts prompt positions every rank prefilled (a
+        reused prefix is not counted), ``generation_tokens`` the tokens
+        returned and ``generation_steps`` the ticks that returned any. A tick
+        computes a decode step and prefill chunks at once: its time counts as
+        ``decode_time`` when it returned tokens, else as ``prompt_time``.
+        ``peak_memory`` is this process's (GB).
+        """
+        stats = BatchStats()
+        start = BatchCountersSnapshot(**asdict(self._counters))
+        try:
+            yield stats
+        finally:
+            stats += BatchCountersSnapshot.between(start, BatchCountersSnapshot(**asdict(self._counters)))
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        """Bytes of KV cache this rank holds: the batch caches (dead rows included) and the queued prompts'."""
+        held = [*self._cache, *(c for s in self._sequences.values() if s.cache is not None for c in s.cache)]
+        return sum(int(c.nbytes) for c in held)
+
+    def close(self) -> None:
+        """Drop every request (as :meth:`remove` does) and free the batch caches; nothing is sent.
+
+        Call it on every rank alike. The generator stays usable: later
+        requests start from an empty batch.
+        """
+        self.remove(list(self._sequences))
+        self._compact()
 
     def _plan_tick(self) -> tuple[Tick, PlanState]:
         # Dead rows keep their reservation until compacted: their cache positions are still held.
@@ -482,7 +612,7 @@ class BatchGenerator:
             [s.reserve for s in self._rows],
             self.chunk_sizes,
             self.prefill_step_size,
-            self.admission,
+            self._limits,
         )
 
     def _chunk_cache(self, chunk: Chunk) -> list[Any]:
@@ -594,11 +724,12 @@ class BatchGenerator:
     def _sample(self, logits: mx.array) -> mx.array:
         """Sample every row with its request's sampler (one batched call when all rows share one).
 
-        Samplers get log-probabilities, as mlx-lm's do. An all-greedy batch
-        takes the argmax of the logits instead: the same tokens (the
-        log-softmax only shifts each row), without a vocabulary-wide
-        ``logsumexp`` per row (measured on the CPU backend at 32000 entries:
-        about 1.2 ms a row, 10 ms of a 50 ms tick at 8 rows).
+        Samplers get log-probabilities, as mlx-lm's do; they are kept (lazily)
+        for the responses. An all-greedy batch takes the argmax of the logits
+        instead: the same tokens (the log-softmax only shifts each row), and
+        the vocabulary-wide ``logsumexp`` per row (measured on the CPU backend
+        at 32000 entries: about 1.2 ms a row, 10 ms of a 50 ms tick at 8 rows)
+        is computed only if a response's ``logprobs`` is read.
 
         Dead rows (their tokens are ignored) are left out of every sampler
         call: a sampler may keep state (a seeded request's random key), so it
@@ -607,14 +738,15 @@ class BatchGenerator:
         row at a time, as mlx-lm's ``BatchGenerator`` does.
         """
         logits = self._processed(logits)
+        logprobs = self._logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         samplers = [s.sampler or self.sampler for s in self._active]
         if all(s is None for s in samplers):
             return _greedy(logits)
         live = [i for i, s in enumerate(self._rows) if not s.done]
         if len(live) == len(self._rows):
-            return _sample_rows(logits, samplers)
+            return _sample_rows(logprobs, samplers)
         index = mx.array(live)
-        sampled = _sample_rows(logits[index], samplers)
+        sampled = _sample_rows(logprobs[index], samplers)
         tokens = mx.zeros((len(self._rows),), dtype=sampled.dtype)
         tokens[index] = sampled
         return tokens
@@ -634,9 +766,8 @@ class BatchGenerator:
         return mx.concatenate(rows, axis=0)
 
 
-def _sample_rows(logits: mx.array, samplers: list[Sampler | None]) -> mx.array:
-    """Row ``i`` of ``logits`` sampled with ``samplers[i]`` (``None``: greedy); one call when all are one."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+def _sample_rows(logprobs: mx.array, samplers: list[Sampler | None]) -> mx.array:
+    """Row ``i`` of ``logprobs`` sampled with ``samplers[i]`` (``None``: greedy); one call when all are one."""
     first = samplers[0]
     if all(s is first for s in samplers):
         sampled = _greedy(logprobs) if first is None else first(logprobs)
@@ -705,15 +836,15 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _stop_sequences(stop_tokens: Iterable[int | Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """``stop_tokens`` as token sequences (an int is a sequence of one); ``ValueError`` for an empty one."""
-    sequences: list[tuple[int, ...]] = []
-    for entry in stop_tokens:
-        sequence = (int(entry),) if isinstance(entry, int) else tuple(int(t) for t in entry)
+def _stop_sequences(entries: Iterable[int | Sequence[int]], name: str = "stop_sequences") -> StopSequences:
+    """Token ids and sequences of them (an int is a sequence of one) as mlx-lm's matcher; an empty one refused."""
+    sequences: list[list[int]] = []
+    for entry in entries:
+        sequence = [int(entry)] if isinstance(entry, int) else [int(t) for t in entry]
         if not sequence:
-            raise ValueError("stop_tokens holds an empty sequence; every stop sequence needs at least one token")
+            raise ValueError(f"{name} holds an empty sequence; every stop sequence needs at least one token")
         sequences.append(sequence)
-    return tuple(sequences)
+    return StopSequences(sequences)
 
 
 def _check_positive(name: str, value: object) -> None:

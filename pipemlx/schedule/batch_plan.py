@@ -118,6 +118,26 @@ class Admission:
         return all(positions * b <= limit for b, limit in zip(self.bytes_per_position, self.budget))
 
 
+class Admits(Protocol):
+    """Whether requests reserving ``reserves`` positions may all be in the batch at once."""
+
+    def fits(self, reserves: Sequence[int]) -> bool: ...
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """A memory budget (:class:`Admission`, or none) and a most rows at once (mlx-lm's ``completion_batch_size``)."""
+
+    memory: Admission | None = None
+    rows: int | None = None
+
+    def fits(self, reserves: Sequence[int]) -> bool:
+        """Whether requests reserving ``reserves`` positions fit both limits."""
+        if self.rows is not None and len(reserves) > self.rows:
+            return False
+        return self.memory is None or self.memory.fits(reserves)
+
+
 @dataclass(frozen=True)
 class PlanState:
     """What every rank knows between two ticks.
@@ -226,7 +246,7 @@ def plan_tick(
     decoding: Sequence[int],
     chunk_tokens: int | ChunkSizes,
     lone_chunk_tokens: int | None = None,
-    admission: Admission | None = None,
+    admission: Admits | None = None,
 ) -> tuple[Tick, PlanState]:
     """The next tick and the state after it.
 
@@ -236,8 +256,9 @@ def plan_tick(
     gives for where the chunk starts; ``lone_chunk_tokens`` when no
     request decodes or joins in the tick: a lone prompt is prefilled in
     larger chunks); rank ``r`` computes what rank ``r - 1`` computed in the
-    last tick. A request starts only when ``admission`` admits it together with
-    everything decoding and prefilling; requests start in order, so one that
+    last tick. A request starts only when ``admission`` (an :class:`Admission`
+    or :class:`AdmissionLimits`) admits it together with everything decoding
+    and prefilling; requests start in order, so one that
     waits holds back those behind it. A request with no positions to prefill
     is ready at once. Pure: the same arguments give the same tick everywhere.
     """

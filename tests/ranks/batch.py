@@ -24,6 +24,8 @@ gets the default); the solo runs then use the same processors. "all_tokens": {re
 request's processors its first n prompt tokens as `all_tokens`, with only the rest of the prompt inserted,
 on a cache holding those n (as "prefixes" does).
 
+Or {"parity": true, "step_size", "chunk"}: mlx-lm's BatchGenerator API on a sharded model (run_parity).
+
 Or {"scenarios": {name: spec, ...}}: several such specs (none with "kill" or "stall") one after the other on
 one group, each with its own sharded model and generator, reported as {"rank", "scenarios": {name: report}};
 one launch instead of one per spec saves every rank's start-up. Solo runs are computed once per
@@ -39,7 +41,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import StopSequences, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -258,6 +260,101 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     return report
 
 
+def run_parity(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator API: insert's argument order and per-request stop sequences, completion_batch_size,
+    logprobs, all_tokens, extract_cache, next_generated, stats, prompt_cache_nbytes and close.
+
+    Requests A, B, C, D (all inserted at once, at most 2 at a time): A overrides the generator's stop token with
+    none, B stops at a token of its own (ids), C at a two-token sequence of its own (an mlx-lm StopSequences),
+    D keeps the generator's. B's cache is extracted mid-decode (it goes on). Then E is inserted, prefilled one
+    tick and closed; F, inserted after, runs alone.
+    """
+    step = spec["step_size"]
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), group)
+    lengths, limits = [9, 17, 12, 5], [8, 10, 7, 6]
+    prompts = [prompt_of(m) for m in lengths]
+    solo = [solo_run("llama", p, n, step) for p, n in zip(prompts, limits)]
+    default = [solo[0][2]]
+    own: list[Any] = [[], [solo[1][4]], StopSequences([solo[2][2:4]]), None]
+    engine = pipemlx.BatchGenerator(
+        model, prefill_step_size=step, prefill_chunk_tokens=spec["chunk"], stop_tokens=default, completion_batch_size=2
+    )
+    last = group.rank() == group.size() - 1
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    finish: dict[int, str | None] = {}
+    held_ok: dict[int, bool] = {}
+    logprobs: list[list[float]] = []
+    busy: list[int] = []  # per call: requests decoding or being prefilled
+    extracted: dict[str, Any] = {}
+    with engine.stats() as stats:
+        uids = engine.insert(prompts, limits, None, None, None, None, own)  # mlx-lm's positional order
+        index = {u: i for i, u in enumerate(uids)}
+        calls = 0
+        while len(engine):
+            responses = engine.next_generated()
+            calls += 1
+            busy.append(len(engine.active_uids) + sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+            for r in responses:
+                i = index[r.uid]
+                tokens[i].append(r.token)
+                if i == 0 and len(logprobs) < 3:
+                    logprobs.append([] if r.logprobs is None else r.logprobs.tolist())  # pyright: ignore[reportArgumentType]
+                if r.finish_reason is not None:
+                    finish[i] = r.finish_reason
+                    held_ok[i] = r.all_tokens == prompts[i] + tokens[i][:-1]
+            if len(tokens[1]) == 3 and not extracted:
+                ((cache, held),) = engine.extract_cache([uids[1]]).values()
+                extracted = {
+                    "positions": None if cache is None else cache_offset(cache),
+                    "held": held == prompts[1] + tokens[1][:-1],
+                    "count": len(held),
+                }
+    solo_logprobs = [
+        lp.tolist()
+        for _, lp in generate_step(
+            mx.array(prompts[0]), solo_run.references["llama"], prefill_step_size=step, max_tokens=3
+        )
+    ]
+    late = [prompt_of(m) for m in (30, 11)]
+    engine.insert([late[0]], [4])
+    engine.next()
+    holding = engine.prompt_cache_nbytes
+    engine.close()
+    after_close = (len(engine), engine.prompt_cache_nbytes)
+    engine.insert([late[1]], [5])
+    alone: list[int] = []
+    while len(engine):
+        alone += [r.token for r in engine.next()]
+    return {
+        "rank": group.rank(),
+        "last": last,
+        "tokens": [tokens[i] for i in range(4)],
+        "solo": solo,
+        "default": default,
+        "own": [None if o is None else (o if isinstance(o, list) else solo[2][2:4]) for o in own],
+        "finish": [finish.get(i) for i in range(4)],
+        "held_ok": [held_ok.get(i) for i in range(4)],
+        "busy": busy,
+        "calls": calls,
+        "logprobs_gap": max(
+            (max(abs(a - b) for a, b in zip(mine, theirs)) for mine, theirs in zip(logprobs, solo_logprobs) if mine),
+            default=None,
+        ),
+        "logprobs_given": [bool(lp) for lp in logprobs],
+        "extracted": extracted,
+        "stats": {
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+            "generation_steps": stats.generation_steps,
+            "times": [stats.prompt_time, stats.decode_time, stats.wall_time],
+        },
+        "holding": holding,
+        "after_close": list(after_close),
+        "alone": alone,
+        "alone_solo": solo_run("llama", late[1], 5, step),
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     group = init_group()
@@ -265,7 +362,7 @@ def main() -> None:
     if "scenarios" in spec:
         reports: dict[str, dict[str, Any]] = {}
         for name, scenario in spec["scenarios"].items():
-            reports[name] = run(scenario, group, solo_run)
+            reports[name] = (run_parity if scenario.get("parity") else run)(scenario, group, solo_run)
             mx.synchronize()
             mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before the next
         failed = {name: r for name, r in reports.items() if "error" in r}
