@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import run_ranks
 from fakes import FakeGroup, sharded_tiny, tokens
@@ -78,6 +79,12 @@ def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exce
     assert list(model.layers) == layers_before
     with pytest.raises(pipemlx.NotShardedError):
         pipemlx.stage_of(model)
+
+
+def test_numpy_split_is_accepted() -> None:
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
+    assert pipemlx.stage_of(model).split == (4, 2)
+    assert len(model.layers) == 2
 
 
 def test_more_ranks_than_layers() -> None:
