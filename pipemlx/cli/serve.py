@@ -26,7 +26,16 @@ from typing import IO
 
 from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
-from .common import UserError, check_ranks, hostfile_rank, in_launched_rank, layer_counts, positive_float, positive_int
+from .common import (
+    UserError,
+    add_allow_unregistered,
+    check_ranks,
+    hostfile_rank,
+    in_launched_rank,
+    layer_counts,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
@@ -52,6 +61,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
+    add_allow_unregistered(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -157,7 +167,14 @@ def _as_rank(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         parent_pid=int(parent) if parent else None,
     )
-    options = RankOptions(args.model, settings, host=args.host, port=args.port, split=args.split)
+    options = RankOptions(
+        args.model,
+        settings,
+        host=args.host,
+        port=args.port,
+        split=args.split,
+        allow_unregistered=args.allow_unregistered,
+    )
     if args.ranks is not None and in_launched_rank():
         options.expected_ranks = args.ranks
     return run_rank(options)

@@ -69,6 +69,7 @@ class RankOptions:
     port: int = 8080
     split: list[int] | None = None
     expected_ranks: int | None = None
+    allow_unregistered: bool = False
 
 
 def run_rank(options: RankOptions) -> int:
@@ -87,10 +88,19 @@ def run_rank(options: RankOptions) -> int:
         print(f"pipemlx serve: error: rank 0 needs the serve extra: {INSTALL_HINT}", file=sys.stderr)
         os._exit(2)  # the other ranks notice the lost peer and exit
     try:
-        model, tokenizer = load_sharded(options.model_dir, group, split=options.split, timeout=settings.timeout)
+        model, tokenizer = load_sharded(
+            options.model_dir,
+            group,
+            split=options.split,
+            timeout=settings.timeout,
+            allow_unregistered=options.allow_unregistered,
+        )
     except (ValueError, OSError) as exc:
         print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)
         os._exit(2)
+    except PipelineError as exc:  # an architecture it refuses, a group that fails while sharding: as generate says it
+        print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        os._exit(1)
     engine = Engine(model, tokenizer, group, settings)
     try:
         engine.start()
