@@ -99,6 +99,9 @@ class Reference:
         return self.text(self.generate(prompt, max_tokens, **kwargs))
 
 
+BROWSER_ORIGIN = "http://localhost:3000"
+
+
 @pytest.fixture(scope="module")
 def ref() -> Reference:
     return Reference()
@@ -106,7 +109,7 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY) as process:
+    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY, "--cors-origin", BROWSER_ORIGIN) as process:
         yield process
 
 
@@ -509,6 +512,23 @@ def test_bad_requests_get_openai_error_bodies_and_reach_no_rank(server: ServePro
         good.chat.completions.create(model="gpt-9", messages=CHAT)  # pyright: ignore
     with pytest.raises(openai.BadRequestError):
         good.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0)  # pyright: ignore
+
+
+def test_a_page_of_the_cors_origin_may_call_the_api(server: ServeProcess) -> None:
+    """--cors-origin reaches rank 0's app: a browser's preflight passes (it carries no key), answers carry the
+    origin; a page of another origin gets no CORS header, so its browser withholds the answer."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    ok = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": BROWSER_ORIGIN, **preflight})
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    models = httpx.get(server.url + "/v1/models", headers={"Origin": BROWSER_ORIGIN, **AUTH})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    other = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 def test_serve_without_the_extra_says_what_to_install(

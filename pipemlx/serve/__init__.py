@@ -70,6 +70,8 @@ class RankOptions:
     split: list[int] | None = None
     expected_ranks: int | None = None
     allow_unregistered: bool = False
+    cors_origins: tuple[str, ...] = ()
+    """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
 
 def run_rank(options: RankOptions) -> int:
@@ -140,7 +142,7 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRun
     leader = Leader(engine, settings) if runner is None else BatchLeader(engine, settings, runner)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(leader, tokenizer, settings, context)
-    http = HttpThread(api.app(), options.host, options.port)
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
         leader.stopping.set()
