@@ -9,6 +9,24 @@ import mlx.core as mx
 from pipemlx import shard_model
 from pipemlx.testing import build_model, tiny_config
 
+# helium is not in pipemlx's registry: a model that needs allow_unregistered=True.
+HELIUM_TIED = {
+    "model_type": "helium",
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 256,
+    "attention_bias": False,
+    "head_dim": 16,
+    "max_position_embeddings": 4096,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
 
 class FakeGroup:
     """Answers rank() and size(); any real communication through it fails loudly."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from fakes import HELIUM_TIED
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load
@@ -20,6 +21,7 @@ from pipemlx.cli import split as split_command
 from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
+from pipemlx.testing import build_model, save_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 180
@@ -139,6 +141,20 @@ def test_split_hands_its_arguments_over(
     monkeypatch.setattr(split_command, "main", split_main)
     code, _ = run_cli(capsys, command, "DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB")
     assert code == 7 and seen == [(["DIR", "--ranks", "3", "--memory", "24GB,16GB,8GB"], f"pipemlx {command}")]
+
+
+def test_generate_allow_unregistered_reaches_load_sharded(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One rank in this process: an unregistered architecture is refused naming the flag, and runs with it."""
+    path = save_model_dir(build_model(dict(HELIUM_TIED)), HELIUM_TIED, tmp_path / "helium")
+    argv = ["generate", "--ranks", "1", "--model", str(path), "--prompt", "t1 t2 t3 t4 t5 t6", "--max-tokens", "3"]
+    code, err = run_cli(capsys, *argv, "--temp", "0", "--json")
+    assert code == 1 and "is not an architecture pipemlx has been verified on" in err, err
+    assert "--allow-unregistered to pipemlx generate / pipemlx serve" in err
+    code = cli.main([*argv, "--temp", "0", "--json", "--allow-unregistered"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["ranks"] == 1 and report["split"] == [4] and report["tokens"]
 
 
 def test_a_subprocess_error_has_no_traceback() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import run_ranks
-from fakes import FakeGroup
+from fakes import HELIUM_TIED, FakeGroup
 from mlx_lm.convert import convert
 
 import pipemlx
@@ -121,24 +121,6 @@ def test_load_sharded_on_a_fake_rank_keeps_its_layers(small_models: dict[str, Pa
     assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
     with pytest.raises(ValueError, match=r"split \[1, 2\] has 2 entries but the group has 3 ranks"):
         pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), split=[1, 2])
-
-
-HELIUM_TIED = {
-    "model_type": "helium",
-    "hidden_size": 64,
-    "num_hidden_layers": 4,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 256,
-    "attention_bias": False,
-    "head_dim": 16,
-    "max_position_embeddings": 4096,
-    "mlp_bias": False,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-}
 
 
 def test_load_sharded_passes_allow_unregistered_on(tmp_path: Path) -> None:

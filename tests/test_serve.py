@@ -12,6 +12,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+from fakes import HELIUM_TIED
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load
@@ -96,6 +99,9 @@ class Reference:
         return self.text(self.generate(prompt, max_tokens, **kwargs))
 
 
+BROWSER_ORIGIN = "http://localhost:3000"
+
+
 @pytest.fixture(scope="module")
 def ref() -> Reference:
     return Reference()
@@ -103,7 +109,7 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY) as process:
+    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY, "--cors-origin", BROWSER_ORIGIN) as process:
         yield process
 
 
@@ -508,6 +514,23 @@ def test_bad_requests_get_openai_error_bodies_and_reach_no_rank(server: ServePro
         good.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=0)  # pyright: ignore
 
 
+def test_a_page_of_the_cors_origin_may_call_the_api(server: ServeProcess) -> None:
+    """--cors-origin reaches rank 0's app: a browser's preflight passes (it carries no key), answers carry the
+    origin; a page of another origin gets no CORS header, so its browser withholds the answer."""
+    preflight = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    ok = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": BROWSER_ORIGIN, **preflight})
+    assert ok.status_code == 200, ok.text
+    assert ok.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    assert "authorization" in ok.headers["access-control-allow-headers"].lower()
+    models = httpx.get(server.url + "/v1/models", headers={"Origin": BROWSER_ORIGIN, **AUTH})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == BROWSER_ORIGIN
+    other = httpx.options(server.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
 def test_serve_without_the_extra_says_what_to_install(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -517,6 +540,45 @@ def test_serve_without_the_extra_says_what_to_install(
     assert cli.main(["serve", "--ranks", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pipemlx serve: error: needs the serve extra (uvicorn missing)") and "pipemlx[serve]" in err
+
+
+class _Loaded(Exception):
+    """Raised by a stand-in load_sharded once it has seen its arguments."""
+
+
+@pytest.mark.parametrize("flag", [[], ["--allow-unregistered"]])
+def test_serve_hands_allow_unregistered_to_load_sharded(monkeypatch: pytest.MonkeyPatch, flag: list[str]) -> None:
+    """One rank in this process, up to load_sharded (which stops it): the flag is passed on, off by default."""
+    import pipemlx.serve
+
+    seen: list[bool] = []
+
+    def load_sharded(*args: Any, allow_unregistered: bool = False, **kwargs: Any) -> Any:
+        seen.append(allow_unregistered)
+        raise _Loaded
+
+    monkeypatch.setattr(pipemlx.serve, "load_sharded", load_sharded)
+    with pytest.raises(_Loaded):
+        cli.main(["serve", "--ranks", "1", *flag])
+    assert seen == [bool(flag)]
+
+
+def test_serve_refuses_an_unregistered_architecture_naming_the_flag(tmp_path: Path) -> None:
+    """One rank, in a subprocess (a rank that cannot load exits the process): one line, no traceback."""
+    path = save_model_dir(build_model(dict(HELIUM_TIED)), HELIUM_TIED, tmp_path / "helium")
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", "serve", "--ranks", "1", "--model", str(path), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("pipemlx serve: rank 0: PipelineError: mlx_lm.models.helium is not an"), (
+        result.stderr
+    )
+    assert "--allow-unregistered to pipemlx generate / pipemlx serve" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 # --- a rank that dies or stalls -----------------------------------------------------------------------------------

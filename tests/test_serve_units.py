@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -271,3 +271,58 @@ def test_a_request_sampler_draws_what_a_seeded_solo_run_draws(top_p: float) -> N
     solo = make_sampler(0.8, top_p=top_p)
     assert ours == [int(solo(logprobs).item()) for _ in range(40)]
     assert len(set(ours)) > 1  # the draws are random, not one token
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+@pytest.mark.parametrize(
+    "origins,origin,allowed",
+    [
+        ((), "http://localhost:3000", None),  # the default: no CORS header at all
+        (("http://localhost:3000",), "http://localhost:3000", "http://localhost:3000"),
+        (("https://a.example", "http://localhost:3000"), "http://localhost:3000", "http://localhost:3000"),
+        (("http://localhost:3000",), "http://localhost:3001", None),
+        (("*",), "https://anywhere.example", "*"),
+    ],
+)
+def test_cors_headers_only_for_the_given_origins(origins: tuple[str, ...], origin: str, allowed: str | None) -> None:
+    pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+    from starlette.testclient import TestClient
+
+    from pipemlx.serve.app import Api
+    from pipemlx.serve.engine import ServeSettings
+
+    api = Api(cast(Any, None), None, ServeSettings(model_id="m", api_key="key"), None)  # no request reaches a rank
+    client = TestClient(api.app(cors_origins=origins))
+    preflight = client.options("/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT})
+    assert preflight.headers.get("access-control-allow-origin") == allowed
+    assert preflight.status_code == (200 if allowed else 405 if not origins else 400)  # a preflight carries no key
+    answer = client.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer key"})
+    assert answer.status_code == 200 and answer.headers.get("access-control-allow-origin") == allowed
+    refused = client.get("/v1/models", headers={"Origin": origin})
+    assert refused.status_code == 401 and refused.headers.get("access-control-allow-origin") == allowed
+
+
+@pytest.mark.parametrize(
+    "origin", ["http://localhost:3000/", "localhost:3000", "https://a.example/app", "HTTP://A.EXAMPLE"]
+)
+def test_a_cors_origin_that_no_browser_sends_is_refused(capsys: pytest.CaptureFixture[str], origin: str) -> None:
+    from pipemlx import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--cors-origin", origin])
+    assert exit_.value.code == 2
+    assert "--cors-origin: expected * or an origin as browsers send it" in capsys.readouterr().err
+
+
+def test_cors_origins_reach_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+    import pipemlx.serve
+    from pipemlx import cli
+
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(pipemlx.serve, "run_rank", lambda options: seen.append(options.cors_origins) or 0)
+    assert cli.main(["serve", "--ranks", "1"]) == 0
+    assert cli.main(["serve", "--ranks", "1", "--cors-origin", "*", "--cors-origin", "http://localhost:3000"]) == 0
+    assert seen == [(), ("*", "http://localhost:3000")]

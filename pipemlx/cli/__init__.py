@@ -42,6 +42,7 @@ from . import serve as serve_command
 from . import split as split_command
 from .common import (
     UserError,
+    add_allow_unregistered,
     check_ranks,
     hostfile_rank,
     in_launched_rank,
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
+    add_allow_unregistered(generate)
 
     serve_command.add_parser(commands)
 

@@ -52,6 +52,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def add_allow_unregistered(parser: argparse.ArgumentParser) -> None:
+    """The ``--allow-unregistered`` flag: ``load_sharded(..., allow_unregistered=True)`` on every rank."""
+    parser.add_argument(
+        "--allow-unregistered",
+        action="store_true",
+        help="shard an architecture pipemlx has not been verified on (load_sharded's allow_unregistered=True); "
+        "compare with one process before relying on it",
+    )
+
+
 def in_launched_rank() -> bool:
     """True when a launcher (pipemlx's, ``mlx.launch``, ``mpirun``) started this process as a rank."""
     return any(name in os.environ for name in RANK_VARIABLES)

@@ -73,7 +73,9 @@ def generate_rank(
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
     try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
-        model, tokenizer = load_sharded(args.model, group, split=args.split, timeout=args.timeout)
+        model, tokenizer = load_sharded(
+            args.model, group, split=args.split, timeout=args.timeout, allow_unregistered=args.allow_unregistered
+        )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
         return 2

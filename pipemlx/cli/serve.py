@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -26,7 +27,16 @@ from typing import IO
 
 from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
-from .common import UserError, check_ranks, hostfile_rank, in_launched_rank, layer_counts, positive_float, positive_int
+from .common import (
+    UserError,
+    add_allow_unregistered,
+    check_ranks,
+    hostfile_rank,
+    in_launched_rank,
+    layer_counts,
+    positive_float,
+    positive_int,
+)
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
@@ -52,6 +62,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
+    add_allow_unregistered(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -60,6 +71,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--api-key",
         default=os.environ.get("PIPEMLX_API_KEY"),
         help="require 'Authorization: Bearer KEY' (default: $PIPEMLX_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--cors-origin",
+        type=cors_origin,
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let pages from ORIGIN (like https://app.example.com, or * for any) call the API from a browser; "
+        "repeat for more (default: none, no CORS headers)",
     )
     serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429 (64)")
     serve.add_argument(
@@ -102,6 +122,24 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting (5)"
     )
+
+
+def cors_origin(text: str) -> str:
+    """argparse type: ``*`` or an origin as browsers send it: lower-case ``scheme://host[:port]``, nothing after."""
+    if text == "*":
+        return text
+    try:
+        parts = urllib.parse.urlsplit(text)
+        _ = parts.port  # ValueError for a port out of range
+        bare = bool(parts.hostname) and "@" not in parts.netloc and text == f"{parts.scheme}://{parts.netloc}"
+    except ValueError:
+        bare = False
+    if not bare or text != text.lower():
+        raise argparse.ArgumentTypeError(
+            "expected * or an origin as browsers send it, like https://app.example.com or http://localhost:3000 "
+            f"(lower case, no path, no trailing slash), got {text!r}"
+        )
+    return text
 
 
 def _step_size(text: str) -> int | str:
@@ -157,7 +195,15 @@ def _as_rank(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         parent_pid=int(parent) if parent else None,
     )
-    options = RankOptions(args.model, settings, host=args.host, port=args.port, split=args.split)
+    options = RankOptions(
+        args.model,
+        settings,
+        host=args.host,
+        port=args.port,
+        split=args.split,
+        allow_unregistered=args.allow_unregistered,
+        cors_origins=tuple(args.cors_origin),
+    )
     if args.ranks is not None and in_launched_rank():
         options.expected_ranks = args.ranks
     return run_rank(options)

@@ -266,7 +266,8 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
         known = ", ".join(sorted(m.rsplit(".", 1)[-1] for m in ARCHITECTURES))
         raise PipelineError(
             f"{type(model).__module__} is not an architecture pipemlx has been verified on (it covers: {known}); "
-            "pass allow_unregistered=True to shard_model (or load_sharded) to try it anyway"
+            "pass allow_unregistered=True to shard_model (or load_sharded), or --allow-unregistered to "
+            "pipemlx generate / pipemlx serve, to try it anyway"
         )
     if entry is None:
         suspicious = bookkeeping_attributes(owner)

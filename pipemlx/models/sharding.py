@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import PipelineError
+from ..runtime.caches import quantized_dims
 from ..runtime.calibrate import measure_speeds
 from ..runtime.edges import wrap_edge
 from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
@@ -218,6 +219,7 @@ def shard_model(
     local_caches = local_cache_factory(model, len(layers), local)
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
+    stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
 
     kept = layers[local.start : local.stop]
     setattr(owner, attribute, kept)

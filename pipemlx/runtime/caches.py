@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
+import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
 
@@ -47,6 +48,29 @@ def attach_dependency(cache: Any, array: mx.array) -> None:
         f"cannot tie the pipeline's send to a {type(cache).__name__} that holds no array yet; "
         "the last local layer must update its cache"
     )
+
+
+def quantized_dims(model: nn.Module) -> tuple[int, ...]:
+    """The last dimensions (sorted, distinct) of the keys and values that ``kv_bits`` would quantize.
+
+    Call it on the whole, unsharded model: one token goes through it on fresh
+    caches without being evaluated (MLX knows the shapes before computing
+    anything, so no weight is read), and every cache mlx-lm's
+    ``maybe_quantize_kv_cache`` would quantize (one with ``to_quantized``)
+    gives its keys' and values' widths. ``()`` when the model holds no such
+    cache or cannot be run that way.
+    """
+    try:
+        caches: list[Any] = make_prompt_cache(model)
+        model(mx.array([[0]], dtype=mx.int32), cache=caches)
+    except Exception:  # an architecture that cannot be probed this way keeps the plain check
+        return ()
+    dims: set[int] = set()
+    for cache in caches:
+        keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+        if hasattr(cache, "to_quantized") and isinstance(keys, mx.array) and isinstance(values, mx.array):
+            dims.update((keys.shape[-1], values.shape[-1]))
+    return tuple(sorted(dims))
 
 
 def cache_state(cache: list[Any]) -> list[Any]:

@@ -137,7 +137,7 @@ def generate_step(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
-    check_kv_quantization(kv_bits, kv_group_size)
+    check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -157,7 +157,7 @@ def prefill_before_decode(
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
-    check_kv_quantization(kv_bits, kv_group_size)
+    check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
             f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
@@ -235,10 +235,12 @@ def check_timeout(timeout: Any) -> None:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
 
 
-def check_kv_quantization(kv_bits: Any, kv_group_size: Any) -> None:
+def check_kv_quantization(kv_bits: Any, kv_group_size: Any, dims: Sequence[int] = ()) -> None:
     """Raise ``ValueError`` unless MLX can quantize with ``kv_bits`` and ``kv_group_size`` (``kv_bits=None``: off).
 
-    Checked on a tiny array before anything is sent, so that every rank raises the same error, rather than
+    Checked on a tiny array, and against ``dims`` (the model's cached key/value widths,
+    :attr:`PipelineStage.kv_dims <pipemlx.runtime.stage.PipelineStage.kv_dims>`, the same on every rank), which
+    ``kv_group_size`` must divide, before anything is sent: every rank raises the same error, rather than
     the first rank to quantize a cache failing mid-prefill and the others stopping with it.
     """
     if kv_bits is None:
@@ -252,6 +254,14 @@ def check_kv_quantization(kv_bits: Any, kv_group_size: Any) -> None:
         raise ValueError(
             f"cannot quantize the KV cache with kv_bits={kv_bits!r}, kv_group_size={kv_group_size!r}: {exc}"
         ) from exc
+    misfits = [d for d in dims if d % kv_group_size]
+    if misfits:
+        widths = " and ".join(map(str, dims))
+        raise ValueError(
+            f"cannot quantize the KV cache with kv_bits={kv_bits!r}, kv_group_size={kv_group_size!r}: "
+            f"kv_group_size must divide the model's head dimension ({widths}), and {kv_group_size} does not "
+            f"divide {' or '.join(map(str, misfits))}"
+        )
 
 
 def check_prompt(prompt: Any) -> mx.array:

@@ -74,6 +74,7 @@ class PipelineStage:
         self.broken: str | None = None
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
+        self.kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, for kv_group_size
         self._mode: SendMode = "immediate"
         self._detached = False
         self._broadcast = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 SPLIT_NAMES = ("even", "memory", "balanced")
@@ -30,7 +31,9 @@ def resolve_split(split: Sequence[int] | str | None, num_layers: int, world_size
     """Return the layers per rank, checking an explicit ``split`` against the model and the group.
 
     ``None`` and ``"even"`` mean :func:`even_split` (``"memory"`` is planned by
-    :mod:`pipemlx.schedule.memory_split`). Raises ``ValueError``/``TypeError`` naming the numbers.
+    :mod:`pipemlx.schedule.memory_split`). Integral numbers (NumPy's too) become
+    ``int``; bools, floats and non-numbers raise ``TypeError``, a bad count
+    ``ValueError``, both naming the numbers.
     """
     check_world(num_layers, world_size)
     if split is None or split == "even":
@@ -39,10 +42,11 @@ def resolve_split(split: Sequence[int] | str | None, num_layers: int, world_size
         raise TypeError(
             f"split must be a sequence of ints (layers per rank), {' or '.join(map(repr, SPLIT_NAMES))}, got {split!r}"
         )
-    values = tuple(split)
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(f"split must hold ints, got {v!r} in {list(values)}")
+    given = tuple(split)
+    for v in given:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TypeError(f"split must hold ints, got {v!r} in {list(given)}")
+    values = tuple(int(v) for v in given)
     if len(values) != world_size:
         raise ValueError(f"split {list(values)} has {len(values)} entries but the group has {world_size} ranks")
     if any(v < 1 for v in values):

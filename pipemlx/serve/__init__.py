@@ -69,6 +69,9 @@ class RankOptions:
     port: int = 8080
     split: list[int] | None = None
     expected_ranks: int | None = None
+    allow_unregistered: bool = False
+    cors_origins: tuple[str, ...] = ()
+    """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
 
 def run_rank(options: RankOptions) -> int:
@@ -87,10 +90,19 @@ def run_rank(options: RankOptions) -> int:
         print(f"pipemlx serve: error: rank 0 needs the serve extra: {INSTALL_HINT}", file=sys.stderr)
         os._exit(2)  # the other ranks notice the lost peer and exit
     try:
-        model, tokenizer = load_sharded(options.model_dir, group, split=options.split, timeout=settings.timeout)
+        model, tokenizer = load_sharded(
+            options.model_dir,
+            group,
+            split=options.split,
+            timeout=settings.timeout,
+            allow_unregistered=options.allow_unregistered,
+        )
     except (ValueError, OSError) as exc:
         print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)
         os._exit(2)
+    except PipelineError as exc:  # an architecture it refuses, a group that fails while sharding: as generate says it
+        print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        os._exit(1)
     engine = Engine(model, tokenizer, group, settings)
     try:
         engine.start()
@@ -130,7 +142,7 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRun
     leader = Leader(engine, settings) if runner is None else BatchLeader(engine, settings, runner)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(leader, tokenizer, settings, context)
-    http = HttpThread(api.app(), options.host, options.port)
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
         leader.stopping.set()

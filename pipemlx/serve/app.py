@@ -17,12 +17,14 @@ import hmac
 import json
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -59,7 +61,11 @@ class Api:
         self.context = context
         self.created = now()
 
-    def app(self) -> Starlette:
+    def app(self, *, cors_origins: Sequence[str] = ()) -> Starlette:
+        """The ASGI app; with ``cors_origins`` (``"*"`` for any) browsers on those origins may call it (CORS).
+
+        Without them no CORS header is sent, so browsers keep other origins' pages out.
+        """
         routes = [
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
@@ -67,7 +73,19 @@ class Api:
             Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
-        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._crash})
+        middleware = [
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["*"],  # Authorization (--api-key) and Content-Type among them
+            )
+        ]
+        return Starlette(
+            routes=routes,
+            middleware=middleware if cors_origins else None,
+            exception_handlers={HTTPException: self._http_error, Exception: self._crash},
+        )
 
     def _guard(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         """The API key check, and :class:`ApiError` as its JSON response."""
