@@ -64,6 +64,12 @@ UNEVEN_STEPS: list[dict[str, Any]] = [{"kind": "pipeline", "M": m, "step": 4} fo
 UNEVEN_STEPS.append({"kind": "plain", "M": 9, "step": 4})
 
 
+# shard_model(lend_mlp=True): each rank's last layer's feed-forward half runs on the next rank. Sliding layers
+# (llama_swa: each layer picks its mask by its use_sliding attribute), a rank of one layer that both borrows and
+# lends ([2, 1, 3]), a last rank of one layer ([2, 2, 1]).
+LENT = [("llama_swa", [2, 4]), ("qwen3", [3, 3]), ("llama", [2, 1, 3]), ("qwen2", [2, 2, 1])]
+
+
 def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
     """Every case that runs on ``num_ranks`` ranks, by name: the architectures, then the uneven splits."""
     cases = {arch: {"arch": arch, "seed": 3, "max_tokens": 6, "steps": scenario(num_ranks)} for arch in ARCHS}
@@ -74,6 +80,16 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "seed": 5,
                 "max_tokens": 5,
                 "split": split,
+                "steps": UNEVEN_STEPS,
+            }
+    for arch, split in LENT:
+        if len(split) == num_ranks:
+            cases[f"lent {arch} {split}"] = {
+                "arch": arch,
+                "seed": 7,
+                "max_tokens": 5,
+                "split": split,
+                "lend_mlp": True,
                 "steps": UNEVEN_STEPS,
             }
     return cases
@@ -107,4 +123,12 @@ def test_uneven_splits_match_single_device(
     case_reports: Callable[[int, str], list[dict[str, Any]]], split: list[int]
 ) -> None:
     reports = case_reports(len(split), f"split {split}")
+    assert check_reports(reports, len(split)) == len(split) * len(UNEVEN_STEPS)
+
+
+@pytest.mark.parametrize("arch,split", LENT)
+def test_cuts_inside_a_layer_match_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, split: list[int]
+) -> None:
+    reports = case_reports(len(split), f"lent {arch} {split}")
     assert check_reports(reports, len(split)) == len(split) * len(UNEVEN_STEPS)

@@ -43,10 +43,16 @@ HARMLESS = frozenset({"start_idx", "end_idx"})
 
 @dataclass(frozen=True)
 class Architecture:
-    """What pipelining one mlx-lm architecture needs."""
+    """What pipelining one mlx-lm architecture needs.
+
+    ``pre_norm_blocks``: its decoder blocks compute ``h = x + self_attn(input_layernorm(x))`` and then
+    ``h + mlp(post_attention_layernorm(h))``, so a cut may sit between the halves
+    (``shard_model(..., lend_mlp=True)``, :mod:`pipemlx.models.lending`).
+    """
 
     fixup: Fixup | None = None
     check: Check | None = None
+    pre_norm_blocks: bool = False
 
 
 def _first(layers: list[Any], predicate: Callable[[Any], bool], default: int | None) -> int | None:
@@ -223,14 +229,14 @@ def _nemotron_h(owner: Any, local: range) -> None:
 ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(
     {
         # Nothing to adjust: verified by tests/test_architectures.py.
-        "mlx_lm.models.qwen2": Architecture(),
-        "mlx_lm.models.qwen3": Architecture(),
+        "mlx_lm.models.qwen2": Architecture(pre_norm_blocks=True),
+        "mlx_lm.models.qwen3": Architecture(pre_norm_blocks=True),
         "mlx_lm.models.qwen3_moe": Architecture(),
         "mlx_lm.models.phi3": Architecture(),
         "mlx_lm.models.deepseek_v3": Architecture(),
         "mlx_lm.models.falcon_h1": Architecture(),
         # Bookkeeping over the whole layer list.
-        "mlx_lm.models.llama": Architecture(fixup=_llama),
+        "mlx_lm.models.llama": Architecture(fixup=_llama, pre_norm_blocks=True),
         "mlx_lm.models.gpt_oss": Architecture(fixup=_gpt_oss),
         "mlx_lm.models.gemma3_text": Architecture(fixup=_gemma3),
         # Not bookkeeping: mlx-lm's attention mishandles batch masks (found by the batch engine's tests).
@@ -280,6 +286,18 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
         return
     if entry.check is not None:
         entry.check(model, owner, local)
+
+
+def check_lendable(model: nn.Module) -> None:
+    """Raise :class:`PipelineError` unless ``model``'s blocks may be cut between their halves (``lend_mlp``)."""
+    entry = architecture_of(model)
+    if entry is None or not entry.pre_norm_blocks:
+        able = ", ".join(sorted(m.rsplit(".", 1)[-1] for m, a in ARCHITECTURES.items() if a.pre_norm_blocks))
+        raise PipelineError(
+            f"lend_mlp: {type(model).__module__}'s blocks are not verified to be plain pre-norm blocks (attention "
+            f"half, then feed-forward half), so their feed-forward half cannot move to the next rank; it can for: "
+            f"{able}"
+        )
 
 
 def apply_fixups(model: nn.Module, owner: nn.Module, local: range) -> None:

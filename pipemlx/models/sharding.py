@@ -11,13 +11,14 @@ import mlx.nn as nn
 
 from ..errors import PipelineError
 from ..runtime.caches import quantized_dims
-from ..runtime.calibrate import measure_speeds
+from ..runtime.calibrate import feed_forward_share, measure_speeds
 from ..runtime.edges import wrap_edge
 from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
-from .architectures import apply_fixups, check_architecture
+from .architectures import apply_fixups, check_architecture, check_lendable
+from .lending import lend_feed_forwards
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -150,6 +151,7 @@ def shard_model(
     kv_bits: int | None = None,
     step_size: int = 512,
     head: HeadPolicy = "all",
+    lend_mlp: bool = False,
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -186,6 +188,14 @@ def shard_model(
     ``generate_step`` needs the logits on every rank and is refused on the
     others). The default ``"all"`` keeps it on every rank.
 
+    ``lend_mlp=True`` cuts between the halves of each rank's last layer: its
+    feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`),
+    moving that much work from the first ranks (which also embed) to the last
+    one (whose last layer a prefill computes only up to its cache). Caches stay
+    with their layers. Only for architectures whose blocks are plain pre-norm
+    blocks (llama and mistral, qwen2, qwen3); every rank must pass the same
+    value (the prefill's handshake compares it).
+
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
     Architectures pipemlx has not been verified on are refused, naming the
@@ -216,9 +226,15 @@ def shard_model(
     )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
+    lending = lend_mlp and len(sizes) > 1
+    if lend_mlp:
+        check_lendable(model)
     local_caches = local_cache_factory(model, len(layers), local)
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
+    if lending:
+        lend_feed_forwards(layers, sizes)
+        stage.lends_mlp, stage.lent_share = True, feed_forward_share(model)
     stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
 
     kept = layers[local.start : local.stop]

@@ -24,6 +24,7 @@ HANDSHAKE_FIELDS = (
     "layer_stop",
     "cache_offset",
     "decode_settings",
+    "lend_mlp",
 )
 SHARED_FIELDS = (
     "num_tokens",
@@ -33,6 +34,7 @@ SHARED_FIELDS = (
     "hidden_size",
     "dtype",
     "decode_settings",
+    "lend_mlp",
 )
 DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
 """What the ``decode_settings`` field's values mean: what the decode after the prefill will exchange."""
@@ -81,6 +83,9 @@ def handshake(
     ``decode_settings`` (an index of :data:`DECODE_SETTINGS`) is what a decode
     after the prefill will exchange: ranks that would send differently sized
     messages in every decode step are told here, before anything is sent.
+    ``lend_mlp`` (``shard_model``'s) says where each rank's layers end: a rank
+    that sends the attention half's output to one that expects a whole layer's
+    would compute wrong tokens without an error.
     """
     mine = [
         status,
@@ -95,6 +100,7 @@ def handshake(
         stage.layers.stop,
         cache_offset,
         decode_settings,
+        int(stage.lends_mlp),
     ]
     rows = gather_ints(stage, mine, timeout, "the handshake")
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}

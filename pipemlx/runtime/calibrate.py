@@ -23,7 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import PeerLostError, PipelineTimeoutError
-from ..schedule.costmodel import CostModel, LayerCosts, cache_only_share, fit_layer_costs
+from ..schedule.costmodel import CostModel, LayerCosts, cache_only_share, feed_forward_share_of, fit_layer_costs
 from ..schedule.plan import Chunk
 from .agreement import gather_ints
 from .caches import cache_state
@@ -35,8 +35,8 @@ CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 
 
-def last_layer_share(model: nn.Module) -> float:
-    """The share of a layer the model's last layer costs in a prefill (only its cache is needed)."""
+def layer_shapes(model: nn.Module) -> tuple[int, int, int] | None:
+    """``(hidden, key-value width, intermediate)`` of ``model``'s decoder layers from its ``args``; ``None`` if unknown."""
     args: Any = getattr(model, "args", None)
 
     def size(name: str) -> int:
@@ -47,8 +47,20 @@ def last_layer_share(model: nn.Module) -> float:
     kv_heads = size("num_key_value_heads") or heads
     head_dim = size("head_dim") or (hidden // heads if heads else 0)
     if not (hidden and kv_heads and intermediate and head_dim):
-        return 1.0
-    return cache_only_share(hidden, kv_heads * head_dim, intermediate)
+        return None
+    return hidden, kv_heads * head_dim, intermediate
+
+
+def last_layer_share(model: nn.Module) -> float:
+    """The share of a layer the model's last layer costs in a prefill (only its cache is needed)."""
+    shapes = layer_shapes(model)
+    return 1.0 if shapes is None else cache_only_share(*shapes)
+
+
+def feed_forward_share(model: nn.Module) -> float:
+    """The share of a layer's per-token work in its feed-forward half (what ``lend_mlp`` moves); 0 if unknown."""
+    shapes = layer_shapes(model)
+    return 0.0 if shapes is None else feed_forward_share_of(*shapes)
 
 
 def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | None) -> list[tuple[Chunk, float]]:
@@ -86,7 +98,9 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     share = last_layer_share(model)
     local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
     layer = fit_layer_costs(time_local_layers(model, stage, timeout), num_layers=1)
-    per_layer = [v / local_layers for v in (layer.chunk_s, layer.token_s, layer.attention_s)]
+    moved = (not stage.is_first) - (not stage.is_last) if stage.lent_share else 0  # feed-forward halves (lend_mlp)
+    token_layers = local_layers + moved * stage.lent_share
+    per_layer = [layer.chunk_s / local_layers, layer.token_s / token_layers, layer.attention_s / local_layers]
     mine = mx.array([*per_layer, time_collective(stage, timeout)], dtype=mx.float32)
     with mx.stream(stage.compute_stream):
         gathered = mx.distributed.all_gather(mine[None], group=stage.group)
@@ -99,6 +113,7 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
         collective_s=slowest[3],
         latency_s=slowest[3] / 2,
         last_layer_share=share,
+        lent_share=stage.lent_share,
     )
 
 

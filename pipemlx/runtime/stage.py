@@ -75,6 +75,8 @@ class PipelineStage:
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
         self.kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, for kv_group_size
+        self.lends_mlp = False  # shard_model(lend_mlp=True): cut between the halves of each rank's last layer
+        self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
         self._mode: SendMode = "immediate"
         self._detached = False
         self._broadcast = True

@@ -12,6 +12,9 @@ The model is deliberately small:
   :func:`pipemlx.pipeline_prefill` alike), and MLX's lazy evaluation then skips
   everything of the last layer after its key and value projections
   (:func:`cache_only_share` estimates the share from the layer's shapes);
+- with ``lend_mlp`` (``lent_share`` > 0), each rank but the last hands its
+  last layer's feed-forward half, ``lent_share`` of a layer's per-token cost,
+  to the next rank;
 - a hidden state of ``L x hidden_size`` elements arrives ``latency_s + bytes /
   bandwidth`` seconds after it is sent;
 - an agreement point (or the handshake) ends ``collective_s`` after the last
@@ -55,6 +58,11 @@ def cache_only_share(hidden_size: int, kv_size: int, intermediate_size: int) -> 
     return 2 * kv_size / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
 
 
+def feed_forward_share_of(hidden_size: int, kv_size: int, intermediate_size: int) -> float:
+    """The share of a decoder layer's per-token matmul work in its gated MLP (three ``hidden x intermediate``)."""
+    return 3 * intermediate_size / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
+
+
 def attention_pairs(chunk: Chunk) -> float:
     """Query-key pairs the causal attention of ``chunk`` computes: ``L*start + L*(L+1)/2``."""
     length = chunk.length
@@ -85,14 +93,16 @@ class CostModel:
     bandwidth: float = 1e9
     collective_s: float = 2e-4
     last_layer_share: float = 1.0
+    lent_share: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers or min(self.layers) < 1:
             raise ValueError(f"every rank needs at least one layer, got layers {self.layers}")
         if self.bandwidth <= 0 or min(self.latency_s, self.collective_s, self.hidden_size) < 0:
             raise ValueError("bandwidth must be positive; latency, collective time and hidden size non-negative")
-        if not 0 <= self.last_layer_share <= 1:
-            raise ValueError(f"last_layer_share must be in 0..1, got {self.last_layer_share}")
+        for name, share in (("last_layer_share", self.last_layer_share), ("lent_share", self.lent_share)):
+            if not 0 <= share <= 1:
+                raise ValueError(f"{name} must be in 0..1, got {share}")
 
     @property
     def world_size(self) -> int:
@@ -103,8 +113,15 @@ class CostModel:
         saved = 1.0 - self.last_layer_share if rank == len(self.layers) - 1 else 0.0
         return self.layers[rank] - saved
 
+    def lent_layers(self, rank: int) -> int:
+        """Feed-forward halves rank ``rank`` runs beyond its own layers' (+1 borrowed, -1 lent; ``lend_mlp``)."""
+        if not self.lent_share:
+            return 0
+        return (rank > 0) - (rank < len(self.layers) - 1)
+
     def compute(self, rank: int, chunk: Chunk) -> float:
-        return self.effective_layers(rank) * self.layer.seconds(chunk)
+        moved = self.lent_layers(rank) * self.lent_share * self.layer.token_s * chunk.length
+        return self.effective_layers(rank) * self.layer.seconds(chunk) + moved
 
     def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:
         return self.latency_s + shape[0] * shape[1] * self.bytes_per_element / self.bandwidth

@@ -38,6 +38,13 @@ def main() -> None:
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
     reference_tokens = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=4, max_tokens=5)]
     mx.synchronize(generation_stream)
+    # Rank 0 cuts inside its last layer (lend_mlp), rank 1 does not: named before anything is sent.
+    lent = pipemlx.shard_model(build_model(config), group, lend_mlp=group.rank() == 0)
+    try:
+        pipemlx.pipeline_prefill(lent, prompt, make_prompt_cache(lent), step_size=4)
+        errors.append("no error")
+    except pipemlx.PipelineMismatchError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(json.dumps({"errors": errors, "tokens_after": tokens, "reference": reference_tokens}), flush=True)
 

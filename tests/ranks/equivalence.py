@@ -54,7 +54,9 @@ def decode(
 def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str, Any]]:
     config = tiny_config(spec["arch"], **spec.get("config", {}))
     reference = build_model(config, seed=spec["seed"])
-    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group, split=spec.get("split"))
+    model = pipemlx.shard_model(
+        build_model(config, seed=spec["seed"]), group, split=spec.get("split"), lend_mlp=spec.get("lend_mlp", False)
+    )
     max_tokens = spec["max_tokens"]
     seen: list[dict[str, Any]] = []
     for s in spec["steps"]:
