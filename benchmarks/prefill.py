@@ -6,7 +6,8 @@
 
 For every prompt length, in one run: one process at steps 256, 512 and 2048; mlx-lm's native pipeline
 (``model.model.pipeline(group)``) at steps 128, 256 and 512; pipemlx at the same fixed steps and with
-``step_size="auto"``. The contenders take turns: each round launches every contender once (one warm-up
+``step_size="auto"``, then with ``lend_mlp`` (the cut between the halves of rank 0's last layer, whose
+feed-forward half runs on rank 1) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up
 prefill, then ``--repeats`` timed ones), so a disturbance of the shared machine falls on all of them
 rather than on one; a time is the best over all rounds and repeats of the slowest rank's prefill, as
 ``pipemlx.observe.metrics`` defines it (the JSON also holds the medians). The table gives each contender's
@@ -14,7 +15,8 @@ time, its speed-up over one process at one process's fastest step, over native a
 and as a fraction of the bound for perfect overlap: one process's best time divided by the share of the
 work the busiest rank holds (the last layer counted at the share a prefill computes of it, see
 ``pipemlx.schedule.costmodel``), i.e. no bubble, no communication and no slowdown from two processes
-sharing the machine. The 512-d 8-layer qwen2 with random weights, one core per process, OpenBLAS
+sharing the machine, for whole layers per rank: ``lend_mlp`` moves the cut inside a layer, so it may pass
+that bound. The 512-d 8-layer qwen2 with random weights, one core per process, OpenBLAS
 preloaded (../shared/NOTES.md); run by hand on an otherwise idle machine.
 """
 
@@ -32,6 +34,8 @@ from pipemlx.runtime.calibrate import last_layer_share
 from pipemlx.schedule.split import even_split
 from pipemlx.testing import build_model
 
+LEND = "lend_mlp"
+"""A pipemlx setting: ``shard_model(..., lend_mlp=True)``, the cut between the halves of rank 0's last layer."""
 SINGLE_STEPS = (256, 512, 2048)
 PIPELINE_STEPS = (128, 256, 512)
 
@@ -57,6 +61,8 @@ def contenders(num_tokens: int, single_steps: list[int], pipeline_steps: list[in
         + [("native", s) for s in pipeline_steps]
         + [("pipemlx", s) for s in pipeline_steps]
         + [("pipemlx", "auto")]
+        + [("pipemlx", f"{s}, {LEND}") for s in pipeline_steps[:1]]
+        + [("pipemlx", f"auto, {LEND}")]
     )
 
 
@@ -65,7 +71,11 @@ def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) 
     if who == "one process":
         report = run_single({**base, "mode": "single", "step": setting}, openblas)
         return report["prefill_s"], setting
-    reports = run_ranks(2, {**base, "mode": "native" if who == "native" else "pipemlx", "step": setting}, openblas)
+    lend = isinstance(setting, str) and setting.endswith(LEND)
+    step: Any = setting.split(",")[0] if lend else setting
+    step = int(step) if isinstance(step, str) and step.isdigit() else step
+    mode = "native" if who == "native" else "pipemlx"
+    reports = run_ranks(2, {**base, "mode": mode, "step": step, "lend_mlp": lend}, openblas)
     return slowest_rank(reports), describe_cut(reports[0].get("chunks") or [])
 
 
@@ -114,7 +124,7 @@ def measure(
             samples[i].extend(times)
     rows: list[dict[str, Any]] = []
     for i, (who, setting) in enumerate(entries):
-        label = f"auto ({used[i]})" if setting == "auto" else setting
+        label = f"{setting} ({used[i]})" if str(setting).startswith("auto") else setting
         rows.append(
             {
                 "who": who,
