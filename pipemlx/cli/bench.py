@@ -45,6 +45,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "step_size": step_size,
         "max_tokens": args.max_tokens,
         "timeout": args.timeout,
+        "lend_mlp": args.lend_mlp,
     }
     with tempfile.TemporaryDirectory(prefix="pipemlx-bench-") as tmp:
         try:

@@ -62,6 +62,16 @@ def add_allow_unregistered(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_lend_mlp(parser: argparse.ArgumentParser) -> None:
+    """The ``--lend-mlp`` flag: ``load_sharded(..., lend_mlp=True)`` on every rank."""
+    parser.add_argument(
+        "--lend-mlp",
+        action="store_true",
+        help="cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
+        "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
+    )
+
+
 def in_launched_rank() -> bool:
     """True when a launcher (pipemlx's, ``mlx.launch``, ``mpirun``) started this process as a rank."""
     return any(name in os.environ for name in RANK_VARIABLES)

@@ -74,7 +74,12 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     rank, size = group.rank(), group.size()
     try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
         model, tokenizer = load_sharded(
-            args.model, group, split=args.split, timeout=args.timeout, allow_unregistered=args.allow_unregistered
+            args.model,
+            group,
+            split=args.split,
+            timeout=args.timeout,
+            allow_unregistered=args.allow_unregistered,
+            lend_mlp=args.lend_mlp,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
@@ -145,6 +150,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         report = {
             "ranks": size,
             "split": list(stage.split),
+            "lend_mlp": stage.lends_mlp,
             "prompt_tokens": prompt.size,
             "step_size": step_size,
             "prefill_s": prefill_s,

@@ -30,6 +30,7 @@ from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from .common import (
     UserError,
     add_allow_unregistered,
+    add_lend_mlp,
     check_ranks,
     hostfile_rank,
     in_launched_rank,
@@ -63,6 +64,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     add_allow_unregistered(serve)
+    add_lend_mlp(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -202,6 +204,7 @@ def _as_rank(args: argparse.Namespace) -> int:
         port=args.port,
         split=args.split,
         allow_unregistered=args.allow_unregistered,
+        lend_mlp=args.lend_mlp,
         cors_origins=tuple(args.cors_origin),
     )
     if args.ranks is not None and in_launched_rank():

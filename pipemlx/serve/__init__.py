@@ -70,6 +70,7 @@ class RankOptions:
     split: list[int] | None = None
     expected_ranks: int | None = None
     allow_unregistered: bool = False
+    lend_mlp: bool = False
     cors_origins: tuple[str, ...] = ()
     """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
@@ -96,6 +97,7 @@ def run_rank(options: RankOptions) -> int:
             split=options.split,
             timeout=settings.timeout,
             allow_unregistered=options.allow_unregistered,
+            lend_mlp=options.lend_mlp,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)
