@@ -38,6 +38,15 @@ MATRIX: dict[str, dict[int, list[int] | None]] = {
     "lfm2": {2: None, 3: [2, 2, 1]},  # conv attn conv conv attn
     "falcon_h1": {2: None, 3: None},
     "nemotron_h_mamba_attention": {2: [4, 2], 3: None},  # M * M M * M
+    "mixtral": {2: None, 3: None},
+    "gemma": {2: None, 3: None},
+    "phi": {2: None, 3: None},
+    "starcoder2": {2: None, 3: None},
+    "olmo2": {2: None, 3: None},
+    "granite": {2: None, 3: None},
+    "qwen2_moe": {2: None, 3: None},
+    "deepseek": {2: [1, 3], 3: None},  # dense, then MoE layers: a rank of the dense layer only
+    "deepseek_v2": {2: None, 3: [1, 2, 1]},  # dense, then MoE layers
 }
 # "reuse": new tokens on the last prompt's cache (at S=3 qwen3_next, lfm2 and nemotron_h give a rank only
 # recurrent layers, whose caches count no positions).

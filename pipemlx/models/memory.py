@@ -7,8 +7,10 @@ family, as mlx-lm's model classes decide it (their ``make_cache``):
   per position; ``layer_types`` (``full_attention`` / ``sliding_attention``),
   gemma-3's ``sliding_window_pattern`` and gpt-oss's alternation choose the
   sliding-window layers (``sliding_window`` positions);
-- deepseek's multi-head latent attention caches ``kv_lora_rank +
-  qk_rope_head_dim`` per position;
+- deepseek-v3's (and kimi-k2's) multi-head latent attention caches
+  ``kv_lora_rank + qk_rope_head_dim`` per position; deepseek-v2's caches the
+  decompressed keys (``qk_nope_head_dim + qk_rope_head_dim``) and values
+  (``v_head_dim``) of every head;
 - qwen3-next's linear-attention layers (all but every
   ``full_attention_interval``-th), lfm2's convolution layers and the Mamba
   layers of nemotron-h and falcon-h1 hold a constant state.
@@ -57,6 +59,13 @@ APPROXIMATE_PEAK = {
 """Families whose chunk peak has more than the dense attention model counts (measured up to 2x on tiny models)."""
 
 
+FULL_ATTENTION = frozenset(
+    {"mistral", "llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "mixtral"}
+    | {"phi", "starcoder2", "olmo2", "granite", "qwen2_moe", "deepseek"}
+)
+"""Families whose every layer caches ``num_key_value_heads x head_dim`` keys and values (no note needed)."""
+
+
 def layer_caches(config: dict[str, Any]) -> tuple[tuple[LayerCache, ...], tuple[str, ...]]:
     """What each decoder layer caches, and notes on what is approximate."""
     caches, notes = _layer_caches(text_config(config))
@@ -83,9 +92,12 @@ def _layer_caches(c: dict[str, Any]) -> tuple[tuple[LayerCache, ...], tuple[str,
     attention = LayerCache("full", kv_heads, head_dim, head_dim)
     sliding = LayerCache("sliding", kv_heads, head_dim, head_dim, window)
 
-    if model_type in ("deepseek_v2", "deepseek_v3", "kimi_k2"):
+    if model_type in ("deepseek_v3", "kimi_k2"):
         latent = LayerCache("full", 1, _int(c, "kv_lora_rank"), _int(c, "qk_rope_head_dim"))
         return (latent,) * n, ()
+    if model_type == "deepseek_v2":  # mlx-lm's v2 caches per-head keys and values, not the latent
+        key = _int(c, "qk_nope_head_dim") + _int(c, "qk_rope_head_dim")
+        return (LayerCache("full", heads, key, _int(c, "v_head_dim")),) * n, ()
     if model_type == "qwen3_next":
         interval = _int(c, "full_attention_interval", default=4)
         nk, nv = _int(c, "linear_num_key_heads"), _int(c, "linear_num_value_heads")
@@ -128,7 +140,7 @@ def _layer_caches(c: dict[str, Any]) -> tuple[tuple[LayerCache, ...], tuple[str,
     if isinstance(types, list) and window:
         listed = cast(list[str], types)
         return tuple(sliding if t == "sliding_attention" else attention for t in listed[:n]), ()
-    if model_type in ("mistral", "llama", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "mixtral"):
+    if model_type in FULL_ATTENTION:
         return (attention,) * n, ()
     notes.append(
         f"{model_type or 'this model'}: every layer counted as full attention ({kv_heads} KV heads x {head_dim})"
