@@ -1,10 +1,14 @@
 """Benchmark rank program: several cuts of one prompt prefilled in turn in one launch (less noise than launches).
 
-Spec: {"M", "rounds", "cuts": {name: [chunk lengths]}, "config"}. Each round prefills the prompt once per cut,
-in order, on a fresh cache (round 0 is a warm-up, not reported); a cut's time on a rank runs from its call
-to its return, the prefill's handshake included, and the slowest rank's is reported. A cut is imposed by standing in for the auto
-planner's choice (``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path:
-the same handshake, agreement spacing and executor. Prints {"rank", "seconds": {name: [per round]}}.
+Spec: {"M", "rounds", "cuts": {name: [chunk lengths] | null}, "config", "lend_mlp"?: [false, true]}. Each
+round prefills the prompt once per cut (and per sharding in "lend_mlp": one sharded model of the same
+weights each, ``shard_model(..., lend_mlp=...)``), in order, on a fresh cache (round 0 is a warm-up, not
+reported); a cut's time on a rank runs from its call to its return, the prefill's handshake included, and
+the slowest rank's is reported. A cut is imposed by standing in for the auto planner's choice
+(``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path: the same
+handshake, agreement spacing and executor; a null cut is auto's own choice. Prints {"rank", "seconds":
+{name: [per round]}, "tokens": {sharding: first 4 tokens after the last prefill}} (names prefixed with
+"lend_mlp=..." when "lend_mlp" is given).
 """
 
 from __future__ import annotations
@@ -30,20 +34,28 @@ def main() -> None:
     rank = group.rank()
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    model = pipemlx.shard_model(build_model(spec["config"], seed=0), group)
+    lends: list[bool] = spec.get("lend_mlp", [False])
+    models = {lend: pipemlx.shard_model(build_model(spec["config"], seed=0), group, lend_mlp=lend) for lend in lends}
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(3))
-    chosen: list[tuple[int, ...]] = []
-    prefill_module.choose_chunks = lambda *_: chosen[-1]  # pyright: ignore[reportAttributeAccessIssue]
-    seconds: dict[str, list[float]] = {name: [] for name in spec["cuts"]}
+    chosen: list[tuple[int, ...] | None] = []
+    own_choice = prefill_module.choose_chunks
+    prefill_module.choose_chunks = lambda *a: own_choice(*a) if chosen[-1] is None else chosen[-1]  # pyright: ignore[reportAttributeAccessIssue]
+    seconds: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
     for round_ in range(spec["rounds"] + 1):
         for name, lengths in spec["cuts"].items():
-            chosen.append(tuple(lengths))
-            cache = make_prompt_cache(model)
-            start = time.perf_counter()
-            pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
-            if round_:
-                seconds[name].append(time.perf_counter() - start)
-    print(json.dumps({"rank": rank, "seconds": seconds}), flush=True)
+            for lend, model in models.items():
+                label = f"lend_mlp={lend} {name}" if "lend_mlp" in spec else name
+                chosen.append(None if lengths is None else tuple(lengths))
+                cache = make_prompt_cache(model)
+                start = time.perf_counter()
+                pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
+                if round_:
+                    seconds.setdefault(label, []).append(time.perf_counter() - start)
+                if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):
+                    steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=4)
+                    tokens[f"lend_mlp={lend}"] = [int(t) for t, _ in steps]
+    print(json.dumps({"rank": rank, "seconds": seconds, "tokens": tokens}), flush=True)
 
 
 if __name__ == "__main__":
