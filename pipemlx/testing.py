@@ -323,30 +323,12 @@ def _configs() -> dict[str, dict[str, Any]]:
             "first_k_dense_replace": 1,
             "rms_norm_eps": 1e-6,
         },
-        "deepseek_v2": {  # multi-head latent attention, group-limited routing, PipelineMixin
-            "model_type": "deepseek_v2",
-            "hidden_size": 64,
-            "num_hidden_layers": 4,
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 4,
-            "n_shared_experts": 1,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "topk_method": "group_limited_greedy",
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
-            "kv_lora_rank": 32,
-            "q_lora_rank": 48,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "vocab_size": 256,
-            "rms_norm_eps": 1e-6,
-            "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 2048},
-        },
+    }
+    configs["deepseek_v2"] = {  # multi-head latent attention (as deepseek_v3's), group-limited routing, PipelineMixin
+        **configs["deepseek_v3"],
+        "model_type": "deepseek_v2",
+        "topk_method": "group_limited_greedy",
+        "rope_scaling": {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 2048},
     }
     # nemotron-h of Mamba and attention blocks only: this one pipelines.
     configs["nemotron_h_mamba_attention"] = {

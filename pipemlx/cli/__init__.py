@@ -42,8 +42,7 @@ from . import serve as serve_command
 from . import split as split_command
 from .common import (
     UserError,
-    add_allow_unregistered,
-    add_lend_mlp,
+    add_sharding_flags,
     check_ranks,
     hostfile_rank,
     in_launched_rank,
@@ -83,8 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
-    add_allow_unregistered(generate)
-    add_lend_mlp(generate)
+    add_sharding_flags(generate)
 
     serve_command.add_parser(commands)
 
@@ -99,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to decode (default 64)")
     bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     bench.add_argument("--png", help="also write the pipeline's prefill timeline to this PNG (needs matplotlib)")
-    add_lend_mlp(bench)
+    add_sharding_flags(bench)
 
     doctor_command.add_parser(commands)
 

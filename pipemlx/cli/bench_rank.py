@@ -79,7 +79,13 @@ def bench_rank(spec: dict[str, Any]) -> None:
     pipelined = spec["mode"] == "pipeline"
     group = init_group() if pipelined else None
     if group is not None:
-        model, _ = load_sharded(spec["model"], group, timeout=spec["timeout"], lend_mlp=spec.get("lend_mlp", False))
+        model, _ = load_sharded(
+            spec["model"],
+            group,
+            timeout=spec["timeout"],
+            lend_mlp=spec.get("lend_mlp", False),
+            allow_unregistered=spec.get("allow_unregistered", False),
+        )
     else:
         loaded: Any = load(spec["model"])
         model = loaded[0]

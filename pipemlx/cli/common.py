@@ -52,24 +52,16 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_allow_unregistered(parser: argparse.ArgumentParser) -> None:
-    """The ``--allow-unregistered`` flag: ``load_sharded(..., allow_unregistered=True)`` on every rank."""
-    parser.add_argument(
-        "--allow-unregistered",
-        action="store_true",
-        help="shard an architecture pipemlx has not been verified on (load_sharded's allow_unregistered=True); "
-        "compare with one process before relying on it",
-    )
-
-
-def add_lend_mlp(parser: argparse.ArgumentParser) -> None:
-    """The ``--lend-mlp`` flag: ``load_sharded(..., lend_mlp=True)`` on every rank."""
-    parser.add_argument(
-        "--lend-mlp",
-        action="store_true",
-        help="cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
+def add_sharding_flags(parser: argparse.ArgumentParser) -> None:
+    """``--allow-unregistered`` and ``--lend-mlp``: ``load_sharded``'s ``allow_unregistered`` and ``lend_mlp``."""
+    flags = {
+        "--allow-unregistered": "shard an architecture pipemlx has not been verified on (load_sharded's "
+        "allow_unregistered=True); compare with one process before relying on it",
+        "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
         "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
-    )
+    }
+    for flag, text in flags.items():
+        parser.add_argument(flag, action="store_true", help=text)
 
 
 def in_launched_rank() -> bool:

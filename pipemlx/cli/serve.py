@@ -29,8 +29,7 @@ from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from .common import (
     UserError,
-    add_allow_unregistered,
-    add_lend_mlp,
+    add_sharding_flags,
     check_ranks,
     hostfile_rank,
     in_launched_rank,
@@ -63,8 +62,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
-    add_allow_unregistered(serve)
-    add_lend_mlp(serve)
+    add_sharding_flags(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
