@@ -597,6 +597,20 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
         next(pipemlx.generate_step(mx.array([1, 2, 3]), model, max_tokens=2))
 
 
+def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() -> None:
+    """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
+    from pipemlx.runtime.batch_tick import BATCH_KIND, HEADER, _outcome  # pyright: ignore[reportPrivateUsage]
+
+    def row(lend: int) -> list[float]:
+        fields = {"kind": BATCH_KIND, "tick": 0, "rows": 1, "lend_mlp": lend}
+        return [float(fields.get(name, 0)) for name in HEADER] + [7.0]
+
+    stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
+    assert _outcome(row(1) + row(1), 1, stage).tokens == [7]
+    with pytest.raises(pipemlx.PipelineMismatchError, match="lend_mlp: rank 0: 1, rank 1: 0"):
+        _outcome(row(1) + row(0), 1, stage)
+
+
 def test_queued_requests_are_removed_without_communication() -> None:
     engine = fake_engine()
     uids = engine.insert([[1, 2, 3], [4, 5], [6]], max_tokens=[3, 4, 5])

@@ -16,7 +16,8 @@ taken in the order below on both ends of each link):
    its graph for the next tick;
 5. the tick's all-gather: a header (tick, status, rows, fingerprints of the
    rows' uids, of their reused prefix lengths and of the tick's plan, what
-   failed) and the last rank's tokens.
+   failed, whether the rank cuts inside a layer: ``shard_model``'s
+   ``lend_mlp``) and the last rank's tokens.
 
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
@@ -47,8 +48,8 @@ from .waits import PEER_LOST_MARKERS, issue, wait_for
 
 BATCH_KIND = 7_772
 """First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
-HEADER = ("kind", "tick", "status", "rows", "uids", "prefixes", "plan", "failed_decode", "failed_uid")
-AGREED = ("tick", "rows", "uids", "plan")
+HEADER = ("kind", "tick", "status", "rows", "uids", "prefixes", "plan", "failed_decode", "failed_uid", "lend_mlp")
+AGREED = ("tick", "rows", "uids", "plan", "lend_mlp")
 UNKNOWN_PREFIXES = -1
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
@@ -149,7 +150,7 @@ class TickRunner:
                 status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
                 header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint]
                 header += [work.prefixes_fingerprint, tick.fingerprint()]
-                header += [int(failed_decode), failed_uid + 1]
+                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp)]
                 share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
