@@ -1,6 +1,7 @@
 """Where each rank's time goes in the ticks of an arrival: a long prompt prefilled while requests decode.
 
     python benchmarks/tick_phases.py [--arrival-tokens 2048] [--chunk 128] [--chunking equal-cost] [--requests 4]
+                                     [--lend-mlp]
 
 Two ranks (the benchmark model, OpenBLAS preloaded, one core per process), pipemlx.BatchGenerator: R requests
 decode, then a prompt of --arrival-tokens arrives. For every tick until its first token, each rank's time per
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--chunking", default="equal-cost", choices=["fixed", "equal-cost"])
     parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--lend-mlp", action="store_true", help="shard_model(..., lend_mlp=True)")
     args = parser.parse_args()
     spec = {
         "R": args.requests,
@@ -37,12 +39,14 @@ def main() -> None:
         "chunk": args.chunk,
         "chunking": args.chunking,
         "config": BENCH_CONFIG,
+        "lend_mlp": args.lend_mlp,
     }
     results = launch(2, [sys.executable, str(PROGRAM), json.dumps(spec)], timeout=1800, env=bench_env(True))
     reports = sorted((json.loads(r.stdout.strip().splitlines()[-1]) for r in results), key=lambda r: r["rank"])
     print(
         f"OpenBLAS {'on' if openblas_available() else 'off'}; {args.requests} decoding, arrival of "
         f"{args.arrival_tokens} tokens, {args.chunking} chunks of {args.chunk}"
+        + (", lend_mlp" if args.lend_mlp else "")
     )
     print(f"undisturbed ticks (ms, rank 0): {reports[0]['undisturbed_ms']}")
     print(f"arrival: {reports[0]['ticks']} ticks, first token after {reports[0]['ttft']:.2f} s")
