@@ -52,9 +52,9 @@ class BorrowingBlock(nn.Module):
         return cast(mx.array, super().__call__(h, mask, cache))  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
 
 
-def missing_parts(layers: list[nn.Module]) -> list[int]:
-    """Indices of the layers that lack a part of a pre-norm block (:data:`BLOCK_PARTS`)."""
-    return [i for i, layer in enumerate(layers) if any(part not in layer for part in BLOCK_PARTS)]
+def has_block_parts(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds every part of a pre-norm block (:data:`BLOCK_PARTS`)."""
+    return all(part in layer for part in BLOCK_PARTS)
 
 
 def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...]) -> None:
@@ -69,7 +69,7 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...]) -> None:
     """
     starts = [sum(sizes[:r]) for r in range(1, len(sizes))]
     lenders = [start - 1 for start in starts]
-    bad = sorted({i for i in (*lenders, *starts) if missing_parts([layers[i]])})
+    bad = sorted({i for i in (*lenders, *starts) if not has_block_parts(layers[i])})
     if bad:
         raise PipelineError(
             f"lend_mlp: layers {bad} are not pre-norm blocks with {', '.join(BLOCK_PARTS)}; "

@@ -23,7 +23,14 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..errors import PeerLostError, PipelineTimeoutError
-from ..schedule.costmodel import CostModel, LayerCosts, cache_only_share, feed_forward_share_of, fit_layer_costs
+from ..schedule.costmodel import (
+    CostModel,
+    LayerCosts,
+    cache_only_share,
+    feed_forward_share_of,
+    fit_layer_costs,
+    lent_halves,
+)
 from ..schedule.plan import Chunk
 from .agreement import gather_ints
 from .caches import cache_state
@@ -98,8 +105,7 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     share = last_layer_share(model)
     local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
     layer = fit_layer_costs(time_local_layers(model, stage, timeout), num_layers=1)
-    moved = (not stage.is_first) - (not stage.is_last) if stage.lent_share else 0  # feed-forward halves (lend_mlp)
-    token_layers = local_layers + moved * stage.lent_share
+    token_layers = local_layers + lent_halves(stage.rank, stage.world_size) * stage.lent_share
     per_layer = [layer.chunk_s / local_layers, layer.token_s / token_layers, layer.attention_s / local_layers]
     mine = mx.array([*per_layer, time_collective(stage, timeout)], dtype=mx.float32)
     with mx.stream(stage.compute_stream):

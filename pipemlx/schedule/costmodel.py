@@ -63,6 +63,11 @@ def feed_forward_share_of(hidden_size: int, kv_size: int, intermediate_size: int
     return 3 * intermediate_size / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
 
 
+def lent_halves(rank: int, world_size: int) -> int:
+    """Feed-forward halves rank ``rank`` runs beyond its own layers' with ``lend_mlp``: +1 borrowed, -1 lent."""
+    return (rank > 0) - (rank < world_size - 1)
+
+
 def attention_pairs(chunk: Chunk) -> float:
     """Query-key pairs the causal attention of ``chunk`` computes: ``L*start + L*(L+1)/2``."""
     length = chunk.length
@@ -113,14 +118,8 @@ class CostModel:
         saved = 1.0 - self.last_layer_share if rank == len(self.layers) - 1 else 0.0
         return self.layers[rank] - saved
 
-    def lent_layers(self, rank: int) -> int:
-        """Feed-forward halves rank ``rank`` runs beyond its own layers' (+1 borrowed, -1 lent; ``lend_mlp``)."""
-        if not self.lent_share:
-            return 0
-        return (rank > 0) - (rank < len(self.layers) - 1)
-
     def compute(self, rank: int, chunk: Chunk) -> float:
-        moved = self.lent_layers(rank) * self.lent_share * self.layer.token_s * chunk.length
+        moved = lent_halves(rank, len(self.layers)) * self.lent_share * self.layer.token_s * chunk.length
         return self.effective_layers(rank) * self.layer.seconds(chunk) + moved
 
     def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:
