@@ -14,6 +14,8 @@ from conftest import run_ranks
 from pipemlx.cli.costmodel import main
 from pipemlx.observe.timeline import simulated_trace, write_trace
 from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
+from pipemlx.runtime.calibrate import layer_costs, per_layer
+from pipemlx.schedule.autostep import choose_chunks
 from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
@@ -88,6 +90,51 @@ def test_fit_recovers_known_costs_and_never_goes_negative() -> None:
     assert alike.chunk_s == 0 and alike.token_s == pytest.approx(0.05)
     with pytest.raises(ValueError, match="at least one"):
         fit_layer_costs([], 2)
+
+
+BY_LENGTH = ((32, 6e-3), (64, 9e-3), (128, 16e-3), (256, 36e-3))
+"""A layer's seconds at position 0 by chunk length: 128 tokens cheapest per token, 32 and 256 dearer."""
+
+
+def test_measured_costs_by_length_are_interpolated_and_attention_added_for_the_positions_before() -> None:
+    layer = LayerCosts(0.0, 0.0, 1e-6, BY_LENGTH)
+    for length, seconds in BY_LENGTH:
+        assert layer.seconds(Chunk(0, 0, length)) == pytest.approx(seconds)
+    assert layer.seconds_at_start(96) == pytest.approx((9e-3 + 16e-3) / 2)  # linear between 64 and 128
+    assert layer.seconds_at_start(16) == pytest.approx(6e-3 / 2)  # below: the shortest's cost per token
+    # above: the longest's cost per token, plus the extra positions each token attends to inside the chunk
+    assert layer.seconds_at_start(512) == pytest.approx(2 * 36e-3 + 1e-6 * 512 * 256 / 2)
+    assert layer.seconds(Chunk(3, 1000, 1128)) == pytest.approx(16e-3 + 1e-6 * 128 * 1000)
+    assert layer.token_seconds(128) == pytest.approx(16e-3 / 128)
+    line = LayerCosts(2e-3, 1e-4, 1e-6)  # without measurements: the straight line, as before
+    assert line.seconds(Chunk(0, 10, 20)) == pytest.approx(2e-3 + 1e-3 + 1e-6 * attention_pairs(Chunk(0, 10, 20)))
+    assert line.token_seconds(64) == 1e-4
+    for bad in (((64, 1e-3), (32, 2e-3)), ((32, 2e-3), (64, 1e-3)), ((0, 0.0), (8, 1e-3))):
+        with pytest.raises(ValueError, match="at_start"):
+            LayerCosts(0.0, 0.0, 0.0, bad)
+
+
+def test_auto_follows_the_measured_cost_of_each_chunk_length() -> None:
+    """Chunks of 256 tokens dearer per token than chunks of 128 (as BLAS runs them here): auto's chunks stay at
+    128; the same costs but 256 tokens cheaper per token, and auto takes 256."""
+
+    def longest_chunk(at_256: float) -> int:
+        at_start = (*BY_LENGTH[:-1], (256, at_256))
+        return max(choose_chunks(2048, CostModel(LayerCosts(0.0, 0.0, 1.4e-7, at_start), (4, 4), hidden_size=512)))
+
+    assert longest_chunk(36e-3) == 128
+    assert longest_chunk(26e-3) == 256
+
+
+def test_calibration_keeps_the_costs_growing_with_the_length_and_reads_attention_off_the_later_chunk() -> None:
+    timings = [(16, 0.004), (32, 0.006), (64, 0.005), (128, 0.016), (256, 0.036), (512, 0.09)]  # 64: a noisy low
+    *seconds, attention_s = per_layer(
+        timings, attention_chunk_s=0.016 + 2 * 128 * 512 * 1e-7, token_layers=2, attention_layers=2
+    )
+    assert seconds == pytest.approx([0.002, 0.003, 0.003, 0.008, 0.018, 0.045])
+    assert attention_s == pytest.approx(1e-7)
+    costs = layer_costs([16, 32, 64], [0.002, 0.003, 0.0025], attention_s)
+    assert costs.at_start == ((16, 0.002), (32, 0.003), (64, 0.003)) and costs.token_s > 0
 
 
 def test_bad_models_are_refused() -> None:

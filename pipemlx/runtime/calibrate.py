@@ -1,8 +1,10 @@
 """Calibrating ``step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
 
-The first auto request calibrates: every rank times its own layers on a few
-chunks (no communication: the edges are detached), fits the per-layer costs of
-:class:`pipemlx.schedule.costmodel.LayerCosts` to them, and times a small
+The first auto request calibrates: every rank times its own layers on a chunk
+of each of :data:`CALIBRATION_LENGTHS` at position 0 and on one chunk after the
+longest (no communication: the edges are detached), turns the timings into the
+per-layer costs of :class:`pipemlx.schedule.costmodel.LayerCosts` (a cost per
+chunk length, and the attention to earlier positions), and times a small
 collective. The ranks all-gather what they measured and keep the slowest
 rank's figures, so every rank holds the very same
 :class:`~pipemlx.schedule.costmodel.CostModel` and
@@ -12,11 +14,13 @@ every rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +41,10 @@ from .caches import cache_state
 from .stage import PipelineStage
 from .waits import wait_for
 
-CALIBRATION_CHUNKS = (Chunk(0, 0, 16), Chunk(1, 16, 80), Chunk(2, 80, 336), Chunk(3, 336, 592))
+CALIBRATION_LENGTHS = (16, 32, 64, 128, 256, 512)
+"""Chunk lengths timed at position 0 (each on a fresh cache): the costs per length of :class:`LayerCosts`."""
+ATTENTION_CHUNK = 128
+"""A chunk of this length is timed again after the longest one, at its end: its extra time is attention."""
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 
@@ -70,22 +77,53 @@ def feed_forward_share(model: nn.Module) -> float:
     return 0.0 if shapes is None else feed_forward_share_of(*shapes)
 
 
-def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | None) -> list[tuple[Chunk, float]]:
-    """Seconds this rank's layers take on :data:`CALIBRATION_CHUNKS`: the fastest of
-    :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least disturbed by other work)."""
-    best = [math.inf] * len(CALIBRATION_CHUNKS)
-    tokens = mx.array([[0] * CALIBRATION_CHUNKS[-1].stop], dtype=mx.int32)  # data, not a lazy op of this thread
+def time_local_layers(
+    model: nn.Module, stage: PipelineStage, timeout: float | None
+) -> tuple[list[tuple[int, float]], float]:
+    """Seconds this rank's layers take on a chunk of each of :data:`CALIBRATION_LENGTHS` at position 0, and on
+    :data:`ATTENTION_CHUNK` tokens after the longest: the fastest of :data:`CALIBRATION_PASSES` passes after a
+    warm-up pass (the least disturbed by other work)."""
+    longest = CALIBRATION_LENGTHS[-1]
+    best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
+    tokens = mx.array([[0] * (longest + ATTENTION_CHUNK)], dtype=mx.int32)  # data, not a lazy op of this thread
+    spans = [(0, length) for length in CALIBRATION_LENGTHS] + [(longest, longest + ATTENTION_CHUNK)]
     with stage.detached():
         for attempt in range(1 + CALIBRATION_PASSES):
-            cache = make_prompt_cache(model)
-            for i, chunk in enumerate(CALIBRATION_CHUNKS):
-                start = time.perf_counter()
+            cache: list[Any] = []
+            for i, (start, stop) in enumerate(spans):
+                if start == 0:
+                    cache = make_prompt_cache(model)
+                began = time.perf_counter()
                 with mx.stream(stage.compute_stream):
-                    model(tokens[:, chunk.start : chunk.stop], cache=cache)
+                    model(tokens[:, start:stop], cache=cache)
                 wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
                 if attempt:
-                    best[i] = min(best[i], time.perf_counter() - start)
-    return list(zip(CALIBRATION_CHUNKS, best))
+                    best[i] = min(best[i], time.perf_counter() - began)
+    at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
+    return at_start, best[-1]
+
+
+def per_layer(
+    at_start: Sequence[tuple[int, float]], attention_chunk_s: float, token_layers: float, attention_layers: float
+) -> list[float]:
+    """A rank's timings as one layer's: the seconds at each length (over ``token_layers``, the layers' worth of
+    per-token work the rank does), then ``attention_s``, the seconds per query-key pair of the
+    :data:`ATTENTION_CHUNK`-token chunk's attention to the positions before it (its time beyond a chunk of its
+    length at position 0, over ``attention_layers``)."""
+    lengths = [length for length, _ in at_start]
+    rank = layer_costs(lengths, [s for _, s in at_start], 0.0)
+    extra = attention_chunk_s - rank.seconds_at_start(ATTENTION_CHUNK)
+    attention_s = max(0.0, extra / attention_layers / (ATTENTION_CHUNK * lengths[-1]))
+    return [s / token_layers for _, s in rank.at_start] + [attention_s]
+
+
+def layer_costs(lengths: Sequence[int], seconds: Sequence[float], attention_s: float) -> LayerCosts:
+    """:class:`LayerCosts` from a layer's seconds at ``lengths`` at position 0 (made non-decreasing in the length:
+    the timings are noisy, and a longer chunk never costs less), with ``chunk_s`` and ``token_s`` the straight
+    line through them."""
+    at_start = tuple(zip(lengths, itertools.accumulate(seconds, max)))
+    line = fit_layer_costs([(Chunk(i, 0, n), t) for i, (n, t) in enumerate(at_start)], num_layers=1)
+    return LayerCosts(line.chunk_s, line.token_s, attention_s, at_start)
 
 
 def time_collective(stage: PipelineStage, timeout: float | None) -> float:
@@ -104,20 +142,21 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
     share = last_layer_share(model)
     local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
-    layer = fit_layer_costs(time_local_layers(model, stage, timeout), num_layers=1)
     token_layers = local_layers + lent_halves(stage.rank, stage.world_size) * stage.lent_share
-    per_layer = [layer.chunk_s / local_layers, layer.token_s / token_layers, layer.attention_s / local_layers]
-    mine = mx.array([*per_layer, time_collective(stage, timeout)], dtype=mx.float32)
+    at_start, attention_chunk_s = time_local_layers(model, stage, timeout)
+    mine = mx.array(
+        [*per_layer(at_start, attention_chunk_s, token_layers, local_layers), time_collective(stage, timeout)]
+    )
     with mx.stream(stage.compute_stream):
-        gathered = mx.distributed.all_gather(mine[None], group=stage.group)
+        gathered = mx.distributed.all_gather(mine.astype(mx.float32)[None], group=stage.group)
     wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its calibration")
-    slowest: list[float] = gathered.max(axis=0).tolist()  # pyright: ignore[reportAssignmentType]
+    *seconds, attention_s, collective_s = cast(list[float], gathered.max(axis=0).tolist())
     return CostModel(
-        layer=LayerCosts(*slowest[:3]),
+        layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s),
         layers=stage.split,
         hidden_size=stage.hidden_size or 1,
-        collective_s=slowest[3],
-        latency_s=slowest[3] / 2,
+        collective_s=collective_s,
+        latency_s=collective_s / 2,
         last_layer_share=share,
         lent_share=stage.lent_share,
     )

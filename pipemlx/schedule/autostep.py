@@ -18,8 +18,8 @@ from .costmodel import CostModel, predict
 from .plan import chunks_of_lengths
 
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-"""Powers of two: BLAS kernels run some odd chunk lengths markedly slower than the cost model's
-linear per-token cost says (measured: 192 slower than 256 per token here)."""
+"""Powers of two: the lengths the calibration times (``pipemlx.runtime.calibrate.CALIBRATION_LENGTHS``), so a
+candidate's middle chunks cost what was measured, not what was interpolated between two lengths."""
 MAX_CHUNKS = 512
 """Candidates that would cut the prompt into more chunks than this are not simulated."""
 
