@@ -445,6 +445,35 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(sce
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
 
+# prefill_batch_size=1 at S=2: request 1 (22 positions to prefill, cut at 5 and 13 by insert_segments) starts
+# only once request 0 has joined (without the cap it would start in tick 1, while rank 1 computes request 0's
+# chunk), request 2 once request 1 has joined.
+SCENARIOS[2]["prefill batch size and segments"] = {
+    "requests": [
+        {"M": 7, "max_tokens": 8, "insert_at": 0},
+        {"M": 23, "max_tokens": 6, "insert_at": 0},
+        {"M": 17, "max_tokens": 6, "insert_at": 1},
+    ],
+    "remove": [],
+    "steps": 24,
+    "step_size": 8,
+    "chunk": 8,
+    "generator": {"prefill_batch_size": 1},
+    "segments": {"1": [5, 13]},
+}
+
+
+def test_prefill_batch_size_and_segments_across_the_ranks(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "prefill batch size and segments")
+    assert all(r["tokens"] == reports[0]["tokens"] for r in reports), "ranks disagree"
+    report = reports[0]
+    assert report["tokens"] == report["solo"] and report["finish"] == ["length"] * 3, report
+    assert max(report["prefilling"]) == 1, report["prefilling"]
+    # Request 1's chunks as the last rank completed them: 0-5, 5-13 (segments), 13-21, 21-22 (chunks of 8).
+    assert sorted(set(report["prefilled"]["1"]) - {0}) == [5, 13, 21, 22], report["prefilled"]
+    assert report["first"][0] < report["first"][1] < report["first"][2] and report["left"] == 0, report["first"]
+
+
 HELD_BACK_REQUESTS = [
     {"M": 7, "max_tokens": 12, "insert_at": 0},
     {"M": 9, "max_tokens": 3, "insert_at": 0},

@@ -364,9 +364,11 @@ class BatchGenerator:
         ``StopSequences``, or token ids and sequences of them as the
         generator's ``stop_tokens`` takes (``None``: the generator's); they
         replace the generator's for that request. Raises ``ValueError`` for an
-        empty prompt, a bad count, a cache that does not fit the model or a
-        request that could never fit the memory budget, on every rank alike,
-        before anything changes.
+        empty prompt, a bad count, a cache that does not fit the model, a
+        request that could never fit the memory budget or one that could
+        outgrow a ``RotatingKVCache`` that keeps its first positions (what
+        ``max_kv_size`` makes; see the class), on every rank alike, before
+        anything changes.
         """
         return self._insert(
             [[[int(t) for t in p]] for p in prompts],
