@@ -7,6 +7,7 @@ checked on its own report. The fault scenarios (a killed or stalled rank) end th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -444,6 +445,35 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(sce
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
 
+# prefill_batch_size=1 at S=2: request 1 (22 positions to prefill, cut at 5 and 13 by insert_segments) starts
+# only once request 0 has joined (without the cap it would start in tick 1, while rank 1 computes request 0's
+# chunk), request 2 once request 1 has joined.
+SCENARIOS[2]["prefill batch size and segments"] = {
+    "requests": [
+        {"M": 7, "max_tokens": 8, "insert_at": 0},
+        {"M": 23, "max_tokens": 6, "insert_at": 0},
+        {"M": 17, "max_tokens": 6, "insert_at": 1},
+    ],
+    "remove": [],
+    "steps": 24,
+    "step_size": 8,
+    "chunk": 8,
+    "generator": {"prefill_batch_size": 1},
+    "segments": {"1": [5, 13]},
+}
+
+
+def test_prefill_batch_size_and_segments_across_the_ranks(scenario_reports: Reports) -> None:
+    reports = scenario_reports(2, "prefill batch size and segments")
+    assert all(r["tokens"] == reports[0]["tokens"] for r in reports), "ranks disagree"
+    report = reports[0]
+    assert report["tokens"] == report["solo"] and report["finish"] == ["length"] * 3, report
+    assert max(report["prefilling"]) == 1, report["prefilling"]
+    # Request 1's chunks as the last rank completed them: 0-5, 5-13 (segments), 13-21, 21-22 (chunks of 8).
+    assert sorted(set(report["prefilled"]["1"]) - {0}) == [5, 13, 21, 22], report["prefilled"]
+    assert report["first"][0] < report["first"][1] < report["first"][2] and report["left"] == 0, report["first"]
+
+
 HELD_BACK_REQUESTS = [
     {"M": 7, "max_tokens": 12, "insert_at": 0},
     {"M": 9, "max_tokens": 3, "insert_at": 0},
@@ -619,3 +649,154 @@ def test_queued_requests_are_removed_without_communication() -> None:
     assert engine.queued_uids == [uids[0], uids[2]] and engine.prefilled(uids[0]) == 0
     engine.remove(uids)
     assert len(engine) == 0 and engine.next() == []
+
+
+def one_rank(arch: str, seed: int = 3) -> tuple[Any, Any]:
+    """The whole tiny model and the same weights sharded on a group of one rank."""
+    whole = build_model(tiny_config(arch), seed=seed)
+    return whole, pipemlx.shard_model(build_model(tiny_config(arch), seed=seed), mx.distributed.init())
+
+
+def solo_tokens(
+    model: Any, prompt: list[int], max_tokens: int, max_kv_size: int | None = None, step_size: int = 8
+) -> list[int]:
+    """Greedy tokens of mlx-lm's single-device generate_step on the whole model (prefilled in chunks of
+    ``step_size``: a rotating cache's tokens depend on the chunks once a prompt outgrows it, in mlx-lm too)."""
+    from mlx_lm.generate import generate_step
+
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, max_kv_size=max_kv_size, prefill_step_size=step_size
+    )
+    return [int(t) for t, _ in steps]
+
+
+def run_all(engine: pipemlx.BatchGenerator, later: dict[int, list[list[int]]], ticks: int = 60) -> dict[int, list[int]]:
+    """Run ``ticks`` ticks, inserting ``later[t]``'s prompts before tick t (uids in insertion order): tokens per uid."""
+    got: dict[int, list[int]] = {}
+    for t in range(ticks):
+        for uid in engine.insert(later[t]) if t in later else []:
+            got[uid] = []
+        for response in engine.next():
+            got[response.uid].append(response.token)
+    assert len(engine) == 0, "requests left after every tick"
+    return got
+
+
+# Sliding-window layers (rotating caches that keep no first positions): gemma3_text (window 4, a global layer
+# every 3), gpt_oss (window 4, attention sinks).
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_sliding_window_layer_caches_batch_and_equal_solo_mlx_lm_runs(arch: str) -> None:
+    # Prompts longer than every window, prefilled in chunks of 8 between decode steps; request 1 finishes early
+    # and request 3 (inserted before tick 6) takes its dead row (a rotating batch cache is extended and filtered).
+    whole, model = one_rank(arch)
+    prompts = [mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30, 17, 26)]
+    limits = [12, 3, 12, 8]
+    solo = [solo_tokens(whole, p, n) for p, n in zip(prompts, limits)]
+    engine = pipemlx.BatchGenerator(model, prefill_chunk_tokens=8, prefill_step_size=8)
+    assert "RotatingKVCache" in {type(c).__name__ for c in make_prompt_cache(model)}
+    got: dict[int, list[int]] = {}
+    for t in range(40):
+        if t in (0, 6):
+            chosen = (0, 1, 2) if t == 0 else (3,)
+            for uid in engine.insert([prompts[i] for i in chosen], [limits[i] for i in chosen]):
+                got[uid] = []
+        for response in engine.next():
+            got[response.uid].append(response.token)
+    assert [got[i] for i in range(4)] == solo, (got, solo)
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+
+
+def test_max_kv_size_makes_rotating_caches_and_refuses_requests_that_would_outgrow_them() -> None:
+    """max_kv_size makes mlx-lm's RotatingKVCache(max_kv_size, keep=4) per layer (qwen3 makes no caches of its
+    own; llama's make_cache ignores max_kv_size in mlx-lm too). mlx-lm's BatchRotatingKVCache has no ``keep``: a
+    request that outgrows max_kv_size loses its first positions in the batch where a solo run keeps them, so
+    its tokens would differ (mlx-lm's own BatchGenerator does differ); such requests are refused."""
+    from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
+
+    whole, model = one_rank("qwen3")
+    short, long = (mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30))
+    engine = pipemlx.BatchGenerator(model, prefill_step_size=8, max_kv_size=16)
+    assert engine.max_kv_size == 16
+    (uid,) = engine.insert([short], 8)  # 9 + 8 - 1 = 16 positions at most: it never rotates
+    answers = [r for _ in range(12) for r in engine.next()]
+    assert [r.token for r in answers] == solo_tokens(whole, short, 8, 16) and answers[-1].uid == uid
+    cache = answers[-1].prompt_cache
+    assert cache is not None and {type(c).__name__ for c in cache} == {"RotatingKVCache"}
+    with pytest.raises(ValueError, match=r"request 1 may grow to 17 positions, past its RotatingKVCache\(max_size=16"):
+        engine.insert([short, short], [8, 9])
+    with pytest.raises(ValueError, match=r"request 0 may grow to no limit .*BatchRotatingKVCache cannot keep"):
+        engine.insert([short], -1)
+    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):
+        engine.insert([long], 6)
+    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):  # a cache given: its own kind
+        pipemlx.BatchGenerator(model).insert([long], 6, caches=[make_prompt_cache(model, 16)])
+    assert len(engine) == 0
+    mlx_engine = MlxBatchGenerator(whole, max_tokens=6, prefill_step_size=8, max_kv_size=16)
+    mlx_engine.insert([long])
+    mlx_tokens = [r.token for _ in range(8) for r in mlx_engine.next_generated()]
+    assert mlx_tokens != solo_tokens(whole, long, 6, 16), "mlx-lm's batch keeps the first positions now: allow it"
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_kv_size must be a positive int"):
+            pipemlx.BatchGenerator(model, max_kv_size=bad)  # type: ignore[arg-type]
+
+
+def test_prefill_batch_size_caps_the_requests_started_and_not_yet_decoding() -> None:
+    # One rank: a one-token prompt needs no prefill and is ready at once, so without a cap all three join
+    # together in tick 1; with prefill_batch_size=1 the next starts only when the one before joins.
+    whole, model = one_rank("llama")
+    prompts = [[5], [6], [7]]
+    solo = [solo_tokens(whole, p, 4) for p in prompts]
+    for cap, joined in ((None, [[], [0, 1, 2]]), (1, [[], [0], [0, 1], [0, 1, 2]]), (2, [[], [0, 1], [0, 1, 2]])):
+        engine = pipemlx.BatchGenerator(model, max_tokens=4, prefill_batch_size=cap)
+        uids = engine.insert(prompts)
+        active: list[list[int]] = []
+        got: dict[int, list[int]] = {u: [] for u in uids}
+        for _ in range(10):
+            for response in engine.next():
+                got[response.uid].append(response.token)
+            active.append(engine.active_uids)
+        assert active[: len(joined)] == joined, (cap, active)
+        assert [got[u] for u in uids] == solo, (cap, got, solo)
+    assert pipemlx.BatchGenerator(model, completion_batch_size=2, prefill_batch_size=4).completion_batch_size == 4
+    assert pipemlx.BatchGenerator(model, completion_batch_size=5, prefill_batch_size=4).completion_batch_size == 5
+    assert pipemlx.BatchGenerator(model, prefill_batch_size=4).completion_batch_size is None
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="prefill_batch_size must be a positive int"):
+            pipemlx.BatchGenerator(model, prefill_batch_size=bad)  # type: ignore[arg-type]
+
+
+def test_the_stream_is_the_stages_compute_stream_and_another_device_is_refused() -> None:
+    from mlx_lm.generate import generation_stream
+
+    _, model = one_rank("llama")
+    stage = pipemlx.stage_of(model)
+    ours = stage.compute_stream.device
+    for given in (None, generation_stream, mx.new_stream(ours), ours):
+        assert pipemlx.BatchGenerator(model, stream=given).stream == stage.compute_stream
+    other = mx.Device(mx.gpu if ours.type == mx.cpu else mx.cpu)
+    with pytest.raises(ValueError, match=re.escape(f"device {other}: rank 0/1 (layers 0..5 of 6) computes on its own")):
+        pipemlx.BatchGenerator(model, stream=other)
+    with pytest.raises(ValueError, match="stream must be an mx.Stream"):
+        pipemlx.BatchGenerator(model, stream="gpu")  # type: ignore[arg-type]
+
+
+def test_segments_give_the_tokens_of_their_joined_prompt_and_no_chunk_crosses_their_ends() -> None:
+    whole, model = one_rank("llama")
+    prompt = mx.random.randint(0, 256, (14,), key=mx.random.key(14)).tolist()
+    segments = [prompt[:3], [], prompt[3:10], prompt[10:], []]
+    solo = solo_tokens(whole, prompt, 6)
+    engine = pipemlx.BatchGenerator(model, max_tokens=6, prefill_step_size=8, prefill_chunk_tokens=8)
+    (uid,) = engine.insert_segments([segments])
+    filled: list[int] = []  # prefilled positions after each tick while queued: chunks 0-3, 3-10, 10-13
+    got: list[int] = []
+    for _ in range(12):
+        got += [r.token for r in engine.next()]
+        if uid in engine.queued_uids:
+            filled.append(engine.prefilled(uid))
+    assert got == solo and filled == [3, 10, 13], (got, solo, filled)
+    assert run_all(engine, {0: [prompt]}) == {1: solo}  # insert of the joined prompt: the same tokens
+    with pytest.raises(ValueError, match="request 1 has an empty prompt"):
+        engine.insert_segments([[[1, 2]], [[], []]])
+    with pytest.raises(ValueError, match="2 prompts need one entry each .*got 1 max_tokens$"):
+        engine.insert_segments([[[1, 2]], [[3]]], max_tokens=[4])
+    assert len(engine) == 0

@@ -38,6 +38,7 @@ class Run:
     joined: dict[int, int] = field(default_factory=dict[int, int])  # uid -> tick it joined
     cancelled: set[int] = field(default_factory=set[int])
     peaks: list[list[int]] = field(default_factory=list[list[int]])  # reservations committed per tick
+    prefilling: list[tuple[int, ...]] = field(default_factory=list[tuple[int, ...]])  # started, not decoding, per tick
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,12 @@ class Scenario:
     budget: int | None
     attention: float | None = None  # equal-cost chunks with this cost per query-key pair (a token costs 1)
     max_rows: int | None = None  # completion_batch_size: requests decoding or prefilling at once
+    prefill_rows: int | None = None  # prefill_batch_size: requests started and not yet decoding at once
+    cuts: tuple[int, ...] = ()  # segment boundaries of every request (those inside its prompt)
+
+    def job(self, uid: int) -> Job:
+        _, positions, tokens = self.arrivals[uid]
+        return Job(uid, positions, positions + 1 + tokens, tuple(c for c in sorted(set(self.cuts)) if c <= positions))
 
     @property
     def sizes(self) -> int | EqualCostChunks:
@@ -68,6 +75,8 @@ scenarios = st.builds(
     budget=st.none() | st.integers(50, 200),
     attention=st.none() | st.floats(0.0, 2.0),
     max_rows=st.none() | st.integers(1, 3),
+    prefill_rows=st.none() | st.integers(1, 3),
+    cuts=st.lists(st.integers(1, 40), max_size=4).map(tuple),
 )
 
 
@@ -78,7 +87,7 @@ def drive(s: Scenario, limit: int = 400) -> Run:
     admission = None if memory is None and s.max_rows is None else AdmissionLimits(memory, s.max_rows)
     run = Run()
     decoding: dict[int, list[int]] = {}  # uid -> [reserve, tokens left]
-    jobs = {i: Job(i, positions, positions + 1 + tokens) for i, (_, positions, tokens) in enumerate(s.arrivals)}
+    jobs = {i: s.job(i) for i in range(len(s.arrivals))}
     for t in range(limit):
         state = enqueue(state, [jobs[i] for i, a in enumerate(s.arrivals) if a[0] == t])
         gone = {i for at, i in s.cancels if at == t and i < len(s.arrivals) and s.arrivals[i][0] <= t}
@@ -93,12 +102,13 @@ def drive(s: Scenario, limit: int = 400) -> Run:
             if not pending:
                 break
             continue
-        tick, state = plan_tick(state, [r for r, _ in decoding.values()], s.sizes, s.lone, admission)
+        tick, state = plan_tick(state, [r for r, _ in decoding.values()], s.sizes, s.lone, admission, s.prefill_rows)
         for uid in tick.joins:
             assert uid not in run.joined, f"request {uid} joins twice"
             run.joined[uid] = tick.index
             decoding[uid] = [jobs[uid].reserve, s.arrivals[uid][2]]
         run.peaks.append([r for r, _ in decoding.values()] + [state.reserves.get(u, 0) for u in state.prefilling])
+        run.prefilling.append(state.prefilling)
         run.ticks.append(tick)
         run.rows.append(len(decoding))
         for uid in list(decoding):
@@ -184,6 +194,36 @@ def test_no_more_requests_than_the_row_limit_decode_or_prefill_at_once(s: Scenar
     run = drive(s)
     assert s.max_rows is not None
     assert all(len(reserves) <= s.max_rows for reserves in run.peaks), run.peaks
+
+
+@settings(deadline=None)
+@given(scenarios.filter(lambda s: s.prefill_rows is not None))
+def test_no_more_requests_than_the_prefill_batch_size_are_prefilled_at_once(s: Scenario) -> None:
+    # After each tick: requests started and not yet decoding (ready to join, a chunk on some rank, or the head
+    # of the queue partly handed to rank 0); every chunk of the tick is one of theirs or of those joining now.
+    run = drive(s)
+    assert s.prefill_rows is not None
+    assert all(len(p) <= s.prefill_rows for p in run.prefilling), run.prefilling
+    for tick in run.ticks:
+        assert len({c.uid for c in tick.chunks if c is not None}) <= s.prefill_rows, tick
+
+
+@settings(deadline=None)
+@given(scenarios.filter(lambda s: bool(s.cuts)))
+def test_no_chunk_crosses_a_segment_boundary(s: Scenario) -> None:
+    run = drive(s)
+    for tick in run.ticks:
+        for chunk in tick.chunks:
+            if chunk is not None:
+                assert not any(chunk.start < c < chunk.stop for c in s.cuts), (chunk, s.cuts)
+
+
+def test_job_boundaries_must_increase_inside_the_prompt() -> None:
+    assert Job(0, 10, boundaries=(3, 10)).chunk_stop(0, 8) == 3
+    assert Job(0, 10, boundaries=(3, 10)).chunk_stop(3, 8) == 10
+    for bad in ((3, 3), (5, 2), (0,), (11,)):
+        with pytest.raises(ValueError, match="boundaries"):
+            Job(0, 10, boundaries=bad)
 
 
 def test_the_simulator_finds_a_swapped_order_and_a_missing_receive() -> None:

@@ -46,7 +46,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import StopSequences
 from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import (  # pyright: ignore[reportUnknownVariableType]
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from ..schedule.batch_plan import (
     Admission,
@@ -128,6 +133,7 @@ class _Sequence:
     answer: list[int] = field(default_factory=list[int])  # the tokens generated so far
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     cache: list[Any] | None = None
+    boundaries: tuple[int, ...] = ()  # prompt positions no prefill chunk crosses (ends of insert_segments' segments)
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
 
     @property
@@ -182,6 +188,29 @@ class BatchGenerator:
     ``completion_batch_size`` (as mlx-lm's): at most this many requests
     decode or are prefilled at once; the others wait in the queue, in order.
     ``None`` (the default; mlx-lm's is 32): no limit.
+
+    ``prefill_batch_size`` (as mlx-lm's): at most this many requests are
+    started and not yet decoding at once (chunks in flight on some rank,
+    or prefilled and waiting to join); the next one starts when one joins.
+    Our ticks prefill one chunk per rank, so at most one request per rank is
+    computed at once (up to ``world_size`` over the pipeline, more only
+    counting one-token prompts, which need no prefill): this caps that.
+    ``None`` (the default; mlx-lm's is 8): no cap. As in mlx-lm, a
+    ``completion_batch_size`` below it is raised to it.
+
+    ``max_kv_size`` (as mlx-lm's): each request's caches are made with
+    ``make_prompt_cache(model, max_kv_size)``, rotating caches that keep
+    the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is
+    used as it is). Admission control still reserves a request's whole
+    length (conservative).
+
+    ``stream`` (mlx-lm's computes on it): the ranks compute on the stage's
+    own stream (``stage.compute_stream``, which the waits in helper threads
+    need), so a stream or device is accepted only on that stream's device
+    (``ValueError`` otherwise); :attr:`stream` is the stream computed on.
+
+    Raises ``ValueError`` for a bad value of any of these before anything
+    is sent.
     """
 
     def __init__(
@@ -199,6 +228,9 @@ class BatchGenerator:
         timeout: float | None = None,
         memory_budget: int | None = None,
         completion_batch_size: int | None = None,
+        prefill_batch_size: int | None = None,
+        max_kv_size: int | None = None,
+        stream: mx.Stream | mx.ThreadLocalStream | mx.Device | None = None,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -207,9 +239,16 @@ class BatchGenerator:
         chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget
         for name, value in (("prefill_step_size", prefill_step_size), ("prefill_chunk_tokens", chunk)):
             _check_positive(name, value)
-        for name, limit in (("memory_budget", memory_budget), ("completion_batch_size", completion_batch_size)):
+        optional = {
+            "memory_budget": memory_budget,
+            "completion_batch_size": completion_batch_size,
+            "prefill_batch_size": prefill_batch_size,
+            "max_kv_size": max_kv_size,
+        }
+        for name, limit in optional.items():
             if limit is not None:
                 _check_positive(name, limit)
+        _check_stream(stream, self.stage)
         if prefill_chunking not in ("fixed", "equal-cost"):
             raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
@@ -219,7 +258,10 @@ class BatchGenerator:
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk_tokens = chunk
         self.timeout = timeout or self.stage.timeout
-        unbatchable = sorted({type(c).__name__ for c in make_prompt_cache(model) if not hasattr(c, "merge")})
+        self.max_kv_size = max_kv_size
+        fresh = self._new_cache()
+        unbatchable = sorted({type(c).__name__ for c in fresh if not hasattr(c, "merge")})
+        self._fresh_kept = _kept_window(fresh)
         if unbatchable:
             raise TypeError(f"{self.stage.describe()}: mlx-lm cannot batch these layer caches: {unbatchable}")
         self._next_uid = 0
@@ -232,6 +274,9 @@ class BatchGenerator:
         self.admission: Admission | None = (
             None if memory_budget is None else exchange_admission(model, self.stage, memory_budget, self.timeout)
         )
+        self.prefill_batch_size = prefill_batch_size
+        if completion_batch_size is not None and prefill_batch_size is not None:
+            completion_batch_size = max(completion_batch_size, prefill_batch_size)  # as mlx-lm does
         self.completion_batch_size = completion_batch_size
         self._limits = (
             None
@@ -243,6 +288,15 @@ class BatchGenerator:
         self.chunk_sizes: int | ChunkSizes = chunk
         if prefill_chunking == "equal-cost":
             self.chunk_sizes = EqualCostChunks(chunk, calibrated(model, self.stage, self.timeout).layer)
+
+    @property
+    def stream(self) -> mx.Stream:
+        """The stream this rank computes the ticks on (the stage's ``compute_stream``; mlx-lm's ``stream``)."""
+        return self.stage.compute_stream
+
+    def _new_cache(self) -> list[Any]:
+        """A new request's per-layer caches: ``make_prompt_cache(model, max_kv_size)``, as mlx-lm's makes them."""
+        return make_prompt_cache(self.model, self.max_kv_size)
 
     @property
     def active_uids(self) -> list[int]:
@@ -310,11 +364,69 @@ class BatchGenerator:
         ``StopSequences``, or token ids and sequences of them as the
         generator's ``stop_tokens`` takes (``None``: the generator's); they
         replace the generator's for that request. Raises ``ValueError`` for an
-        empty prompt, a bad count, a cache that does not fit the model or a
-        request that could never fit the memory budget, on every rank alike,
-        before anything changes.
+        empty prompt, a bad count, a cache that does not fit the model, a
+        request that could never fit the memory budget or one that could
+        outgrow a ``RotatingKVCache`` that keeps its first positions (what
+        ``max_kv_size`` makes; see the class), on every rank alike, before
+        anything changes.
         """
-        count = len(prompts)
+        return self._insert(
+            [[[int(t) for t in p]] for p in prompts],
+            max_tokens,
+            caches,
+            all_tokens,
+            samplers,
+            logits_processors,
+            stop_sequences,
+            segmented=False,
+        )
+
+    def insert_segments(
+        self,
+        segments: Sequence[Sequence[Sequence[int]]],
+        max_tokens: Sequence[int] | int | None = None,
+        caches: Sequence[list[Any] | None] | None = None,
+        all_tokens: Sequence[Sequence[int] | None] | None = None,
+        samplers: Sequence[Sampler | None] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
+        stop_sequences: Sequence[StopSequences | Iterable[int | Sequence[int]] | None] | None = None,
+    ) -> list[int]:
+        """Queue prompts given as segments (mlx-lm's ``insert_segments``); return their uids.
+
+        ``segments[i]`` is request ``i``'s prompt cut into segments (empty ones
+        are skipped); the other arguments are :meth:`insert`'s. A request's
+        tokens are those of :meth:`insert` of its segments joined, and, as in
+        mlx-lm, no prefill chunk crosses a segment boundary: a chunk that would
+        ends there (the prompt's last token is fed by the first decode step,
+        not prefilled). A request whose every segment is empty raises
+        ``ValueError`` ("has an empty prompt"), as mlx-lm's does, before
+        anything changes.
+        """
+        return self._insert(
+            [[[int(t) for t in part] for part in request] for request in segments],
+            max_tokens,
+            caches,
+            all_tokens,
+            samplers,
+            logits_processors,
+            stop_sequences,
+            segmented=True,
+        )
+
+    def _insert(
+        self,
+        segments: list[list[list[int]]],
+        max_tokens: Sequence[int] | int | None,
+        caches: Sequence[list[Any] | None] | None,
+        all_tokens: Sequence[Sequence[int] | None] | None,
+        samplers: Sequence[Sampler | None] | None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None,
+        stop_sequences: Sequence[StopSequences | Iterable[int | Sequence[int]] | None] | None,
+        *,
+        segmented: bool,
+    ) -> list[int]:
+        """:meth:`insert` of each request's segments joined, its prefill chunks ending at the segments' ends."""
+        count = len(segments)
         limits = (
             [self.max_tokens] * count
             if max_tokens is None
@@ -346,10 +458,11 @@ class BatchGenerator:
         if wrong:
             shown = ", ".join(f"{n} {name}" for name, n in wrong.items())
             raise ValueError(f"{count} prompts need one entry each of every per-prompt option, got {shown}")
-        tokens = [[int(t) for t in p] for p in prompts]
+        tokens = [[t for part in request for t in part] for request in segments]
+        boundaries = [_boundaries(request) for request in segments]
         for i, (prompt, limit, cache) in enumerate(zip(tokens, limits, given)):
             if not prompt:
-                raise ValueError(f"prompt {i} is empty")
+                raise ValueError(f"request {i} has an empty prompt" if segmented else f"prompt {i} is empty")
             _check_max_tokens(limit)
             if cache is not None:
                 self._check_cache(i, cache)
@@ -365,11 +478,23 @@ class BatchGenerator:
                 before=before,
                 prefix=0 if cache is None else counted_offset(cache),
                 cache=cache,
+                boundaries=bounds,
             )
-            for uid, prompt, limit, sampler, cache, chain, before, stop in zip(
-                uids, tokens, limits, chosen, given, processors, earlier, stops
+            for uid, prompt, limit, sampler, cache, chain, before, stop, bounds in zip(
+                uids, tokens, limits, chosen, given, processors, earlier, stops, boundaries
             )
         ]
+        for i, (s, cache) in enumerate(zip(sequences, given)):
+            kept = self._fresh_kept if cache is None else _kept_window(cache)
+            if kept is not None and (s.max_tokens == -1 or s.reserve - 1 > kept[0]):
+                size, keep = kept
+                held = "no limit (max_tokens=-1)" if s.max_tokens == -1 else f"{s.reserve - 1} positions"
+                raise ValueError(
+                    f"request {i} may grow to {held}, past its RotatingKVCache(max_size={size}, keep={keep}) layer "
+                    f"caches (max_kv_size makes those): mlx-lm's BatchRotatingKVCache cannot keep their first {keep} "
+                    f"positions, so its tokens would differ from a solo run once it outgrows {size}; keep prompt + "
+                    f"max_tokens within {size + 1}, or construct the generator without max_kv_size"
+                )
         if self.admission is not None and any(c is not None for c in given):
             blind = [r for r, b in enumerate(self.admission.bytes_per_position) if b == 0]
             if blind:  # their caches count no positions: they could not reserve a reused prefix alike
@@ -388,7 +513,7 @@ class BatchGenerator:
         self._next_uid += count
         for s in sequences:
             self._sequences[s.uid] = s
-        self._plan = enqueue(self._plan, [Job(s.uid, len(s.prompt) - 1, s.reserve) for s in sequences])
+        self._plan = enqueue(self._plan, [Job(s.uid, len(s.prompt) - 1, s.reserve, s.boundaries) for s in sequences])
         return uids
 
     def _check_cache(self, index: int, cache: object) -> None:
@@ -467,7 +592,7 @@ class BatchGenerator:
         tokens = [*sequence.before, *sequence.prompt[: sequence.filled]]
         cache = sequence.cache
         if cache is None:
-            return make_prompt_cache(self.model), tokens
+            return self._new_cache(), tokens
         # Chunks still travelling the ranks are in some ranks' caches only: cut them off, or give nothing back.
         ahead = any(c is not None and c.uid == sequence.uid for c in self._plan.inflight)
         if ahead and (sequence.prefix == UNCOUNTED or not trim_to(cache, sequence.prefix + sequence.filled)):
@@ -613,12 +738,13 @@ class BatchGenerator:
             self.chunk_sizes,
             self.prefill_step_size,
             self._limits,
+            self.prefill_batch_size,
         )
 
     def _chunk_cache(self, chunk: Chunk) -> list[Any]:
         sequence = self._sequences[chunk.uid]
         if sequence.cache is None:
-            sequence.cache = make_prompt_cache(self.model)
+            sequence.cache = self._new_cache()
         return sequence.cache
 
     def _join(self, uids: tuple[int, ...]) -> None:
@@ -633,7 +759,7 @@ class BatchGenerator:
         if not uids:
             return
         joining = [self._sequences[u] for u in uids]
-        caches = [s.cache if s.cache is not None else make_prompt_cache(self.model) for s in joining]
+        caches = [s.cache if s.cache is not None else self._new_cache() for s in joining]
         for s in joining:
             s.cache = None
             s.filled = len(s.prompt) - 1
@@ -850,6 +976,49 @@ def _stop_sequences(entries: Iterable[int | Sequence[int]], name: str = "stop_se
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _kept_window(cache: list[Any]) -> tuple[int, int] | None:
+    """``(max_size, keep)`` of the smallest layer cache that is a ``RotatingKVCache`` keeping its first positions
+    (``keep > 0``, as ``max_kv_size`` makes them); ``None`` when there is none (sliding windows keep none)."""
+    kept: list[tuple[int, int]] = []
+    for layer in cache:
+        parts = getattr(layer, "caches", None)
+        for c in cast(list[Any], parts) if isinstance(parts, (list, tuple)) else [layer]:
+            keep = int(getattr(c, "keep", 0))
+            if isinstance(c, RotatingKVCache) and keep > 0:
+                kept.append((int(getattr(c, "max_size")), keep))
+    return min(kept) if kept else None
+
+
+def _boundaries(segments: list[list[int]]) -> tuple[int, ...]:
+    """Where the segments of a prompt end, but the last: positions before the prompt's last token, which the first
+    decode step feeds (mlx-lm cuts that token off into a segment of its own)."""
+    ends: list[int] = []
+    for segment in segments[:-1]:
+        if segment:
+            ends.append((ends[-1] if ends else 0) + len(segment))
+    positions = sum(len(s) for s in segments) - 1
+    return tuple(e for e in ends if 0 < e <= positions)
+
+
+def _check_stream(stream: object, stage: PipelineStage) -> None:
+    """Raise ``ValueError`` unless ``stream`` is ``None`` or a stream or device on the stage's compute device."""
+    if stream is None:
+        return
+    if isinstance(stream, mx.Device):
+        device = stream
+    elif isinstance(stream, (mx.Stream, mx.ThreadLocalStream)):
+        device = stream.device
+    else:
+        raise ValueError(f"stream must be an mx.Stream, mx.ThreadLocalStream, mx.Device or None, got {stream!r}")
+    ours = stage.compute_stream.device
+    if device != ours:
+        given = f"device {device}" if isinstance(stream, mx.Device) else f"stream {stream} (on {device})"
+        raise ValueError(
+            f"{given}: {stage.describe()} computes on its own stream on {ours}; pass a stream or device on {ours}, "
+            "or none (the ticks run on the stage's compute_stream either way)"
+        )
 
 
 def _check_max_tokens(value: object) -> None:

@@ -28,15 +28,29 @@ FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the tick'
 
 @dataclass(frozen=True)
 class Job:
-    """A queued request: ``positions`` prompt positions to prefill, ``reserve`` positions its cache may reach."""
+    """A queued request: ``positions`` prompt positions to prefill, ``reserve`` positions its cache may reach.
+
+    ``boundaries``: prompt positions no chunk crosses (the ends of the segments of mlx-lm's
+    ``insert_segments``), increasing, each in ``1 .. positions``: a chunk that would cross one ends there.
+    """
 
     uid: int
     positions: int
     reserve: int = 0
+    boundaries: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.positions < 0 or self.reserve < 0:
             raise ValueError(f"job {self.uid}: positions and reserve must be >= 0, got {self}")
+        bounds = (0, *self.boundaries)
+        if any(b <= a for a, b in zip(bounds, bounds[1:])) or any(b > self.positions for b in self.boundaries):
+            raise ValueError(f"job {self.uid}: boundaries must increase within 1 .. {self.positions}, got {self}")
+
+    def chunk_stop(self, start: int, size: int) -> int:
+        """Where a chunk of at most ``size`` positions starting at ``start`` ends: at the prompt's end or the
+        first boundary past ``start`` if either comes sooner."""
+        stop = min(self.positions, start + size)
+        return next((b for b in self.boundaries if start < b < stop), stop)
 
 
 @dataclass(frozen=True)
@@ -247,6 +261,7 @@ def plan_tick(
     chunk_tokens: int | ChunkSizes,
     lone_chunk_tokens: int | None = None,
     admission: Admits | None = None,
+    prefill_batch_size: int | None = None,
 ) -> tuple[Tick, PlanState]:
     """The next tick and the state after it.
 
@@ -258,33 +273,45 @@ def plan_tick(
     larger chunks); rank ``r`` computes what rank ``r - 1`` computed in the
     last tick. A request starts only when ``admission`` (an :class:`Admission`
     or :class:`AdmissionLimits`) admits it together with everything decoding
-    and prefilling; requests start in order, so one that
-    waits holds back those behind it. A request with no positions to prefill
-    is ready at once. Pure: the same arguments give the same tick everywhere.
+    and prefilling, and fewer than ``prefill_batch_size`` requests are
+    started and not yet decoding (those joining in this tick not counted):
+    they are then all that are prefilled, ready or in flight on some rank at
+    once (mlx-lm's ``prefill_batch_size``). Requests start in order, so one
+    that waits holds back those behind it. A request with no positions to
+    prefill is ready at once. A chunk ends at its request's next boundary
+    (:attr:`Job.boundaries`) if it would cross it. Pure: the same arguments
+    give the same tick everywhere.
     """
     if (isinstance(chunk_tokens, int) and chunk_tokens < 1) or (
         lone_chunk_tokens is not None and lone_chunk_tokens < 1
     ):
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_tokens} and {lone_chunk_tokens}")
+    if prefill_batch_size is not None and prefill_batch_size < 1:
+        raise ValueError(f"prefill_batch_size must be >= 1, got {prefill_batch_size}")
     joins = state.ready
     rows = len(decoding) + len(joins)
     queue, started = list(state.queue), state.started
     ready: list[int] = []
-    committed = [*decoding, *(state.reserves.get(u, 0) for u in _in_pipeline(state))]
+    pipeline = _in_pipeline(state)
+    committed = [*decoding, *(state.reserves.get(u, 0) for u in pipeline)]
+    prefilling = sum(1 for u in pipeline if u not in joins)  # started, not decoding after this tick's joins
     first: Chunk | None = None
     while queue and first is None:
         job = queue[0]
         if not started:
+            if prefill_batch_size is not None and prefilling >= prefill_batch_size:
+                break
             if admission is not None and not admission.fits([*committed, job.reserve]):
                 break
             committed.append(job.reserve)
+            prefilling += 1
         if job.positions == 0:
             ready.append(job.uid)
             queue.pop(0)
             started = 0
             continue
         size = _size(chunk_tokens, started) if rows or lone_chunk_tokens is None else lone_chunk_tokens
-        stop = min(job.positions, started + size)
+        stop = job.chunk_stop(started, size)
         first = Chunk(job.uid, started, stop, stop == job.positions)
         if first.last:
             queue.pop(0)

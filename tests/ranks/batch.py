@@ -22,7 +22,10 @@ With "default_processors" (mlx-lm make_logits_processors keyword arguments), the
 processors; with "processors" ({request: kwargs | null}), a request's own (null: none; a request not named
 gets the default); the solo runs then use the same processors. "all_tokens": {request: n} gives that
 request's processors its first n prompt tokens as `all_tokens`, with only the rest of the prompt inserted,
-on a cache holding those n (as "prefixes" does).
+on a cache holding those n (as "prefixes" does). "generator": more keyword arguments of the generator
+(prefill_batch_size, ...); "segments": {request: [cut, ...]} inserts that request with insert_segments, its
+prompt cut at those positions. The report's "prefilling" is, per step, how many requests were started and not
+yet decoding after it.
 
 Or {"parity": true, "step_size", "chunk"}: mlx-lm's BatchGenerator API on a sharded model (run_parity).
 
@@ -130,7 +133,9 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         memory_budget=spec.get("memory_budget"),
         prefill_chunking=spec.get("chunking", "fixed"),
         logits_processors=processors_of(default_processors),
+        **spec.get("generator", {}),
     )
+    cuts: dict[str, list[int]] = spec.get("segments", {})
     seen_before: dict[str, int] = spec.get("all_tokens", {})
     prefixes: dict[str, int] = {**spec.get("prefixes", {}), **seen_before}
     uid_of: dict[int, int] = {}
@@ -142,6 +147,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     first: dict[int, int] = {}  # request -> the step of its first token
     partial: list[int] = []  # per step: queued requests partly prefilled after it
     prefilled: dict[int, list[int]] = {}  # request -> positions every rank had prefilled, after each step
+    prefilling: list[int] = []  # per step: requests started and not yet decoding after it
     kill = spec.get("kill")
     follow = spec.get("follow_up")  # {"of": request, "M": new tokens, "max_tokens"}: a next turn on its cache
     follow_prompt = prompt_of(follow["M"]) if follow is not None else []
@@ -149,7 +155,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     resumed: dict[int, dict[str, Any]] = {}  # request -> what remove(return_prompt_caches=True) handed back
     error: dict[str, Any] | None = None
     for step in range(spec["steps"]):
-        arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step]
+        arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step and str(i) not in cuts]
+        segmented = [i for i, r in enumerate(requests) if r["insert_at"] == step and str(i) in cuts]
         if arriving:
             caches = [reused_cache(model, prompts[i], prefixes.get(str(i)), spec["step_size"]) for i in arriving]
             chosen = None
@@ -168,6 +175,12 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
                 else None,
             )
             uid_of.update(zip(uids, arriving))
+        for i in segmented:
+            ends = [0, *cuts[str(i)], len(prompts[i])]
+            (uid,) = engine.insert_segments(
+                [[prompts[i][a:b] for a, b in zip(ends, ends[1:])]], [requests[i]["max_tokens"]]
+            )
+            uid_of[uid] = i
         for removal in spec["remove"]:
             if removal["at"] == step:
                 index = removal["index"]
@@ -200,6 +213,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         rows.append(len(responses))
         batch_rows.append(len(engine._rows))  # pyright: ignore[reportPrivateUsage]  # dead rows included
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
+        prefilling.append(len(engine._plan.prefilling))  # pyright: ignore[reportPrivateUsage]
         for u in engine.queued_uids:
             prefilled.setdefault(uid_of[u], []).append(engine.prefilled(u))
         if engine.last_error is not None and "model_error" not in spec:
@@ -239,6 +253,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "batch_rows": batch_rows,
         "handed_back": [handed_back.get(i) for i in range(len(requests) + (follow is not None))],
         "partial": partial,
+        "prefilling": prefilling,
         "prefilled": {str(i): p for i, p in prefilled.items()},
         "left": len(engine),
         "first": [first.get(i) for i in range(len(requests))],
