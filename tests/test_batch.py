@@ -800,3 +800,30 @@ def test_segments_give_the_tokens_of_their_joined_prompt_and_no_chunk_crosses_th
     with pytest.raises(ValueError, match="2 prompts need one entry each .*got 1 max_tokens$"):
         engine.insert_segments([[[1, 2]], [[3]]], max_tokens=[4])
     assert len(engine) == 0
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "llama3_rope"])
+def test_models_holding_lazily_built_arrays_batch_and_prefill_in_helper_threads(arch: str) -> None:
+    """mlx-lm builds some RoPE frequencies lazily on the building thread's stream (llama 3's, deepseek_v2's
+    yarn): every bounded wait evaluates in a helper thread, which cannot run those operations, so before
+    shard_model evaluated them the first tick failed with "There is no Stream(cpu, 0) in current thread"."""
+    config = tiny_config("llama", rope_scaling=LLAMA3_ROPE) if arch == "llama3_rope" else tiny_config(arch)
+    whole = build_model(config, seed=3)
+    model = pipemlx.shard_model(build_model(config, seed=3), mx.distributed.init(), timeout=60)
+    prompts = [mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 20)]
+    solo = [solo_tokens(whole, p, 6) for p in prompts]
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    engine = pipemlx.BatchGenerator(model, prefill_chunk_tokens=8, prefill_step_size=8)
+    got: dict[int, list[int]] = {uid: [] for uid in engine.insert(prompts, [6, 6])}
+    for _ in range(30):
+        for response in engine.next():
+            got[response.uid].append(response.token)
+    assert [got[uid] for uid in sorted(got)] == solo
+    cache = make_prompt_cache(model)
+    pipemlx.pipeline_prefill(model, mx.array(prompts[1]), cache, step_size=8, timeout=60)
+    steps = pipemlx.generate_step(mx.array(prompts[1][-1:]), model, prompt_cache=cache, max_tokens=6, timeout=60)
+    assert [int(t) for t, _ in steps] == solo[1]

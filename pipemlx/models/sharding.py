@@ -256,8 +256,27 @@ def shard_model(
     if head == "last" and not stage.is_last:
         drop_output_head(model, stage)
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
-    mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
+    mx.eval(model.parameters(), held_arrays(model))  # pyright: ignore[reportUnknownMemberType]
     return model
+
+
+def held_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays the model's modules hold, their parameters and the rest: private ones such as a RoPE's ``_freqs``.
+
+    mlx-lm computes some of them lazily when a model is built (llama 3's and
+    yarn's RoPE frequencies, deepseek_v2's), on the building thread's default
+    stream. A pipeline waits in helper threads (bounded waits), and MLX cannot
+    evaluate there a graph that still holds an operation of another thread's
+    default stream ("There is no Stream(cpu, 0) in current thread"):
+    :func:`shard_model` evaluates them on the building thread.
+    """
+    arrays: list[mx.array] = []
+    for module in cast(list[nn.Module], model.modules()):
+        held: list[Any] = [*cast(dict[str, Any], module).values(), *vars(module).values()]  # ``_freqs`` is an item
+        for value in held:
+            values = cast(Sequence[Any], value if isinstance(value, (list, tuple)) else (value,))
+            arrays.extend(v for v in values if isinstance(v, mx.array))
+    return arrays
 
 
 class LocalCaches:
