@@ -42,6 +42,7 @@ from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
     check_kv_quantization,
     check_prompt,
+    check_rotating_caches,
     check_timeout,
     prefill_before_decode,
 )
@@ -106,7 +107,11 @@ def generate_step(
     then decoded; the tokens are the ones one process holding the whole model
     yields with the same sampler. ``max_tokens=-1`` means no limit.
     ``max_kv_size`` bounds a cache made here (no ``prompt_cache``) as mlx-lm
-    does: rotating caches of that many positions.
+    does: rotating caches of that many positions. mlx-lm cannot quantize a
+    rotating cache, so ``kv_bits`` is refused with ``ValueError`` on every rank,
+    before anything is sent and whatever the prompt's length, on a model with
+    sliding-window layers, and with ``max_kv_size`` where that makes the caches
+    rotating (a model without a ``make_cache`` of its own).
 
     Only the last rank applies the head, runs ``logits_processors`` and
     samples, so a random ``sampler`` needs no seed shared by the ranks (seed
@@ -141,6 +146,9 @@ def generate_step(
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
+    if prompt_cache is None and max_kv_size is not None:  # mlx-lm ignores max_kv_size with a prompt_cache
+        check_rotating_caches(kv_bits, stage.unquantizable_bounded, stage.total_layers, max_kv_size)
+    check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     request = _Request(
