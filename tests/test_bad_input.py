@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -145,6 +146,18 @@ def test_bad_input_fails_alike_on_every_real_rank() -> None:
     assert "kv_group_size must divide the model's head dimension (16)" in reports[0]["errors"][3]
     assert "ranks disagree on lend_mlp: rank 0: 1, rank 1: 0" in reports[0]["errors"][4]
     assert reports[0]["tokens_after"] == reports[1]["tokens_after"] == reports[0]["reference"]
+    # kv_bits with a sliding-window layer on rank 1 only: pipeline_prefill, generate_step and stream_generate
+    # raise the same ValueError on both ranks before anything is sent, and the next request works.
+    rotating = [r["rotating"] for r in reports]
+    assert rotating[0]["errors"][:3] == rotating[1]["errors"][:3]
+    for error in rotating[0]["errors"][:3]:
+        assert re.match("ValueError: " + ROTATING_REFUSED, error), error
+    assert rotating[0]["tokens_after"] == rotating[1]["tokens_after"] == rotating[0]["reference"]
+    # A given cache with rotating caches on rank 1 only: refused at the handshake, rank 0 told who refused.
+    assert rotating[1]["errors"][3].startswith("ValueError: cannot quantize the KV cache with kv_bits=4: the cache")
+    assert rotating[0]["errors"][3].startswith("PrefillCancelled: prefill stopped on rank 0/2"), rotating[0]
+    assert "at the handshake: rank(s) [1] raised an error" in rotating[0]["errors"][3]
+    assert rotating[0]["given_cache_after"] == rotating[1]["given_cache_after"]
 
 
 def test_a_model_that_cannot_be_probed_keeps_the_plain_check() -> None:
@@ -158,3 +171,72 @@ def test_a_model_that_cannot_be_probed_keeps_the_plain_check() -> None:
 
     assert quantized_dims(Unrunnable()) == ()
     check_kv_quantization(4, 32, ())  # MLX takes it; nothing known to refuse it by
+
+
+# head_dim 64, which kv_group_size 64 fits; only layer 5 (rank 1's, of 2) keeps a sliding-window cache.
+WIDE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}
+ONE_SLIDING = {**WIDE, "sliding_window": 4, "layer_types": ["full_attention"] * 5 + ["sliding_attention"]}
+ROTATING_REFUSED = (
+    r"cannot quantize the KV cache with kv_bits=4: layer 5 of 6 keeps a RotatingKVCache \(a sliding window\), "
+    r"which mlx-lm cannot quantize either \(RotatingKVCache.to_quantized raises NotImplementedError"
+)
+
+
+def _word_tokenizer(path: Any) -> Any:
+    from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+
+    from pipemlx.testing import write_tokenizer
+
+    write_tokenizer(path, 256)
+    return load_tokenizer(path)  # pyright: ignore[reportUnknownVariableType]
+
+
+@pytest.mark.parametrize("rank", [0, 1])  # rank 0 holds no sliding layer, and must refuse all the same
+@pytest.mark.parametrize("call", ["pipeline_prefill", "generate_step", "stream_generate"])
+def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int, call: str, tmp_path: Any) -> None:
+    """mlx-lm's RotatingKVCache cannot be quantized: it failed mid-prefill, on the ranks holding one only.
+
+    Refused even for a prompt of 3 tokens that never reaches quantized_kv_start (the default 5000).
+    """
+    model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2))  # type: ignore[arg-type]
+    stage = pipemlx.stage_of(model)
+    prompt = tokens(3)
+    with pytest.raises(ValueError, match=ROTATING_REFUSED):
+        if call == "pipeline_prefill":
+            pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), kv_bits=4)
+        elif call == "generate_step":
+            pipemlx.generate_step(prompt, model, kv_bits=4)
+        else:
+            pipemlx.stream_generate(model, _word_tokenizer(tmp_path), prompt, kv_bits=4)
+    assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
+    assert stage.unquantizable == ((5, "RotatingKVCache"),)
+    pipemlx.generate_step(prompt, model)  # without kv_bits: accepted (a generator; nothing runs yet)
+
+
+def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> None:
+    """qwen2 makes no caches of its own: max_kv_size gives every layer a RotatingKVCache (llama's make_cache ignores it)."""
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"kv_bits=4: max_kv_size=64 gives every layer a RotatingKVCache, which mlx-lm"
+    ):
+        pipemlx.generate_step(tokens(9), model, kv_bits=4, max_kv_size=64)
+    assert len(pipemlx.stage_of(model).send_queue) == 0
+    pipemlx.generate_step(tokens(9), model, max_kv_size=64)  # either alone is accepted
+    pipemlx.generate_step(tokens(9), model, kv_bits=4)
+    llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    assert pipemlx.stage_of(llama).unquantizable_bounded == ()
+    pipemlx.generate_step(tokens(9), llama, kv_bits=4, max_kv_size=64)
+
+
+def test_kv_bits_on_a_given_rotating_cache_is_refused_at_the_handshake() -> None:
+    """A cache list made with max_kv_size: refused at the handshake, before any chunk; the next request works."""
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), mx.distributed.init())  # one rank
+    prompt = tokens(12)
+    cache = make_prompt_cache(model, max_kv_size=64)
+    with pytest.raises(ValueError, match=r"the cache given on rank 0/1 .* holds a RotatingKVCache for layers 0, 1, 2"):
+        pipemlx.pipeline_prefill(model, prompt, cache, step_size=4, kv_bits=4, quantized_kv_start=0)
+    assert [c.offset for c in cache] == [0] * 5
+    with pytest.raises(ValueError, match="the cache given on rank 0/1"):
+        next(pipemlx.generate_step(prompt, model, prompt_cache=make_prompt_cache(model, max_kv_size=64), kv_bits=4))
+    expected = [t for t, _ in pipemlx.generate_step(prompt, model, max_tokens=3)]
+    assert [t for t, _ in pipemlx.generate_step(prompt, model, prompt_cache=cache, max_tokens=3)] == expected

@@ -149,7 +149,7 @@ def test_generate_allow_unregistered_reaches_load_sharded(capsys: pytest.Capture
     argv = ["generate", "--ranks", "1", "--model", str(path), "--prompt", "t1 t2 t3 t4 t5 t6", "--max-tokens", "3"]
     code, err = run_cli(capsys, *argv, "--temp", "0", "--json")
     assert code == 1 and "is not an architecture pipemlx has been verified on" in err, err
-    assert "--allow-unregistered to pipemlx generate / pipemlx serve" in err
+    assert "--allow-unregistered to pipemlx generate / serve / bench / doctor" in err
     code = cli.main([*argv, "--temp", "0", "--json", "--allow-unregistered"])
     out, err = capsys.readouterr()
     assert code == 0, err

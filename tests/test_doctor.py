@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from netns import namespace_hosts, skip_unless_available
 
+from pipemlx.errors import PipelineError
 from pipemlx.launch import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,30 @@ def test_bad_doctor_arguments() -> None:
     assert main(["doctor", "--ranks", "1"]) == 2
     assert main(["doctor", "--rank", "1"]) == 2
     assert main(["doctor", "--ranks", "9"]) == 2  # more ranks than the demo's 8 layers
+
+
+def test_doctor_allow_unregistered_reaches_load_sharded(tmp_path: Path) -> None:
+    """``--allow-unregistered`` parses as for generate / serve / bench, and the end-to-end run loads with it.
+
+    The end-to-end step on one rank in this process (a doctor needs 2 ranks, and a launch costs seconds).
+    """
+    import mlx.core as mx
+    from fakes import HELIUM_TIED
+
+    from pipemlx.cli import build_parser
+    from pipemlx.cli.doctor_rank import end_to_end
+    from pipemlx.testing import build_model, save_model_dir
+
+    path = save_model_dir(build_model(dict(HELIUM_TIED)), HELIUM_TIED, tmp_path / "helium")
+    base = ["doctor", "--model", str(path), "--timeout", "20"]
+    parser = build_parser()
+    refused, allowed = parser.parse_args(base), parser.parse_args([*base, "--allow-unregistered"])
+    assert (refused.allow_unregistered, allowed.allow_unregistered) == (False, True)
+    group = mx.distributed.init()  # one rank
+    with pytest.raises(PipelineError, match="--allow-unregistered to pipemlx generate / serve / bench / doctor"):
+        end_to_end(refused, group)
+    report = end_to_end(allowed, group)
+    assert report["split"] == [4] and len(report["tokens"]) == 8
 
 
 # --- across network-namespace hosts ----------------------------------------------------------------

@@ -343,3 +343,78 @@ def test_stream_generate_names_an_empty_prompt(empty: Any) -> None:
     model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
     with pytest.raises(ValueError, match="the prompt is empty"):
         pipemlx.stream_generate(model, tokenizer, empty)
+
+
+def _tiny_with_tokenizer(tmp_path: Any) -> tuple[Any, Any]:
+    from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+
+    from pipemlx.testing import write_tokenizer
+
+    write_tokenizer(tmp_path, 256)
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
+    return model, load_tokenizer(tmp_path)
+
+
+def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any) -> None:
+    """A cancel seen after the prefill but before the first token: one "cancelled" response, not an empty stream."""
+    model, tokenizer = _tiny_with_tokenizer(tmp_path)
+    prompt = tokens(13)
+    polls = 0
+
+    def count() -> bool:
+        nonlocal polls
+        polls += 1
+        return False
+
+    # With max_tokens=1, the last poll is the decode's, before token 0; every earlier one is the prefill's.
+    list(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=1, prefill_step_size=4, should_cancel=count))
+    first_decode_poll, polls = polls, 0
+
+    def cancel_at_the_first_token() -> bool:
+        count()
+        return polls >= first_decode_poll
+
+    responses = list(
+        pipemlx.stream_generate(
+            model, tokenizer, prompt, max_tokens=8, prefill_step_size=4, should_cancel=cancel_at_the_first_token
+        )
+    )
+    assert [(r.text, r.token, r.generation_tokens, r.finish_reason, r.logprobs) for r in responses] == [
+        ("", -1, 0, "cancelled", None)
+    ]
+    assert responses[0].prompt_tokens == 13 and responses[0].prompt_tps > 0
+    assert pipemlx.stage_of(model).last_stop == pipemlx.runtime.generate.DecodeStop("cancelled", 0, (0,))
+    # A cancel during the prefill still raises, and the model serves the next request.
+    with pytest.raises(pipemlx.PrefillCancelled):
+        list(pipemlx.stream_generate(model, tokenizer, prompt, prefill_step_size=4, should_cancel=lambda: True))
+    assert [r.finish_reason for r in pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=2)] == [
+        None,
+        "length",
+    ]
+
+
+def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) -> None:
+    """mlx-lm's third argument, ``stream``: accepted on the stage's device (computation stays on the stage's own)."""
+    from mlx_lm.generate import generation_stream
+
+    model, tokenizer = _tiny_with_tokenizer(tmp_path)
+    prompt = tokens(10)
+    expected = [t for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4)]
+    assert [t for t, _ in pipemlx.generate_step(prompt, model, generation_stream, max_tokens=4)] == expected
+    assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(mx.cpu), max_tokens=4)] == expected
+    streamed = pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=4, stream=generation_stream)
+    assert [r.token for r in streamed][:-1] == expected[:3]
+
+    class OtherDevice:  # a GPU stream cannot be made on a machine without a GPU backend
+        device = mx.Device(mx.gpu, 0)
+
+    stage = pipemlx.stage_of(model)
+    with pytest.raises(
+        ValueError, match=r"stream is on Device\(gpu, 0\), but rank 0/1 .* computes on Device\(cpu, 0\)"
+    ):
+        pipemlx.generate_step(prompt, model, stream=OtherDevice())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stream is on Device"):
+        pipemlx.stream_generate(model, tokenizer, prompt, stream=OtherDevice())
+    with pytest.raises(TypeError, match="stream must be an mx.Stream"):
+        pipemlx.generate_step(prompt, model, stream="cpu")  # type: ignore[arg-type]
+    assert len(stage.send_queue) == 0 and stage.last_stop is not None

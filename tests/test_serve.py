@@ -577,7 +577,7 @@ def test_serve_refuses_an_unregistered_architecture_naming_the_flag(tmp_path: Pa
     assert result.stderr.startswith("pipemlx serve: rank 0: PipelineError: mlx_lm.models.helium is not an"), (
         result.stderr
     )
-    assert "--allow-unregistered to pipemlx generate / pipemlx serve" in result.stderr
+    assert "--allow-unregistered to pipemlx generate / serve / bench / doctor" in result.stderr
     assert "Traceback" not in result.stderr
 
 

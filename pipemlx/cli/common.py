@@ -7,6 +7,7 @@ import json
 import math
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -52,16 +53,19 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_sharding_flags(parser: argparse.ArgumentParser) -> None:
-    """``--allow-unregistered`` and ``--lend-mlp``: ``load_sharded``'s ``allow_unregistered`` and ``lend_mlp``."""
-    flags = {
-        "--allow-unregistered": "shard an architecture pipemlx has not been verified on (load_sharded's "
-        "allow_unregistered=True); compare with one process before relying on it",
-        "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
-        "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
-    }
-    for flag, text in flags.items():
-        parser.add_argument(flag, action="store_true", help=text)
+SHARDING_FLAGS = {
+    "--allow-unregistered": "shard an architecture pipemlx has not been verified on (load_sharded's "
+    "allow_unregistered=True); compare with one process before relying on it",
+    "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
+    "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
+}
+
+
+def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
+    """``--allow-unregistered`` and ``--lend-mlp`` (or those of them in ``flags``): ``load_sharded``'s
+    ``allow_unregistered`` and ``lend_mlp``."""
+    for flag in flags:
+        parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
 
 
 def in_launched_rank() -> bool:

@@ -34,7 +34,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from pathlib import Path
 
     from ..demo import MODEL_DIR
-    from .common import layer_counts, positive_float
+    from .common import add_sharding_flags, layer_counts, positive_float
 
     doctor = commands.add_parser(
         "doctor",
@@ -53,6 +53,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--join-timeout", type=positive_float, default=30.0, help="seconds to wait for every rank to join (30)"
     )
     doctor.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
+    add_sharding_flags(doctor, ["--allow-unregistered"])  # for --model: the end-to-end run loads it
 
 
 def run_doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:

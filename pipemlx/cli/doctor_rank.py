@@ -222,7 +222,9 @@ def end_to_end(args: argparse.Namespace, group: Any) -> dict[str, Any]:
 
     import pipemlx
 
-    model, _ = pipemlx.load_sharded(args.model, group, split=args.split, timeout=args.timeout)
+    model, _ = pipemlx.load_sharded(
+        args.model, group, split=args.split, timeout=args.timeout, allow_unregistered=args.allow_unregistered
+    )
     vocab = int(getattr(getattr(model, "args"), "vocab_size", 256))
     prompt = mx.arange(DOCTOR_PROMPT_TOKENS, dtype=mx.int32) % vocab
     started = time.perf_counter()

@@ -282,7 +282,7 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
         raise PipelineError(
             f"{type(model).__module__} is not an architecture pipemlx has been verified on (it covers: {known}); "
             "pass allow_unregistered=True to shard_model (or load_sharded), or --allow-unregistered to "
-            "pipemlx generate / pipemlx serve, to try it anyway"
+            "pipemlx generate / serve / bench / doctor, to try it anyway"
         )
     if entry is None:
         suspicious = bookkeeping_attributes(owner)

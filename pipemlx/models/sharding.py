@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import PipelineError
-from ..runtime.caches import quantized_dims
+from ..runtime.caches import quantized_dims, unquantizable_layers
 from ..runtime.calibrate import feed_forward_share, measure_speeds
 from ..runtime.edges import wrap_edge
 from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
@@ -236,6 +236,9 @@ def shard_model(
         lend_feed_forwards(layers, sizes)
         stage.lends_mlp, stage.lent_share = True, feed_forward_share(model)
     stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
+    # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
+    stage.unquantizable = unquantizable_layers(model)
+    stage.unquantizable_bounded = unquantizable_layers(model, max_kv_size=1)
 
     kept = layers[local.start : local.stop]
     setattr(owner, attribute, kept)

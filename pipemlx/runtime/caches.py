@@ -6,7 +6,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import (  # pyright: ignore[reportUnknownVariableType]
+    BatchRotatingKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from ..errors import PipelineError
 
@@ -71,6 +75,30 @@ def quantized_dims(model: nn.Module) -> tuple[int, ...]:
         if hasattr(cache, "to_quantized") and isinstance(keys, mx.array) and isinstance(values, mx.array):
             dims.update((keys.shape[-1], values.shape[-1]))
     return tuple(sorted(dims))
+
+
+def cannot_quantize(cache: Any) -> bool:
+    """Whether mlx-lm's ``maybe_quantize_kv_cache`` would try to quantize ``cache`` and fail.
+
+    A ``RotatingKVCache`` (a sliding-window layer's, or any layer's with
+    ``max_kv_size``) has a ``to_quantized`` that raises ``NotImplementedError``
+    once the cache reaches ``quantized_kv_start``; mlx-lm cannot quantize it either.
+    """
+    return hasattr(cache, "to_quantized") and isinstance(cache, (RotatingKVCache, BatchRotatingKVCache))
+
+
+def unquantizable_layers(model: nn.Module, max_kv_size: int | None = None) -> tuple[tuple[int, str], ...]:
+    """``(layer, cache class)`` for each cache of ``make_prompt_cache(model, max_kv_size)`` that ``kv_bits`` cannot quantize.
+
+    Call it on the whole, unsharded model (layer indices are the model's): the
+    answer is then the same on every rank, whatever layers it keeps. ``()``
+    when the model makes no such cache or its caches cannot be made.
+    """
+    try:
+        caches: list[Any] = make_prompt_cache(model, max_kv_size=max_kv_size)
+    except Exception:  # an architecture whose caches cannot be made this way: nothing known to refuse
+        return ()
+    return tuple((i, type(c).__name__) for i, c in enumerate(caches) if cannot_quantize(c))
 
 
 def cache_state(cache: list[Any]) -> list[Any]:

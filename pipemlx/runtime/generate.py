@@ -42,6 +42,7 @@ from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
     check_kv_quantization,
     check_prompt,
+    check_rotating_caches,
     check_timeout,
     prefill_before_decode,
 )
@@ -57,6 +58,8 @@ STATUS_END = 4
 """A rank's word in the trailing step after the last token (``max_tokens`` reached): end, no token wanted."""
 DECODE_KIND = 7_771
 """First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
+NO_TOKEN = -1
+"""``GenerationResponse.token`` of :func:`stream_generate`'s only response when a request stopped before its first token."""
 HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens")
 
 
@@ -78,6 +81,7 @@ class DecodeStop:
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
+    stream: mx.Stream | mx.ThreadLocalStream | None = None,
     *,
     prompt_cache: list[Any] | None = None,
     max_tokens: int = 256,
@@ -106,7 +110,11 @@ def generate_step(
     then decoded; the tokens are the ones one process holding the whole model
     yields with the same sampler. ``max_tokens=-1`` means no limit.
     ``max_kv_size`` bounds a cache made here (no ``prompt_cache``) as mlx-lm
-    does: rotating caches of that many positions.
+    does: rotating caches of that many positions. mlx-lm cannot quantize a
+    rotating cache, so ``kv_bits`` is refused with ``ValueError`` on every rank,
+    before anything is sent and whatever the prompt's length, on a model with
+    sliding-window layers, and with ``max_kv_size`` where that makes the caches
+    rotating (a model without a ``make_cache`` of its own).
 
     Only the last rank applies the head, runs ``logits_processors`` and
     samples, so a random ``sampler`` needs no seed shared by the ranks (seed
@@ -128,9 +136,19 @@ def generate_step(
     ``ValueError``/``TypeError`` for bad arguments before anything is sent
     (``input_embeddings``, which mlx-lm takes for multimodal prompts, is
     accepted only as ``None``).
+
+    ``stream`` is mlx-lm's (its third argument; mlx-lm's default is its
+    ``generation_stream``), accepted so that mlx-lm code runs unchanged, but
+    pipemlx does not compute on it: every rank computes on its stage's own
+    stream (``stage_of(model).compute_stream``, on the device that was the
+    default when the model was sharded), which its bounded waits evaluate from
+    helper threads. A stream on that device is accepted (``None``: the same);
+    one on another device raises ``ValueError``, a non-stream ``TypeError``,
+    before anything is sent.
     """
     stage = stage_of(model)
     stage.check_usable()
+    check_stream(stream, stage)
     if input_embeddings is not None:
         raise ValueError("input_embeddings is not supported on a sharded model: pass token ids as the prompt")
     tokens = check_prompt(prompt)
@@ -141,6 +159,9 @@ def generate_step(
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
+    if prompt_cache is None and max_kv_size is not None:  # mlx-lm ignores max_kv_size with a prompt_cache
+        check_rotating_caches(kv_bits, stage.unquantizable_bounded, stage.total_layers, max_kv_size)
+    check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if prompt_cache is None:
         prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
     request = _Request(
@@ -164,6 +185,21 @@ def generate_step(
     return generator
 
 
+def check_stream(stream: Any, stage: PipelineStage) -> None:
+    """Raise unless ``stream`` is ``None`` or a stream (``mx.Stream``, ``mx.ThreadLocalStream``) on the stage's device."""
+    if stream is None:
+        return
+    device = getattr(stream, "device", None)
+    if not isinstance(device, mx.Device):
+        raise TypeError(f"stream must be an mx.Stream (or mlx-lm's generation_stream) or None, got {stream!r}")
+    own = stage.compute_stream.device
+    if device != own:
+        raise ValueError(
+            f"stream is on {device}, but {stage.describe()} computes on {own} (its own stream, the default device "
+            "when the model was sharded): pass a stream on that device, or None"
+        )
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer: Any,
@@ -180,7 +216,13 @@ def stream_generate(
     token, is not added to the text). The last response has ``finish_reason``
     ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
     or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
-    request; the text so far is final). As with mlx-lm, ``draft_model=None``
+    request; the text so far is final). A request cancelled after its prefill
+    but before its first token gives one response: ``finish_reason``
+    ``"cancelled"``, ``generation_tokens`` 0, empty ``text``, ``token`` -1
+    (no token was produced) and ``logprobs`` ``None``; one cancelled during
+    the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
+    does. ``stream`` in ``kwargs`` is :func:`generate_step`'s (mlx-lm's,
+    accepted on the stage's device). As with mlx-lm, ``draft_model=None``
     and ``num_draft_tokens`` (ignored without a draft model) are accepted;
     speculative decoding itself is not supported: a ``draft_model`` raises
     ``ValueError``.
@@ -235,7 +277,9 @@ def _responses(
     if finish is None:
         reason = stage.last_stop.reason if stage.last_stop is not None else "length"
         finish = reason if reason in ("stop", "length") else "cancelled"
-    if n < 0:
+    if n < 0:  # stopped after the prefill, before the first token: say so, as a cancellation after one would
+        prompt_tps = prompt_tokens / max(time.perf_counter() - tic, 1e-9)
+        yield _response("", NO_TOKEN, None, prompt_tokens, prompt_tps, 0, time.perf_counter(), finish)
         return
     detokenizer.finalize()
     yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)

@@ -34,7 +34,7 @@ from .agreement import (
     agreed_offset,
     handshake,
 )
-from .caches import cache_state, counted_offset, trim_to
+from .caches import cache_state, cannot_quantize, counted_offset, trim_to
 from .calibrate import calibrate
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
@@ -72,6 +72,13 @@ def pipeline_prefill(
     one process holding the whole model would give. ``kv_bits``,
     ``kv_group_size`` and ``quantized_kv_start`` quantize the cache as
     ``generate_step`` does; pass the same values to it when decoding.
+    ``kv_bits`` is refused (``ValueError``, on every rank, before anything is
+    sent) on a model with layers whose caches mlx-lm cannot quantize (a
+    ``RotatingKVCache``: sliding-window layers), whatever the prompt's length:
+    the rule does not depend on whether a cache would reach ``quantized_kv_start``.
+    A ``cache`` holding rotating caches the model does not make is refused at
+    the handshake: the ranks holding one raise that ``ValueError``, the others
+    :class:`PrefillCancelled`.
 
     ``progress_callback(processed, M)`` is called on every rank with the same
     sequence ``generate_step`` reports before its first token: ``(0, M)``, then
@@ -158,11 +165,14 @@ def prefill_before_decode(
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
+    check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
             f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
             f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
         )
+    # A cache list made otherwise may hold rotating caches on some ranks only: refused at the handshake.
+    refused = _refuse_rotating_cache(kv_bits, cache, stage)
     timeout = timeout or stage.timeout
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
@@ -194,6 +204,7 @@ def prefill_before_decode(
         prefix=prefix,
         decode_settings=decode_settings,
     )
+    runner.deferred = refused
     try:
         with send_mode(model, "queue"), stage.executing_plan():
             runner.run()
@@ -262,6 +273,50 @@ def check_kv_quantization(kv_bits: Any, kv_group_size: Any, dims: Sequence[int] 
             f"kv_group_size must divide the model's head dimension ({widths}), and {kv_group_size} does not "
             f"divide {' or '.join(map(str, misfits))}"
         )
+
+
+def check_rotating_caches(
+    kv_bits: Any, layers: Sequence[tuple[int, str]], total_layers: int, max_kv_size: int | None = None
+) -> None:
+    """Raise ``ValueError`` when ``kv_bits`` is set and ``layers`` (``(layer, cache class)``) is not empty.
+
+    ``layers`` are the whole model's layers whose caches ``kv_bits`` cannot
+    quantize (:attr:`PipelineStage.unquantizable <pipemlx.runtime.stage.PipelineStage.unquantizable>`,
+    the same on every rank, or ``unquantizable_bounded`` when ``max_kv_size`` makes the caches): mlx-lm's
+    ``RotatingKVCache.to_quantized`` raises ``NotImplementedError`` once such a cache reaches
+    ``quantized_kv_start``, on the ranks holding one, mid-prefill. Every rank refuses alike, before anything
+    is sent, however short the prompt: a decode grows the cache past any ``quantized_kv_start``.
+    """
+    if kv_bits is None or not layers:
+        return
+    kinds = " and ".join(sorted({kind for _, kind in layers}))
+    if max_kv_size is not None and len(layers) == total_layers:
+        where = f"max_kv_size={max_kv_size} gives every layer a {kinds}"
+        fix = "leave kv_bits or max_kv_size unset"
+    else:
+        numbers = ", ".join(str(i) for i, _ in layers)
+        plural = len(layers) > 1
+        where = f"layer{'s' if plural else ''} {numbers} of {total_layers} keep{'' if plural else 's'} a {kinds} (a sliding window)"
+        fix = "leave kv_bits unset for this model"
+    raise ValueError(
+        f"cannot quantize the KV cache with kv_bits={kv_bits!r}: {where}, which mlx-lm cannot quantize either "
+        f"({kinds}.to_quantized raises NotImplementedError once the cache reaches quantized_kv_start); {fix}"
+    )
+
+
+def _refuse_rotating_cache(kv_bits: Any, cache: list[Any], stage: PipelineStage) -> ValueError | None:
+    """The error for a given cache list that holds caches ``kv_bits`` cannot quantize, to raise at the handshake."""
+    local = [(stage.layers.start + i, type(c).__name__) for i, c in enumerate(cache) if cannot_quantize(c)]
+    if kv_bits is None or not local:
+        return None
+    kinds = " and ".join(sorted({kind for _, kind in local}))
+    numbers = ", ".join(str(i) for i, _ in local)
+    return ValueError(
+        f"cannot quantize the KV cache with kv_bits={kv_bits!r}: the cache given on {stage.describe()} holds a "
+        f"{kinds} for layer{'s' if len(local) > 1 else ''} {numbers}, which mlx-lm cannot quantize either "
+        f"({kinds}.to_quantized raises NotImplementedError once the cache reaches quantized_kv_start); "
+        "leave kv_bits unset, or make the cache without max_kv_size"
+    )
 
 
 def check_prompt(prompt: Any) -> mx.array:

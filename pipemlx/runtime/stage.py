@@ -75,6 +75,10 @@ class PipelineStage:
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
         self.kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, for kv_group_size
+        # The whole model's layers whose caches kv_bits cannot quantize: (layer, cache class), from
+        # make_prompt_cache(model), and from make_prompt_cache(model, max_kv_size=...).
+        self.unquantizable: tuple[tuple[int, str], ...] = ()
+        self.unquantizable_bounded: tuple[tuple[int, str], ...] = ()
         self.lends_mlp = False  # shard_model(lend_mlp=True): cut between the halves of each rank's last layer
         self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
         self._mode: SendMode = "immediate"
