@@ -34,7 +34,8 @@ def calibrated_costs(openblas: bool) -> CostModel:
         2, [sys.executable, str(CALIBRATE), json.dumps({"config": BENCH_CONFIG})], timeout=600, env=bench_env(openblas)
     )
     fields: dict[str, Any] = json.loads(results[0].stdout.strip().splitlines()[-1])
-    layer = LayerCosts(**fields.pop("layer"))
+    layer_fields = fields.pop("layer")
+    layer = LayerCosts(**{**layer_fields, "at_start": tuple(map(tuple, layer_fields.get("at_start", ())))})
     return CostModel(layer, layers=tuple(fields.pop("layers")), **fields)
 
 
