@@ -22,7 +22,7 @@ import pipemlx
 from pipemlx.models.safetensors import model_bytes_from_dir
 from pipemlx.schedule.memory_split import plan_split
 from pipemlx.schedule.split import layer_range
-from pipemlx.testing import build_model, save_model_dir, tiny_config
+from pipemlx.testing import BASE_CONFIGS, build_model, save_model_dir, tiny_config, write_tokenizer
 
 MARGIN = 1.15
 BIG = {
@@ -152,3 +152,18 @@ def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: d
     )
     first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2), allow_unregistered=True)  # type: ignore[arg-type]
     assert type(first.model.embed_tokens).__name__ == "Embedding"
+
+
+@pytest.mark.parametrize("arch", sorted(BASE_CONFIGS))
+def test_every_tiny_config_saves_a_directory_mlx_lm_loads_a_tokenizer_from(tmp_path: Path, arch: str) -> None:
+    # load_sharded and mlx_lm.load read the tokenizer through transformers, which validates config.json
+    # against the architecture's config class: gemma2/gemma3's float query_pre_attn_scalar (16.0) was refused
+    # ("Field 'query_pre_attn_scalar' expected int"), so save_model_dir wrote gemma directories nothing loaded.
+    from mlx_lm.utils import load_tokenizer
+
+    config = tiny_config(arch)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(tmp_path, int(config.get("vocab_size", 256)))
+    tokenizer = load_tokenizer(tmp_path, eos_token_ids=config.get("eos_token_id"))
+    if arch != "qwen2":  # transformers 5 swaps in its byte-level Qwen2Tokenizer for model_type qwen2
+        assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
