@@ -17,11 +17,12 @@ from mlx_lm.utils import load
 
 from pipemlx import cli
 from pipemlx.cli import common
+from pipemlx.cli import generate as generate_command
 from pipemlx.cli import split as split_command
 from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
-from pipemlx.testing import build_model, save_model_dir
+from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT = 180
@@ -155,6 +156,24 @@ def test_generate_allow_unregistered_reaches_load_sharded(capsys: pytest.Capture
     assert code == 0, err
     report = json.loads(out)
     assert report["ranks"] == 1 and report["split"] == [4] and report["tokens"]
+
+
+def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that encodes the prompt to no tokens (transformers' own byte-level tokenizer for a qwen2
+    directory did, for the tiny word-level vocabulary's words): named in one line, exit 2, nothing sent."""
+    path = save_model_dir(build_model(tiny_config("llama")), tiny_config("llama"), tmp_path / "llama")
+    loaded = generate_command.load_sharded
+
+    def load_with_a_tokenizer_that_finds_nothing(*args: Any, **kwargs: Any) -> Any:
+        model, tokenizer = loaded(*args, **kwargs)
+        monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: [])  # pyright: ignore[reportUnknownLambdaType]
+        return model, tokenizer
+
+    monkeypatch.setattr(generate_command, "load_sharded", load_with_a_tokenizer_that_finds_nothing)
+    code, err = run_cli(capsys, "generate", "--ranks", "1", "--model", str(path), "--prompt", "t5 t7", "--json")
+    assert code == 2 and "the prompt 't5 t7' encodes to no tokens" in err and "Traceback" not in err, err
 
 
 def test_a_subprocess_error_has_no_traceback() -> None:

@@ -87,6 +87,9 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     stage = stage_of(model)
     add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
     prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
+    if prompt.size == 0:  # every rank encodes the same text: every rank stops here, before anything is sent
+        print(f"pipemlx generate: error: the prompt {prompt_text!r} encodes to no tokens", file=sys.stderr)
+        return 2
     step_size: int = args.step_size or default_step_size(prompt.size, size)
     name = model_name(args.model)
     err.print(
