@@ -166,10 +166,15 @@ def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
     path = save_model_dir(build_model(tiny_config("llama")), tiny_config("llama"), tmp_path / "llama")
     loaded = generate_command.load_sharded
 
+    class FindsNothing:
+        bos_token = None
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return []
+
     def load_with_a_tokenizer_that_finds_nothing(*args: Any, **kwargs: Any) -> Any:
-        model, tokenizer = loaded(*args, **kwargs)
-        monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: [])  # pyright: ignore[reportUnknownLambdaType]
-        return model, tokenizer
+        model, _ = loaded(*args, **kwargs)
+        return model, FindsNothing()
 
     monkeypatch.setattr(generate_command, "load_sharded", load_with_a_tokenizer_that_finds_nothing)
     code, err = run_cli(capsys, "generate", "--ranks", "1", "--model", str(path), "--prompt", "t5 t7", "--json")
