@@ -384,6 +384,21 @@ def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any)
     ]
     assert responses[0].prompt_tokens == 13 and responses[0].prompt_tps > 0
     assert pipemlx.stage_of(model).last_stop == pipemlx.runtime.generate.DecodeStop("cancelled", 0, (0,))
+    # Cancelled after 3 tokens: each token in one response (the closing one adds none), as a solo run's first 3.
+    solo = [r.token for r in pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, prefill_step_size=4)]
+    polls = 0
+    later = list(
+        pipemlx.stream_generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=8,
+            prefill_step_size=4,
+            should_cancel=lambda: count() or polls >= first_decode_poll + 3,
+        )
+    )
+    assert [(r.token, r.finish_reason) for r in later] == [(t, None) for t in solo[:3]] + [(-1, "cancelled")]
+    assert later[-1].generation_tokens == 3 and later[-1].logprobs is None and len(set(solo)) > 2, solo
     # A cancel during the prefill still raises, and the model serves the next request.
     with pytest.raises(pipemlx.PrefillCancelled):
         list(pipemlx.stream_generate(model, tokenizer, prompt, prefill_step_size=4, should_cancel=lambda: True))

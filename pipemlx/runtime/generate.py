@@ -59,7 +59,7 @@ STATUS_END = 4
 DECODE_KIND = 7_771
 """First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
 NO_TOKEN = -1
-"""``GenerationResponse.token`` of :func:`stream_generate`'s only response when a request stopped before its first token."""
+"""``GenerationResponse.token`` of :func:`stream_generate`'s closing ``"cancelled"`` response: it adds no token."""
 HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens")
 
 
@@ -216,10 +216,12 @@ def stream_generate(
     token, is not added to the text). The last response has ``finish_reason``
     ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
     or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
-    request; the text so far is final). A request cancelled after its prefill
-    but before its first token gives one response: ``finish_reason``
-    ``"cancelled"``, ``generation_tokens`` 0, empty ``text``, ``token`` -1
-    (no token was produced) and ``logprobs`` ``None``; one cancelled during
+    request). Each token is in one response only: a ``"cancelled"`` response
+    adds no token (``token`` -1, :data:`NO_TOKEN`, and ``logprobs`` ``None``;
+    its ``text`` is what the detokenizer still held, and
+    ``generation_tokens`` counts the tokens before it). A request cancelled
+    after its prefill but before its first token gives that one response,
+    with ``generation_tokens`` 0 and empty ``text``; one cancelled during
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
     does. ``stream`` in ``kwargs`` is :func:`generate_step`'s (mlx-lm's,
     accepted on the stage's device). As with mlx-lm, ``draft_model=None``
@@ -274,6 +276,7 @@ def _responses(
                 finish = "length"
                 break
             yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
+    yielded_last = finish is None  # the generator stopped (a cancel): its last token was yielded already
     if finish is None:
         reason = stage.last_stop.reason if stage.last_stop is not None else "length"
         finish = reason if reason in ("stop", "length") else "cancelled"
@@ -282,6 +285,9 @@ def _responses(
         yield _response("", NO_TOKEN, None, prompt_tokens, prompt_tps, 0, time.perf_counter(), finish)
         return
     detokenizer.finalize()
+    if yielded_last:  # the closing response carries no token of its own, only the text the detokenizer held
+        yield _response(detokenizer.last_segment, NO_TOKEN, None, prompt_tokens, prompt_tps, n + 1, tic, finish)
+        return
     yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)
 
 
