@@ -248,7 +248,7 @@ class BatchGenerator:
         for name, limit in optional.items():
             if limit is not None:
                 _check_positive(name, limit)
-        _check_stream(stream, self.stage)
+        self.stage.check_stream(stream, not_a_stream=ValueError)  # ValueError: this class's bad values
         if prefill_chunking not in ("fixed", "equal-cost"):
             raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {prefill_chunking!r}")
         self.max_tokens = max_tokens
@@ -1000,25 +1000,6 @@ def _boundaries(segments: list[list[int]]) -> tuple[int, ...]:
             ends.append((ends[-1] if ends else 0) + len(segment))
     positions = sum(len(s) for s in segments) - 1
     return tuple(e for e in ends if 0 < e <= positions)
-
-
-def _check_stream(stream: object, stage: PipelineStage) -> None:
-    """Raise ``ValueError`` unless ``stream`` is ``None`` or a stream or device on the stage's compute device."""
-    if stream is None:
-        return
-    if isinstance(stream, mx.Device):
-        device = stream
-    elif isinstance(stream, (mx.Stream, mx.ThreadLocalStream)):
-        device = stream.device
-    else:
-        raise ValueError(f"stream must be an mx.Stream, mx.ThreadLocalStream, mx.Device or None, got {stream!r}")
-    ours = stage.compute_stream.device
-    if device != ours:
-        given = f"device {device}" if isinstance(stream, mx.Device) else f"stream {stream} (on {device})"
-        raise ValueError(
-            f"{given}: {stage.describe()} computes on its own stream on {ours}; pass a stream or device on {ours}, "
-            "or none (the ticks run on the stage's compute_stream either way)"
-        )
 
 
 def _check_max_tokens(value: object) -> None:

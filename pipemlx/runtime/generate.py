@@ -148,7 +148,7 @@ def generate_step(
     """
     stage = stage_of(model)
     stage.check_usable()
-    check_stream(stream, stage)
+    stage.check_stream(stream)
     if input_embeddings is not None:
         raise ValueError("input_embeddings is not supported on a sharded model: pass token ids as the prompt")
     tokens = check_prompt(prompt)
@@ -183,21 +183,6 @@ def generate_step(
     )
     request.generator = weakref.ref(generator)
     return generator
-
-
-def check_stream(stream: Any, stage: PipelineStage) -> None:
-    """Raise unless ``stream`` is ``None`` or a stream (``mx.Stream``, ``mx.ThreadLocalStream``) on the stage's device."""
-    if stream is None:
-        return
-    device = getattr(stream, "device", None)
-    if not isinstance(device, mx.Device):
-        raise TypeError(f"stream must be an mx.Stream (or mlx-lm's generation_stream) or None, got {stream!r}")
-    own = stage.compute_stream.device
-    if device != own:
-        raise ValueError(
-            f"stream is on {device}, but {stage.describe()} computes on {own} (its own stream, the default device "
-            "when the model was sharded): pass a stream on that device, or None"
-        )
 
 
 def stream_generate(

@@ -298,10 +298,7 @@ def check_rotating_caches(
         plural = len(layers) > 1
         where = f"layer{'s' if plural else ''} {numbers} of {total_layers} keep{'' if plural else 's'} a {kinds} (a sliding window)"
         fix = "leave kv_bits unset for this model"
-    raise ValueError(
-        f"cannot quantize the KV cache with kv_bits={kv_bits!r}: {where}, which mlx-lm cannot quantize either "
-        f"({kinds}.to_quantized raises NotImplementedError once the cache reaches quantized_kv_start); {fix}"
-    )
+    raise _unquantizable(kv_bits, where, kinds, fix)
 
 
 def _refuse_rotating_cache(kv_bits: Any, cache: list[Any], stage: PipelineStage) -> ValueError | None:
@@ -311,11 +308,15 @@ def _refuse_rotating_cache(kv_bits: Any, cache: list[Any], stage: PipelineStage)
         return None
     kinds = " and ".join(sorted({kind for _, kind in local}))
     numbers = ", ".join(str(i) for i, _ in local)
+    where = f"the cache given on {stage.describe()} holds a {kinds} for layer{'s' if len(local) > 1 else ''} {numbers}"
+    return _unquantizable(kv_bits, where, kinds, "leave kv_bits unset, or make the cache without max_kv_size")
+
+
+def _unquantizable(kv_bits: Any, where: str, kinds: str, fix: str) -> ValueError:
+    """The refusal of ``kv_bits`` on caches of the classes ``kinds``, found ``where``."""
     return ValueError(
-        f"cannot quantize the KV cache with kv_bits={kv_bits!r}: the cache given on {stage.describe()} holds a "
-        f"{kinds} for layer{'s' if len(local) > 1 else ''} {numbers}, which mlx-lm cannot quantize either "
-        f"({kinds}.to_quantized raises NotImplementedError once the cache reaches quantized_kv_start); "
-        "leave kv_bits unset, or make the cache without max_kv_size"
+        f"cannot quantize the KV cache with kv_bits={kv_bits!r}: {where}, which mlx-lm cannot quantize either "
+        f"({kinds}.to_quantized raises NotImplementedError once the cache reaches quantized_kv_start); {fix}"
     )
 
 

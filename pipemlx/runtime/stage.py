@@ -280,6 +280,27 @@ class PipelineStage:
         self.outstanding.append(output)
         return output
 
+    def check_stream(self, stream: object, not_a_stream: type[Exception] = TypeError) -> None:
+        """Raise unless ``stream`` (mlx-lm's ``stream`` argument) is ``None`` or a stream or device on this stage's
+        compute device: the ranks compute on :attr:`compute_stream` whatever is passed, because the bounded waits
+        evaluate from helper threads. A stream on another device raises ``ValueError``; something that is no
+        stream or device, ``not_a_stream``."""
+        if stream is None:
+            return
+        device = stream if isinstance(stream, mx.Device) else getattr(stream, "device", None)
+        if not isinstance(device, mx.Device):
+            raise not_a_stream(
+                f"stream must be an mx.Stream (or mlx-lm's generation_stream), an mx.Device or None, got {stream!r}"
+            )
+        own = self.compute_stream.device
+        if device == own:
+            return
+        given = f"device {device}: " if stream is device else f"stream is on {device}, but "
+        raise ValueError(
+            f"{given}{self.describe()} computes on its own stream, so it computes on {own} (the default device "
+            f"when the model was sharded) whatever stream is passed: pass a stream or device on {own}, or None"
+        )
+
     def describe(self) -> str:
         """``rank 1/3 (layers 4..7 of 12)`` for messages."""
         return (
