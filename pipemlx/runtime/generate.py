@@ -142,9 +142,9 @@ def generate_step(
     pipemlx does not compute on it: every rank computes on its stage's own
     stream (``stage_of(model).compute_stream``, on the device that was the
     default when the model was sharded), which its bounded waits evaluate from
-    helper threads. A stream on that device is accepted (``None``: the same);
-    one on another device raises ``ValueError``, a non-stream ``TypeError``,
-    before anything is sent.
+    helper threads. A stream or device on that device is accepted (``None``:
+    the same); one on another device raises ``ValueError``, anything else
+    ``TypeError``, before anything is sent (:meth:`PipelineStage.check_stream`).
     """
     stage = stage_of(model)
     stage.check_usable()
