@@ -1,14 +1,15 @@
 """Whole layers against ``lend_mlp`` (the cut inside rank 0's last layer), cut by cut, in one launch.
 
     python benchmarks/lend_mlp.py [--tokens 2048] [--rounds 4] [--cuts u128,u256,128+3/4,192+3/4,256+3/4,auto]
+        [--lend-heads 1,2] [--no-whole]
 
-Two ranks (the benchmark model, OpenBLAS preloaded, one core per process). One launch holds two sharded
-models of the same weights, ``shard_model(..., lend_mlp=False)`` and ``lend_mlp=True``; every round
-prefills the prompt with each cut on each model in turn (see ranks/cuts_rank.py), so both share the
-machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
+Two ranks (the benchmark model, OpenBLAS preloaded, one core per process). One launch holds several sharded
+models of the same weights: whole layers (``lend_mlp=False``, unless ``--no-whole``), ``lend_mlp=True``, and
+``lend_mlp=True, lend_heads=k`` for each ``k`` of ``--lend-heads``; every round prefills the prompt with each
+cut on each model in turn (see ranks/cuts_rank.py), so all share the machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
 3/4 (``tail_lengths``), ``auto`` each model's own ``step_size="auto"`` choice (its calibrated cost model).
-Prints each cut's best and median seconds with and without the cut inside the layer, their ratio, and
-whether both gave the same tokens after the prefill.
+Prints each cut's best and median seconds per sharding, each best against whole layers' (or ``lend_mlp``'s
+with ``--no-whole``), and whether all gave the same tokens after the prefill.
 """
 
 from __future__ import annotations
@@ -46,15 +47,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cuts", default="u128,u256,128+3/4,192+3/4,256+3/4,auto")
+    parser.add_argument("--lend-heads", default="", help="comma-separated key-value head counts to lend too")
+    parser.add_argument("--no-whole", action="store_true", help="leave out the whole-layer sharding")
     args = parser.parse_args()
     names = args.cuts.split(",")
     cuts = {name: cut_of(name, args.tokens) for name in names}
+    shardings: dict[str, dict[str, Any]] = {} if args.no_whole else {"whole layers": {}}
+    shardings["lend_mlp"] = {"lend_mlp": True}
+    for heads in filter(None, args.lend_heads.split(",")):
+        shardings[f"lend_heads={heads}"] = {"lend_mlp": True, "lend_heads": int(heads)}
     spec: dict[str, Any] = {
         "M": args.tokens,
         "rounds": args.rounds,
         "cuts": cuts,
         "config": BENCH_CONFIG,
-        "lend_mlp": [False, True],
+        "shardings": shardings,
     }
     results = launch(
         2, [sys.executable, str(PROGRAM), json.dumps(spec)], timeout=7200, env=bench_env(openblas_available())
@@ -62,17 +69,16 @@ def main() -> None:
     reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     tokens = reports[0]["tokens"]
     print(f"{args.tokens} tokens, S=2, {args.rounds} round(s); same tokens: {len(set(map(str, tokens.values()))) == 1}")
-    print(f"{'cut':<10} {'whole layers best / median':>28} {'lend_mlp best / median':>24} {'best ratio':>11}")
+    base = next(iter(shardings))
+    print(f"{'cut':<10} " + " ".join(f"{label + ' best / median':>30}" for label in shardings) + "   best vs " + base)
     for name in names:
-        times = {}
-        for lend in (False, True):
-            label = f"lend_mlp={lend} {name}"
-            times[lend] = [max(r["seconds"][label][i] for r in reports) for i in range(args.rounds)]
-        whole, lent = times[False], times[True]
-        print(
-            f"{name:<10} {min(whole):>14.3f} / {statistics.median(whole):<11.3f} "
-            f"{min(lent):>10.3f} / {statistics.median(lent):<11.3f} {min(whole) / min(lent):>9.3f}x"
-        )
+        times = {
+            label: [max(r["seconds"][f"{label} {name}"][i] for r in reports) for i in range(args.rounds)]
+            for label in shardings
+        }
+        cells = " ".join(f"{min(t):>16.3f} / {statistics.median(t):<11.3f}" for t in times.values())
+        ratios = " ".join(f"{min(times[base]) / min(t):.3f}x" for label, t in times.items() if label != base)
+        print(f"{name:<10} {cells}   {ratios}")
 
 
 if __name__ == "__main__":

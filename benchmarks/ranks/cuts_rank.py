@@ -1,14 +1,14 @@
 """Benchmark rank program: several cuts of one prompt prefilled in turn in one launch (less noise than launches).
 
-Spec: {"M", "rounds", "cuts": {name: [chunk lengths] | null}, "config", "lend_mlp"?: [false, true]}. Each
-round prefills the prompt once per cut (and per sharding in "lend_mlp": one sharded model of the same
-weights each, ``shard_model(..., lend_mlp=...)``), in order, on a fresh cache (round 0 is a warm-up, not
+Spec: {"M", "rounds", "cuts": {name: [chunk lengths] | null}, "config", "shardings"?: {label: {"lend_mlp",
+"lend_heads"}}}. Each round prefills the prompt once per cut (and per sharding: one sharded model of the same
+weights each, ``shard_model(..., **sharding)``), in order, on a fresh cache (round 0 is a warm-up, not
 reported); a cut's time on a rank runs from its call to its return, the prefill's handshake included, and
 the slowest rank's is reported. A cut is imposed by standing in for the auto planner's choice
 (``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path: the same
 handshake, agreement spacing and executor; a null cut is auto's own choice. Prints {"rank", "seconds":
 {name: [per round]}, "tokens": {sharding: first 4 tokens after the last prefill}} (names prefixed with
-"lend_mlp=..." when "lend_mlp" is given).
+the sharding's label when "shardings" is given).
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ def main() -> None:
     rank = group.rank()
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    lends: list[bool] = spec.get("lend_mlp", [False])
-    models = {lend: pipemlx.shard_model(build_model(spec["config"], seed=0), group, lend_mlp=lend) for lend in lends}
+    shardings: dict[str, dict[str, Any]] = spec.get("shardings", {"whole layers": {}})
+    models = {
+        label: pipemlx.shard_model(build_model(spec["config"], seed=0), group, **how)
+        for label, how in shardings.items()
+    }
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(3))
     chosen: list[tuple[int, ...] | None] = []
     own_choice = prefill_module.choose_chunks
@@ -44,8 +47,8 @@ def main() -> None:
     tokens: dict[str, list[int]] = {}
     for round_ in range(spec["rounds"] + 1):
         for name, lengths in spec["cuts"].items():
-            for lend, model in models.items():
-                label = f"lend_mlp={lend} {name}" if "lend_mlp" in spec else name
+            for sharding, model in models.items():
+                label = f"{sharding} {name}" if "shardings" in spec else name
                 chosen.append(None if lengths is None else tuple(lengths))
                 cache = make_prompt_cache(model)
                 start = time.perf_counter()
@@ -54,7 +57,7 @@ def main() -> None:
                     seconds.setdefault(label, []).append(time.perf_counter() - start)
                 if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):
                     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=4)
-                    tokens[f"lend_mlp={lend}"] = [int(t) for t, _ in steps]
+                    tokens[sharding] = [int(t) for t, _ in steps]
     print(json.dumps({"rank": rank, "seconds": seconds, "tokens": tokens}), flush=True)
 
 

@@ -46,6 +46,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens,
         "timeout": args.timeout,
         "lend_mlp": args.lend_mlp,
+        "lend_heads": args.lend_heads,
         "allow_unregistered": args.allow_unregistered,
     }
     with tempfile.TemporaryDirectory(prefix="pipemlx-bench-") as tmp:

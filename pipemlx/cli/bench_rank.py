@@ -84,6 +84,7 @@ def bench_rank(spec: dict[str, Any]) -> None:
             group,
             timeout=spec["timeout"],
             lend_mlp=spec.get("lend_mlp", False),
+            lend_heads=spec.get("lend_heads", 0),
             allow_unregistered=spec.get("allow_unregistered", False),
         )
     else:

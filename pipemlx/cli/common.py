@@ -58,14 +58,33 @@ SHARDING_FLAGS = {
     "allow_unregistered=True); compare with one process before relying on it",
     "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
     "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
+    "--lend-heads": "with --lend-mlp, also move K key-value heads of that layer's attention to the next rank "
+    "(shard_model's lend_heads=K): balances long prompts, where attention is most of the work; "
+    "no --kv-bits, no batching",
 }
+COUNT_FLAGS = ("--lend-heads",)
+"""Sharding flags that take a count (the others are switches)."""
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
-    """``--allow-unregistered`` and ``--lend-mlp`` (or those of them in ``flags``): ``load_sharded``'s
-    ``allow_unregistered`` and ``lend_mlp``."""
+    """``--allow-unregistered``, ``--lend-mlp`` and ``--lend-heads K`` (or those of them in ``flags``):
+    ``load_sharded``'s ``allow_unregistered``, ``lend_mlp`` and ``lend_heads``."""
     for flag in flags:
-        parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
+        if flag in COUNT_FLAGS:
+            parser.add_argument(flag, type=non_negative_int, default=0, metavar="K", help=SHARDING_FLAGS[flag])
+        else:
+            parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def in_launched_rank() -> bool:

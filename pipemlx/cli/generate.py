@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             timeout=args.timeout,
             allow_unregistered=args.allow_unregistered,
             lend_mlp=args.lend_mlp,
+            lend_heads=args.lend_heads,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
@@ -154,6 +155,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             "ranks": size,
             "split": list(stage.split),
             "lend_mlp": stage.lends_mlp,
+            "lend_heads": stage.lent_heads,
             "prompt_tokens": prompt.size,
             "step_size": step_size,
             "prefill_s": prefill_s,

@@ -62,7 +62,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
-    add_sharding_flags(serve)
+    add_sharding_flags(serve, ["--allow-unregistered", "--lend-mlp"])  # lend_heads cannot batch
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )

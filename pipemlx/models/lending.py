@@ -20,10 +20,22 @@ Both halves are made by changing a block's class to a subclass with another
 pipeline edges are made (:mod:`pipemlx.runtime.edges`). Which architectures
 have blocks of this form is the registry's to say
 (:mod:`pipemlx.models.architectures`).
+
+Where attention is most of a layer's work (long prompts), moving the
+feed-forward half is not enough. ``shard_model(..., lend_mlp=True,
+lend_heads=k)`` also moves ``k`` of the lending layer's key-value heads (with
+their query heads) and its output projection: the lending rank attends with
+the other heads and sends ``[x, its heads' outputs]``, a wider message; the
+next rank attends with the lent heads, whose cache it keeps (its first
+layer's cache is then an mlx-lm ``CacheList`` of its own cache and the lent
+heads'), applies the output projection to all heads' outputs in the model's
+order, and goes on with the feed-forward half. Heads attend independently, so
+this computes what the model does, cut elsewhere.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, cast
 
 import mlx.core as mx
@@ -52,20 +64,52 @@ class BorrowingBlock(nn.Module):
         return cast(mx.array, super().__call__(h, mask, cache))  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
 
 
+class HeadLendingBlock(nn.Module):
+    """Mixin: the block's attention on its kept heads only; sends ``[x, those heads' outputs]`` (no output projection)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        me: Any = self
+        return mx.concatenate([x, me.self_attn(me.input_layernorm(x), mask, cache)], axis=-1)
+
+
+class HeadBorrowingBlock(nn.Module):
+    """Mixin: the previous rank's last layer's lent heads, output projection and feed-forward half, then the block.
+
+    Its input is the lending rank's ``[x, kept heads' outputs]``; its cache an
+    mlx-lm ``CacheList`` of the block's own cache and the lent heads'.
+    """
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        me: Any = self
+        width: int = me.borrowed_width
+        residual, kept = x[..., :width], x[..., width:]
+        own, lent = (cache[0], cache[1]) if cache is not None else (None, None)
+        heads = me.borrowed_self_attn(me.borrowed_input_layernorm(residual), mask, lent)
+        h = residual + me.borrowed_o_proj(mx.concatenate([kept, heads], axis=-1))
+        h = h + me.borrowed_mlp(me.borrowed_post_attention_layernorm(h))
+        return cast(mx.array, super().__call__(h, mask, own))  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads")
+"""What an attention module needs for its heads to be split between two ranks (``lend_heads``)."""
+
+
 def has_block_parts(layer: nn.Module) -> bool:
     """Whether ``layer`` holds every part of a pre-norm block (:data:`BLOCK_PARTS`)."""
     return all(part in layer for part in BLOCK_PARTS)
 
 
-def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...]) -> None:
+def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: int = 0) -> None:
     """Cut the whole ``layers`` list between the halves of each rank's last layer, in place.
 
     ``sizes[r]`` layers per rank. For every rank but the last, its last layer
     keeps the attention half and the next rank's first layer takes the
     feed-forward half (the modules move: the lending block no longer holds
-    them, so a rank materialises only the weights it runs). Raises
+    them, so a rank materialises only the weights it runs). With ``heads``,
+    the next rank also takes that many key-value heads of the attention and
+    its output projection (:func:`split_heads`). Raises
     :class:`PipelineError` before changing anything when a boundary layer is
-    not a pre-norm block.
+    not a pre-norm block, or its attention cannot lend ``heads`` heads.
     """
     starts = [sum(sizes[:r]) for r in range(1, len(sizes))]
     lenders = [start - 1 for start in starts]
@@ -75,6 +119,11 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...]) -> None:
             f"lend_mlp: layers {bad} are not pre-norm blocks with {', '.join(BLOCK_PARTS)}; "
             "their feed-forward half cannot move to the next rank"
         )
+    if heads:
+        for i in lenders:
+            check_head_split(layers[i], i, heads)
+        _lend_heads(layers, lenders, starts, heads)
+        return
     halves = [(_take(layers[i], "mlp"), _take(layers[i], "post_attention_layernorm")) for i in lenders]
     for lender in lenders:
         _mix(layers[lender], LendingBlock)
@@ -83,6 +132,87 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...]) -> None:
         layers[borrower].borrowed_mlp = mlp
         layers[borrower].borrowed_post_attention_layernorm = norm
         _mix(layers[borrower], BorrowingBlock)
+
+
+def check_head_split(layer: nn.Module, index: int, heads: int) -> None:
+    """Raise :class:`PipelineError` unless ``layer``'s attention can lend ``heads`` key-value heads and keep one."""
+    attention = cast(Any, layer)["self_attn"]
+    missing = [part for part in ATTENTION_PARTS if not hasattr(attention, part)]
+    if missing:
+        raise PipelineError(
+            f"lend_heads: layer {index}'s attention ({type(attention).__name__}) has no {', '.join(missing)}; "
+            "its heads cannot be split between ranks"
+        )
+    kv_heads = int(attention.n_kv_heads)
+    if not 0 < heads < kv_heads:
+        raise PipelineError(
+            f"lend_heads={heads}: layer {index}'s attention has {kv_heads} key-value heads; a rank can lend "
+            f"1..{kv_heads - 1} of them and keep the rest (lending all of them is a split one layer later)"
+        )
+
+
+def split_heads(attention: nn.Module, kept: int) -> tuple[nn.Module, nn.Module]:
+    """Two copies of ``attention``: the first ``kept`` key-value heads (with their query heads), and the others.
+
+    Neither applies the output projection (it returns its heads' outputs side
+    by side, in the model's order): the caller applies ``attention.o_proj`` to
+    both halves' outputs together.
+    """
+    me: Any = attention
+    kv_heads, query_heads = int(me.n_kv_heads), int(me.n_heads)
+    per_group = query_heads // kv_heads
+    head_dim = _output_rows(me.k_proj) // kv_heads
+
+    def part(first: int, stop: int) -> nn.Module:
+        piece: Any = copy.copy(attention)
+        piece.q_proj = _rows(me.q_proj, first * per_group * head_dim, stop * per_group * head_dim)
+        piece.k_proj = _rows(me.k_proj, first * head_dim, stop * head_dim)
+        piece.v_proj = _rows(me.v_proj, first * head_dim, stop * head_dim)
+        piece.o_proj = nn.Identity()
+        piece.n_heads, piece.n_kv_heads = (stop - first) * per_group, stop - first
+        return cast(nn.Module, piece)
+
+    return part(0, kept), part(kept, kv_heads)
+
+
+def message_width(lender: nn.Module) -> int:
+    """The width of what a head-lending ``lender`` sends: the hidden state, then its kept heads' outputs."""
+    attention: Any = cast(Any, lender)["self_attn"]
+    value_width = _output_rows(attention.v_proj) // int(attention.n_kv_heads)
+    hidden = int(cast(Any, lender)["input_layernorm"]["weight"].shape[-1])
+    return hidden + int(attention.n_heads) * value_width
+
+
+def _output_rows(linear: nn.Module) -> int:
+    return int(cast(Any, linear)["weight"].shape[0])
+
+
+def _rows(linear: nn.Module, start: int, stop: int) -> nn.Module:
+    """A copy of a (possibly quantized) linear layer computing only outputs ``start:stop``."""
+    piece: Any = copy.copy(linear)
+    for name in ("weight", "bias", "scales", "biases"):
+        if name in piece:
+            piece[name] = piece[name][start:stop]
+    return cast(nn.Module, piece)
+
+
+def _lend_heads(layers: list[nn.Module], lenders: list[int], starts: list[int], heads: int) -> None:
+    for lender, borrower in zip(lenders, starts):
+        block: Any = layers[lender]
+        attention: Any = block.self_attn
+        kept, lent = split_heads(attention, int(attention.n_kv_heads) - heads)
+        taker: Any = layers[borrower]
+        taker.borrowed_self_attn = lent
+        taker.borrowed_o_proj = attention.o_proj
+        taker.borrowed_input_layernorm = block.input_layernorm  # both ranks normalise the layer's input
+        taker.borrowed_mlp = _take(block, "mlp")
+        taker.borrowed_post_attention_layernorm = _take(block, "post_attention_layernorm")
+        object.__setattr__(taker, "borrowed_width", _output_rows(attention.o_proj))
+        block.self_attn = kept
+    for lender in lenders:
+        _mix(layers[lender], HeadLendingBlock)
+    for borrower in starts:
+        _mix(layers[borrower], HeadBorrowingBlock)
 
 
 def _take(layer: nn.Module, name: str) -> nn.Module:

@@ -46,6 +46,7 @@ def load_sharded(
     head: HeadPolicy = "all",
     allow_unregistered: bool = False,
     lend_mlp: bool = False,
+    lend_heads: int = 0,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
@@ -58,7 +59,7 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size``, ``head``, ``allow_unregistered`` and ``lend_mlp`` are :func:`pipemlx.shard_model`'s;
+    ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s;
     ``split="memory"`` plans from the byte sizes of the layers as built
     (and their caches at ``context`` tokens when given), ``split="balanced"``
     from each rank's speed; ``head="last"`` keeps the output head on the last
@@ -89,6 +90,7 @@ def load_sharded(
         head=head,
         allow_unregistered=allow_unregistered,
         lend_mlp=lend_mlp,
+        lend_heads=lend_heads,
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

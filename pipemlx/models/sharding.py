@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeVar, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
 from ..runtime.caches import quantized_dims, unquantizable_layers
@@ -18,7 +19,7 @@ from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_bal
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .architectures import apply_fixups, check_architecture, check_lendable
-from .lending import lend_feed_forwards
+from .lending import lend_feed_forwards, message_width
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -152,6 +153,7 @@ def shard_model(
     step_size: int = 512,
     head: HeadPolicy = "all",
     lend_mlp: bool = False,
+    lend_heads: int = 0,
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -196,6 +198,16 @@ def shard_model(
     blocks (llama and mistral, qwen2, qwen3); every rank must pass the same
     value (the prefill's handshake compares it).
 
+    ``lend_heads=k`` (with ``lend_mlp=True``) also moves ``k`` key-value heads
+    of that layer's attention, their cache and its output projection to the
+    next rank: where attention is most of the work (long prompts), this
+    balances what whole layers and feed-forward halves cannot. The next rank's
+    first cache is then an mlx-lm ``CacheList`` (its own, the lent heads'),
+    which mlx-lm's ``maybe_quantize_kv_cache`` does not quantize and batch
+    caches do not mask: ``kv_bits``, ``max_kv_size`` and
+    :class:`pipemlx.BatchGenerator` are refused with it, and the layers at each
+    cut must keep plain ``KVCache`` caches (no sliding window).
+
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
     Architectures pipemlx has not been verified on are refused, naming the
@@ -226,15 +238,17 @@ def shard_model(
     )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
+    check_lend_heads(lend_heads, lend_mlp)
     lending = lend_mlp and len(sizes) > 1
     if lend_mlp:
         check_lendable(model)
+    if lending and lend_heads:
+        check_plain_caches_at_cuts(model, sizes)
     local_caches = local_cache_factory(model, len(layers), local)
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
     if lending:
-        lend_feed_forwards(layers, sizes)
-        stage.lends_mlp, stage.lent_share = True, feed_forward_share(model)
+        local_caches = cut_inside_layers(model, layers, stage, lend_heads, local_caches)
     stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
     # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
     stage.unquantizable = unquantizable_layers(model)
@@ -261,6 +275,60 @@ def shard_model(
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
     mx.eval(model.parameters(), held_arrays(model))  # pyright: ignore[reportUnknownMemberType]
     return model
+
+
+def cut_inside_layers(
+    model: nn.Module, layers: list[nn.Module], stage: PipelineStage, lend_heads: int, local_caches: LocalCaches | None
+) -> LocalCaches | None:
+    """``lend_mlp`` (and ``lend_heads``) on the whole ``layers`` list; record on ``stage`` what moved; the caches."""
+    sizes = stage.split
+    cuts = [sum(sizes[: r + 1]) for r in range(len(sizes) - 1)]
+    kv_heads = int(getattr(cast(Any, layers[cuts[0] - 1])["self_attn"], "n_kv_heads", 0) or 0)
+    lend_feed_forwards(layers, sizes, lend_heads)
+    fraction = lend_heads / kv_heads if lend_heads else 0.0
+    stage.lends_mlp, stage.lent_share = True, feed_forward_share(model, fraction)
+    if not lend_heads:
+        return local_caches
+    stage.lent_heads, stage.lent_pair_share = lend_heads, fraction
+    widths = [message_width(layers[cut - 1]) for cut in cuts]
+    stage.outgoing_width = 0 if stage.is_last else widths[stage.rank]
+    stage.incoming_width = 0 if stage.is_first else widths[stage.rank - 1]
+    return local_caches if stage.is_first else with_lent_heads_cache(local_caches, len(stage.layers))
+
+
+def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
+    """Raise ``ValueError`` unless ``lend_heads`` is a non-negative int, and 0 without ``lend_mlp``."""
+    if isinstance(lend_heads, bool) or not isinstance(lend_heads, int) or lend_heads < 0:
+        raise ValueError(f"lend_heads must be a non-negative int (key-value heads), got {lend_heads!r}")
+    if lend_heads and not lend_mlp:
+        raise ValueError(
+            f"lend_heads={lend_heads} needs lend_mlp=True: the lent heads' outputs are projected and fed "
+            "forward on the next rank, so the feed-forward half moves with them"
+        )
+
+
+def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None:
+    """Raise :class:`PipelineError` unless the layers at each cut keep a plain ``KVCache`` (``lend_heads``)."""
+    caches = make_prompt_cache(model)
+    cuts = [sum(sizes[: r + 1]) for r in range(len(sizes) - 1)]
+    bad = sorted(
+        {(i, type(caches[i]).__name__) for cut in cuts for i in (cut - 1, cut) if type(caches[i]) is not KVCache}
+    )
+    if bad:
+        shown = ", ".join(f"layer {i} ({kind})" for i, kind in bad)
+        raise PipelineError(
+            f"lend_heads: the layers at the cuts must keep plain KVCache caches, and {shown} do not; "
+            "lend_mlp alone works here"
+        )
+
+
+def with_lent_heads_cache(local_caches: LocalCaches | None, count: int) -> LocalCaches:
+    """``make_cache`` for a rank that borrows heads: its first cache becomes ``CacheList(own, lent heads')``."""
+    prototypes: list[Any] = (
+        list(local_caches.prototypes) if local_caches is not None else [KVCache() for _ in range(count)]
+    )
+    prototypes[0] = CacheList(prototypes[0], KVCache())
+    return LocalCaches(prototypes)
 
 
 def held_arrays(model: nn.Module) -> list[mx.array]:

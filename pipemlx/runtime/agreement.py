@@ -25,6 +25,7 @@ HANDSHAKE_FIELDS = (
     "cache_offset",
     "decode_settings",
     "lend_mlp",
+    "lend_heads",
 )
 SHARED_FIELDS = (
     "num_tokens",
@@ -35,6 +36,7 @@ SHARED_FIELDS = (
     "dtype",
     "decode_settings",
     "lend_mlp",
+    "lend_heads",
 )
 DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
 """What the ``decode_settings`` field's values mean: what the decode after the prefill will exchange."""
@@ -85,7 +87,7 @@ def handshake(
     messages in every decode step are told here, before anything is sent.
     ``lend_mlp`` (``shard_model``'s) says where each rank's layers end: a rank
     that sends the attention half's output to one that expects a whole layer's
-    would compute wrong tokens without an error.
+    would compute wrong tokens without an error; ``lend_heads`` likewise says how wide the messages are.
     """
     mine = [
         status,
@@ -101,6 +103,7 @@ def handshake(
         cache_offset,
         decode_settings,
         int(stage.lends_mlp),
+        stage.lent_heads,
     ]
     rows = gather_ints(stage, mine, timeout, "the handshake")
     table = {name: [row[i] for row in rows] for i, name in enumerate(HANDSHAKE_FIELDS)}

@@ -234,6 +234,7 @@ class BatchGenerator:
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
+        self.stage.refuse_with_lent_heads("BatchGenerator")
         _check_max_tokens(max_tokens)
         check_timeout(timeout)
         chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget

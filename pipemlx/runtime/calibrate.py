@@ -34,6 +34,7 @@ from ..schedule.costmodel import (
     feed_forward_share_of,
     fit_layer_costs,
     lent_halves,
+    lent_heads_share_of,
 )
 from ..schedule.plan import Chunk
 from .agreement import gather_ints
@@ -71,10 +72,13 @@ def last_layer_share(model: nn.Module) -> float:
     return 1.0 if shapes is None else cache_only_share(*shapes)
 
 
-def feed_forward_share(model: nn.Module) -> float:
-    """The share of a layer's per-token work in its feed-forward half (what ``lend_mlp`` moves); 0 if unknown."""
+def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
+    """The share of a layer's per-token work ``lend_mlp`` moves (its feed-forward half; with ``lent_fraction`` of the
+    key-value heads lent, also the output projection and those heads' projections); 0 if unknown."""
     shapes = layer_shapes(model)
-    return 0.0 if shapes is None else feed_forward_share_of(*shapes)
+    if shapes is None:
+        return 0.0
+    return lent_heads_share_of(*shapes, lent_fraction) if lent_fraction else feed_forward_share_of(*shapes)
 
 
 def time_local_layers(
@@ -142,10 +146,12 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
     share = last_layer_share(model)
     local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
-    token_layers = local_layers + lent_halves(stage.rank, stage.world_size) * stage.lent_share
+    halves = lent_halves(stage.rank, stage.world_size)
+    token_layers = local_layers + halves * stage.lent_share
+    attention_layers = local_layers + halves * stage.lent_pair_share
     at_start, attention_chunk_s = time_local_layers(model, stage, timeout)
     mine = mx.array(
-        [*per_layer(at_start, attention_chunk_s, token_layers, local_layers), time_collective(stage, timeout)]
+        [*per_layer(at_start, attention_chunk_s, token_layers, attention_layers), time_collective(stage, timeout)]
     )
     with mx.stream(stage.compute_stream):
         gathered = mx.distributed.all_gather(mine.astype(mx.float32)[None], group=stage.group)
@@ -159,6 +165,7 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
         latency_s=collective_s / 2,
         last_layer_share=share,
         lent_share=stage.lent_share,
+        lent_pair_share=stage.lent_pair_share,
     )
 
 

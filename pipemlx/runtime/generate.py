@@ -156,6 +156,10 @@ def generate_step(
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
+    if kv_bits is not None:
+        stage.refuse_with_lent_heads("kv_bits")
+    if max_kv_size is not None and prompt_cache is None:
+        stage.refuse_with_lent_heads("max_kv_size")
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
@@ -483,15 +487,19 @@ class _Request:
     def _stand_in(self, inputs: mx.array, index: int) -> mx.array:
         """After a model error: take the step's input off the wire, pass zeros on, and say ``chunk failed``."""
         stage = self.stage
-        like = mx.zeros((1, inputs.size, stage.hidden_size), dtype=stage.dtype or mx.float32)
         moved: list[mx.array] = []
         if not stage.is_first:  # the failed pass may have built its receive already: that one must run
             received = stage.last_receive
+            incoming = stage.wire_zeros(1, inputs.size, incoming=True)
             moved.append(
-                received if received is not None else mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)
+                received
+                if received is not None
+                else mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)
             )
         if not stage.is_last:
-            moved.append(mx.distributed.send(like, stage.rank + 1, group=stage.group))
+            moved.append(
+                mx.distributed.send(stage.wire_zeros(1, inputs.size, incoming=False), stage.rank + 1, group=stage.group)
+            )
         header = mx.array([DECODE_KIND, index, STATUS_CHUNK_FAILED, 0, self.max_tokens, self.stop_fingerprint])
         share = cast(mx.array, mx.depends(header.astype(mx.float32), moved))  # pyright: ignore[reportUnknownMemberType]
         if self.share_logprobs:

@@ -165,6 +165,8 @@ def prefill_before_decode(
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
+    if kv_bits is not None:
+        stage.refuse_with_lent_heads("kv_bits")
     check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
@@ -475,10 +477,10 @@ class _PlanRunner:
         self.expected_receives = 0
         received, stage.received[:] = list(stage.received), []
         stage.send_queue.discard()  # whatever the failed pass queued
-        like = mx.zeros((1, chunk.length, stage.hidden_size), dtype=stage.dtype or mx.float32)
         if wanted and not received:
             with mx.stream(stage.compute_stream):
-                received = [mx.distributed.recv_like(like, stage.rank - 1, group=stage.group)]
+                incoming = stage.wire_zeros(1, chunk.length, incoming=True)
+                received = [mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)]
         if received:
             wait_for(
                 received,
@@ -486,7 +488,7 @@ class _PlanRunner:
                 lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
             )
         if not stage.is_last:
-            stage.send_queue.put(like, stage.rank + 1)
+            stage.send_queue.put(stage.wire_zeros(1, chunk.length, incoming=False), stage.rank + 1)
 
     def _compute(self, action: Compute) -> None:
         chunk, stage = action.chunk, self.stage

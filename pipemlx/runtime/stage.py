@@ -81,6 +81,12 @@ class PipelineStage:
         self.unquantizable_bounded: tuple[tuple[int, str], ...] = ()
         self.lends_mlp = False  # shard_model(lend_mlp=True): cut between the halves of each rank's last layer
         self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
+        self.lent_heads = 0  # shard_model(lend_heads=k): key-value heads of that layer's attention moved too
+        self.lent_pair_share = 0.0  # the share of a layer's attention to earlier positions lend_heads moves
+        # Widths of the messages from the previous rank and to the next one (0: hidden_size); lend_heads
+        # widens them: a lending rank sends its kept heads' outputs beside the hidden state.
+        self.incoming_width = 0
+        self.outgoing_width = 0
         self._mode: SendMode = "immediate"
         self._detached = False
         self._broadcast = True
@@ -241,21 +247,31 @@ class PipelineStage:
     def receive(self, like: mx.array) -> mx.array:
         """The hidden state from the previous rank, shaped and typed like ``like``."""
         self.check_usable()
+        wide = self.incoming_width and self.incoming_width != like.shape[-1]
         if self._detached:
-            return like
+            return mx.zeros((*like.shape[:-1], self.incoming_width), like.dtype) if wide else like
         if self._mode == "immediate":
             self._check_previous_pass()
-        received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
+        if wide:
+            received = mx.distributed.recv(
+                (*like.shape[:-1], self.incoming_width), like.dtype, self.rank - 1, group=self.group
+            )
+        else:
+            received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
         self.last_receive = received
         if self._mode == "queue":
             self.received.append(received)
         return received
 
     def emit(self, output: mx.array, cache: Any) -> mx.array:
-        """Route the last local layer's ``output`` according to the send mode."""
+        """Route the last local layer's ``output`` according to the send mode.
+
+        What it returns is the hidden state the model's head may read: a wider
+        message (``lend_heads``) is sent whole, but only its hidden state goes on.
+        """
         self.check_usable()
         if self._detached:
-            return output
+            return self._hidden_part(output)
         if self._mode == "queue":
             if not self._executing_plan:
                 self.send_queue.discard()
@@ -268,17 +284,44 @@ class PipelineStage:
                 )
             if not self.is_last:
                 self.send_queue.put(output, self.rank + 1)
-            return output
+            return self._hidden_part(output)
         if self.is_first:
             self._check_previous_pass()
         if not self.is_last:
-            output = mx.distributed.send(output, self.rank + 1, group=self.group)
+            output = self._hidden_part(mx.distributed.send(output, self.rank + 1, group=self.group))
         if self.world_size > 1 and self._broadcast:
             output = mx.distributed.all_gather(output, group=self.group)[-output.shape[0] :]
         if cache is not None:
             attach_dependency(cache, output)
         self.outstanding.append(output)
         return output
+
+    def refuse_with_lent_heads(self, what: str) -> None:
+        """Raise ``ValueError`` naming ``what`` when this model lends attention heads (``shard_model(lend_heads=k)``).
+
+        The rank after a cut keeps its first cache as an mlx-lm ``CacheList``
+        (its own, the lent heads'), which ``maybe_quantize_kv_cache`` leaves
+        unquantized, batch caches do not mask, and ``make_cache`` makes without
+        ``max_kv_size``: ``what`` would compute other tokens than the whole model
+        on that rank. Every rank holds the same ``lent_heads``, so every rank refuses.
+        """
+        if self.lent_heads:
+            raise ValueError(
+                f"{what} is not supported on a model sharded with lend_heads={self.lent_heads}: the rank after each "
+                "cut keeps its first cache as a CacheList (its own and the lent heads'), which mlx-lm neither "
+                "quantizes, nor bounds, nor batches; shard with lend_mlp=True alone (or without lending) for it"
+            )
+
+    def _hidden_part(self, output: mx.array) -> mx.array:
+        """``output`` without what a wider outgoing message carries beyond the hidden state."""
+        if self.outgoing_width and output.shape[-1] != self.hidden_size:
+            return output[..., : self.hidden_size]
+        return output
+
+    def wire_zeros(self, rows: int, length: int, *, incoming: bool) -> mx.array:
+        """Zeros shaped as a message from the previous rank (``incoming``) or to the next one, for stand-ins."""
+        width = (self.incoming_width if incoming else self.outgoing_width) or self.hidden_size
+        return mx.zeros((rows, length, width), dtype=self.dtype or mx.float32)
 
     def check_stream(self, stream: object, not_a_stream: type[Exception] = TypeError) -> None:
         """Raise unless ``stream`` (mlx-lm's ``stream`` argument) is ``None`` or a stream or device on this stage's

@@ -14,7 +14,9 @@ The model is deliberately small:
   (:func:`cache_only_share` estimates the share from the layer's shapes);
 - with ``lend_mlp`` (``lent_share`` > 0), each rank but the last hands its
   last layer's feed-forward half, ``lent_share`` of a layer's per-token cost,
-  to the next rank;
+  to the next rank; with ``lend_heads`` also ``lent_pair_share`` of that
+  layer's attention to earlier positions (and the heads' projections, counted
+  in ``lent_share``);
 - a hidden state of ``L x hidden_size`` elements arrives ``latency_s + bytes /
   bandwidth`` seconds after it is sent;
 - an agreement point (or the handshake) ends ``collective_s`` after the last
@@ -61,6 +63,13 @@ def cache_only_share(hidden_size: int, kv_size: int, intermediate_size: int) -> 
 def feed_forward_share_of(hidden_size: int, kv_size: int, intermediate_size: int) -> float:
     """The share of a decoder layer's per-token matmul work in its gated MLP (three ``hidden x intermediate``)."""
     return 3 * intermediate_size / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
+
+
+def lent_heads_share_of(hidden_size: int, kv_size: int, intermediate_size: int, lent_fraction: float) -> float:
+    """The share of a layer's per-token matmul work ``lend_heads`` moves: the gated MLP, the output projection, and
+    ``lent_fraction`` (lent key-value heads over all) of the q, k and v projections."""
+    moved = 3 * intermediate_size + hidden_size + lent_fraction * (hidden_size + 2 * kv_size)
+    return moved / (2 * hidden_size + 2 * kv_size + 3 * intermediate_size)
 
 
 def lent_halves(rank: int, world_size: int) -> int:
@@ -145,13 +154,19 @@ class CostModel:
     collective_s: float = 2e-4
     last_layer_share: float = 1.0
     lent_share: float = 0.0
+    lent_pair_share: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.layers or min(self.layers) < 1:
             raise ValueError(f"every rank needs at least one layer, got layers {self.layers}")
         if self.bandwidth <= 0 or min(self.latency_s, self.collective_s, self.hidden_size) < 0:
             raise ValueError("bandwidth must be positive; latency, collective time and hidden size non-negative")
-        for name, share in (("last_layer_share", self.last_layer_share), ("lent_share", self.lent_share)):
+        shares = (
+            ("last_layer_share", self.last_layer_share),
+            ("lent_share", self.lent_share),
+            ("lent_pair_share", self.lent_pair_share),
+        )
+        for name, share in shares:
             if not 0 <= share <= 1:
                 raise ValueError(f"{name} must be in 0..1, got {share}")
 
@@ -165,12 +180,9 @@ class CostModel:
         return self.layers[rank] - saved
 
     def compute(self, rank: int, chunk: Chunk) -> float:
-        moved = (
-            lent_halves(rank, len(self.layers))
-            * self.lent_share
-            * self.layer.token_seconds(chunk.length)
-            * chunk.length
-        )
+        halves = lent_halves(rank, len(self.layers))
+        moved = halves * self.lent_share * self.layer.token_seconds(chunk.length) * chunk.length
+        moved += halves * self.lent_pair_share * self.layer.attention_s * attention_pairs(chunk)
         return self.effective_layers(rank) * self.layer.seconds(chunk) + moved
 
     def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:
