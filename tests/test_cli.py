@@ -268,14 +268,15 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
 
 
 def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
-    """`pipemlx bench --json` (and `--png` where matplotlib is installed); no speed is asserted here."""
+    """`pipemlx bench --json` (and `--png` where matplotlib is installed), with a head of rank 0's last layer on
+    rank 1 (--lend-mlp --lend-heads 1, loaded by mlx-lm's loader); no speed is asserted here."""
     try:
         import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports, reportUnusedImport]
 
         png: Path | None = tmp_path / "timeline.png"
     except ImportError:
         png = None
-    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json"]
+    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json", "--lend-mlp", "--lend-heads", "1"]
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
         capture_output=True,

@@ -48,6 +48,11 @@ def check_reports(reports: list[dict[str, Any]], num_ranks: int) -> int:
                 assert step["queued_inside"] == (0 if is_last else 1), where
                 continue
             assert step["tokens"] == step["ref_tokens"], where
+            if step["kind"] == "auto":  # its own cut: (0, M), each chunk's end, strictly increasing, to M-1
+                ends = [p for p, _ in step["progress"]]
+                assert ends[0] == 0 and ends[-1] == step["M"] - 1 and ends == sorted(set(ends)), where
+                compared += 1
+                continue
             assert step["progress"] == step["ref_progress"], where
             if step["kind"] == "pipeline":
                 assert step["cache_offsets"] == [step["M"] - 1], where
@@ -68,6 +73,16 @@ UNEVEN_STEPS.append({"kind": "plain", "M": 9, "step": 4})
 # (llama_swa: each layer picks its mask by its use_sliding attribute), a rank of one layer that both borrows and
 # lends ([2, 1, 3]), a last rank of one layer ([2, 2, 1]).
 LENT = [("llama_swa", [2, 4]), ("qwen3", [3, 3]), ("llama", [2, 1, 3]), ("qwen2", [2, 2, 1])]
+
+
+# shard_model(lend_mlp=True, lend_heads=1): one of the tiny models' two key-value heads moves too (the
+# rank after the cut keeps its cache in a CacheList), with pipemlx's and mlx-lm's decoding and auto's cut.
+LENT_HEADS = [("llama", [3, 3]), ("qwen3", [2, 1, 3]), ("qwen2", [2, 2, 1])]
+LENT_HEADS_STEPS: list[dict[str, Any]] = [
+    *UNEVEN_STEPS,
+    {"kind": "pipemlx", "M": 14, "step": 4},
+    {"kind": "auto", "M": 40},
+]
 
 
 def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
@@ -91,6 +106,17 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "split": split,
                 "lend_mlp": True,
                 "steps": UNEVEN_STEPS,
+            }
+    for arch, split in LENT_HEADS:
+        if len(split) == num_ranks:
+            cases[f"lent heads {arch} {split}"] = {
+                "arch": arch,
+                "seed": 9,
+                "max_tokens": 5,
+                "split": split,
+                "lend_mlp": True,
+                "lend_heads": 1,
+                "steps": LENT_HEADS_STEPS,
             }
     return cases
 
@@ -132,3 +158,11 @@ def test_cuts_inside_a_layer_match_single_device(
 ) -> None:
     reports = case_reports(len(split), f"lent {arch} {split}")
     assert check_reports(reports, len(split)) == len(split) * len(UNEVEN_STEPS)
+
+
+@pytest.mark.parametrize("arch,split", LENT_HEADS)
+def test_lent_heads_match_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, split: list[int]
+) -> None:
+    reports = case_reports(len(split), f"lent heads {arch} {split}")
+    assert check_reports(reports, len(split)) == len(split) * len(LENT_HEADS_STEPS)

@@ -1,4 +1,5 @@
-"""Cuts inside a layer (shard_model(lend_mlp=True)): the model computes what it did, the work moves as planned.
+"""Cuts inside a layer (shard_model(lend_mlp=True), and lend_heads=k): the model computes what it did, the work
+moves as planned.
 
 The ranks' side (tokens equal single-device mlx-lm at S = 2 and 3, ranks that disagree) is in
 tests/test_equivalence.py (the "lent" cases) and tests/test_bad_input.py.
@@ -7,14 +8,21 @@ tests/test_equivalence.py (the "lent" cases) and tests/test_bad_input.py.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from fakes import FakeGroup
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 import pipemlx
 from pipemlx.models.lending import lend_feed_forwards
-from pipemlx.schedule.costmodel import CostModel, LayerCosts, feed_forward_share_of
+from pipemlx.schedule.costmodel import (
+    CostModel,
+    LayerCosts,
+    attention_pairs,
+    feed_forward_share_of,
+    lent_heads_share_of,
+)
 from pipemlx.schedule.plan import Chunk
 from pipemlx.testing import build_model, tiny_config
 
@@ -69,3 +77,100 @@ def test_the_cost_model_moves_the_feed_forward_share_of_the_per_token_cost() -> 
     assert [lent.compute(r, chunk) - plain.compute(r, chunk) for r in range(3)] == pytest.approx([-moved, 0, moved])
     with pytest.raises(ValueError, match="lent_share"):
         CostModel(layer, layers=(2, 2), hidden_size=512, lent_share=1.5)
+
+
+EIGHT_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}  # head size 8: heads 1..3 can be lent
+
+
+def lent_cache(model: object, starts: list[int]) -> list[object]:
+    """The whole cut model's caches: a borrower keeps ``CacheList(own, lent heads')``, as a sharded rank does."""
+    cache = make_prompt_cache(model)  # type: ignore[arg-type]
+    for start in starts:
+        cache[start] = CacheList(cache[start], KVCache())
+    return cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("split", [(3, 3), (5, 1), (1, 5), (2, 1, 3), (1, 1, 1, 1, 1, 1)])
+@pytest.mark.parametrize("heads", [1, 3])
+def test_lent_heads_compute_what_the_model_does(arch: str, split: tuple[int, ...], heads: int) -> None:
+    config = tiny_config(arch, num_hidden_layers=6, **EIGHT_HEADS)
+    whole, cut = build_model(config), build_model(config)
+    layers = cut.model.layers  # type: ignore[attr-defined]
+    lend_feed_forwards(layers, split, heads)
+    starts = [sum(split[:r]) for r in range(1, len(split))]
+    for start in starts:
+        lender, borrower = layers[start - 1], layers[start]
+        assert (lender.self_attn.n_kv_heads, borrower.borrowed_self_attn.n_kv_heads) == (4 - heads, heads), start
+        assert isinstance(lender.self_attn.o_proj, nn.Identity) and "borrowed_mlp" in borrower
+    # every weight moved, none lost; copied only the norms both sides of a cut run (the layer's input norm,
+    # qwen3's per-head query and key norms)
+    attention = whole.model.layers[0].self_attn  # type: ignore[attr-defined]
+    shared = [whole.model.layers[0].input_layernorm] + [
+        getattr(attention, n) for n in ("q_norm", "k_norm") if n in attention
+    ]  # type: ignore[attr-defined]
+    assert sizes_of(cut) == sizes_of(whole) + sum(map(sizes_of, shared)) * len(starts)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    whole_cache, cut_cache = make_prompt_cache(whole), lent_cache(cut, starts)
+    for part in (tokens[:, :5], tokens[:, 5:9], tokens[:, 9:]):  # a prefill, more on the same caches, a decode step
+        assert mx.array_equal(whole(part, cache=whole_cache), cut(part, cache=cut_cache))
+
+
+def test_lending_heads_is_checked_before_anything_moves() -> None:
+    model = build_model(tiny_config("llama", **EIGHT_HEADS))
+    layers = model.model.layers  # type: ignore[attr-defined]
+    for heads in (4, 5):
+        with pytest.raises(
+            pipemlx.PipelineError,
+            match=r"lend_heads=%d: layer 2's attention has 4 key-value heads; a rank can lend 1..3" % heads,
+        ):
+            lend_feed_forwards(layers, (3, 3), heads)
+    assert "mlp" in layers[2] and "borrowed_mlp" not in layers[3] and layers[2].self_attn.n_kv_heads == 4
+    with pytest.raises(ValueError, match="lend_heads=1 needs lend_mlp=True"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend_heads=1)  # type: ignore[arg-type]
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="lend_heads must be a non-negative int"):
+            pipemlx.shard_model(model, FakeGroup(0, 2), lend_mlp=True, lend_heads=bad)  # type: ignore[arg-type]
+    assert not hasattr(model, "_pipemlx_stage") and len(model.model.layers) == 6  # type: ignore[attr-defined]
+
+
+def test_lending_heads_needs_plain_caches_at_the_cuts() -> None:
+    model = build_model(tiny_config("llama_swa"))  # sliding layers keep rotating caches
+    with pytest.raises(
+        pipemlx.PipelineError, match=r"lend_heads: the layers at the cuts must keep plain KVCache.*RotatingKVCache"
+    ):
+        pipemlx.shard_model(model, FakeGroup(0, 2), split=[2, 4], lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+    assert not hasattr(model, "_pipemlx_stage")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_what_mlx_lm_cannot_do_with_a_lent_heads_cache_is_refused_on_every_rank(rank: int) -> None:
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+    stage = pipemlx.stage_of(model)
+    cache = make_prompt_cache(model)
+    assert isinstance(cache[0], CacheList) == (rank == 1)  # the borrower's first cache holds the lent heads'
+    assert (stage.outgoing_width, stage.incoming_width) == ((64 + 2 * 16, 0) if rank == 0 else (0, 64 + 2 * 16))
+    prompt = mx.array([1, 2, 3, 4], dtype=mx.int32)
+    refused = "is not supported on a model sharded with lend_heads=1"
+    with pytest.raises(ValueError, match="kv_bits " + refused):
+        pipemlx.pipeline_prefill(model, prompt, cache, kv_bits=4)
+    with pytest.raises(ValueError, match="kv_bits " + refused):
+        next(pipemlx.generate_step(prompt, model, kv_bits=8))
+    with pytest.raises(ValueError, match="max_kv_size " + refused):
+        next(pipemlx.generate_step(prompt, model, max_kv_size=64))
+    with pytest.raises(ValueError, match="BatchGenerator " + refused):
+        pipemlx.BatchGenerator(model)
+    assert len(stage.send_queue) == 0 and stage.broken is None
+
+
+def test_the_cost_model_moves_the_lent_heads_attention_too() -> None:
+    share = lent_heads_share_of(512, 256, 1536, 0.5)
+    assert share == pytest.approx((3 * 1536 + 512 + 0.5 * (512 + 512)) / (1024 + 512 + 3 * 1536))
+    layer = LayerCosts(chunk_s=0.001, token_s=0.01, attention_s=0.0001)
+    plain = CostModel(layer, layers=(2, 2, 2), hidden_size=512)
+    lent = CostModel(layer, layers=(2, 2, 2), hidden_size=512, lent_share=share, lent_pair_share=0.5)
+    chunk = Chunk(3, 160, 48)
+    moved = share * layer.token_s * chunk.length + 0.5 * layer.attention_s * attention_pairs(chunk)
+    assert [lent.compute(r, chunk) - plain.compute(r, chunk) for r in range(3)] == pytest.approx([-moved, 0, moved])
+    with pytest.raises(ValueError, match="lent_pair_share"):
+        CostModel(layer, layers=(2, 2), hidden_size=512, lent_pair_share=-0.1)

@@ -86,6 +86,13 @@ def main() -> None:
         errors.append("no error")
     except pipemlx.PipelineMismatchError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+    # Both cut inside the layer, rank 0 also lends a head (a wider message), rank 1 expects none: named too.
+    heads = pipemlx.shard_model(build_model(config), group, lend_mlp=True, lend_heads=int(group.rank() == 0))
+    try:
+        pipemlx.pipeline_prefill(heads, prompt, make_prompt_cache(heads), step_size=4)
+        errors.append("no error")
+    except pipemlx.PipelineMismatchError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
     rotating = rotating_refusals(group)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     report = {"errors": errors, "tokens_after": tokens, "reference": reference_tokens, "rotating": rotating}

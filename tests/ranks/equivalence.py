@@ -4,9 +4,11 @@ Reads a JSON spec from argv[1]; prints one JSON line with what this rank saw.
 Every rank also runs the reference (the whole model, no pipeline) itself, so
 the parent test compares each rank against single-device mlx-lm.
 
-Spec: {"arch", "config"?, "seed", "split"?, "max_tokens", "steps": [...]} where a step is
+Spec: {"arch", "config"?, "seed", "split"?, "lend_mlp"?, "lend_heads"?, "max_tokens", "steps": [...]} where a step is
   {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
   {"kind": "plain", "M", "step"}           generate_step on the sharded model, no pipeline_prefill
+  {"kind": "pipemlx", "M", "step"}         pipemlx.generate_step on the sharded model
+  {"kind": "auto", "M"}                    pipeline_prefill(step_size="auto"), the reference at the step it returns
   {"kind": "queue_exception"}              a send_mode(model, "queue") block left by an exception
 Reports {"rank", "size", "steps": [...]}. Or {"cases": {name: spec, ...}}: several such specs in one launch
 (each with its own reference and sharded model, one after the other on the same group), reported as
@@ -51,11 +53,20 @@ def decode(
     return tokens, calls
 
 
+def layer_caches(cache: list[Any]) -> list[Any]:
+    """The caches of ``cache``, an mlx-lm ``CacheList`` (lend_heads: a layer's own and the lent heads') opened."""
+    return [inner for c in cache for inner in getattr(c, "caches", (c,))]
+
+
 def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str, Any]]:
     config = tiny_config(spec["arch"], **spec.get("config", {}))
     reference = build_model(config, seed=spec["seed"])
     model = pipemlx.shard_model(
-        build_model(config, seed=spec["seed"]), group, split=spec.get("split"), lend_mlp=spec.get("lend_mlp", False)
+        build_model(config, seed=spec["seed"]),
+        group,
+        split=spec.get("split"),
+        lend_mlp=spec.get("lend_mlp", False),
+        lend_heads=spec.get("lend_heads", 0),
     )
     max_tokens = spec["max_tokens"]
     seen: list[dict[str, Any]] = []
@@ -75,12 +86,33 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             seen.append(entry)
             continue
         prompt = prompt_of(s["M"], config["vocab_size"], spec["seed"])
+        if s["kind"] == "auto":
+            cache = make_prompt_cache(model)
+            calls = []
+            step = pipemlx.pipeline_prefill(
+                model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b])
+            )
+            entry["step"], entry["progress"] = step, calls
+            entry["tokens"], _ = decode(prompt[-1:], model, cache, step, max_tokens)
+            entry["ref_tokens"], _ = decode(prompt, reference, None, step, max_tokens)
+            seen.append(entry)
+            continue
         ref_tokens, ref_calls = decode(prompt, reference, None, s["step"], max_tokens)
         # generate_step reports (M, M) after its first token; the prefill part is everything before.
         entry["ref_tokens"], entry["ref_progress"] = ref_tokens, ref_calls[:-1]
         if s["kind"] == "plain":
             entry["tokens"], calls = decode(prompt, model, None, s["step"], max_tokens)
             entry["progress"] = calls[:-1]
+        elif s["kind"] == "pipemlx":
+            calls = []
+            steps = pipemlx.generate_step(
+                prompt,
+                model,
+                prefill_step_size=s["step"],
+                max_tokens=max_tokens,
+                prompt_progress_callback=lambda a, b: calls.append([a, b]),
+            )
+            entry["tokens"], entry["progress"] = [int(t) for t, _ in steps], calls[:-1]
         else:
             cache = make_prompt_cache(model)
             calls: list[list[int]] = []
@@ -88,7 +120,7 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
                 model, prompt, cache, step_size=s["step"], progress_callback=lambda a, b: calls.append([a, b])
             )
             entry["progress"] = calls
-            entry["cache_offsets"] = sorted({c.offset for c in cache})
+            entry["cache_offsets"] = sorted({c.offset for c in layer_caches(cache)})
             entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
         seen.append(entry)
     # generate_step leaves one forward pass in flight; let it finish on every rank before going on.
