@@ -7,7 +7,8 @@
 For every prompt length, in one run: one process at steps 256, 512 and 2048; mlx-lm's native pipeline
 (``model.model.pipeline(group)``) at steps 128, 256 and 512; pipemlx at the same fixed steps and with
 ``step_size="auto"``, then with ``lend_mlp`` (the cut between the halves of rank 0's last layer, whose
-feed-forward half runs on rank 1) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up
+feed-forward half runs on rank 1) and with ``lend_heads=K`` (``--lend-heads``, default 2 of the model's 4
+key-value heads: that layer's attention split between the ranks too) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up
 prefill, then ``--repeats`` timed ones), so a disturbance of the shared machine falls on all of them
 rather than on one; a time is the best over all rounds and repeats of the slowest rank's prefill, as
 ``pipemlx.observe.metrics`` defines it (the JSON also holds the medians). The table gives each contender's
@@ -36,6 +37,8 @@ from pipemlx.testing import build_model
 
 LEND = "lend_mlp"
 """A pipemlx setting: ``shard_model(..., lend_mlp=True)``, the cut between the halves of rank 0's last layer."""
+LEND_HEADS = "lend_heads="
+"""A pipemlx setting: ``shard_model(..., lend_mlp=True, lend_heads=K)``, the attention's heads split too."""
 SINGLE_STEPS = (256, 512, 2048)
 PIPELINE_STEPS = (128, 256, 512)
 
@@ -54,15 +57,17 @@ def slowest_rank(reports: list[dict[str, Any]]) -> list[float]:
     return [max(r["prefill_s"][i] for r in reports) for i in range(len(reports[0]["prefill_s"]))]
 
 
-def contenders(num_tokens: int, single_steps: list[int], pipeline_steps: list[int]) -> list[tuple[str, Any]]:
+def contenders(
+    num_tokens: int, single_steps: list[int], pipeline_steps: list[int], lend_heads: int = 2
+) -> list[tuple[str, Any]]:
     """``(who, setting)`` pairs measured for a prompt of ``num_tokens``."""
+    lent = [LEND] + ([f"{LEND_HEADS}{lend_heads}"] if lend_heads else [])
     return (
         [("one process", s) for s in single_steps if s < num_tokens]
         + [("native", s) for s in pipeline_steps]
         + [("pipemlx", s) for s in pipeline_steps]
         + [("pipemlx", "auto")]
-        + [("pipemlx", f"{s}, {LEND}") for s in pipeline_steps[:1]]
-        + [("pipemlx", f"auto, {LEND}")]
+        + [("pipemlx", f"{s}, {how}") for how in lent for s in [*pipeline_steps[:1], "auto"]]
     )
 
 
@@ -71,11 +76,12 @@ def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) 
     if who == "one process":
         report = run_single({**base, "mode": "single", "step": setting}, openblas)
         return report["prefill_s"], setting
-    lend = isinstance(setting, str) and setting.endswith(LEND)
+    lend = isinstance(setting, str) and "," in setting
     step: Any = setting.split(",")[0] if lend else setting
     step = int(step) if isinstance(step, str) and step.isdigit() else step
+    heads = int(setting.split(LEND_HEADS)[1]) if lend and LEND_HEADS in setting else 0
     mode = "native" if who == "native" else "pipemlx"
-    reports = run_ranks(2, {**base, "mode": mode, "step": step, "lend_mlp": lend}, openblas)
+    reports = run_ranks(2, {**base, "mode": mode, "step": step, "lend_mlp": lend, "lend_heads": heads}, openblas)
     return slowest_rank(reports), describe_cut(reports[0].get("chunks") or [])
 
 
@@ -106,6 +112,7 @@ def measure(
     single_steps: list[int],
     pipeline_steps: list[int],
     warmup: bool = True,
+    lend_heads: int = 2,
 ) -> list[dict[str, Any]]:
     """One row per contender and setting, all measured in this call, the contenders taking turns."""
     base: dict[str, Any] = {
@@ -115,7 +122,7 @@ def measure(
         "config": BENCH_CONFIG,
         "warmup": warmup,
     }
-    entries = contenders(num_tokens, single_steps, pipeline_steps)
+    entries = contenders(num_tokens, single_steps, pipeline_steps, lend_heads)
     samples: dict[int, list[float]] = {i: [] for i in range(len(entries))}
     used: dict[int, Any] = {}
     for _ in range(rounds):
@@ -163,6 +170,7 @@ def main() -> None:
     )
     parser.add_argument("--single-steps", default=",".join(map(str, SINGLE_STEPS)))
     parser.add_argument("--pipeline-steps", default=",".join(map(str, PIPELINE_STEPS)))
+    parser.add_argument("--lend-heads", type=int, default=2, help="key-value heads lent (0: no lend_heads rows)")
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
@@ -178,7 +186,14 @@ def main() -> None:
         single = [int(v) for v in args.single_steps.split(",")]
         pipeline = [int(v) for v in args.pipeline_steps.split(",")]
         results[num_tokens] = measure(
-            num_tokens, args.rounds, args.repeats, openblas, single, pipeline, warmup=not args.no_warmup
+            num_tokens,
+            args.rounds,
+            args.repeats,
+            openblas,
+            single,
+            pipeline,
+            warmup=not args.no_warmup,
+            lend_heads=args.lend_heads,
         )
         print_table(num_tokens, results[num_tokens], bound)
     if args.json:

@@ -2,7 +2,7 @@
 
 Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
        "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it),
-       "lend_mlp"? (pipemlx: shard_model(lend_mlp=...))}
+       "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend_mlp=..., lend_heads=...))}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill (prefill only)
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
@@ -123,7 +123,9 @@ def main() -> None:
         mx.eval(model.parameters())
     elif mode == "pipemlx":
         assert group is not None
-        pipemlx.shard_model(model, group, timeout=600, lend_mlp=spec.get("lend_mlp", False))
+        pipemlx.shard_model(
+            model, group, timeout=600, lend_mlp=spec.get("lend_mlp", False), lend_heads=spec.get("lend_heads", 0)
+        )
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
     prefill: list[float] = []
     decode: list[float] = []
