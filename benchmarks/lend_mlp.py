@@ -1,12 +1,13 @@
 """Whole layers against ``lend_mlp`` (the cut inside rank 0's last layer), cut by cut, in one launch.
 
     python benchmarks/lend_mlp.py [--tokens 2048] [--rounds 4] [--cuts u128,u256,128+3/4,192+3/4,256+3/4,auto]
-        [--lend-heads 1,2] [--no-whole]
+        [--lend-heads 1,2] [--no-whole] [--native]
 
 Two ranks (the benchmark model, OpenBLAS preloaded, one core per process). One launch holds several sharded
 models of the same weights: whole layers (``lend_mlp=False``, unless ``--no-whole``), ``lend_mlp=True``, and
-``lend_mlp=True, lend_heads=k`` for each ``k`` of ``--lend-heads``; every round prefills the prompt with each
-cut on each model in turn (see ranks/cuts_rank.py), so all share the machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
+``lend_mlp=True, lend_heads=k`` for each ``k`` of ``--lend-heads``, and with ``--native`` mlx-lm's native
+pipeline first (``model.model.pipeline(group)``, uniform cuts only); every round prefills the prompt with
+each cut on each model in turn (see ranks/cuts_rank.py), so all share the machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
 3/4 (``tail_lengths``), ``auto`` each model's own ``step_size="auto"`` choice (its calibrated cost model).
 Prints each cut's best and median seconds per sharding, each best against whole layers' (or ``lend_mlp``'s
 with ``--no-whole``), and whether all gave the same tokens after the prefill.
@@ -49,10 +50,13 @@ def main() -> None:
     parser.add_argument("--cuts", default="u128,u256,128+3/4,192+3/4,256+3/4,auto")
     parser.add_argument("--lend-heads", default="", help="comma-separated key-value head counts to lend too")
     parser.add_argument("--no-whole", action="store_true", help="leave out the whole-layer sharding")
+    parser.add_argument("--native", action="store_true", help="also mlx-lm's native pipeline (uniform cuts only)")
     args = parser.parse_args()
     names = args.cuts.split(",")
     cuts = {name: cut_of(name, args.tokens) for name in names}
-    shardings: dict[str, dict[str, Any]] = {} if args.no_whole else {"whole layers": {}}
+    shardings: dict[str, dict[str, Any]] = {"native": {"native": True}} if args.native else {}
+    if not args.no_whole:
+        shardings["whole layers"] = {}
     shardings["lend_mlp"] = {"lend_mlp": True}
     for heads in filter(None, args.lend_heads.split(",")):
         shardings[f"lend_heads={heads}"] = {"lend_mlp": True, "lend_heads": int(heads)}
@@ -75,9 +79,17 @@ def main() -> None:
         times = {
             label: [max(r["seconds"][f"{label} {name}"][i] for r in reports) for i in range(args.rounds)]
             for label in shardings
+            if f"{label} {name}" in reports[0]["seconds"]
         }
-        cells = " ".join(f"{min(t):>16.3f} / {statistics.median(t):<11.3f}" for t in times.values())
-        ratios = " ".join(f"{min(times[base]) / min(t):.3f}x" for label, t in times.items() if label != base)
+        cells = " ".join(
+            f"{min(times[label]):>16.3f} / {statistics.median(times[label]):<11.3f}" if label in times else f"{'-':>30}"
+            for label in shardings
+        )
+        ratios = (
+            " ".join(f"{min(times[base]) / min(t):.3f}x" for label, t in times.items() if label != base)
+            if base in times
+            else ""
+        )
         print(f"{name:<10} {cells}   {ratios}")
 
 

@@ -116,6 +116,21 @@ def test_lent_heads_compute_what_the_model_does(arch: str, split: tuple[int, ...
         assert mx.array_equal(whole(part, cache=whole_cache), cut(part, cache=cut_cache))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_lent_heads_of_a_quantized_model_compute_what_the_model_does(arch: str) -> None:
+    """The q, k and v rows of a QuantizedLinear (packed weights, scales, biases) split by heads as a Linear's."""
+    config = tiny_config(arch, num_hidden_layers=6, **EIGHT_HEADS)
+    whole, cut = build_model(config), build_model(config)
+    for model in (whole, cut):
+        nn.quantize(model, group_size=32, bits=4)
+    lend_feed_forwards(cut.model.layers, (3, 3), 2)  # type: ignore[attr-defined]
+    assert isinstance(cut.model.layers[2].self_attn.q_proj, nn.QuantizedLinear)  # type: ignore[attr-defined]
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    whole_cache, cut_cache = make_prompt_cache(whole), lent_cache(cut, [3])
+    for part in (tokens[:, :5], tokens[:, 5:]):
+        assert mx.array_equal(whole(part, cache=whole_cache), cut(part, cache=cut_cache))
+
+
 def test_lending_heads_is_checked_before_anything_moves() -> None:
     model = build_model(tiny_config("llama", **EIGHT_HEADS))
     layers = model.model.layers  # type: ignore[attr-defined]

@@ -1,8 +1,11 @@
 """Benchmark rank program: several cuts of one prompt prefilled in turn in one launch (less noise than launches).
 
 Spec: {"M", "rounds", "cuts": {name: [chunk lengths] | null}, "config", "shardings"?: {label: {"lend_mlp",
-"lend_heads"}}}. Each round prefills the prompt once per cut (and per sharding: one sharded model of the same
-weights each, ``shard_model(..., **sharding)``), in order, on a fresh cache (round 0 is a warm-up, not
+"lend_heads"} | {"native": true}}}. Each round prefills the prompt once per cut (and per sharding: one sharded
+model of the same weights each, ``shard_model(..., **sharding)``, or mlx-lm's native pipeline,
+``model.model.pipeline(group)``, which runs the uniform cuts only: mlx-lm's ``generate_step`` with
+``max_tokens=0`` and that ``prefill_step_size``, timed until it reports the prefill done), in order, on a
+fresh cache, every rank starting together after a small all-sum (round 0 is a warm-up, not
 reported); a cut's time on a rank runs from its call to its return, the prefill's handshake included, and
 the slowest rank's is reported. A cut is imposed by standing in for the auto planner's choice
 (``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path: the same
@@ -20,12 +23,37 @@ import time
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.observe.metrics import PrefillClock
 from pipemlx.runtime import prefill as prefill_module
 from pipemlx.testing import build_model
+
+
+def sharded(config: dict[str, Any], group: mx.distributed.Group, how: dict[str, Any]) -> Any:
+    """The benchmark model as pipemlx shards it (``how``: ``shard_model``'s keywords) or as mlx-lm's native pipeline."""
+    model = build_model(config, seed=0)
+    if not how.get("native"):
+        return pipemlx.shard_model(model, group, **how)
+    model.model.pipeline(group)  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+    mx.eval(model.parameters())  # pyright: ignore[reportUnknownMemberType]
+    return model
+
+
+def line_up(group: mx.distributed.Group) -> None:
+    """Every rank leaves together: a tiny all-sum."""
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]
+
+
+def time_native(model: Any, prompt: mx.array, step: int) -> float:
+    """Seconds until mlx-lm's ``generate_step`` reports the prefill done; ``max_tokens=0`` leaves nothing in flight."""
+    clock = PrefillClock(time.perf_counter())
+    for _ in generate_step(prompt, model, prefill_step_size=step, max_tokens=0, prompt_progress_callback=clock):
+        pass
+    return clock.seconds
 
 
 def main() -> None:
@@ -35,10 +63,7 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
     shardings: dict[str, dict[str, Any]] = spec.get("shardings", {"whole layers": {}})
-    models = {
-        label: pipemlx.shard_model(build_model(spec["config"], seed=0), group, **how)
-        for label, how in shardings.items()
-    }
+    models = {label: sharded(spec["config"], group, how) for label, how in shardings.items()}
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(3))
     chosen: list[tuple[int, ...] | None] = []
     own_choice = prefill_module.choose_chunks
@@ -49,8 +74,16 @@ def main() -> None:
         for name, lengths in spec["cuts"].items():
             for sharding, model in models.items():
                 label = f"{sharding} {name}" if "shardings" in spec else name
+                if shardings[sharding].get("native"):
+                    if name.startswith("u"):
+                        line_up(group)
+                        taken = time_native(model, prompt, int(name[1:]))
+                        if round_:
+                            seconds.setdefault(label, []).append(taken)
+                    continue
                 chosen.append(None if lengths is None else tuple(lengths))
                 cache = make_prompt_cache(model)
+                line_up(group)
                 start = time.perf_counter()
                 pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
                 if round_:
