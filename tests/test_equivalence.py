@@ -97,26 +97,18 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "split": split,
                 "steps": UNEVEN_STEPS,
             }
-    for arch, split in LENT:
+    lent = [("lent", arch, split, 0, UNEVEN_STEPS) for arch, split in LENT]
+    lent += [("lent heads", arch, split, 1, LENT_HEADS_STEPS) for arch, split in LENT_HEADS]
+    for kind, arch, split, heads, steps in lent:
         if len(split) == num_ranks:
-            cases[f"lent {arch} {split}"] = {
+            cases[f"{kind} {arch} {split}"] = {
                 "arch": arch,
-                "seed": 7,
+                "seed": 9 if heads else 7,
                 "max_tokens": 5,
                 "split": split,
                 "lend_mlp": True,
-                "steps": UNEVEN_STEPS,
-            }
-    for arch, split in LENT_HEADS:
-        if len(split) == num_ranks:
-            cases[f"lent heads {arch} {split}"] = {
-                "arch": arch,
-                "seed": 9,
-                "max_tokens": 5,
-                "split": split,
-                "lend_mlp": True,
-                "lend_heads": 1,
-                "steps": LENT_HEADS_STEPS,
+                "lend_heads": heads,
+                "steps": steps,
             }
     return cases
 

@@ -23,15 +23,25 @@ class UserError(Exception):
     """Bad input: reported as ``pipemlx <command>: error: <message>`` with exit status 2."""
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
+def whole_number(text: str, least: int) -> int:
+    """``text`` as an int of at least ``least``; else ``argparse.ArgumentTypeError`` naming the problem."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    return whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of 0 or more."""
+    return whole_number(text, 0)
 
 
 def layer_counts(text: str) -> list[int]:
@@ -74,17 +84,6 @@ def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = t
             parser.add_argument(flag, type=non_negative_int, default=0, metavar="K", help=SHARDING_FLAGS[flag])
         else:
             parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int of 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def in_launched_rank() -> bool:
