@@ -5,7 +5,8 @@ Spec: {"M", "rounds", "cuts": {name: [chunk lengths] | null}, "config", "shardin
 model of the same weights each, ``shard_model(..., **sharding)``, or mlx-lm's native pipeline,
 ``model.model.pipeline(group)``, which runs the uniform cuts only: mlx-lm's ``generate_step`` with
 ``max_tokens=0`` and that ``prefill_step_size``, timed until it reports the prefill done), in order, on a
-fresh cache, every rank starting together after a small all-sum (round 0 is a warm-up, not
+fresh cache. The ranks start each prefill together without a barrier: the one before ended in a collective on
+every rank (pipemlx's closing agreement; native's first-token all-gather). (Round 0 is a warm-up, not
 reported); a cut's time on a rank runs from its call to its return, the prefill's handshake included, and
 the slowest rank's is reported. A cut is imposed by standing in for the auto planner's choice
 (``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path: the same
@@ -43,11 +44,6 @@ def sharded(config: dict[str, Any], group: mx.distributed.Group, how: dict[str, 
     return model
 
 
-def line_up(group: mx.distributed.Group) -> None:
-    """Every rank leaves together: a tiny all-sum."""
-    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # pyright: ignore[reportUnknownMemberType]
-
-
 def time_native(model: Any, prompt: mx.array, step: int) -> float:
     """Seconds until mlx-lm's ``generate_step`` reports the prefill done; ``max_tokens=0`` leaves nothing in flight."""
     clock = PrefillClock(time.perf_counter())
@@ -76,14 +72,12 @@ def main() -> None:
                 label = f"{sharding} {name}" if "shardings" in spec else name
                 if shardings[sharding].get("native"):
                     if name.startswith("u"):
-                        line_up(group)
                         taken = time_native(model, prompt, int(name[1:]))
                         if round_:
                             seconds.setdefault(label, []).append(taken)
                     continue
                 chosen.append(None if lengths is None else tuple(lengths))
                 cache = make_prompt_cache(model)
-                line_up(group)
                 start = time.perf_counter()
                 pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
                 if round_:

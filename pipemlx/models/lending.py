@@ -81,7 +81,7 @@ class HeadBorrowingBlock(nn.Module):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         me: Any = self
-        width: int = me.borrowed_width
+        width = _output_rows(me.borrowed_o_proj)  # the hidden size: what the output projection makes
         residual, kept = x[..., :width], x[..., width:]
         own, lent = (cache[0], cache[1]) if cache is not None else (None, None)
         heads = me.borrowed_self_attn(me.borrowed_input_layernorm(residual), mask, lent)
@@ -207,7 +207,6 @@ def _lend_heads(layers: list[nn.Module], lenders: list[int], starts: list[int], 
         taker.borrowed_input_layernorm = block.input_layernorm  # both ranks normalise the layer's input
         taker.borrowed_mlp = _take(block, "mlp")
         taker.borrowed_post_attention_layernorm = _take(block, "post_attention_layernorm")
-        object.__setattr__(taker, "borrowed_width", _output_rows(attention.o_proj))
         block.self_attn = kept
     for lender in lenders:
         _mix(layers[lender], HeadLendingBlock)

@@ -126,11 +126,8 @@ class TickRunner:
                         self._note(exc)
                         failed_decode = True
                         self._stand_in(work.rows, 1)
-                        sent = (
-                            self._zeros(1, work.rows)[:, 0, 0]
-                            if stage.is_last
-                            else self._send(self._zeros(1, work.rows))
-                        )
+                        zeros = stage.wire_zeros(work.rows, 1, incoming=False)
+                        sent = zeros[:, 0, 0] if stage.is_last else self._send(zeros)
                     if stage.is_last:
                         tokens = sent
                     self._issue([sent, cache_state(work.batch_cache)], tick.index, "running the decode step")
@@ -140,7 +137,11 @@ class TickRunner:
                         failed_uid = mine.uid
                     self._issue(self._chunk_results(held), tick.index, "computing its new chunk")
                 if held is not None and not stage.is_last:
-                    output = held.output if held.output is not None else self._zeros(held.chunk.length)
+                    output = (
+                        held.output
+                        if held.output is not None
+                        else stage.wire_zeros(1, held.chunk.length, incoming=False)
+                    )
                     self._issue(self._send(output), tick.index, "sending its chunk")
                 coming = tick.receives(stage.rank)
                 if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
@@ -229,7 +230,8 @@ class TickRunner:
         stage.send_queue.discard()
         received, stage.received[:] = list(stage.received), []
         if not stage.is_first and not received:
-            received = [mx.distributed.recv_like(self._zeros(length, rows), stage.rank - 1, group=stage.group)]
+            incoming = stage.wire_zeros(rows, length, incoming=True)
+            received = [mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)]
         if received:
             self._issue(received, None, "taking a failed pass's input off the wire")
 
@@ -240,9 +242,6 @@ class TickRunner:
 
     def _send(self, output: mx.array) -> mx.array:
         return mx.distributed.send(output, self.stage.rank + 1, group=self.stage.group)
-
-    def _zeros(self, length: int, rows: int = 1) -> mx.array:
-        return mx.zeros((rows, length, self.stage.hidden_size), dtype=self.stage.dtype or mx.float32)
 
     def _note(self, exc: BaseException) -> None:
         if self.error is None:

@@ -247,17 +247,12 @@ class PipelineStage:
     def receive(self, like: mx.array) -> mx.array:
         """The hidden state from the previous rank, shaped and typed like ``like``."""
         self.check_usable()
-        wide = self.incoming_width and self.incoming_width != like.shape[-1]
+        shape = (*like.shape[:-1], self.incoming_width or like.shape[-1])  # lend_heads: a wider message
         if self._detached:
-            return mx.zeros((*like.shape[:-1], self.incoming_width), like.dtype) if wide else like
+            return like if shape == tuple(like.shape) else mx.zeros(shape, like.dtype)
         if self._mode == "immediate":
             self._check_previous_pass()
-        if wide:
-            received = mx.distributed.recv(
-                (*like.shape[:-1], self.incoming_width), like.dtype, self.rank - 1, group=self.group
-            )
-        else:
-            received = mx.distributed.recv_like(like, self.rank - 1, group=self.group)
+        received = mx.distributed.recv(shape, like.dtype, self.rank - 1, group=self.group)
         self.last_receive = received
         if self._mode == "queue":
             self.received.append(received)
