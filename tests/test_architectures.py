@@ -20,32 +20,35 @@ from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, 
 from pipemlx.models.sharding import find_layer_list
 from pipemlx.testing import build_model, tiny_config
 
-# arch -> split per world size (None: even).
+# arch -> split per world size (None: even). Every architecture runs at S=2; S=3 (a middle rank that both
+# receives and sends) for the layer patterns a cut can split differently and a few plain ones: a 3-rank
+# launch on the 2-core CI machine costs about 3 s per architecture, a middle rank runs the same wrappers
+# whatever the layers inside.
 MATRIX: dict[str, dict[int, list[int] | None]] = {
     "llama": {2: None, 3: None},
     "llama_swa": {2: [2, 4], 3: None},  # s s f s s f
-    "mistral": {2: None, 3: None},
-    "qwen2": {2: None, 3: None},
+    "mistral": {2: None},
+    "qwen2": {2: None},
     "qwen3": {2: None, 3: [1, 2, 3]},
-    "qwen3_moe": {2: None, 3: None},
-    "gemma2": {2: None, 3: None},
+    "qwen3_moe": {2: None},
+    "gemma2": {2: None},
     "gemma3_text": {2: [2, 4], 3: None},  # s s g s s g (window 4)
-    "gemma3": {2: [1, 4], 3: None},  # s g s g s, under language_model
-    "phi3": {2: None, 3: None},
+    "gemma3": {2: [1, 4]},  # s g s g s, under language_model
+    "phi3": {2: None},
     "gpt_oss": {2: None, 3: [1, 3, 2]},  # s f s f s f
-    "deepseek_v3": {2: None, 3: None},
+    "deepseek_v3": {2: None},
     "qwen3_next": {2: None, 3: None},  # linear full linear full
     "lfm2": {2: None, 3: [2, 2, 1]},  # conv attn conv conv attn
     "falcon_h1": {2: None, 3: None},
     "nemotron_h_mamba_attention": {2: [4, 2], 3: None},  # M * M M * M
-    "mixtral": {2: None, 3: None},
-    "gemma": {2: None, 3: None},
-    "phi": {2: None, 3: None},
-    "starcoder2": {2: None, 3: None},
-    "olmo2": {2: None, 3: None},
-    "granite": {2: None, 3: None},
-    "qwen2_moe": {2: None, 3: None},
-    "deepseek": {2: [1, 3], 3: None},  # dense, then MoE layers: a rank of the dense layer only
+    "mixtral": {2: None},
+    "gemma": {2: None},
+    "phi": {2: None},
+    "starcoder2": {2: None},
+    "olmo2": {2: None},
+    "granite": {2: None},
+    "qwen2_moe": {2: None},
+    "deepseek": {2: [1, 3]},  # dense, then MoE layers: a rank of the dense layer only
     "deepseek_v2": {2: None, 3: [1, 2, 1]},  # dense, then MoE layers
 }
 # "reuse": new tokens on the last prompt's cache (at S=3 qwen3_next, lfm2 and nemotron_h give a rank only
@@ -60,13 +63,12 @@ def matrix_reports() -> dict[int, list[dict[str, Any]]]:
     """Every rank's report, per world size: one launch each."""
     reports: dict[int, list[dict[str, Any]]] = {}
     for size in WORLD_SIZES:
-        archs = [{"arch": arch, "split": splits[size]} for arch, splits in MATRIX.items()]
+        archs = [{"arch": arch, "split": splits[size]} for arch, splits in MATRIX.items() if size in splits]
         reports[size] = run_ranks(size, "arch_equivalence.py", {**SPEC, "archs": archs}, timeout=600)
     return reports
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-@pytest.mark.parametrize("arch", list(MATRIX))
+@pytest.mark.parametrize("arch,size", [(arch, size) for arch, splits in MATRIX.items() for size in splits])
 def test_architecture_matches_single_device(
     matrix_reports: dict[int, list[dict[str, Any]]], arch: str, size: int
 ) -> None:

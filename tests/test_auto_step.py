@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import run_ranks
 
+from pipemlx.runtime.calibrate import FAR_LENGTHS
 from pipemlx.schedule.autostep import candidate_steps, choose_step
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
 
@@ -24,8 +25,10 @@ def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
             assert progress[0] == [0, length] and progress[-1] == [max(length - 1, 0), length], result
             assert all(a[0] < b[0] for a, b in zip(progress, progress[1:])), result
             assert progress == reports[0]["results"][i]["progress"], "ranks reported different progress"
+    far_lengths = [length for length, _ in reports[0]["far_pairs"]]
+    assert far_lengths == list(FAR_LENGTHS), "the calibration timed no chunks far in"
     for r in reports:
-        assert r["calibrated"]
+        assert r["calibrated"] and r["far_pairs"] == reports[0]["far_pairs"], "ranks hold different cost models"
         assert r["mismatch"] is not None and "ranks disagree on step_size" in r["mismatch"] and "auto" in r["mismatch"]
         assert "ranks disagree on decode_settings" in (r["logprobs_mismatch"] or ""), r["logprobs_mismatch"]
         assert "share_logprobs=True" in r["logprobs_mismatch"] and "share_logprobs=False" in r["logprobs_mismatch"]

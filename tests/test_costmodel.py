@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 from conftest import run_ranks
+from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 
 from pipemlx.cli.costmodel import main
 from pipemlx.observe.timeline import simulated_trace, write_trace
 from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
-from pipemlx.runtime.calibrate import layer_costs, per_layer
+from pipemlx.runtime.calibrate import FAR_POSITION, layer_costs, per_layer, plain_leaves
 from pipemlx.schedule.autostep import choose_chunks
 from pipemlx.schedule.costmodel import (
     CostModel,
@@ -26,6 +27,7 @@ from pipemlx.schedule.costmodel import (
 )
 from pipemlx.schedule.plan import Action, Chunk, build_plans, chunk_prompt
 from pipemlx.schedule.simulate import simulate
+from pipemlx.testing import build_model, tiny_config
 
 
 def uniform(world_size: int, *, collective_s: float = 0.0, latency_s: float = 0.0) -> CostModel:
@@ -126,6 +128,32 @@ def test_auto_follows_the_measured_cost_of_each_chunk_length() -> None:
     assert longest_chunk(26e-3) == 256
 
 
+def test_pairs_measured_far_in_price_each_chunk_length_apart() -> None:
+    far = ((64, 1.5e-7), (128, 1.6e-7), (256, 2.0e-7))
+    layer = LayerCosts(0.0, 0.0, 1e-7, BY_LENGTH, far)
+    assert layer.pair_seconds(128) == 1.6e-7 and layer.pair_seconds(192) == pytest.approx(1.8e-7)
+    assert layer.pair_seconds(16) == 1.5e-7 and layer.pair_seconds(512) == 2.0e-7  # the nearest measured length
+    assert layer.seconds(Chunk(3, 1000, 1256)) == pytest.approx(36e-3 + 2.0e-7 * 256 * 1000)
+    assert LayerCosts(0.0, 0.0, 1e-7, BY_LENGTH).pair_seconds(256) == 1e-7  # without them: attention_s
+    for bad in (((128, 1e-7), (64, 1e-7)), ((64, -1e-7),), ((0, 1e-7),)):
+        with pytest.raises(ValueError, match="far_pairs"):
+            LayerCosts(0.0, 0.0, 0.0, BY_LENGTH, bad)
+
+
+def test_auto_takes_shorter_chunks_at_long_prompts_when_longer_ones_pay_more_per_pair() -> None:
+    """At 8192 tokens the attention to earlier positions is most of the work: the same position-0 costs, with
+    256-token chunks paying 15% more per pair far in, and auto's chunks stay at 128 or shorter; with every length
+    paying the same, it takes 256 (cheaper per token at position 0 here)."""
+    at_start = (*BY_LENGTH[:-1], (256, 26e-3))
+
+    def longest_chunk(far: tuple[tuple[int, float], ...]) -> int:
+        layer = LayerCosts(0.0, 0.0, 1.5e-7, at_start, far)
+        return max(choose_chunks(8192, CostModel(layer, (4, 4), hidden_size=512)))
+
+    assert longest_chunk(((64, 1.5e-7), (256, 1.5e-7))) == 256
+    assert longest_chunk(((64, 1.5e-7), (128, 1.5e-7), (256, 1.725e-7))) <= 128
+
+
 def test_calibration_keeps_the_costs_growing_with_the_length_and_reads_attention_off_the_later_chunk() -> None:
     timings = [(16, 0.004), (32, 0.006), (64, 0.005), (128, 0.016), (256, 0.036), (512, 0.09)]  # 64: a noisy low
     *seconds, attention_s = per_layer(
@@ -135,6 +163,23 @@ def test_calibration_keeps_the_costs_growing_with_the_length_and_reads_attention
     assert attention_s == pytest.approx(1e-7)
     costs = layer_costs([16, 32, 64], [0.002, 0.003, 0.0025], attention_s)
     assert costs.at_start == ((16, 0.002), (32, 0.003), (64, 0.003)) and costs.token_s > 0
+    *_, near, far_64, far_128 = per_layer(
+        timings,
+        attention_chunk_s=0.016 + 2 * 128 * 512 * 1e-7,
+        token_layers=2,
+        attention_layers=2,
+        far_timed=[(64, 0.006 + 2 * 64 * FAR_POSITION * 1.5e-7), (128, 0.016 + 2 * 128 * FAR_POSITION * 2e-7)],
+    )
+    assert (near, far_64, far_128) == pytest.approx((1e-7, 1.5e-7, 2e-7))
+
+
+def test_only_plain_caches_are_filled_with_positions_to_time_far_chunks() -> None:
+    """A rotating (sliding-window) cache cannot take faked positions: then no chunk is timed far in."""
+    model = build_model(tiny_config("llama"))
+    plain = make_prompt_cache(model)
+    assert plain_leaves(plain) == plain
+    assert plain_leaves([CacheList(plain[0], plain[1]), *plain[2:]]) == plain
+    assert plain_leaves([*plain[:-1], RotatingKVCache(max_size=64)]) is None
 
 
 def test_bad_models_are_refused() -> None:

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import PeerLostError, PipelineTimeoutError
 from ..schedule.costmodel import (
@@ -46,6 +46,10 @@ CALIBRATION_LENGTHS = (16, 32, 64, 128, 256, 512)
 """Chunk lengths timed at position 0 (each on a fresh cache): the costs per length of :class:`LayerCosts`."""
 ATTENTION_CHUNK = 128
 """A chunk of this length is timed again after the longest one, at its end: its extra time is attention."""
+FAR_POSITION = 4096
+FAR_LENGTHS = (64, 128, 256)
+"""Chunk lengths timed again after :data:`FAR_POSITION` positions (zeros in the caches, not computed): their time
+beyond the same chunk at position 0 is attention, :attr:`LayerCosts.far_pairs`."""
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 
@@ -81,53 +85,113 @@ def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
     return lent_heads_share_of(*shapes, lent_fraction) if lent_fraction else feed_forward_share_of(*shapes)
 
 
+def plain_leaves(cache: Sequence[Any]) -> list[Any] | None:
+    """Every :class:`KVCache` in ``cache`` (inside a ``CacheList`` too); ``None`` if it holds a cache of another kind."""
+    leaves: list[Any] = []
+    for entry in cache:
+        inner: Any = getattr(entry, "caches", None)
+        found = plain_leaves(cast(list[Any], inner)) if isinstance(inner, (list, tuple)) else None
+        found = found if inner is not None else ([entry] if type(entry) is KVCache else None)
+        if found is None:
+            return None
+        leaves += found
+    return leaves
+
+
+def far_cache(model: nn.Module, stage: PipelineStage, position: int, timeout: float | None) -> list[Any] | None:
+    """A fresh cache of ``model`` holding ``position`` positions, all but the first zeros written straight into it
+    (cheap: nothing is computed); ``None`` when some cache is not a plain :class:`KVCache` (then the positions
+    cannot be faked)."""
+    cache = make_prompt_cache(model)
+    leaves = plain_leaves(cache)
+    if leaves is None:
+        return None
+    with mx.stream(stage.compute_stream):
+        model(mx.array([[0]], dtype=mx.int32), cache=cache)
+        for leaf in leaves:
+            keys, values = cast(mx.array, leaf.keys), cast(mx.array, leaf.values)
+            rows, heads, _, _ = keys.shape
+            leaf.update_and_fetch(
+                mx.zeros((rows, heads, position - 1, keys.shape[-1]), keys.dtype),
+                mx.zeros((rows, heads, position - 1, values.shape[-1]), values.dtype),
+            )
+    wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} filling a cache to calibrate")
+    return cache
+
+
 def time_local_layers(
     model: nn.Module, stage: PipelineStage, timeout: float | None
-) -> tuple[list[tuple[int, float]], float]:
-    """Seconds this rank's layers take on a chunk of each of :data:`CALIBRATION_LENGTHS` at position 0, and on
-    :data:`ATTENTION_CHUNK` tokens after the longest: the fastest of :data:`CALIBRATION_PASSES` passes after a
-    warm-up pass (the least disturbed by other work)."""
+) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]]]:
+    """Seconds this rank's layers take on a chunk of each of :data:`CALIBRATION_LENGTHS` at position 0, on
+    :data:`ATTENTION_CHUNK` tokens after the longest, and on each of :data:`FAR_LENGTHS` after
+    :data:`FAR_POSITION` (none when the caches cannot be filled so far): the fastest of
+    :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least disturbed by other work)."""
     longest = CALIBRATION_LENGTHS[-1]
     best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
+    far_best = [math.inf] * len(FAR_LENGTHS)
     tokens = mx.array([[0] * (longest + ATTENTION_CHUNK)], dtype=mx.int32)  # data, not a lazy op of this thread
     spans = [(0, length) for length in CALIBRATION_LENGTHS] + [(longest, longest + ATTENTION_CHUNK)]
+
+    def timed(cache: list[Any], start: int, stop: int) -> float:
+        began = time.perf_counter()
+        with mx.stream(stage.compute_stream):
+            model(tokens[:, start:stop], cache=cache)
+        wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
+        return time.perf_counter() - began
+
     with stage.detached():
         for attempt in range(1 + CALIBRATION_PASSES):
             cache: list[Any] = []
             for i, (start, stop) in enumerate(spans):
                 if start == 0:
                     cache = make_prompt_cache(model)
-                began = time.perf_counter()
-                with mx.stream(stage.compute_stream):
-                    model(tokens[:, start:stop], cache=cache)
-                wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
-                if attempt:
-                    best[i] = min(best[i], time.perf_counter() - began)
+                seconds = timed(cache, start, stop)
+                best[i] = min(best[i], seconds) if attempt else best[i]
+            far = far_cache(model, stage, FAR_POSITION, timeout) if attempt else None
+            for i, length in enumerate(FAR_LENGTHS):
+                if far is not None:
+                    far_best[i] = min(far_best[i], timed(far, 0, length))
+                    trim_prompt_cache(far, length)
     at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
-    return at_start, best[-1]
+    far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
+    return at_start, best[-1], far_timed
 
 
 def per_layer(
-    at_start: Sequence[tuple[int, float]], attention_chunk_s: float, token_layers: float, attention_layers: float
+    at_start: Sequence[tuple[int, float]],
+    attention_chunk_s: float,
+    token_layers: float,
+    attention_layers: float,
+    far_timed: Sequence[tuple[int, float]] = (),
 ) -> list[float]:
     """A rank's timings as one layer's: the seconds at each length (over ``token_layers``, the layers' worth of
     per-token work the rank does), then ``attention_s``, the seconds per query-key pair of the
     :data:`ATTENTION_CHUNK`-token chunk's attention to the positions before it (its time beyond a chunk of its
-    length at position 0, over ``attention_layers``)."""
+    length at position 0, over ``attention_layers``), then the same per pair for each of ``far_timed``'s chunks
+    after :data:`FAR_POSITION` positions."""
     lengths = [length for length, _ in at_start]
     rank = layer_costs(lengths, [s for _, s in at_start], 0.0)
-    extra = attention_chunk_s - rank.seconds_at_start(ATTENTION_CHUNK)
-    attention_s = max(0.0, extra / attention_layers / (ATTENTION_CHUNK * lengths[-1]))
-    return [s / token_layers for _, s in rank.at_start] + [attention_s]
+
+    def per_pair(length: int, seconds: float, before: int) -> float:
+        return max(0.0, (seconds - rank.seconds_at_start(length)) / attention_layers / (length * before))
+
+    attention_s = per_pair(ATTENTION_CHUNK, attention_chunk_s, lengths[-1])
+    far = [per_pair(length, seconds, FAR_POSITION) for length, seconds in far_timed]
+    return [s / token_layers for _, s in rank.at_start] + [attention_s, *far]
 
 
-def layer_costs(lengths: Sequence[int], seconds: Sequence[float], attention_s: float) -> LayerCosts:
+def layer_costs(
+    lengths: Sequence[int],
+    seconds: Sequence[float],
+    attention_s: float,
+    far_pairs: tuple[tuple[int, float], ...] = (),
+) -> LayerCosts:
     """:class:`LayerCosts` from a layer's seconds at ``lengths`` at position 0 (made non-decreasing in the length:
     the timings are noisy, and a longer chunk never costs less), with ``chunk_s`` and ``token_s`` the straight
-    line through them."""
+    line through them, and the seconds per pair ``far_pairs`` measured far in."""
     at_start = tuple(zip(lengths, itertools.accumulate(seconds, max)))
     line = fit_layer_costs([(Chunk(i, 0, n), t) for i, (n, t) in enumerate(at_start)], num_layers=1)
-    return LayerCosts(line.chunk_s, line.token_s, attention_s, at_start)
+    return LayerCosts(line.chunk_s, line.token_s, attention_s, at_start, far_pairs)
 
 
 def time_collective(stage: PipelineStage, timeout: float | None) -> float:
@@ -149,16 +213,20 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     halves = lent_halves(stage.rank, stage.world_size)
     token_layers = local_layers + halves * stage.lent_share
     attention_layers = local_layers + halves * stage.lent_pair_share
-    at_start, attention_chunk_s = time_local_layers(model, stage, timeout)
-    mine = mx.array(
-        [*per_layer(at_start, attention_chunk_s, token_layers, attention_layers), time_collective(stage, timeout)]
-    )
+    at_start, attention_chunk_s, far_timed = time_local_layers(model, stage, timeout)
+    measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
+    missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
+    mine = mx.array([*measured, *missing, time_collective(stage, timeout)])
     with mx.stream(stage.compute_stream):
         gathered = mx.distributed.all_gather(mine.astype(mx.float32)[None], group=stage.group)
     wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its calibration")
-    *seconds, attention_s, collective_s = cast(list[float], gathered.max(axis=0).tolist())
+    slowest = cast(list[float], gathered.max(axis=0).tolist())
+    n = len(CALIBRATION_LENGTHS)
+    seconds, attention_s, far, collective_s = slowest[:n], slowest[n], slowest[n + 1 : -1], slowest[-1]
+    far_everywhere = min(cast(list[float], gathered.min(axis=0).tolist())) >= 0  # every rank timed far chunks
+    far_pairs = tuple(zip(FAR_LENGTHS, far)) if far_everywhere else ()
     return CostModel(
-        layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s),
+        layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s, far_pairs),
         layers=stage.split,
         hidden_size=stage.hidden_size or 1,
         collective_s=collective_s,

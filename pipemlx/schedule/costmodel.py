@@ -97,12 +97,21 @@ class LayerCosts:
     about 45% and 512 tokens about 35% dearer per token than 128), a curve
     that no straight line through a few chunks follows, and the choice of
     ``step_size="auto"`` turns on differences of a few percent.
+
+    ``far_pairs``, when given, holds ``(length, seconds per pair)`` of chunks
+    measured far into a prompt (lengths ascending): a pair then costs what
+    the chunk's length measured there (interpolated, see
+    :meth:`pair_seconds`) instead of ``attention_s``. Far in, a chunk's
+    attention scores outgrow the caches, and longer chunks pay more per pair
+    (measured on the benchmark model at 8000 positions: 256 tokens 14% more
+    than 128), which at long prompts decides between chunk lengths.
     """
 
     chunk_s: float
     token_s: float
     attention_s: float
     at_start: tuple[tuple[int, float], ...] = ()
+    far_pairs: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         lengths = [length for length, _ in self.at_start]
@@ -111,11 +120,24 @@ class LayerCosts:
             raise ValueError(
                 f"at_start must have ascending lengths >= 1 and seconds never falling, got {self.at_start}"
             )
+        far = [length for length, _ in self.far_pairs]
+        if far != sorted(set(far)) or (far and far[0] < 1) or any(s < 0 for _, s in self.far_pairs):
+            raise ValueError(f"far_pairs must have ascending lengths >= 1 and no negative cost, got {self.far_pairs}")
 
     def seconds(self, chunk: Chunk) -> float:
         if not self.at_start:
             return self.chunk_s + self.token_s * chunk.length + self.attention_s * attention_pairs(chunk)
-        return self.seconds_at_start(chunk.length) + self.attention_s * chunk.length * chunk.start
+        return self.seconds_at_start(chunk.length) + self.pair_seconds(chunk.length) * chunk.length * chunk.start
+
+    def pair_seconds(self, length: int) -> float:
+        """Seconds per query-key pair of a ``length``-token chunk's attention to earlier positions.
+
+        :attr:`far_pairs` interpolated linearly in the length (at the nearest
+        measured length outside them); without them, ``attention_s``.
+        """
+        if not self.far_pairs:
+            return self.attention_s
+        return _interpolated(self.far_pairs, length)
 
     def seconds_at_start(self, length: int) -> float:
         """Seconds of a ``length``-token chunk at position 0: :attr:`at_start` interpolated linearly in the length.
@@ -130,15 +152,22 @@ class LayerCosts:
         if length <= shortest:
             return low * length / shortest
         if length >= longest:
-            return high * length / longest + self.attention_s * length * (length - longest) / 2
-        for (a, sa), (b, sb) in zip(self.at_start, self.at_start[1:]):
-            if length <= b:
-                return sa + (sb - sa) * (length - a) / (b - a)
-        raise AssertionError("unreachable: length is within the measured lengths")
+            return high * length / longest + self.pair_seconds(length) * length * (length - longest) / 2
+        return _interpolated(self.at_start, length)
 
     def token_seconds(self, length: int) -> float:
         """Seconds per token of a ``length``-token chunk's work that grows with its tokens (``lend_mlp``'s moved share)."""
         return self.seconds_at_start(length) / length if self.at_start else self.token_s
+
+
+def _interpolated(points: Sequence[tuple[int, float]], length: int) -> float:
+    """``points`` (lengths ascending) interpolated linearly at ``length``; the end values outside them."""
+    if length <= points[0][0]:
+        return points[0][1]
+    for (a, sa), (b, sb) in zip(points, points[1:]):
+        if length <= b:
+            return sa + (sb - sa) * (length - a) / (b - a)
+    return points[-1][1]
 
 
 @dataclass(frozen=True)
@@ -182,7 +211,7 @@ class CostModel:
     def compute(self, rank: int, chunk: Chunk) -> float:
         halves = lent_halves(rank, len(self.layers))
         moved = halves * self.lent_share * self.layer.token_seconds(chunk.length) * chunk.length
-        moved += halves * self.lent_pair_share * self.layer.attention_s * attention_pairs(chunk)
+        moved += halves * self.lent_pair_share * self.layer.pair_seconds(chunk.length) * attention_pairs(chunk)
         return self.effective_layers(rank) * self.layer.seconds(chunk) + moved
 
     def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:

@@ -77,7 +77,8 @@ def main() -> None:
         after = [int(t) for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4, timeout=20.0)]
         after_reference = [int(t) for t, _ in generate_step(prompt, reference, max_tokens=4)]
         mx.synchronize(generation_stream)
-    calibrated = pipemlx.stage_of(model).cost_model is not None
+    cost_model = pipemlx.stage_of(model).cost_model
+    far_pairs = [list(pair) for pair in cost_model.layer.far_pairs] if cost_model is not None else []
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(
         json.dumps(
@@ -87,7 +88,8 @@ def main() -> None:
                 "mismatch": mismatch,
                 "logprobs_mismatch": logprobs_mismatch,
                 "after": [after, after_reference],
-                "calibrated": calibrated,
+                "calibrated": cost_model is not None,
+                "far_pairs": far_pairs,
             }
         ),
         flush=True,
