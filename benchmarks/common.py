@@ -62,3 +62,22 @@ def run_ranks(num_ranks: int, spec: dict[str, Any], openblas: bool) -> list[dict
 
 def openblas_available() -> bool:
     return Path(OPENBLAS).exists()
+
+
+def describe_cut(chunks: list[int]) -> str:
+    """``128 + 64,32,16 tail`` style summary of an auto cut: its largest chunk and the ramps at its ends."""
+    if not chunks:
+        return ""
+    step = max(chunks)
+    head = [c for c in chunks[: chunks.index(step)]]
+    tail: list[int] = []
+    for c in reversed(chunks):
+        if c == step:
+            break
+        tail.insert(0, c)
+    parts = [str(step)]
+    if head:
+        parts.insert(0, ",".join(map(str, head)) + " +")
+    if tail:
+        parts.append("+ " + ",".join(map(str, tail)))
+    return " ".join(parts)

@@ -21,7 +21,7 @@ import statistics
 import sys
 from typing import Any
 
-from common import BENCH_CONFIG, HERE, bench_env, openblas_available
+from common import BENCH_CONFIG, HERE, bench_env, describe_cut, openblas_available
 
 from pipemlx.launch import launch
 from pipemlx.schedule.autostep import tail_lengths, uniform_lengths
@@ -91,6 +91,8 @@ def main() -> None:
             else ""
         )
         print(f"{name:<10} {cells}   {ratios}")
+    for sharding, chunks in reports[0]["auto"].items():
+        print(f"auto with {sharding}: {describe_cut(chunks)}")
 
 
 if __name__ == "__main__":

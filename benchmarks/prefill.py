@@ -29,7 +29,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_CONFIG, openblas_available, run_ranks, run_single
+from common import BENCH_CONFIG, describe_cut, openblas_available, run_ranks, run_single
 
 from pipemlx.runtime.calibrate import last_layer_share
 from pipemlx.schedule.split import even_split
@@ -83,25 +83,6 @@ def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) 
     mode = "native" if who == "native" else "pipemlx"
     reports = run_ranks(2, {**base, "mode": mode, "step": step, "lend_mlp": lend, "lend_heads": heads}, openblas)
     return slowest_rank(reports), describe_cut(reports[0].get("chunks") or [])
-
-
-def describe_cut(chunks: list[int]) -> str:
-    """``128 + 64,32,16 tail`` style summary of an auto cut: its largest chunk and the ramps at its ends."""
-    if not chunks:
-        return ""
-    step = max(chunks)
-    head = [c for c in chunks[: chunks.index(step)]]
-    tail: list[int] = []
-    for c in reversed(chunks):
-        if c == step:
-            break
-        tail.insert(0, c)
-    parts = [str(step)]
-    if head:
-        parts.insert(0, ",".join(map(str, head)) + " +")
-    if tail:
-        parts.append("+ " + ",".join(map(str, tail)))
-    return " ".join(parts)
 
 
 def measure(

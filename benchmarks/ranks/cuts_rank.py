@@ -62,8 +62,18 @@ def main() -> None:
     models = {label: sharded(spec["config"], group, how) for label, how in shardings.items()}
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(3))
     chosen: list[tuple[int, ...] | None] = []
+    auto_chunks: dict[str, list[int]] = {}  # sharding -> the chunks auto chose (the last time)
     own_choice = prefill_module.choose_chunks
-    prefill_module.choose_chunks = lambda *a: own_choice(*a) if chosen[-1] is None else chosen[-1]  # pyright: ignore[reportAttributeAccessIssue]
+    current = [""]  # the sharding being prefilled
+
+    def choose(*args: Any) -> tuple[int, ...]:
+        if chosen[-1] is not None:
+            return chosen[-1]
+        chunks = own_choice(*args)
+        auto_chunks[current[0]] = list(chunks)
+        return chunks
+
+    prefill_module.choose_chunks = choose  # pyright: ignore[reportAttributeAccessIssue]
     seconds: dict[str, list[float]] = {}
     tokens: dict[str, list[int]] = {}
     for round_ in range(spec["rounds"] + 1):
@@ -77,6 +87,7 @@ def main() -> None:
                             seconds.setdefault(label, []).append(taken)
                     continue
                 chosen.append(None if lengths is None else tuple(lengths))
+                current[0] = sharding
                 cache = make_prompt_cache(model)
                 start = time.perf_counter()
                 pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
@@ -85,7 +96,7 @@ def main() -> None:
                 if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):
                     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=4)
                     tokens[sharding] = [int(t) for t, _ in steps]
-    print(json.dumps({"rank": rank, "seconds": seconds, "tokens": tokens}), flush=True)
+    print(json.dumps({"rank": rank, "seconds": seconds, "tokens": tokens, "auto": auto_chunks}), flush=True)
 
 
 if __name__ == "__main__":
