@@ -15,7 +15,7 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache, make_prompt_cache
 from pipemlx.cli.costmodel import main
 from pipemlx.observe.timeline import simulated_trace, write_trace
 from pipemlx.observe.trace import Span, find_rank_traces, read_spans, samples_from_trace
-from pipemlx.runtime.calibrate import FAR_POSITION, layer_costs, per_layer, plain_leaves
+from pipemlx.runtime.calibrate import FAR_POSITION, has_position_table, layer_costs, per_layer, plain_leaves
 from pipemlx.schedule.autostep import choose_chunks
 from pipemlx.schedule.costmodel import (
     CostModel,
@@ -174,12 +174,16 @@ def test_calibration_keeps_the_costs_growing_with_the_length_and_reads_attention
 
 
 def test_only_plain_caches_are_filled_with_positions_to_time_far_chunks() -> None:
-    """A rotating (sliding-window) cache cannot take faked positions: then no chunk is timed far in."""
+    """A rotating (sliding-window) cache cannot take faked positions, and a table of positions (gpt2's) may be
+    shorter than the far chunks' positions: then no chunk is timed far in."""
     model = build_model(tiny_config("llama"))
     plain = make_prompt_cache(model)
     assert plain_leaves(plain) == plain
     assert plain_leaves([CacheList(plain[0], plain[1]), *plain[2:]]) == plain
     assert plain_leaves([*plain[:-1], RotatingKVCache(max_size=64)]) is None
+    assert not has_position_table(model)
+    gpt2 = {"model_type": "gpt2", "n_ctx": 64, "n_embd": 32, "n_head": 2, "n_layer": 2, "n_positions": 64}
+    assert has_position_table(build_model({**gpt2, "layer_norm_epsilon": 1e-5, "vocab_size": 64}))
 
 
 def test_bad_models_are_refused() -> None:

@@ -101,13 +101,23 @@ def plain_leaves(cache: Sequence[Any]) -> list[Any] | None:
     return leaves
 
 
+def has_position_table(model: nn.Module) -> bool:
+    """Whether ``model`` looks positions up in a table (gpt2's ``wpe``), which may hold fewer rows than the far
+    chunks' positions: those would read past its end."""
+    modules = cast(list[tuple[str, nn.Module]], model.named_modules())  # pyright: ignore[reportUnknownMemberType]
+    return any(
+        isinstance(module, nn.Embedding) and (name.rsplit(".", 1)[-1] == "wpe" or "position" in name)
+        for name, module in modules
+    )
+
+
 def far_cache(model: nn.Module, stage: PipelineStage, position: int, timeout: float | None) -> list[Any] | None:
     """A fresh cache of ``model`` holding ``position`` positions, all but the first zeros written straight into it
     (cheap: nothing is computed); ``None`` when some cache is not a plain :class:`KVCache` (then the positions
-    cannot be faked)."""
+    cannot be faked) or the model has a table of positions."""
     cache = make_prompt_cache(model)
     leaves = plain_leaves(cache)
-    if leaves is None:
+    if leaves is None or has_position_table(model):
         return None
     with mx.stream(stage.compute_stream):
         model(mx.array([[0]], dtype=mx.int32), cache=cache)
