@@ -1,6 +1,7 @@
 """How a prefill's last chunks are cut: uniform, a halving tail, a gentler tail and auto's choice, in one launch.
 
     python benchmarks/auto_tails.py [--tokens 2048] [--step 256] [--rounds 8]
+    python benchmarks/auto_tails.py --tokens 8192 --calibrations 4   # auto's choice from 4 calibrations
 
 Two ranks (the benchmark model, OpenBLAS preloaded, one core per process). Every round prefills the same
 prompt once per cut, in turn, in one launch (see ranks/cuts_rank.py), so the cuts share the machine's
@@ -18,7 +19,7 @@ import statistics
 import sys
 from typing import Any
 
-from common import BENCH_CONFIG, HERE, bench_env, openblas_available
+from common import BENCH_CONFIG, HERE, bench_env, describe_cut, openblas_available
 
 from pipemlx.launch import launch
 from pipemlx.schedule.autostep import choose_chunks, ramp_lengths, tail_lengths, uniform_lengths
@@ -44,10 +45,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--step", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calibrations", type=int, default=0, help="only calibrate this many times, print auto's cut")
     args = parser.parse_args()
     openblas = openblas_available()
-    costs = calibrated_costs(openblas)
     m = args.tokens
+    if args.calibrations:  # only how auto cuts, calibration by calibration (one launch each)
+        for _ in range(args.calibrations):
+            costs = calibrated_costs(openblas)
+            far = ", ".join(f"{n} tokens {s * 1e9:.0f}" for n, s in costs.layer.far_pairs)
+            cut = describe_cut(list(choose_chunks(m, costs)))
+            print(f"ns per pair far in: {far}; after 512: {costs.layer.attention_s * 1e9:.0f}; auto: {cut}")
+        return
+    costs = calibrated_costs(openblas)
     cuts: dict[str, tuple[int, ...]] = {
         "uniform 128": uniform_lengths(m, 128),
         f"uniform {args.step}": uniform_lengths(m, args.step),
