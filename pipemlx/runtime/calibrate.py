@@ -93,8 +93,10 @@ def plain_leaves(cache: Sequence[Any]) -> list[Any] | None:
     leaves: list[Any] = []
     for entry in cache:
         inner: Any = getattr(entry, "caches", None)
-        found = plain_leaves(cast(list[Any], inner)) if isinstance(inner, (list, tuple)) else None
-        found = found if inner is not None else ([entry] if type(entry) is KVCache else None)
+        if isinstance(inner, (list, tuple)):
+            found = plain_leaves(cast(list[Any], inner))
+        else:
+            found = [entry] if type(entry) is KVCache else None
         if found is None:
             return None
         leaves += found
@@ -115,9 +117,11 @@ def far_cache(model: nn.Module, stage: PipelineStage, position: int, timeout: fl
     """A fresh cache of ``model`` holding ``position`` positions, all but the first zeros written straight into it
     (cheap: nothing is computed); ``None`` when some cache is not a plain :class:`KVCache` (then the positions
     cannot be faked) or the model has a table of positions."""
+    if has_position_table(model):
+        return None
     cache = make_prompt_cache(model)
     leaves = plain_leaves(cache)
-    if leaves is None or has_position_table(model):
+    if leaves is None:
         return None
     with mx.stream(stage.compute_stream):
         model(mx.array([[0]], dtype=mx.int32), cache=cache)
@@ -159,12 +163,14 @@ def time_local_layers(
                 if start == 0:
                     cache = make_prompt_cache(model)
                 seconds = timed(cache, start, stop)
-                best[i] = min(best[i], seconds) if attempt else best[i]
+                if attempt:
+                    best[i] = min(best[i], seconds)
             far = far_cache(model, stage, FAR_POSITION, timeout) if attempt else None
             for i, length in enumerate(FAR_LENGTHS):
-                if far is not None:
-                    far_best[i] = min(far_best[i], timed(far, 0, length))
-                    trim_prompt_cache(far, length)
+                if far is None:
+                    break
+                far_best[i] = min(far_best[i], timed(far, 0, length))
+                trim_prompt_cache(far, length)
     at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
     far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
     return at_start, best[-1], far_timed
