@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
 from pipemlx.models.sharding import find_layer_list
-from pipemlx.testing import build_model, tiny_config
+from pipemlx.testing import build_model, model_classes, tiny_config
 
 # arch -> split per world size (None: even). Every architecture runs at S=2; S=3 (a middle rank that both
 # receives and sends) for the layer patterns a cut can split differently and a few plain ones: a 3-rank
@@ -87,6 +87,9 @@ def test_architecture_matches_single_device(
             assert run["logprob_diff"] <= LOGPROB_TOLERANCE, f"{where}: {run}"
             if run["kind"] == "pipeline" and run["offsets"]:
                 assert run["offsets"] == [run["M"] - 1], f"{where}: {run}"
+            if run["kind"] == "reuse":  # greedy, logprobs not shared: the head shared where the registry allows
+                plain = ARCHITECTURES[model_classes(tiny_config(arch))[0].__module__].plain_head
+                assert run["shared_head"] == (plain and size == 2), f"{where}: {run}"
         tokens = [run["tokens"] for run in entry["runs"]]
         first_tokens = first_tokens or tokens
         assert tokens == first_tokens, f"{where}: ranks disagree"

@@ -100,6 +100,7 @@ def test_batched_requests_equal_their_solo_runs(
             (REMOVE["at"] - (first if first is not None else REMOVE["at"])) if i == REMOVE["index"] else None
         )
         assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
+    assert report["shared_head_ticks"] > 0  # greedy rows: every rank applied its share of the head
     if stop_at is None:
         # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2; request 1
         # leaves at its removal (tick 7), the others at their max_tokens.
@@ -199,6 +200,7 @@ def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario
         assert report["solo"][i] != report["unprocessed"][i], (i, report["solo"][i])
     assert report["unprocessed"][2] is None
     assert report["tokens"] == report["solo"], report
+    assert report["shared_head_ticks"] == 0  # rows with processors: the last rank applies the head
     assert report["finish"] == ["length"] * 4 and report["left"] == 0
 
 
@@ -616,7 +618,7 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
     engine = pipemlx.BatchGenerator(model, max_tokens=3)
     engine.insert([[1, 2, 3]])
 
-    def disagree(flat: list[float], rows: int, stage: Any) -> Any:
+    def disagree(flat: list[float], rows: int, stage: Any, sharing: bool) -> Any:
         raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
 
     monkeypatch.setattr(batch_tick, "_outcome", disagree)
@@ -636,9 +638,27 @@ def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() ->
         return [float(fields.get(name, 0)) for name in HEADER] + [7.0]
 
     stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
-    assert _outcome(row(1) + row(1), 1, stage).tokens == [7]
+    assert _outcome(row(1) + row(1), 1, stage, False)[0].tokens == [7]
     with pytest.raises(pipemlx.PipelineMismatchError, match="lend_mlp: rank 0: 1, rank 1: 0"):
-        _outcome(row(1) + row(0), 1, stage)
+        _outcome(row(1) + row(0), 1, stage, False)
+
+
+def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_rank_is_greedy() -> None:
+    """Each rank adds [largest logit, its id] per row; the last rank's own tokens count when it sampled."""
+    from pipemlx.runtime.batch_tick import BATCH_KIND, HEADER, _outcome  # pyright: ignore[reportPrivateUsage]
+
+    def row(greedy: int, tokens: list[float], pairs: list[float]) -> list[float]:
+        fields = {"kind": BATCH_KIND, "tick": 3, "rows": 2, "greedy": greedy}
+        return [float(fields.get(name, 0)) for name in HEADER] + tokens + pairs
+
+    stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
+    first = row(1, [0, 0], [2.5, 10, 1.0, 20])
+    last = row(1, [0, 0], [2.5, 90, 3.0, 95])
+    outcome, greedy = _outcome(first + last, 2, stage, True)
+    assert outcome.tokens == [10, 95] and greedy  # a tie goes to the lower id; every rank greedy: share next
+    sampled = row(0, [41, 42], [9.0, 90, 9.0, 95])
+    outcome, greedy = _outcome(first + sampled, 2, stage, True)
+    assert outcome.tokens == [41, 42] and not greedy
 
 
 def test_queued_requests_are_removed_without_communication() -> None:

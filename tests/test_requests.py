@@ -122,6 +122,12 @@ def test_request_sequence_matches_mlx_lm(live_group: Callable[[int], LiveGroup],
     assert by_command[10][1] == "ValueError" and by_command[10][0] == "cancelled"
     assert by_command[11][0] == "InjectedModelError" and by_command[11][1:] == ["cancelled"] * (num_ranks - 1)
     assert by_command[14][1] == "InjectedModelError" and by_command[14][0] == "done"
+    # Greedy without processors, every rank shares the output head (after the first token); a sampler or a
+    # logits processor keeps it on the last rank.
+    shared = [[a.get("shared_head") for a in answers] for answers in last_stops]
+    assert shared[0] == [True] * num_ranks
+    assert shared[SCENARIO.index({**BASE, "temp": 0.8, "seed": 2})] == [False] * num_ranks
+    assert shared[SCENARIO.index({**BASE, "reuse": True, "M": 6, "penalty": 1.3})] == [False] * num_ranks
     every_rank = list(range(num_ranks))  # all consumers stopped at the same token: all named, on every rank
     assert [a["last_stop"] for a in last_stops[20]] == [["cancelled", 2, every_rank]] * num_ranks
     assert [a["last_stop"] for a in last_stops[21]] == [["cancelled", 3, every_rank]] * num_ranks

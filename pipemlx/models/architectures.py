@@ -48,11 +48,16 @@ class Architecture:
     ``pre_norm_blocks``: its decoder blocks compute ``h = x + self_attn(input_layernorm(x))`` and then
     ``h + mlp(post_attention_layernorm(h))``, so a cut may sit between the halves
     (``shard_model(..., lend_mlp=True)``, :mod:`pipemlx.models.lending`).
+
+    ``plain_head``: its logits are ``lm_head(model.model(...))``, or the embedding applied as a linear map
+    where it has no ``lm_head`` (tied), with nothing after it (no scaling or soft-capping), so greedy decodes
+    may share the head among the ranks (:mod:`pipemlx.runtime.vocab_head`).
     """
 
     fixup: Fixup | None = None
     check: Check | None = None
     pre_norm_blocks: bool = False
+    plain_head: bool = False
 
 
 def _first(layers: list[Any], predicate: Callable[[Any], bool], default: int | None) -> int | None:
@@ -229,30 +234,30 @@ def _nemotron_h(owner: Any, local: range) -> None:
 ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(
     {
         # Nothing to adjust: verified by tests/test_architectures.py.
-        "mlx_lm.models.qwen2": Architecture(pre_norm_blocks=True),
-        "mlx_lm.models.qwen3": Architecture(pre_norm_blocks=True),
-        "mlx_lm.models.qwen3_moe": Architecture(),
-        "mlx_lm.models.phi3": Architecture(),
-        "mlx_lm.models.deepseek_v3": Architecture(),
-        "mlx_lm.models.falcon_h1": Architecture(),
-        "mlx_lm.models.mixtral": Architecture(),
-        "mlx_lm.models.gemma": Architecture(),
-        "mlx_lm.models.phi": Architecture(),
-        "mlx_lm.models.starcoder2": Architecture(),
-        "mlx_lm.models.olmo2": Architecture(),
-        "mlx_lm.models.granite": Architecture(),
-        "mlx_lm.models.qwen2_moe": Architecture(),
-        "mlx_lm.models.deepseek": Architecture(),
-        "mlx_lm.models.deepseek_v2": Architecture(),
+        "mlx_lm.models.qwen2": Architecture(pre_norm_blocks=True, plain_head=True),
+        "mlx_lm.models.qwen3": Architecture(pre_norm_blocks=True, plain_head=True),
+        "mlx_lm.models.qwen3_moe": Architecture(plain_head=True),
+        "mlx_lm.models.phi3": Architecture(plain_head=True),
+        "mlx_lm.models.deepseek_v3": Architecture(plain_head=True),
+        "mlx_lm.models.falcon_h1": Architecture(),  # logits scaled
+        "mlx_lm.models.mixtral": Architecture(plain_head=True),
+        "mlx_lm.models.gemma": Architecture(plain_head=True),
+        "mlx_lm.models.phi": Architecture(),  # unverified
+        "mlx_lm.models.starcoder2": Architecture(plain_head=True),
+        "mlx_lm.models.olmo2": Architecture(plain_head=True),
+        "mlx_lm.models.granite": Architecture(),  # logits scaled
+        "mlx_lm.models.qwen2_moe": Architecture(plain_head=True),
+        "mlx_lm.models.deepseek": Architecture(plain_head=True),
+        "mlx_lm.models.deepseek_v2": Architecture(plain_head=True),
         # Bookkeeping over the whole layer list.
-        "mlx_lm.models.llama": Architecture(fixup=_llama, pre_norm_blocks=True),
-        "mlx_lm.models.gpt_oss": Architecture(fixup=_gpt_oss),
-        "mlx_lm.models.gemma3_text": Architecture(fixup=_gemma3),
+        "mlx_lm.models.llama": Architecture(fixup=_llama, pre_norm_blocks=True, plain_head=True),
+        "mlx_lm.models.gpt_oss": Architecture(fixup=_gpt_oss, plain_head=True),
+        "mlx_lm.models.gemma3_text": Architecture(fixup=_gemma3, plain_head=True),
         # Not bookkeeping: mlx-lm's attention mishandles batch masks (found by the batch engine's tests).
-        "mlx_lm.models.gemma2": Architecture(fixup=_gemma2),
-        "mlx_lm.models.gemma3": Architecture(fixup=_gemma3),
-        "mlx_lm.models.lfm2": Architecture(fixup=_lfm2),
-        "mlx_lm.models.qwen3_next": Architecture(fixup=_qwen3_next),
+        "mlx_lm.models.gemma2": Architecture(fixup=_gemma2),  # logits soft-capped
+        "mlx_lm.models.gemma3": Architecture(fixup=_gemma3),  # a wrapper around gemma3_text
+        "mlx_lm.models.lfm2": Architecture(fixup=_lfm2, plain_head=True),
+        "mlx_lm.models.qwen3_next": Architecture(fixup=_qwen3_next, plain_head=True),
         "mlx_lm.models.nemotron_h": Architecture(fixup=_nemotron_h, check=_nemotron_h_check),
     }
 )

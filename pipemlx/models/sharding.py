@@ -30,6 +30,7 @@ from .parameters import (
     model_config,
     split_for_memory,
 )
+from .vocab_head import vocab_shard
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -274,6 +275,8 @@ def shard_model(
         drop_output_head(model, stage)
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
     mx.eval(model.parameters(), held_arrays(model))  # pyright: ignore[reportUnknownMemberType]
+    if head == "all" and stage.world_size > 1:
+        stage.vocab_shard = vocab_shard(model, stage)
     return model
 
 

@@ -316,6 +316,11 @@ class BatchGenerator:
         return [u for u in self._sequences if u not in active]
 
     @property
+    def shared_head_ticks(self) -> int:
+        """Ticks whose decode step shared the output head among the ranks (every row greedy: see ``next``)."""
+        return self._runner.shared_ticks
+
+    @property
     def last_error(self) -> BaseException | None:
         """The first model error this rank stood in for (requests failed with ``finish_reason="error"``)."""
         return self._runner.error
@@ -635,6 +640,7 @@ class BatchGenerator:
             chunk_tokens=lambda c: self._sequences[c.uid].prompt[c.start : c.stop],
             chunk_cache=self._chunk_cache,
             sample=self._sample,
+            greedy=self._greedy_rows(),
         )
         self._logprobs = None
         outcome = self._runner.run(work)
@@ -847,6 +853,12 @@ class BatchGenerator:
         if any(not s.done and s.prefix == UNCOUNTED for s in self._rows):
             return UNKNOWN_PREFIXES
         return fingerprint(0 if s.done else s.prefix + 1 for s in self._rows)
+
+    def _greedy_rows(self) -> bool:
+        """Whether the output head may be shared this tick: the rows all greedy, none with logits processors."""
+        if self.stage.vocab_shard is None or not self._rows:
+            return False
+        return all((s.sampler or self.sampler) is None and not s.processors for s in self._active)
 
     def _sample(self, logits: mx.array) -> mx.array:
         """Sample every row with its request's sampler (one batched call when all rows share one).

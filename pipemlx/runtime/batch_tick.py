@@ -44,11 +44,24 @@ from .agreement import STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_state
 from .send_mode import send_mode
 from .stage import PipelineStage
+from .vocab_head import SHARE_WIDTH, VocabShard, pick_tokens
 from .waits import PEER_LOST_MARKERS, issue, wait_for
 
 BATCH_KIND = 7_772
 """First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
-HEADER = ("kind", "tick", "status", "rows", "uids", "prefixes", "plan", "failed_decode", "failed_uid", "lend_mlp")
+HEADER = (
+    "kind",
+    "tick",
+    "status",
+    "rows",
+    "uids",
+    "prefixes",
+    "plan",
+    "failed_decode",
+    "failed_uid",
+    "lend_mlp",
+    "greedy",
+)
 AGREED = ("tick", "rows", "uids", "plan", "lend_mlp")
 UNKNOWN_PREFIXES = -1
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
@@ -88,6 +101,7 @@ class TickWork:
     chunk_tokens: Callable[[Chunk], list[int]]  # a chunk's token ids
     chunk_cache: Callable[[Chunk], list[Any]]  # the cache of a chunk's request on this rank
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
+    greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
 
 
 class TickRunner:
@@ -99,6 +113,9 @@ class TickRunner:
         self.timeout = timeout
         self.held: Held | None = None
         self.error: BaseException | None = None  # the first model error this rank stood in for
+        # Every rank said its rows were greedy in the last tick: this tick's decode shares the output head.
+        self.shares_head = False
+        self.shared_ticks = 0  # ticks whose decode shared the head (observability)
 
     def drop(self, uids: set[int]) -> None:
         """Forget a held chunk of a removed request (its input was already taken off the wire)."""
@@ -117,9 +134,12 @@ class TickRunner:
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
                     self._issue(self._chunk_results(held), tick.index, "computing the chunk it received")
+                sharing = self.shares_head and work.rows > 0  # decided in the last tick, alike on every rank
+                self.shared_ticks += sharing
+                hidden: mx.array | None = None
                 if work.rows:  # 2. the decode step
                     try:
-                        sent = self._decode(work)
+                        sent, hidden = self._decode(work, sharing)
                     except Exception as exc:
                         if not _is_model_error(exc):
                             raise
@@ -128,9 +148,11 @@ class TickRunner:
                         self._stand_in(work.rows, 1)
                         zeros = stage.wire_zeros(work.rows, 1, incoming=False)
                         sent = zeros[:, 0, 0] if stage.is_last else self._send(zeros)
+                        hidden = None
                     if stage.is_last:
                         tokens = sent
-                    self._issue([sent, cache_state(work.batch_cache)], tick.index, "running the decode step")
+                    issued = [sent, cache_state(work.batch_cache), *([] if hidden is None else [hidden])]
+                    self._issue(issued, tick.index, "running the decode step")
                 if stage.is_first and mine is not None:  # 3. rank 0's new chunk
                     held, failed = self._build_chunk(mine, work)
                     if failed:
@@ -151,8 +173,10 @@ class TickRunner:
                 status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
                 header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint]
                 header += [work.prefixes_fingerprint, tick.fingerprint()]
-                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp)]
+                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp), int(work.greedy)]
                 share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
+                if sharing:  # after every message of the tick, as the all-gather below
+                    share = mx.concatenate([share, self._head_pairs(hidden, work.rows)])
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
             wait_for(share, self.timeout, lambda: f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)")
@@ -162,7 +186,7 @@ class TickRunner:
                 raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
         try:
-            return _outcome(cast(list[float], share.tolist()), work.rows, stage)
+            outcome, greedy = _outcome(cast(list[float], share.tolist()), work.rows, stage, sharing)
         except PipelineMismatchError as exc:
             # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
             # on a link, and every later message on it would be read shifted (wrong tokens, no error).
@@ -172,6 +196,8 @@ class TickRunner:
                 "this rank's links cannot be trusted: exit and start every rank again (and make every rank "
                 "call the BatchGenerator alike)"
             ) from exc
+        self.shares_head = greedy and work.rows > 0
+        return outcome
 
     def _take_held(self, mine: Chunk | None) -> Held | None:
         held, self.held = self.held, None
@@ -184,14 +210,30 @@ class TickRunner:
     def _chunk_results(self, held: Held) -> list[Any]:
         return [cache_state(held.cache), *([] if held.output is None else [held.output])]
 
-    def _decode(self, work: TickWork) -> mx.array:
-        """Build the decode step: what this rank sends on, or (last rank) the sampled tokens."""
+    def _decode(self, work: TickWork, sharing: bool) -> tuple[mx.array, mx.array | None]:
+        """Build the decode step: what this rank sends on, or (last rank) the sampled tokens; and (last rank,
+        ``sharing``) the final hidden states, whose share of the head every rank applies."""
         stage = self.stage
         inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
+        if sharing and stage.is_last:
+            shard = cast(VocabShard, stage.vocab_shard)
+            self.stage.received.clear()
+            hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
+            sampled = work.sample(shard.full(hidden))  # lazy: read only for a row that is not greedy (see run)
+            if work.greedy:  # the tokens come from every rank's share of the head: nothing sampled here
+                return mx.zeros((work.rows,), dtype=mx.float32), hidden
+            return sampled.astype(mx.float32), hidden
         logits = self._forward(inputs, work.batch_cache)
         if stage.is_last:
-            return work.sample(logits[:, -1, :]).astype(mx.float32)
-        return self._send(self._queued_output())
+            return work.sample(logits[:, -1, :]).astype(mx.float32), None
+        return self._send(self._queued_output()), None
+
+    def _head_pairs(self, hidden: mx.array | None, rows: int) -> mx.array:
+        """Every rank's largest logit and its id per row, from its rows of the head (a collective)."""
+        shard = cast(VocabShard, self.stage.vocab_shard)
+        if hidden is None:  # ranks before the last, or a last rank standing in
+            hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)
+        return mx.reshape(shard.best(hidden, self.stage.group), (-1,))
 
     def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
@@ -257,9 +299,12 @@ def _is_model_error(exc: BaseException) -> bool:
     return not isinstance(exc, (PipelineError, PeerLostError, PipelineTimeoutError)) and not _is_peer_lost(exc)
 
 
-def _outcome(flat: list[float], rows: int, stage: PipelineStage) -> TickOutcome:
-    """Check the gathered headers agree; the last rank's tokens and every rank's failures."""
-    width = len(HEADER) + rows
+def _outcome(flat: list[float], rows: int, stage: PipelineStage, sharing: bool) -> tuple[TickOutcome, bool]:
+    """Check the gathered headers agree; the tokens, every rank's failures, and whether every rank was greedy.
+
+    The tokens are the last rank's, or (``sharing``, its rows all greedy) picked from every rank's share of the head.
+    """
+    width = len(HEADER) + rows + (SHARE_WIDTH * rows if sharing else 0)
     gathered = [flat[r * width : (r + 1) * width] for r in range(len(flat) // width)]
     columns = {name: [int(row[i]) for row in gathered] for i, name in enumerate(HEADER)}
     if (
@@ -277,8 +322,10 @@ def _outcome(flat: list[float], rows: int, stage: PipelineStage) -> TickOutcome:
     statuses = set(columns["status"]) - {STATUS_OK, STATUS_CHUNK_FAILED, STATUS_FAILED}
     if statuses:
         raise PipelineMismatchError(f"unknown batch tick status {sorted(statuses)}")
-    return TickOutcome(
-        tokens=[int(t) for t in gathered[-1][len(HEADER) :]],
-        failed_decode=any(columns["failed_decode"]),
-        failed_uids=failed_uids,
-    )
+    start = len(HEADER)
+    if sharing and columns["greedy"][-1]:
+        tokens = pick_tokens([row[start + rows :] for row in gathered])
+    else:
+        tokens = [int(t) for t in gathered[-1][start : start + rows]]
+    outcome = TickOutcome(tokens=tokens, failed_decode=any(columns["failed_decode"]), failed_uids=failed_uids)
+    return outcome, all(columns["greedy"])

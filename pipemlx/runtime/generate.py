@@ -47,6 +47,7 @@ from .prefill import (
     prefill_before_decode,
 )
 from .stage import PipelineStage, stage_of
+from .vocab_head import VocabShard, pick_tokens
 from .waits import wait_for
 
 Sampler = Callable[[mx.array], mx.array]
@@ -60,7 +61,7 @@ DECODE_KIND = 7_771
 """First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
 NO_TOKEN = -1
 """``GenerationResponse.token`` of :func:`stream_generate`'s closing ``"cancelled"`` response: it adds no token."""
-HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens")
+HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens", "shares_head")
 
 
 @dataclass(frozen=True)
@@ -368,6 +369,10 @@ class _Request:
         self.history: mx.array | None = None
         self.deferred: BaseException | None = None
         self.vocab_size = 0
+        # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
+        self.may_share_head = stage.vocab_shard is not None and sampler is None and not logits_processors
+        self.may_share_head = self.may_share_head and not share_logprobs
+        self.shares_head = False  # every rank said it may, in the first step: the later steps share the head
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -462,10 +467,14 @@ class _Request:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
                 stage.last_receive = None
                 try:
-                    share, logprobs = self._build(inputs, index, status)
+                    share, logprobs, hidden = self._build(inputs, index, status)
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
                     self.deferred = self.deferred or exc
-                    share, logprobs = self._stand_in(inputs, index), None
+                    share, logprobs, hidden = self._stand_in(inputs, index), None, None
+                if self.shares_head:
+                    if not stage.is_last:  # its sends first: a lost next rank then shows here, not as a stall
+                        wait_for(share, self.timeout, lambda: f"{stage.describe()} sending token {index}'s state")
+                    share = self._with_head_share(share, hidden)
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -482,7 +491,14 @@ class _Request:
         last = rows[-1]
         if self.share_logprobs and not stage.is_last:
             logprobs = mx.array(last[len(HEADER) :])
-        return _StepResult(int(last[3]), logprobs, [int(row[2]) for row in rows])
+        if self.shares_head:
+            (token,) = pick_tokens([row[len(HEADER) :] for row in rows])
+        else:
+            token = int(last[3])
+        if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
+            self.shares_head = all(int(row[HEADER.index("shares_head")]) for row in rows)
+            stage.decode_shares_head = self.shares_head
+        return _StepResult(token, logprobs, [int(row[2]) for row in rows])
 
     def _stand_in(self, inputs: mx.array, index: int) -> mx.array:
         """After a model error: take the step's input off the wire, pass zeros on, and say ``chunk failed``."""
@@ -500,18 +516,29 @@ class _Request:
             moved.append(
                 mx.distributed.send(stage.wire_zeros(1, inputs.size, incoming=False), stage.rank + 1, group=stage.group)
             )
-        header = mx.array([DECODE_KIND, index, STATUS_CHUNK_FAILED, 0, self.max_tokens, self.stop_fingerprint])
+        header = mx.array([*self._header(index, STATUS_CHUNK_FAILED)])
         share = cast(mx.array, mx.depends(header.astype(mx.float32), moved))  # pyright: ignore[reportUnknownMemberType]
         if self.share_logprobs:
             share = mx.concatenate([share, mx.zeros((self.vocab_size,), dtype=mx.float32)])
         return share
 
-    def _build(self, inputs: mx.array, index: int, status: int) -> tuple[mx.array, mx.array | None]:
-        """This rank's part of a step, lazily: the share vector for the all-gather and (last rank) the logprobs."""
+    def _header(self, index: int, status: int) -> list[float]:
+        """This rank's header row for step ``index`` (the token, filled in by the last rank, is 0 here)."""
+        return [DECODE_KIND, index, status, 0, self.max_tokens, self.stop_fingerprint, int(self.may_share_head)]
+
+    def _build(self, inputs: mx.array, index: int, status: int) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """This rank's part of a step, lazily: the share for the all-gather, (last rank) the logprobs, and
+        (last rank, when the ranks share the head) the final hidden state."""
         stage = self.stage
+        header = mx.array(self._header(index, status), dtype=mx.float32)
+        if self.shares_head and stage.is_last:
+            shard = cast(VocabShard, stage.vocab_shard)
+            hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
+            self.quantize(self.cache)
+            logits = shard.full(hidden)  # read only with the logprobs
+            return header, logits - mx.logsumexp(logits, axis=-1, keepdims=True), hidden
         output = cast(mx.array, self.model(inputs[None], cache=self.cache))
         self.quantize(self.cache)
-        header = mx.array([DECODE_KIND, index, status, 0, self.max_tokens, self.stop_fingerprint], dtype=mx.float32)
         if not stage.is_last:
             # Issued after this rank's send, which is tied to its cache: evaluating the share sends.
             leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
@@ -520,7 +547,7 @@ class _Request:
             if self.share_logprobs:
                 self.vocab_size = output.shape[-1]
                 header = mx.concatenate([header, mx.zeros((self.vocab_size,), dtype=mx.float32)])
-            return header, None
+            return header, None, None
         logits = output[:, -1, :]
         if self.logits_processors:
             self.history = inputs if self.history is None else mx.concatenate([self.history, inputs])
@@ -535,7 +562,19 @@ class _Request:
         if self.share_logprobs:
             self.vocab_size = logprobs.shape[-1]
             share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
-        return share, logprobs.squeeze(0)
+        return share, logprobs.squeeze(0), None
+
+    def _with_head_share(self, share: mx.array, hidden: mx.array | None) -> mx.array:
+        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden`` (a collective).
+
+        The other ranks (and a rank standing in) contribute zeros issued after ``share``, so after their sends.
+        """
+        shard = cast(VocabShard, self.stage.vocab_shard)
+        if hidden is None:
+            zeros = mx.zeros((1, shard.hidden_size), dtype=mx.float32)
+            hidden = cast(mx.array, mx.depends(zeros, [share]))  # pyright: ignore[reportUnknownMemberType]
+        best = shard.best(hidden, self.stage.group)
+        return mx.concatenate([share, mx.reshape(best, (-1,))])
 
 
 def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from ..errors import NotShardedError, PipelineError
 from .caches import attach_dependency
 from .send_queue import SendQueue
+from .vocab_head import VocabShard
 from .waits import wait_for_scheduled
 
 
@@ -83,6 +84,10 @@ class PipelineStage:
         self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
         self.lent_heads = 0  # shard_model(lend_heads=k): key-value heads of that layer's attention moved too
         self.lent_pair_share = 0.0  # the share of a layer's attention to earlier positions lend_heads moves
+        self.vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes
+        self.decode_shares_head = (
+            False  # whether the latest generate_step decode shared the head (after its first token)
+        )
         # Widths of the messages from the previous rank and to the next one (0: hidden_size); lend_heads
         # widens them: a lending rank sends its kept heads' outputs beside the hidden state.
         self.incoming_width = 0

@@ -75,9 +75,11 @@ def reuse_prefix(
     ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, spec["max_tokens"])
     tokens: list[int] = []
     logprobs: list[mx.array] = []
-    # S=2 shares the logprobs with every rank; S=3 leaves them on the last rank, lazy (greedy), read here.
+    # S=2 leaves the logprobs on the last rank, lazy (greedy: every rank shares the output head where the
+    # architecture allows, and the last rank computes the whole head only when they are read, here);
+    # S=3 shares them with every rank (the head stays on the last rank).
     stage = pipemlx.stage_of(model)
-    shared = stage.world_size == 2
+    shared = stage.world_size == 3
     for token, lp in pipemlx.generate_step(
         prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=shared
     ):
@@ -93,6 +95,7 @@ def reuse_prefix(
         "tokens": tokens,
         "ref_tokens": ref_tokens,
         "logprob_diff": largest_difference(logprobs, ref_logprobs),
+        "shared_head": stage.decode_shares_head,
     }
 
 

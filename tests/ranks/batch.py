@@ -256,6 +256,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "prefilling": prefilling,
         "prefilled": {str(i): p for i, p in prefilled.items()},
         "left": len(engine),
+        "shared_head_ticks": engine.shared_head_ticks,
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
         "resumed": {str(i): r for i, r in resumed.items()},

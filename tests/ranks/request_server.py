@@ -149,7 +149,7 @@ class Server:
             self.model,
             prompt_cache=self.cache,
             max_tokens=command["max_tokens"],
-            sampler=make_sampler(temp),
+            sampler=make_sampler(temp) if temp or command.get("sampler") else None,  # None: greedy, the head shared
             logits_processors=logits_processors,
             prefill_step_size=command["step"],
             prompt_progress_callback=on_progress,
@@ -178,6 +178,7 @@ class Server:
         last = pipemlx.stage_of(self.model).last_stop
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
+        answer["shared_head"] = pipemlx.stage_of(self.model).decode_shares_head
         answer["histories"] = recorder.histories
         if stop and stop["how"] == "abandon":
             answer["offset"] = None  # the agreed stop runs when the next command settles the stage

@@ -1,0 +1,94 @@
+"""The output head shared by vocabulary among the ranks (greedy decodes): rows, logits and the token picked."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from pipemlx.models.vocab_head import vocab_shard
+from pipemlx.runtime.stage import PipelineStage
+from pipemlx.runtime.vocab_head import VocabShard, pick_tokens
+from pipemlx.testing import build_model, tiny_config
+
+
+def stage_at(rank: int, world_size: int, model: Any) -> PipelineStage:
+    """What :func:`vocab_shard` reads of a stage: its place, and the activations' width and dtype."""
+    hidden_size = int(model.model.norm.weight.shape[0])
+    return cast(
+        PipelineStage, SimpleNamespace(rank=rank, world_size=world_size, hidden_size=hidden_size, dtype=mx.float32)
+    )
+
+
+def shards(model: Any, world_size: int) -> list[VocabShard]:
+    found = [vocab_shard(model, stage_at(rank, world_size, model)) for rank in range(world_size)]
+    assert all(s is not None for s in found)
+    return cast(list[VocabShard], found)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides,quantized",
+    [
+        ("qwen2", {"tie_word_embeddings": False}, False),
+        ("qwen2", {"tie_word_embeddings": True}, False),
+        ("llama", {"tie_word_embeddings": False}, True),
+        ("qwen3", {"tie_word_embeddings": True}, True),
+        ("gemma", {}, False),
+    ],
+)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_rows_cover_the_vocabulary_once_and_give_the_whole_heads_logits(
+    arch: str, overrides: dict[str, Any], quantized: bool, world_size: int
+) -> None:
+    model: Any = build_model(tiny_config(arch, **overrides), seed=3)
+    if quantized:
+        nn.quantize(model, group_size=32, bits=4)
+    found = shards(model, world_size)
+    vocab = tiny_config(arch, **overrides)["vocab_size"]
+    assert [r for s in found for r in s.rows] == list(range(vocab))
+    hidden = mx.random.normal((3, found[0].hidden_size), key=mx.random.key(1))
+    whole = found[0].full(hidden)
+    assert whole.shape == (3, vocab)
+    parts = mx.concatenate([s.project(hidden) for s in found], axis=-1)
+    assert mx.array_equal(parts, whole).item()  # row by row the same computation: equal, not close
+
+
+def test_the_head_is_the_models_head() -> None:
+    """``full`` of the final hidden state is what the model's forward returns (tied and untied)."""
+    for tied in (False, True):
+        model: Any = build_model(tiny_config("qwen2", tie_word_embeddings=tied), seed=2)
+        (shard, _) = shards(model, 2)
+        inputs = mx.array([[3, 5, 7]])
+        hidden = shard.hidden(model, inputs, [None] * len(model.layers))
+        assert mx.array_equal(shard.full(hidden), model(inputs)).item()
+
+
+def test_best_pairs_pick_the_argmax_of_the_whole_logits() -> None:
+    model: Any = build_model(tiny_config("llama"), seed=4)
+    found = shards(model, 3)
+    hidden = mx.random.normal((4, found[0].hidden_size), key=mx.random.key(2))
+    best = [cast(list[float], s.best(hidden, cast(Any, None)).reshape(-1).tolist()) for s in found]
+    assert pick_tokens(best) == mx.argmax(found[0].full(hidden), axis=-1).tolist()
+
+
+@pytest.fixture(autouse=True)
+def _one_rank_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:meth:`VocabShard.best` in one process: the all-gather of the last rank's hidden state is that state."""
+    monkeypatch.setattr(mx.distributed, "all_gather", lambda x, group=None: x)  # pyright: ignore[reportUnknownLambdaType]
+
+
+def test_pick_tokens_takes_the_largest_and_the_lowest_id_on_ties() -> None:
+    # Two rows, three ranks: [largest, id] per row.
+    best = [[1.0, 5, 2.0, 1], [3.0, 40, 2.0, 30], [3.0, 70, 1.5, 60]]
+    assert pick_tokens(best) == [40, 1]
+    assert pick_tokens([[float("nan"), 4], [float("nan"), 9]]) == [4]
+
+
+def test_heads_that_are_not_plain_are_not_shared() -> None:
+    for arch in ("gemma2", "granite", "falcon_h1"):  # soft-capped or scaled logits
+        model: Any = build_model(tiny_config(arch), seed=0)
+        stage = cast(PipelineStage, SimpleNamespace(rank=0, world_size=2, hidden_size=8, dtype=mx.float32))
+        assert vocab_shard(model, stage) is None, arch
