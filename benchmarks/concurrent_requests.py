@@ -1,6 +1,7 @@
 """Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
 
     python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
+                                             [--head-on-last]
                                              [--arrival-tokens 4096 --chunks 32,64,128 --chunking fixed,equal-cost]
 
 Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
@@ -57,6 +58,11 @@ def main() -> None:
     parser.add_argument("--chunks", default="32,64,128", help="prefill_chunk_tokens values of the arrival test")
     parser.add_argument("--chunking", default="fixed", help="prefill_chunking values of the arrival test")
     parser.add_argument("--skip-table", action="store_true", help="only the arrival test")
+    parser.add_argument(
+        "--head-on-last",
+        action="store_true",
+        help="also batched with argmax samplers (same tokens), which keeps the output head on the last rank",
+    )
     args = parser.parse_args()
     openblas = openblas_available()
     base: dict[str, Any] = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}
@@ -64,6 +70,8 @@ def main() -> None:
         f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}"
     )
     header = f"{'R':>3} {'batched S=2':>12} {'one at a time':>14} {'mlx-lm batch':>13} {'vs one-at-a-time':>17} {'vs mlx-lm':>10}"
+    if args.head_on_last:
+        header += f" {'head on last':>13} {'vs mlx-lm':>10}"
     if not args.skip_table:
         print(header)
     rows: list[dict[str, Any]] = []
@@ -71,10 +79,15 @@ def main() -> None:
         batched = run_mode({**base, "R": r, "mode": "pipemlx_batch"}, openblas)
         serial = run_mode({**base, "R": r, "mode": "pipemlx_serial"}, openblas)
         single = run_mode({**base, "R": r, "mode": "mlx_batch"}, openblas)
-        rows.append({"R": r, "pipemlx_batch": batched, "pipemlx_serial": serial, "mlx_batch": single})
-        print(
-            f"{r:>3} {batched:>12.1f} {serial:>14.1f} {single:>13.1f} {batched / serial:>17.2f} {batched / single:>10.2f}"
-        )
+        row = {"R": r, "pipemlx_batch": batched, "pipemlx_serial": serial, "mlx_batch": single}
+        line = f"{r:>3} {batched:>12.1f} {serial:>14.1f} {single:>13.1f} {batched / serial:>17.2f} {batched / single:>10.2f}"
+        if args.head_on_last:
+            row["head_on_last"] = last = run_mode(
+                {**base, "R": r, "mode": "pipemlx_batch", "head_on_last": True}, openblas
+            )
+            line += f" {last:>13.1f} {last / single:>10.2f}"
+        rows.append(row)
+        print(line)
     arrival: dict[str, Any] = {}
     if args.arrival_tokens:
         chunks = [int(c) for c in args.chunks.split(",")]

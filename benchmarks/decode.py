@@ -2,8 +2,10 @@
 
     python benchmarks/decode.py [--prompt-tokens 64] [--tokens 128] [--repeats 3]
 
-pipemlx decodes with pipemlx.generate_step: only the last rank applies the head and samples, and a token
-id travels with every rank's word on whether to go on (bounded waits, agreed stops). Also prints the TCP
+pipemlx decodes with pipemlx.generate_step: greedy, every rank applies its share of the output head to the
+last rank's final hidden state, and each rank's best token travels with its word on whether to go on
+(bounded waits, agreed stops); "head on the last rank" decodes with an argmax sampler (the same tokens),
+which keeps the head on the last rank, as every decode did before the head was shared. Also prints the TCP
 bytes each rank sent per decoded token (from `ss`). (mlx-lm's native pipeline is not timed here: its
 generate_step leaves a decode step with collectives in flight, which every rank would have to drain and
 line up by hand before the next run.)
@@ -41,8 +43,12 @@ def main() -> None:
     print(f"prompt {args.prompt_tokens} tokens, {args.tokens} decoded; OpenBLAS {'on' if openblas else 'off'}")
     print(f"{'mode':<28} {'tokens/s':>9} {'vs one process':>15} {'bytes sent per token, by rank':>32}")
     print(f"{'one process':<28} {single:>9.1f} {1.0:>15.2f}")
-    for mode, label in (("pipemlx", "pipemlx.generate_step"),):
-        reports = run_ranks(2, {**spec, "mode": mode}, openblas)
+    contenders = (
+        ("pipemlx", "pipemlx.generate_step", False),
+        ("pipemlx_head_on_last", "  head on the last rank", True),
+    )
+    for mode, label, head_on_last in contenders:
+        reports = run_ranks(2, {**spec, "mode": "pipemlx", "head_on_last": head_on_last}, openblas)
         rate = statistics.median(reports[0]["decode_tok_s"])
         sent = [
             round(statistics.median(r["decode_bytes_per_token"])) if r["decode_bytes_per_token"][0] else "-"

@@ -76,9 +76,19 @@ STEPS_USED: list[int] = []
 
 
 def time_pipemlx(
-    model: Any, prompt: mx.array, step: Any, decode_tokens: int, trace_dir: str | None, agree_every: int | None
+    model: Any,
+    prompt: mx.array,
+    step: Any,
+    decode_tokens: int,
+    trace_dir: str | None,
+    agree_every: int | None,
+    head_on_last: bool = False,
 ) -> tuple[float, float, float]:
-    """Prefill seconds, decode tokens/s (pipemlx.generate_step), and TCP bytes this rank sent per decode pass."""
+    """Prefill seconds, decode tokens/s (pipemlx.generate_step), and TCP bytes this rank sent per decode pass.
+
+    ``head_on_last``: decode with an argmax sampler (the same tokens), which keeps the output head on the last
+    rank instead of sharing it among the ranks (what greedy decoding without a sampler does).
+    """
     cache = make_prompt_cache(model)
     start = time.perf_counter()
     used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir, agree_every=agree_every)
@@ -89,7 +99,10 @@ def time_pipemlx(
         sent_before = tcp_bytes_sent()
         tokens = 0
         decode_start = decode_end = 0.0
-        for _ in pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1):
+        sampler = (lambda logprobs: mx.argmax(logprobs, axis=-1)) if head_on_last else None
+        for _ in pipemlx.generate_step(
+            prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1, sampler=sampler
+        ):
             tokens += 1
             decode_end = time.perf_counter()
             if tokens == 1:
@@ -136,7 +149,15 @@ def main() -> None:
     for i in range(spec["repeats"] + warmup):  # the first run warms up
         if mode == "pipemlx":  # its handshake lines the ranks up; nothing to synchronize by hand
             trace = spec.get("trace_dir") if i == spec["repeats"] + warmup - 1 else None
-            p, d, b = time_pipemlx(model, prompt, spec["step"], spec["decode_tokens"], trace, spec.get("agree_every"))
+            p, d, b = time_pipemlx(
+                model,
+                prompt,
+                spec["step"],
+                spec["decode_tokens"],
+                trace,
+                spec.get("agree_every"),
+                spec.get("head_on_last", False),
+            )
         else:
             p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
             b = 0.0

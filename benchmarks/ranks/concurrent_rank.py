@@ -3,7 +3,8 @@
 Spec: {"mode": "mlx_batch" | "pipemlx_batch" | "pipemlx_serial" | "arrival", "R", "M", "tokens", "step", "config",
        "arrival_tokens", "chunks"}
   mlx_batch       one process holding all layers, mlx-lm's BatchGenerator with the R requests inserted at once
-  pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once
+  pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once (with "head_on_last",
+                  each with an argmax sampler: the same tokens, the output head left on the last rank)
   pipemlx_serial  pipemlx.generate_step on the group, the R requests one after another
 Every request has an M-token prompt and `tokens` generated tokens. The aggregate counts the tokens after
 each request's first one over the time after the first one (the prefill excluded): batched modes from the
@@ -68,9 +69,14 @@ def mlx_batch(model: Any, prompts: list[list[int]], tokens: int) -> tuple[float,
     return time.perf_counter() - start, counted
 
 
-def pipemlx_batch(model: Any, prompts: list[list[int]], tokens: int, step: int) -> tuple[float, int]:
+def pipemlx_batch(
+    model: Any, prompts: list[list[int]], tokens: int, step: int, head_on_last: bool = False
+) -> tuple[float, int]:
+    """``head_on_last``: every request samples with argmax (the same tokens), which keeps the output head on the
+    last rank instead of sharing it among the ranks."""
     engine = pipemlx.BatchGenerator(model, max_tokens=tokens, prefill_step_size=step)
-    engine.insert(prompts)
+    argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
+    engine.insert(prompts, samplers=[argmax] * len(prompts) if head_on_last else None)
     while len(engine.active_uids) < len(prompts):  # the prompts' prefill ticks, then the first token of each
         engine.next()
     start, counted = time.perf_counter(), 0
@@ -174,8 +180,12 @@ def main() -> None:
         if mode == "arrival":
             print(json.dumps({"rank": rank, **arrival(model, spec)}), flush=True)
             return
-        run = pipemlx_batch if mode == "pipemlx_batch" else pipemlx_serial
-        seconds, counted = run(model, prompts, spec["tokens"], spec["step"])
+        if mode == "pipemlx_batch":
+            seconds, counted = pipemlx_batch(
+                model, prompts, spec["tokens"], spec["step"], spec.get("head_on_last", False)
+            )
+        else:
+            seconds, counted = pipemlx_serial(model, prompts, spec["tokens"], spec["step"])
     print(json.dumps({"rank": rank, "tok_s": counted / seconds, "tokens": counted}), flush=True)
 
 
