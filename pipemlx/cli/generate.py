@@ -132,7 +132,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         prompt[-1:],
         max_tokens=args.max_tokens,
         prompt_cache=cache,
-        sampler=make_sampler(args.temp),
+        sampler=make_sampler(args.temp) if args.temp > 0 else None,  # greedy: the ranks share the head
         prefill_step_size=step_size,
     ):
         if response.finish_reason != "stop":

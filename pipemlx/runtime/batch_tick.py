@@ -176,7 +176,7 @@ class TickRunner:
                 header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp), int(work.greedy)]
                 share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
                 if sharing:  # after every message of the tick, as the all-gather below
-                    share = mx.concatenate([share, self._head_pairs(hidden, work.rows)])
+                    share = mx.concatenate([share, self._head_pairs(hidden, work.rows, tick.index)])
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
             wait_for(share, self.timeout, lambda: f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)")
@@ -228,12 +228,19 @@ class TickRunner:
             return work.sample(logits[:, -1, :]).astype(mx.float32), None
         return self._send(self._queued_output()), None
 
-    def _head_pairs(self, hidden: mx.array | None, rows: int) -> mx.array:
-        """Every rank's largest logit and its id per row, from its rows of the head (a collective)."""
-        shard = cast(VocabShard, self.stage.vocab_shard)
+    def _head_pairs(self, hidden: mx.array | None, rows: int, tick: int) -> mx.array:
+        """Every rank's largest logit and its id per row, from its rows of the head.
+
+        The last rank's hidden states reach every rank in an all-gather evaluated here on its own, so that
+        a peer lost in it fails it rather than hangs the tick's closing all-gather.
+        """
+        stage = self.stage
+        shard = cast(VocabShard, stage.vocab_shard)
         if hidden is None:  # ranks before the last, or a last rank standing in
             hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)
-        return mx.reshape(shard.best(hidden, self.stage.group), (-1,))
+        last = shard.gather(hidden, stage.group)
+        wait_for(last, self.timeout, lambda: f"{stage.describe()} sharing the output head in batch tick {tick}")
+        return mx.reshape(shard.best(last), (-1,))
 
     def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""

@@ -474,7 +474,7 @@ class _Request:
                 if self.shares_head:
                     if not stage.is_last:  # its sends first: a lost next rank then shows here, not as a stall
                         wait_for(share, self.timeout, lambda: f"{stage.describe()} sending token {index}'s state")
-                    share = self._with_head_share(share, hidden)
+                    share = self._with_head_share(share, hidden, index)
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -564,17 +564,21 @@ class _Request:
             share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
         return share, logprobs.squeeze(0), None
 
-    def _with_head_share(self, share: mx.array, hidden: mx.array | None) -> mx.array:
-        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden`` (a collective).
+    def _with_head_share(self, share: mx.array, hidden: mx.array | None, index: int) -> mx.array:
+        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden``.
 
-        The other ranks (and a rank standing in) contribute zeros issued after ``share``, so after their sends.
+        The last rank's hidden state reaches every rank in an all-gather, evaluated here on its own (so
+        that a peer lost in it fails it rather than hangs the step's second collective). The other ranks
+        (and a rank standing in) contribute zeros issued after ``share``, so after their sends.
         """
-        shard = cast(VocabShard, self.stage.vocab_shard)
+        stage = self.stage
+        shard = cast(VocabShard, stage.vocab_shard)
         if hidden is None:
             zeros = mx.zeros((1, shard.hidden_size), dtype=mx.float32)
             hidden = cast(mx.array, mx.depends(zeros, [share]))  # pyright: ignore[reportUnknownMemberType]
-        best = shard.best(hidden, self.stage.group)
-        return mx.concatenate([share, mx.reshape(best, (-1,))])
+        last = shard.gather(hidden, stage.group)
+        wait_for(last, self.timeout, lambda: f"{stage.describe()} sharing token {index}'s output head")
+        return mx.concatenate([share, mx.reshape(shard.best(last), (-1,))])
 
 
 def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:

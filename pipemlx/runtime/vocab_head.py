@@ -44,16 +44,22 @@ class VocabShard:
     project: Callable[[mx.array], mx.array]
     full: Callable[[mx.array], mx.array]
 
-    def best(self, hidden: mx.array, group: mx.distributed.Group) -> mx.array:
-        """``[rows, 2]``: per row, this rank's largest logit and its vocabulary id, for the last rank's ``hidden``.
+    def gather(self, hidden: mx.array, group: mx.distributed.Group) -> mx.array:
+        """The last rank's ``hidden`` on every rank, lazily: the all-gather of ``hidden`` (a collective).
 
         ``hidden`` is ``[rows, hidden_size]``: the final hidden states on the
-        last rank, zeros (tied to what must happen first) on the others. It
-        is all-gathered, so this is a collective: every rank calls it once per step.
+        last rank, zeros (tied to what must happen first) on the others; every
+        rank calls it once per step. Evaluate the result on its own, before
+        any later collective is built on it: measured on MLX's ring backend,
+        a graph holding two collectives hangs when a peer dies during the
+        first, while a graph holding one fails with the lost connection.
         """
         gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
-        last = gathered[-hidden.shape[0] :].astype(self.dtype)
-        logits = self.project(last).astype(mx.float32)
+        return gathered[-hidden.shape[0] :]
+
+    def best(self, last: mx.array) -> mx.array:
+        """``[rows, 2]``: per row, this rank's largest logit and its vocabulary id, for the final hidden states ``last``."""
+        logits = self.project(last.astype(self.dtype)).astype(mx.float32)
         top = mx.max(logits, axis=-1)
         index = mx.argmax(logits, axis=-1).astype(mx.float32) + self.rows.start
         return mx.stack([top, index], axis=-1)
