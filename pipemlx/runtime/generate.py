@@ -471,9 +471,16 @@ class _Request:
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
                     self.deferred = self.deferred or exc
                     share, logprobs, hidden = self._stand_in(inputs, index), None, None
+                if stage.world_size > 1:
+                    # This rank's own part first, its receive and send with it, evaluated before any collective
+                    # is built on it: a lost neighbour then fails that evaluation (PeerLostError) at once, where
+                    # a graph holding a receive and a collective waited out the timeout (MLX's ring backend).
+                    wait_for(
+                        [share, *([] if hidden is None else [hidden])],
+                        self.timeout,
+                        lambda: f"{stage.describe()} computing token {index}",
+                    )
                 if self.shares_head:
-                    if not stage.is_last:  # its sends first: a lost next rank then shows here, not as a stall
-                        wait_for(share, self.timeout, lambda: f"{stage.describe()} sending token {index}'s state")
                     share = self._with_head_share(share, hidden, index)
                 if stage.world_size > 1:
                     share = mx.distributed.all_gather(share, group=stage.group)
