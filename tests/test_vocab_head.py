@@ -70,13 +70,13 @@ def test_best_pairs_pick_the_argmax_of_the_whole_logits() -> None:
     model: Any = build_model(tiny_config("llama"), seed=4)
     found = shards(model, 3)
     hidden = mx.random.normal((4, found[0].hidden_size), key=mx.random.key(2))
-    best = [cast(list[float], s.best(s.gather(hidden, cast(Any, None))).reshape(-1).tolist()) for s in found]
+    best = [cast(list[float], s.pairs(hidden, cast(Any, None), None, str).reshape(-1).tolist()) for s in found]
     assert pick_tokens(best) == mx.argmax(found[0].full(hidden), axis=-1).tolist()
 
 
 @pytest.fixture(autouse=True)
 def _one_rank_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:meth:`VocabShard.gather` in one process: the all-gather of the last rank's hidden state is that state."""
+    """:meth:`VocabShard.pairs` in one process: the all-gather of the last rank's hidden state is that state."""
     monkeypatch.setattr(mx.distributed, "all_gather", lambda x, group=None: x)  # pyright: ignore[reportUnknownLambdaType]
 
 

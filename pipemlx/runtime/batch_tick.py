@@ -229,18 +229,18 @@ class TickRunner:
         return self._send(self._queued_output()), None
 
     def _head_pairs(self, hidden: mx.array | None, rows: int, tick: int) -> mx.array:
-        """Every rank's largest logit and its id per row, from its rows of the head.
-
-        The last rank's hidden states reach every rank in an all-gather evaluated here on its own, so that
-        a peer lost in it fails it rather than hangs the tick's closing all-gather.
-        """
+        """Every rank's largest logit and its id per row, from its rows of the head (a collective)."""
         stage = self.stage
         shard = cast(VocabShard, stage.vocab_shard)
         if hidden is None:  # ranks before the last, or a last rank standing in
             hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)
-        last = shard.gather(hidden, stage.group)
-        wait_for(last, self.timeout, lambda: f"{stage.describe()} sharing the output head in batch tick {tick}")
-        return mx.reshape(shard.best(last), (-1,))
+        pairs = shard.pairs(
+            hidden,
+            stage.group,
+            self.timeout,
+            lambda: f"{stage.describe()} sharing the output head in batch tick {tick}",
+        )
+        return mx.reshape(pairs, (-1,))
 
     def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""

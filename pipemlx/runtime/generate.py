@@ -572,20 +572,16 @@ class _Request:
         return share, logprobs.squeeze(0), None
 
     def _with_head_share(self, share: mx.array, hidden: mx.array | None, index: int) -> mx.array:
-        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden``.
-
-        The last rank's hidden state reaches every rank in an all-gather, evaluated here on its own (so
-        that a peer lost in it fails it rather than hangs the step's second collective). The other ranks
-        (and a rank standing in) contribute zeros issued after ``share``, so after their sends.
-        """
+        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden`` (zeros
+        on the other ranks and on a rank standing in): a collective, called once this rank's part is evaluated."""
         stage = self.stage
         shard = cast(VocabShard, stage.vocab_shard)
         if hidden is None:
-            zeros = mx.zeros((1, shard.hidden_size), dtype=mx.float32)
-            hidden = cast(mx.array, mx.depends(zeros, [share]))  # pyright: ignore[reportUnknownMemberType]
-        last = shard.gather(hidden, stage.group)
-        wait_for(last, self.timeout, lambda: f"{stage.describe()} sharing token {index}'s output head")
-        return mx.concatenate([share, mx.reshape(shard.best(last), (-1,))])
+            hidden = mx.zeros((1, shard.hidden_size), dtype=mx.float32)
+        pairs = shard.pairs(
+            hidden, stage.group, self.timeout, lambda: f"{stage.describe()} sharing token {index}'s output head"
+        )
+        return mx.concatenate([share, mx.reshape(pairs, (-1,))])
 
 
 def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:

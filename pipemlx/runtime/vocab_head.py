@@ -22,6 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .waits import wait_for
+
 SHARE_WIDTH = 2
 """What a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id."""
 
@@ -44,18 +46,24 @@ class VocabShard:
     project: Callable[[mx.array], mx.array]
     full: Callable[[mx.array], mx.array]
 
-    def gather(self, hidden: mx.array, group: mx.distributed.Group) -> mx.array:
-        """The last rank's ``hidden`` on every rank, lazily: the all-gather of ``hidden`` (a collective).
+    def pairs(
+        self, hidden: mx.array, group: mx.distributed.Group, timeout: float | None, describe: Callable[[], str]
+    ) -> mx.array:
+        """``[rows, 2]``, lazily: this rank's largest logit and its id per row, for the last rank's ``hidden``.
 
         ``hidden`` is ``[rows, hidden_size]``: the final hidden states on the
-        last rank, zeros (tied to what must happen first) on the others; every
-        rank calls it once per step. Evaluate the result on its own, before
-        any later collective is built on it: measured on MLX's ring backend,
-        a graph holding two collectives hangs when a peer dies during the
-        first, while a graph holding one fails with the lost connection.
+        last rank, zeros on the others; every rank calls this once per step,
+        after its own part of the step is evaluated. The all-gather that brings
+        the last rank's rows to every rank is evaluated here on its own (a
+        bounded wait, ``describe()`` naming it), before any later collective is
+        built on it: measured on MLX's ring backend, a graph holding two
+        collectives hangs when a peer dies during the first, while a graph
+        holding one fails with the lost connection.
         """
         gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
-        return gathered[-hidden.shape[0] :]
+        last = gathered[-hidden.shape[0] :]
+        wait_for(last, timeout, describe)
+        return self.best(last)
 
     def best(self, last: mx.array) -> mx.array:
         """``[rows, 2]``: per row, this rank's largest logit and its vocabulary id, for the final hidden states ``last``."""
