@@ -65,14 +65,25 @@ def scenario_reports() -> Reports:
 
 
 EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
+# shard_model(lend_mlp=True, lend_heads=1): the rank after each cut batches its first layer's cache and the
+# lent heads' (a LentHeadsCache) as one layer's: merged, masked, filtered and extracted together.
+LENT_HEADS = {"lend_mlp": True, "lend_heads": 1}
 BATCHED = [
-    ("llama", 2, None, "fixed"),
-    ("qwen3", 3, None, "equal-cost"),
-    ("llama", 2, [2, 3], "fixed"),
-    ("llama", 2, [2, 5, 2], "fixed"),  # a stop sequence of two tokens, as mlx-lm's BatchGenerator takes them
+    ("llama", 2, None, "fixed", {}),
+    ("qwen3", 3, None, "equal-cost", {}),
+    ("llama", 2, [2, 3], "fixed", {}),
+    ("llama", 2, [2, 5, 2], "fixed", {}),  # a stop sequence of two tokens, as mlx-lm's BatchGenerator takes them
+    ("qwen3", 3, None, "fixed", LENT_HEADS),
 ]
-for arch, world_size, stop_at, chunking in BATCHED:
-    SCENARIOS[world_size][f"batched {arch} stop_at={stop_at} {chunking}"] = {
+
+
+def batched_name(arch: str, stop_at: list[int] | None, chunking: str, shard: dict[str, Any]) -> str:
+    return f"batched {arch} stop_at={stop_at} {chunking}" + (" lent heads" if shard else "")
+
+
+for arch, world_size, stop_at, chunking, shard in BATCHED:
+    SCENARIOS[world_size][batched_name(arch, stop_at, chunking, shard)] = {
+        "shard": shard,
         "arch": arch,
         "requests": REQUESTS,
         "remove": [REMOVE],
@@ -83,12 +94,19 @@ for arch, world_size, stop_at, chunking in BATCHED:
     }
 
 
-@pytest.mark.parametrize("arch,world_size,stop_at,chunking", BATCHED)
+@pytest.mark.parametrize(
+    "arch,world_size,stop_at,chunking,shard", BATCHED, ids=[batched_name(a, s, c, sh) for a, _, s, c, sh in BATCHED]
+)
 def test_batched_requests_equal_their_solo_runs(
-    scenario_reports: Reports, arch: str, world_size: int, stop_at: list[int] | None, chunking: str
+    scenario_reports: Reports,
+    arch: str,
+    world_size: int,
+    stop_at: list[int] | None,
+    chunking: str,
+    shard: dict[str, Any],
 ) -> None:
     # equal-cost: smaller chunks than the fixed 8, so more ticks (28) until every request is done
-    reports = scenario_reports(world_size, f"batched {arch} stop_at={stop_at} {chunking}")
+    reports = scenario_reports(world_size, batched_name(arch, stop_at, chunking, shard))
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
     report = reports[0]
@@ -135,9 +153,12 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
 # llama_swa: sliding-window layers (window 5, shorter than every prompt): mlx-lm's rotating caches batched.
-INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa"]
-for arch in INTERLEAVED_ARCHS:
-    SCENARIOS[2][f"interleaved {arch}"] = {
+# llama with lend_heads=1: the lent heads' cache is batched with its layer's (see LENT_HEADS).
+INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa", "llama lent heads"]
+for name in INTERLEAVED_ARCHS:
+    arch = name.split()[0]
+    SCENARIOS[2][f"interleaved {name}"] = {
+        "shard": LENT_HEADS if name.endswith("lent heads") else {},
         "arch": arch,
         "requests": INTERLEAVED,
         "remove": INTERLEAVED_REMOVALS,
@@ -635,14 +656,16 @@ def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() ->
     """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
     from pipemlx.runtime.batch_tick import BATCH_KIND, HEADER, _outcome  # pyright: ignore[reportPrivateUsage]
 
-    def row(lend: int) -> list[float]:
-        fields = {"kind": BATCH_KIND, "tick": 0, "rows": 1, "lend_mlp": lend}
+    def row(lend: int, heads: int = 0) -> list[float]:
+        fields = {"kind": BATCH_KIND, "tick": 0, "rows": 1, "lend_mlp": lend, "lend_heads": heads}
         return [float(fields.get(name, 0)) for name in HEADER] + [7.0]
 
     stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
     assert _outcome(row(1) + row(1), 1, stage, False)[0].tokens == [7]
     with pytest.raises(pipemlx.PipelineMismatchError, match="lend_mlp: rank 0: 1, rank 1: 0"):
         _outcome(row(1) + row(0), 1, stage, False)
+    with pytest.raises(pipemlx.PipelineMismatchError, match="lend_heads: rank 0: 1, rank 1: 0"):
+        _outcome(row(1, 1) + row(1), 1, stage, False)
 
 
 def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_rank_is_greedy() -> None:

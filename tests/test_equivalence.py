@@ -54,6 +54,7 @@ def check_reports(reports: list[dict[str, Any]], num_ranks: int) -> int:
                 compared += 1
                 continue
             assert step["progress"] == step["ref_progress"], where
+            assert step.get("logprob_diff", 0.0) <= 1e-4, where
             if step["kind"] == "pipeline":
                 assert step["cache_offsets"] == [step["M"] - 1], where
             compared += 1
@@ -85,6 +86,19 @@ LENT_HEADS_STEPS: list[dict[str, Any]] = [
 ]
 
 
+# The same cut with quantized and with bounded caches (the lent heads' cache quantizes and rotates with the
+# layer's own): head size 32, so that kv_group_size 32 divides it. (Not llama: its Model has a make_cache, so
+# mlx-lm does not bound its caches.)
+LENT_HEADS_KV = [("qwen2", [3, 2]), ("qwen3", [2, 1, 3])]
+QUANTIZED_4 = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 6}  # after the second chunk
+LENT_HEADS_KV_STEPS: list[dict[str, Any]] = [
+    {"kind": "pipemlx", "M": 23, "step": 4, "args": QUANTIZED_4},
+    {"kind": "plain", "M": 18, "step": 5, "args": {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}},
+    {"kind": "pipemlx", "M": 20, "step": 4, "args": {"max_kv_size": 8}},  # the caches rotate in the prefill
+    {"kind": "pipemlx", "M": 7, "step": 3, "args": {"max_kv_size": 9}},  # and while decoding
+]
+
+
 def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
     """Every case that runs on ``num_ranks`` ranks, by name: the architectures, then the uneven splits."""
     cases = {
@@ -113,6 +127,18 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "lend_mlp": True,
                 "lend_heads": heads,
                 "steps": steps,
+            }
+    for arch, split in LENT_HEADS_KV:
+        if len(split) == num_ranks:
+            cases[f"lent heads kv {arch} {split}"] = {
+                "arch": arch,
+                "config": {"hidden_size": 128, "head_dim": 32} if arch == "qwen3" else {"hidden_size": 128},
+                "seed": 11,
+                "max_tokens": 5,
+                "split": split,
+                "lend_mlp": True,
+                "lend_heads": 1,
+                "steps": LENT_HEADS_KV_STEPS,
             }
     return cases
 
@@ -165,3 +191,11 @@ def test_lent_heads_match_single_device(
 ) -> None:
     reports = case_reports(len(split), f"lent heads {arch} {split}")
     assert check_reports(reports, len(split)) == len(split) * len(LENT_HEADS_STEPS)
+
+
+@pytest.mark.parametrize("arch,split", LENT_HEADS_KV)
+def test_lent_heads_with_quantized_or_bounded_caches_match_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, split: list[int]
+) -> None:
+    reports = case_reports(len(split), f"lent heads kv {arch} {split}")
+    assert check_reports(reports, len(split)) == len(split) * len(LENT_HEADS_KV_STEPS)

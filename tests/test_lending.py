@@ -7,15 +7,18 @@ tests/test_equivalence.py (the "lent" cases) and tests/test_bad_input.py.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from fakes import FakeGroup
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 import pipemlx
-from pipemlx.models.lending import lend_feed_forwards
+from pipemlx.models.lending import LentHeadsCache, lend_feed_forwards
 from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
@@ -83,10 +86,14 @@ EIGHT_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 4}  # head size 
 
 
 def lent_cache(model: object, starts: list[int]) -> list[object]:
-    """The whole cut model's caches: a borrower keeps ``CacheList(own, lent heads')``, as a sharded rank does."""
-    cache = make_prompt_cache(model)  # type: ignore[arg-type]
+    """The whole cut model's caches: a borrower keeps ``LentHeadsCache(own, lent heads')``, as a sharded rank does."""
+    return lent_heads_of(make_prompt_cache(model), starts)  # type: ignore[arg-type]
+
+
+def lent_heads_of(cache: list[object], starts: list[int]) -> list[object]:
+    """``cache`` with each borrower's entry paired with a fresh cache of its kind for the lent heads."""
     for start in starts:
-        cache[start] = CacheList(cache[start], KVCache())
+        cache[start] = LentHeadsCache(cache[start], copy.deepcopy(cache[start]))
     return cache
 
 
@@ -158,23 +165,51 @@ def test_lending_heads_needs_plain_caches_at_the_cuts() -> None:
     assert not hasattr(model, "_pipemlx_stage")
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_lent_heads_caches_quantize_and_rotate_as_their_layers_do(arch: str) -> None:
+    """kv_bits (mlx-lm's maybe_quantize_kv_cache, mid-prompt) and max_kv_size (rotating caches, past their size)."""
+    config = tiny_config(arch, num_hidden_layers=6, hidden_size=256, head_dim=32, **EIGHT_HEADS)
+    whole, cut = build_model(config), build_model(config)
+    lend_feed_forwards(cut.model.layers, (3, 3), 2)  # type: ignore[attr-defined]
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]])
+    parts = (tokens[:, :5], tokens[:, 5:9], tokens[:, 9:10], tokens[:, 10:11], tokens[:, 11:])
+    whole_cache, cut_cache = make_prompt_cache(whole), lent_heads_of(make_prompt_cache(cut), [3])
+    for part in parts:
+        assert mx.array_equal(whole(part, cache=whole_cache), cut(part, cache=cut_cache))
+        for cache in (whole_cache, cut_cache):
+            maybe_quantize_kv_cache(cache, quantized_kv_start=4, kv_group_size=32, kv_bits=4)
+    assert [type(c).__name__ for c in cut_cache[3].caches] == ["QuantizedKVCache"] * 2  # type: ignore[attr-defined]
+    whole_cache = make_prompt_cache(whole, max_kv_size=6)
+    cut_cache = lent_heads_of(make_prompt_cache(cut, max_kv_size=6), [3])
+    for part in parts:
+        assert mx.array_equal(whole(part, cache=whole_cache), cut(part, cache=cut_cache))
+
+
+def test_a_lent_heads_cache_masks_and_batches_as_its_layers_cache() -> None:
+    own, lent = BatchKVCache([2, 0]), BatchKVCache([2, 0])
+    cache = LentHeadsCache(own, lent)
+    for c in (own, lent):
+        c.update_and_fetch(mx.ones((2, 1, 4, 8)), mx.ones((2, 1, 4, 8)))
+    assert mx.array_equal(cache.make_mask(1, return_array=True), own.make_mask(1, return_array=True))
+    assert cache.offset is own.offset and not hasattr(cache, "to_quantized")  # a batch cache is not quantized
+    row = cache.extract(1)
+    assert isinstance(row, LentHeadsCache) and [c.offset for c in row.caches] == [4, 4]
+    merged = row.merge([row, cache.extract(0)])
+    assert isinstance(merged, LentHeadsCache) and merged.caches[1].left_padding.tolist() == [0, 2]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
-def test_what_mlx_lm_cannot_do_with_a_lent_heads_cache_is_refused_on_every_rank(rank: int) -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+def test_a_borrowing_rank_makes_its_caches_as_mlx_lm_makes_the_whole_models(rank: int) -> None:
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
     stage = pipemlx.stage_of(model)
-    cache = make_prompt_cache(model)
-    assert isinstance(cache[0], CacheList) == (rank == 1)  # the borrower's first cache holds the lent heads'
     assert (stage.outgoing_width, stage.incoming_width) == ((64 + 2 * 16, 0) if rank == 0 else (0, 64 + 2 * 16))
-    prompt = mx.array([1, 2, 3, 4], dtype=mx.int32)
-    refused = "is not supported on a model sharded with lend_heads=1"
-    with pytest.raises(ValueError, match="kv_bits " + refused):
-        pipemlx.pipeline_prefill(model, prompt, cache, kv_bits=4)
-    with pytest.raises(ValueError, match="kv_bits " + refused):
-        next(pipemlx.generate_step(prompt, model, kv_bits=8))
-    with pytest.raises(ValueError, match="max_kv_size " + refused):
-        next(pipemlx.generate_step(prompt, model, max_kv_size=64))
-    with pytest.raises(ValueError, match="BatchGenerator " + refused):
-        pipemlx.BatchGenerator(model)
+    for max_kv_size, kind in ((None, KVCache), (16, RotatingKVCache)):
+        cache = stage.new_cache(model, max_kv_size)
+        first = cache[0]
+        assert isinstance(first, LentHeadsCache) == (rank == 1)  # the borrower's first cache holds the lent heads'
+        parts = first.caches if isinstance(first, LentHeadsCache) else [first]
+        assert all(type(c) is kind for c in [*parts, *cache[1:]]), (max_kv_size, cache)
+        assert all(getattr(c, "max_size", 16) == 16 for c in parts)
     assert len(stage.send_queue) == 0 and stage.broken is None
 
 

@@ -174,6 +174,26 @@ def test_a_client_hanging_up_mid_stream_leaves_the_others_exact(
     assert again.choices[0].message.content == ref.answer(ref.chat_tokens(messages), 20)
 
 
+def test_a_server_sharded_with_lent_heads_batches_answers_equal_to_one_process(ref: Reference) -> None:
+    """--lend-mlp --lend-heads 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; four
+    clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers."""
+    with serving("--max-concurrency", str(CONCURRENCY), "--lend-mlp", "--lend-heads", "1") as process:
+        client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
+
+        def ask(i: int) -> str:
+            if i % 2:
+                return chat(client, CHAT, max_tokens=10 + i, temperature=0).choices[0].message.content
+            request = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12 + i, "temperature": 0}
+            return client.completions.create(**request).choices[0].text
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(8)))
+        for i, text in enumerate(answers):
+            prompt = ref.chat_tokens(CHAT) if i % 2 else ref.text_tokens(PROMPTS[i % len(PROMPTS)])
+            assert text == ref.answer(prompt, 10 + i if i % 2 else 12 + i), i
+        assert wait_idle(process)["peak_running"] >= 2
+
+
 def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         cli.main(["serve", "--max-concurrency", "0"])

@@ -69,8 +69,7 @@ SHARDING_FLAGS = {
     "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
     "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
     "--lend-heads": "with --lend-mlp, also move K key-value heads of that layer's attention to the next rank "
-    "(shard_model's lend_heads=K): balances long prompts, where attention is most of the work; "
-    "no --kv-bits, no batching",
+    "(shard_model's lend_heads=K): balances long prompts, where attention is most of the work",
 }
 COUNT_FLAGS = ("--lend-heads",)
 """Sharding flags that take a count (the others are switches)."""

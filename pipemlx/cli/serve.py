@@ -62,7 +62,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
-    add_sharding_flags(serve, ["--allow-unregistered", "--lend-mlp"])  # lend_heads cannot batch
+    add_sharding_flags(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -203,6 +203,7 @@ def _as_rank(args: argparse.Namespace) -> int:
         split=args.split,
         allow_unregistered=args.allow_unregistered,
         lend_mlp=args.lend_mlp,
+        lend_heads=args.lend_heads,
         cors_origins=tuple(args.cors_origin),
     )
     if args.ranks is not None and in_launched_rank():

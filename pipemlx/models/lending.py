@@ -36,10 +36,12 @@ this computes what the model does, cut elsewhere.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import CacheList  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
 
@@ -88,6 +90,45 @@ class HeadBorrowingBlock(nn.Module):
         h = residual + me.borrowed_o_proj(mx.concatenate([kept, heads], axis=-1))
         h = h + me.borrowed_mlp(me.borrowed_post_attention_layernorm(h))
         return cast(mx.array, super().__call__(h, mask, own))  # pyright: ignore[reportAttributeAccessIssue, reportUnknownMemberType]
+
+
+class LentHeadsCache(CacheList):  # pyright: ignore[reportUntypedBaseClass]
+    """A borrowing layer's cache: its own cache and the lent heads', side by side (``caches[0]``, ``caches[1]``).
+
+    Both hold the same positions (each token goes through both attentions),
+    so what mlx-lm asks of one layer's cache is the own cache's answer: its
+    ``offset``, its ``make_mask`` (a batch cache's left padding, a rotating
+    window), and ``to_quantized`` quantizes both (``kv_bits``). Batching
+    (``merge``, ``extend``, ``filter``, ``extract``) and trimming act on both,
+    as mlx-lm's ``CacheList`` does, and keep this class.
+    """
+
+    @property
+    def parts(self) -> list[Any]:
+        return list(cast(Any, self).caches)
+
+    @property
+    def offset(self) -> Any:
+        return self.parts[0].offset
+
+    def make_mask(self, *args: Any, **kwargs: Any) -> Any:
+        return self.parts[0].make_mask(*args, **kwargs)
+
+    @property
+    def to_quantized(self) -> Callable[..., LentHeadsCache]:
+        """Both caches quantized; absent (``AttributeError``, as mlx-lm's ``maybe_quantize_kv_cache`` tests with
+        ``hasattr``) once they are, as a ``QuantizedKVCache`` has none."""
+        parts = self.parts
+        if not all(hasattr(c, "to_quantized") for c in parts):
+            raise AttributeError(f"{type(parts[0]).__name__} has no to_quantized")
+
+        def quantized(group_size: int = 64, bits: int = 4) -> LentHeadsCache:
+            return LentHeadsCache(*(c.to_quantized(group_size=group_size, bits=bits) for c in parts))
+
+        return quantized
+
+    def extract(self, idx: int) -> LentHeadsCache:
+        return LentHeadsCache(*(c.extract(idx) for c in self.parts))
 
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "n_heads", "n_kv_heads")

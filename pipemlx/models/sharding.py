@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any, Literal, TypeVar, Union, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
 from ..runtime.caches import quantized_dims, unquantizable_layers
@@ -19,7 +20,7 @@ from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_bal
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .architectures import apply_fixups, check_architecture, check_lendable
-from .lending import lend_feed_forwards, message_width
+from .lending import LentHeadsCache, lend_feed_forwards, message_width
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -203,11 +204,13 @@ def shard_model(
     of that layer's attention, their cache and its output projection to the
     next rank: where attention is most of the work (long prompts), this
     balances what whole layers and feed-forward halves cannot. The next rank's
-    first cache is then an mlx-lm ``CacheList`` (its own, the lent heads'),
-    which mlx-lm's ``maybe_quantize_kv_cache`` does not quantize and batch
-    caches do not mask: ``kv_bits``, ``max_kv_size`` and
-    :class:`pipemlx.BatchGenerator` are refused with it, and the layers at each
-    cut must keep plain ``KVCache`` caches (no sliding window).
+    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache` (an
+    mlx-lm ``CacheList`` of its own and the lent heads' that quantizes, masks
+    and batches as its own cache does), so ``kv_bits``, ``max_kv_size`` (with
+    :func:`pipemlx.generate_step`; mlx-lm's own ``generate_step`` cannot bound
+    a model's caches that it makes with the model's ``make_cache``) and
+    :class:`pipemlx.BatchGenerator` work with it. The layers at each cut must
+    keep plain ``KVCache`` caches (no sliding window).
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
@@ -296,7 +299,7 @@ def cut_inside_layers(
     widths = [message_width(layers[cut - 1]) for cut in cuts]
     stage.outgoing_width = 0 if stage.is_last else widths[stage.rank]
     stage.incoming_width = 0 if stage.is_first else widths[stage.rank - 1]
-    return local_caches if stage.is_first else with_lent_heads_cache(local_caches, len(stage.layers))
+    return local_caches if stage.is_first else with_lent_heads_cache(stage, local_caches)
 
 
 def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
@@ -325,13 +328,27 @@ def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None
         )
 
 
-def with_lent_heads_cache(local_caches: LocalCaches | None, count: int) -> LocalCaches:
-    """``make_cache`` for a rank that borrows heads: its first cache becomes ``CacheList(own, lent heads')``."""
-    prototypes: list[Any] = (
-        list(local_caches.prototypes) if local_caches is not None else [KVCache() for _ in range(count)]
-    )
-    prototypes[0] = CacheList(prototypes[0], KVCache())
-    return LocalCaches(prototypes)
+def with_lent_heads_cache(stage: PipelineStage, local_caches: LocalCaches | None) -> LocalCaches:
+    """``make_cache`` for a rank that borrows heads: its first cache becomes :class:`LentHeadsCache` ``(own, lent heads')``.
+
+    When the whole model makes no caches of its own (mlx-lm then bounds them
+    by ``max_kv_size``), ``stage.bounded_caches`` makes the bounded ones likewise.
+    """
+    count = len(stage.layers)
+    if local_caches is None:
+        stage.bounded_caches = lambda max_kv_size: _lent_first(_default_caches(count, max_kv_size))
+        return LocalCaches(_lent_first(_default_caches(count)))
+    return LocalCaches(_lent_first(list(local_caches.prototypes)))
+
+
+def _default_caches(count: int, max_kv_size: int | None = None) -> list[Any]:
+    """What mlx-lm's ``make_prompt_cache`` makes for ``count`` layers of a model without ``make_cache``."""
+    return make_prompt_cache(cast(Any, SimpleNamespace(layers=[None] * count)), max_kv_size=max_kv_size)
+
+
+def _lent_first(caches: list[Any]) -> list[Any]:
+    """``caches`` with the first one paired with a fresh cache of its kind for the lent heads."""
+    return [LentHeadsCache(caches[0], copy.deepcopy(caches[0])), *caches[1:]]
 
 
 def held_arrays(model: nn.Module) -> list[mx.array]:

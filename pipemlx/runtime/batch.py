@@ -50,7 +50,6 @@ from mlx_lm.models.cache import (  # pyright: ignore[reportUnknownVariableType]
     BatchKVCache,
     KVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 from ..schedule.batch_plan import (
@@ -234,7 +233,6 @@ class BatchGenerator:
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
-        self.stage.refuse_with_lent_heads("BatchGenerator")
         _check_max_tokens(max_tokens)
         check_timeout(timeout)
         chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget
@@ -297,7 +295,7 @@ class BatchGenerator:
 
     def _new_cache(self) -> list[Any]:
         """A new request's per-layer caches: ``make_prompt_cache(model, max_kv_size)``, as mlx-lm's makes them."""
-        return make_prompt_cache(self.model, self.max_kv_size)
+        return self.stage.new_cache(self.model, self.max_kv_size)
 
     @property
     def active_uids(self) -> list[int]:

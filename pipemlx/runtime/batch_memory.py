@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 from ..errors import PeerLostError, PipelineTimeoutError
 from ..schedule.batch_plan import Admission
 from .agreement import gather_ints
+from .caches import cache_parts
 from .stage import PipelineStage
 
 BUDGET_UNIT = 1024
@@ -30,7 +31,7 @@ def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:
         model(mx.zeros((1, 1), dtype=mx.int32), cache=cache)
         mx.eval([c.state for c in cache])  # pyright: ignore[reportUnknownMemberType]
     total = 0.0
-    for c in cache:
+    for c in cache_parts(cache):
         for array in (getattr(c, "keys", None), getattr(c, "values", None)):
             if isinstance(array, mx.array) and array.ndim == 4 and array.shape[2] > 0:
                 total += array.nbytes / array.shape[2]

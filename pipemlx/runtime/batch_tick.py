@@ -16,8 +16,8 @@ taken in the order below on both ends of each link):
    its graph for the next tick;
 5. the tick's all-gather: a header (tick, status, rows, fingerprints of the
    rows' uids, of their reused prefix lengths and of the tick's plan, what
-   failed, whether the rank cuts inside a layer: ``shard_model``'s
-   ``lend_mlp``) and the last rank's tokens.
+   failed, whether and how the rank cuts inside a layer: ``shard_model``'s
+   ``lend_mlp`` and ``lend_heads``) and the last rank's tokens.
 
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
@@ -60,9 +60,10 @@ HEADER = (
     "failed_decode",
     "failed_uid",
     "lend_mlp",
+    "lend_heads",
     "greedy",
 )
-AGREED = ("tick", "rows", "uids", "plan", "lend_mlp")
+AGREED = ("tick", "rows", "uids", "plan", "lend_mlp", "lend_heads")
 UNKNOWN_PREFIXES = -1
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
@@ -173,7 +174,7 @@ class TickRunner:
                 status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
                 header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint]
                 header += [work.prefixes_fingerprint, tick.fingerprint()]
-                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp), int(work.greedy)]
+                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp), stage.lent_heads, int(work.greedy)]
                 share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
                 if sharing:  # after every message of the tick, as the all-gather below
                     share = mx.concatenate([share, self._head_pairs(hidden, work.rows, tick.index)])

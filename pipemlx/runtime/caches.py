@@ -101,6 +101,18 @@ def unquantizable_layers(model: nn.Module, max_kv_size: int | None = None) -> tu
     return tuple((i, type(c).__name__) for i, c in enumerate(caches) if cannot_quantize(c))
 
 
+def cache_parts(cache: list[Any]) -> list[Any]:
+    """The layer caches of ``cache`` with each ``CacheList`` opened into its parts, in order.
+
+    (``lend_heads``: the first layer after a cut keeps its own cache and the lent heads'.)
+    """
+    parts: list[Any] = []
+    for c in cache:
+        inner = getattr(c, "caches", None)
+        parts.extend(cache_parts(list(cast(list[Any], inner))) if isinstance(inner, (list, tuple)) else [c])
+    return parts
+
+
 def cache_state(cache: list[Any]) -> list[Any]:
     """The arrays to evaluate so that every cache holds what was computed into it."""
     return [c.state for c in cache]

@@ -157,10 +157,6 @@ def generate_step(
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
-    if kv_bits is not None:
-        stage.refuse_with_lent_heads("kv_bits")
-    if max_kv_size is not None and prompt_cache is None:
-        stage.refuse_with_lent_heads("max_kv_size")
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
@@ -168,7 +164,7 @@ def generate_step(
         check_rotating_caches(kv_bits, stage.unquantizable_bounded, stage.total_layers, max_kv_size)
     check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        prompt_cache = stage.new_cache(model, max_kv_size)
     request = _Request(
         stage,
         model,

@@ -165,8 +165,6 @@ def prefill_before_decode(
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
-    if kv_bits is not None:
-        stage.refuse_with_lent_heads("kv_bits")
     check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
     if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(

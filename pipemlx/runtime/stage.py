@@ -5,12 +5,13 @@ from __future__ import annotations
 import atexit
 import weakref
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import NotShardedError, PipelineError
 from .caches import attach_dependency
@@ -84,6 +85,9 @@ class PipelineStage:
         self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
         self.lent_heads = 0  # shard_model(lend_heads=k): key-value heads of that layer's attention moved too
         self.lent_pair_share = 0.0  # the share of a layer's attention to earlier positions lend_heads moves
+        # lend_heads, the rank after a cut: make_prompt_cache(model, max_kv_size), which mlx-lm cannot ask of the
+        # make_cache that gives its first layer the lent heads' cache too (see new_cache).
+        self.bounded_caches: Callable[[int], list[Any]] | None = None
         self.vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes
         self.decode_shares_head = (
             False  # whether the latest generate_step decode shared the head (after its first token)
@@ -296,21 +300,17 @@ class PipelineStage:
         self.outstanding.append(output)
         return output
 
-    def refuse_with_lent_heads(self, what: str) -> None:
-        """Raise ``ValueError`` naming ``what`` when this model lends attention heads (``shard_model(lend_heads=k)``).
+    def new_cache(self, model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
+        """Fresh caches for this rank's layers: mlx-lm's ``make_prompt_cache(model, max_kv_size)``.
 
-        The rank after a cut keeps its first cache as an mlx-lm ``CacheList``
-        (its own, the lent heads'), which ``maybe_quantize_kv_cache`` leaves
-        unquantized, batch caches do not mask, and ``make_cache`` makes without
-        ``max_kv_size``: ``what`` would compute other tokens than the whole model
-        on that rank. Every rank holds the same ``lent_heads``, so every rank refuses.
+        mlx-lm bounds the caches only of a model without its own
+        ``make_cache``; the rank after a ``lend_heads`` cut has one (its first
+        layer's cache holds the lent heads' too), so here it gets the rotating
+        caches mlx-lm gives every other layer of that model.
         """
-        if self.lent_heads:
-            raise ValueError(
-                f"{what} is not supported on a model sharded with lend_heads={self.lent_heads}: the rank after each "
-                "cut keeps its first cache as a CacheList (its own and the lent heads'), which mlx-lm neither "
-                "quantizes, nor bounds, nor batches; shard with lend_mlp=True alone (or without lending) for it"
-            )
+        if max_kv_size is not None and self.bounded_caches is not None:
+            return self.bounded_caches(max_kv_size)
+        return make_prompt_cache(model, max_kv_size=max_kv_size)
 
     def _hidden_part(self, output: mx.array) -> mx.array:
         """``output`` without what a wider outgoing message carries beyond the hidden state."""

@@ -71,6 +71,7 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend_mlp: bool = False
+    lend_heads: int = 0
     cors_origins: tuple[str, ...] = ()
     """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
@@ -98,6 +99,7 @@ def run_rank(options: RankOptions) -> int:
             timeout=settings.timeout,
             allow_unregistered=options.allow_unregistered,
             lend_mlp=options.lend_mlp,
+            lend_heads=options.lend_heads,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)

@@ -39,7 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 from mlx_lm.sample_utils import make_sampler  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError, PipelineMismatchError, PrefillCancelled
-from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, counted_offset
+from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, cache_parts, counted_offset
 from ..runtime.generate import generate_step
 from ..runtime.stage import stage_of
 from .broadcast import (
@@ -161,7 +161,7 @@ def _bytes_per_token(cache: list[Any]) -> int:
     """The KV bytes one cached position takes in ``cache`` (this rank's layers), from the arrays it holds."""
     offset = max(1, cache_offset(cache))
     total = 0.0
-    for c in cache:
+    for c in cache_parts(cache):
         leaves = cast(list[tuple[str, Any]], tree_flatten(c.state))
         size = sum(a.nbytes for _, a in leaves if isinstance(a, mx.array))
         keys = getattr(c, "keys", None)  # a KVCache allocates positions ahead: divide by what it holds room for

@@ -6,8 +6,9 @@ the parent test compares each rank against single-device mlx-lm.
 
 Spec: {"arch", "config"?, "seed", "split"?, "lend_mlp"?, "lend_heads"?, "max_tokens", "steps": [...]} where a step is
   {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
-  {"kind": "plain", "M", "step"}           generate_step on the sharded model, no pipeline_prefill
-  {"kind": "pipemlx", "M", "step"}         pipemlx.generate_step on the sharded model
+  {"kind": "plain", "M", "step", "args"?}  generate_step on the sharded model, no pipeline_prefill
+  {"kind": "pipemlx", "M", "step", "args"?} pipemlx.generate_step on the sharded model
+("args": more keyword arguments for both decodes and the reference's, e.g. kv_bits or max_kv_size.)
   {"kind": "auto", "M"}                    pipeline_prefill(step_size="auto"), the reference at the step it returns
   {"kind": "queue_exception"}              a send_mode(model, "queue") block left by an exception
 Reports {"rank", "size", "steps": [...]}. Or {"cases": {name: spec, ...}}: several such specs in one launch
@@ -36,19 +37,29 @@ def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
 
 
 def decode(
-    prompt: mx.array, model: Any, cache: list[Any] | None, step: int, max_tokens: int
+    prompt: mx.array,
+    model: Any,
+    cache: list[Any] | None,
+    step: int,
+    max_tokens: int,
+    logprobs: list[Any] | None = None,
+    **args: Any,
 ) -> tuple[list[int], list[list[int]]]:
+    """mlx-lm's tokens and progress calls; each token's logprobs appended to ``logprobs`` when given."""
     calls: list[list[int]] = []
+    kept = logprobs if logprobs is not None else []
     tokens = [
         int(t)
-        for t, _ in generate_step(
+        for t, lp in generate_step(
             prompt,
             model,
             prompt_cache=cache,
             prefill_step_size=step,
             max_tokens=max_tokens,
             prompt_progress_callback=lambda a, b: calls.append([a, b]),
+            **args,
         )
+        if kept.append(lp) is None
     ]
     return tokens, calls
 
@@ -97,11 +108,14 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             entry["ref_tokens"], _ = decode(prompt, reference, None, step, max_tokens)
             seen.append(entry)
             continue
-        ref_tokens, ref_calls = decode(prompt, reference, None, s["step"], max_tokens)
+        args = s.get("args", {})
+        ref_logprobs: list[mx.array] = []
+        logprobs: list[mx.array | None] = []
+        ref_tokens, ref_calls = decode(prompt, reference, None, s["step"], max_tokens, ref_logprobs, **args)
         # generate_step reports (M, M) after its first token; the prefill part is everything before.
         entry["ref_tokens"], entry["ref_progress"] = ref_tokens, ref_calls[:-1]
         if s["kind"] == "plain":
-            entry["tokens"], calls = decode(prompt, model, None, s["step"], max_tokens)
+            entry["tokens"], calls = decode(prompt, model, None, s["step"], max_tokens, logprobs, **args)
             entry["progress"] = calls[:-1]
         elif s["kind"] == "pipemlx":
             calls = []
@@ -111,8 +125,10 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
                 prefill_step_size=s["step"],
                 max_tokens=max_tokens,
                 prompt_progress_callback=lambda a, b: calls.append([a, b]),
+                **args,
             )
-            entry["tokens"], entry["progress"] = [int(t) for t, _ in steps], calls[:-1]
+            entry["tokens"] = [int(t) for t, lp in steps if logprobs.append(lp) is None]
+            entry["progress"] = calls[:-1]
         else:
             cache = make_prompt_cache(model)
             calls: list[list[int]] = []
@@ -122,6 +138,9 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             entry["progress"] = calls
             entry["cache_offsets"] = sorted({c.offset for c in layer_caches(cache)})
             entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
+        compared = [(a, b) for a, b in zip(logprobs, ref_logprobs) if a is not None]  # pipemlx: the last rank's
+        if args and compared:  # how far this rank's logprobs are from the reference's (quantized or bounded caches)
+            entry["logprob_diff"] = max(float(mx.max(mx.abs(a - b))) for a, b in compared)
         seen.append(entry)
     # generate_step leaves one forward pass in flight; let it finish on every rank before going on.
     mx.synchronize(generation_stream)
