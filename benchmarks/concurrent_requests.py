@@ -1,7 +1,7 @@
 """Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
 
     python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
-                                             [--head-on-last]
+                                             [--head-on-last] [--lend-heads K]
                                              [--arrival-tokens 4096 --chunks 32,64,128 --chunking fixed,equal-cost]
 
 Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
@@ -63,6 +63,12 @@ def main() -> None:
         action="store_true",
         help="also batched with argmax samplers (same tokens), which keeps the output head on the last rank",
     )
+    parser.add_argument(
+        "--lend-heads",
+        type=int,
+        default=0,
+        help="also batched on a model sharded with lend_mlp=True, lend_heads=K (0: not)",
+    )
     args = parser.parse_args()
     openblas = openblas_available()
     base: dict[str, Any] = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}
@@ -72,6 +78,8 @@ def main() -> None:
     header = f"{'R':>3} {'batched S=2':>12} {'one at a time':>14} {'mlx-lm batch':>13} {'vs one-at-a-time':>17} {'vs mlx-lm':>10}"
     if args.head_on_last:
         header += f" {'head on last':>13} {'vs mlx-lm':>10}"
+    if args.lend_heads:
+        header += f" {f'lend_heads={args.lend_heads}':>13} {'vs mlx-lm':>10}"
     if not args.skip_table:
         print(header)
     rows: list[dict[str, Any]] = []
@@ -86,6 +94,11 @@ def main() -> None:
                 {**base, "R": r, "mode": "pipemlx_batch", "head_on_last": True}, openblas
             )
             line += f" {last:>13.1f} {last / single:>10.2f}"
+        if args.lend_heads:
+            row["lent_heads"] = lent = run_mode(
+                {**base, "R": r, "mode": "pipemlx_batch", "lend_heads": args.lend_heads}, openblas
+            )
+            line += f" {lent:>13.1f} {lent / single:>10.2f}"
         rows.append(row)
         print(line)
     arrival: dict[str, Any] = {}

@@ -224,3 +224,15 @@ def test_the_cost_model_moves_the_lent_heads_attention_too() -> None:
     assert [lent.compute(r, chunk) - plain.compute(r, chunk) for r in range(3)] == pytest.approx([-moved, 0, moved])
     with pytest.raises(ValueError, match="lent_pair_share"):
         CostModel(layer, layers=(2, 2), hidden_size=512, lent_pair_share=-0.1)
+
+
+def test_the_lent_heads_cache_counts_in_the_batch_admissions_bytes_per_position() -> None:
+    """BatchGenerator(memory_budget=...) counts a position's bytes in the lent heads' cache on the rank keeping it."""
+    from pipemlx.runtime.batch_memory import cache_bytes_per_position
+
+    per_rank = []
+    for rank in (0, 1):
+        model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+        per_rank.append(cache_bytes_per_position(model, pipemlx.stage_of(model)))
+    layer = 2 * 2 * 16 * 4  # keys and values, 2 key-value heads of 16 floats: 256 bytes per position and layer
+    assert per_rank == [3 * layer - layer // 2, 3 * layer + layer // 2]
