@@ -48,7 +48,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cuts", default="u128,u256,128+3/4,192+3/4,256+3/4,auto")
-    parser.add_argument("--lend-heads", default="", help="comma-separated key-value head counts to lend too")
+    parser.add_argument(
+        "--lend-heads",
+        default="",
+        help="comma-separated key-value head counts to lend too (auto: shard_model's choice)",
+    )
     parser.add_argument("--no-whole", action="store_true", help="leave out the whole-layer sharding")
     parser.add_argument("--native", action="store_true", help="also mlx-lm's native pipeline (uniform cuts only)")
     args = parser.parse_args()
@@ -59,7 +63,8 @@ def main() -> None:
         shardings["whole layers"] = {}
     shardings["lend_mlp"] = {"lend_mlp": True}
     for heads in filter(None, args.lend_heads.split(",")):
-        shardings[f"lend_heads={heads}"] = {"lend_mlp": True, "lend_heads": int(heads)}
+        lent: dict[str, Any] = {"lend_mlp": True, "lend_heads": "auto", "context": args.tokens}  # for this prompt
+        shardings[f"lend_heads={heads}"] = lent if heads == "auto" else {"lend_mlp": True, "lend_heads": int(heads)}
     spec: dict[str, Any] = {
         "M": args.tokens,
         "rounds": args.rounds,
@@ -93,6 +98,9 @@ def main() -> None:
         print(f"{name:<10} {cells}   {ratios}")
     for sharding, chunks in reports[0]["auto"].items():
         print(f"auto with {sharding}: {describe_cut(chunks)}")
+    for sharding, heads in reports[0]["lent_heads"].items():
+        if shardings[sharding].get("lend_heads") == "auto":
+            print(f"{sharding}: {heads} key-value heads lent")
 
 
 if __name__ == "__main__":

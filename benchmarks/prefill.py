@@ -8,7 +8,8 @@ For every prompt length, in one run: one process at steps 256, 512 and 2048; mlx
 (``model.model.pipeline(group)``) at steps 128, 256 and 512; pipemlx at the same fixed steps and with
 ``step_size="auto"``, then with ``lend_mlp`` (the cut between the halves of rank 0's last layer, whose
 feed-forward half runs on rank 1) and with ``lend_heads=K`` (``--lend-heads``, default 2 of the model's 4
-key-value heads: that layer's attention split between the ranks too) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up
+key-value heads, or ``auto``: the count ``shard_model`` predicts fastest for the prompt; several, comma-separated:
+that layer's attention split between the ranks too) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up
 prefill, then ``--repeats`` timed ones), so a disturbance of the shared machine falls on all of them
 rather than on one; a time is the best over all rounds and repeats of the slowest rank's prefill, as
 ``pipemlx.observe.metrics`` defines it (the JSON also holds the medians). The table gives each contender's
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,10 @@ def slowest_rank(reports: list[dict[str, Any]]) -> list[float]:
 
 
 def contenders(
-    num_tokens: int, single_steps: list[int], pipeline_steps: list[int], lend_heads: int = 2
+    num_tokens: int, single_steps: list[int], pipeline_steps: list[int], lend_heads: Sequence[str] = ("2",)
 ) -> list[tuple[str, Any]]:
-    """``(who, setting)`` pairs measured for a prompt of ``num_tokens``."""
-    lent = [LEND] + ([f"{LEND_HEADS}{lend_heads}"] if lend_heads else [])
+    """``(who, setting)`` pairs measured for a prompt of ``num_tokens``; ``lend_heads``: counts or ``auto``."""
+    lent = [LEND] + [f"{LEND_HEADS}{k}" for k in lend_heads if k != "0"]
     return (
         [("one process", s) for s in single_steps if s < num_tokens]
         + [("native", s) for s in pipeline_steps]
@@ -79,10 +81,14 @@ def run_contender(who: str, setting: Any, base: dict[str, Any], openblas: bool) 
     lend = isinstance(setting, str) and "," in setting
     step: Any = setting.split(",")[0] if lend else setting
     step = int(step) if isinstance(step, str) and step.isdigit() else step
-    heads = int(setting.split(LEND_HEADS)[1]) if lend and LEND_HEADS in setting else 0
+    given = setting.split(LEND_HEADS)[1] if lend and LEND_HEADS in setting else "0"
+    heads: Any = given if given == "auto" else int(given)
     mode = "native" if who == "native" else "pipemlx"
     reports = run_ranks(2, {**base, "mode": mode, "step": step, "lend_mlp": lend, "lend_heads": heads}, openblas)
-    return slowest_rank(reports), describe_cut(reports[0].get("chunks") or [])
+    cut = describe_cut(reports[0].get("chunks") or [])
+    if heads == "auto":  # the count the ranks chose
+        cut = f"{reports[0]['lent_heads']} heads" + (f", {cut}" if cut else "")
+    return slowest_rank(reports), cut
 
 
 def measure(
@@ -93,7 +99,7 @@ def measure(
     single_steps: list[int],
     pipeline_steps: list[int],
     warmup: bool = True,
-    lend_heads: int = 2,
+    lend_heads: Sequence[str] = ("2",),
 ) -> list[dict[str, Any]]:
     """One row per contender and setting, all measured in this call, the contenders taking turns."""
     base: dict[str, Any] = {
@@ -112,7 +118,7 @@ def measure(
             samples[i].extend(times)
     rows: list[dict[str, Any]] = []
     for i, (who, setting) in enumerate(entries):
-        label = f"{setting} ({used[i]})" if str(setting).startswith("auto") else setting
+        label = f"{setting} ({used[i]})" if "auto" in str(setting) else setting
         rows.append(
             {
                 "who": who,
@@ -151,7 +157,9 @@ def main() -> None:
     )
     parser.add_argument("--single-steps", default=",".join(map(str, SINGLE_STEPS)))
     parser.add_argument("--pipeline-steps", default=",".join(map(str, PIPELINE_STEPS)))
-    parser.add_argument("--lend-heads", type=int, default=2, help="key-value heads lent (0: no lend_heads rows)")
+    parser.add_argument(
+        "--lend-heads", default="2", help="key-value heads lent, comma-separated counts or auto (0: no lend_heads rows)"
+    )
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
@@ -174,7 +182,7 @@ def main() -> None:
             single,
             pipeline,
             warmup=not args.no_warmup,
-            lend_heads=args.lend_heads,
+            lend_heads=args.lend_heads.split(","),
         )
         print_table(num_tokens, results[num_tokens], bound)
     if args.json:

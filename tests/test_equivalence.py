@@ -99,6 +99,10 @@ LENT_HEADS_KV_STEPS: list[dict[str, Any]] = [
 ]
 
 
+# lend_heads="auto": the ranks time a layer, agree on the count, and compute single-device mlx-lm's tokens.
+LENT_HEADS_AUTO = [("llama", [3, 3]), ("qwen3", [2, 2, 2])]
+
+
 def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
     """Every case that runs on ``num_ranks`` ranks, by name: the architectures, then the uneven splits."""
     cases = {
@@ -127,6 +131,17 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "lend_mlp": True,
                 "lend_heads": heads,
                 "steps": steps,
+            }
+    for arch, split in LENT_HEADS_AUTO:
+        if len(split) == num_ranks:
+            cases[f"lent heads auto {arch} {split}"] = {
+                "arch": arch,
+                "seed": 13,
+                "max_tokens": 5,
+                "split": split,
+                "lend_mlp": True,
+                "lend_heads": "auto",
+                "steps": UNEVEN_STEPS,
             }
     for arch, split in LENT_HEADS_KV:
         if len(split) == num_ranks:
@@ -199,3 +214,13 @@ def test_lent_heads_with_quantized_or_bounded_caches_match_single_device(
 ) -> None:
     reports = case_reports(len(split), f"lent heads kv {arch} {split}")
     assert check_reports(reports, len(split)) == len(split) * len(LENT_HEADS_KV_STEPS)
+
+
+@pytest.mark.parametrize("arch,split", LENT_HEADS_AUTO)
+def test_lend_heads_auto_agrees_on_a_count_and_matches_single_device(
+    case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, split: list[int]
+) -> None:
+    reports = case_reports(len(split), f"lent heads auto {arch} {split}")
+    assert check_reports(reports, len(split)) == len(split) * len(UNEVEN_STEPS)
+    counts = {step["lent_heads"] for report in reports for step in report["steps"]}
+    assert len(counts) == 1 and counts <= {0, 1}, counts  # the tiny models have 2 key-value heads

@@ -19,12 +19,16 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_pro
 
 import pipemlx
 from pipemlx.models.lending import LentHeadsCache, lend_feed_forwards
+from pipemlx.runtime.calibrate import CALIBRATION_LENGTHS, FAR_LENGTHS, time_layer
+from pipemlx.schedule.autostep import choose_lent_heads
 from pipemlx.schedule.costmodel import (
     CostModel,
     LayerCosts,
     attention_pairs,
+    cache_only_share,
     feed_forward_share_of,
     lent_heads_share_of,
+    predict,
 )
 from pipemlx.schedule.plan import Chunk
 from pipemlx.testing import build_model, tiny_config
@@ -236,3 +240,55 @@ def test_the_lent_heads_cache_counts_in_the_batch_admissions_bytes_per_position(
         per_rank.append(cache_bytes_per_position(model, pipemlx.stage_of(model)))
     layer = 2 * 2 * 16 * 4  # keys and values, 2 key-value heads of 16 floats: 256 bytes per position and layer
     assert per_rank == [3 * layer - layer // 2, 3 * layer + layer // 2]
+
+
+def lend_cuts(layer: LayerCosts, kv_heads: int = 4) -> list[CostModel]:
+    """The benchmark model's cost models (512-d, 4 of 8 query heads' key-value heads, 1536 inner) at S=2, 4+4
+    layers, lending 0..kv_heads-1 heads."""
+    return [
+        CostModel(
+            layer,
+            layers=(4, 4),
+            hidden_size=512,
+            last_layer_share=cache_only_share(512, 256, 1536),
+            lent_share=lent_heads_share_of(512, 256, 1536, k / kv_heads)
+            if k
+            else feed_forward_share_of(512, 256, 1536),
+            lent_pair_share=k / kv_heads,
+        )
+        for k in range(kv_heads)
+    ]
+
+
+def test_auto_lends_heads_where_attention_is_the_work_and_none_where_it_is_not() -> None:
+    """Without attention the feed-forward half already over-balances 4 layers against 3.1 (more heads only move
+    more); when attention is most of the work, half the heads level the 4 attentions against 3."""
+    no_attention = lend_cuts(LayerCosts(chunk_s=1e-4, token_s=1e-4, attention_s=0.0))
+    attention = lend_cuts(LayerCosts(chunk_s=1e-4, token_s=1e-6, attention_s=1e-6))
+    assert choose_lent_heads(2048, no_attention) == 0
+    assert choose_lent_heads(2048, attention) == 2
+    for cuts in (no_attention, attention):
+        times = [predict(2048, 128, c, agree_every=None).prefill_s for c in cuts]
+        assert len(set(times)) == len(times)  # the cuts differ: the choice means something
+    assert choose_lent_heads(1, attention) == 0 and choose_lent_heads(2048, attention[:1]) == 0
+
+
+def test_the_ranks_time_a_layer_on_its_own_before_the_cut() -> None:
+    """lend_heads='auto''s calibration: one layer of the whole model, at position 0 and far in, nothing sent."""
+    model = build_model(tiny_config("qwen2"))
+    at_start, attention_chunk_s, far = time_layer(model.model.layers[0], 64, mx.float32)  # type: ignore[attr-defined]
+    assert [n for n, _ in at_start] == list(CALIBRATION_LENGTHS) and [n for n, _ in far] == list(FAR_LENGTHS)
+    assert min(s for _, s in [*at_start, *far]) > 0 and attention_chunk_s > 0
+
+
+def test_lend_heads_auto_is_checked_before_anything_moves() -> None:
+    model = build_model(tiny_config("llama"))
+    with pytest.raises(ValueError, match="lend_heads='auto' needs lend_mlp=True"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend_heads="auto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lend_heads must be a non-negative int .* or 'auto', got 'some'"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend_mlp=True, lend_heads="some")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"context is only used with split='memory' or 'balanced' \(or lend_heads"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), context=4096)  # type: ignore[arg-type]
+    assert not hasattr(model, "_pipemlx_stage") and len(model.model.layers) == 6  # type: ignore[attr-defined]
+    one = pipemlx.shard_model(model, FakeGroup(0, 1), lend_mlp=True, lend_heads="auto", context=4096)  # type: ignore[arg-type]
+    assert pipemlx.stage_of(one).lent_heads == 0  # one rank: no cut, nothing timed or sent

@@ -2,7 +2,7 @@
 
 Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
        "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it),
-       "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend_mlp=..., lend_heads=...))}
+       "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend_mlp=..., lend_heads=...); "auto": for M tokens)}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill (prefill only)
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
@@ -136,8 +136,14 @@ def main() -> None:
         mx.eval(model.parameters())
     elif mode == "pipemlx":
         assert group is not None
-        pipemlx.shard_model(
-            model, group, timeout=600, lend_mlp=spec.get("lend_mlp", False), lend_heads=spec.get("lend_heads", 0)
+        heads = spec.get("lend_heads", 0)
+        pipemlx.shard_model(  # lend_heads="auto" plans for this prompt's length
+            model,
+            group,
+            timeout=600,
+            lend_mlp=spec.get("lend_mlp", False),
+            lend_heads=heads,
+            context=spec["M"] if heads == "auto" else None,
         )
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
     prefill: list[float] = []
@@ -170,6 +176,7 @@ def main() -> None:
             {
                 "rank": rank,
                 "mode": mode,
+                "lent_heads": pipemlx.stage_of(model).lent_heads if mode == "pipemlx" else 0,
                 "prefill_s": prefill,
                 "decode_tok_s": decode,
                 "decode_bytes_per_token": sent,

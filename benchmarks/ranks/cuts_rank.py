@@ -96,7 +96,9 @@ def main() -> None:
                 if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):
                     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=4)
                     tokens[sharding] = [int(t) for t, _ in steps]
-    print(json.dumps({"rank": rank, "seconds": seconds, "tokens": tokens, "auto": auto_chunks}), flush=True)
+    lent = {label: pipemlx.stage_of(m).lent_heads for label, m in models.items() if not shardings[label].get("native")}
+    report = {"rank": rank, "seconds": seconds, "tokens": tokens, "auto": auto_chunks, "lent_heads": lent}
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,9 +39,9 @@ def positive_int(text: str) -> int:
     return whole_number(text, 1)
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer of 0 or more."""
-    return whole_number(text, 0)
+def heads_count(text: str) -> int | str:
+    """argparse type: ``auto`` or an integer of 0 or more (``--lend-heads``)."""
+    return "auto" if text == "auto" else whole_number(text, 0)
 
 
 def layer_counts(text: str) -> list[int]:
@@ -69,10 +69,11 @@ SHARDING_FLAGS = {
     "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
     "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
     "--lend-heads": "with --lend-mlp, also move K key-value heads of that layer's attention to the next rank "
-    "(shard_model's lend_heads=K): balances long prompts, where attention is most of the work",
+    "(shard_model's lend_heads=K; auto: the count the ranks' timings predict fastest): balances long prompts, "
+    "where attention is most of the work",
 }
 COUNT_FLAGS = ("--lend-heads",)
-"""Sharding flags that take a count (the others are switches)."""
+"""Sharding flags that take a count or ``auto`` (the others are switches)."""
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
@@ -80,7 +81,7 @@ def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = t
     ``load_sharded``'s ``allow_unregistered``, ``lend_mlp`` and ``lend_heads``."""
     for flag in flags:
         if flag in COUNT_FLAGS:
-            parser.add_argument(flag, type=non_negative_int, default=0, metavar="K", help=SHARDING_FLAGS[flag])
+            parser.add_argument(flag, type=heads_count, default=0, metavar="K", help=SHARDING_FLAGS[flag])
         else:
             parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
 

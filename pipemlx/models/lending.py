@@ -44,6 +44,10 @@ import mlx.nn as nn
 from mlx_lm.models.cache import CacheList  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError
+from ..runtime.calibrate import feed_forward_share, group_layer_costs, last_layer_share
+from ..runtime.stage import PipelineStage
+from ..schedule.autostep import choose_lent_heads
+from ..schedule.costmodel import CostModel
 
 BLOCK_PARTS = ("self_attn", "input_layernorm", "mlp", "post_attention_layernorm")
 """The children a pre-norm block needs to be cut between its halves."""
@@ -265,3 +269,52 @@ def _mix(layer: nn.Module, mixin: type) -> None:
     """Put ``mixin``'s ``__call__`` in front of ``layer``'s, keeping its class name and module."""
     original = type(layer)
     layer.__class__ = type(original.__name__, (mixin, original), {"__module__": original.__module__})
+
+
+AUTO_LEND_TOKENS = 4096
+"""The prompt length ``lend_heads="auto"`` plans for when ``shard_model`` is given no ``context``."""
+
+
+def lendable_heads(layers: list[nn.Module], sizes: tuple[int, ...]) -> int:
+    """The most key-value heads every rank's last layer can lend (:func:`check_head_split`); 0 if one cannot."""
+    lenders = [sum(sizes[: r + 1]) - 1 for r in range(len(sizes) - 1)]
+    counts = [
+        int(getattr(attention, "n_kv_heads", 0) or 0) - 1
+        if all(hasattr(attention, part) for part in ATTENTION_PARTS)
+        else 0
+        for attention in (cast(Any, layers[i])["self_attn"] for i in lenders)
+    ]
+    return max(0, min(counts, default=0))
+
+
+def auto_lent_heads(
+    model: nn.Module,
+    layers: list[nn.Module],
+    stage: PipelineStage,
+    most: int,
+    context: int | None,
+    timeout: float | None,
+) -> int:
+    """``lend_heads="auto"``: how many key-value heads (0 to ``most``) each cut moves, the count predicted to
+    prefill ``context`` tokens (:data:`AUTO_LEND_TOKENS` if ``None``) soonest.
+
+    Each rank times its first layer on its own (:func:`~pipemlx.runtime.calibrate.group_layer_costs`; the
+    ranks keep the slowest rank's figures, one all-gather), then every candidate cut's cost model is
+    simulated with its best chunking (:func:`~pipemlx.schedule.autostep.choose_lent_heads`): the same count on
+    every rank. A collective: every rank must pass ``"auto"``.
+    """
+    costs = group_layer_costs(layers[stage.layers.start], stage, timeout)
+    lender: Any = cast(Any, layers[stage.split[0] - 1])["self_attn"]
+    kv_heads = max(1, int(getattr(lender, "n_kv_heads", 1) or 1))
+    cuts = [
+        CostModel(
+            layer=costs,
+            layers=stage.split,
+            hidden_size=stage.hidden_size or 1,
+            last_layer_share=last_layer_share(model),
+            lent_share=feed_forward_share(model, k / kv_heads),
+            lent_pair_share=k / kv_heads,
+        )
+        for k in range(most + 1)
+    ]
+    return choose_lent_heads(context or AUTO_LEND_TOKENS, cuts)

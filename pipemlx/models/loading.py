@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
@@ -46,7 +46,7 @@ def load_sharded(
     head: HeadPolicy = "all",
     allow_unregistered: bool = False,
     lend_mlp: bool = False,
-    lend_heads: int = 0,
+    lend_heads: int | Literal["auto"] = 0,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 

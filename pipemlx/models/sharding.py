@@ -20,7 +20,7 @@ from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_bal
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .architectures import apply_fixups, check_architecture, check_lendable
-from .lending import LentHeadsCache, lend_feed_forwards, message_width
+from .lending import LentHeadsCache, auto_lent_heads, lend_feed_forwards, lendable_heads, message_width
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -93,6 +93,7 @@ def choose_split(
     step_size: int = 512,
     head: HeadPolicy = "all",
     timeout: float | None = DEFAULT_TIMEOUT,
+    context_lends: bool = False,
 ) -> tuple[int, ...]:
     """Layers per rank for ``split``/``memory``/``speeds``, checked against the model and the group.
 
@@ -117,7 +118,11 @@ def choose_split(
     if speeds is not None and split != "balanced":
         raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
     if context is not None and split not in ("memory", "balanced"):
-        raise ValueError(f"context is only used with split='memory' or 'balanced', got split={split!r}")
+        if not context_lends:
+            raise ValueError(
+                f"context is only used with split='memory' or 'balanced' (or lend_heads='auto'), got split={split!r}"
+            )
+        context = None  # lend_heads="auto"'s, not the split's
     if not (isinstance(split, str) and split in SPLIT_NAMES):
         return resolve_split(split, len(layers), world_size)
     check_world(len(layers), world_size)
@@ -155,7 +160,7 @@ def shard_model(
     step_size: int = 512,
     head: HeadPolicy = "all",
     lend_mlp: bool = False,
-    lend_heads: int = 0,
+    lend_heads: int | Literal["auto"] = 0,
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
 
@@ -239,6 +244,7 @@ def shard_model(
         step_size=step_size,
         head=head,
         timeout=timeout,
+        context_lends=lend_mlp and lend_heads == "auto",
     )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
@@ -246,13 +252,19 @@ def shard_model(
     lending = lend_mlp and len(sizes) > 1
     if lend_mlp:
         check_lendable(model)
-    if lending and lend_heads:
+    most_heads = lendable_heads(layers, sizes) if lending and lend_heads == "auto" else 0
+    if lending and lend_heads == "auto" and most_heads and unplain_caches_at_cuts(model, sizes):
+        most_heads = 0  # sliding windows at a cut: the feed-forward half only
+    if lending and lend_heads and lend_heads != "auto":
         check_plain_caches_at_cuts(model, sizes)
     local_caches = local_cache_factory(model, len(layers), local)
     stage = PipelineStage(group, sizes, local, len(layers), timeout)
     stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
     if lending:
-        local_caches = cut_inside_layers(model, layers, stage, lend_heads, local_caches)
+        heads = (
+            lend_heads if lend_heads != "auto" else auto_lent_heads(model, layers, stage, most_heads, context, timeout)
+        )
+        local_caches = cut_inside_layers(model, layers, stage, heads, local_caches)
     stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
     # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
     stage.unquantizable = unquantizable_layers(model)
@@ -303,9 +315,15 @@ def cut_inside_layers(
 
 
 def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
-    """Raise ``ValueError`` unless ``lend_heads`` is a non-negative int, and 0 without ``lend_mlp``."""
+    """Raise ``ValueError`` unless ``lend_heads`` is a non-negative int or ``"auto"``, and 0 without ``lend_mlp``."""
+    if lend_heads == "auto":
+        if not lend_mlp:
+            raise ValueError(
+                "lend_heads='auto' needs lend_mlp=True: it chooses how many heads move with the feed-forward half"
+            )
+        return
     if isinstance(lend_heads, bool) or not isinstance(lend_heads, int) or lend_heads < 0:
-        raise ValueError(f"lend_heads must be a non-negative int (key-value heads), got {lend_heads!r}")
+        raise ValueError(f"lend_heads must be a non-negative int (key-value heads) or 'auto', got {lend_heads!r}")
     if lend_heads and not lend_mlp:
         raise ValueError(
             f"lend_heads={lend_heads} needs lend_mlp=True: the lent heads' outputs are projected and fed "
@@ -313,13 +331,18 @@ def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
         )
 
 
-def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None:
-    """Raise :class:`PipelineError` unless the layers at each cut keep a plain ``KVCache`` (``lend_heads``)."""
+def unplain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> list[tuple[int, str]]:
+    """``(layer, cache class)`` of the layers at each cut whose cache is not a plain ``KVCache``."""
     caches = make_prompt_cache(model)
     cuts = [sum(sizes[: r + 1]) for r in range(len(sizes) - 1)]
-    bad = sorted(
+    return sorted(
         {(i, type(caches[i]).__name__) for cut in cuts for i in (cut - 1, cut) if type(caches[i]) is not KVCache}
     )
+
+
+def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None:
+    """Raise :class:`PipelineError` unless the layers at each cut keep a plain ``KVCache`` (``lend_heads``)."""
+    bad = unplain_caches_at_cuts(model, sizes)
     if bad:
         shown = ", ".join(f"layer {i} ({kind})" for i, kind in bad)
         raise PipelineError(

@@ -256,6 +256,62 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     )
 
 
+def time_layer(
+    layer: nn.Module, hidden_size: int, dtype: mx.Dtype
+) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]]]:
+    """:func:`time_local_layers` for one decoder layer called on its own (``layer(x, mask, cache)``, random hidden
+    states, a fresh ``KVCache``): before the model is cut, on the calling thread, nothing sent."""
+    longest = CALIBRATION_LENGTHS[-1]
+    hidden = mx.random.normal((1, longest + ATTENTION_CHUNK, hidden_size), key=mx.random.key(0)).astype(dtype)
+    mx.eval(hidden)  # pyright: ignore[reportUnknownMemberType]
+    call = cast(Any, layer)
+
+    def timed(cache: Any, start: int, stop: int) -> float:
+        began = time.perf_counter()
+        mx.eval(call(hidden[:, start:stop], "causal" if stop - start > 1 else None, cache), cache.state)  # pyright: ignore[reportUnknownMemberType]
+        return time.perf_counter() - began
+
+    best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
+    far_best = [math.inf] * len(FAR_LENGTHS)
+    spans = [(0, length) for length in CALIBRATION_LENGTHS] + [(longest, longest + ATTENTION_CHUNK)]
+    for attempt in range(1 + CALIBRATION_PASSES):
+        cache: Any = KVCache()
+        for i, (start, stop) in enumerate(spans):
+            if start == 0:
+                cache = KVCache()
+            seconds = timed(cache, start, stop)
+            if attempt:
+                best[i] = min(best[i], seconds)
+        if not attempt:
+            continue
+        far: Any = KVCache()
+        timed(far, 0, 1)
+        keys, values = cast(mx.array, far.keys), cast(mx.array, far.values)
+        far.update_and_fetch(
+            mx.zeros((1, keys.shape[1], FAR_POSITION - 1, keys.shape[-1]), keys.dtype),
+            mx.zeros((1, values.shape[1], FAR_POSITION - 1, values.shape[-1]), values.dtype),
+        )
+        mx.eval(far.state)  # pyright: ignore[reportUnknownMemberType]
+        for i, length in enumerate(FAR_LENGTHS):
+            far_best[i] = min(far_best[i], timed(far, 0, length))
+            far.trim(length)
+    return list(zip(CALIBRATION_LENGTHS, best)), best[-1], list(zip(FAR_LENGTHS, far_best))
+
+
+def group_layer_costs(layer: nn.Module, stage: PipelineStage, timeout: float | None) -> LayerCosts:
+    """One decoder layer's costs as the slowest rank measures them (:func:`time_layer` on each rank's own
+    ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it)."""
+    at_start, attention_chunk_s, far_timed = time_layer(layer, stage.hidden_size, stage.dtype or mx.float32)
+    measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
+    with mx.stream(stage.compute_stream):
+        gathered = mx.distributed.all_gather(mx.array(measured, dtype=mx.float32)[None], group=stage.group)
+    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its layer's costs (lend_heads='auto')")
+    slowest = cast(list[float], gathered.max(axis=0).tolist())
+    n = len(CALIBRATION_LENGTHS)
+    far_pairs = tuple(zip(FAR_LENGTHS, slowest[n + 1 :]))
+    return layer_costs(CALIBRATION_LENGTHS, slowest[:n], slowest[n], far_pairs)
+
+
 def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
     """The group's agreed cost model, calibrated first when some rank has none yet (a collective: all ranks call it).
 

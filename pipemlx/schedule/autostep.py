@@ -181,3 +181,20 @@ def choose_chunks(
     if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
         return best_ramped
     return best_uniform
+
+
+def choose_lent_heads(num_tokens: int, cuts: Sequence[CostModel]) -> int:
+    """Of ``cuts``, the cost models of lending 0, 1, 2, ... key-value heads (``shard_model(lend_heads=k)``), the
+    index whose fastest chunking (:func:`choose_chunks`) is predicted to prefill ``num_tokens`` soonest; the
+    fewest heads among those within :data:`NEAR_TIE` of it (each lent head widens the messages). Pure: every
+    rank derives the same count from the same cost models."""
+    if num_tokens < 2 or len(cuts) < 2:
+        return 0
+
+    def seconds(costs: CostModel) -> float:
+        lengths = choose_chunks(num_tokens, costs)
+        return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
+
+    times = [seconds(c) for c in cuts]
+    fastest = min(times)
+    return next(k for k, t in enumerate(times) if t <= (1 + NEAR_TIE) * fastest)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from ..errors import PipelineError
 from ..launch import init_group
@@ -71,7 +71,7 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend_mlp: bool = False
-    lend_heads: int = 0
+    lend_heads: int | Literal["auto"] = 0
     cors_origins: tuple[str, ...] = ()
     """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 

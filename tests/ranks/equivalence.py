@@ -96,6 +96,7 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             entry["queued_after"] = len(pipemlx.stage_of(model).send_queue)
             seen.append(entry)
             continue
+        entry["lent_heads"] = pipemlx.stage_of(model).lent_heads  # lend_heads="auto": the count this rank chose
         prompt = prompt_of(s["M"], config["vocab_size"], spec["seed"])
         if s["kind"] == "auto":
             cache = make_prompt_cache(model)
