@@ -220,7 +220,7 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
     """Two processes started by hand with one ring hostfile, an uneven split, the cut inside rank 0's last layer
-    (--lend-mlp) and greedy decoding."""
+    (--lend-mlp, with the heads it lends chosen by the ranks: --lend-heads auto) and greedy decoding."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
@@ -240,6 +240,8 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
         "0",
         "--json",
         "--lend-mlp",
+        "--lend-heads",
+        "auto",
     ]
     procs = [
         subprocess.Popen(
@@ -262,6 +264,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert outputs[1][0] == ""  # only rank 0 reports
     report: dict[str, Any] = json.loads(outputs[0][0])
     assert report["ranks"] == 2 and report["split"] == [6, 2] and report["step_size"] == 4 and report["lend_mlp"]
+    assert report["lend_heads"] in (0, 1)  # the demo model's layers have 2 key-value heads
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]
     assert report["tokens"] == reference_tokens(prompt, 4, 16)
