@@ -15,9 +15,10 @@ import mlx.core as mx
 import pytest
 from conftest import run_ranks
 from fakes import FakeGroup
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import pipemlx
+from pipemlx.models.lending import LentHeadsCache, lend_feed_forwards
 from pipemlx.runtime.batch import fill_rows
 from pipemlx.schedule.batch_plan import Admission, EqualCostChunks
 from pipemlx.schedule.costmodel import LayerCosts
@@ -365,15 +366,32 @@ def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: R
 
 
 # A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
-# linear-attention layers' caches are extended and filtered instead.
-@pytest.mark.parametrize("arch,joining", [("llama", 5), ("llama", 20), ("qwen3_next", 20), ("llama_swa", 20)])
+# linear-attention layers' caches are extended and filtered instead. "llama lent heads": the whole model cut as
+# lend_heads=1 cuts it at [3, 3], layer 3's cache a LentHeadsCache (written in place part by part, so that it
+# keeps the positions of the layers whose cache gives the mask).
+@pytest.mark.parametrize(
+    "arch,joining",
+    [
+        ("llama", 5),
+        ("llama", 20),
+        ("qwen3_next", 20),
+        ("llama_swa", 20),
+        ("llama lent heads", 5),
+        ("llama lent heads", 20),
+    ],
+)
 def test_a_joining_request_takes_a_dead_row_and_decodes_as_it_would_alone(arch: str, joining: int) -> None:
     # One process, the whole tiny model: rows 0-2 decode 3 steps, row 1 is then dead and a new request takes it.
-    model = build_model(tiny_config(arch))
+    model = build_model(tiny_config(arch.split()[0]))
+    lent = arch.endswith("lent heads")
+    if lent:
+        lend_feed_forwards(model.model.layers, (3, 3), 1)  # type: ignore[attr-defined]
     prompts = [mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 14, 11, joining)]
 
     def prefilled(prompt: list[int]) -> list[Any]:
         cache = make_prompt_cache(model)
+        if lent:
+            cache[3] = LentHeadsCache(cache[3], KVCache())
         mx.eval(model(mx.array(prompt[:-1])[None], cache=cache))
         return cache
 
@@ -412,10 +430,12 @@ PREFIXED: list[dict[str, Any]] = [
 
 
 # qwen3_next at S=3: rank 1 holds only linear-attention layers, whose caches cannot tell a prefix's length.
-PREFIXED_RUNS = [("llama", 2), ("qwen3_next", 3)]
-for arch, world_size in PREFIXED_RUNS:
-    SCENARIOS[world_size][f"prefixes {arch}"] = {
-        "arch": arch,
+# llama lent heads: a reused cache of the rank after the cut holds the lent heads' positions too.
+PREFIXED_RUNS = [("llama", 2), ("qwen3_next", 3), ("llama lent heads", 2)]
+for name, world_size in PREFIXED_RUNS:
+    SCENARIOS[world_size][f"prefixes {name}"] = {
+        "shard": LENT_HEADS if name.endswith("lent heads") else {},
+        "arch": name.split()[0],
         "requests": PREFIXED,
         "remove": [],
         "steps": 12,

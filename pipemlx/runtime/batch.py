@@ -48,6 +48,7 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from mlx_lm.models.cache import (  # pyright: ignore[reportUnknownVariableType]
     BatchKVCache,
+    CacheList,
     KVCache,
     RotatingKVCache,
 )
@@ -932,16 +933,24 @@ def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list
     """
     for layer, batch in enumerate(batch_caches):
         joining = [c[layer] for c in caches]
-        if all(_fits_in_place(batch, c) for c in joining):
-            _widen(batch, max(c.offset for c in joining))
-            for slot, c in zip(slots, joining):
-                _write_row(batch, slot, c)
+        parts, joining_parts = _parts(batch), [_parts(c) for c in joining]
+        if all(len(p) == len(parts) and all(map(_fits_in_place, parts, p)) for p in joining_parts):
+            for i, part in enumerate(parts):  # a CacheList's parts (lend_heads) alike, in step with the other layers
+                _widen(part, max(p[i].offset for p in joining_parts))
+                for slot, p in zip(slots, joining_parts):
+                    _write_row(part, slot, p[i])
             continue
         batch.extend(joining[0].merge(joining))
         order = list(range(rows))
         for k, slot in enumerate(slots):
             order[slot] = rows + k
         batch.filter(order)
+
+
+def _parts(cache: Any) -> list[Any]:
+    """A layer's cache, or a ``CacheList``'s parts (``lend_heads``: the layer's own and the lent heads')."""
+    inner: Any = getattr(cache, "caches", None) if isinstance(cache, CacheList) else None
+    return [cache] if inner is None else list(inner)
 
 
 def _fits_in_place(batch: Any, cache: Any) -> bool:
