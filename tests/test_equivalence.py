@@ -119,41 +119,35 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "split": split,
                 "steps": UNEVEN_STEPS,
             }
-    lent = [("lent", arch, split, 0, UNEVEN_STEPS) for arch, split in LENT]
-    lent += [("lent heads", arch, split, 1, LENT_HEADS_STEPS) for arch, split in LENT_HEADS]
-    for kind, arch, split, heads, steps in lent:
+    wide = {"hidden_size": 128}  # head size 32 (qwen3 sets its own)
+    lent: list[tuple[str, str, list[int], int | str, list[dict[str, Any]], int, dict[str, Any]]] = [
+        *(("lent", arch, split, 0, UNEVEN_STEPS, 7, {}) for arch, split in LENT),
+        *(("lent heads", arch, split, 1, LENT_HEADS_STEPS, 9, {}) for arch, split in LENT_HEADS),
+        *(("lent heads auto", arch, split, "auto", UNEVEN_STEPS, 13, {}) for arch, split in LENT_HEADS_AUTO),
+        *(
+            (
+                "lent heads kv",
+                arch,
+                split,
+                1,
+                LENT_HEADS_KV_STEPS,
+                11,
+                {**wide, "head_dim": 32} if arch == "qwen3" else wide,
+            )
+            for arch, split in LENT_HEADS_KV
+        ),
+    ]
+    for kind, arch, split, heads, steps, seed, config in lent:
         if len(split) == num_ranks:
             cases[f"{kind} {arch} {split}"] = {
                 "arch": arch,
-                "seed": 9 if heads else 7,
+                "config": config,
+                "seed": seed,
                 "max_tokens": 5,
                 "split": split,
                 "lend_mlp": True,
                 "lend_heads": heads,
                 "steps": steps,
-            }
-    for arch, split in LENT_HEADS_AUTO:
-        if len(split) == num_ranks:
-            cases[f"lent heads auto {arch} {split}"] = {
-                "arch": arch,
-                "seed": 13,
-                "max_tokens": 5,
-                "split": split,
-                "lend_mlp": True,
-                "lend_heads": "auto",
-                "steps": UNEVEN_STEPS,
-            }
-    for arch, split in LENT_HEADS_KV:
-        if len(split) == num_ranks:
-            cases[f"lent heads kv {arch} {split}"] = {
-                "arch": arch,
-                "config": {"hidden_size": 128, "head_dim": 32} if arch == "qwen3" else {"hidden_size": 128},
-                "seed": 11,
-                "max_tokens": 5,
-                "split": split,
-                "lend_mlp": True,
-                "lend_heads": 1,
-                "steps": LENT_HEADS_KV_STEPS,
             }
     return cases
 

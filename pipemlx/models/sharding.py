@@ -252,9 +252,9 @@ def shard_model(
     lending = lend_mlp and len(sizes) > 1
     if lend_mlp:
         check_lendable(model)
-    most_heads = lendable_heads(layers, sizes) if lending and lend_heads == "auto" else 0
-    if lending and lend_heads == "auto" and most_heads and unplain_caches_at_cuts(model, sizes):
-        most_heads = 0  # sliding windows at a cut: the feed-forward half only
+    most_heads = 0  # lend_heads="auto": the most it may lend; none where a cut's layers keep other caches
+    if lending and lend_heads == "auto" and not unplain_caches_at_cuts(model, sizes):
+        most_heads = lendable_heads(layers, sizes)
     if lending and lend_heads and lend_heads != "auto":
         check_plain_caches_at_cuts(model, sizes)
     local_caches = local_cache_factory(model, len(layers), local)

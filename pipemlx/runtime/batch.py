@@ -48,7 +48,6 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from mlx_lm.models.cache import (  # pyright: ignore[reportUnknownVariableType]
     BatchKVCache,
-    CacheList,
     KVCache,
     RotatingKVCache,
 )
@@ -69,7 +68,7 @@ from ..schedule.batch_plan import (
 )
 from .batch_memory import exchange_admission
 from .batch_tick import UNKNOWN_PREFIXES, TickRunner, TickWork
-from .caches import UNCOUNTED, cache_state, counted_offset, trim_to
+from .caches import UNCOUNTED, cache_parts, cache_state, counted_offset, trim_to
 from .calibrate import calibrated
 from .prefill import check_timeout
 from .stage import PipelineStage, stage_of
@@ -933,7 +932,7 @@ def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list
     """
     for layer, batch in enumerate(batch_caches):
         joining = [c[layer] for c in caches]
-        parts, joining_parts = _parts(batch), [_parts(c) for c in joining]
+        parts, joining_parts = cache_parts([batch]), [cache_parts([c]) for c in joining]
         if all(len(p) == len(parts) and all(map(_fits_in_place, parts, p)) for p in joining_parts):
             for i, part in enumerate(parts):  # a CacheList's parts (lend_heads) alike, in step with the other layers
                 _widen(part, max(p[i].offset for p in joining_parts))
@@ -945,12 +944,6 @@ def fill_rows(batch_caches: list[Any], rows: int, slots: list[int], caches: list
         for k, slot in enumerate(slots):
             order[slot] = rows + k
         batch.filter(order)
-
-
-def _parts(cache: Any) -> list[Any]:
-    """A layer's cache, or a ``CacheList``'s parts (``lend_heads``: the layer's own and the lent heads')."""
-    inner: Any = getattr(cache, "caches", None) if isinstance(cache, CacheList) else None
-    return [cache] if inner is None else list(inner)
 
 
 def _fits_in_place(batch: Any, cache: Any) -> bool:

@@ -19,7 +19,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -136,18 +136,45 @@ def far_cache(model: nn.Module, stage: PipelineStage, position: int, timeout: fl
     return cache
 
 
-def time_local_layers(
-    model: nn.Module, stage: PipelineStage, timeout: float | None
-) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]]]:
-    """Seconds this rank's layers take on a chunk of each of :data:`CALIBRATION_LENGTHS` at position 0, on
-    :data:`ATTENTION_CHUNK` tokens after the longest, and on each of :data:`FAR_LENGTHS` after
-    :data:`FAR_POSITION` (none when the caches cannot be filled so far): the fastest of
-    :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least disturbed by other work)."""
+Timings = tuple[list[tuple[int, float]], float, list[tuple[int, float]]]
+"""Seconds at each of :data:`CALIBRATION_LENGTHS` at position 0, of :data:`ATTENTION_CHUNK` tokens after the
+longest, and at each of :data:`FAR_LENGTHS` after :data:`FAR_POSITION` positions (none when not timed)."""
+
+
+def fastest_timings(
+    timed: Callable[[list[Any], int, int], float],
+    fresh: Callable[[], list[Any]],
+    far: Callable[[], list[Any] | None],
+) -> Timings:
+    """:data:`Timings`, each the fastest of :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least
+    disturbed by other work). ``timed(cache, start, stop)`` runs positions ``start:stop`` on ``cache``;
+    ``fresh()`` makes empty caches; ``far()`` caches holding :data:`FAR_POSITION` positions, or ``None``."""
     longest = CALIBRATION_LENGTHS[-1]
     best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
     far_best = [math.inf] * len(FAR_LENGTHS)
-    tokens = mx.array([[0] * (longest + ATTENTION_CHUNK)], dtype=mx.int32)  # data, not a lazy op of this thread
     spans = [(0, length) for length in CALIBRATION_LENGTHS] + [(longest, longest + ATTENTION_CHUNK)]
+    for attempt in range(1 + CALIBRATION_PASSES):
+        cache: list[Any] = []
+        for i, (start, stop) in enumerate(spans):
+            if start == 0:
+                cache = fresh()
+            seconds = timed(cache, start, stop)
+            if attempt:
+                best[i] = min(best[i], seconds)
+        filled = far() if attempt else None
+        for i, length in enumerate(FAR_LENGTHS):
+            if filled is None:
+                break
+            far_best[i] = min(far_best[i], timed(filled, 0, length))
+            trim_prompt_cache(filled, length)
+    at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
+    far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
+    return at_start, best[-1], far_timed
+
+
+def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | None) -> Timings:
+    """:data:`Timings` of this rank's layers (the edges detached: nothing is sent)."""
+    tokens = mx.array([[0] * (CALIBRATION_LENGTHS[-1] + ATTENTION_CHUNK)], dtype=mx.int32)  # data, not a lazy op
 
     def timed(cache: list[Any], start: int, stop: int) -> float:
         began = time.perf_counter()
@@ -157,23 +184,9 @@ def time_local_layers(
         return time.perf_counter() - began
 
     with stage.detached():
-        for attempt in range(1 + CALIBRATION_PASSES):
-            cache: list[Any] = []
-            for i, (start, stop) in enumerate(spans):
-                if start == 0:
-                    cache = make_prompt_cache(model)
-                seconds = timed(cache, start, stop)
-                if attempt:
-                    best[i] = min(best[i], seconds)
-            far = far_cache(model, stage, FAR_POSITION, timeout) if attempt else None
-            for i, length in enumerate(FAR_LENGTHS):
-                if far is None:
-                    break
-                far_best[i] = min(far_best[i], timed(far, 0, length))
-                trim_prompt_cache(far, length)
-    at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
-    far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
-    return at_start, best[-1], far_timed
+        return fastest_timings(
+            timed, lambda: make_prompt_cache(model), lambda: far_cache(model, stage, FAR_POSITION, timeout)
+        )
 
 
 def per_layer(
@@ -225,6 +238,16 @@ def time_collective(stage: PipelineStage, timeout: float | None) -> float:
     return statistics.median(seconds)
 
 
+def over_ranks(
+    stage: PipelineStage, measured: Sequence[float], timeout: float | None, what: str
+) -> tuple[list[float], list[float]]:
+    """Every rank's ``measured`` all-gathered: the largest and the smallest value of each entry over the ranks."""
+    with mx.stream(stage.compute_stream):
+        gathered = mx.distributed.all_gather(mx.array(list(measured), dtype=mx.float32)[None], group=stage.group)
+    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing {what}")
+    return cast(list[float], gathered.max(axis=0).tolist()), cast(list[float], gathered.min(axis=0).tolist())
+
+
 def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
     """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
     share = last_layer_share(model)
@@ -235,14 +258,12 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     at_start, attention_chunk_s, far_timed = time_local_layers(model, stage, timeout)
     measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
     missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
-    mine = mx.array([*measured, *missing, time_collective(stage, timeout)])
-    with mx.stream(stage.compute_stream):
-        gathered = mx.distributed.all_gather(mine.astype(mx.float32)[None], group=stage.group)
-    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its calibration")
-    slowest = cast(list[float], gathered.max(axis=0).tolist())
+    slowest, fastest = over_ranks(
+        stage, [*measured, *missing, time_collective(stage, timeout)], timeout, "its calibration"
+    )
     n = len(CALIBRATION_LENGTHS)
     seconds, attention_s, far, collective_s = slowest[:n], slowest[n], slowest[n + 1 : -1], slowest[-1]
-    far_everywhere = min(cast(list[float], gathered.min(axis=0).tolist())) >= 0  # every rank timed far chunks
+    far_everywhere = min(fastest) >= 0  # every rank timed far chunks
     far_pairs = tuple(zip(FAR_LENGTHS, far)) if far_everywhere else ()
     return CostModel(
         layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s, far_pairs),
@@ -256,46 +277,31 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     )
 
 
-def time_layer(
-    layer: nn.Module, hidden_size: int, dtype: mx.Dtype
-) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]]]:
-    """:func:`time_local_layers` for one decoder layer called on its own (``layer(x, mask, cache)``, random hidden
-    states, a fresh ``KVCache``): before the model is cut, on the calling thread, nothing sent."""
-    longest = CALIBRATION_LENGTHS[-1]
-    hidden = mx.random.normal((1, longest + ATTENTION_CHUNK, hidden_size), key=mx.random.key(0)).astype(dtype)
+def time_layer(layer: nn.Module, hidden_size: int, dtype: mx.Dtype) -> Timings:
+    """:data:`Timings` of one decoder layer called on its own (``layer(x, mask, cache)``, random hidden states, a
+    fresh ``KVCache``): before the model is cut, on the calling thread, nothing sent."""
+    shape = (1, CALIBRATION_LENGTHS[-1] + ATTENTION_CHUNK, hidden_size)
+    hidden = mx.random.normal(shape, key=mx.random.key(0)).astype(dtype)
     mx.eval(hidden)  # pyright: ignore[reportUnknownMemberType]
     call = cast(Any, layer)
 
-    def timed(cache: Any, start: int, stop: int) -> float:
+    def timed(cache: list[Any], start: int, stop: int) -> float:
         began = time.perf_counter()
-        mx.eval(call(hidden[:, start:stop], "causal" if stop - start > 1 else None, cache), cache.state)  # pyright: ignore[reportUnknownMemberType]
+        mx.eval(call(hidden[:, start:stop], "causal" if stop - start > 1 else None, cache[0]), cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
         return time.perf_counter() - began
 
-    best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
-    far_best = [math.inf] * len(FAR_LENGTHS)
-    spans = [(0, length) for length in CALIBRATION_LENGTHS] + [(longest, longest + ATTENTION_CHUNK)]
-    for attempt in range(1 + CALIBRATION_PASSES):
-        cache: Any = KVCache()
-        for i, (start, stop) in enumerate(spans):
-            if start == 0:
-                cache = KVCache()
-            seconds = timed(cache, start, stop)
-            if attempt:
-                best[i] = min(best[i], seconds)
-        if not attempt:
-            continue
-        far: Any = KVCache()
-        timed(far, 0, 1)
-        keys, values = cast(mx.array, far.keys), cast(mx.array, far.values)
-        far.update_and_fetch(
+    def far() -> list[Any]:
+        cache: list[Any] = [KVCache()]
+        timed(cache, 0, 1)
+        keys, values = cast(mx.array, cache[0].keys), cast(mx.array, cache[0].values)
+        cache[0].update_and_fetch(
             mx.zeros((1, keys.shape[1], FAR_POSITION - 1, keys.shape[-1]), keys.dtype),
             mx.zeros((1, values.shape[1], FAR_POSITION - 1, values.shape[-1]), values.dtype),
         )
-        mx.eval(far.state)  # pyright: ignore[reportUnknownMemberType]
-        for i, length in enumerate(FAR_LENGTHS):
-            far_best[i] = min(far_best[i], timed(far, 0, length))
-            far.trim(length)
-    return list(zip(CALIBRATION_LENGTHS, best)), best[-1], list(zip(FAR_LENGTHS, far_best))
+        mx.eval(cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
+        return cache
+
+    return fastest_timings(timed, lambda: [KVCache()], far)
 
 
 def group_layer_costs(layer: nn.Module, stage: PipelineStage, timeout: float | None) -> LayerCosts:
@@ -303,10 +309,7 @@ def group_layer_costs(layer: nn.Module, stage: PipelineStage, timeout: float | N
     ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it)."""
     at_start, attention_chunk_s, far_timed = time_layer(layer, stage.hidden_size, stage.dtype or mx.float32)
     measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
-    with mx.stream(stage.compute_stream):
-        gathered = mx.distributed.all_gather(mx.array(measured, dtype=mx.float32)[None], group=stage.group)
-    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing its layer's costs (lend_heads='auto')")
-    slowest = cast(list[float], gathered.max(axis=0).tolist())
+    slowest, _ = over_ranks(stage, measured, timeout, "its layer's costs (lend_heads='auto')")
     n = len(CALIBRATION_LENGTHS)
     far_pairs = tuple(zip(FAR_LENGTHS, slowest[n + 1 :]))
     return layer_costs(CALIBRATION_LENGTHS, slowest[:n], slowest[n], far_pairs)
