@@ -392,7 +392,14 @@ def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any)
         ("", -1, 0, "cancelled", None)
     ]
     assert responses[0].prompt_tokens == 13 and responses[0].prompt_tps > 0
-    assert pipemlx.stage_of(model).last_stop == pipemlx.runtime.generate.DecodeStop("cancelled", 0, (0,))
+    # The same cancel through generate_step: it ends by itself, saying why (its return value, and .stop).
+    polls = 0
+    decoding = pipemlx.generate_step(
+        prompt, model, max_tokens=8, prefill_step_size=4, should_cancel=cancel_at_the_first_token
+    )
+    with pytest.raises(StopIteration) as ended:
+        next(decoding)
+    assert ended.value.value == decoding.stop == pipemlx.runtime.generate.DecodeStop("cancelled", 0, (0,))
     # Cancelled after 3 tokens: each token in one response (the closing one adds none), as a solo run's first 3.
     solo = [r.token for r in pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, prefill_step_size=4)]
     polls = 0
@@ -441,4 +448,4 @@ def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) 
         pipemlx.stream_generate(model, tokenizer, prompt, stream=OtherDevice())
     with pytest.raises(TypeError, match="stream must be an mx.Stream"):
         pipemlx.generate_step(prompt, model, stream="cpu")  # type: ignore[arg-type]
-    assert len(stage.send_queue) == 0 and stage.last_stop is not None
+    assert len(stage.send_queue) == 0

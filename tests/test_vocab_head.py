@@ -11,7 +11,7 @@ import pytest
 
 from pipemlx.models.vocab_head import vocab_shard
 from pipemlx.runtime.stage import PipelineStage
-from pipemlx.runtime.vocab_head import VocabShard, pick_tokens
+from pipemlx.runtime.sampling import VocabShard, pick_tokens
 from pipemlx.testing import build_model, tiny_config
 
 

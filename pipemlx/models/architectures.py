@@ -51,7 +51,7 @@ class Architecture:
 
     ``plain_head``: its logits are ``lm_head(model.model(...))``, or the embedding applied as a linear map
     where it has no ``lm_head`` (tied), with nothing after it (no scaling or soft-capping), so greedy decodes
-    may share the head among the ranks (:mod:`pipemlx.runtime.vocab_head`).
+    may share the head among the ranks (:mod:`pipemlx.runtime.sampling`).
     """
 
     fixup: Fixup | None = None

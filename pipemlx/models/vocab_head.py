@@ -1,4 +1,4 @@
-"""This rank's rows of the output head, for greedy decodes that share the head (:mod:`pipemlx.runtime.vocab_head`)."""
+"""This rank's rows of the output head, for greedy decodes that share the head (:mod:`pipemlx.runtime.sampling`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..runtime.stage import PipelineStage
-from ..runtime.vocab_head import VocabShard
+from ..runtime.sampling import VocabShard
 from .architectures import architecture_of
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)

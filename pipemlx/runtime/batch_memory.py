@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PeerLostError, PipelineTimeoutError
 from ..schedule.batch_plan import Admission
-from .agreement import gather_ints
 from .caches import cache_parts
+from .protocol import MEMORY
 from .stage import PipelineStage
 
 BUDGET_UNIT = 1024
@@ -40,14 +38,11 @@ def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:
 
 def exchange_admission(model: nn.Module, stage: PipelineStage, budget: int, timeout: float | None) -> Admission:
     """Every rank's bytes per position and budget (one all-gather): the same :class:`Admission` on every rank."""
-    mine: list[Any] = [cache_bytes_per_position(model, stage), budget // BUDGET_UNIT]
+    mine = {"bytes_per_position": cache_bytes_per_position(model, stage), "budget_kib": budget // BUDGET_UNIT}
+    where = f"{stage.describe()} in the batch generator's memory exchange"
     try:
-        rows = (
-            gather_ints(stage, mine, timeout, "the batch generator's memory exchange")
-            if stage.world_size > 1
-            else [mine]
-        )
+        table = MEMORY.exchange(stage.group, stage.compute_stream, mine, timeout=timeout, where=where)
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
-    return Admission(tuple(r[0] for r in rows), tuple(r[1] * BUDGET_UNIT for r in rows))
+    return Admission(tuple(table["bytes_per_position"]), tuple(b * BUDGET_UNIT for b in table["budget_kib"]))

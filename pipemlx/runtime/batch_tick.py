@@ -40,31 +40,15 @@ import mlx.nn as nn
 
 from ..errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
 from ..schedule.batch_plan import Chunk, Tick
-from .agreement import STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_state
+from .failure import stand_in
+from .protocol import TICK, UNCOUNTED, Status, Table, gather
+from .sampling import VocabShard, pick_tokens, shared_head
 from .send_mode import send_mode
 from .stage import PipelineStage
-from .vocab_head import SHARE_WIDTH, VocabShard, pick_tokens
 from .waits import PEER_LOST_MARKERS, issue, wait_for
 
-BATCH_KIND = 7_772
-"""First field of every batch all-gather (``generate_step`` uses 7771): another phase shows as a mismatch."""
-HEADER = (
-    "kind",
-    "tick",
-    "status",
-    "rows",
-    "uids",
-    "prefixes",
-    "plan",
-    "failed_decode",
-    "failed_uid",
-    "lend_mlp",
-    "lend_heads",
-    "greedy",
-)
-AGREED = ("tick", "rows", "uids", "plan", "lend_mlp", "lend_heads")
-UNKNOWN_PREFIXES = -1
+UNKNOWN_PREFIXES = UNCOUNTED
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
 Forward = Callable[[mx.array, list[Any]], mx.array]
@@ -76,7 +60,7 @@ class Held:
     """A chunk received at the end of a tick, to compute in the next: its graph is built, its input is here."""
 
     chunk: Chunk
-    output: mx.array | None  # what goes on to the next rank (None on the last rank, or when standing in)
+    output: mx.array | None  # what goes on to the next rank (zeros when standing in; None on the last rank)
     cache: list[Any]
 
 
@@ -130,7 +114,7 @@ class TickRunner:
         failed_uid = -1
         try:
             with send_mode(self.model, "queue"), stage.executing_plan(), mx.stream(stage.compute_stream):
-                tokens = mx.zeros((work.rows,), dtype=mx.float32)
+                tokens = mx.zeros((work.rows,), dtype=mx.float32)  # the last rank's sampled tokens
                 mine = tick.chunks[stage.rank]
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
@@ -146,9 +130,8 @@ class TickRunner:
                             raise
                         self._note(exc)
                         failed_decode = True
-                        self._stand_in(work.rows, 1)
-                        zeros = stage.wire_zeros(work.rows, 1, incoming=False)
-                        sent = zeros[:, 0, 0] if stage.is_last else self._send(zeros)
+                        outgoing = self._stand_in(work.rows, 1)
+                        sent = mx.zeros((work.rows,)) if outgoing is None else self._send(outgoing)
                         hidden = None
                     if stage.is_last:
                         tokens = sent
@@ -159,35 +142,41 @@ class TickRunner:
                     if failed:
                         failed_uid = mine.uid
                     self._issue(self._chunk_results(held), tick.index, "computing its new chunk")
-                if held is not None and not stage.is_last:
-                    output = (
-                        held.output
-                        if held.output is not None
-                        else stage.wire_zeros(1, held.chunk.length, incoming=False)
-                    )
-                    self._issue(self._send(output), tick.index, "sending its chunk")
+                if held is not None and held.output is not None:  # not on the last rank
+                    self._issue(self._send(held.output), tick.index, "sending its chunk")
                 coming = tick.receives(stage.rank)
                 if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
                     self.held, failed = self._build_chunk(coming, work)
                     if failed:
                         failed_uid = coming.uid
-                status = STATUS_OK if failed_uid < 0 and not failed_decode else STATUS_CHUNK_FAILED
-                header = [BATCH_KIND, tick.index, status, work.rows, work.uids_fingerprint]
-                header += [work.prefixes_fingerprint, tick.fingerprint()]
-                header += [int(failed_decode), failed_uid + 1, int(stage.lends_mlp), stage.lent_heads, int(work.greedy)]
-                share = mx.concatenate([mx.array(header, dtype=mx.float32), tokens.astype(mx.float32)])
+                status = Status.OK if failed_uid < 0 and not failed_decode else Status.CHUNK_FAILED
+                values = {
+                    "tick": tick.index,
+                    "rows": work.rows,
+                    "uids": work.uids_fingerprint,
+                    "plan": tick.fingerprint(),
+                    "lend_mlp": int(stage.lends_mlp),
+                    "lend_heads": stage.lent_heads,
+                    "prefixes": work.prefixes_fingerprint,
+                    "failed_decode": int(failed_decode),
+                    "failed_uid": failed_uid + 1,
+                    "greedy": int(work.greedy),
+                }
+                payload = [tokens]
                 if sharing:  # after every message of the tick, as the all-gather below
-                    share = mx.concatenate([share, self._head_pairs(hidden, work.rows, tick.index)])
-                if stage.world_size > 1:
-                    share = mx.distributed.all_gather(share, group=stage.group)
-            wait_for(share, self.timeout, lambda: f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)")
+                    shard = cast(VocabShard, stage.vocab_shard)
+                    describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
+                    payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
+                gathered = gather(TICK.row(values, status, payload), stage.group)
+            where = f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)"
+            wait_for(gathered, self.timeout, lambda: where)
         except Exception as exc:  # a stalled or lost peer, or a failure mid-evaluation: peers may be blocked
             stage.mark_broken(exc)
             if _is_peer_lost(exc):
                 raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
         try:
-            outcome, greedy = _outcome(cast(list[float], share.tolist()), work.rows, stage, sharing)
+            table = TICK.read(gathered, stage.world_size, where)
         except PipelineMismatchError as exc:
             # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
             # on a link, and every later message on it would be read shifted (wrong tokens, no error).
@@ -197,6 +186,7 @@ class TickRunner:
                 "this rank's links cannot be trusted: exit and start every rank again (and make every rank "
                 "call the BatchGenerator alike)"
             ) from exc
+        outcome, greedy = outcome_of(table, work.rows, sharing)
         self.shares_head = greedy and work.rows > 0
         return outcome
 
@@ -229,20 +219,6 @@ class TickRunner:
             return work.sample(logits[:, -1, :]).astype(mx.float32), None
         return self._send(self._queued_output()), None
 
-    def _head_pairs(self, hidden: mx.array | None, rows: int, tick: int) -> mx.array:
-        """Every rank's largest logit and its id per row, from its rows of the head (a collective)."""
-        stage = self.stage
-        shard = cast(VocabShard, stage.vocab_shard)
-        if hidden is None:  # ranks before the last, or a last rank standing in
-            hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)
-        pairs = shard.pairs(
-            hidden,
-            stage.group,
-            self.timeout,
-            lambda: f"{stage.describe()} sharing the output head in batch tick {tick}",
-        )
-        return mx.reshape(pairs, (-1,))
-
     def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
         cache = work.chunk_cache(chunk)
@@ -259,8 +235,8 @@ class TickRunner:
             if not _is_model_error(exc):
                 raise
             self._note(exc)
-            self._stand_in(1, chunk.length)
-            return Held(chunk, None, []), True
+            outgoing = self._stand_in(1, chunk.length)
+            return Held(chunk, outgoing, []), True
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         self.stage.received.clear()
@@ -274,16 +250,12 @@ class TickRunner:
         queue.discard()
         return output
 
-    def _stand_in(self, rows: int, length: int) -> None:
-        """Take this rank's input of a failed pass off the wire (its sends are zeros, sent by the caller)."""
-        stage = self.stage
-        stage.send_queue.discard()
-        received, stage.received[:] = list(stage.received), []
-        if not stage.is_first and not received:
-            incoming = stage.wire_zeros(rows, length, incoming=True)
-            received = [mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)]
+    def _stand_in(self, rows: int, length: int) -> mx.array | None:
+        """Take a failed pass's input off the wire (:func:`~.failure.stand_in`); the zeros the caller sends on."""
+        received, outgoing = stand_in(self.stage, rows, length)
         if received:
             self._issue(received, None, "taking a failed pass's input off the wire")
+        return outgoing
 
     def _issue(self, arrays: Any, tick: int | None, what: str) -> None:
         """``mx.async_eval`` with the stage's deadline (it can block behind a receive: see :func:`issue`)."""
@@ -307,33 +279,17 @@ def _is_model_error(exc: BaseException) -> bool:
     return not isinstance(exc, (PipelineError, PeerLostError, PipelineTimeoutError)) and not _is_peer_lost(exc)
 
 
-def _outcome(flat: list[float], rows: int, stage: PipelineStage, sharing: bool) -> tuple[TickOutcome, bool]:
-    """Check the gathered headers agree; the tokens, every rank's failures, and whether every rank was greedy.
+def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, bool]:
+    """What every rank learns from a tick's gathered ``table``, and whether every rank's rows were greedy.
 
-    The tokens are the last rank's, or (``sharing``, its rows all greedy) picked from every rank's share of the head.
+    The tokens are the last rank's (the first ``rows`` entries of its payload),
+    or, when the ranks shared the head (``sharing``) and the last rank's rows
+    were all greedy, picked from every rank's best logits (the rest of each payload).
     """
-    width = len(HEADER) + rows + (SHARE_WIDTH * rows if sharing else 0)
-    gathered = [flat[r * width : (r + 1) * width] for r in range(len(flat) // width)]
-    columns = {name: [int(row[i]) for row in gathered] for i, name in enumerate(HEADER)}
-    if (
-        len(flat) != width * stage.world_size
-        or any(k != BATCH_KIND for k in columns["kind"])
-        or len(gathered) != stage.world_size
-    ):
-        raise PipelineMismatchError(f"{stage.describe()}: a rank is not in the same batch tick as the others")
-    for name in (*AGREED, "prefixes"):
-        known = {v for v in columns[name] if name != "prefixes" or v != UNKNOWN_PREFIXES}
-        if len(known) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(columns[name]))
-            raise PipelineMismatchError(f"ranks disagree on the batch tick's {name}: {shown}")
-    failed_uids = frozenset(u - 1 for u in columns["failed_uid"] if u > 0)
-    statuses = set(columns["status"]) - {STATUS_OK, STATUS_CHUNK_FAILED, STATUS_FAILED}
-    if statuses:
-        raise PipelineMismatchError(f"unknown batch tick status {sorted(statuses)}")
-    start = len(HEADER)
-    if sharing and columns["greedy"][-1]:
-        tokens = pick_tokens([row[start + rows :] for row in gathered])
+    if sharing and table.last("greedy"):
+        tokens = pick_tokens([payload[rows:] for payload in table.payloads])
     else:
-        tokens = [int(t) for t in gathered[-1][start : start + rows]]
-    outcome = TickOutcome(tokens=tokens, failed_decode=any(columns["failed_decode"]), failed_uids=failed_uids)
-    return outcome, all(columns["greedy"])
+        tokens = [int(t) for t in table.payloads[-1][:rows]]
+    failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)
+    outcome = TickOutcome(tokens=tokens, failed_decode=any(table["failed_decode"]), failed_uids=failed_uids)
+    return outcome, all(table["greedy"])

@@ -37,8 +37,8 @@ from ..schedule.costmodel import (
     lent_heads_share_of,
 )
 from ..schedule.plan import Chunk
-from .agreement import gather_ints
 from .caches import cache_state
+from .protocol import CALIBRATE, gather
 from .stage import PipelineStage
 from .waits import wait_for
 
@@ -242,10 +242,12 @@ def over_ranks(
     stage: PipelineStage, measured: Sequence[float], timeout: float | None, what: str
 ) -> tuple[list[float], list[float]]:
     """Every rank's ``measured`` all-gathered: the largest and the smallest value of each entry over the ranks."""
+    where = f"{stage.describe()} sharing {what}"
     with mx.stream(stage.compute_stream):
-        gathered = mx.distributed.all_gather(mx.array(list(measured), dtype=mx.float32)[None], group=stage.group)
-    wait_for(gathered, timeout, lambda: f"{stage.describe()} sharing {what}")
-    return cast(list[float], gathered.max(axis=0).tolist()), cast(list[float], gathered.min(axis=0).tolist())
+        gathered = gather(CALIBRATE.row({}, payload=[mx.array(list(measured), dtype=mx.float32)]), stage.group)
+    wait_for(gathered, timeout, lambda: where)
+    figures = mx.array(CALIBRATE.read(gathered, stage.world_size, where).payloads)
+    return cast(list[float], figures.max(axis=0).tolist()), cast(list[float], figures.min(axis=0).tolist())
 
 
 def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
@@ -325,8 +327,10 @@ def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) ->
     needs = stage.cost_model is None
     try:
         if stage.world_size > 1:
-            rows = gather_ints(stage, [int(needs)], timeout, "asking whether the group has calibrated")
-            needs = any(row[0] for row in rows)
+            where = f"{stage.describe()} asking whether the group has calibrated"
+            values = {"needs_calibration": int(needs)}
+            table = CALIBRATE.exchange(stage.group, stage.compute_stream, values, timeout=timeout, where=where)
+            needs = any(table["needs_calibration"])
         if needs:
             stage.cost_model = calibrate(model, stage, timeout)
     except (PipelineTimeoutError, PeerLostError) as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -34,10 +35,9 @@ from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyrig
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
-from ..errors import PipelineError, PipelineMismatchError
 from ..schedule.batch_plan import fingerprint
-from .agreement import STATUS_CANCEL, STATUS_CHUNK_FAILED, STATUS_FAILED, STATUS_OK
 from .caches import cache_offset, cache_state, trim_to
+from .failure import stand_in
 from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
     check_kv_quantization,
@@ -46,27 +46,30 @@ from .prefill import (
     check_timeout,
     prefill_before_decode,
 )
+from .protocol import DECODE, Status, Table, gather
+from .sampling import (
+    LogitsProcessor,
+    Sampler,
+    VocabShard,
+    choose,
+    log_probabilities,
+    pick_tokens,
+    processed,
+    shared_head,
+)
 from .stage import PipelineStage, stage_of
-from .vocab_head import VocabShard, pick_tokens
 from .waits import wait_for
 
-Sampler = Callable[[mx.array], mx.array]
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 ProgressCallback = Callable[[int, int], Any]
 CancelCheck = Callable[[], bool]
 
-STATUS_END = 4
-"""A rank's word in the trailing step after the last token (``max_tokens`` reached): end, no token wanted."""
-DECODE_KIND = 7_771
-"""First field of every decode all-gather, so that a rank in another phase shows as a mismatch."""
 NO_TOKEN = -1
 """``GenerationResponse.token`` of :func:`stream_generate`'s closing ``"cancelled"`` response: it adds no token."""
-HEADER = ("kind", "index", "status", "token", "max_tokens", "stop_tokens", "shares_head")
 
 
 @dataclass(frozen=True)
 class DecodeStop:
-    """Why the last decode on a model ended, the same on every rank (``PipelineStage.last_stop``).
+    """Why a decode ended, the same on every rank (:attr:`DecodeStream.stop`).
 
     ``length``: ``max_tokens`` reached; ``stop``: one of ``stop_tokens`` was yielded; ``cancelled``: a
     rank's consumer stopped or its ``should_cancel`` said yes; ``failed``: a callback or the model raised.
@@ -99,7 +102,7 @@ def generate_step(
     share_logprobs: bool = False,
     stop_tokens: Iterable[int] = (),
     input_embeddings: mx.array | None = None,
-) -> Generator[tuple[int, mx.array | None], None, None]:
+) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
     Call it on every rank with the same arguments. ``prompt`` holds the *new*
@@ -127,7 +130,7 @@ def generate_step(
     Stops are agreed: when any rank's consumer stops early or its
     ``should_cancel()`` (polled before every token) says yes, every rank's
     generator ends after the same token and nothing is left in flight; the
-    reason is in ``stage_of(model).last_stop``. A generator dropped without
+    reason is in the returned generator's ``stop`` (a :class:`DecodeStream`). A generator dropped without
     being closed is closed by the next pipemlx call on any sharded model, or at exit.
     The generator also ends after yielding any of ``stop_tokens`` (the ranks
     check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
@@ -183,7 +186,7 @@ def generate_step(
         tokens, prompt_cache, prefill=prefill, progress=prompt_progress_callback, should_cancel=should_cancel
     )
     request.generator = weakref.ref(generator)
-    return generator
+    return DecodeStream(request, generator)
 
 
 def stream_generate(
@@ -231,12 +234,11 @@ def stream_generate(
         prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
     eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
-    return _responses(stage_of(model), generator, wrapper, prompt.size, max_tokens, eos)
+    return _responses(generator, wrapper, prompt.size, max_tokens, eos)
 
 
 def _responses(
-    stage: PipelineStage,
-    generator: Generator[tuple[int, mx.array | None], None, None],
+    generator: DecodeStream,
     tokenizer: Any,
     prompt_tokens: int,
     max_tokens: int,
@@ -249,7 +251,7 @@ def _responses(
     prompt_tps = 0.0
     token, logprobs, n = 0, cast(Any, None), -1
     finish: str | None = None
-    with _closing(generator):
+    with closing(generator):
         for n, (token, logprobs) in enumerate(generator):
             if n == 0:
                 prompt_tps = prompt_tokens / max(time.perf_counter() - tic, 1e-9)
@@ -264,7 +266,7 @@ def _responses(
             yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
     yielded_last = finish is None  # the generator stopped (a cancel): its last token was yielded already
     if finish is None:
-        reason = stage.last_stop.reason if stage.last_stop is not None else "length"
+        reason = generator.stop.reason if generator.stop is not None else "length"
         finish = reason if reason in ("stop", "length") else "cancelled"
     if n < 0:  # stopped after the prefill, before the first token: say so, as a cancellation after one would
         prompt_tps = prompt_tokens / max(time.perf_counter() - tic, 1e-9)
@@ -301,25 +303,8 @@ def _response(
     )
 
 
-class _closing:
-    """Close a generator on leaving the block, so the agreed stop runs now rather than at garbage collection."""
-
-    def __init__(self, generator: Generator[Any, None, None]) -> None:
-        self.generator = generator
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self.generator.close()
-
-
 def _positive_or_none(value: object) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-
-
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
 
 
 def _fingerprint(tokens: Iterable[int]) -> int:
@@ -327,10 +312,45 @@ def _fingerprint(tokens: Iterable[int]) -> int:
 
 
 @dataclass
-class _StepResult:
-    token: int
-    logprobs: mx.array | None
-    statuses: list[int]
+class _Part:
+    """This rank's part of a decode step, lazily: what it moves on the wire and what it computed."""
+
+    moved: list[mx.array]  # its receive and send (evaluating these runs the rank's own part)
+    token: mx.array | None = None  # the last rank's sampled token
+    logprobs: mx.array | None = None  # the last rank's log-probabilities
+    hidden: mx.array | None = None  # the last rank's final hidden state, when the ranks share the head
+
+
+class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | None"]):
+    """What :func:`generate_step` returns: mlx-lm's generator of ``(token, logprobs)`` pairs.
+
+    Once it has ended, by itself or closed by its consumer, :attr:`stop` says
+    why (the same on every rank; it is also the generator's return value).
+    :attr:`shared_head` says whether its steps after the first shared the
+    output head among the ranks.
+    """
+
+    def __init__(self, request: _Request, inner: Generator[tuple[int, mx.array | None], None, DecodeStop | None]):
+        self._request = request
+        self._inner = inner
+
+    @property
+    def stop(self) -> DecodeStop | None:
+        """Why the decode ended; ``None`` while it runs, or when it ended in an error."""
+        return self._request.stop
+
+    @property
+    def shared_head(self) -> bool:
+        return self._request.shares_head
+
+    def send(self, value: None) -> tuple[int, mx.array | None]:
+        return self._inner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> tuple[int, mx.array | None]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return self._inner.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 class _Request:
@@ -360,11 +380,12 @@ class _Request:
         self.stop_tokens = stop_tokens
         self.stopped_at_token = False
         self.stop_fingerprint = _fingerprint(stop_tokens)
-        self.generator: weakref.ref[Generator[Any, None, None]] | None = None
+        self.generator: weakref.ref[Generator[Any, None, Any]] | None = None
         self.cache: list[Any] = []
         self.history: mx.array | None = None
         self.deferred: BaseException | None = None
         self.vocab_size = 0
+        self.stop: DecodeStop | None = None
         # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
         self.may_share_head = stage.vocab_shard is not None and sampler is None and not logits_processors
         self.may_share_head = self.may_share_head and not share_logprobs
@@ -389,12 +410,11 @@ class _Request:
         prefill: dict[str, Any],
         progress: ProgressCallback | None,
         should_cancel: CancelCheck | None,
-    ) -> Generator[tuple[int, mx.array | None], None, None]:
-        """The generator behind :func:`generate_step`."""
+    ) -> Generator[tuple[int, mx.array | None], None, DecodeStop | None]:
+        """The generator behind :func:`generate_step`; returns why it stopped."""
         stage = self.stage
         stage.settle(self.timeout)
         self.cache = cache if cache is not None else make_prompt_cache(self.model)
-        stage.last_stop = None
         # mlx-lm's history: the prefilled tokens, then each step's input (the prompt's last token first).
         self.history = prompt[:-1] if self.logits_processors else None
         if self.history is not None:
@@ -407,206 +427,152 @@ class _Request:
             progress_callback=progress,
             should_cancel=should_cancel,
             timeout=self.timeout,
-            decode_settings=2 if self.share_logprobs else 1,  # agreement.DECODE_SETTINGS
+            decode_settings=2 if self.share_logprobs else 1,  # protocol.DECODE_SETTINGS
             **prefill,
         )
         inputs = prompt[-1:]
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
         while True:
-            status = STATUS_END if ended or n == self.max_tokens else self._poll(should_cancel)
-            result = self._step(inputs, n, status)
+            status = Status.END if ended or n == self.max_tokens else self._poll(should_cancel)
+            token, logprobs, table = self._step(inputs, n, status)
             if n == 0 and progress is not None:
                 try:
                     progress(num_tokens, num_tokens)
                 except Exception as exc:  # acted on in the next step's agreement, by every rank
                     self.deferred = exc
-            if any(s != STATUS_OK for s in result.statuses):
-                self._end(result.statuses, n)
-                return
+            if not table.all_ok:
+                self.stop = _decode_stop(table, n, stopped_at_token=self.stopped_at_token)
+                if self.deferred is not None:
+                    raise self.deferred
+                return self.stop
             stage.open_request = self
             try:
-                yield result.token, result.logprobs
+                yield token, logprobs
             except BaseException:
                 stage.open_request = None
-                last = self._step(mx.array([result.token], dtype=mx.int32), n + 1, STATUS_CANCEL)
-                stage.last_stop = _decode_stop(last.statuses, n + 1, stopped_at_token=False)
+                last = self._step(mx.array([token], dtype=mx.int32), n + 1, Status.CANCEL)[2]
+                self.stop = _decode_stop(last, n + 1, stopped_at_token=False)
                 raise
             stage.open_request = None
-            ended = self.stopped_at_token = result.token in self.stop_tokens
-            inputs = mx.array([result.token], dtype=mx.int32)
+            ended = self.stopped_at_token = token in self.stop_tokens
+            inputs = mx.array([token], dtype=mx.int32)
             n += 1
 
-    def _poll(self, should_cancel: CancelCheck | None) -> int:
+    def _poll(self, should_cancel: CancelCheck | None) -> Status:
         if self.deferred is not None:
-            return STATUS_FAILED
+            return Status.FAILED
         if should_cancel is None:
-            return STATUS_OK
+            return Status.OK
         try:
-            return STATUS_CANCEL if should_cancel() else STATUS_OK
+            return Status.CANCEL if should_cancel() else Status.OK
         except Exception as exc:  # acted on by every rank in this step's agreement
             self.deferred = exc
-            return STATUS_FAILED
+            return Status.FAILED
 
-    def _end(self, statuses: list[int], n: int) -> None:
-        """Record why the decode ended (the same on every rank); re-raise this rank's own error."""
-        self.stage.last_stop = _decode_stop(statuses, n, stopped_at_token=self.stopped_at_token)
-        if self.deferred is not None:
-            raise self.deferred
+    def _step(self, inputs: mx.array, index: int, status: Status) -> tuple[int, mx.array | None, Table]:
+        """One forward pass of every rank and the step's message: the token, and every rank's status.
 
-    def _step(self, inputs: mx.array, index: int, status: int) -> _StepResult:
-        """One forward pass of every rank and the all-gather that shares the token and every rank's status."""
+        Each communication is evaluated on its own, so that a lost rank fails
+        at once (:class:`PeerLostError`) rather than after the timeout: first
+        this rank's own part (its receive, layers and send), then the shared
+        head's all-gather, then the step's message built on them.
+        """
         stage = self.stage
         mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         offset = cache_offset(self.cache)
+        where = f"{stage.describe()} in decode step {index}"
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
-                stage.last_receive = None
+                stage.received.clear()
                 try:
-                    share, logprobs, hidden = self._build(inputs, index, status)
+                    part = self._build(inputs)
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
                     self.deferred = self.deferred or exc
-                    share, logprobs, hidden = self._stand_in(inputs, index), None, None
+                    status = Status.CHUNK_FAILED
+                    part = self._stand_in(inputs)
+                own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None)]
+                if self.share_logprobs:
+                    own.append(self._shared_logprobs(part))
                 if stage.world_size > 1:
-                    # This rank's own part first, its receive and send with it, evaluated before any collective
-                    # is built on it: a lost neighbour then fails that evaluation (PeerLostError) at once, where
-                    # a graph holding a receive and a collective waited out the timeout (MLX's ring backend).
-                    wait_for(
-                        [share, *([] if hidden is None else [hidden])],
-                        self.timeout,
-                        lambda: f"{stage.describe()} computing token {index}",
-                    )
+                    wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
+                payload = [own[-1]] if self.share_logprobs else []
                 if self.shares_head:
-                    share = self._with_head_share(share, hidden, index)
-                if stage.world_size > 1:
-                    share = mx.distributed.all_gather(share, group=stage.group)
+                    shard = cast(VocabShard, stage.vocab_shard)
+                    describe = lambda: f"{stage.describe()} sharing token {index}'s output head"  # noqa: E731
+                    payload.append(shared_head(shard, part.hidden, 1, stage.group, self.timeout, describe))
+                values: dict[str, int | mx.array] = {
+                    "index": index,
+                    "max_tokens": self.max_tokens,
+                    "stop_tokens": self.stop_fingerprint,
+                    "token": part.token if part.token is not None else 0,
+                    "shares_head": int(self.may_share_head),
+                }
+                gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
-            waited = [share] if logprobs is None or self.sampler is None else [share, logprobs]
-            wait_for(waited, self.timeout, lambda: f"{stage.describe()} decoding token {index}")
+            waited = [gathered] if part.logprobs is None or self.sampler is None else [gathered, part.logprobs]
+            wait_for(waited, self.timeout, lambda: where)
             stage.outstanding.clear()  # this pass is complete: nothing for the next one to wait for
         except Exception as exc:  # failed mid-evaluation: a peer may be inside this step's collectives
             stage.mark_broken(exc)
             raise
-        rows = _rows(share, stage.world_size)
-        _check_rows(rows, stage)
-        if any(int(row[2]) == STATUS_CHUNK_FAILED for row in rows):
+        table = DECODE.read(gathered, stage.world_size, where)
+        if table.ranks_with(Status.CHUNK_FAILED):
             trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
-        last = rows[-1]
+        logprobs = part.logprobs
         if self.share_logprobs and not stage.is_last:
-            logprobs = mx.array(last[len(HEADER) :])
+            logprobs = mx.array(table.payloads[-1])
         if self.shares_head:
-            (token,) = pick_tokens([row[len(HEADER) :] for row in rows])
+            (token,) = pick_tokens(table.payloads)
         else:
-            token = int(last[3])
+            token = table.last("token")
         if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
-            self.shares_head = all(int(row[HEADER.index("shares_head")]) for row in rows)
-            stage.decode_shares_head = self.shares_head
-        return _StepResult(token, logprobs, [int(row[2]) for row in rows])
+            self.shares_head = all(table["shares_head"])
+        return token, logprobs, table
 
-    def _stand_in(self, inputs: mx.array, index: int) -> mx.array:
-        """After a model error: take the step's input off the wire, pass zeros on, and say ``chunk failed``."""
+    def _shared_logprobs(self, part: _Part) -> mx.array:
+        """``share_logprobs``: the last rank's log-probabilities; zeros of the same size on the others."""
+        if part.logprobs is not None:
+            return part.logprobs
+        return mx.zeros((self.vocab_size,), dtype=mx.float32)
+
+    def _stand_in(self, inputs: mx.array) -> _Part:
+        """After a model error: take the step's input off the wire and send zeros on (:func:`~.failure.stand_in`)."""
         stage = self.stage
-        moved: list[mx.array] = []
-        if not stage.is_first:  # the failed pass may have built its receive already: that one must run
-            received = stage.last_receive
-            incoming = stage.wire_zeros(1, inputs.size, incoming=True)
-            moved.append(
-                received
-                if received is not None
-                else mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)
-            )
-        if not stage.is_last:
-            moved.append(
-                mx.distributed.send(stage.wire_zeros(1, inputs.size, incoming=False), stage.rank + 1, group=stage.group)
-            )
-        header = mx.array([*self._header(index, STATUS_CHUNK_FAILED)])
-        share = cast(mx.array, mx.depends(header.astype(mx.float32), moved))  # pyright: ignore[reportUnknownMemberType]
-        if self.share_logprobs:
-            share = mx.concatenate([share, mx.zeros((self.vocab_size,), dtype=mx.float32)])
-        return share
+        received, outgoing = stand_in(stage, 1, inputs.size)
+        sent = [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
+        return _Part(moved=[*received, *sent])
 
-    def _header(self, index: int, status: int) -> list[float]:
-        """This rank's header row for step ``index`` (the token, filled in by the last rank, is 0 here)."""
-        return [DECODE_KIND, index, status, 0, self.max_tokens, self.stop_fingerprint, int(self.may_share_head)]
-
-    def _build(self, inputs: mx.array, index: int, status: int) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """This rank's part of a step, lazily: the share for the all-gather, (last rank) the logprobs, and
-        (last rank, when the ranks share the head) the final hidden state."""
+    def _build(self, inputs: mx.array) -> _Part:
+        """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
-        header = mx.array(self._header(index, status), dtype=mx.float32)
         if self.shares_head and stage.is_last:
             shard = cast(VocabShard, stage.vocab_shard)
             hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
             self.quantize(self.cache)
             logits = shard.full(hidden)  # read only with the logprobs
-            return header, logits - mx.logsumexp(logits, axis=-1, keepdims=True), hidden
+            return _Part(moved=[], logprobs=log_probabilities(logits).squeeze(0), hidden=hidden)
         output = cast(mx.array, self.model(inputs[None], cache=self.cache))
         self.quantize(self.cache)
+        self.vocab_size = output.shape[-1]
         if not stage.is_last:
-            # Issued after this rank's send, which is tied to its cache: evaluating the share sends.
+            # This rank's send is tied to its cache: evaluating the cache sends.
             leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
-            evaluated = [a for _, a in leaves if isinstance(a, mx.array)]
-            header = cast(mx.array, mx.depends(header, evaluated))  # pyright: ignore[reportUnknownMemberType]
-            if self.share_logprobs:
-                self.vocab_size = output.shape[-1]
-                header = mx.concatenate([header, mx.zeros((self.vocab_size,), dtype=mx.float32)])
-            return header, None, None
+            return _Part(moved=[a for _, a in leaves if isinstance(a, mx.array)])
         logits = output[:, -1, :]
         if self.logits_processors:
             self.history = inputs if self.history is None else mx.concatenate([self.history, inputs])
-            for processor in self.logits_processors:
-                logits = processor(self.history, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        # Greedy (no sampler): the argmax of the logits is the argmax of the log-probabilities, and the step
-        # need not wait for the vocabulary-wide logsumexp (1.2 ms on the CPU backend at 32000 entries).
-        chosen = _greedy(logits) if self.sampler is None else self.sampler(logprobs)
-        token = mx.reshape(chosen, (1,)).astype(mx.float32)
-        share = mx.concatenate([header[:3], token, header[4:]])
-        if self.share_logprobs:
-            self.vocab_size = logprobs.shape[-1]
-            share = mx.concatenate([share, mx.reshape(logprobs, (-1,)).astype(mx.float32)])
-        return share, logprobs.squeeze(0), None
-
-    def _with_head_share(self, share: mx.array, hidden: mx.array | None, index: int) -> mx.array:
-        """``share`` followed by this rank's largest logit and its id, for the last rank's ``hidden`` (zeros
-        on the other ranks and on a rank standing in): a collective, called once this rank's part is evaluated."""
-        stage = self.stage
-        shard = cast(VocabShard, stage.vocab_shard)
-        if hidden is None:
-            hidden = mx.zeros((1, shard.hidden_size), dtype=mx.float32)
-        pairs = shard.pairs(
-            hidden, stage.group, self.timeout, lambda: f"{stage.describe()} sharing token {index}'s output head"
-        )
-        return mx.concatenate([share, mx.reshape(pairs, (-1,))])
+            logits = processed(logits, self.history, self.logits_processors)
+        token, logprobs = choose(logits, self.sampler)
+        return _Part(moved=[], token=mx.reshape(token, (1,)), logprobs=logprobs.squeeze(0))
 
 
-def _decode_stop(statuses: list[int], n: int, *, stopped_at_token: bool) -> DecodeStop:
-    """Why a decode ended after ``n`` tokens, from the last step's statuses (which every rank holds alike)."""
-    failed = tuple(r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED))
-    asked = tuple(r for r, s in enumerate(statuses) if s == STATUS_CANCEL)
+def _decode_stop(table: Table, n: int, *, stopped_at_token: bool) -> DecodeStop:
+    """Why a decode ended after ``n`` tokens, from the last step's table (which every rank holds alike)."""
+    failed = table.ranks_with(Status.FAILED, Status.CHUNK_FAILED)
+    asked = table.ranks_with(Status.CANCEL)
     if failed:
         return DecodeStop("failed", n, failed)
     if asked:
         return DecodeStop("cancelled", n, asked)
     return DecodeStop("stop" if stopped_at_token else "length", n)
-
-
-def _rows(share: mx.array, world_size: int) -> list[list[float]]:
-    flat = cast(list[float], share.tolist())
-    width = len(flat) // world_size
-    return [flat[r * width : (r + 1) * width] for r in range(world_size)]
-
-
-def _check_rows(rows: list[list[float]], stage: PipelineStage) -> None:
-    """Raise :class:`PipelineMismatchError` (on every rank alike) when the ranks are not in the same decode step."""
-    columns = {name: [int(row[i]) if len(row) > i else -1 for row in rows] for i, name in enumerate(HEADER)}
-    if any(k != DECODE_KIND for k in columns["kind"]):
-        raise PipelineMismatchError(
-            f"{stage.describe()}: a rank is not decoding while the others are (all-gather kinds: {columns['kind']})"
-        )
-    for name in ("index", "max_tokens", "stop_tokens"):
-        if len(set(columns[name])) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(columns[name]))
-            raise PipelineMismatchError(f"ranks disagree on the decode's {name}: {shown}")
-    if len({len(row) for row in rows}) > 1:
-        raise PipelineError("ranks disagree on share_logprobs")

@@ -25,17 +25,11 @@ from ..schedule.plan import (
     check_prefill_args,
     default_agreement_spacing,
 )
-from .agreement import (
-    STATUS_CANCEL,
-    STATUS_CHUNK_FAILED,
-    STATUS_FAILED,
-    STATUS_OK,
-    agree_on_step,
-    agreed_offset,
-    handshake,
-)
+from .agreement import agree_on_step, agreed_offset, handshake
 from .caches import cache_state, cannot_quantize, counted_offset, trim_to
 from .calibrate import calibrate
+from .failure import stand_in
+from .protocol import Status, Table
 from .send_mode import send_mode
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
@@ -229,7 +223,7 @@ def _agree_on_auto_chunks(
     table = handshake(
         stage,
         AutoRequest(num_tokens),
-        STATUS_OK,
+        Status.OK,
         timeout,
         needs_calibration=stage.cost_model is None,
         cache_offset=prefix,
@@ -382,7 +376,7 @@ class _PlanRunner:
                         decode_settings=self.decode_settings,
                     )
                 self.prefix = agreed_offset(table)
-                self.stop_if_asked(table["status"], step=None)
+                self.stop_if_asked(table, step=None)
             elif isinstance(action, Send):
                 self.send(action)
             elif isinstance(action, Recv):
@@ -396,33 +390,33 @@ class _PlanRunner:
         if len(self.stage.send_queue) or self.stage.received:
             raise PipelineError(f"{self.stage.describe()}: the plan ended with sends or receives left over")
 
-    def status(self) -> int:
+    def status(self) -> Status:
         """This rank's word at an agreement point: failed, cancel, or OK."""
         if self.deferred is not None:
-            return STATUS_CHUNK_FAILED if self.failed_chunk is not None else STATUS_FAILED
+            return Status.CHUNK_FAILED if self.failed_chunk is not None else Status.FAILED
         if self.should_cancel is not None:
             try:
                 if self.should_cancel():
-                    return STATUS_CANCEL
+                    return Status.CANCEL
             except Exception as exc:
                 self.deferred = exc
-                return STATUS_FAILED
-        return STATUS_OK
+                return Status.FAILED
+        return Status.OK
 
-    def stop_if_asked(self, statuses: list[int], step: int | None, failed_chunks: list[int] | None = None) -> None:
+    def stop_if_asked(self, table: Table, step: int | None) -> None:
         """When any rank's status is not OK, leave a consistent state and raise, on every rank alike."""
-        if all(s == STATUS_OK for s in statuses):
+        if table.all_ok:
             return
         processed = 0 if step is None else self.plan.completed_after(step)
-        failed_at = [f for f in failed_chunks or [] if f >= 0]
+        failed_at = [f for f in table.columns.get("failed_chunk", []) if f >= 0]
         if failed_at:  # a chunk the model failed on (and every later one) is in no cache of that rank
             processed = min(processed, self.plan.chunks[min(failed_at)].start)
         self.stage.send_queue.discard()
         trimmed = trim_to(self.cache, self.prefix + processed)
         if self.deferred is not None:
             raise self.deferred
-        failed = [r for r, s in enumerate(statuses) if s in (STATUS_FAILED, STATUS_CHUNK_FAILED)]
-        asked = [r for r, s in enumerate(statuses) if s == STATUS_CANCEL]
+        failed = list(table.ranks_with(Status.FAILED, Status.CHUNK_FAILED))
+        asked = list(table.ranks_with(Status.CANCEL))
         where = "the handshake" if step is None else f"the agreement closing step {step}"
         reason = f"rank(s) {failed} raised an error" if failed else f"rank(s) {asked} asked to cancel"
         raise PrefillCancelled(
@@ -469,24 +463,18 @@ class _PlanRunner:
             self._stand_in(action)
 
     def _stand_in(self, action: Compute) -> None:
-        """This rank's part of ``action`` without its layers: receive the input, queue zeros for the next rank."""
+        """This rank's part of ``action`` without its layers (:func:`~.failure.stand_in`): the zeros are queued."""
         stage, chunk = self.stage, action.chunk
-        wanted = self.expected_receives
         self.expected_receives = 0
-        received, stage.received[:] = list(stage.received), []
-        stage.send_queue.discard()  # whatever the failed pass queued
-        if wanted and not received:
-            with mx.stream(stage.compute_stream):
-                incoming = stage.wire_zeros(1, chunk.length, incoming=True)
-                received = [mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)]
+        received, outgoing = stand_in(stage, 1, chunk.length)
         if received:
             wait_for(
                 received,
                 self.timeout,
                 lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
             )
-        if not stage.is_last:
-            stage.send_queue.put(stage.wire_zeros(1, chunk.length, incoming=False), stage.rank + 1)
+        if outgoing is not None:
+            stage.send_queue.put(outgoing, stage.rank + 1)
 
     def _compute(self, action: Compute) -> None:
         chunk, stage = action.chunk, self.stage
@@ -529,8 +517,8 @@ class _PlanRunner:
             queue.mark_complete()
         with self.tracer.span("agree", step=action.step):
             failed = -1 if self.failed_chunk is None else self.failed_chunk
-            statuses, failed_chunks = agree_on_step(stage, action.step, self.status(), self.timeout, failed)
-        self.stop_if_asked(statuses, action.step, failed_chunks)
+            table = agree_on_step(stage, action.step, self.status(), self.timeout, failed)
+        self.stop_if_asked(table, action.step)
 
     def progress(self, action: Progress) -> None:
         if self.progress_callback is None or self.deferred is not None:

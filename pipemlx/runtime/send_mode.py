@@ -35,6 +35,8 @@ def send_mode(model: nn.Module, mode: SendMode) -> Generator[SendQueue, None, No
     previous = stage.mode
     if previous == "queue" and mode == "immediate":
         queue.flush()
+    if previous == "immediate":
+        stage.received.clear()  # an immediate pass's receive: evaluated with that pass, not the block's to wait for
     stage.set_mode(mode)
     try:
         yield queue

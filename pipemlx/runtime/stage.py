@@ -15,8 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnkno
 
 from ..errors import NotShardedError, PipelineError
 from .caches import attach_dependency
+from .sampling import VocabShard
 from .send_queue import SendQueue
-from .vocab_head import VocabShard
 from .waits import wait_for_scheduled
 
 
@@ -71,8 +71,7 @@ class PipelineStage:
         self.timeout = timeout
         self.compute_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.send_queue = SendQueue(group, mx.new_thread_unsafe_stream(mx.default_device()))
-        self.received: list[mx.array] = []
-        self.last_receive: mx.array | None = None  # the latest receive built, whatever the mode
+        self.received: list[mx.array] = []  # the receives built and not yet waited for (immediate mode: the last)
         self.broken: str | None = None
         self.hidden_size = 0
         self.dtype: mx.Dtype | None = None
@@ -89,9 +88,6 @@ class PipelineStage:
         # make_cache that gives its first layer the lent heads' cache too (see new_cache).
         self.bounded_caches: Callable[[int], list[Any]] | None = None
         self.vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes
-        self.decode_shares_head = (
-            False  # whether the latest generate_step decode shared the head (after its first token)
-        )
         # Widths of the messages from the previous rank and to the next one (0: hidden_size); lend_heads
         # widens them: a lending rank sends its kept heads' outputs beside the hidden state.
         self.incoming_width = 0
@@ -102,7 +98,6 @@ class PipelineStage:
         self._executing_plan = False
         self.outstanding: deque[mx.array] = deque(maxlen=OUTSTANDING_OUTPUTS)
         self.open_request: OpenRequest | None = None
-        self.last_stop: Any = None  # a pipemlx.runtime.generate.DecodeStop once a decode has ended
         self.cost_model: Any = None  # set by pipemlx.runtime.calibrate once the group has calibrated
         if self.world_size > 1:
             _LIVE_STAGES.add(self)
@@ -262,9 +257,15 @@ class PipelineStage:
         if self._mode == "immediate":
             self._check_previous_pass()
         received = mx.distributed.recv(shape, like.dtype, self.rank - 1, group=self.group)
-        self.last_receive = received
-        if self._mode == "queue":
-            self.received.append(received)
+        if self._mode == "immediate":  # one receive per pass: only the latest can still be waited for
+            self.received.clear()
+        self.received.append(received)
+        return received
+
+    def take_received(self) -> list[mx.array]:
+        """The receives built since they were last taken (the prefill executor and the stand-ins wait on them)."""
+        received = list(self.received)
+        self.received.clear()
         return received
 
     def emit(self, output: mx.array, cache: Any) -> mx.array:

@@ -80,9 +80,10 @@ def reuse_prefix(
     # S=3 shares them with every rank (the head stays on the last rank).
     stage = pipemlx.stage_of(model)
     shared = stage.world_size == 3
-    for token, lp in pipemlx.generate_step(
+    decoding = pipemlx.generate_step(
         prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=shared
-    ):
+    )
+    for token, lp in decoding:
         tokens.append(token)
         if shared or stage.is_last:
             logprobs.append(cast(mx.array, lp))
@@ -95,7 +96,7 @@ def reuse_prefix(
         "tokens": tokens,
         "ref_tokens": ref_tokens,
         "logprob_diff": largest_difference(logprobs, ref_logprobs),
-        "shared_head": stage.decode_shares_head,
+        "shared_head": decoding.shared_head,
     }
 
 

@@ -174,11 +174,13 @@ class Server:
                 "outcome": type(exc).__name__,
                 "in_prefill": bool({"pipeline_prefill", "prefill_before_decode"} & set(frames)),
             }
-        del generator  # a generator left by ``break`` closes here, running the agreed stop
-        last = pipemlx.stage_of(self.model).last_stop
+        if not (stop and stop["how"] == "abandon"):
+            generator.close()  # a generator left by ``break`` closes here, running the agreed stop
+        last = generator.stop  # why it ended (None while an abandoned one waits for the next command)
         outcome["last_stop"] = None if last is None else [last.reason, last.tokens, list(last.ranks)]
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
-        answer["shared_head"] = pipemlx.stage_of(self.model).decode_shares_head
+        answer["shared_head"] = generator.shared_head
+        del generator
         answer["histories"] = recorder.histories
         if stop and stop["how"] == "abandon":
             answer["offset"] = None  # the agreed stop runs when the next command settles the stage

@@ -1,6 +1,9 @@
-"""The output head cut by vocabulary among the ranks, for greedy decoding.
+"""Choosing tokens: greedy picking, samplers, logits processors, and the output head shared for greedy decodes.
 
-Decoding a token is bound by reading weights, and the output head is often
+Used alike by :func:`pipemlx.generate_step` (one row) and the ticks of
+:class:`pipemlx.BatchGenerator` (a row per request).
+
+The shared head. Decoding a token is bound by reading weights, and the output head is often
 the largest matrix of all (32000 x 512 on the benchmark model: as many bytes
 as five of its decoder layers), which the last rank alone applied after its
 layers, while the others waited. With the head on every rank
@@ -15,7 +18,7 @@ each logit is computed from the same row of the head and the same hidden state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .waits import wait_for
+
+Sampler = Callable[[mx.array], mx.array]
+"""mlx-lm's sampler: log-probabilities ``[rows, vocabulary]`` to token ids."""
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+"""mlx-lm's logits processor: ``(tokens so far, logits) -> logits``."""
 
 SHARE_WIDTH = 2
 """What a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id."""
@@ -86,3 +94,63 @@ def pick_tokens(best: list[list[float]]) -> list[int]:
         tied = [index for value, index in pairs if value == top] or [pairs[0][1]]  # none: a NaN logit
         tokens.append(int(min(tied)))
     return tokens
+
+
+def greedy(logits: mx.array) -> mx.array:
+    """The largest entry's id per row: the token greedy decoding picks from logits or log-probabilities alike."""
+    return mx.argmax(logits, axis=-1)
+
+
+def log_probabilities(logits: mx.array) -> mx.array:
+    """``logits`` normalised per row (what mlx-lm's samplers and ``logprobs`` are)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def processed(logits: mx.array, context: mx.array, processors: Sequence[LogitsProcessor]) -> mx.array:
+    """``logits`` (one row) after each of ``processors``, which see ``context``: the tokens so far."""
+    for processor in processors:
+        logits = processor(context, logits)
+    return logits
+
+
+def choose(logits: mx.array, sampler: Sampler | None) -> tuple[mx.array, mx.array]:
+    """The token ids and the log-probabilities of ``logits`` (lazy): greedy when ``sampler`` is ``None``.
+
+    Greedy takes the argmax of the logits themselves: the same ids, and the
+    step need not wait for the vocabulary-wide ``logsumexp``, which is computed
+    only if the log-probabilities are read.
+    """
+    logprobs = log_probabilities(logits)
+    return (greedy(logits) if sampler is None else sampler(logprobs)), logprobs
+
+
+def sample_rows(logprobs: mx.array, samplers: Sequence[Sampler | None]) -> mx.array:
+    """Row ``i`` of ``logprobs`` sampled with ``samplers[i]`` (``None``: greedy); one call when all are one."""
+    first = samplers[0]
+    if all(s is first for s in samplers):
+        sampled = greedy(logprobs) if first is None else first(logprobs)
+        return mx.reshape(sampled, (-1,))
+    rows = [
+        mx.reshape(greedy(logprobs[i : i + 1]) if s is None else s(logprobs[i : i + 1]), (-1,))
+        for i, s in enumerate(samplers)
+    ]
+    return mx.concatenate(rows)
+
+
+def shared_head(
+    shard: VocabShard,
+    hidden: mx.array | None,
+    rows: int,
+    group: mx.distributed.Group,
+    timeout: float | None,
+    describe: Callable[[], str],
+) -> mx.array:
+    """This rank's part of a shared head's step, flattened: per row, its largest logit and that logit's id.
+
+    ``hidden`` is the last rank's final hidden states (``None`` on the other
+    ranks and on a rank standing in: zeros are sent). A collective: every rank
+    calls it once its own part of the step is evaluated (:meth:`VocabShard.pairs`).
+    """
+    if hidden is None:
+        hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)
+    return mx.reshape(shard.pairs(hidden, group, timeout, describe), (-1,))
