@@ -661,10 +661,10 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
     engine = pipemlx.BatchGenerator(model, max_tokens=3)
     engine.insert([[1, 2, 3]])
 
-    def disagree(flat: list[float], rows: int, stage: Any, sharing: bool) -> Any:
+    def disagree(table: Any, rows: int, sharing: bool) -> Any:
         raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
 
-    monkeypatch.setattr(batch_tick, "_outcome", disagree)
+    monkeypatch.setattr(batch_tick, "outcome_of", disagree)
     with pytest.raises(pipemlx.PipelineMismatchError, match="start every rank again"):
         engine.next()
     monkeypatch.undo()
@@ -672,37 +672,45 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
         next(pipemlx.generate_step(mx.array([1, 2, 3]), model, max_tokens=2))
 
 
+def tick_rows(*rows: tuple[dict[str, int], list[float]]) -> mx.array:
+    """The all-gather of a batch tick's rows: each a header (by field name) and a payload."""
+    from pipemlx.runtime.protocol import TICK
+
+    return mx.concatenate([TICK.row(values, payload=[mx.array(payload)]) for values, payload in rows])
+
+
 def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() -> None:
     """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
-    from pipemlx.runtime.batch_tick import BATCH_KIND, HEADER, _outcome  # pyright: ignore[reportPrivateUsage]
+    from pipemlx.runtime.batch_tick import outcome_of
+    from pipemlx.runtime.protocol import TICK
 
-    def row(lend: int, heads: int = 0) -> list[float]:
-        fields = {"kind": BATCH_KIND, "tick": 0, "rows": 1, "lend_mlp": lend, "lend_heads": heads}
-        return [float(fields.get(name, 0)) for name in HEADER] + [7.0]
+    def row(lend: int, heads: int = 0) -> tuple[dict[str, int], list[float]]:
+        return {"tick": 0, "rows": 1, "lend_mlp": lend, "lend_heads": heads}, [7.0]
 
-    stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
-    assert _outcome(row(1) + row(1), 1, stage, False)[0].tokens == [7]
+    def read(gathered: mx.array) -> Any:
+        return TICK.read(gathered, 2, "batch tick 0")
+
+    assert outcome_of(read(tick_rows(row(1), row(1))), 1, False)[0].tokens == [7]
     with pytest.raises(pipemlx.PipelineMismatchError, match="lend_mlp: rank 0: 1, rank 1: 0"):
-        _outcome(row(1) + row(0), 1, stage, False)
+        read(tick_rows(row(1), row(0)))
     with pytest.raises(pipemlx.PipelineMismatchError, match="lend_heads: rank 0: 1, rank 1: 0"):
-        _outcome(row(1, 1) + row(1), 1, stage, False)
+        read(tick_rows(row(1, 1), row(1)))
 
 
 def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_rank_is_greedy() -> None:
     """Each rank adds [largest logit, its id] per row; the last rank's own tokens count when it sampled."""
-    from pipemlx.runtime.batch_tick import BATCH_KIND, HEADER, _outcome  # pyright: ignore[reportPrivateUsage]
+    from pipemlx.runtime.batch_tick import outcome_of
+    from pipemlx.runtime.protocol import TICK
 
-    def row(greedy: int, tokens: list[float], pairs: list[float]) -> list[float]:
-        fields = {"kind": BATCH_KIND, "tick": 3, "rows": 2, "greedy": greedy}
-        return [float(fields.get(name, 0)) for name in HEADER] + tokens + pairs
+    def row(greedy: int, tokens: list[float], pairs: list[float]) -> tuple[dict[str, int], list[float]]:
+        return {"tick": 3, "rows": 2, "greedy": greedy}, tokens + pairs
 
-    stage = pipemlx.stage_of(pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2)))  # type: ignore[arg-type]
     first = row(1, [0, 0], [2.5, 10, 1.0, 20])
     last = row(1, [0, 0], [2.5, 90, 3.0, 95])
-    outcome, greedy = _outcome(first + last, 2, stage, True)
+    outcome, greedy = outcome_of(TICK.read(tick_rows(first, last), 2, "tick"), 2, True)
     assert outcome.tokens == [10, 95] and greedy  # a tie goes to the lower id; every rank greedy: share next
     sampled = row(0, [41, 42], [9.0, 90, 9.0, 95])
-    outcome, greedy = _outcome(first + sampled, 2, stage, True)
+    outcome, greedy = outcome_of(TICK.read(tick_rows(first, sampled), 2, "tick"), 2, True)
     assert outcome.tokens == [41, 42] and not greedy
 
 

@@ -56,7 +56,7 @@ APPROXIMATE_PEAK = {
     "falcon_h1": "the Mamba scan",
     "nemotron_h": "the Mamba scan",
 }
-"""Families whose chunk peak has more than the dense attention model counts (measured up to 2x on tiny models)."""
+"""Families whose chunk peak has more than the dense attention model counts (see docs/planning.md)."""
 
 
 FULL_ATTENTION = frozenset(

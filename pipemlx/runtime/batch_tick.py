@@ -176,7 +176,7 @@ class TickRunner:
                 raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
         try:
-            table = TICK.read(gathered, stage.world_size, where)
+            outcome, greedy = outcome_of(TICK.read(gathered, stage.world_size, where), work.rows, sharing)
         except PipelineMismatchError as exc:
             # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
             # on a link, and every later message on it would be read shifted (wrong tokens, no error).
@@ -186,7 +186,6 @@ class TickRunner:
                 "this rank's links cannot be trusted: exit and start every rank again (and make every rank "
                 "call the BatchGenerator alike)"
             ) from exc
-        outcome, greedy = outcome_of(table, work.rows, sharing)
         self.shares_head = greedy and work.rows > 0
         return outcome
 

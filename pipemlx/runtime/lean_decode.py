@@ -1,9 +1,4 @@
-"""lean_generate_step: token ids only, kept for code written against pipemlx 0.1.
-
-:func:`pipemlx.generate_step` now decodes this way by default (only the last
-rank applies the head and samples; the token id travels) and adds bounded
-waits and agreed stops; this wrapper yields its token ids.
-"""
+"""lean_generate_step: :func:`pipemlx.generate_step`'s token ids alone, for callers that want no log-probabilities."""
 
 from __future__ import annotations
 

@@ -155,10 +155,15 @@ class Message:
         header = mx.array(numbers, dtype=mx.int32)
         if not lazy:
             return header
-        parts = [
-            mx.reshape(lazy[i], (1,)).astype(mx.int32) if i in lazy else mx.array([n], dtype=mx.int32)
-            for i, n in enumerate(numbers)
-        ]
+        parts: list[mx.array] = []
+        start = 0
+        for i in sorted(lazy):  # the constants between the lazy values as whole arrays
+            if i > start:
+                parts.append(mx.array(numbers[start:i], dtype=mx.int32))
+            parts.append(mx.reshape(lazy[i], (1,)).astype(mx.int32))
+            start = i + 1
+        if start < len(numbers):
+            parts.append(mx.array(numbers[start:], dtype=mx.int32))
         return mx.concatenate(parts)
 
     def row(

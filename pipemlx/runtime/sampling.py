@@ -3,10 +3,9 @@
 Used alike by :func:`pipemlx.generate_step` (one row) and the ticks of
 :class:`pipemlx.BatchGenerator` (a row per request).
 
-The shared head. Decoding a token is bound by reading weights, and the output head is often
-the largest matrix of all (32000 x 512 on the benchmark model: as many bytes
-as five of its decoder layers), which the last rank alone applied after its
-layers, while the others waited. With the head on every rank
+The shared head. Decoding a token is bound by reading weights, and the output
+head can be the largest matrix of all; applied by the last rank alone, it
+makes the other ranks wait. With the head on every rank
 (``shard_model``'s default ``head="all"``) and greedy decoding, every rank
 can take a share: the last rank's final (normed) hidden state goes to all
 ranks in a small all-gather, each rank multiplies it by its own rows of the
@@ -64,9 +63,9 @@ class VocabShard:
         after its own part of the step is evaluated. The all-gather that brings
         the last rank's rows to every rank is evaluated here on its own (a
         bounded wait, ``describe()`` naming it), before any later collective is
-        built on it: measured on MLX's ring backend, a graph holding two
-        collectives hangs when a peer dies during the first, while a graph
-        holding one fails with the lost connection.
+        built on it: on MLX's ring backend a graph holding two collectives
+        hangs when a peer dies during the first, while a graph holding one
+        fails with the lost connection (docs/design.md, "Decoding").
         """
         gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
         last = gathered[-hidden.shape[0] :]

@@ -33,10 +33,9 @@ def issue(arrays: Any, timeout: float | None, describe: Callable[[], str]) -> No
     """Hand ``arrays`` to MLX to evaluate in the background (``mx.async_eval``), raising after ``timeout`` seconds.
 
     ``mx.async_eval`` itself blocks while MLX has too many tasks in flight:
-    measured, a 200-operation graph behind a receive its peer had not sent
-    yet kept ``async_eval`` from returning for the 4.2 s until the peer sent,
-    while a 5-operation one returned at once. A forward pass of a model is
-    such a graph, so issuing one that starts with a receive is a wait like
+    a large graph behind a receive its peer has not sent yet keeps it from
+    returning until the peer sends. A forward pass of a model is such a
+    graph, so issuing one that starts with a receive is a wait like
     any other: it runs in a helper thread and fails with
     :class:`PipelineTimeoutError` (or :class:`PeerLostError`) rather than hang.
     """
