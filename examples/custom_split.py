@@ -21,6 +21,7 @@ from mlx_lm.utils import load
 import pipemlx
 from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
+from pipemlx.runtime.stage import stage_of
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -28,7 +29,7 @@ def run_rank(args: argparse.Namespace) -> None:
     model, tokenizer = load(args.model, lazy=True)
     split = [int(n) for n in args.split.split(",")] if args.split else None
     pipemlx.shard_model(model, group, split=split)  # ValueError naming the problem if split does not fit
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
     cache = make_prompt_cache(model)
     pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size)
@@ -40,9 +41,9 @@ def run_rank(args: argparse.Namespace) -> None:
             json.dumps(
                 {
                     "rank": group.rank(),
-                    "split": list(stage.split),
+                    "split": list(stage.info.split),
                     "step_size": args.step_size,
-                    "layers": [stage.layers.start, stage.layers.stop],
+                    "layers": [stage.info.layers.start, stage.info.layers.stop],
                     "tokens": tokens,
                 }
             ),

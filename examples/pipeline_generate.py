@@ -22,6 +22,7 @@ from mlx_lm.utils import load
 import pipemlx
 from pipemlx.demo import MODEL_DIR, book_text, default_prompt
 from pipemlx.launch import init_group, relaunch_as_ranks
+from pipemlx.runtime.stage import stage_of
 
 
 def run_rank(args: argparse.Namespace) -> None:
@@ -50,13 +51,13 @@ def run_rank(args: argparse.Namespace) -> None:
     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
     tokens = [int(token) for token, _ in steps]
 
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     if args.json:
         print(
             json.dumps(
                 {
                     "rank": rank,
-                    "layers": [stage.layers.start, stage.layers.stop],
+                    "layers": [stage.info.layers.start, stage.info.layers.stop],
                     "step_size": args.step_size,
                     "tokens": tokens,
                 }

@@ -1,11 +1,17 @@
 """pipemlx: pipeline parallelism for mlx-lm models, with overlapped long-prompt prefill.
 
-On every rank::
+On every rank of an ``mx.distributed`` group::
 
-    pipemlx.shard_model(model, group)
-    cache = mlx_lm.models.cache.make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=512)
-    for token, logprobs in mlx_lm.generate.generate_step(prompt[-1:], model, prompt_cache=cache): ...
+    model, tokenizer = pipemlx.load_sharded(path, group)  # this rank reads only its layers
+    for token, logprobs in pipemlx.generate_step(prompt, model, prefill_step_size=512): ...
+
+What is exported here is what an engine needs: loading and sharding (``load_sharded``,
+``shard_model``), one request (``generate_step``, ``stream_generate``), many at once
+(``BatchGenerator``), the prefill alone with mlx-lm's own decode after it
+(``pipeline_prefill``, ``send_mode`` and its ``SendQueue``), and the errors. The
+per-rank state stays reachable by module path for tools and tests
+(``pipemlx.runtime.stage.stage_of``, ``pipemlx.runtime.stage.PipelineStage``), as does
+``pipemlx.runtime.lean_decode.lean_generate_step``.
 """
 
 from .errors import (
@@ -20,11 +26,9 @@ from .models.loading import load_sharded
 from .models.sharding import shard_model
 from .runtime.batch import BatchGenerator
 from .runtime.generate import generate_step, stream_generate
-from .runtime.lean_decode import lean_generate_step
 from .runtime.prefill import pipeline_prefill
 from .runtime.send_mode import send_mode
 from .runtime.send_queue import SendQueue
-from .runtime.stage import PipelineStage, stage_of
 
 __version__ = "0.1.0"
 
@@ -34,16 +38,13 @@ __all__ = [
     "PeerLostError",
     "PipelineError",
     "PipelineMismatchError",
-    "PipelineStage",
     "PipelineTimeoutError",
     "PrefillCancelled",
     "SendQueue",
     "generate_step",
-    "lean_generate_step",
     "load_sharded",
     "pipeline_prefill",
     "send_mode",
     "shard_model",
-    "stage_of",
     "stream_generate",
 ]

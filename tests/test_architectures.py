@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.models.architectures import ARCHITECTURES, bookkeeping_attributes, check_architecture
 from pipemlx.models.sharding import find_layer_list
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, model_classes, tiny_config
 
 # arch -> split per world size (None: even). Every architecture runs at S=2; S=3 (a middle rank that both
@@ -110,7 +111,7 @@ def test_nemotron_h_with_cacheless_blocks_is_refused_before_any_change() -> None
         pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
     assert list(model.layers) == layers
     with pytest.raises(pipemlx.NotShardedError):
-        pipemlx.stage_of(model)
+        stage_of(model)
 
 
 def test_nemotron_h_of_mamba_and_attention_only_shards() -> None:

@@ -16,6 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.runtime.caches import quantized_dims
 from pipemlx.runtime.prefill import check_kv_quantization
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -46,7 +47,7 @@ from pipemlx.testing import build_model, tiny_config
 )
 def test_bad_prefill_arguments(prompt: Any, kwargs: dict[str, Any], error: type[Exception], words: str) -> None:
     model = sharded_tiny(rank=1, size=2)
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     with pytest.raises(error, match=words):
         pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), **kwargs)
     assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
@@ -57,7 +58,7 @@ def test_bad_max_kv_size_is_named_before_anything_runs(size: Any) -> None:
     model = sharded_tiny(rank=0, size=2)
     with pytest.raises(ValueError, match=f"max_kv_size must be a positive int or None, got {size!r}"):
         pipemlx.generate_step(tokens(9), model, max_kv_size=size)
-    assert len(pipemlx.stage_of(model).send_queue) == 0
+    assert len(stage_of(model).send_queue) == 0
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_bad_kv_quantization_is_named_before_anything_runs(group_size: int, word
         ValueError, match=f"cannot quantize the KV cache with kv_bits=4, kv_group_size={group_size}: .*{words}"
     ):
         pipemlx.generate_step(tokens(9), model, kv_bits=4, kv_group_size=group_size)
-    assert len(pipemlx.stage_of(model).send_queue) == 0
+    assert len(stage_of(model).send_queue) == 0
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,7 @@ def test_every_rank_knows_the_whole_models_kv_widths(
 ) -> None:
     """So that a kv_group_size that fits no rank's heads is refused on every rank, whatever layers it holds."""
     model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(rank, 2), split=split)  # type: ignore[arg-type]
-    assert pipemlx.stage_of(model).kv_dims == dims
+    assert stage_of(model).info.kv_dims == dims
     if dims:
         with pytest.raises(ValueError, match=f"does not divide {min(dims)}"):
             pipemlx.pipeline_prefill(model, tokens(9), make_prompt_cache(model), kv_bits=4, kv_group_size=128)
@@ -115,12 +116,12 @@ def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exce
         pipemlx.shard_model(model, FakeGroup(0, 2), split=split)  # type: ignore[arg-type]
     assert list(model.layers) == layers_before
     with pytest.raises(pipemlx.NotShardedError):
-        pipemlx.stage_of(model)
+        stage_of(model)
 
 
 def test_numpy_split_is_accepted() -> None:
     model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
-    assert pipemlx.stage_of(model).split == (4, 2)
+    assert stage_of(model).info.split == (4, 2)
     assert len(model.layers) == 2
 
 
@@ -200,7 +201,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
     Refused even for a prompt of 3 tokens that never reaches quantized_kv_start (the default 5000).
     """
     model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2))  # type: ignore[arg-type]
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     prompt = tokens(3)
     with pytest.raises(ValueError, match=ROTATING_REFUSED):
         if call == "pipeline_prefill":
@@ -210,7 +211,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
         else:
             pipemlx.stream_generate(model, _word_tokenizer(tmp_path), prompt, kv_bits=4)
     assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
-    assert stage.unquantizable == ((5, "RotatingKVCache"),)
+    assert stage.info.unquantizable == ((5, "RotatingKVCache"),)
     pipemlx.generate_step(prompt, model)  # without kv_bits: accepted (a generator; nothing runs yet)
 
 
@@ -221,11 +222,11 @@ def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> 
         ValueError, match=r"kv_bits=4: max_kv_size=64 gives every layer a RotatingKVCache, which mlx-lm"
     ):
         pipemlx.generate_step(tokens(9), model, kv_bits=4, max_kv_size=64)
-    assert len(pipemlx.stage_of(model).send_queue) == 0
+    assert len(stage_of(model).send_queue) == 0
     pipemlx.generate_step(tokens(9), model, max_kv_size=64)  # either alone is accepted
     pipemlx.generate_step(tokens(9), model, kv_bits=4)
     llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2))  # type: ignore[arg-type]
-    assert pipemlx.stage_of(llama).unquantizable_bounded == ()
+    assert stage_of(llama).info.unquantizable_bounded == ()
     pipemlx.generate_step(tokens(9), llama, kv_bits=4, max_kv_size=64)
 
 

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 import pipemlx
 from pipemlx.models.lending import LentHeadsCache, lend_feed_forwards
 from pipemlx.runtime.batch import fill_rows
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.batch_plan import Admission, EqualCostChunks
 from pipemlx.schedule.costmodel import LayerCosts
 from pipemlx.testing import build_model, tiny_config
@@ -655,7 +656,7 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
     generate_step on the group then gave wrong tokens, without an error (bytes left on the link). One rank
     here, the disagreement injected where the gathered headers are checked.
     """
-    import pipemlx.runtime.batch_tick as batch_tick
+    import pipemlx.runtime.batch.tick as batch_tick
 
     model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
     engine = pipemlx.BatchGenerator(model, max_tokens=3)
@@ -681,7 +682,7 @@ def tick_rows(*rows: tuple[dict[str, int], list[float]]) -> mx.array:
 
 def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() -> None:
     """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
-    from pipemlx.runtime.batch_tick import outcome_of
+    from pipemlx.runtime.batch.tick import outcome_of
     from pipemlx.runtime.protocol import TICK
 
     def row(lend: int, heads: int = 0) -> tuple[dict[str, int], list[float]]:
@@ -699,7 +700,7 @@ def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() ->
 
 def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_rank_is_greedy() -> None:
     """Each rank adds [largest logit, its id] per row; the last rank's own tokens count when it sampled."""
-    from pipemlx.runtime.batch_tick import outcome_of
+    from pipemlx.runtime.batch.tick import outcome_of
     from pipemlx.runtime.protocol import TICK
 
     def row(greedy: int, tokens: list[float], pairs: list[float]) -> tuple[dict[str, int], list[float]]:
@@ -842,7 +843,7 @@ def test_the_stream_is_the_stages_compute_stream_and_another_device_is_refused()
     from mlx_lm.generate import generation_stream
 
     _, model = one_rank("llama")
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     ours = stage.compute_stream.device
     for given in (None, generation_stream, mx.new_stream(ours), ours):
         assert pipemlx.BatchGenerator(model, stream=given).stream == stage.compute_stream

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from pipemlx.schedule.batch_plan import (
     Admission,
     AdmissionLimits,
-    Chunk,
     EqualCostChunks,
-    Job,
-    PlanState,
+    QueuedPrompt,
     Tick,
+    TickChunk,
+    TickState,
     drop,
     enqueue,
     plan_tick,
@@ -54,9 +54,11 @@ class Scenario:
     prefill_rows: int | None = None  # prefill_batch_size: requests started and not yet decoding at once
     cuts: tuple[int, ...] = ()  # segment boundaries of every request (those inside its prompt)
 
-    def job(self, uid: int) -> Job:
+    def queued(self, uid: int) -> QueuedPrompt:
         _, positions, tokens = self.arrivals[uid]
-        return Job(uid, positions, positions + 1 + tokens, tuple(c for c in sorted(set(self.cuts)) if c <= positions))
+        return QueuedPrompt(
+            uid, positions, positions + 1 + tokens, tuple(c for c in sorted(set(self.cuts)) if c <= positions)
+        )
 
     @property
     def sizes(self) -> int | EqualCostChunks:
@@ -82,14 +84,14 @@ scenarios = st.builds(
 
 def drive(s: Scenario, limit: int = 400) -> Run:
     """Drive plan_tick the way BatchGenerator does; decoding requests leave after their decode tokens."""
-    state = PlanState(s.world_size)
+    state = TickState(s.world_size)
     memory = None if s.budget is None else Admission((1,) * s.world_size, (s.budget,) * s.world_size)
     admission = None if memory is None and s.max_rows is None else AdmissionLimits(memory, s.max_rows)
     run = Run()
     decoding: dict[int, list[int]] = {}  # uid -> [reserve, tokens left]
-    jobs = {i: s.job(i) for i in range(len(s.arrivals))}
+    queued = {i: s.queued(i) for i in range(len(s.arrivals))}
     for t in range(limit):
-        state = enqueue(state, [jobs[i] for i, a in enumerate(s.arrivals) if a[0] == t])
+        state = enqueue(state, [queued[i] for i, a in enumerate(s.arrivals) if a[0] == t])
         gone = {i for at, i in s.cancels if at == t and i < len(s.arrivals) and s.arrivals[i][0] <= t}
         gone -= run.cancelled | {u for u in run.joined if u not in decoding}
         if gone:
@@ -106,7 +108,7 @@ def drive(s: Scenario, limit: int = 400) -> Run:
         for uid in tick.joins:
             assert uid not in run.joined, f"request {uid} joins twice"
             run.joined[uid] = tick.index
-            decoding[uid] = [jobs[uid].reserve, s.arrivals[uid][2]]
+            decoding[uid] = [queued[uid].reserve, s.arrivals[uid][2]]
         run.peaks.append([r for r, _ in decoding.values()] + [state.reserves.get(u, 0) for u in state.prefilling])
         run.prefilling.append(state.prefilling)
         run.ticks.append(tick)
@@ -120,8 +122,8 @@ def drive(s: Scenario, limit: int = 400) -> Run:
     return run
 
 
-def computed(run: Run, rank: int) -> dict[int, list[Chunk]]:
-    chunks: dict[int, list[Chunk]] = {}
+def computed(run: Run, rank: int) -> dict[int, list[TickChunk]]:
+    chunks: dict[int, list[TickChunk]] = {}
     for tick in run.ticks:
         chunk = tick.chunks[rank]
         if chunk is not None:
@@ -218,16 +220,16 @@ def test_no_chunk_crosses_a_segment_boundary(s: Scenario) -> None:
                 assert not any(chunk.start < c < chunk.stop for c in s.cuts), (chunk, s.cuts)
 
 
-def test_job_boundaries_must_increase_inside_the_prompt() -> None:
-    assert Job(0, 10, boundaries=(3, 10)).chunk_stop(0, 8) == 3
-    assert Job(0, 10, boundaries=(3, 10)).chunk_stop(3, 8) == 10
+def test_queued_prompt_boundaries_must_increase_inside_the_prompt() -> None:
+    assert QueuedPrompt(0, 10, boundaries=(3, 10)).chunk_stop(0, 8) == 3
+    assert QueuedPrompt(0, 10, boundaries=(3, 10)).chunk_stop(3, 8) == 10
     for bad in ((3, 3), (5, 2), (0,), (11,)):
         with pytest.raises(ValueError, match="boundaries"):
-            Job(0, 10, boundaries=bad)
+            QueuedPrompt(0, 10, boundaries=bad)
 
 
 def test_the_simulator_finds_a_swapped_order_and_a_missing_receive() -> None:
-    tick = Tick(0, (), (Chunk(0, 0, 4, True), None), ())
+    tick = Tick(0, (), (TickChunk(0, 0, 4, True), None), ())
     good = [tick_ops(tick, 2, r, 2) for r in range(2)]
     assert run_ticks(good) == []
     receives = [op for op in good[1] if op.kind == "recv"]
@@ -239,17 +241,17 @@ def test_the_simulator_finds_a_swapped_order_and_a_missing_receive() -> None:
 
 
 def test_requests_wait_for_memory_in_order() -> None:
-    state = enqueue(PlanState(2), [Job(0, 4, 60), Job(1, 4, 60), Job(2, 0, 10)])
+    state = enqueue(TickState(2), [QueuedPrompt(0, 4, 60), QueuedPrompt(1, 4, 60), QueuedPrompt(2, 0, 10)])
     admission = Admission((1, 2), (1000, 200))  # rank 1: 2 bytes per position, 200 bytes: 100 positions
     tick, state = plan_tick(state, [], 8, None, admission)
-    assert tick.chunks[0] == Chunk(0, 0, 4, True)
+    assert tick.chunks[0] == TickChunk(0, 0, 4, True)
     tick, state = plan_tick(state, [], 8, None, admission)
     assert tick.chunks[0] is None, "request 1 does not fit beside request 0 (2 x 60 positions on rank 1)"
     assert state.queue[0].uid == 1, "and request 2, behind it, waits too"
     tick, state = plan_tick(state, [60], 8, None, admission)
     assert tick.joins == (0,) and tick.chunks[0] is None
     tick, state = plan_tick(state, [], 8, None, admission)  # request 0 has finished
-    assert tick.chunks[0] == Chunk(1, 0, 4, True)
+    assert tick.chunks[0] == TickChunk(1, 0, 4, True)
 
 
 @given(
@@ -278,10 +280,10 @@ def test_equal_cost_chunks_shrink_where_attention_dominates() -> None:
 
 def test_bad_plan_arguments() -> None:
     with pytest.raises(ValueError, match="chunk sizes"):
-        plan_tick(PlanState(2), [], 0)
+        plan_tick(TickState(2), [], 0)
     with pytest.raises(ValueError, match="positions"):
-        Job(0, -1)
+        QueuedPrompt(0, -1)
     with pytest.raises(ValueError, match="tokens"):
         EqualCostChunks(0, LayerCosts(0.0, 1.0, 0.0))
     with pytest.raises(ValueError, match="world_size"):
-        PlanState(0)
+        TickState(0)

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache, make_pro
 import pipemlx
 from pipemlx.models.lending import LentHeadsCache, lend_feed_forwards
 from pipemlx.runtime.calibrate import CALIBRATION_LENGTHS, FAR_LENGTHS, time_layer
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.autostep import choose_lent_heads
 from pipemlx.schedule.costmodel import (
     CostModel,
@@ -205,8 +206,10 @@ def test_a_lent_heads_cache_masks_and_batches_as_its_layers_cache() -> None:
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_borrowing_rank_makes_its_caches_as_mlx_lm_makes_the_whole_models(rank: int) -> None:
     model = pipemlx.shard_model(build_model(tiny_config("qwen2")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
-    stage = pipemlx.stage_of(model)
-    assert (stage.outgoing_width, stage.incoming_width) == ((64 + 2 * 16, 0) if rank == 0 else (0, 64 + 2 * 16))
+    stage = stage_of(model)
+    assert (stage.info.lending.outgoing_width, stage.info.lending.incoming_width) == (
+        (64 + 2 * 16, 0) if rank == 0 else (0, 64 + 2 * 16)
+    )
     for max_kv_size, kind in ((None, KVCache), (16, RotatingKVCache)):
         cache = stage.new_cache(model, max_kv_size)
         first = cache[0]
@@ -232,12 +235,12 @@ def test_the_cost_model_moves_the_lent_heads_attention_too() -> None:
 
 def test_the_lent_heads_cache_counts_in_the_batch_admissions_bytes_per_position() -> None:
     """BatchGenerator(memory_budget=...) counts a position's bytes in the lent heads' cache on the rank keeping it."""
-    from pipemlx.runtime.batch_memory import cache_bytes_per_position
+    from pipemlx.runtime.batch.memory import cache_bytes_per_position
 
     per_rank = []
     for rank in (0, 1):
         model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
-        per_rank.append(cache_bytes_per_position(model, pipemlx.stage_of(model)))
+        per_rank.append(cache_bytes_per_position(model, stage_of(model)))
     layer = 2 * 2 * 16 * 4  # keys and values, 2 key-value heads of 16 floats: 256 bytes per position and layer
     assert per_rank == [3 * layer - layer // 2, 3 * layer + layer // 2]
 
@@ -291,4 +294,4 @@ def test_lend_heads_auto_is_checked_before_anything_moves() -> None:
         pipemlx.shard_model(model, FakeGroup(0, 2), context=4096)  # type: ignore[arg-type]
     assert not hasattr(model, "_pipemlx_stage") and len(model.model.layers) == 6  # type: ignore[attr-defined]
     one = pipemlx.shard_model(model, FakeGroup(0, 1), lend_mlp=True, lend_heads="auto", context=4096)  # type: ignore[arg-type]
-    assert pipemlx.stage_of(one).lent_heads == 0  # one rank: no cut, nothing timed or sent
+    assert stage_of(one).info.lending.heads == 0  # one rank: no cut, nothing timed or sent

@@ -20,6 +20,7 @@ from mlx_lm.convert import convert
 
 import pipemlx
 from pipemlx.models.safetensors import model_bytes_from_dir
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.memory_split import plan_split
 from pipemlx.schedule.split import layer_range
 from pipemlx.testing import BASE_CONFIGS, build_model, save_model_dir, tiny_config, write_tokenizer
@@ -116,8 +117,8 @@ def test_load_sharded_names_what_is_missing(tmp_path: Path, small_models: dict[s
 
 def test_load_sharded_on_a_fake_rank_keeps_its_layers(small_models: dict[str, Path]) -> None:
     model, tokenizer = pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 3), split=[1, 2, 3])
-    stage = pipemlx.stage_of(model)
-    assert stage.layers == range(1, 3) and len(model.layers) == 2
+    stage = stage_of(model)
+    assert stage.info.layers == range(1, 3) and len(model.layers) == 2
     assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
     with pytest.raises(ValueError, match=r"split \[1, 2\] has 2 entries but the group has 3 ranks"):
         pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), split=[1, 2])
@@ -129,7 +130,7 @@ def test_load_sharded_passes_allow_unregistered_on(tmp_path: Path) -> None:
     with pytest.raises(pipemlx.PipelineError, match=r"pass allow_unregistered=True to shard_model \(or load_sharded\)"):
         pipemlx.load_sharded(path, FakeGroup(0, 2))
     model, _ = pipemlx.load_sharded(path, FakeGroup(1, 2), allow_unregistered=True)
-    assert pipemlx.stage_of(model).layers == range(2, 4)
+    assert stage_of(model).info.layers == range(2, 4)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from pipemlx.errors import PipelineError
 from pipemlx.models.memory import memory_model_from_config, memory_model_from_dir
 from pipemlx.models.parameters import flat_parameters, model_bytes_from_model
 from pipemlx.models.sharding import find_layer_list
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.memory_model import (
     Activations,
     LayerCache,
@@ -251,7 +252,7 @@ def test_head_last_refuses_mlx_lm_decoding_on_other_ranks() -> None:
         assert type(head).__name__ in ("HeadStandIn", "method")
         with pytest.raises(PipelineError, match="holds no output head"):
             head(hidden)  # mlx-lm's decoding: every rank computes the logits
-        with pipemlx.stage_of(model).without_broadcast():
+        with stage_of(model).without_broadcast():
             assert head(hidden).shape == (1, 3, 256)  # pipemlx's decoding: zeros, never read
     held_untied = sum(p.nbytes for _, p in flat_parameters(untied))
     assert held_untied == sum(p.nbytes for _, p in flat_parameters(untied.model))  # no lm_head weight left

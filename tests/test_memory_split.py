@@ -18,6 +18,7 @@ from pipemlx.cli.split import main as plan_main
 from pipemlx.models.parameters import model_bytes_from_model
 from pipemlx.models.safetensors import model_bytes_from_dir, read_safetensors_header
 from pipemlx.models.sharding import find_layer_list
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
@@ -241,13 +242,13 @@ def test_shard_model_follows_the_memory_plan() -> None:
     budgets = [bytes_.total, bytes_.total // 2]
     expected = plan_split(bytes_, 2, budgets).split
     sharded = pipemlx.shard_model(model, FakeGroup(1, 2), split="memory", memory=budgets)  # type: ignore[arg-type]
-    assert pipemlx.stage_of(sharded).split == expected and expected[0] > expected[1]
+    assert stage_of(sharded).info.split == expected and expected[0] > expected[1]
     implied = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), memory=budgets)  # type: ignore[arg-type]
-    assert pipemlx.stage_of(implied).split == expected
+    assert stage_of(implied).info.split == expected
     balanced = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), split="memory")  # type: ignore[arg-type]
-    assert pipemlx.stage_of(balanced).split == plan_split(bytes_, 2).split
+    assert stage_of(balanced).info.split == plan_split(bytes_, 2).split
     even = pipemlx.shard_model(build_model(config), FakeGroup(0, 3), split="even")  # type: ignore[arg-type]
-    assert pipemlx.stage_of(even).split == (3, 3, 2)
+    assert stage_of(even).info.split == (3, 3, 2)
 
 
 @pytest.mark.parametrize(

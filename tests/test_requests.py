@@ -23,6 +23,7 @@ from live_group import LiveGroup
 
 import pipemlx
 import pipemlx.runtime.generate as generate_module
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 TIMEOUT = 20.0
@@ -439,7 +440,7 @@ def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) 
     class OtherDevice:  # a GPU stream cannot be made on a machine without a GPU backend
         device = mx.Device(mx.gpu, 0)
 
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     with pytest.raises(
         ValueError, match=r"stream is on Device\(gpu, 0\), but rank 0/1 .* computes on Device\(cpu, 0\)"
     ):

@@ -9,19 +9,20 @@ from fakes import sharded_tiny, tokens
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
 def queue_one_send(model: object) -> None:
     """Rank 0 of 2 in queue mode, as the prefill executor drives it: one forward pass queues its output."""
-    with pipemlx.stage_of(model).executing_plan():  # type: ignore[arg-type]
+    with stage_of(model).executing_plan():  # type: ignore[arg-type]
         model(tokens(5)[None], cache=make_prompt_cache(model))  # type: ignore[operator]
 
 
 def test_a_forward_pass_in_queue_mode_outside_the_executor_is_refused() -> None:
     """Queue mode cannot produce wrong logits: the model refuses, and nothing stays queued."""
     model = sharded_tiny()
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     with pytest.raises(pipemlx.PipelineError, match="outside pipemlx.pipeline_prefill"):
         with pipemlx.send_mode(model, "queue"):
             model(tokens(5)[None], cache=make_prompt_cache(model))
@@ -30,12 +31,12 @@ def test_a_forward_pass_in_queue_mode_outside_the_executor_is_refused() -> None:
 
 def test_immediate_is_the_mode_outside_any_block() -> None:
     model = sharded_tiny()
-    assert pipemlx.stage_of(model).mode == "immediate"
+    assert stage_of(model).mode == "immediate"
 
 
 def test_exception_restores_mode_and_discards_queued_sends() -> None:
     model = sharded_tiny()
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     with pytest.raises(RuntimeError, match="boom"):
         with pipemlx.send_mode(model, "queue") as queue:
             queue_one_send(model)
@@ -47,7 +48,7 @@ def test_exception_restores_mode_and_discards_queued_sends() -> None:
 
 def test_nested_blocks_restore_the_outer_mode() -> None:
     model = sharded_tiny()
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     with pytest.raises(KeyError):
         with pipemlx.send_mode(model, "queue"):
             with pytest.raises(ValueError):
@@ -66,7 +67,7 @@ def test_unknown_mode_is_a_value_error_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="unknown send mode 'later'"):
         with pipemlx.send_mode(model, "later"):  # type: ignore[arg-type]
             pass
-    assert pipemlx.stage_of(model).mode == "immediate"
+    assert stage_of(model).mode == "immediate"
 
 
 def test_unsharded_model_is_a_clear_error() -> None:

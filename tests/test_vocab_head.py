@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -10,17 +9,18 @@ import mlx.nn as nn
 import pytest
 
 from pipemlx.models.vocab_head import vocab_shard
-from pipemlx.runtime.stage import PipelineStage
 from pipemlx.runtime.sampling import VocabShard, pick_tokens
+from pipemlx.runtime.stage import StageInfo
 from pipemlx.testing import build_model, tiny_config
 
 
-def stage_at(rank: int, world_size: int, model: Any) -> PipelineStage:
+def stage_at(rank: int, world_size: int, model: Any) -> StageInfo:
     """What :func:`vocab_shard` reads of a stage: its place, and the activations' width and dtype."""
-    hidden_size = int(model.model.norm.weight.shape[0])
-    return cast(
-        PipelineStage, SimpleNamespace(rank=rank, world_size=world_size, hidden_size=hidden_size, dtype=mx.float32)
-    )
+    return info(rank, world_size, int(model.model.norm.weight.shape[0]))
+
+
+def info(rank: int, world_size: int, hidden_size: int) -> StageInfo:
+    return StageInfo(rank, world_size, (), range(0), 0, None, hidden_size, mx.float32)
 
 
 def shards(model: Any, world_size: int) -> list[VocabShard]:
@@ -90,5 +90,4 @@ def test_pick_tokens_takes_the_largest_and_the_lowest_id_on_ties() -> None:
 def test_heads_that_are_not_plain_are_not_shared() -> None:
     for arch in ("gemma2", "granite", "falcon_h1"):  # soft-capped or scaled logits
         model: Any = build_model(tiny_config(arch), seed=0)
-        stage = cast(PipelineStage, SimpleNamespace(rank=0, world_size=2, hidden_size=8, dtype=mx.float32))
-        assert vocab_shard(model, stage) is None, arch
+        assert vocab_shard(model, info(0, 2, 8)) is None, arch

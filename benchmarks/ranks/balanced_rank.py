@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.runtime.calibrate import measure_speeds
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model
 
 
@@ -32,7 +33,7 @@ def main() -> None:
         pipemlx.shard_model(model, group, split="balanced", speeds=speeds)
     else:
         pipemlx.shard_model(model, group, split=spec["split"])
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     prompt = mx.random.randint(0, config["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
     mx.eval(prompt)
     times: list[float] = []
@@ -42,7 +43,7 @@ def main() -> None:
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=spec["step"])
         if attempt:  # the first is a warm-up
             times.append(time.perf_counter() - start)
-    report = {"rank": stage.rank, "split": list(stage.split), "speeds": speeds, "prefill_s": times}
+    report = {"rank": stage.rank, "split": list(stage.info.split), "speeds": speeds, "prefill_s": times}
     print(json.dumps(report), flush=True)
 
 

@@ -176,7 +176,7 @@ def main() -> None:
             {
                 "rank": rank,
                 "mode": mode,
-                "lent_heads": pipemlx.stage_of(model).lent_heads if mode == "pipemlx" else 0,
+                "lent_heads": stage_of(model).info.lending.heads if mode == "pipemlx" else 0,
                 "prefill_s": prefill,
                 "decode_tok_s": decode,
                 "decode_bytes_per_token": sent,

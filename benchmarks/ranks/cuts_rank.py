@@ -31,6 +31,7 @@ import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.observe.metrics import PrefillClock
 from pipemlx.runtime import prefill as prefill_module
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model
 
 
@@ -96,7 +97,7 @@ def main() -> None:
                 if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):
                     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=4)
                     tokens[sharding] = [int(t) for t, _ in steps]
-    lent = {label: pipemlx.stage_of(m).lent_heads for label, m in models.items() if not shardings[label].get("native")}
+    lent = {label: stage_of(m).info.lending.heads for label, m in models.items() if not shardings[label].get("native")}
     report = {"rank": rank, "seconds": seconds, "tokens": tokens, "auto": auto_chunks, "lent_heads": lent}
     print(json.dumps(report), flush=True)
 

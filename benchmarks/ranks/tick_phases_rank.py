@@ -3,7 +3,7 @@
 Spec: {"R", "M" (the decoding requests' prompts), "arrival_tokens", "chunk", "chunking", "config"}.
 R requests decode; after 10 undisturbed ticks, 10 more are timed; then an ``arrival_tokens`` prompt is
 inserted and every tick until its first token is timed. Each phase of
-``pipemlx.runtime.batch_tick.TickRunner.run`` that blocks (handing a graph to MLX, or the tick's all-gather)
+``pipemlx.runtime.batch.tick.TickRunner.run`` that blocks (handing a graph to MLX, or the tick's all-gather)
 is timed by wrapping ``TickRunner._issue`` and ``batch_tick.wait_for``; the rest of a tick is Python
 (planning, building graphs, bookkeeping). Prints one JSON line:
 {"rank", "ticks", "ttft", "undisturbed_ms": [...], "per_tick_ms": {phase: ms}, "python_ms"}.
@@ -22,7 +22,7 @@ import mlx.core as mx
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.runtime import batch_tick
+from pipemlx.runtime.batch import tick as batch_tick
 from pipemlx.testing import build_model
 
 PHASES = {

@@ -4,8 +4,7 @@
 streams the decoded text; ``pipemlx serve`` (:mod:`.serve`, over
 :mod:`pipemlx.serve`) is an OpenAI-compatible server over the ranks; ``pipemlx bench`` (:mod:`.bench`, its ranks run
 :mod:`.bench_rank`) compares one process with a 2-rank pipeline;
-``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is its old name, still
-accepted) proposes a layer split from each rank's memory (and the KV cache at a
+``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is an alias) proposes a layer split from each rank's memory (and the KV cache at a
 context, and each rank's speed); ``pipemlx doctor`` (:mod:`.doctor`) checks a
 cluster: versions, links, memory and a real prefill + decode. Without ``--model``
 they use the demo model shipped in :mod:`pipemlx.demo`. What the commands
@@ -105,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "split",
         aliases=["plan"],
         help="propose a layer split from each rank's memory (pipemlx split MODEL_DIR --ranks N --memory ...); "
-        "plan: its old name",
+        "plan: an alias",
         add_help=False,
     )
     return parser

@@ -222,6 +222,8 @@ def end_to_end(args: argparse.Namespace, group: Any) -> dict[str, Any]:
 
     import pipemlx
 
+    from ..runtime.stage import stage_of
+
     model, _ = pipemlx.load_sharded(
         args.model, group, split=args.split, timeout=args.timeout, allow_unregistered=args.allow_unregistered
     )
@@ -237,13 +239,13 @@ def end_to_end(args: argparse.Namespace, group: Any) -> dict[str, Any]:
             first.append(time.perf_counter())
         tokens.append(int(token))
     ended = time.perf_counter()
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     return {
         "prompt_tokens": DOCTOR_PROMPT_TOKENS,
         "tokens": tokens,
         "prefill_s": first[0] - started,
         "decode_tok_s": (len(tokens) - 1) / max(ended - first[0], 1e-9),
-        "split": list(stage.split),
+        "split": list(stage.info.split),
     }
 
 

@@ -94,8 +94,8 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     step_size: int = args.step_size or default_step_size(prompt.size, size)
     name = model_name(args.model)
     err.print(
-        f"[bold]pipemlx[/bold]: {name}, {stage.total_layers} layers on {size} rank{'s' if size > 1 else ''} "
-        f"(split {list(stage.split)}); prompt {prompt.size} tokens in chunks of {step_size}",
+        f"[bold]pipemlx[/bold]: {name}, {stage.info.total_layers} layers on {size} rank{'s' if size > 1 else ''} "
+        f"(split {list(stage.info.split)}); prompt {prompt.size} tokens in chunks of {step_size}",
         highlight=False,
         soft_wrap=True,
     )
@@ -145,7 +145,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         if rank == 0 and not args.json:
             sys.stdout.write(response.text)
             sys.stdout.flush()
-    figures = _gather_figures(group, stage.layers, rank)
+    figures = _gather_figures(group, stage.info.layers, rank)
     if rank != 0:
         return 0
     prefill_tps = prefill_tokens_per_s(prompt.size, prefill_s)
@@ -153,9 +153,9 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     if args.json:
         report = {
             "ranks": size,
-            "split": list(stage.split),
-            "lend_mlp": stage.lends_mlp,
-            "lend_heads": stage.lent_heads,
+            "split": list(stage.info.split),
+            "lend_mlp": stage.info.lending.mlp,
+            "lend_heads": stage.info.lending.heads,
             "prompt_tokens": prompt.size,
             "step_size": step_size,
             "prefill_s": prefill_s,

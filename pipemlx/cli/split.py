@@ -4,8 +4,8 @@ Without ``--context`` the split weighs parameter bytes only; with it, each
 rank's memory is its weights, its layers' KV cache at that context and one
 prefill chunk's peak (:mod:`pipemlx.schedule.memory_model`, ``docs/planning.md``),
 and the table shows the headroom and the longest context the split holds.
-``pipemlx plan`` is accepted as an alias (the command's old name; "plan" now
-means the prefill schedule, :mod:`pipemlx.schedule.plan`).
+``pipemlx plan`` is accepted as an alias (a *plan* elsewhere is the prefill
+schedule, :mod:`pipemlx.schedule.plan`; a *split* is how many layers each rank holds).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     """``pipemlx split MODEL_DIR [--ranks N] [--memory ...] [--context N] ...``: print the split as a table.
 
     ``argv`` holds the arguments after ``split``; ``prog`` names the command in
-    messages (``pipemlx plan`` when called by its old name). Returns 0, or 2
+    messages (``pipemlx plan`` when called by the alias). Returns 0, or 2
     (with one line on stderr) for bad arguments and for budgets that cannot
     hold the model: that line names the rank, what it needs and has, and the
     longest context that would fit.

@@ -45,7 +45,7 @@ from mlx_lm.models.cache import CacheList  # pyright: ignore[reportUnknownVariab
 
 from ..errors import PipelineError
 from ..runtime.calibrate import feed_forward_share, group_layer_costs, last_layer_share
-from ..runtime.stage import PipelineStage
+from ..runtime.stage import StageInfo
 from ..schedule.autostep import choose_lent_heads
 from ..schedule.costmodel import CostModel
 
@@ -290,10 +290,10 @@ def lendable_heads(layers: list[nn.Module], sizes: tuple[int, ...]) -> int:
 def auto_lent_heads(
     model: nn.Module,
     layers: list[nn.Module],
-    stage: PipelineStage,
+    info: StageInfo,
+    group: mx.distributed.Group,
     most: int,
     context: int | None,
-    timeout: float | None,
 ) -> int:
     """``lend_heads="auto"``: how many key-value heads (0 to ``most``) each cut moves, the count predicted to
     prefill ``context`` tokens (:data:`AUTO_LEND_TOKENS` if ``None``) soonest.
@@ -303,14 +303,14 @@ def auto_lent_heads(
     simulated with its best chunking (:func:`~pipemlx.schedule.autostep.choose_lent_heads`): the same count on
     every rank. A collective: every rank must pass ``"auto"``.
     """
-    costs = group_layer_costs(layers[stage.layers.start], stage, timeout)
-    lender: Any = cast(Any, layers[stage.split[0] - 1])["self_attn"]
+    costs = group_layer_costs(layers[info.layers.start], info, group)
+    lender: Any = cast(Any, layers[info.split[0] - 1])["self_attn"]
     kv_heads = max(1, int(getattr(lender, "n_kv_heads", 1) or 1))
     cuts = [
         CostModel(
             layer=costs,
-            layers=stage.split,
-            hidden_size=stage.hidden_size or 1,
+            layers=info.split,
+            hidden_size=info.hidden_size or 1,
             last_layer_share=last_layer_share(model),
             lent_share=feed_forward_share(model, k / kv_heads),
             lent_pair_share=k / kv_heads,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, Literal, TypeVar, Union, cast
 
@@ -15,7 +16,7 @@ from ..errors import PipelineError
 from ..runtime.caches import quantized_dims, unquantizable_layers
 from ..runtime.calibrate import feed_forward_share, measure_speeds
 from ..runtime.edges import wrap_edge
-from ..runtime.stage import STAGE_ATTRIBUTE, PipelineStage, ensure_unsharded
+from ..runtime.stage import STAGE_ATTRIBUTE, Lending, PipelineStage, StageInfo, ensure_unsharded
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
@@ -193,7 +194,7 @@ def shard_model(
     ``head="last"`` keeps the output head on the last rank only (tied: rank 0
     keeps the embedding, the last rank the head): less memory on the other
     ranks, but only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate`
-    and :func:`pipemlx.lean_generate_step` can decode then (mlx-lm's own
+    and :func:`pipemlx.runtime.lean_decode.lean_generate_step` can decode then (mlx-lm's own
     ``generate_step`` needs the logits on every rank and is refused on the
     others). The default ``"all"`` keeps it on every rank.
 
@@ -258,17 +259,22 @@ def shard_model(
     if lending and lend_heads and lend_heads != "auto":
         check_plain_caches_at_cuts(model, sizes)
     local_caches = local_cache_factory(model, len(layers), local)
-    stage = PipelineStage(group, sizes, local, len(layers), timeout)
-    stage.hidden_size, stage.dtype = activation_signature(model, layers[local.start : local.stop])
+    hidden_size, dtype = activation_signature(model, layers[local.start : local.stop])
+    info = StageInfo(group.rank(), group.size(), sizes, local, len(layers), timeout, hidden_size, dtype, head=head)
+    bounded_caches = None
     if lending:
-        heads = (
-            lend_heads if lend_heads != "auto" else auto_lent_heads(model, layers, stage, most_heads, context, timeout)
-        )
-        local_caches = cut_inside_layers(model, layers, stage, heads, local_caches)
-    stage.kv_dims = quantized_dims(model)  # of every rank's layers: the ranks refuse a kv_group_size alike
-    # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
-    stage.unquantizable = unquantizable_layers(model)
-    stage.unquantizable_bounded = unquantizable_layers(model, max_kv_size=1)
+        heads = lend_heads if lend_heads != "auto" else auto_lent_heads(model, layers, info, group, most_heads, context)
+        info, local_caches, bounded_caches = cut_inside_layers(model, layers, info, heads, local_caches)
+    info = replace(
+        info,
+        kv_dims=quantized_dims(model),  # of every rank's layers: the ranks refuse a kv_group_size alike
+        # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
+        unquantizable=unquantizable_layers(model),
+        unquantizable_bounded=unquantizable_layers(model, max_kv_size=1),
+        vocab_shard=vocab_shard(model, info) if head == "all" and info.world_size > 1 else None,
+        bounded_caches=bounded_caches,
+    )
+    stage = PipelineStage(info, group)
 
     kept = layers[local.start : local.stop]
     setattr(owner, attribute, kept)
@@ -290,28 +296,35 @@ def shard_model(
         drop_output_head(model, stage)
     object.__setattr__(model, STAGE_ATTRIBUTE, stage)
     mx.eval(model.parameters(), held_arrays(model))  # pyright: ignore[reportUnknownMemberType]
-    if head == "all" and stage.world_size > 1:
-        stage.vocab_shard = vocab_shard(model, stage)
     return model
 
 
 def cut_inside_layers(
-    model: nn.Module, layers: list[nn.Module], stage: PipelineStage, lend_heads: int, local_caches: LocalCaches | None
-) -> LocalCaches | None:
-    """``lend_mlp`` (and ``lend_heads``) on the whole ``layers`` list; record on ``stage`` what moved; the caches."""
-    sizes = stage.split
+    model: nn.Module, layers: list[nn.Module], info: StageInfo, lend_heads: int, local_caches: LocalCaches | None
+) -> tuple[StageInfo, LocalCaches | None, Callable[[int], list[Any]] | None]:
+    """``lend_mlp`` (and ``lend_heads``) on the whole ``layers`` list: ``info`` with what moved, the local caches,
+    and (the rank after a cut that borrows heads, on a model without caches of its own) the bounded caches."""
+    sizes = info.split
     cuts = [sum(sizes[: r + 1]) for r in range(len(sizes) - 1)]
     kv_heads = int(getattr(cast(Any, layers[cuts[0] - 1])["self_attn"], "n_kv_heads", 0) or 0)
     lend_feed_forwards(layers, sizes, lend_heads)
     fraction = lend_heads / kv_heads if lend_heads else 0.0
-    stage.lends_mlp, stage.lent_share = True, feed_forward_share(model, fraction)
+    lending = Lending(mlp=True, share=feed_forward_share(model, fraction))
     if not lend_heads:
-        return local_caches
-    stage.lent_heads, stage.lent_pair_share = lend_heads, fraction
+        return replace(info, lending=lending), local_caches, None
     widths = [message_width(layers[cut - 1]) for cut in cuts]
-    stage.outgoing_width = 0 if stage.is_last else widths[stage.rank]
-    stage.incoming_width = 0 if stage.is_first else widths[stage.rank - 1]
-    return local_caches if stage.is_first else with_lent_heads_cache(stage, local_caches)
+    lending = replace(
+        lending,
+        heads=lend_heads,
+        pair_share=fraction,
+        outgoing_width=0 if info.is_last else widths[info.rank],
+        incoming_width=0 if info.is_first else widths[info.rank - 1],
+    )
+    info = replace(info, lending=lending)
+    if info.is_first:
+        return info, local_caches, None
+    caches, bounded = with_lent_heads_cache(len(info.layers), local_caches)
+    return info, caches, bounded
 
 
 def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
@@ -351,17 +364,19 @@ def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None
         )
 
 
-def with_lent_heads_cache(stage: PipelineStage, local_caches: LocalCaches | None) -> LocalCaches:
-    """``make_cache`` for a rank that borrows heads: its first cache becomes :class:`LentHeadsCache` ``(own, lent heads')``.
-
-    When the whole model makes no caches of its own (mlx-lm then bounds them
-    by ``max_kv_size``), ``stage.bounded_caches`` makes the bounded ones likewise.
-    """
-    count = len(stage.layers)
+def with_lent_heads_cache(
+    count: int, local_caches: LocalCaches | None
+) -> tuple[LocalCaches, Callable[[int], list[Any]] | None]:
+    """``make_cache`` for a rank of ``count`` layers that borrows heads: its first cache becomes
+    :class:`LentHeadsCache` ``(own, lent heads')``; and, when the whole model makes no caches of its own
+    (mlx-lm then bounds them by ``max_kv_size``), the bounded ones likewise (``None`` otherwise)."""
     if local_caches is None:
-        stage.bounded_caches = lambda max_kv_size: _lent_first(_default_caches(count, max_kv_size))
-        return LocalCaches(_lent_first(_default_caches(count)))
-    return LocalCaches(_lent_first(list(local_caches.prototypes)))
+
+        def bounded(max_kv_size: int) -> list[Any]:
+            return _lent_first(_default_caches(count, max_kv_size))
+
+        return LocalCaches(_lent_first(_default_caches(count))), bounded
+    return LocalCaches(_lent_first(list(local_caches.prototypes))), None
 
 
 def _default_caches(count: int, max_kv_size: int | None = None) -> list[Any]:

@@ -9,8 +9,8 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..runtime.stage import PipelineStage
 from ..runtime.sampling import VocabShard
+from ..runtime.stage import StageInfo
 from .architectures import architecture_of
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
@@ -20,8 +20,8 @@ FINAL_NORMS = ("norm", "embedding_norm")
 """Names of the norm ``model.model`` ends with (lfm2's is ``embedding_norm``): it gives the hidden state's dtype."""
 
 
-def vocab_shard(model: nn.Module, stage: PipelineStage) -> VocabShard | None:
-    """``stage``'s share of ``model``'s output head, or ``None`` where the head cannot be shared.
+def vocab_shard(model: nn.Module, info: StageInfo) -> VocabShard | None:
+    """``info``'s rank's share of ``model``'s output head, or ``None`` where the head cannot be shared.
 
     Shared only where the registry says the logits are the head applied to
     ``model.model``'s output (``Architecture.plain_head``) and the head is a
@@ -32,7 +32,7 @@ def vocab_shard(model: nn.Module, stage: PipelineStage) -> VocabShard | None:
     """
     entry = architecture_of(model)
     inner = getattr(model, "model", None)
-    if entry is None or not entry.plain_head or not isinstance(inner, nn.Module) or stage.dtype is None:
+    if entry is None or not entry.plain_head or not isinstance(inner, nn.Module) or info.dtype is None:
         return None
     head = cast(Any, getattr(model, "lm_head", None))
     if head is None:  # tied: the embedding is the head
@@ -41,17 +41,17 @@ def vocab_shard(model: nn.Module, stage: PipelineStage) -> VocabShard | None:
     if not isinstance(head, HEAD_TYPES) or norm is None:
         return None
     vocab = int(head.weight.shape[0])
-    rows = range(vocab * stage.rank // stage.world_size, vocab * (stage.rank + 1) // stage.world_size)
+    rows = range(vocab * info.rank // info.world_size, vocab * (info.rank + 1) // info.world_size)
     part = cast(Any, copy.copy(head))
     for name in ROW_PARAMETERS:
         if name in head:
             part[name] = head[name][rows.start : rows.stop]
     mx.eval(part.parameters())  # pyright: ignore[reportUnknownMemberType]  # views of the head's buffers
     linear = isinstance(head, (nn.Linear, nn.QuantizedLinear))
-    dtype = cast(mx.array, norm(mx.zeros((1, stage.hidden_size), dtype=stage.dtype))).dtype
+    dtype = cast(mx.array, norm(mx.zeros((1, info.hidden_size), dtype=info.dtype))).dtype
     return VocabShard(
         rows=rows,
-        hidden_size=stage.hidden_size,
+        hidden_size=info.hidden_size,
         dtype=dtype,
         hidden=_final_hidden,
         project=part if linear else part.as_linear,

@@ -39,7 +39,7 @@ from ..schedule.costmodel import (
 from ..schedule.plan import Chunk
 from .caches import cache_state
 from .protocol import CALIBRATE, gather
-from .stage import PipelineStage
+from .stage import PipelineStage, StageInfo
 from .waits import wait_for
 
 CALIBRATION_LENGTHS = (16, 32, 64, 128, 256, 512)
@@ -239,43 +239,42 @@ def time_collective(stage: PipelineStage, timeout: float | None) -> float:
 
 
 def over_ranks(
-    stage: PipelineStage, measured: Sequence[float], timeout: float | None, what: str
+    group: mx.distributed.Group, stream: mx.Stream, measured: Sequence[float], timeout: float | None, where: str
 ) -> tuple[list[float], list[float]]:
     """Every rank's ``measured`` all-gathered: the largest and the smallest value of each entry over the ranks."""
-    where = f"{stage.describe()} sharing {what}"
-    with mx.stream(stage.compute_stream):
-        gathered = gather(CALIBRATE.row({}, payload=[mx.array(list(measured), dtype=mx.float32)]), stage.group)
+    with mx.stream(stream):
+        gathered = gather(CALIBRATE.row({}, payload=[mx.array(list(measured), dtype=mx.float32)]), group)
     wait_for(gathered, timeout, lambda: where)
-    figures = mx.array(CALIBRATE.read(gathered, stage.world_size, where).payloads)
+    figures = mx.array(CALIBRATE.read(gathered, group.size(), where).payloads)
     return cast(list[float], figures.max(axis=0).tolist()), cast(list[float], figures.min(axis=0).tolist())
 
 
 def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
     """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
     share = last_layer_share(model)
-    local_layers = len(stage.layers) - (1 - share if stage.is_last else 0)
+    local_layers = len(stage.info.layers) - (1 - share if stage.is_last else 0)
     halves = lent_halves(stage.rank, stage.world_size)
-    token_layers = local_layers + halves * stage.lent_share
-    attention_layers = local_layers + halves * stage.lent_pair_share
+    token_layers = local_layers + halves * stage.info.lending.share
+    attention_layers = local_layers + halves * stage.info.lending.pair_share
     at_start, attention_chunk_s, far_timed = time_local_layers(model, stage, timeout)
     measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
     missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
-    slowest, fastest = over_ranks(
-        stage, [*measured, *missing, time_collective(stage, timeout)], timeout, "its calibration"
-    )
+    figures = [*measured, *missing, time_collective(stage, timeout)]
+    where = f"{stage.describe()} sharing its calibration"
+    slowest, fastest = over_ranks(stage.group, stage.compute_stream, figures, timeout, where)
     n = len(CALIBRATION_LENGTHS)
     seconds, attention_s, far, collective_s = slowest[:n], slowest[n], slowest[n + 1 : -1], slowest[-1]
     far_everywhere = min(fastest) >= 0  # every rank timed far chunks
     far_pairs = tuple(zip(FAR_LENGTHS, far)) if far_everywhere else ()
     return CostModel(
         layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s, far_pairs),
-        layers=stage.split,
-        hidden_size=stage.hidden_size or 1,
+        layers=stage.info.split,
+        hidden_size=stage.info.hidden_size or 1,
         collective_s=collective_s,
         latency_s=collective_s / 2,
         last_layer_share=share,
-        lent_share=stage.lent_share,
-        lent_pair_share=stage.lent_pair_share,
+        lent_share=stage.info.lending.share,
+        lent_pair_share=stage.info.lending.pair_share,
     )
 
 
@@ -306,12 +305,14 @@ def time_layer(layer: nn.Module, hidden_size: int, dtype: mx.Dtype) -> Timings:
     return fastest_timings(timed, lambda: [KVCache()], far)
 
 
-def group_layer_costs(layer: nn.Module, stage: PipelineStage, timeout: float | None) -> LayerCosts:
+def group_layer_costs(layer: nn.Module, info: StageInfo, group: mx.distributed.Group) -> LayerCosts:
     """One decoder layer's costs as the slowest rank measures them (:func:`time_layer` on each rank's own
     ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it)."""
-    at_start, attention_chunk_s, far_timed = time_layer(layer, stage.hidden_size, stage.dtype or mx.float32)
+    at_start, attention_chunk_s, far_timed = time_layer(layer, info.hidden_size, info.dtype or mx.float32)
     measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
-    slowest, _ = over_ranks(stage, measured, timeout, "its layer's costs (lend_heads='auto')")
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    where = f"{info.describe()} sharing its layer's costs (lend_heads='auto')"
+    slowest, _ = over_ranks(group, stream, measured, info.timeout, where)
     n = len(CALIBRATION_LENGTHS)
     far_pairs = tuple(zip(FAR_LENGTHS, slowest[n + 1 :]))
     return layer_costs(CALIBRATION_LENGTHS, slowest[:n], slowest[n], far_pairs)

@@ -159,13 +159,13 @@ def generate_step(
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
-    check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
+    check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
     stops = frozenset(int(t) for t in stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
     if prompt_cache is None and max_kv_size is not None:  # mlx-lm ignores max_kv_size with a prompt_cache
-        check_rotating_caches(kv_bits, stage.unquantizable_bounded, stage.total_layers, max_kv_size)
-    check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
+        check_rotating_caches(kv_bits, stage.info.unquantizable_bounded, stage.info.total_layers, max_kv_size)
+    check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
     if prompt_cache is None:
         prompt_cache = stage.new_cache(model, max_kv_size)
     request = _Request(
@@ -175,7 +175,7 @@ def generate_step(
         sampler=sampler,
         logits_processors=list(logits_processors or []),
         quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
-        timeout=timeout or stage.timeout,
+        timeout=timeout or stage.info.timeout,
         share_logprobs=share_logprobs,
         stop_tokens=stops,
     )
@@ -387,7 +387,7 @@ class _Request:
         self.vocab_size = 0
         self.stop: DecodeStop | None = None
         # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
-        self.may_share_head = stage.vocab_shard is not None and sampler is None and not logits_processors
+        self.may_share_head = stage.info.vocab_shard is not None and sampler is None and not logits_processors
         self.may_share_head = self.may_share_head and not share_logprobs
         self.shares_head = False  # every rank said it may, in the first step: the later steps share the head
 
@@ -498,7 +498,7 @@ class _Request:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
                 payload = [own[-1]] if self.share_logprobs else []
                 if self.shares_head:
-                    shard = cast(VocabShard, stage.vocab_shard)
+                    shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing token {index}'s output head"  # noqa: E731
                     payload.append(shared_head(shard, part.hidden, 1, stage.group, self.timeout, describe))
                 values: dict[str, int | mx.array] = {
@@ -547,7 +547,7 @@ class _Request:
         """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
         if self.shares_head and stage.is_last:
-            shard = cast(VocabShard, stage.vocab_shard)
+            shard = cast(VocabShard, stage.info.vocab_shard)
             hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
             self.quantize(self.cache)
             logits = shard.full(hidden)  # read only with the logprobs

@@ -158,16 +158,16 @@ def prefill_before_decode(
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(timeout)
-    check_kv_quantization(kv_bits, kv_group_size, stage.kv_dims)
-    check_rotating_caches(kv_bits, stage.unquantizable, stage.total_layers)
-    if not isinstance(cache, list) or len(cache) != len(stage.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
+    check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
+    check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
+    if not isinstance(cache, list) or len(cache) != len(stage.info.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
-            f"cache must be a list with one entry per local layer ({len(stage.layers)} on "
+            f"cache must be a list with one entry per local layer ({len(stage.info.layers)} on "
             f"{stage.describe()}); make it with mlx_lm.models.cache.make_prompt_cache(model) after sharding"
         )
     # A cache list made otherwise may hold rotating caches on some ranks only: refused at the handshake.
     refused = _refuse_rotating_cache(kv_bits, cache, stage)
-    timeout = timeout or stage.timeout
+    timeout = timeout or stage.info.timeout
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
@@ -297,7 +297,7 @@ def check_rotating_caches(
 
 def _refuse_rotating_cache(kv_bits: Any, cache: list[Any], stage: PipelineStage) -> ValueError | None:
     """The error for a given cache list that holds caches ``kv_bits`` cannot quantize, to raise at the handshake."""
-    local = [(stage.layers.start + i, type(c).__name__) for i, c in enumerate(cache) if cannot_quantize(c)]
+    local = [(stage.info.layers.start + i, type(c).__name__) for i, c in enumerate(cache) if cannot_quantize(c)]
     if kv_bits is None or not local:
         return None
     kinds = " and ".join(sorted({kind for _, kind in local}))

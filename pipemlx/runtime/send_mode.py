@@ -48,7 +48,7 @@ def send_mode(model: nn.Module, mode: SendMode) -> Generator[SendQueue, None, No
         queue.flush()
         stage.received.clear()
         try:
-            wait_for(queue.in_flight(), stage.timeout, lambda: f"{stage.describe()} completing its sends")
+            wait_for(queue.in_flight(), stage.info.timeout, lambda: f"{stage.describe()} completing its sends")
         except (PipelineTimeoutError, PeerLostError) as exc:
             stage.mark_broken(exc)
             raise

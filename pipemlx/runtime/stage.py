@@ -7,6 +7,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import mlx.core as mx
@@ -37,8 +38,77 @@ EXIT_TIMEOUT = 10.0
 """Seconds the end of the program may wait for what a stage left in flight."""
 
 
+@dataclass(frozen=True)
+class Lending:
+    """Where the cuts fall inside layers (``shard_model``'s ``lend_mlp`` and ``lend_heads``); none by default."""
+
+    mlp: bool = False
+    """Each rank's last layer's feed-forward half runs on the next rank."""
+    share: float = 0.0
+    """The share of a layer's per-token work that the cut moves to the next rank."""
+    heads: int = 0
+    """Key-value heads of that layer's attention moved too."""
+    pair_share: float = 0.0
+    """The share of a layer's attention to earlier positions that the lent heads move."""
+    incoming_width: int = 0
+    """Width of the messages from the previous rank (0: ``hidden_size``); lent heads widen them."""
+    outgoing_width: int = 0
+    """Width of the messages to the next rank (0: ``hidden_size``)."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What one rank is in the pipeline, fixed by :func:`pipemlx.shard_model` in one place and never changed."""
+
+    rank: int
+    world_size: int
+    split: tuple[int, ...]
+    """Layers per rank."""
+    layers: range
+    """This rank's layers, as indices into the whole model's."""
+    total_layers: int
+    timeout: float | None
+    """The default bound of every blocking wait (seconds)."""
+    hidden_size: int
+    dtype: mx.Dtype | None
+    """The dtype of the hidden states this rank's layers exchange."""
+    kv_dims: tuple[int, ...] = ()
+    """The whole model's cached key/value widths, which ``kv_group_size`` must divide."""
+    unquantizable: tuple[tuple[int, str], ...] = ()
+    """The whole model's layers whose caches ``kv_bits`` cannot quantize: ``(layer, cache class)``."""
+    unquantizable_bounded: tuple[tuple[int, str], ...] = ()
+    """Likewise for the caches ``make_prompt_cache(model, max_kv_size=...)`` makes."""
+    lending: Lending = field(default_factory=Lending)
+    head: Literal["all", "last"] = "all"
+    """Which ranks keep the output head."""
+    vocab_shard: VocabShard | None = None
+    """This rank's rows of the output head, for greedy decodes that share it (``None``: not shared)."""
+    bounded_caches: Callable[[int], list[Any]] | None = None
+    """``lend_heads``, the rank after a cut: its caches bounded by ``max_kv_size`` (see :meth:`PipelineStage.new_cache`)."""
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def describe(self) -> str:
+        """``rank 1/3 (layers 4..7 of 12)`` for messages."""
+        return (
+            f"rank {self.rank}/{self.world_size} "
+            f"(layers {self.layers.start}..{self.layers.stop - 1} of {self.total_layers})"
+        )
+
+
 class PipelineStage:
     """What :func:`pipemlx.shard_model` attaches to a model: one rank's part of the pipeline.
+
+    :attr:`info` is what the rank is (fixed when the model is sharded); the
+    rest is what changes at run time: the send mode, the sends and receives in
+    flight, whether a failed wait left the wire unusable, an open request, and
+    the group's cost model once calibrated.
 
     It owns the model's :class:`SendQueue` and the current send mode. The mode
     is read by the last local layer on every call and changed only by
@@ -54,44 +124,13 @@ class PipelineStage:
       recorded in :attr:`received` for the prefill executor to wait on.
     """
 
-    def __init__(
-        self,
-        group: mx.distributed.Group,
-        split: tuple[int, ...],
-        layers: range,
-        total_layers: int,
-        timeout: float | None,
-    ) -> None:
+    def __init__(self, info: StageInfo, group: mx.distributed.Group) -> None:
+        self.info = info
         self.group = group
-        self.rank = group.rank()
-        self.world_size = group.size()
-        self.split = split
-        self.layers = layers
-        self.total_layers = total_layers
-        self.timeout = timeout
         self.compute_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.send_queue = SendQueue(group, mx.new_thread_unsafe_stream(mx.default_device()))
         self.received: list[mx.array] = []  # the receives built and not yet waited for (immediate mode: the last)
         self.broken: str | None = None
-        self.hidden_size = 0
-        self.dtype: mx.Dtype | None = None
-        self.kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, for kv_group_size
-        # The whole model's layers whose caches kv_bits cannot quantize: (layer, cache class), from
-        # make_prompt_cache(model), and from make_prompt_cache(model, max_kv_size=...).
-        self.unquantizable: tuple[tuple[int, str], ...] = ()
-        self.unquantizable_bounded: tuple[tuple[int, str], ...] = ()
-        self.lends_mlp = False  # shard_model(lend_mlp=True): cut between the halves of each rank's last layer
-        self.lent_share = 0.0  # the share of a layer's per-token work that cut moves to the next rank
-        self.lent_heads = 0  # shard_model(lend_heads=k): key-value heads of that layer's attention moved too
-        self.lent_pair_share = 0.0  # the share of a layer's attention to earlier positions lend_heads moves
-        # lend_heads, the rank after a cut: make_prompt_cache(model, max_kv_size), which mlx-lm cannot ask of the
-        # make_cache that gives its first layer the lent heads' cache too (see new_cache).
-        self.bounded_caches: Callable[[int], list[Any]] | None = None
-        self.vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes
-        # Widths of the messages from the previous rank and to the next one (0: hidden_size); lend_heads
-        # widens them: a lending rank sends its kept heads' outputs beside the hidden state.
-        self.incoming_width = 0
-        self.outgoing_width = 0
         self._mode: SendMode = "immediate"
         self._detached = False
         self._broadcast = True
@@ -104,16 +143,24 @@ class PipelineStage:
             _finish_at_exit(self)
 
     @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.info.world_size
+
+    @property
     def mode(self) -> SendMode:
         return self._mode
 
     @property
     def is_first(self) -> bool:
-        return self.rank == 0
+        return self.info.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.world_size - 1
+        return self.info.is_last
 
     @property
     def head_needed(self) -> bool:
@@ -143,7 +190,7 @@ class PipelineStage:
     def without_broadcast(self) -> Generator[None, None, None]:
         """Within the block an immediate send is not followed by the final hidden state's all-gather.
 
-        For :func:`pipemlx.lean_generate_step`, where only the last rank applies the head.
+        For the decode steps of :func:`pipemlx.generate_step`, which gather only what they need.
         """
         self._broadcast = False
         try:
@@ -222,7 +269,7 @@ class PipelineStage:
         previous = self.outstanding[-1]
         try:
             skipped = wait_for_scheduled(
-                [previous], self.timeout, lambda: f"{self.describe()} completing the previous forward pass"
+                [previous], self.info.timeout, lambda: f"{self.describe()} completing the previous forward pass"
             )
         except Exception as exc:
             self.mark_broken(exc)
@@ -251,7 +298,7 @@ class PipelineStage:
     def receive(self, like: mx.array) -> mx.array:
         """The hidden state from the previous rank, shaped and typed like ``like``."""
         self.check_usable()
-        shape = (*like.shape[:-1], self.incoming_width or like.shape[-1])  # lend_heads: a wider message
+        shape = (*like.shape[:-1], self.info.lending.incoming_width or like.shape[-1])  # lend_heads: a wider message
         if self._detached:
             return like if shape == tuple(like.shape) else mx.zeros(shape, like.dtype)
         if self._mode == "immediate":
@@ -309,20 +356,22 @@ class PipelineStage:
         layer's cache holds the lent heads' too), so here it gets the rotating
         caches mlx-lm gives every other layer of that model.
         """
-        if max_kv_size is not None and self.bounded_caches is not None:
-            return self.bounded_caches(max_kv_size)
+        if max_kv_size is not None and self.info.bounded_caches is not None:
+            return self.info.bounded_caches(max_kv_size)
         return make_prompt_cache(model, max_kv_size=max_kv_size)
 
     def _hidden_part(self, output: mx.array) -> mx.array:
         """``output`` without what a wider outgoing message carries beyond the hidden state."""
-        if self.outgoing_width and output.shape[-1] != self.hidden_size:
-            return output[..., : self.hidden_size]
+        info = self.info
+        if info.lending.outgoing_width and output.shape[-1] != info.hidden_size:
+            return output[..., : info.hidden_size]
         return output
 
     def wire_zeros(self, rows: int, length: int, *, incoming: bool) -> mx.array:
         """Zeros shaped as a message from the previous rank (``incoming``) or to the next one, for stand-ins."""
-        width = (self.incoming_width if incoming else self.outgoing_width) or self.hidden_size
-        return mx.zeros((rows, length, width), dtype=self.dtype or mx.float32)
+        info = self.info
+        width = (info.lending.incoming_width if incoming else info.lending.outgoing_width) or info.hidden_size
+        return mx.zeros((rows, length, width), dtype=info.dtype or mx.float32)
 
     def check_stream(self, stream: object, not_a_stream: type[Exception] = TypeError) -> None:
         """Raise unless ``stream`` (mlx-lm's ``stream`` argument) is ``None`` or a stream or device on this stage's
@@ -347,10 +396,7 @@ class PipelineStage:
 
     def describe(self) -> str:
         """``rank 1/3 (layers 4..7 of 12)`` for messages."""
-        return (
-            f"rank {self.rank}/{self.world_size} "
-            f"(layers {self.layers.start}..{self.layers.stop - 1} of {self.total_layers})"
-        )
+        return self.info.describe()
 
 
 def stage_of(model: nn.Module) -> PipelineStage:
@@ -386,7 +432,7 @@ def _finish_at_exit(stage: PipelineStage) -> None:
         if live is None or live.broken is not None:
             return
         try:
-            live.settle_own(min(EXIT_TIMEOUT, live.timeout or EXIT_TIMEOUT))
+            live.settle_own(min(EXIT_TIMEOUT, live.info.timeout or EXIT_TIMEOUT))
         except Exception:  # the program is ending: a peer that went first is not this rank's error
             pass
 

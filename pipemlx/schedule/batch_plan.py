@@ -11,7 +11,7 @@ and checks the others did with :meth:`Tick.fingerprint`.
 
 Nothing here imports MLX: the schedule is checked by itself (the properties in
 ``tests/test_batch_plan.py``) and by a small simulator of the ranks'
-messages (:func:`simulate_ticks`).
+messages (:mod:`pipemlx.schedule.batch_sim`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Protocol
 from . import plan as prefill_plan
 from .costmodel import LayerCosts
 
-FINGERPRINT_MODULUS = 1 << 23  # exact in float32, like every field of the tick's all-gather
+FINGERPRINT_MODULUS = 1 << 23  # fits a message's int32 field, and is exact as a float32 too
 
 
 @dataclass(frozen=True)
-class Job:
-    """A queued request: ``positions`` prompt positions to prefill, ``reserve`` positions its cache may reach.
+class QueuedPrompt:
+    """A queued request's prompt: ``positions`` prompt positions to prefill, ``reserve`` positions its cache may reach.
 
     ``boundaries``: prompt positions no chunk crosses (the ends of the segments of mlx-lm's
     ``insert_segments``), increasing, each in ``1 .. positions``: a chunk that would cross one ends there.
@@ -41,10 +41,10 @@ class Job:
 
     def __post_init__(self) -> None:
         if self.positions < 0 or self.reserve < 0:
-            raise ValueError(f"job {self.uid}: positions and reserve must be >= 0, got {self}")
+            raise ValueError(f"request {self.uid}: positions and reserve must be >= 0, got {self}")
         bounds = (0, *self.boundaries)
         if any(b <= a for a, b in zip(bounds, bounds[1:])) or any(b > self.positions for b in self.boundaries):
-            raise ValueError(f"job {self.uid}: boundaries must increase within 1 .. {self.positions}, got {self}")
+            raise ValueError(f"request {self.uid}: boundaries must increase within 1 .. {self.positions}, got {self}")
 
     def chunk_stop(self, start: int, size: int) -> int:
         """Where a chunk of at most ``size`` positions starting at ``start`` ends: at the prompt's end or the
@@ -54,8 +54,9 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Chunk:
-    """Positions ``start`` .. ``stop - 1`` of request ``uid``'s prefill; ``last`` when they end it."""
+class TickChunk:
+    """Positions ``start`` .. ``stop - 1`` of request ``uid``'s prefill, computed by one rank in one tick; ``last``
+    when they end it. (A prefill plan's chunk is :class:`pipemlx.schedule.plan.Chunk`.)"""
 
     uid: int
     start: int
@@ -153,7 +154,7 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True)
-class PlanState:
+class TickState:
     """What every rank knows between two ticks.
 
     ``queue``: requests not yet wholly handed to rank 0, in order (``started``
@@ -164,9 +165,9 @@ class PlanState:
     """
 
     world_size: int
-    queue: tuple[Job, ...] = ()
+    queue: tuple[QueuedPrompt, ...] = ()
     started: int = 0
-    inflight: tuple[Chunk | None, ...] = ()
+    inflight: tuple[TickChunk | None, ...] = ()
     ready: tuple[int, ...] = ()
     tick: int = 0
     reserves: dict[int, int] = field(default_factory=dict[int, int], compare=False)
@@ -206,17 +207,17 @@ class Tick:
 
     index: int
     joins: tuple[int, ...]
-    chunks: tuple[Chunk | None, ...]
+    chunks: tuple[TickChunk | None, ...]
     completes: tuple[int, ...]
 
     def fingerprint(self) -> int:
-        """A number every rank computes alike from the tick's content (exact in float32)."""
+        """A number every rank computes alike from the tick's content (below :data:`FINGERPRINT_MODULUS`)."""
         parts = [uid + 1 for uid in self.joins]
         for chunk in self.chunks:
             parts += (0, 0, 0) if chunk is None else (chunk.uid + 1, chunk.start + 1, chunk.stop + 1)
         return fingerprint(parts, start=self.index)
 
-    def receives(self, rank: int) -> Chunk | None:
+    def receives(self, rank: int) -> TickChunk | None:
         """The chunk ``rank`` receives from ``rank - 1`` at the end of the tick (to compute in the next one)."""
         return self.chunks[rank - 1] if rank > 0 else None
 
@@ -224,7 +225,7 @@ class Tick:
 def fingerprint(parts: Iterable[int], start: int = 0) -> int:
     """A number every rank computes alike from ``parts`` in order, below :data:`FINGERPRINT_MODULUS`.
 
-    All-gathers carry it as a float32, which holds every integer below the modulus exactly.
+    The ranks compare it as an agreed field of a message (:mod:`pipemlx.runtime.protocol`).
     """
     value = start % FINGERPRINT_MODULUS
     for part in parts:
@@ -232,14 +233,14 @@ def fingerprint(parts: Iterable[int], start: int = 0) -> int:
     return value
 
 
-def enqueue(state: PlanState, jobs: Iterable[Job]) -> PlanState:
-    """``state`` with ``jobs`` queued behind the others."""
-    added = tuple(jobs)
+def enqueue(state: TickState, prompts: Iterable[QueuedPrompt]) -> TickState:
+    """``state`` with ``prompts`` queued behind the others."""
+    added = tuple(prompts)
     reserves = {**state.reserves, **{j.uid: j.reserve for j in added}}
     return replace(state, queue=state.queue + added, reserves=reserves)
 
 
-def drop(state: PlanState, uids: Iterable[int]) -> PlanState:
+def drop(state: TickState, uids: Iterable[int]) -> TickState:
     """``state`` without the requests ``uids`` (queued, in flight or ready); their in-flight chunks are dropped."""
     gone = set(uids)
     if not gone:
@@ -256,13 +257,13 @@ def drop(state: PlanState, uids: Iterable[int]) -> PlanState:
 
 
 def plan_tick(
-    state: PlanState,
+    state: TickState,
     decoding: Sequence[int],
     chunk_tokens: int | ChunkSizes,
     lone_chunk_tokens: int | None = None,
     admission: Admits | None = None,
     prefill_batch_size: int | None = None,
-) -> tuple[Tick, PlanState]:
+) -> tuple[Tick, TickState]:
     """The next tick and the state after it.
 
     ``decoding``: the reservations (positions) of the requests in the decode
@@ -279,7 +280,7 @@ def plan_tick(
     once (mlx-lm's ``prefill_batch_size``). Requests start in order, so one
     that waits holds back those behind it. A request with no positions to
     prefill is ready at once. A chunk ends at its request's next boundary
-    (:attr:`Job.boundaries`) if it would cross it. Pure: the same arguments
+    (:attr:`QueuedPrompt.boundaries`) if it would cross it. Pure: the same arguments
     give the same tick everywhere.
     """
     if (isinstance(chunk_tokens, int) and chunk_tokens < 1) or (
@@ -295,24 +296,24 @@ def plan_tick(
     pipeline = _in_pipeline(state)
     committed = [*decoding, *(state.reserves.get(u, 0) for u in pipeline)]
     prefilling = sum(1 for u in pipeline if u not in joins)  # started, not decoding after this tick's joins
-    first: Chunk | None = None
+    first: TickChunk | None = None
     while queue and first is None:
-        job = queue[0]
+        prompt = queue[0]
         if not started:
             if prefill_batch_size is not None and prefilling >= prefill_batch_size:
                 break
-            if admission is not None and not admission.fits([*committed, job.reserve]):
+            if admission is not None and not admission.fits([*committed, prompt.reserve]):
                 break
-            committed.append(job.reserve)
+            committed.append(prompt.reserve)
             prefilling += 1
-        if job.positions == 0:
-            ready.append(job.uid)
+        if prompt.positions == 0:
+            ready.append(prompt.uid)
             queue.pop(0)
             started = 0
             continue
         size = _size(chunk_tokens, started) if rows or lone_chunk_tokens is None else lone_chunk_tokens
-        stop = job.chunk_stop(started, size)
-        first = Chunk(job.uid, started, stop, stop == job.positions)
+        stop = prompt.chunk_stop(started, size)
+        first = TickChunk(prompt.uid, started, stop, stop == prompt.positions)
         if first.last:
             queue.pop(0)
             started = 0
@@ -324,7 +325,7 @@ def plan_tick(
     if state.world_size == 1:
         chunks = (first,)
     tick = Tick(state.tick, joins, chunks, completes)
-    after = PlanState(
+    after = TickState(
         world_size=state.world_size,
         queue=tuple(queue),
         started=started,
@@ -345,6 +346,6 @@ def _size(chunk_tokens: int | ChunkSizes, start: int) -> int:
     return size
 
 
-def _in_pipeline(state: PlanState) -> list[int]:
+def _in_pipeline(state: TickState) -> list[int]:
     """Requests admitted and not yet decoding: ready, in flight, or the started head of the queue."""
     return list(state.prefilling)

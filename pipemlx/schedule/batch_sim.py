@@ -1,7 +1,7 @@
 """The messages of a run of batch ticks, executed without MLX: is it deadlock-free and consistent on the wire?
 
 :func:`tick_ops` lists what one rank does in one tick, in the order
-:mod:`pipemlx.runtime.batch_tick` issues it on the rank's compute stream (one
+:mod:`pipemlx.runtime.batch.tick` issues it on the rank's compute stream (one
 first-in first-out queue per rank). :func:`run_ticks` runs every rank's
 operations together with rendezvous sends (``capacity`` messages may wait on
 a link unreceived; 0: a send completes only when its receive does) and

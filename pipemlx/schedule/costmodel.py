@@ -93,18 +93,16 @@ class LayerCosts:
     :meth:`seconds_at_start`) plus ``attention_s`` per query-key pair *before*
     its start; ``chunk_s`` and ``token_s`` remain the straight-line summary of
     those measurements. BLAS multiplies some lengths of chunk markedly more
-    slowly per token than others (measured on the benchmark model: 32 tokens
-    about 45% and 512 tokens about 35% dearer per token than 128), a curve
-    that no straight line through a few chunks follows, and the choice of
-    ``step_size="auto"`` turns on differences of a few percent.
+    slowly per token than others, a curve that no straight line through a few
+    chunks follows (``docs/performance.md``), and the choice of
+    ``step_size="auto"`` turns on small differences.
 
     ``far_pairs``, when given, holds ``(length, seconds per pair)`` of chunks
     measured far into a prompt (lengths ascending): a pair then costs what
     the chunk's length measured there (interpolated, see
     :meth:`pair_seconds`) instead of ``attention_s``. Far in, a chunk's
-    attention scores outgrow the caches, and longer chunks pay more per pair
-    (measured on the benchmark model at 8000 positions: 256 tokens 14% more
-    than 128), which at long prompts decides between chunk lengths.
+    attention scores outgrow the caches, and longer chunks can pay more per
+    pair, which at long prompts decides between chunk lengths.
     """
 
     chunk_s: float

@@ -77,7 +77,7 @@ class Durations(Protocol):
         ...
 
 
-class Event(NamedTuple):
+class TimedAction(NamedTuple):
     """Rank ``rank`` carried out ``action`` (``plan.actions[position]``) from ``start`` to ``end``.
 
     ``step`` is the number of ``Agree`` actions before it in the rank's plan:
@@ -130,7 +130,7 @@ class SimulationResult:
     progress: tuple[tuple[tuple[int, int], ...], ...]
     steps: tuple[int, ...]
     actions_done: int
-    events: tuple[Event, ...] = field(repr=False)
+    events: tuple[TimedAction, ...] = field(repr=False)
 
     @property
     def ok(self) -> bool:
@@ -326,7 +326,7 @@ class _Run:
         self.entered = 0
         self.ready = deque(range(self.size))  # ranks that may be able to go on
         self.waiting = [False] * self.size  # not in ``ready``
-        self.events: list[Event] = []
+        self.events: list[TimedAction] = []
         self.mismatches: list[str] = []
         self.actions_done = 0
 
@@ -389,7 +389,7 @@ class _Run:
 
     def finish(self, s: _Rank, action: Action, start: float, end: float) -> None:
         if self.record:
-            self.events.append(Event(s.rank, s.pc, action, s.agreed, start, end))
+            self.events.append(TimedAction(s.rank, s.pc, action, s.agreed, start, end))
         s.clock = end
         s.pc += 1
         self.actions_done += 1

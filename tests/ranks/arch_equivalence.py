@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -78,7 +79,7 @@ def reuse_prefix(
     # S=2 leaves the logprobs on the last rank, lazy (greedy: every rank shares the output head where the
     # architecture allows, and the last rank computes the whole head only when they are read, here);
     # S=3 shares them with every rank (the head stays on the last rank).
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     shared = stage.world_size == 3
     decoding = pipemlx.generate_step(
         prompt, model, prompt_cache=cache, prefill_step_size=step, max_tokens=spec["max_tokens"], share_logprobs=shared
@@ -106,11 +107,11 @@ def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.
     seed, max_tokens = spec["seed"], spec["max_tokens"]
     reference = build_model(config, seed=seed)
     model = pipemlx.shard_model(build_model(config, seed=seed), group, split=entry.get("split"))
-    stage = pipemlx.stage_of(model)
-    local = stage.layers
+    stage = stage_of(model)
+    local = stage.info.layers
     report: dict[str, Any] = {
         "arch": entry["arch"],
-        "split": list(stage.split),
+        "split": list(stage.info.split),
         "cache_kinds": [cache_kind(c) for c in make_prompt_cache(model)],
         "reference_cache_kinds": [cache_kind(c) for c in make_prompt_cache(reference)[local.start : local.stop]],
         "runs": [],

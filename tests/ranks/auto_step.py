@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -77,7 +78,7 @@ def main() -> None:
         after = [int(t) for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4, timeout=20.0)]
         after_reference = [int(t) for t, _ in generate_step(prompt, reference, max_tokens=4)]
         mx.synchronize(generation_stream)
-    cost_model = pipemlx.stage_of(model).cost_model
+    cost_model = stage_of(model).cost_model
     far_pairs = [list(pair) for pair in cost_model.layer.far_pairs] if cost_model is not None else []
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     print(

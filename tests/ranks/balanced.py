@@ -18,6 +18,7 @@ import mlx.core as mx
 import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.runtime.calibrate import measure_speeds
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -38,8 +39,8 @@ def main() -> None:
     report = {
         "rank": group.rank(),
         "speeds": speeds,
-        "measured_split": list(pipemlx.stage_of(measured).split),
-        "given_split": list(pipemlx.stage_of(given).split),
+        "measured_split": list(stage_of(measured).info.split),
+        "given_split": list(stage_of(given).info.split),
         "tokens_measured": tokens_of(measured),
         "tokens_given": tokens_of(given),
     }

@@ -118,7 +118,9 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     costs = spec.get("costs")
     if costs is not None:
         stage = stage_of(model)
-        stage.cost_model = CostModel(LayerCosts(*costs), layers=stage.split, hidden_size=stage.hidden_size or 1)
+        stage.cost_model = CostModel(
+            LayerCosts(*costs), layers=stage.info.split, hidden_size=stage.info.hidden_size or 1
+        )
     stop_at = spec.get("stop_at")  # [request, k] or [request, k, n]: its k-th solo token (ending n of them) stops
     stops: list[Any] = []
     if stop_at:

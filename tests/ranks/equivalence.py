@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -85,18 +86,18 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
         entry: dict[str, Any] = dict(s)
         if s["kind"] == "queue_exception":
             try:
-                stage = pipemlx.stage_of(model)
+                stage = stage_of(model)
                 with pipemlx.send_mode(model, "queue"), stage.executing_plan():
                     model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model))  # queues a send (rank < last)
                     entry["queued_inside"] = len(stage.send_queue)
                     raise KeyError("left by an exception")
             except KeyError:
                 pass
-            entry["mode_after"] = pipemlx.stage_of(model).mode
-            entry["queued_after"] = len(pipemlx.stage_of(model).send_queue)
+            entry["mode_after"] = stage_of(model).mode
+            entry["queued_after"] = len(stage_of(model).send_queue)
             seen.append(entry)
             continue
-        entry["lent_heads"] = pipemlx.stage_of(model).lent_heads  # lend_heads="auto": the count this rank chose
+        entry["lent_heads"] = stage_of(model).info.lending.heads  # lend_heads="auto": the count this rank chose
         prompt = prompt_of(s["M"], config["vocab_size"], spec["seed"])
         if s["kind"] == "auto":
             cache = make_prompt_cache(model)

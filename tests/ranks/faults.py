@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -79,7 +80,7 @@ def main() -> None:
         outcome: dict[str, Any] = {"request": request, "error": None}
         try:
             if fault["kind"] == "queue_exception":
-                with pipemlx.send_mode(model, "queue"), pipemlx.stage_of(model).executing_plan():
+                with pipemlx.send_mode(model, "queue"), stage_of(model).executing_plan():
                     model(prompt[None, :4], cache=cache)
                     raise RuntimeError("left the queue block by an exception")
             pipemlx.pipeline_prefill(
@@ -104,7 +105,7 @@ def main() -> None:
             fatal = isinstance(exc, (pipemlx.PipelineTimeoutError, pipemlx.PeerLostError))
             if fault["kind"] == "queue_exception":
                 cache = make_prompt_cache(model)  # the aborted forward pass wrote into the old one
-        stage = pipemlx.stage_of(model)
+        stage = stage_of(model)
         outcome.update(
             offsets=sorted({c.offset for c in cache}),
             queued=len(stage.send_queue),

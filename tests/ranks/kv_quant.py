@@ -20,6 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -50,7 +51,7 @@ def main() -> None:
         out = list(generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], **kv))
         mx.synchronize(generation_stream)
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-        local = pipemlx.stage_of(model).layers
+        local = stage_of(model).info.layers
         reports.append(
             {
                 **run,

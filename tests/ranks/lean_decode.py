@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.lean_decode import lean_generate_step
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -32,12 +33,12 @@ def main() -> None:
         prompt = mx.random.randint(0, 256, (length,), key=mx.random.key(length)).astype(mx.int32)
         cache = make_prompt_cache(model)
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
-        lean = list(pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]))
+        lean = list(lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]))
         ref = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=8, max_tokens=spec["max_tokens"])]
         cache = make_prompt_cache(model)
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
         sampled = list(
-            pipemlx.lean_generate_step(
+            lean_generate_step(
                 prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], sampler=make_sampler(temp=1.0)
             )
         )
@@ -46,7 +47,7 @@ def main() -> None:
         cache = make_prompt_cache(model)
         pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
         early: list[int] = []
-        for token in pipemlx.lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]):
+        for token in lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]):
             early.append(token)
             if group.rank() == 0 and len(early) == 3:
                 break

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -81,7 +82,7 @@ def main() -> None:
         outcome.update(error=type(exc).__name__, message=str(exc), at_time=time.time())
     outcome["link_down"] = link_is_down()
     outcome["progress_calls"] = calls
-    outcome["broken"] = pipemlx.stage_of(model).broken is not None
+    outcome["broken"] = stage_of(model).broken is not None
     print(json.dumps(outcome), flush=True)
     os._exit(0)  # a communication may still be blocked inside MLX: leave without its teardown
 

@@ -22,12 +22,13 @@ import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.models.parameters import embedding_modules, flat_parameters
 from pipemlx.models.sharding import find_layer_list
+from pipemlx.runtime.stage import stage_of
 
 
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:
     path = entry["path"]
     model, tokenizer = pipemlx.load_sharded(path, group, split=entry.get("split"), memory=entry.get("memory"))
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     owner, _ = find_layer_list(model)
     vocab = len(tokenizer.vocab)
     prompt = mx.random.randint(0, vocab, (spec["prompt"],), key=mx.random.key(9)).astype(mx.int32)
@@ -44,7 +45,7 @@ def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, An
     mx.synchronize(generation_stream)
     return {
         "path": path,
-        "split": list(stage.split),
+        "split": list(stage.info.split),
         "tokens": tokens,
         "ref_tokens": ref_tokens,
         "held": sum(p.nbytes for _, p in flat_parameters(model)),

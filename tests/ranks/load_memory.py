@@ -25,6 +25,7 @@ import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.models.parameters import flat_parameters
 from pipemlx.models.safetensors import model_bytes_from_dir
+from pipemlx.runtime.stage import stage_of
 
 
 def status_kb(field: str) -> int:
@@ -60,9 +61,9 @@ def main() -> None:
     model, tokenizer = pipemlx.load_sharded(path, group, split=spec.get("split"), memory=spec.get("memory"))
     sharded_peak = peak_growth(baseline)
     held = sum(p.nbytes for _, p in flat_parameters(model))
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     planned = model_bytes_from_dir(path)
-    share = sum(planned.layers[stage.layers.start : stage.layers.stop])
+    share = sum(planned.layers[stage.info.layers.start : stage.info.layers.stop])
     fixed = planned.fixed(stage.rank, stage.world_size)
 
     prompt = mx.random.randint(0, int(model.args.vocab_size), (spec["prompt"],), key=mx.random.key(5)).astype(mx.int32)
@@ -73,8 +74,8 @@ def main() -> None:
     report: dict[str, Any] = {
         "rank": stage.rank,
         "size": stage.world_size,
-        "split": list(stage.split),
-        "layers": [stage.layers.start, stage.layers.stop],
+        "split": list(stage.info.split),
+        "layers": [stage.info.layers.start, stage.info.layers.stop],
         "sharded_peak": sharded_peak,
         "held": held,
         "share": share,

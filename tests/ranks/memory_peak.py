@@ -23,6 +23,7 @@ from pipemlx.launch import init_group
 from pipemlx.models.memory import memory_model_from_config, memory_model_from_dir
 from pipemlx.models.parameters import flat_parameters, model_bytes_from_model
 from pipemlx.models.sharding import find_layer_list
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.memory_model import Settings, rank_memory
 from pipemlx.testing import build_model, tiny_config
 
@@ -42,7 +43,7 @@ def run_case(group: Any, case: dict[str, Any]) -> dict[str, Any]:
         owner, attribute = find_layer_list(model)
         memory = memory_model_from_config(config, model_bytes_from_model(model, owner, owner[attribute]), 4)
         pipemlx.shard_model(model, group, head=head)
-    stage = pipemlx.stage_of(model)
+    stage = stage_of(model)
     vocab = int(getattr(getattr(model, "args"), "vocab_size", 256))
     quant: dict[str, Any] = {k: case[k] for k in ("kv_bits", "kv_group_size", "quantized_kv_start") if k in case}
     runs: list[dict[str, Any]] = []
@@ -62,7 +63,7 @@ def run_case(group: Any, case: dict[str, Any]) -> dict[str, Any]:
         mx.synchronize()
         peak = mx.get_peak_memory() - before
         settings = Settings(context, case["step"], head=head, **quant)
-        predicted = rank_memory(memory, stage.layers, stage.rank, stage.world_size, settings)
+        predicted = rank_memory(memory, stage.info.layers, stage.rank, stage.world_size, settings)
         runs.append(
             {
                 "context": context,
@@ -76,7 +77,7 @@ def run_case(group: Any, case: dict[str, Any]) -> dict[str, Any]:
             }
         )
         del cache, steps
-    return {"layers": [stage.layers.start, stage.layers.stop], "rank": stage.rank, "runs": runs}
+    return {"layers": [stage.info.layers.start, stage.info.layers.stop], "rank": stage.rank, "runs": runs}
 
 
 def main() -> None:

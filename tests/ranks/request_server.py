@@ -39,6 +39,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -244,7 +245,7 @@ class Server:
 
     def second_model(self, command: dict[str, Any]) -> dict[str, Any]:
         if self.second is None:
-            timeout = pipemlx.stage_of(self.model).timeout
+            timeout = stage_of(self.model).info.timeout
             sharded = pipemlx.shard_model(build_model(self.config, seed=97), self.group, timeout=timeout)
             self.second = (sharded, build_model(self.config, seed=97))
         model, reference = self.second

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -18,14 +19,14 @@ def main() -> None:
     report: dict[str, object] = {"rank": group.rank()}
     if group.rank() == 0:
         cache = make_prompt_cache(model)
-        with pipemlx.send_mode(model, "queue") as queue, pipemlx.stage_of(model).executing_plan():
+        with pipemlx.send_mode(model, "queue") as queue, stage_of(model).executing_plan():
             outs = [model.model(mx.array([[1, 2, 3]]), cache=cache), model.model(mx.array([[4, 5, 6]]), cache=cache)]
             report["queued_inside"] = len(queue)
             sent = [p.array for p in queue.pending]
             mx.eval(sent)
             report["sent"] = [a.sum().item() for a in sent]
         del outs
-        stage = pipemlx.stage_of(model)
+        stage = stage_of(model)
         report["queued_after"] = len(stage.send_queue)
         report["in_flight_after"] = len(stage.send_queue.in_flight())
         report["mode_after"] = stage.mode

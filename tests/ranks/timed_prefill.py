@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import pipemlx
 import pipemlx.runtime.prefill
 from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.plan import Chunk, PrefillPlan
 from pipemlx.schedule.simulate import describe
 from pipemlx.testing import build_model, tiny_config
@@ -97,8 +98,8 @@ def main() -> None:
     calibrations: list[list[float]] = []
     collectives: list[float] = []
     model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group)
-    stage = pipemlx.stage_of(model)
-    report["split"] = list(stage.split)
+    stage = stage_of(model)
+    report["split"] = list(stage.info.split)
     report["hidden_size"] = config["hidden_size"]
     calls: list[list[int]] = []
     times: list[float] = []

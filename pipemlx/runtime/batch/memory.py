@@ -6,11 +6,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
-from ..errors import PeerLostError, PipelineTimeoutError
-from ..schedule.batch_plan import Admission
-from .caches import cache_parts
-from .protocol import MEMORY
-from .stage import PipelineStage
+from ...errors import PeerLostError, PipelineTimeoutError
+from ...schedule.batch_plan import Admission
+from ..caches import cache_parts
+from ..protocol import MEMORY
+from ..stage import PipelineStage
 
 BUDGET_UNIT = 1024
 """Budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB."""

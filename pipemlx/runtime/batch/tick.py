@@ -38,15 +38,15 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
-from ..schedule.batch_plan import Chunk, Tick
-from .caches import cache_state
-from .failure import stand_in
-from .protocol import TICK, UNCOUNTED, Status, Table, gather
-from .sampling import VocabShard, pick_tokens, shared_head
-from .send_mode import send_mode
-from .stage import PipelineStage
-from .waits import PEER_LOST_MARKERS, issue, wait_for
+from ...errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
+from ...schedule.batch_plan import Tick, TickChunk
+from ..caches import cache_state
+from ..failure import stand_in
+from ..protocol import TICK, UNCOUNTED, Status, Table, gather
+from ..sampling import VocabShard, pick_tokens, shared_head
+from ..send_mode import send_mode
+from ..stage import PipelineStage
+from ..waits import PEER_LOST_MARKERS, issue, wait_for
 
 UNKNOWN_PREFIXES = UNCOUNTED
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
@@ -59,7 +59,7 @@ Forward = Callable[[mx.array, list[Any]], mx.array]
 class Held:
     """A chunk received at the end of a tick, to compute in the next: its graph is built, its input is here."""
 
-    chunk: Chunk
+    chunk: TickChunk
     output: mx.array | None  # what goes on to the next rank (zeros when standing in; None on the last rank)
     cache: list[Any]
 
@@ -83,8 +83,8 @@ class TickWork:
     batch_cache: list[Any]
     uids_fingerprint: int
     prefixes_fingerprint: int  # of the rows' reused prefix lengths; UNKNOWN_PREFIXES where this rank cannot count
-    chunk_tokens: Callable[[Chunk], list[int]]  # a chunk's token ids
-    chunk_cache: Callable[[Chunk], list[Any]]  # the cache of a chunk's request on this rank
+    chunk_tokens: Callable[[TickChunk], list[int]]  # a chunk's token ids
+    chunk_cache: Callable[[TickChunk], list[Any]]  # the cache of a chunk's request on this rank
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
 
@@ -155,8 +155,8 @@ class TickRunner:
                     "rows": work.rows,
                     "uids": work.uids_fingerprint,
                     "plan": tick.fingerprint(),
-                    "lend_mlp": int(stage.lends_mlp),
-                    "lend_heads": stage.lent_heads,
+                    "lend_mlp": int(stage.info.lending.mlp),
+                    "lend_heads": stage.info.lending.heads,
                     "prefixes": work.prefixes_fingerprint,
                     "failed_decode": int(failed_decode),
                     "failed_uid": failed_uid + 1,
@@ -164,7 +164,7 @@ class TickRunner:
                 }
                 payload = [tokens]
                 if sharing:  # after every message of the tick, as the all-gather below
-                    shard = cast(VocabShard, stage.vocab_shard)
+                    shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
                     payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
                 gathered = gather(TICK.row(values, status, payload), stage.group)
@@ -189,7 +189,7 @@ class TickRunner:
         self.shares_head = greedy and work.rows > 0
         return outcome
 
-    def _take_held(self, mine: Chunk | None) -> Held | None:
+    def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
         if self.stage.is_first:
             return None
@@ -206,7 +206,7 @@ class TickRunner:
         stage = self.stage
         inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
         if sharing and stage.is_last:
-            shard = cast(VocabShard, stage.vocab_shard)
+            shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
             hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
             sampled = work.sample(shard.full(hidden))  # lazy: read only for a row that is not greedy (see run)
@@ -218,7 +218,7 @@ class TickRunner:
             return work.sample(logits[:, -1, :]).astype(mx.float32), None
         return self._send(self._queued_output()), None
 
-    def _build_chunk(self, chunk: Chunk, work: TickWork) -> tuple[Held, bool]:
+    def _build_chunk(self, chunk: TickChunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
         cache = work.chunk_cache(chunk)
         try:

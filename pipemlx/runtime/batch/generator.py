@@ -1,0 +1,486 @@
+"""The :class:`BatchGenerator` API: requests in, one tick per :meth:`~BatchGenerator.next`, responses out.
+
+The work is elsewhere in the package: checking requests (:mod:`.requests`), the batch's rows and caches (:mod:`.rows`),
+sampling (:mod:`.sample`), counting (:mod:`.stats`), and the tick itself (:mod:`pipemlx.runtime.batch.tick`, planned by
+:func:`pipemlx.schedule.batch_plan.plan_tick`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate_utils import BatchStats
+
+from ...schedule.batch_plan import (
+    Admission,
+    AdmissionLimits,
+    ChunkSizes,
+    EqualCostChunks,
+    Tick,
+    TickChunk,
+    TickState,
+    drop,
+    enqueue,
+    plan_tick,
+)
+from ..caches import UNCOUNTED, trim_to
+from ..calibrate import calibrated
+from ..sampling import LogitsProcessor, Sampler
+from ..stage import PipelineStage, stage_of
+from .memory import exchange_admission
+from .requests import FinishReason, Options, Request, Stops, check_settings, checked_requests, fresh_window
+from .rows import Rows, evaluate
+from .sample import all_greedy, sample
+from .stats import Counters
+from .tick import TickOutcome, TickRunner, TickWork
+
+
+@dataclass(frozen=True)
+class Response:
+    """One request's token from one :meth:`BatchGenerator.next` tick, the same on every rank.
+
+    The fields are those of mlx-lm's ``BatchGenerator`` responses, in its order. ``finish_reason`` is ``None`` while the
+    request goes on, ``"length"`` when it reached its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop
+    sequences, and ``"error"`` (``token`` is -1) when the model raised on some rank while computing this request (its
+    prefill chunk, or a decode step of the batch it was in); in all three the request has left.
+
+    ``logprobs``: on the last rank, the log-probabilities this token was sampled from (``[vocabulary]``, after the
+    request's logits processors), computed only when read; ``None`` on the other ranks (they never see the logits) and
+    on an ``"error"`` response.
+
+    ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"`` response only (as in mlx-lm): this rank's
+    per-layer caches of the finished request, taken out of the batch, and the tokens they hold — its ``all_tokens``
+    given at insert, its prompt and every generated token but this last one, which was never fed back. Pass the cache to
+    :meth:`BatchGenerator.insert` with the next turn's tokens, starting with ``token``, to continue the conversation
+    without prefilling it again. ``None`` otherwise (a failed request's cache may hold a stand-in's zeros).
+    """
+
+    uid: int
+    token: int
+    logprobs: mx.array | None = field(default=None, compare=False)
+    finish_reason: FinishReason | None = None
+    prompt_cache: list[Any] | None = None
+    all_tokens: list[int] | None = None
+
+
+class BatchGenerator:
+    """Continuous batching on a sharded model; call every method identically on every rank.
+
+    ``max_tokens`` is the default per request (-1: no limit); ``stop_tokens`` end a request after yielding one of them
+    (``finish_reason="stop"``): token ids, or sequences of them as mlx-lm's ``BatchGenerator`` takes (a request stops at
+    the token that completes one, counting its generated tokens only); ``sampler`` is the default sampler (greedy when
+    ``None``) and ``logits_processors`` the default processors (mlx-lm's ``make_logits_processors``: repetition penalty,
+    logit bias, ...), both used only on the last rank; ``timeout`` bounds every wait (default: the model's).
+
+    ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a tick while other requests decode: each rank
+    adds about one chunk's work to each decode step, so it trades the decoding requests' time between tokens against the
+    new request's time to first token. ``prefill_step_size`` is the chunk size while nothing decodes (a prompt prefilled
+    alone). ``prefill_budget`` is the former name of ``prefill_chunk_tokens``.
+
+    ``prefill_chunking="equal-cost"`` keeps that trade steady over a long prompt: a chunk attends to every position
+    before it, so at a fixed length the late chunks of a long prompt cost several times the first ones and the others'
+    time between tokens grows as it fills. With it, the chunk at the start of a prompt has ``prefill_chunk_tokens``
+    positions and every later one is as long as the cost model allows for the same predicted cost
+    (:class:`~pipemlx.schedule.batch_plan.EqualCostChunks`). The constructor then calibrates the cost model on the
+    group, as ``step_size="auto"`` does (a collective, once per model: construct on every rank). ``"fixed"`` (the
+    default): every chunk has ``prefill_chunk_tokens`` positions.
+
+    ``memory_budget`` (bytes this rank may spend on KV caches) turns on admission control: the constructor then
+    exchanges every rank's budget and cache bytes per position (one all-gather: construct on every rank), and a queued
+    request starts its prefill only when the batch, left-padded to its longest reservation (prompt + ``max_tokens``),
+    fits every rank's budget with it; requests start in order. A request that could never fit raises ``ValueError`` in
+    :meth:`insert`.
+
+    ``completion_batch_size`` (as mlx-lm's): at most this many requests decode or are prefilled at once; the others wait
+    in the queue, in order. ``None`` (the default; mlx-lm's is 32): no limit.
+
+    ``prefill_batch_size`` (as mlx-lm's): at most this many requests are started and not yet decoding at once (chunks in
+    flight on some rank, or prefilled and waiting to join); the next one starts when one joins. Our ticks prefill one
+    chunk per rank, so at most one request per rank is computed at once (up to ``world_size`` over the pipeline, more
+    only counting one-token prompts, which need no prefill): this caps that. ``None`` (the default; mlx-lm's is 8): no
+    cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
+
+    ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
+    rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
+    Admission control still reserves a request's whole length (conservative).
+
+    ``stream`` (mlx-lm's computes on it): the ranks compute on the stage's own stream (``stage.compute_stream``, which
+    the waits in helper threads need), so a stream or device is accepted only on that stream's device (``ValueError``
+    otherwise); :attr:`stream` is the stream computed on.
+
+    Raises ``ValueError`` for a bad value of any of these before anything is sent.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_tokens: int = 128,
+        stop_tokens: Iterable[int | Sequence[int]] = (),
+        sampler: Sampler | None = None,
+        logits_processors: Sequence[LogitsProcessor] | None = None,
+        prefill_step_size: int = 512,
+        prefill_chunk_tokens: int = 64,
+        prefill_budget: int | None = None,
+        prefill_chunking: Literal["fixed", "equal-cost"] = "fixed",
+        timeout: float | None = None,
+        memory_budget: int | None = None,
+        completion_batch_size: int | None = None,
+        prefill_batch_size: int | None = None,
+        max_kv_size: int | None = None,
+        stream: mx.Stream | mx.ThreadLocalStream | mx.Device | None = None,
+    ) -> None:
+        self.model = model
+        self.stage: PipelineStage = stage_of(model)
+        chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget
+        sizes = {
+            "prefill_step_size": prefill_step_size,
+            "prefill_chunk_tokens": chunk,
+            "memory_budget": memory_budget,
+            "completion_batch_size": completion_batch_size,
+            "prefill_batch_size": prefill_batch_size,
+            "max_kv_size": max_kv_size,
+        }
+        self.stop_sequences = check_settings(
+            self.stage, stream, max_tokens, timeout, sizes, prefill_chunking, stop_tokens
+        )
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
+        self.prefill_step_size = prefill_step_size
+        self.prefill_chunk_tokens = chunk
+        self.timeout = timeout or self.stage.info.timeout
+        self.max_kv_size = max_kv_size
+        self._fresh_kept = fresh_window(self._new_cache(), self.stage)
+        self._next_uid = 0
+        self._plan = TickState(self.stage.world_size)
+        self._requests: dict[int, Request] = {}  # every request inserted and not yet finished
+        self._rows = Rows(self.stage.compute_stream)
+        self._runner = TickRunner(model, self.stage, self.timeout)
+        self.admission: Admission | None = (
+            None if memory_budget is None else exchange_admission(model, self.stage, memory_budget, self.timeout)
+        )
+        self.prefill_batch_size = prefill_batch_size
+        if completion_batch_size is not None and prefill_batch_size is not None:
+            completion_batch_size = max(completion_batch_size, prefill_batch_size)  # as mlx-lm does
+        self.completion_batch_size = completion_batch_size
+        self._limits = (
+            None
+            if self.admission is None and completion_batch_size is None
+            else AdmissionLimits(self.admission, completion_batch_size)
+        )
+        self._counters = Counters()
+        self._logprobs: mx.array | None = None  # the last tick's, on the last rank: read by its responses
+        self.chunk_sizes: int | ChunkSizes = (
+            chunk
+            if prefill_chunking == "fixed"
+            else EqualCostChunks(chunk, calibrated(model, self.stage, self.timeout).layer)
+        )
+
+    @property
+    def stream(self) -> mx.Stream:
+        """The stream this rank computes the ticks on (the stage's ``compute_stream``; mlx-lm's ``stream``)."""
+        return self.stage.compute_stream
+
+    @property
+    def active_uids(self) -> list[int]:
+        """Requests in the batch, in row order."""
+        return [r.uid for r in self._rows.active]
+
+    @property
+    def queued_uids(self) -> list[int]:
+        """Requests inserted and not yet decoding (queued, or their prompts being prefilled), in order."""
+        active = set(self.active_uids)
+        return [u for u in self._requests if u not in active]
+
+    @property
+    def shared_head_ticks(self) -> int:
+        """Ticks whose decode step shared the output head among the ranks (every row greedy: see ``next``)."""
+        return self._runner.shared_ticks
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The first model error this rank stood in for (requests failed with ``finish_reason="error"``)."""
+        return self._runner.error
+
+    def prefilled(self, uid: int) -> int:
+        """Prompt positions of a queued request that every rank has prefilled (0 for an unknown uid)."""
+        request = self._requests.get(uid)
+        return 0 if request is None or self._rows.row_of(request) is not None else request.filled
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int] | int | None = None,
+        caches: Sequence[list[Any] | None] | None = None,
+        all_tokens: Sequence[Sequence[int] | None] | None = None,
+        samplers: Sequence[Sampler | None] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
+        stop_sequences: Sequence[Stops | None] | None = None,
+    ) -> list[int]:
+        """Queue ``prompts`` (token ids); return their uids. Nothing is sent: the next ticks prefill them.
+
+        The arguments are mlx-lm's ``BatchGenerator.insert``'s, in its order. ``max_tokens`` is one int for all or one
+        per prompt (default: the generator's); ``samplers`` one per prompt (``None`` entries: the default). ``caches``
+        reuses prefixes per request: ``caches[i]`` is ``None`` or a per-layer list of mlx-lm caches of this rank's local
+        layers (``make_prompt_cache(model)`` on the sharded model) that already holds a prefix of request ``i``;
+        ``prompts[i]`` is then only the tokens not yet in it (at least one: the last prompt token feeds the first decode
+        step). The generator takes the cache over (it is extended, merged into the batch and not handed back); every
+        rank must pass caches holding the same number of positions. Tokens then equal a solo run of the whole prompt.
+
+        ``logits_processors`` is one list per prompt, as in mlx-lm's ``BatchGenerator`` (default: the generator's for
+        every prompt; a ``None`` or empty entry: none for that prompt). A processor is called as mlx-lm's
+        ``generate_step`` calls it, on the last rank only, with the request's tokens so far (``all_tokens[i]``, then the
+        prompt, then the tokens generated before this one) and its ``[1, vocabulary]`` logits. ``all_tokens[i]`` names
+        the tokens a reused cache holds (seen by the processors, and handed back with the cache; default none).
+        ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
+        the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
+        request. Raises ``ValueError`` for an empty prompt, a bad count, a cache that does not fit the model, a request
+        that could never fit the memory budget or one that could outgrow a ``RotatingKVCache`` that keeps its first
+        positions (what ``max_kv_size`` makes; see the class), on every rank alike, before anything changes.
+        """
+        options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
+        return self._insert([[p] for p in prompts], False, options)
+
+    def insert_segments(
+        self,
+        segments: Sequence[Sequence[Sequence[int]]],
+        max_tokens: Sequence[int] | int | None = None,
+        caches: Sequence[list[Any] | None] | None = None,
+        all_tokens: Sequence[Sequence[int] | None] | None = None,
+        samplers: Sequence[Sampler | None] | None = None,
+        logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
+        stop_sequences: Sequence[Stops | None] | None = None,
+    ) -> list[int]:
+        """Queue prompts given as segments (mlx-lm's ``insert_segments``); return their uids.
+
+        ``segments[i]`` is request ``i``'s prompt cut into segments (empty ones are skipped); the other arguments are
+        :meth:`insert`'s. A request's tokens are those of :meth:`insert` of its segments joined, and, as in mlx-lm, no
+        prefill chunk crosses a segment boundary: a chunk that would ends there (the prompt's last token is fed by the
+        first decode step, not prefilled). A request whose every segment is empty raises ``ValueError`` ("has an empty
+        prompt"), as mlx-lm's does, before anything changes.
+        """
+        options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
+        return self._insert(segments, True, options)
+
+    def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
+        """Check requests and queue them: the next ticks prefill them."""
+        requests = checked_requests(self, self._next_uid, self._fresh_kept, segments, segmented, options)
+        self._next_uid += len(requests)
+        self._requests.update((r.uid, r) for r in requests)
+        self._plan = enqueue(self._plan, [r.queued for r in requests])
+        return [r.uid for r in requests]
+
+    def remove(
+        self, uids: Iterable[int], return_prompt_caches: bool = False
+    ) -> dict[int, tuple[list[Any] | None, list[int]]]:
+        """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
+
+        Takes effect before the next tick; a dropped request's own caches are freed, and its batch row is left out of
+        every later step's results (the row itself is freed when the batch caches are next compacted).
+
+        With ``return_prompt_caches`` (as mlx-lm's ``BatchGenerator``), returns ``{uid: (cache, tokens)}`` per dropped
+        request: this rank's per-layer caches of it and the tokens they hold (``all_tokens`` given at insert, then its
+        prompt and answer as far as every rank computed them). An active request's cache is a copy of its batch row (its
+        prompt and every token it generated but the last, which was never fed back); a queued one's holds the prompt
+        positions every rank prefilled (:meth:`prefilled`), or ``None`` when a part only some ranks prefilled cannot be
+        cut off (recurrent layers); one not started yet gets back the cache it was inserted with (a new empty one if
+        none). Otherwise ``{}``.
+        """
+        gone = {u for u in uids if u in self._requests}
+        if not gone:
+            return {}
+        handed_back = {u: self._handed_back(self._requests[u]) for u in sorted(gone)} if return_prompt_caches else {}
+        self._plan = drop(self._plan, gone)
+        self._runner.drop(gone)
+        for uid in gone:
+            self._requests.pop(uid).done = True
+        self._rows.compact_if_worth_it()
+        return handed_back
+
+    def extract_cache(self, uids: Iterable[int]) -> dict[int, tuple[list[Any] | None, list[int]]]:
+        """``{uid: (cache, tokens)}`` of requests that stay in the generator (as mlx-lm's ``extract_cache``).
+
+        An active request's cache is a copy of its batch row and ``tokens`` what it holds (``all_tokens``, the prompt,
+        the answer but its last token); a queued request's prefill is under way, so its cache is ``None`` (``tokens``:
+        ``all_tokens`` and the prompt positions every rank prefilled). Unknown uids are left out. Nothing is sent.
+        """
+        found: dict[int, tuple[list[Any] | None, list[int]]] = {}
+        for uid in uids:
+            request = self._requests.get(uid)
+            if request is None:
+                continue
+            row = self._rows.row_of(request)
+            found[uid] = (None, request.prefilled_tokens) if row is None else (self._rows.extract(row), request.held)
+        self._rows.settle([c for c, _ in found.values() if c is not None])
+        return found
+
+    def _handed_back(self, request: Request) -> tuple[list[Any] | None, list[int]]:
+        """A request's caches and the tokens they hold, for :meth:`remove` (before it forgets the request)."""
+        if self._rows.row_of(request) is not None:
+            return self.extract_cache([request.uid])[request.uid]
+        tokens, cache = request.prefilled_tokens, request.cache
+        if cache is None:
+            return self._new_cache(), tokens
+        # Chunks still travelling the ranks are in some ranks' caches only: cut them off, or give nothing back.
+        ahead = any(c is not None and c.uid == request.uid for c in self._plan.inflight)
+        if ahead and (request.prefix == UNCOUNTED or not trim_to(cache, request.prefix + request.filled)):
+            return None, tokens
+        evaluate(cache, self.stage.compute_stream)
+        return cache, tokens
+
+    def next(self) -> list[Response]:
+        """Run one tick: a decode step of every active request and one prefill chunk per rank.
+
+        Returns the decode step's :class:`Response` per active request (and an ``"error"`` response per request that
+        failed in the tick); the same on every rank. ``[]`` when nothing is active: a tick that only prefilled, or
+        nothing at all to do (then nothing is sent). (mlx-lm's ``BatchGenerator.next`` returns these as the second of a
+        pair, after its prompt-progress responses; :meth:`next_generated` is mlx-lm's.)
+        """
+        self.stage.settle(self.timeout)
+        if self._plan.idle() and not self._rows:
+            return []
+        started = time.perf_counter()
+        tick, after = self._plan_tick()
+        if self._rows.dead and self._limits is not None and self._plan.queue and tick.chunks[0] is None:
+            self._rows.compact()  # the dead rows may hold back a queued request: free them and plan again
+            tick, after = self._plan_tick()
+        self._join(tick.joins)
+        if not self._rows and all(c is None for c in tick.chunks):
+            self._plan = after
+            return []
+        work = TickWork(
+            tick=tick,
+            rows=len(self._rows),
+            inputs=self._rows.inputs,
+            batch_cache=self._rows.caches,
+            uids_fingerprint=self._rows.uids_fingerprint(),
+            prefixes_fingerprint=self._rows.prefixes_fingerprint(),
+            chunk_tokens=self._chunk_tokens,
+            chunk_cache=self._chunk_cache,
+            sample=self._sample,
+            greedy=self.stage.info.vocab_shard is not None and all_greedy(self._rows.requests, self.sampler),
+        )
+        self._logprobs = None
+        outcome = self._runner.run(work)
+        self._plan = after
+        done = tick.chunks[-1]
+        if done is not None and done.uid in self._requests:
+            self._requests[done.uid].filled = done.stop
+        responses = self._responses(outcome)
+        self._rows.fed(outcome.tokens)
+        self.remove({r.uid for r in responses if r.finish_reason is not None})
+        generated = sum(1 for r in responses if r.finish_reason != "error")
+        self._counters.count(0 if done is None else done.length, generated, time.perf_counter() - started)
+        return responses
+
+    def next_generated(self) -> list[Response]:
+        """Run ticks until one decodes (as mlx-lm's ``next_generated``): its responses, or ``[]`` with nothing to do."""
+        while True:
+            responses = self.next()
+            if responses or (self._plan.idle() and not self._rows):
+                return responses
+
+    def stats(self) -> AbstractContextManager[BatchStats]:
+        """The work done while the block runs, as mlx-lm's ``BatchGenerator.stats()`` reports it.
+
+        Yields mlx-lm's ``BatchStats``, filled in on leaving the block: ``prompt_tokens`` counts prompt positions every
+        rank prefilled (a reused prefix is not counted), ``generation_tokens`` the tokens returned and
+        ``generation_steps`` the ticks that returned any. A tick computes a decode step and prefill chunks at once: its
+        time counts as ``decode_time`` when it returned tokens, else as ``prompt_time``. ``peak_memory`` is this
+        process's (GB).
+        """
+        return self._counters.stats()
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        """Bytes of KV cache this rank holds: the batch caches (dead rows included) and the queued prompts'."""
+        held = [*self._rows.caches, *(c for r in self._requests.values() if r.cache is not None for c in r.cache)]
+        return sum(int(c.nbytes) for c in held)
+
+    def close(self) -> None:
+        """Drop every request (as :meth:`remove` does) and free the batch caches; nothing is sent.
+
+        Call it on every rank alike. The generator stays usable: later requests start from an empty batch.
+        """
+        self.remove(list(self._requests))
+        self._rows.compact()
+
+    def _new_cache(self) -> list[Any]:
+        """A new request's per-layer caches: ``make_prompt_cache(model, max_kv_size)``, as mlx-lm's makes them."""
+        return self.stage.new_cache(self.model, self.max_kv_size)
+
+    def _plan_tick(self) -> tuple[Tick, TickState]:
+        # Dead rows keep their reservation until compacted: their cache positions are still held.
+        return plan_tick(
+            self._plan,
+            [r.reserve for r in self._rows.requests],
+            self.chunk_sizes,
+            self.prefill_step_size,
+            self._limits,
+            self.prefill_batch_size,
+        )
+
+    def _chunk_tokens(self, chunk: TickChunk) -> list[int]:
+        return self._requests[chunk.uid].prompt[chunk.start : chunk.stop]
+
+    def _chunk_cache(self, chunk: TickChunk) -> list[Any]:
+        request = self._requests[chunk.uid]
+        if request.cache is None:
+            request.cache = self._new_cache()
+        return request.cache
+
+    def _join(self, uids: tuple[int, ...]) -> None:
+        """Move requests whose prefill every rank completed into the batch, with their caches."""
+        if not uids:
+            return
+        joining = [self._requests[u] for u in uids]
+        caches = [r.cache if r.cache is not None else self._new_cache() for r in joining]
+        for r in joining:
+            r.cache = None
+            r.filled = len(r.prompt) - 1
+        self._rows.join(joining, caches)
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        """Every row's token (:func:`.sample.sample`), keeping the log-probabilities for the responses."""
+        tokens, self._logprobs = sample(logits, self._rows.requests, self.sampler)
+        return tokens
+
+    def _responses(self, outcome: TickOutcome) -> list[Response]:
+        """The tick's response per live row, a finished request's caches taken out of the batch, then an
+        ``"error"`` response per failed request."""
+        failed: set[int] = set(outcome.failed_uids)
+        if outcome.failed_decode:
+            failed.update(self.active_uids)
+        responses: list[Response] = []
+        extracted: list[list[Any]] = []
+        for i, request in enumerate(self._rows.requests):
+            if request.done or request.uid in failed:
+                continue
+            token = outcome.tokens[i]
+            reason = request.take(token)
+            cache = None if reason is None else self._rows.extract(i)
+            if cache is not None:
+                extracted.append(cache)
+            responses.append(
+                Response(
+                    request.uid,
+                    token,
+                    logprobs=None if self._logprobs is None else self._logprobs[i],
+                    finish_reason=reason,
+                    prompt_cache=cache,
+                    all_tokens=None if reason is None else request.held,
+                )
+            )
+        responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
+        self._rows.settle(extracted)
+        return responses
