@@ -9,7 +9,7 @@ from .protocol import AGREE, HANDSHAKE, UNCOUNTED, Status, Table, dtype_code, pe
 from .stage import PipelineStage
 
 
-class Request(Protocol):
+class HandshakeRequest(Protocol):
     """What ranks compare in a handshake: a :class:`~pipemlx.schedule.plan.PrefillPlan`, or an auto-step request."""
 
     @property
@@ -21,7 +21,7 @@ class Request(Protocol):
 
 def handshake(
     stage: PipelineStage,
-    plan: Request,
+    plan: HandshakeRequest,
     status: Status,
     timeout: float | None,
     needs_calibration: bool = False,
@@ -64,7 +64,8 @@ def handshake(
         values,
         status=status,
         timeout=timeout,
-        where=f"{stage.describe()} at the handshake",
+        where="the handshake",
+        who=stage.describe(),
     )
     starts, stops = table["layer_start"], table["layer_stop"]
     if starts != [0, *stops[:-1]] or stops[-1] != table["total_layers"][0]:
@@ -92,6 +93,8 @@ def agree_on_step(
     :attr:`Status.FAILED` (a callback raised on this rank since the last
     agreement point); the caller stops when any rank's status is not OK.
     """
-    where = f"{stage.describe()} at the agreement closing step {step}"
+    where = f"the agreement closing step {step}"
     values = {"step": step, "failed_chunk": failed_chunk}
-    return AGREE.exchange(stage.group, stage.compute_stream, values, status=status, timeout=timeout, where=where)
+    return AGREE.exchange(
+        stage.group, stage.compute_stream, values, status=status, timeout=timeout, where=where, who=stage.describe()
+    )

@@ -239,13 +239,18 @@ def time_collective(stage: PipelineStage, timeout: float | None) -> float:
 
 
 def over_ranks(
-    group: mx.distributed.Group, stream: mx.Stream, measured: Sequence[float], timeout: float | None, where: str
+    group: mx.distributed.Group,
+    stream: mx.Stream,
+    measured: Sequence[float],
+    timeout: float | None,
+    who: str,
+    what: str,
 ) -> tuple[list[float], list[float]]:
     """Every rank's ``measured`` all-gathered: the largest and the smallest value of each entry over the ranks."""
     with mx.stream(stream):
         gathered = gather(CALIBRATE.row({}, payload=[mx.array(list(measured), dtype=mx.float32)]), group)
-    wait_for(gathered, timeout, lambda: where)
-    figures = mx.array(CALIBRATE.read(gathered, group.size(), where).payloads)
+    wait_for(gathered, timeout, lambda: f"{who} sharing {what}")
+    figures = mx.array(CALIBRATE.read(gathered, group.size(), f"sharing {what}").payloads)
     return cast(list[float], figures.max(axis=0).tolist()), cast(list[float], figures.min(axis=0).tolist())
 
 
@@ -260,8 +265,9 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
     missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
     figures = [*measured, *missing, time_collective(stage, timeout)]
-    where = f"{stage.describe()} sharing its calibration"
-    slowest, fastest = over_ranks(stage.group, stage.compute_stream, figures, timeout, where)
+    slowest, fastest = over_ranks(
+        stage.group, stage.compute_stream, figures, timeout, stage.describe(), "the calibration"
+    )
     n = len(CALIBRATION_LENGTHS)
     seconds, attention_s, far, collective_s = slowest[:n], slowest[n], slowest[n + 1 : -1], slowest[-1]
     far_everywhere = min(fastest) >= 0  # every rank timed far chunks
@@ -311,8 +317,8 @@ def group_layer_costs(layer: nn.Module, info: StageInfo, group: mx.distributed.G
     at_start, attention_chunk_s, far_timed = time_layer(layer, info.hidden_size, info.dtype or mx.float32)
     measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
     stream = mx.new_thread_unsafe_stream(mx.default_device())
-    where = f"{info.describe()} sharing its layer's costs (lend_heads='auto')"
-    slowest, _ = over_ranks(group, stream, measured, info.timeout, where)
+    what = "a layer's costs (lend_heads='auto')"
+    slowest, _ = over_ranks(group, stream, measured, info.timeout, info.describe(), what)
     n = len(CALIBRATION_LENGTHS)
     far_pairs = tuple(zip(FAR_LENGTHS, slowest[n + 1 :]))
     return layer_costs(CALIBRATION_LENGTHS, slowest[:n], slowest[n], far_pairs)
@@ -328,9 +334,9 @@ def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) ->
     needs = stage.cost_model is None
     try:
         if stage.world_size > 1:
-            where = f"{stage.describe()} asking whether the group has calibrated"
             values = {"needs_calibration": int(needs)}
-            table = CALIBRATE.exchange(stage.group, stage.compute_stream, values, timeout=timeout, where=where)
+            where, who = "asking whether the group has calibrated", stage.describe()
+            table = CALIBRATE.exchange(stage.group, stage.compute_stream, values, timeout=timeout, where=where, who=who)
             needs = any(table["needs_calibration"])
         if needs:
             stage.cost_model = calibrate(model, stage, timeout)

@@ -481,7 +481,7 @@ class _Request:
         stage = self.stage
         mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         offset = cache_offset(self.cache)
-        where = f"{stage.describe()} in decode step {index}"
+        where = f"decode step {index}"
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
                 stage.received.clear()
@@ -511,7 +511,7 @@ class _Request:
                 gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
             waited = [gathered] if part.logprobs is None or self.sampler is None else [gathered, part.logprobs]
-            wait_for(waited, self.timeout, lambda: where)
+            wait_for(waited, self.timeout, lambda: f"{stage.describe()} in {where}")
             stage.outstanding.clear()  # this pass is complete: nothing for the next one to wait for
         except Exception as exc:  # failed mid-evaluation: a peer may be inside this step's collectives
             stage.mark_broken(exc)

@@ -181,7 +181,10 @@ class Message:
         return mx.concatenate([mx.view(header, mx.float32), *body])
 
     def read(self, gathered: mx.array, world_size: int, where: str) -> Table:
-        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module)."""
+        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module).
+
+        ``where`` names the message in errors (``"the handshake"``): the same on every rank, so that every
+        rank raises the same error."""
         flat = mx.reshape(gathered, (world_size, -1)) if gathered.size % world_size == 0 else None
         if flat is None or flat.shape[1] < self.width:
             raise PipelineMismatchError(f"{where}: the ranks sent rows of different sizes: they are out of step")
@@ -219,11 +222,13 @@ class Message:
         status: int = Status.OK,
         timeout: float | None,
         where: str,
+        who: str,
     ) -> Table:
-        """Gather every rank's header (no payload) and read it: a bounded wait (:func:`~.waits.wait_for`)."""
+        """Gather every rank's header (no payload) and read it: a bounded wait (:func:`~.waits.wait_for`) whose
+        error names ``who`` is waiting (``rank 1/2 (layers ...)``) ``where``."""
         with mx.stream(stream):
             gathered = gather(self.header(values, status), group)
-        wait_for(gathered, timeout, lambda: where)
+        wait_for(gathered, timeout, lambda: f"{who} in {where}")
         return self.read(gathered, group.size(), where)
 
 

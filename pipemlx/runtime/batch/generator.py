@@ -81,7 +81,7 @@ class BatchGenerator:
     ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a tick while other requests decode: each rank
     adds about one chunk's work to each decode step, so it trades the decoding requests' time between tokens against the
     new request's time to first token. ``prefill_step_size`` is the chunk size while nothing decodes (a prompt prefilled
-    alone). ``prefill_budget`` is the former name of ``prefill_chunk_tokens``.
+    alone). ``prefill_budget`` is an alias of ``prefill_chunk_tokens``.
 
     ``prefill_chunking="equal-cost"`` keeps that trade steady over a long prompt: a chunk attends to every position
     before it, so at a fixed length the late chunks of a long prompt cost several times the first ones and the others'

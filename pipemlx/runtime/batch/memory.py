@@ -39,9 +39,9 @@ def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:
 def exchange_admission(model: nn.Module, stage: PipelineStage, budget: int, timeout: float | None) -> Admission:
     """Every rank's bytes per position and budget (one all-gather): the same :class:`Admission` on every rank."""
     mine = {"bytes_per_position": cache_bytes_per_position(model, stage), "budget_kib": budget // BUDGET_UNIT}
-    where = f"{stage.describe()} in the batch generator's memory exchange"
+    where, who = "the batch generator's memory exchange", stage.describe()
     try:
-        table = MEMORY.exchange(stage.group, stage.compute_stream, mine, timeout=timeout, where=where)
+        table = MEMORY.exchange(stage.group, stage.compute_stream, mine, timeout=timeout, where=where, who=who)
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise

@@ -78,7 +78,7 @@ class Request:
         return "length" if self.max_tokens != -1 and len(self.answer) >= self.max_tokens else None
 
 
-class Settings(Protocol):
+class GeneratorSettings(Protocol):
     """What a generator's requests are checked against and default to."""
 
     stage: PipelineStage
@@ -138,7 +138,7 @@ class Options:
 
 
 def checked_requests(
-    settings: Settings,
+    settings: GeneratorSettings,
     first_uid: int,
     fresh_kept: tuple[int, int] | None,
     prompts: Sequence[Sequence[Sequence[int]]],

@@ -168,8 +168,8 @@ class TickRunner:
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
                     payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
                 gathered = gather(TICK.row(values, status, payload), stage.group)
-            where = f"{stage.describe()} in batch tick {tick.index} ({work.rows} rows)"
-            wait_for(gathered, self.timeout, lambda: where)
+            where = f"batch tick {tick.index}"
+            wait_for(gathered, self.timeout, lambda: f"{stage.describe()} in {where} ({work.rows} rows)")
         except Exception as exc:  # a stalled or lost peer, or a failure mid-evaluation: peers may be blocked
             stage.mark_broken(exc)
             if _is_peer_lost(exc):
