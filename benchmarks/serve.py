@@ -7,7 +7,9 @@ last). Then a second turn (the first turn's prompt and answer plus a few new
 tokens) measures the time to first token that the prefix cache saves:
 pipemlx serve with its prefix cache and with ``--prefix-cache 0``.
 
-Servers: ``pipemlx serve --ranks 2``; ``mlx_lm.server`` (one process); and
+Servers: ``pipemlx serve --ranks 2`` (one request at a time, and with
+``--max-concurrency 4``: the same request through the batch scheduler);
+``mlx_lm.server`` (one process); and
 ``mlx_lm.server --pipeline`` on 2 local ranks (mlx-lm's own pipeline, for the
 models that have one: qwen2 does) when it runs here.
 
@@ -221,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-turn2", dest="turn2", action="store_false", help="skip the second-turn measurement")
     parser.add_argument("--no-openblas", action="store_true", help="do not preload OpenBLAS")
     parser.add_argument(
-        "--skip", action="append", default=[], choices=["mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"]
+        "--skip",
+        action="append",
+        default=[],
+        choices=["batched", "mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"],
     )
     parser.add_argument(
         "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8], help="concurrent clients (1,4,8)"
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(
             ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"]))
         )
+        if "batched" not in args.skip:
+            batched = ["--max-concurrency", "4"]
+            runners.append(("pipemlx serve S=2, --max-concurrency 4", lambda: pipemlx_server(model, env, batched)))
         if "mlx-lm" not in args.skip:
             runners.append(("mlx_lm.server (1 process)", lambda: mlx_lm_server(model, env, 1)))
         if "mlx-lm-pipeline" not in args.skip:

@@ -1,4 +1,4 @@
-"""The parts of pipemlx serve that need no server: request checking, stop strings, the prefix cache, the header."""
+"""The parts of pipemlx serve that need no server: request checking, stop strings, the prefix cache, the broadcast."""
 
 from __future__ import annotations
 
@@ -12,8 +12,23 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler
 
 from pipemlx.errors import PipelineMismatchError
-from pipemlx.serve.batching import Insert, Ops, decode_ops, encode_ops, request_sampler, share_entries
-from pipemlx.serve.broadcast import BASE_FIELDS, REQUEST, SLOT_FIELDS, Channel, bits_float, checksum, float_bits
+from pipemlx.runtime.protocol import SERVE, TOKENS
+from pipemlx.serve.broadcast import (
+    INSERT_FIELDS,
+    RANK_FIELDS,
+    REQUEST,
+    Channel,
+    Insert,
+    Ops,
+    bits_float,
+    checksum,
+    decode_ops,
+    encode_ops,
+    float_bits,
+    read_header,
+)
+from pipemlx.serve.engines import request_sampler
+from pipemlx.serve.loop import share_entries
 from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.prefix_cache import Plan, PrefixCache
 from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
@@ -96,7 +111,8 @@ def test_bad_penalties_are_refused_and_good_ones_read(body: dict[str, Any], para
     assert caught.value.status == 400 and caught.value.param == param and words in str(caught.value)
     read = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {}})
     assert read.penalties == Penalties(presence_penalty=0.5, frequency_penalty=-1.0)
-    assert Penalties.from_ints(read.penalties.to_ints()) == read.penalties
+    insert = Insert(1, [5], 4, 0.0, 1.0, -1, penalties=read.penalties)
+    assert decode_ops(encode_ops(Ops(inserts=[insert]))).inserts[0].penalties == read.penalties  # what every rank gets
     assert parse_completion({"prompt": "x"}).penalties.processors() is None
 
 
@@ -202,16 +218,40 @@ def test_a_missing_entry_starts_from_an_empty_cache() -> None:
     assert fresh[0].offset == 0  # the ranks' prefill check then reports the disagreement
 
 
-def test_header_fields_survive_the_int32_sum() -> None:
+def test_the_broadcast_reads_rank_zeros_fields_and_every_ranks_own() -> None:
     for value in (0.0, 0.7, 1.0, 2.0, 1e-6):
         assert bits_float(float_bits(value)) == pytest.approx(value, rel=1e-7)
     assert checksum([1, 2, 3]) != checksum([1, 3, 2]) and checksum([]) == 0
-    channel = Channel(mx.distributed.init())  # a group of one: the sum is the values themselves
-    header = channel.exchange({"kind": REQUEST, "seq": 5, "temperature": float_bits(0.5)}, {"pid": 42}, 5.0, "test")
-    assert header.kind == REQUEST and header.fields["seq"] == 5 and header.float("temperature") == 0.5
-    assert header.slots == [{**dict.fromkeys(SLOT_FIELDS, 0), "present": 1, "pid": 42}]
-    assert len(header.fields) == len(BASE_FIELDS)
+    channel = Channel(mx.distributed.init())  # a group of one: the gathered rows are this rank's row
+    header = channel.exchange({"op": REQUEST, "seq": 5, "pause_ms": 250}, {"pid": 42}, 5.0, "test")
+    assert header.op == REQUEST and header.fields["seq"] == 5 and header.fields["pause_ms"] == 250
+    assert header.slots == [{**dict.fromkeys(RANK_FIELDS, 0), "pid": 42}]
+    assert "pid" not in header.fields and header.fields["checksum"] == 0
     assert channel.tokens([3, 1, 4], 3, 5.0, "test") == [3, 1, 4]
+    with pytest.raises(ValueError, match="not fields of the request broadcast"):
+        channel.exchange({"pid": 1}, {}, 5.0, "test")  # a rank's own field is not rank 0's to send
+    # Two ranks' rows as the all-gather returns them: rank 0's fields come from its row, each slot from its own.
+    rows = mx.concatenate(
+        [SERVE.header({"op": REQUEST, "seq": 9, "pid": 10}), SERVE.header({"seq": 77, "pid": 11, "last_seq": 8})]
+    )
+    two = read_header(rows, 2)
+    assert two.op == REQUEST and two.fields["seq"] == 9
+    assert [s["pid"] for s in two.slots] == [10, 11] and two.slots[1]["last_seq"] == 8
+
+
+@pytest.mark.parametrize(
+    "garbled",
+    [
+        [SERVE.header({"op": REQUEST}), TOKENS.header({"count": 0})],  # a rank in another phase
+        [SERVE.header({"op": 99}), SERVE.header({})],  # an operation no rank sends
+        [SERVE.header({"op": REQUEST}), mx.array([12345] * SERVE.width, dtype=mx.int32)],  # garbage
+        [SERVE.header({"op": REQUEST}), SERVE.header({})[:-1]],  # rows of different sizes
+    ],
+    ids=["another-phase", "unknown-op", "garbage", "cut-short"],
+)
+def test_a_garbled_broadcast_raises_a_mismatch(garbled: list[mx.array]) -> None:
+    with pytest.raises(PipelineMismatchError):
+        read_header(mx.concatenate(garbled), 2)
 
 
 # --- batching (--max-concurrency above 1) -------------------------------------------------------------------------
@@ -247,6 +287,7 @@ def test_batch_operations_survive_the_broadcast(removes: list[int], inserts: lis
     values = encode_ops(ops)
     assert all(-(1 << 31) <= v < (1 << 31) for v in values)  # int32 on the wire
     assert decode_ops(values) == ops
+    assert len(values) == (2 + len(removes) + sum(len(INSERT_FIELDS) + len(i.tokens) for i in inserts) if values else 0)
     if values:
         with pytest.raises(PipelineMismatchError, match="arrived damaged"):
             decode_ops(values[:-1] if inserts else [*values, 7])
@@ -291,7 +332,7 @@ def test_cors_headers_only_for_the_given_origins(origins: tuple[str, ...], origi
     from starlette.testclient import TestClient
 
     from pipemlx.serve.app import Api
-    from pipemlx.serve.engine import ServeSettings
+    from pipemlx.serve.front import ServeSettings
 
     api = Api(cast(Any, None), None, ServeSettings(model_id="m", api_key="key"), None)  # no request reaches a rank
     client = TestClient(api.app(cors_origins=origins))

@@ -10,7 +10,7 @@
 - :mod:`.waits`, :mod:`.caches`: bounded waits, cache bookkeeping.
 - :mod:`.generate`: ``generate_step`` and ``stream_generate``, a whole request; the ``DecodeStream`` says why it ended.
 - :mod:`.sampling`: greedy picking, samplers, logits processors, and the output head shared for greedy decodes.
-- :mod:`.batch`, :mod:`.batch_tick`, :mod:`.batch_memory`: ``BatchGenerator``, many requests decoded together
+- :mod:`.batch`: ``BatchGenerator``, many requests decoded together
   as one batch through the pipeline, one tick at a time.
 - :mod:`.calibrate`: times the group for ``step_size="auto"`` and ``lend_heads="auto"``.
 - :mod:`.links`: each neighbour link's latency and bandwidth, for ``pipemlx doctor``.

@@ -331,26 +331,12 @@ TICK = Message(
 SERVE = Message(
     Kind.SERVE,
     (
-        # Rank 0's fields: the next operation of the server.
+        # Rank 0's fields: the server's next operation.
         Field("op"),  # HELLO, IDLE, REQUEST, SHUTDOWN or STEP (pipemlx.serve.broadcast)
-        Field("seq"),  # the request's number (STEP: the step's number)
-        Field("n_tokens"),  # the prompt's length (STEP: the operations' length): the TOKENS message that follows
-        Field("max_tokens"),
-        Field("temperature"),  # float32 bits
-        Field("top_p"),  # float32 bits
-        Field("seed"),  # -1: none
-        Field("entry"),  # the prefix-cache plan: entry id (-1: none), tokens reused, copy or take
-        Field("reuse"),
-        Field("copy"),
-        Field("step"),  # prefill step size, 0 for "auto"
+        Field("seq"),  # the step's number
+        Field("n_tokens"),  # the length of the encoded operations: the TOKENS message that follows
         Field("pause_ms"),  # IDLE: how long the other ranks wait before the next message
-        Field("checksum"),  # of the token ids
-        Field("repetition_penalty"),  # float32 bits; 0: none
-        Field("repetition_context_size"),
-        Field("presence_penalty"),  # float32 bits; 0: none
-        Field("presence_context_size"),
-        Field("frequency_penalty"),  # float32 bits; 0: none
-        Field("frequency_context_size"),
+        Field("checksum"),  # of the encoded operations
         # Every rank's own fields: where it stands.
         Field("pid"),
         Field("last_seq"),  # the last request this rank finished

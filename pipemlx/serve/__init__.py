@@ -1,12 +1,13 @@
 """``pipemlx serve``: an OpenAI-compatible HTTP server over a pipeline of ranks, built on pipemlx's public API.
 
 Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
-the pipeline up and greets the others (:mod:`.broadcast`); then rank 0 serves
-HTTP (:mod:`.app`) and runs requests one at a time (:class:`.engine.Leader`),
-or up to ``--max-concurrency`` of them batched together
-(:class:`.batching.BatchLeader`), and every other rank follows the requests or
-batch steps rank 0 broadcasts (:class:`.engine.Follower`). Requests reuse the
-KV caches of earlier ones (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+the pipeline up and greets the others (:class:`.engines.Rank`); then rank 0
+serves HTTP (:mod:`.app`) over the request queue (:mod:`.front`) and leads the
+serving loop (:class:`.loop.Leader`), and every other rank follows the steps
+rank 0 broadcasts (:func:`.loop.follow`, :mod:`.broadcast`). Both loops drive
+one scheduler (:mod:`.engines`): requests one at a time, or up to
+``--max-concurrency`` of them batched together. Requests reuse the KV caches
+of earlier ones (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
 uvicorn) on rank 0; :func:`missing_packages` says what is missing.
@@ -19,7 +20,6 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -28,8 +28,9 @@ from typing import Any, Literal, cast
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
-from .batching import BatchLeader, BatchRunner
-from .engine import Engine, Follower, Leader, ServeSettings, describe_ranks, log
+from .engines import Rank, Scheduler, make_scheduler
+from .front import Front, ServeSettings, log
+from .loop import Leader, follow
 
 SERVE_PACKAGES = ("starlette", "uvicorn")
 INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn)"
@@ -107,7 +108,7 @@ def run_rank(options: RankOptions) -> int:
     except PipelineError as exc:  # an architecture it refuses, a group that fails while sharding: as generate says it
         print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
-    engine = Engine(model, tokenizer, group, settings)
+    engine = Rank(model, tokenizer, group, settings)
     try:
         engine.start()
     except PipelineError as exc:
@@ -115,57 +116,53 @@ def run_rank(options: RankOptions) -> int:
             f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
         )
         os._exit(1)
-    runner: BatchRunner | None = None
-    if settings.max_concurrency > 1:
-        try:
-            runner = BatchRunner(engine)
-        except TypeError as exc:  # the same model on every rank: every rank says so and exits
-            print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
-            os._exit(2)
+    try:
+        scheduler = make_scheduler(engine)
+    except TypeError as exc:  # the same model on every rank: every rank says so and exits
+        print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
+        os._exit(2)
     if rank != 0:
-        return _follow(engine, settings, runner)
-    return _lead(engine, tokenizer, options, runner)
+        return _follow(engine, scheduler)
+    return _lead(engine, scheduler, options)
 
 
-def _follow(engine: Engine, settings: ServeSettings, runner: BatchRunner | None) -> int:
+def _follow(engine: Rank, scheduler: Scheduler) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the group stops
     try:
-        batch: Callable[[list[int]], object] | None = None
-        if runner is not None:
-            batch = runner.apply_payload
-        return Follower(engine, settings, batch).serve()
+        return follow(engine, scheduler)
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
         print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRunner | None) -> int:
+def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
 
     settings = options.settings
-    leader = Leader(engine, settings) if runner is None else BatchLeader(engine, settings, runner)
+    split = list(engine.stage.info.split)
+    front = Front(settings, split, engine.prefix, engine.slots)
+    leader = Leader(engine, scheduler, front)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
-    api = Api(leader, tokenizer, settings, context)
+    api = Api(front, engine.tokenizer, settings, context)
     http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
-        leader.stopping.set()
+        front.stopping.set()
         leader.serve()  # tells the other ranks to stop
         return 2
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        if leader.stopping.is_set():
+        if front.stopping.is_set():
             os._exit(130)
         log(f"{signal.Signals(signum).name}: finishing the current request's agreed stop, then stopping")
-        leader.stopping.set()
+        front.stopping.set()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    split = list(engine.stage.split)
-    prefix = engine.prefix
+    ranks = ", ".join(f"rank {r} layers {sum(split[:r])}-{sum(split[: r + 1]) - 1}" for r in range(len(split)))
     log(
         f"{settings.model_id}: {sum(split)} layers on {len(split)} rank{'s' if len(split) > 1 else ''} "
-        f"({describe_ranks(split)}); prefix cache {settings.prefix_cache_mb:g} MB ({prefix.budget_tokens} tokens); "
+        f"({ranks}); prefix cache {settings.prefix_cache_mb:g} MB ({engine.prefix.budget_tokens} tokens); "
         f"context {context or 'unlimited'}; queue {settings.max_queue}"
         + (f"; up to {settings.max_concurrency} requests batched" if settings.max_concurrency > 1 else "")
     )
@@ -173,7 +170,7 @@ def _lead(engine: Engine, tokenizer: Any, options: RankOptions, runner: BatchRun
     try:
         status = leader.serve()
     except Exception as exc:  # an idle heartbeat found a rank lost or stalled
-        leader.fail_idle(exc)
+        front.fail(exc, [], "")
         status = 1
     http.stop()
     log("stopped")

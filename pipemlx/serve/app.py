@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. A handler checks the request (4xx with an
 OpenAI-style error body; nothing reaches the ranks), tokenizes it, and queues a
-:class:`~.engine.Job` (429 when the queue is full). The answer is one JSON
+:class:`~.front.Job` on the :class:`~.front.Front` (429 when the queue is full). The answer is one JSON
 object, or server-sent events ending in ``data: [DONE]``. While a request
 waits or runs, its response also listens for the client going away
 (``http.disconnect``): then the job is cancelled, and rank 0's loop stops it on
@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .engine import Event, Job, Leader, ServeSettings
+from .front import Event, Front, Job, ServeSettings
 from .protocol import (
     ApiError,
     ParsedRequest,
@@ -52,10 +52,10 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class Api:
-    """The endpoints, over a :class:`Leader` and the tokenizer."""
+    """The endpoints, over the request queue (:class:`Front`) and the tokenizer."""
 
-    def __init__(self, leader: Leader, tokenizer: Any, settings: ServeSettings, context: int | None) -> None:
-        self.leader = leader
+    def __init__(self, front: Front, tokenizer: Any, settings: ServeSettings, context: int | None) -> None:
+        self.front = front
         self.tokenizer = tokenizer
         self.settings = settings
         self.context = context
@@ -130,7 +130,7 @@ class Api:
     # --- endpoints ---------------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        report = self.leader.health()
+        report = self.front.health()
         return JSONResponse(report, status_code=200 if report["status"] == "ready" else 503)
 
     async def models(self, request: Request) -> Response:
@@ -230,7 +230,7 @@ class Api:
             loop=loop,
             events=asyncio.Queue(),
         )
-        self.leader.submit(job)
+        self.front.submit(job)
         if parsed.stream:
             return EventStream(job, self.settings.model_id)
         return WholeAnswer(job, self.settings.model_id)

@@ -1,37 +1,53 @@
-"""The request broadcast: how rank 0 hands each request to the other ranks over ``mx.distributed`` itself.
+"""The server's messages between ranks, over pipemlx's wire protocol (:mod:`pipemlx.runtime.protocol`).
 
-Every message is one fixed-size ``int32`` all-sum (the *header*), followed for a
-request by a second all-sum carrying its token ids. Rank 0 fills the header's
-first :data:`BASE_FIELDS`; every rank fills its own *slot* of
-:data:`SLOT_FIELDS` (pid, the last request it finished, how many positions its
-cache held then, ...), so one collective both hands out the next request and
-tells every rank where every other rank stands. All ranks contribute zeros
-elsewhere, so the sum is exact (no floating point on the wire). Being plain
-collectives, this runs on any backend the group runs on (ring, MPI, JACCL).
+Rank 0 hands out each step as one ``SERVE`` message: an all-gather in which
+rank 0 fills the operation's fields (``op``, ``seq``, ...) and every rank fills
+its own (pid, the last request it finished, how many positions its cache held
+then, ...), so one collective both says what comes next and tells every rank
+where every other rank stands. A step with operations follows it with one
+``TOKENS`` message: rank 0's encoded :class:`Ops` as an ``int32`` payload (the
+other ranks send zeros of the same count), read from rank 0's row. Being plain
+collectives, both run on any backend the group runs on (ring, MPI, JACCL), and
+every wait is bounded (a helper thread evaluates the collective; MLX cannot
+interrupt one): a rank that dies or stalls becomes :class:`PeerLostError` /
+:class:`PipelineTimeoutError`, never a hang. A message from a rank in another
+phase, or a garbled one, raises :class:`PipelineMismatchError` on every rank.
 
-Kinds: ``HELLO`` (start-up: slots only), ``IDLE`` (rank 0 has no request; the
-other ranks pause ``pause_ms`` and come back: the heartbeat), ``REQUEST`` (one
-request, served alone), ``STEP`` (``--max-concurrency`` above 1: one batch step,
-with the requests to insert and remove before it, see :mod:`.batching`) and
-``SHUTDOWN``. Every wait is bounded (a helper thread evaluates the collective;
-MLX cannot interrupt one), so a rank that dies or stalls becomes
-:class:`PeerLostError` / :class:`PipelineTimeoutError`, never a hang.
+Operations (``op``): ``HELLO`` (start-up: every rank's own fields only),
+``IDLE`` (rank 0 has nothing to run; the other ranks pause ``pause_ms`` and
+come back: the heartbeat), ``REQUEST`` (one request, run whole), ``STEP`` (one
+tick of the batch) and ``SHUTDOWN``.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import cast
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
+from ..runtime.protocol import SERVE, TOKENS, gather
 from ..runtime.waits import wait_for
+from .front import OUTCOMES as OUTCOMES  # what a rank's ``outcome`` field numbers
+from .penalties import Penalties
+from .prefix_cache import Plan
 
-MAGIC = 0x7E4D
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
-KIND_NAMES = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
+OPS = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
+RANK_FIELDS = (
+    "pid",
+    "last_seq",
+    "cache_tokens",
+    "outcome",
+    "bytes_per_token",
+    "trimmable",
+    "prefix_entries",
+    "prefix_tokens",
+)
+"""The fields of ``SERVE`` that every rank fills for itself; the others are rank 0's."""
+LEADER_FIELDS = tuple(f.name for f in SERVE.fields if f.name not in RANK_FIELDS)
 PENALTY_FIELDS = (
     "repetition_penalty",  # float32 bits; 0: none
     "repetition_context_size",
@@ -40,36 +56,18 @@ PENALTY_FIELDS = (
     "frequency_penalty",  # float32 bits; 0: none
     "frequency_context_size",
 )
-"""A request's penalties (:class:`~pipemlx.serve.penalties.Penalties`), in its header and its batch insert."""
-BASE_FIELDS = (
-    "magic",
-    "kind",
-    "seq",  # the request's number (STEP: the step's number; 0 for the other kinds)
-    "n_tokens",  # the prompt's length (STEP: the operations' length): the token all-sum that follows
+PLAN_FIELDS = ("entry", "reuse", "copy")  # the prefix-cache plan: entry id (-1: none), tokens reused, copy or take
+INSERT_FIELDS: tuple[str, ...] = (
+    "seq",
+    "n_tokens",
     "max_tokens",
-    "temperature",  # float32 bits
-    "top_p",  # float32 bits
-    "seed",  # -1: none
-    "entry",  # the prefix-cache plan: entry id (-1: none), tokens reused, copy or take
-    "reuse",
-    "copy",
-    "step",  # prefill step size, 0 for "auto"
-    "pause_ms",  # IDLE: how long the other ranks wait before the next header
-    "checksum",  # of the token ids
+    "temperature",
+    "top_p",
+    "seed",
+    *PLAN_FIELDS,
     *PENALTY_FIELDS,
 )
-SLOT_FIELDS = (
-    "present",  # 1: the rank filled its slot
-    "pid",
-    "last_seq",  # the last request this rank finished
-    "cache_tokens",  # positions its cache held when that request ended (-1: discarded)
-    "outcome",  # OUTCOMES index of how it ended
-    "bytes_per_token",  # HELLO: this rank's KV bytes per cached token
-    "trimmable",  # HELLO: 1 when every cache of this rank can be cut back at any length
-    "prefix_entries",
-    "prefix_tokens",
-)
-OUTCOMES = ("none", "stop", "length", "cancelled", "failed")
+"""One insert's record in the encoded operations, before its ``n_tokens`` token ids (floats as their bits)."""
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
 
 
@@ -81,7 +79,7 @@ def bits_float(value: int) -> float:
     return struct.unpack("<f", struct.pack("<i", value))[0]
 
 
-def checksum(tokens: list[int]) -> int:
+def checksum(tokens: Sequence[int]) -> int:
     value = len(tokens)
     for t in tokens:
         value = (value * 31 + t + 1) % CHECKSUM_MODULUS
@@ -89,18 +87,127 @@ def checksum(tokens: list[int]) -> int:
 
 
 @dataclass(frozen=True)
+class Insert:
+    """A request joining the scheduler, as every rank receives it."""
+
+    seq: int
+    tokens: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    """-1: none (greedy)."""
+    plan: Plan = field(default_factory=Plan)
+    penalties: Penalties = field(default_factory=Penalties)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """One step's operations: remove ``removes`` (request numbers), then insert ``inserts``, then run."""
+
+    removes: list[int] = field(default_factory=list[int])
+    inserts: list[Insert] = field(default_factory=list[Insert])
+
+
+def _record(i: Insert) -> dict[str, int]:
+    p = i.penalties
+    return {
+        "seq": i.seq,
+        "n_tokens": len(i.tokens),
+        "max_tokens": i.max_tokens,
+        "temperature": float_bits(i.temperature),
+        "top_p": float_bits(i.top_p),
+        "seed": i.seed,
+        "entry": i.plan.entry,
+        "reuse": i.plan.reuse,
+        "copy": int(i.plan.copy),
+        "repetition_penalty": float_bits(p.repetition_penalty),
+        "repetition_context_size": p.repetition_context_size,
+        "presence_penalty": float_bits(p.presence_penalty),
+        "presence_context_size": p.presence_context_size,
+        "frequency_penalty": float_bits(p.frequency_penalty),
+        "frequency_context_size": p.frequency_context_size,
+    }
+
+
+def _insert(r: Mapping[str, int], tokens: list[int]) -> Insert:
+    penalties = Penalties(
+        bits_float(r["repetition_penalty"]),
+        r["repetition_context_size"],
+        bits_float(r["presence_penalty"]),
+        r["presence_context_size"],
+        bits_float(r["frequency_penalty"]),
+        r["frequency_context_size"],
+    )
+    plan = Plan(r["entry"], r["reuse"], bool(r["copy"]))
+    temperature, top_p = bits_float(r["temperature"]), bits_float(r["top_p"])
+    return Insert(r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties)
+
+
+def encode_ops(ops: Ops) -> list[int]:
+    """``ops`` as int32 values for the broadcast (none for no operation); :func:`decode_ops` reverses it exactly."""
+    if not ops.removes and not ops.inserts:
+        return []
+    values = [len(ops.removes), len(ops.inserts), *ops.removes]
+    for i in ops.inserts:
+        record = _record(i)
+        values += [record[name] for name in INSERT_FIELDS]
+        values += i.tokens
+    return values
+
+
+def decode_ops(values: Sequence[int]) -> Ops:
+    """The :class:`Ops` that :func:`encode_ops` made; :class:`PipelineMismatchError` when ``values`` are not such."""
+    if not values:
+        return Ops()
+    try:
+        removes_count, inserts_count = values[0], values[1]
+        at = 2 + removes_count
+        removes = list(values[2:at])
+        inserts: list[Insert] = []
+        for _ in range(inserts_count):
+            head = values[at : at + len(INSERT_FIELDS)]
+            if len(head) != len(INSERT_FIELDS):
+                raise ValueError("an insert is cut short")
+            record = dict(zip(INSERT_FIELDS, head))
+            at += len(INSERT_FIELDS)
+            length = record["n_tokens"]
+            tokens = list(values[at : at + length])
+            at += length
+            if len(tokens) != length or length < 1:
+                raise ValueError("a prompt is cut short")
+            inserts.append(_insert(record, tokens))
+    except (ValueError, IndexError) as exc:
+        raise PipelineMismatchError(f"a step's operations arrived damaged: {exc}") from exc
+    if at != len(values) or len(removes) != removes_count:
+        raise PipelineMismatchError("a step's operations arrived damaged (wrong length)")
+    return Ops(removes, inserts)
+
+
+@dataclass(frozen=True)
 class Header:
-    """A received header: rank 0's fields by name, and every rank's slot."""
+    """A received ``SERVE`` message: rank 0's fields by name, and every rank's own fields (its *slot*)."""
 
     fields: dict[str, int]
     slots: list[dict[str, int]]
 
     @property
-    def kind(self) -> int:
-        return self.fields["kind"]
+    def op(self) -> int:
+        return self.fields["op"]
 
-    def float(self, name: str) -> float:
-        return bits_float(self.fields[name])
+
+def read_header(gathered: mx.array, size: int) -> Header:
+    """The :class:`Header` of an evaluated ``SERVE`` all-gather; :class:`PipelineMismatchError` (the same on every
+    rank) when garbled."""
+    where = SERVE.name
+    table = SERVE.read(gathered, size, where)
+    header = Header(
+        {name: table[name][0] for name in LEADER_FIELDS},
+        [{name: table[name][r] for name in RANK_FIELDS} for r in range(size)],
+    )
+    if header.op not in OPS:
+        raise PipelineMismatchError(f"{where}: rank 0 sent an unknown operation {header.op}: the ranks are out of step")
+    return header
 
 
 class Channel:
@@ -112,47 +219,28 @@ class Channel:
         self.size = group.size()
         # A stream that any thread may evaluate on: the collective runs in a helper thread (bounded waits).
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
-        self.width = len(BASE_FIELDS) + len(SLOT_FIELDS) * self.size
 
-    def exchange(self, fields: dict[str, int] | None, slot: dict[str, int], timeout: float | None, what: str) -> Header:
-        """Send rank 0's ``fields`` (``None`` on the other ranks) and this rank's ``slot``; return the sum."""
-        values = [0] * self.width
-        if fields is not None:
-            if self.rank != 0:
-                raise ValueError("only rank 0 sends header fields")
-            merged = {"magic": MAGIC, **fields}
-            for i, name in enumerate(BASE_FIELDS):
-                values[i] = int(merged.get(name, 0))
-        start = len(BASE_FIELDS) + len(SLOT_FIELDS) * self.rank
-        for i, name in enumerate(SLOT_FIELDS):
-            values[start + i] = int(slot.get(name, 0))
-        values[start] = 1
-        summed = self._all_sum(values, timeout, what)
-        header = Header(
-            {name: summed[i] for i, name in enumerate(BASE_FIELDS)},
-            [
-                {name: summed[len(BASE_FIELDS) + len(SLOT_FIELDS) * r + i] for i, name in enumerate(SLOT_FIELDS)}
-                for r in range(self.size)
-            ],
-        )
-        if header.fields["magic"] != MAGIC or header.kind not in KIND_NAMES:
-            raise PipelineMismatchError(
-                f"rank {self.rank}: the request broadcast received garbage while {what} "
-                f"(magic {header.fields['magic']:#x}, kind {header.kind}): the ranks are out of step"
-            )
-        return header
+    def exchange(
+        self, fields: Mapping[str, int] | None, slot: Mapping[str, int], timeout: float | None, what: str
+    ) -> Header:
+        """Send rank 0's ``fields`` (``None`` on the other ranks) and this rank's ``slot``; return what all sent."""
+        if fields is not None and self.rank != 0:
+            raise ValueError("only rank 0 sends the operation's fields")
+        wrong = sorted({*(fields or {})} - {*LEADER_FIELDS} | {*slot} - {*RANK_FIELDS})
+        if wrong:
+            raise ValueError(f"not fields of the request broadcast: {wrong}")
+        with mx.stream(self.stream):
+            gathered = gather(SERVE.header({**(fields or {}), **slot}), self.group)
+        wait_for(gathered, timeout, lambda: f"rank {self.rank}/{self.size} {what}")
+        return read_header(gathered, self.size)
 
-    def tokens(self, tokens: list[int] | None, count: int, timeout: float | None, what: str) -> list[int]:
+    def tokens(self, tokens: Sequence[int] | None, count: int, timeout: float | None, what: str) -> list[int]:
         """Rank 0's ``tokens`` on every rank (the other ranks pass ``None`` and the count from the header)."""
         values = list(tokens) if tokens is not None else [0] * count
         if len(values) != count:
             raise ValueError(f"expected {count} tokens, got {len(values)}")
-        return self._all_sum(values, timeout, what)
-
-    def _all_sum(self, values: list[int], timeout: float | None, what: str) -> list[int]:
-        if self.size == 1:
-            return values
         with mx.stream(self.stream):
-            summed = mx.distributed.all_sum(mx.array(values, dtype=mx.int32), group=self.group)
-        wait_for(summed, timeout, lambda: f"rank {self.rank}/{self.size} {what}")
-        return cast(list[int], summed.tolist())
+            row = TOKENS.row({"count": count}, payload=[mx.array(values, dtype=mx.int32)])
+            gathered = gather(row, self.group)
+        wait_for(gathered, timeout, lambda: f"rank {self.rank}/{self.size} {what}")
+        return [int(v) for v in TOKENS.read(gathered, self.size, TOKENS.name).payloads[0]]

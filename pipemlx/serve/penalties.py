@@ -5,24 +5,29 @@ mlx-lm's server's ``repetition_penalty`` (a multiplicative penalty, 0 or 1 for
 none), each over the last ``*_context_size`` tokens (default 20, as mlx-lm's
 server), become mlx-lm's ``make_logits_processors``: the answer equals a single
 process's ``generate_step`` with those processors. They reach the other ranks
-as int32 fields (a float as its bits), in the request's header or its batch
-insert, so every rank builds the same processors (only the last rank runs
-them).
+as int32 fields (a float as its bits) in the request's insert record
+(:mod:`.broadcast`), so every rank builds the same processors (only the last
+rank runs them).
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors  # pyright: ignore[reportUnknownVariableType]
+if TYPE_CHECKING:  # MLX only where processors are made: the HTTP side checks requests without it
+    import mlx.core as mx
 
-from .broadcast import bits_float, float_bits
+    LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
-LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 DEFAULT_CONTEXT = 20
+
+
+def float32(value: float) -> float:
+    """``value`` as a float32 holds it: what the other ranks receive of a float field."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
 
 
 @dataclass(frozen=True)
@@ -36,32 +41,10 @@ class Penalties:
     frequency_penalty: float = 0.0
     frequency_context_size: int = DEFAULT_CONTEXT
 
-    def to_ints(self) -> list[int]:
-        """The values of :data:`~pipemlx.serve.broadcast.PENALTY_FIELDS`, as int32s."""
-        return [
-            float_bits(self.repetition_penalty),
-            self.repetition_context_size,
-            float_bits(self.presence_penalty),
-            self.presence_context_size,
-            float_bits(self.frequency_penalty),
-            self.frequency_context_size,
-        ]
-
-    @classmethod
-    def from_ints(cls, values: list[int]) -> Penalties:
-        """The inverse of :meth:`to_ints`."""
-        repetition, repetition_size, presence, presence_size, frequency, frequency_size = values
-        return cls(
-            bits_float(repetition),
-            repetition_size,
-            bits_float(presence),
-            presence_size,
-            bits_float(frequency),
-            frequency_size,
-        )
-
     def processors(self) -> list[LogitsProcessor] | None:
         """mlx-lm's processors for these penalties; ``None`` when there are none (a penalty of 0 is none)."""
+        from mlx_lm.sample_utils import make_logits_processors  # pyright: ignore[reportUnknownVariableType]
+
         made: list[LogitsProcessor] = make_logits_processors(
             repetition_penalty=self.repetition_penalty,
             repetition_context_size=self.repetition_context_size,
@@ -94,7 +77,7 @@ def parse_penalties(obj: dict[str, Any]) -> Penalties:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
             raise PenaltyError(f"'{name}' must be a number from {low:g} to {high:g}, got {value!r}", name)
-        values[name] = bits_float(float_bits(float(value)))  # float32-exact: what the other ranks receive
+        values[name] = float32(float(value))
     for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         value = obj.get(name)
         if value is None:

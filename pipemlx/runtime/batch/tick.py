@@ -51,9 +51,6 @@ from ..waits import PEER_LOST_MARKERS, issue, wait_for
 UNKNOWN_PREFIXES = UNCOUNTED
 """The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
-Forward = Callable[[mx.array, list[Any]], mx.array]
-"""Runs the sharded model on ``[B, L]`` token ids with a cache; returns the logits or this rank's output."""
-
 
 @dataclass
 class Held:

@@ -1,0 +1,419 @@
+"""The requests' side of the server: settings, jobs and their answers, the queue and ``/health``.
+
+The HTTP thread (:mod:`.app`) checks a request and queues it as a :class:`Job`
+(:meth:`Front.submit`: 429 when the queue is full), and reads
+:meth:`Front.health`. Rank 0's serving loop (:class:`.loop.Leader`) takes jobs
+from the queue (:meth:`Front.next_job`), feeds each running job's
+:class:`Reply` the tokens every rank agreed on, and hands the end to
+:meth:`Front.answer`. A job talks to its HTTP handler only through
+:class:`Event` objects, and nothing here uses MLX or the ranks, so this side
+can live apart from the rank loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .protocol import ApiError, Kind, StopText, unavailable
+
+if TYPE_CHECKING:
+    from .penalties import Penalties
+    from .prefix_cache import PrefixCache
+
+PROGRESS_LOG_S = 2.0
+"""A prefill longer than this logs its progress every this many seconds."""
+RECENT = 16
+"""Requests whose figures ``/health`` keeps."""
+
+Outcome = Literal["stop", "length", "cancelled", "failed"]
+OUTCOMES = ("none", "stop", "length", "cancelled", "failed")
+"""How a rank's last request ended, as its ``outcome`` field numbers it."""
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} pipemlx serve: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class ServeSettings:
+    """What ``pipemlx serve``'s options set (the same on every rank)."""
+
+    model_id: str
+    max_queue: int = 64
+    prefix_cache_mb: float = 1024.0
+    step_size: int | Literal["auto"] | None = None
+    timeout: float = 60.0
+    default_max_tokens: int = 512
+    default_temperature: float = 0.0
+    context: int | None = None
+    fault_grace: float = 5.0
+    api_key: str | None = None
+    parent_pid: int | None = None
+    max_concurrency: int = 1
+    """Requests decoded together; 1: one at a time (:mod:`.engines`)."""
+    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
+    """With ``max_concurrency`` above 1: :class:`pipemlx.BatchGenerator`'s ``prefill_chunking``."""
+
+
+@dataclass
+class Event:
+    """What rank 0's loop tells a request's HTTP handler: text, the end, or an error."""
+
+    kind: Literal["text", "done", "error"]
+    text: str = ""
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    error: ApiError | None = None
+
+
+@dataclass
+class Job:
+    """One request on its way from the HTTP thread to the pipeline and back."""
+
+    kind: Kind
+    request_id: str
+    created: int
+    tokens: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    penalties: Penalties
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: bool = False
+    # What /health shows while it runs:
+    seq: int = 0
+    phase: str = "queued"
+    prefilled: int = 0
+    generated: int = 0
+    cached: int = 0
+
+    def emit(self, event: Event) -> None:
+        """Hand ``event`` to the HTTP side (thread-safe); a closed event loop means nobody listens any more."""
+        if event.kind != "text":
+            self.finished = True
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:
+            pass
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass
+class RequestResult:
+    """How a request ended on the ranks."""
+
+    outcome: Outcome
+    generated: list[int]
+    cached: int
+    """Prompt positions reused from the prefix cache."""
+    cache_tokens: int
+    """Positions its cache held at the end."""
+    prefilled: int
+    """Prompt positions computed by this request (``processed`` of a prefill cut short)."""
+    error: BaseException | None = None
+
+
+class Reply:
+    """Rank 0's view of a running request: progress, text, stop strings, figures."""
+
+    def __init__(self, job: Job, tokenizer: Any) -> None:
+        self.job = job
+        self.detokenizer: Any = tokenizer.detokenizer
+        self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+        self.stop_text = StopText(job.stop)
+        self.start = time.perf_counter()
+        self.prefill_end: float | None = None
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.next_log = self.start + PROGRESS_LOG_S
+
+    def progress(self, processed: int, total: int) -> None:
+        """``processed`` of the ``total`` prompt positions to compute are in every rank's cache."""
+        job = self.job
+        if processed < total:
+            job.phase, job.prefilled = "prefill", processed
+        now = time.perf_counter()
+        if processed >= total - 1 and self.prefill_end is None:
+            self.prefill_end = now
+        if now >= self.next_log and 0 < processed < total - 1:
+            rate = processed / max(now - self.start, 1e-9)
+            log(f"request {job.seq}: prefill {processed}/{total} tokens ({rate:,.0f} tokens/s)")
+            self.next_log = now + PROGRESS_LOG_S
+
+    def token(self, token: int) -> bool:
+        """Take one generated token; True when the answer is complete (end of sequence or a stop string)."""
+        job = self.job
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+            if self.prefill_end is None:
+                self.prefill_end = now
+        self.last_token = now
+        job.phase = "decode"
+        job.generated += 1
+        if token in self.eos:
+            return True
+        self.detokenizer.add_token(token)
+        piece = self.stop_text.update(self.detokenizer.text)
+        if piece:
+            job.emit(Event("text", piece))
+        return self.stop_text.stopped
+
+    def finish(self) -> str:
+        """The text still held back (a partial stop string, an unfinished character), sent at the end."""
+        self.detokenizer.finalize()
+        return self.stop_text.finish(self.detokenizer.text)
+
+
+class Front:
+    """The request queue, the answers, and the state that ``/health`` shows."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        split: Sequence[int] = (),
+        prefix: PrefixCache | None = None,
+        slots: Sequence[dict[str, int]] = (),
+    ) -> None:
+        self.settings = settings
+        self.split = list(split)
+        self.prefix = prefix
+        self.slots = list(slots)
+        """Every rank's own fields, as of the last broadcast (replaced whole by the leader loop)."""
+        self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
+        self.status: Literal["loading", "ready", "failed", "stopping"] = "loading"
+        self.fault: str | None = None
+        self.stopping = threading.Event()
+        self.running: tuple[Job, ...] = ()
+        """The requests running, oldest first (replaced whole by the leader loop, read by the HTTP thread)."""
+        self.peak_running = 0
+        self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.recent: list[dict[str, Any]] = []
+        self.started = time.time()
+        self.lock = threading.Lock()
+
+    # --- the HTTP side -----------------------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` or raise :class:`ApiError` (429 when the queue is full, 503 when the pipeline cannot serve)."""
+        if self.status == "failed":
+            raise unavailable(f"the pipeline failed and the server is exiting: {self.fault}")
+        if self.status == "stopping" or self.stopping.is_set():
+            raise unavailable("the server is shutting down", code="shutting_down")
+        if self.status == "loading":
+            raise unavailable("the model is still loading", code="loading")
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            with self.lock:
+                self.counts["rejected"] += 1
+            raise ApiError(
+                429,
+                f"the request queue is full ({self.settings.max_queue} waiting); retry later",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            ) from None
+
+    def health(self) -> dict[str, Any]:
+        running = self.running
+        slots = self.slots
+        ranks: list[dict[str, Any]] = []
+        start = 0
+        for r, count in enumerate(self.split):
+            slot = slots[r] if r < len(slots) else {}
+            ranks.append(
+                {
+                    "rank": r,
+                    "layers": [start, start + count - 1],
+                    "pid": slot.get("pid"),
+                    "last_request": slot.get("last_seq"),
+                    "cache_tokens": slot.get("cache_tokens"),
+                    "outcome": OUTCOMES[slot.get("outcome", 0)],
+                    "prefix_entries": slot.get("prefix_entries"),
+                }
+            )
+            start += count
+        prefix = self.prefix
+        return {
+            "status": self.status,
+            "model": self.settings.model_id,
+            "ranks": len(self.split),
+            "split": self.split,
+            "rank_status": ranks,
+            "queue": {"waiting": self.queue.qsize(), "max": self.settings.max_queue},
+            "active": None if not running else _job_status(running[0]),
+            "running": [_job_status(job) for job in running],
+            "max_concurrency": self.settings.max_concurrency,
+            "peak_running": self.peak_running,
+            "requests": dict(self.counts),
+            "recent": list(self.recent),
+            "prefix_cache": None
+            if prefix is None
+            else {
+                # As of the last broadcast (the main thread changes the entries while this thread reads).
+                "entries": slots[0]["prefix_entries"] if slots else 0,
+                "tokens": slots[0]["prefix_tokens"] if slots else 0,
+                "budget_tokens": prefix.budget_tokens,
+                "budget_mb": self.settings.prefix_cache_mb,
+                "hits": prefix.hits,
+                "misses": prefix.misses,
+            },
+            "last_fault": self.fault,
+            "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    # --- the loop's side (rank 0's main thread) ----------------------------------------------------------------------
+
+    def next_job(self, wait: float) -> Job | None:
+        """The oldest waiting job whose client is still there, waiting up to ``wait`` seconds for one."""
+        deadline = time.monotonic() + wait
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                job = self.queue.get(timeout=remaining) if remaining > 0 else self.queue.get_nowait()
+            except queue.Empty:
+                return None
+            if not job.cancelled.is_set():
+                return job
+            with self.lock:  # the client left while its request waited: nothing reaches the other ranks
+                self.counts["cancelled"] += 1
+            job.emit(Event("done", finish_reason="cancelled"))
+
+    def reject_waiting(self, error: ApiError) -> None:
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                return
+            job.emit(Event("error", error=error))
+
+    def answer(self, job: Job, reply: Reply, result: RequestResult) -> None:
+        """Send the end of ``job``'s answer (or its error), count it, and record it."""
+        usage = {
+            "prompt_tokens": len(job.tokens),
+            "completion_tokens": len(result.generated),
+            "total_tokens": len(job.tokens) + len(result.generated),
+            "prompt_tokens_details": {"cached_tokens": result.cached},
+        }
+        finish = result.outcome
+        if finish != "failed" and job.cancelled.is_set():
+            finish = "cancelled"
+        if finish == "failed":
+            self._count("failed")
+            message = f"the request failed on a rank: {type(result.error).__name__}: {result.error}"
+            job.emit(Event("error", error=ApiError(500, message, type="server_error", code="generation_failed")))
+        elif finish == "cancelled":
+            self._count("cancelled")
+            if self.stopping.is_set() and not job.cancelled.is_set():
+                job.emit(Event("error", error=unavailable("the server is shutting down", code="shutting_down")))
+            else:
+                job.emit(Event("done", finish_reason="cancelled", usage=usage))
+        else:
+            rest = reply.finish()
+            if rest:
+                job.emit(Event("text", rest))
+            self._count("served")
+            job.emit(Event("done", finish_reason=finish, usage=usage))
+        self._record(job, reply, result, finish)
+
+    def _count(self, what: str) -> None:
+        with self.lock:
+            self.counts[what] += 1
+
+    def _record(self, job: Job, reply: Reply, result: RequestResult, finish: str) -> None:
+        """The request's one log line, and its entry in /health's ``recent``."""
+        end = time.perf_counter()
+        prefilled = result.prefilled
+        generated = len(result.generated)
+        prefill_s = (reply.prefill_end or end) - reply.start
+        decode_s = (reply.last_token or end) - (reply.first_token or end)
+        prefill_tps = max(prefilled - 1, 0) / prefill_s if prefill_s > 0 else 0.0
+        decode_tps = (generated - 1) / decode_s if decode_s > 0 and generated > 1 else 0.0
+        phase = "prefill" if reply.first_token is None else "decode"
+        record = {
+            "seq": job.seq,
+            "id": job.request_id,
+            "kind": job.kind,
+            "prompt_tokens": len(job.tokens),
+            "cached_tokens": result.cached,
+            "prefilled_tokens": prefilled,
+            "completion_tokens": generated,
+            "finish_reason": finish,
+            "ended_in": phase,
+            "cache_tokens": result.cache_tokens,
+            "ttft_s": round((reply.first_token or end) - reply.start, 4),
+            "prefill_tokens_per_s": round(prefill_tps, 1),
+            "decode_tokens_per_s": round(decode_tps, 1),
+            "seconds": round(end - reply.start, 4),
+        }
+        with self.lock:
+            self.recent = (self.recent + [record])[-RECENT:]
+        log(
+            f"request {job.seq} ({job.kind}): prompt {len(job.tokens)} tokens, cached {result.cached}, "
+            f"prefill {_count(prefilled)}"
+            + (f" at {prefill_tps:,.0f} tokens/s" if prefilled > 1 else "")
+            + f", decode {_count(generated)}"
+            + (f" at {decode_tps:,.1f} tokens/s" if generated > 1 else "")
+            + f", finish {finish}"
+            + (f" in the {phase}" if finish == "cancelled" else "")
+            + f", {end - reply.start:.2f} s"
+        )
+
+    def shut_down(self) -> None:
+        """Stopping: the running and the waiting requests get 503 ``shutting_down``."""
+        self.status = "stopping"
+        error = unavailable("the server is shutting down", code="shutting_down")
+        for job in self.running:
+            job.emit(Event("error", error=error))
+        self.running = ()
+        self.reject_waiting(error)
+
+    def fail(self, exc: BaseException, jobs: Sequence[Job], where: str) -> None:
+        """The pipeline is gone: answer 503 to ``jobs`` (those in flight) and to everyone for ``fault_grace``
+        seconds, then exit with status 1."""
+        self.status = "failed"
+        self.fault = f"{type(exc).__name__}{where}: {exc}"
+        error = unavailable(f"the pipeline failed: {self.fault}")
+        for job in jobs:
+            job.emit(Event("error", error=error))
+            self._count("failed")
+        self.reject_waiting(error)
+        log(f"the pipeline failed ({self.fault}); answering 503 for {self.settings.fault_grace:g} s, then exiting")
+        self.stopping.wait(self.settings.fault_grace)
+        self.reject_waiting(error)
+        time.sleep(0.2)  # let the HTTP thread deliver the last 503s
+        print(f"pipemlx serve: exiting after a pipeline fault: {self.fault}", file=sys.stderr, flush=True)
+        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+
+
+def _count(tokens: int) -> str:
+    return f"{tokens} token{'' if tokens == 1 else 's'}"
+
+
+def _job_status(job: Job) -> dict[str, Any]:
+    return {
+        "id": job.request_id,
+        "seq": job.seq,
+        "phase": job.phase,
+        "prompt_tokens": len(job.tokens),
+        "cached_tokens": job.cached,
+        "prefilled_tokens": job.prefilled,
+        "generated_tokens": job.generated,
+    }
