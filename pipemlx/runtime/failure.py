@@ -11,19 +11,22 @@ where every rank learns of it at once and stops alike.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from .stage import PipelineStage
 
 
-def stand_in(stage: PipelineStage, rows: int, length: int) -> tuple[list[mx.array], mx.array | None]:
-    """This rank's messages for a failed pass of ``rows`` x ``length`` tokens, without its layers (lazy).
+def stand_in(stage: PipelineStage, rows: int, length: int, take: Callable[[list[mx.array]], None]) -> mx.array | None:
+    """This rank's messages for a failed pass of ``rows`` x ``length`` tokens, without its layers.
 
-    Returns the receives of the pass's input (the ones the failed pass built,
-    else a new receive, shaped as the previous rank sends) and zeros shaped as
-    this rank's message to the next rank (``None`` on the last rank). Whatever
-    the failed pass queued is discarded. The caller waits for the receives and
-    sends the zeros as the pass would have sent its output.
+    Whatever the failed pass queued is discarded. The pass's input is taken
+    off the wire: the receives the failed pass built, else a new receive
+    shaped as the previous rank sends, handed to ``take`` (the executor's own
+    bounded wait, or its asynchronous issue). Returns zeros shaped as this
+    rank's message to the next rank (``None`` on the last rank), for the
+    caller to send as the pass would have sent its output.
     """
     stage.send_queue.discard()
     received = stage.take_received()
@@ -32,4 +35,6 @@ def stand_in(stage: PipelineStage, rows: int, length: int) -> tuple[list[mx.arra
             incoming = stage.wire_zeros(rows, length, incoming=True)
             received = [mx.distributed.recv_like(incoming, stage.rank - 1, group=stage.group)]
         outgoing = None if stage.is_last else stage.wire_zeros(rows, length, incoming=False)
-    return received, outgoing
+    if received:
+        take(received)
+    return outgoing

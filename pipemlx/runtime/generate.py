@@ -490,7 +490,12 @@ class _Request:
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
                     self.deferred = self.deferred or exc
                     status = Status.CHUNK_FAILED
-                    part = self._stand_in(inputs)
+                    draining = f"{stage.describe()} draining token {index}'s input after an error"
+                    outgoing = stand_in(stage, 1, inputs.size, lambda r: wait_for(r, self.timeout, lambda: draining))
+                    sent = (
+                        [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
+                    )
+                    part = _Part(moved=sent)
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None)]
                 if self.share_logprobs:
                     own.append(self._shared_logprobs(part))
@@ -535,13 +540,6 @@ class _Request:
         if part.logprobs is not None:
             return part.logprobs
         return mx.zeros((self.vocab_size,), dtype=mx.float32)
-
-    def _stand_in(self, inputs: mx.array) -> _Part:
-        """After a model error: take the step's input off the wire and send zeros on (:func:`~.failure.stand_in`)."""
-        stage = self.stage
-        received, outgoing = stand_in(stage, 1, inputs.size)
-        sent = [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
-        return _Part(moved=[*received, *sent])
 
     def _build(self, inputs: mx.array) -> _Part:
         """This rank's part of a step, lazily (see :class:`_Part`)."""

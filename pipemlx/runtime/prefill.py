@@ -449,30 +449,19 @@ class _PlanRunner:
         sent and received and nothing stale is left for the next request. It
         reports the failed chunk at the agreement point, where every rank stops.
         """
-        if self.failed_chunk is not None:
-            self._stand_in(action)
-            return
-        try:
-            self._compute(action)
-        except (PipelineTimeoutError, PeerLostError, PipelineError):
-            raise
-        except Exception as exc:
-            if self.deferred is None:
-                self.deferred = exc
-            self.failed_chunk = action.chunk.index
-            self._stand_in(action)
-
-    def _stand_in(self, action: Compute) -> None:
-        """This rank's part of ``action`` without its layers (:func:`~.failure.stand_in`): the zeros are queued."""
         stage, chunk = self.stage, action.chunk
+        if self.failed_chunk is None:
+            try:
+                self._compute(action)
+                return
+            except (PipelineTimeoutError, PeerLostError, PipelineError):
+                raise
+            except Exception as exc:
+                self.deferred = self.deferred or exc
+                self.failed_chunk = chunk.index
         self.expected_receives = 0
-        received, outgoing = stand_in(stage, 1, chunk.length)
-        if received:
-            wait_for(
-                received,
-                self.timeout,
-                lambda: f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error",
-            )
+        where = f"{stage.describe()} draining chunk {chunk.index} from rank {stage.rank - 1} after an error"
+        outgoing = stand_in(stage, 1, chunk.length, lambda received: wait_for(received, self.timeout, lambda: where))
         if outgoing is not None:
             stage.send_queue.put(outgoing, stage.rank + 1)
 

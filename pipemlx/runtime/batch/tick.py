@@ -127,7 +127,7 @@ class TickRunner:
                             raise
                         self._note(exc)
                         failed_decode = True
-                        outgoing = self._stand_in(work.rows, 1)
+                        outgoing = stand_in(stage, work.rows, 1, self._take_off_the_wire)
                         sent = mx.zeros((work.rows,)) if outgoing is None else self._send(outgoing)
                         hidden = None
                     if stage.is_last:
@@ -231,7 +231,7 @@ class TickRunner:
             if not _is_model_error(exc):
                 raise
             self._note(exc)
-            outgoing = self._stand_in(1, chunk.length)
+            outgoing = stand_in(self.stage, 1, chunk.length, self._take_off_the_wire)
             return Held(chunk, outgoing, []), True
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
@@ -246,12 +246,9 @@ class TickRunner:
         queue.discard()
         return output
 
-    def _stand_in(self, rows: int, length: int) -> mx.array | None:
-        """Take a failed pass's input off the wire (:func:`~.failure.stand_in`); the zeros the caller sends on."""
-        received, outgoing = stand_in(self.stage, rows, length)
-        if received:
-            self._issue(received, None, "taking a failed pass's input off the wire")
-        return outgoing
+    def _take_off_the_wire(self, received: list[mx.array]) -> None:
+        """Issue a failed pass's receives in the tick's order (:func:`~..failure.stand_in`)."""
+        self._issue(received, None, "taking a failed pass's input off the wire")
 
     def _issue(self, arrays: Any, tick: int | None, what: str) -> None:
         """``mx.async_eval`` with the stage's deadline (it can block behind a receive: see :func:`issue`)."""
