@@ -32,7 +32,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
@@ -40,6 +39,9 @@ from .caches import cache_offset, cache_state, trim_to
 from .failure import stand_in
 from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
+    CancelCheck,
+    PrefillOptions,
+    ProgressCallback,
     check_kv_quantization,
     check_prompt,
     check_rotating_caches,
@@ -59,9 +61,6 @@ from .sampling import (
 )
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
-
-ProgressCallback = Callable[[int, int], Any]
-CancelCheck = Callable[[], bool]
 
 NO_TOKEN = -1
 """``GenerationResponse.token`` of :func:`stream_generate`'s closing ``"cancelled"`` response: it adds no token."""
@@ -179,12 +178,17 @@ def generate_step(
         share_logprobs=share_logprobs,
         stop_tokens=stops,
     )
-    prefill = dict(
-        step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+    prefill = PrefillOptions(
+        step_size=prefill_step_size,
+        progress_callback=prompt_progress_callback,
+        should_cancel=should_cancel,
+        timeout=request.timeout,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        decode_settings=2 if share_logprobs else 1,  # protocol.DECODE_SETTINGS
     )
-    generator = request.run(
-        tokens, prompt_cache, prefill=prefill, progress=prompt_progress_callback, should_cancel=should_cancel
-    )
+    generator = request.run(tokens, prompt_cache, prefill)
     request.generator = weakref.ref(generator)
     return DecodeStream(request, generator)
 
@@ -403,33 +407,19 @@ class _Request:
                 self.stage.mark_broken(exc)
 
     def run(
-        self,
-        prompt: mx.array,
-        cache: list[Any] | None,
-        *,
-        prefill: dict[str, Any],
-        progress: ProgressCallback | None,
-        should_cancel: CancelCheck | None,
+        self, prompt: mx.array, cache: list[Any], prefill: PrefillOptions
     ) -> Generator[tuple[int, mx.array | None], None, DecodeStop | None]:
-        """The generator behind :func:`generate_step`; returns why it stopped."""
+        """The generator behind :func:`generate_step` (``prefill`` holds its callbacks); returns why it stopped."""
         stage = self.stage
         stage.settle(self.timeout)
-        self.cache = cache if cache is not None else make_prompt_cache(self.model)
+        self.cache = cache
         # mlx-lm's history: the prefilled tokens, then each step's input (the prompt's last token first).
         self.history = prompt[:-1] if self.logits_processors else None
         if self.history is not None:
             mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         num_tokens = prompt.size
-        prefill_before_decode(
-            self.model,
-            prompt,
-            self.cache,
-            progress_callback=progress,
-            should_cancel=should_cancel,
-            timeout=self.timeout,
-            decode_settings=2 if self.share_logprobs else 1,  # protocol.DECODE_SETTINGS
-            **prefill,
-        )
+        prefill_before_decode(self.model, prompt, self.cache, prefill)
+        progress, should_cancel = prefill.progress_callback, prefill.should_cancel
         inputs = prompt[-1:]
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -114,50 +115,53 @@ def pipeline_prefill(
         model,
         prompt,
         cache,
-        step_size=step_size,
-        progress_callback=progress_callback,
-        should_cancel=should_cancel,
-        timeout=timeout,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        trace_dir=trace_dir,
-        agree_every=agree_every,
-        max_chunk_seconds=max_chunk_seconds,
-        decode_settings=0,
+        PrefillOptions(
+            step_size=step_size,
+            progress_callback=progress_callback,
+            should_cancel=should_cancel,
+            timeout=timeout,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            trace_dir=trace_dir,
+            agree_every=agree_every,
+            max_chunk_seconds=max_chunk_seconds,
+        ),
     )
 
 
-def prefill_before_decode(
-    model: nn.Module,
-    prompt: mx.array,
-    cache: list[Any],
-    *,
-    step_size: int | Literal["auto"] = 512,
-    progress_callback: ProgressCallback | None = None,
-    should_cancel: CancelCheck | None = None,
-    timeout: float | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-    trace_dir: str | os.PathLike[str] | None = None,
-    agree_every: int | None = None,
-    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS,
-    decode_settings: int = 0,
-) -> int:
-    """:func:`pipeline_prefill` for a request that decodes next: the handshake also compares ``decode_settings``.
+@dataclass(frozen=True)
+class PrefillOptions:
+    """:func:`pipeline_prefill`'s keyword arguments, and ``decode_settings``: what the decode after it exchanges.
 
-    ``decode_settings`` indexes :data:`~pipemlx.runtime.agreement.DECODE_SETTINGS` (0: no decode follows);
-    ranks whose decodes would exchange messages of different sizes raise :class:`PipelineMismatchError`
-    at the handshake instead of waiting out their timeout in the first decode step.
+    ``decode_settings`` indexes :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS` (0: no decode follows); ranks whose
+    decodes would exchange messages of different sizes raise :class:`PipelineMismatchError` at the handshake instead of
+    waiting out their timeout in the first decode step.
     """
+
+    step_size: int | Literal["auto"]
+    progress_callback: ProgressCallback | None
+    should_cancel: CancelCheck | None
+    timeout: float | None
+    kv_bits: int | None
+    kv_group_size: int
+    quantized_kv_start: int
+    trace_dir: str | os.PathLike[str] | None = None
+    agree_every: int | None = None
+    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS
+    decode_settings: int = 0
+
+
+def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], options: PrefillOptions) -> int:
+    """:func:`pipeline_prefill` with its arguments as one value; the handshake also compares ``decode_settings``."""
     stage = stage_of(model)
     stage.check_usable()
     tokens = check_prompt(prompt)
+    step_size, kv_bits, kv_group_size = options.step_size, options.kv_bits, options.kv_group_size
     if isinstance(step_size, str) and step_size != "auto":
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
-    check_timeout(timeout)
+    check_timeout(options.timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
     if not isinstance(cache, list) or len(cache) != len(stage.info.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -167,36 +171,25 @@ def prefill_before_decode(
         )
     # A cache list made otherwise may hold rotating caches on some ranks only: refused at the handshake.
     refused = _refuse_rotating_cache(kv_bits, cache, stage)
-    timeout = timeout or stage.info.timeout
+    timeout = options.timeout or stage.info.timeout
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
     try:
         lengths = (
-            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds, decode_settings)
-            if step_size == "auto"
-            else None
+            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, options) if step_size == "auto" else None
         )
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
     step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
     num_chunks = len(lengths) if lengths is not None else -(-(tokens.size - 1) // step)
-    spacing = agree_every if agree_every is not None else default_agreement_spacing(num_chunks, stage.world_size)
+    spacing = options.agree_every
+    if spacing is None:
+        spacing = default_agreement_spacing(num_chunks, stage.world_size)
     plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
     runner = _PlanRunner(
-        model,
-        stage,
-        plan,
-        tokens,
-        cache,
-        progress_callback=progress_callback,
-        should_cancel=should_cancel,
-        timeout=timeout,
-        quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
-        tracer=tracer_for(stage.rank, trace_dir),
-        prefix=prefix,
-        decode_settings=decode_settings,
+        model, stage, plan, tokens, cache, options, timeout, tracer_for(stage.rank, options.trace_dir), prefix
     )
     runner.deferred = refused
     try:
@@ -216,8 +209,7 @@ def _agree_on_auto_chunks(
     num_tokens: int,
     timeout: float | None,
     prefix: int,
-    max_chunk_seconds: float,
-    decode_settings: int,
+    options: PrefillOptions,
 ) -> tuple[int, ...]:
     """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the chunks."""
     table = handshake(
@@ -227,11 +219,11 @@ def _agree_on_auto_chunks(
         timeout,
         needs_calibration=stage.cost_model is None,
         cache_offset=prefix,
-        decode_settings=decode_settings,
+        decode_settings=options.decode_settings,
     )
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
-    return choose_chunks(num_tokens, stage.cost_model, max_chunk_seconds)
+    return choose_chunks(num_tokens, stage.cost_model, options.max_chunk_seconds)
 
 
 def check_timeout(timeout: Any) -> None:
@@ -337,27 +329,20 @@ class _PlanRunner:
         plan: PrefillPlan,
         tokens: mx.array,
         cache: list[Any],
-        *,
-        progress_callback: ProgressCallback | None,
-        should_cancel: CancelCheck | None,
+        options: PrefillOptions,
         timeout: float | None,
-        quantize: Callable[[list[Any]], None],
         tracer: Tracer,
-        prefix: int = 0,
-        decode_settings: int = 0,
+        prefix: int,
     ) -> None:
         self.model = model
         self.stage = stage
         self.plan = plan
         self.tokens = tokens
         self.cache = cache
-        self.progress_callback = progress_callback
-        self.should_cancel = should_cancel
+        self.options = options
         self.timeout = timeout
-        self.quantize = quantize
         self.tracer = tracer
         self.prefix = prefix
-        self.decode_settings = decode_settings
         self.expected_receives = 0
         self.deferred: BaseException | None = None
         self.failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
@@ -373,7 +358,7 @@ class _PlanRunner:
                         self.status(),
                         self.timeout,
                         cache_offset=self.prefix,
-                        decode_settings=self.decode_settings,
+                        decode_settings=self.options.decode_settings,
                     )
                 self.prefix = agreed_offset(table)
                 self.stop_if_asked(table, step=None)
@@ -394,9 +379,9 @@ class _PlanRunner:
         """This rank's word at an agreement point: failed, cancel, or OK."""
         if self.deferred is not None:
             return Status.CHUNK_FAILED if self.failed_chunk is not None else Status.FAILED
-        if self.should_cancel is not None:
+        if self.options.should_cancel is not None:
             try:
-                if self.should_cancel():
+                if self.options.should_cancel():
                     return Status.CANCEL
             except Exception as exc:
                 self.deferred = exc
@@ -480,7 +465,8 @@ class _PlanRunner:
         chunk, stage = action.chunk, self.stage
         with mx.stream(stage.compute_stream):
             self.model(self.tokens[None, chunk.start : chunk.stop], cache=self.cache)
-            self.quantize(self.cache)
+            options = self.options
+            maybe_quantize_kv_cache(self.cache, options.quantized_kv_start, options.kv_group_size, options.kv_bits)
         if len(stage.received) != self.expected_receives:
             raise PipelineError(
                 f"{stage.describe()}: plan expects {self.expected_receives} receive(s) for chunk "
@@ -521,10 +507,11 @@ class _PlanRunner:
         self.stop_if_asked(table, action.step)
 
     def progress(self, action: Progress) -> None:
-        if self.progress_callback is None or self.deferred is not None:
+        callback = self.options.progress_callback
+        if callback is None or self.deferred is not None:
             return
         with self.tracer.span("progress", processed=action.processed):
             try:
-                self.progress_callback(action.processed, action.total)
+                callback(action.processed, action.total)
             except Exception as exc:  # acted on at the next agreement point, on every rank
                 self.deferred = exc
