@@ -96,15 +96,11 @@ def choose_split(
     timeout: float | None = DEFAULT_TIMEOUT,
     context_lends: bool = False,
 ) -> tuple[int, ...]:
-    """Layers per rank for ``split``/``memory``/``speeds``, checked against the model and the group.
+    """Layers per rank for :func:`shard_model`'s ``split``/``memory``/``speeds``/``context``, checked against the
+    model and the group.
 
     ``memory`` given with ``split=None`` means ``split="memory"``, ``speeds``
-    given with ``split=None`` means ``split="balanced"``; budgets go with
-    ``"memory"`` and ``"balanced"`` only, speeds with ``"balanced"`` only.
-    ``context`` (tokens; with ``kv_bits`` and ``step_size``) makes the
-    memory plan count each layer's cache at that context and one prefill
-    chunk's peak (:mod:`pipemlx.schedule.memory_model`). ``"balanced"``
-    without ``speeds`` measures them on the group (a collective). Raises
+    given with ``split=None`` means ``split="balanced"``. Raises
     ``ValueError``/``TypeError`` naming the problem,
     :class:`~pipemlx.schedule.memory_split.MemoryPlanError` when the budgets
     cannot hold the model.

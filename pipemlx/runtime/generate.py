@@ -1,22 +1,14 @@
 """The whole request on a sharded model: pipelined prefill, then decoding with bounded waits and agreed stops.
 
-:func:`generate_step` and :func:`stream_generate` take mlx-lm's arguments and
-give mlx-lm's output on every rank. Per decoded token each rank runs its
-layers and sends on; only the last rank applies the head and samples, and one
-small all-gather per token hands every rank the token id together with every
-rank's word on whether to go on (see ``docs/design.md``, "The request
-lifecycle"):
-
-- Nothing is evaluated ahead: a token is computed only after every consumer
-  asked for it, so when a generator ends nothing is left in flight.
-- Every rank yields the same tokens and stops after the same one. A consumer
-  that stops (``break``, ``close()``, an exception, its ``should_cancel``)
-  stops the others at the same token: its generator still runs the step
-  that the others are running, saying "stop" in its all-gather.
-- Like mlx-lm, the forward pass of the last yielded token always runs before
-  the generator ends, so the cache holds the prompt and every yielded token.
-- Every wait is bounded by ``timeout``: a stalled peer ends in
-  :class:`PipelineTimeoutError`, a dead one in :class:`PeerLostError`.
+Per decoded token each rank runs its layers and sends on; only the last rank
+applies the head and samples, and one small all-gather per token hands every
+rank the token id together with every rank's word on whether to go on (see
+``docs/design.md``, "The request lifecycle"). Nothing is evaluated ahead: a
+token is computed only after every consumer asked for it, so when a generator
+ends nothing is left in flight. A consumer that stops (``break``, ``close()``,
+an exception) still runs the step the others are running, saying "stop" in its
+all-gather. Like mlx-lm, the forward pass of the last yielded token always runs
+before the generator ends, so the cache holds the prompt and every yielded token.
 """
 
 from __future__ import annotations
@@ -75,10 +67,8 @@ class DecodeStop:
     """
 
     reason: Literal["length", "cancelled", "failed", "stop"]
-    tokens: int
-    """Tokens yielded before the end."""
-    ranks: tuple[int, ...] = ()
-    """Ranks that asked to stop (``cancelled``) or failed (``failed``)."""
+    tokens: int  # yielded before the end
+    ranks: tuple[int, ...] = ()  # that asked to stop (cancelled) or failed (failed)
 
 
 def generate_step(

@@ -7,13 +7,12 @@ sampled tokens, the shared output head's best logits):
 ``[kind, status, payload width, *fields] + payload``
 
 :class:`Message` declares a message's kind and fields; it builds a rank's row
-(lazily, so a decode step's token can be a field that is computed in the same
-graph), and reads the gathered rows back into a :class:`Table`, checking on the
-way that every rank sent the same kind of message with the same payload width,
-that every status is known, and that the fields marked ``agreed`` hold one value
-on every rank. A disagreement raises :class:`PipelineMismatchError` naming the
-field and each rank's value; every rank holds the same rows, so every rank
-raises the same error.
+(lazily, so a decode step's token can be a field computed in the same graph),
+and reads the gathered rows back into a :class:`Table`, checking that every
+rank sent the same kind of message with the same payload width, that every
+status is known, and that the fields marked ``agreed`` hold one value on every
+rank. Every rank holds the same rows, so every rank raises the same
+:class:`PipelineMismatchError`, naming the field and each rank's value.
 
 The header travels as ``int32``; in a message with a payload it is reinterpreted
 as ``float32`` bits beside the payload (and back when read), so every field is
@@ -54,18 +53,13 @@ class Status(IntEnum):
     """A rank's word on whether to go on, in every message."""
 
     OK = 0
-    CANCEL = 1
-    """The rank's consumer stopped, or its ``should_cancel`` said yes."""
-    FAILED = 2
-    """A callback raised on the rank."""
-    CHUNK_FAILED = 3
-    """The model raised on the rank: it stood in for its layers (:mod:`pipemlx.runtime.failure`)."""
-    END = 4
-    """The rank wants no more tokens (``max_tokens`` reached, or a stop token yielded)."""
+    CANCEL = 1  # the rank's consumer stopped, or its should_cancel said yes
+    FAILED = 2  # a callback raised on the rank
+    CHUNK_FAILED = 3  # the model raised on the rank: it stood in for its layers (runtime/failure.py)
+    END = 4  # the rank wants no more tokens (max_tokens reached, or a stop token yielded)
 
 
-PREFIX = ("kind", "status", "payload")
-"""The fields every row begins with."""
+PREFIX = ("kind", "status", "payload")  # the fields every row begins with
 
 
 def _plain(value: int) -> object:
@@ -188,12 +182,9 @@ class Message:
         flat = mx.reshape(gathered, (world_size, -1)) if gathered.size % world_size == 0 else None
         if flat is None or flat.shape[1] < self.width:
             raise PipelineMismatchError(f"{where}: the ranks sent rows of different sizes: they are out of step")
-        if flat.dtype == mx.int32:
-            heads = cast(list[list[int]], flat[:, : self.width].tolist())
-            payloads = cast(list[list[float]], flat[:, self.width :].tolist())
-        else:
-            heads = cast(list[list[int]], mx.view(flat[:, : self.width], mx.int32).tolist())
-            payloads = cast(list[list[float]], flat[:, self.width :].tolist())
+        header = flat[:, : self.width]
+        heads = cast(list[list[int]], (header if flat.dtype == mx.int32 else mx.view(header, mx.int32)).tolist())
+        payloads = cast(list[list[float]], flat[:, self.width :].tolist())
         columns = {name: [row[i] for row in heads] for name, i in self._index.items()}
         kinds = columns["kind"]
         if any(k != self.kind for k in kinds):
@@ -241,8 +232,6 @@ def per_rank(values: Sequence[object]) -> str:
     """``rank 0: a, rank 1: b`` for error messages."""
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
-
-# The messages. Each is gathered from every rank; the fields marked agreed are compared.
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 """Activation dtypes as the handshake's ``dtype`` field numbers them (from 1; 0: another dtype)."""

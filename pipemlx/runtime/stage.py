@@ -42,18 +42,12 @@ EXIT_TIMEOUT = 10.0
 class Lending:
     """Where the cuts fall inside layers (``shard_model``'s ``lend_mlp`` and ``lend_heads``); none by default."""
 
-    mlp: bool = False
-    """Each rank's last layer's feed-forward half runs on the next rank."""
-    share: float = 0.0
-    """The share of a layer's per-token work that the cut moves to the next rank."""
-    heads: int = 0
-    """Key-value heads of that layer's attention moved too."""
-    pair_share: float = 0.0
-    """The share of a layer's attention to earlier positions that the lent heads move."""
-    incoming_width: int = 0
-    """Width of the messages from the previous rank (0: ``hidden_size``); lent heads widen them."""
-    outgoing_width: int = 0
-    """Width of the messages to the next rank (0: ``hidden_size``)."""
+    mlp: bool = False  # each rank's last layer's feed-forward half runs on the next rank
+    share: float = 0.0  # the share of a layer's per-token work that the cut moves to the next rank
+    heads: int = 0  # key-value heads of that layer's attention moved too
+    pair_share: float = 0.0  # the share of a layer's attention to earlier positions that the lent heads move
+    incoming_width: int = 0  # of the messages from the previous rank (0: hidden_size); lent heads widen them
+    outgoing_width: int = 0  # of the messages to the next rank (0: hidden_size)
 
 
 @dataclass(frozen=True)
@@ -62,27 +56,20 @@ class StageInfo:
 
     rank: int
     world_size: int
-    split: tuple[int, ...]
-    """Layers per rank."""
-    layers: range
-    """This rank's layers, as indices into the whole model's."""
+    split: tuple[int, ...]  # layers per rank
+    layers: range  # this rank's layers, as indices into the whole model's
     total_layers: int
-    timeout: float | None
-    """The default bound of every blocking wait (seconds)."""
+    timeout: float | None  # the default bound of every blocking wait (seconds)
     hidden_size: int
-    dtype: mx.Dtype | None
-    """The dtype of the hidden states this rank's layers exchange."""
-    kv_dims: tuple[int, ...] = ()
-    """The whole model's cached key/value widths, which ``kv_group_size`` must divide."""
+    dtype: mx.Dtype | None  # of the hidden states this rank's layers exchange
+    kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, which kv_group_size must divide
     unquantizable: tuple[tuple[int, str], ...] = ()
     """The whole model's layers whose caches ``kv_bits`` cannot quantize: ``(layer, cache class)``."""
     unquantizable_bounded: tuple[tuple[int, str], ...] = ()
     """Likewise for the caches ``make_prompt_cache(model, max_kv_size=...)`` makes."""
     lending: Lending = field(default_factory=Lending)
-    head: Literal["all", "last"] = "all"
-    """Which ranks keep the output head."""
-    vocab_shard: VocabShard | None = None
-    """This rank's rows of the output head, for greedy decodes that share it (``None``: not shared)."""
+    head: Literal["all", "last"] = "all"  # which ranks keep the output head
+    vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes that share it
     bounded_caches: Callable[[int], list[Any]] | None = None
     """``lend_heads``, the rank after a cut: its caches bounded by ``max_kv_size`` (see :meth:`PipelineStage.new_cache`)."""
 
@@ -222,10 +209,9 @@ class PipelineStage:
         point calls this first, so no caller has to synchronize by hand. The
         drain is bounded by ``timeout``; a failure marks the stage broken.
 
-        Every sharded model of the process shares the wire: the other models'
-        stages are settled first (an open request finished, what mlx-lm left
-        in flight drained), so that a request on one model cannot read another
-        model's step off the wire.
+        Every sharded model of the process shares the wire, so the other
+        models' stages are settled first: a request on one model cannot read
+        another model's step off the wire.
         """
         self.check_usable()
         for other in [s for s in _LIVE_STAGES if s is not self and s.broken is None]:
@@ -410,12 +396,8 @@ def stage_of(model: nn.Module) -> PipelineStage:
     return stage
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage)
-
-
 def ensure_unsharded(model: nn.Module) -> None:
-    if is_sharded(model):
+    if isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage):
         raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")
 
 

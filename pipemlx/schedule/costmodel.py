@@ -31,9 +31,6 @@ calibrates a layer's costs from chunk timings of one process holding the
 whole model (:func:`pipemlx.observe.trace.samples_from_trace` reads them from a
 trace). Pure Python: no MLX.
 
-A prediction is a simulation: :func:`predict` needs :mod:`pipemlx.schedule.simulate`
-(pure Python too), and so does ``step_size="auto"``, which calls it.
-
 Run ``python -m pipemlx.cli.costmodel --help`` for a table of predictions for 1..16 ranks
 (``--calibrate TRACE`` fits the costs to the trace of a 1-rank run, ``--trace OUT``
 writes a predicted timeline that Perfetto and :mod:`pipemlx.observe.timeline` show).

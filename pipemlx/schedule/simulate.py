@@ -34,13 +34,8 @@ queued output sent, every received state computed, every rank must have
 processed positions ``0 .. M - 2`` and every rank must have reported the same
 progress sequence.
 
-The result is a :class:`SimulationResult`, never an exception: it either
-finished cleanly (``result.ok``), deadlocked (``result.blocked`` names each
-stuck rank, the action it is stuck on and why) or has mismatches (readable
-sentences in ``result.mismatches``; a mismatch found while running stops the
-run). :meth:`SimulationResult.raise_for_failure` turns a failure into
-:class:`DeadlockError` or :class:`PlanMismatchError` (both
-:class:`SimulationError`); :func:`check_plans` simulates and raises in one go.
+The result is a :class:`SimulationResult`, never an exception: it finished
+cleanly, deadlocked or has mismatches (:func:`check_plans` raises instead).
 
 Given :class:`Durations` (see :mod:`pipemlx.schedule.costmodel`), every action gets a
 start and end time: a compute takes its duration, a message arrives

@@ -1,22 +1,12 @@
-"""What every rank runs: its share of the model, and one of two schedulers behind one interface.
+"""What every rank runs: its share of the model (:class:`Rank`), and one of two schedulers behind one interface.
 
-:class:`Rank` is what every serving rank holds: the sharded model, its end of
-the broadcast, its prefix cache, and where it stands (its slot in every
-broadcast). A :class:`Scheduler` applies a step's operations
-(:class:`~.broadcast.Ops`), the same on every rank, and runs the step; it hands
-rank 0 each token through a :class:`Sink` and returns the requests that ended.
-
-- :class:`OneAtATime` (``--max-concurrency 1``): a step is one request, run
-  whole by :func:`pipemlx.generate_step`: its prefill is pipelined in chunks of
-  ``--step-size`` (``auto``: the ranks' cost model chooses), every token is an
-  agreed decode step (a stop or a cancel takes effect on every rank after the
-  same token), and the cache ends holding every token the request generated, so
-  the next turn of a conversation reuses all of it.
-- :class:`Batched` (above 1): a step is one tick of
-  :class:`pipemlx.BatchGenerator`: a decode step of every running request and a
-  prefill chunk per rank; requests join and leave at tick boundaries, and a
-  finished request hands back its cache holding all but its last token (never
-  fed back).
+A :class:`Scheduler` applies a step's operations (:class:`~.broadcast.Ops`), the
+same on every rank, runs the step, hands rank 0 each token through a
+:class:`Sink` and returns the requests that ended. :class:`OneAtATime`
+(``--max-concurrency 1``) runs a whole request per step; its cache ends holding
+every token the request generated, so the next turn of a conversation reuses all
+of it. :class:`Batched` (above 1) runs a tick of the batch per step; a finished
+request hands back its cache holding all but its last token (never fed back).
 """
 
 from __future__ import annotations
@@ -66,8 +56,7 @@ class Rank:
         self.last_outcome = 0
         self.bytes_per_token = 0
         self.trimmable = 0
-        self.slots: list[dict[str, int]] = []
-        """Every rank's slot, as of the last broadcast."""
+        self.slots: list[dict[str, int]] = []  # every rank's slot, as of the last broadcast
 
     def slot(self) -> dict[str, int]:
         return {
@@ -130,12 +119,9 @@ class Sink(Protocol):
 class Scheduler(Protocol):
     """How the ranks run the requests; every rank makes the same calls with the same operations."""
 
-    op: int
-    """The broadcast operation of a step (``REQUEST``, ``STEP``); a rank told another one is out of step."""
-    unit: str
-    """What a step is called in messages."""
-    capacity: int
-    """The most requests it runs at once."""
+    op: int  # the broadcast operation of a step (REQUEST, STEP); a rank told another one is out of step
+    unit: str  # what a step is called in messages
+    capacity: int  # the most requests it runs at once
 
     def active(self) -> Collection[int]:
         """The requests it holds between steps (rank 0 removes those answered or cancelled)."""
@@ -237,8 +223,7 @@ class _Request:
 
     insert: Insert
     uid: int
-    prompt_cache: list[Any] | None
-    """The cache its prompt is prefilled in, until it is kept in the prefix cache."""
+    prompt_cache: list[Any] | None  # the cache its prompt is prefilled in, until kept in the prefix cache
     generated: list[int] = field(default_factory=list[int])
 
 

@@ -57,10 +57,8 @@ class ServeSettings:
     fault_grace: float = 5.0
     api_key: str | None = None
     parent_pid: int | None = None
-    max_concurrency: int = 1
-    """Requests decoded together; 1: one at a time (:mod:`.engines`)."""
-    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
-    """With ``max_concurrency`` above 1: :class:`pipemlx.BatchGenerator`'s ``prefill_chunking``."""
+    max_concurrency: int = 1  # requests decoded together; 1: one at a time (engines.py)
+    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"  # with max_concurrency > 1: BatchGenerator's
 
 
 @dataclass
@@ -120,12 +118,9 @@ class RequestResult:
 
     outcome: Outcome
     generated: list[int]
-    cached: int
-    """Prompt positions reused from the prefix cache."""
-    cache_tokens: int
-    """Positions its cache held at the end."""
-    prefilled: int
-    """Prompt positions computed by this request (``processed`` of a prefill cut short)."""
+    cached: int  # prompt positions reused from the prefix cache
+    cache_tokens: int  # positions its cache held at the end
+    prefilled: int  # prompt positions computed by this request (processed of a prefill cut short)
     error: BaseException | None = None
 
 
@@ -194,14 +189,12 @@ class Front:
         self.settings = settings
         self.split = list(split)
         self.prefix = prefix
-        self.slots = list(slots)
-        """Every rank's own fields, as of the last broadcast (replaced whole by the leader loop)."""
+        self.slots = list(slots)  # every rank's own fields, as of the last broadcast (replaced whole by the loop)
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
         self.status: Literal["loading", "ready", "failed", "stopping"] = "loading"
         self.fault: str | None = None
         self.stopping = threading.Event()
-        self.running: tuple[Job, ...] = ()
-        """The requests running, oldest first (replaced whole by the leader loop, read by the HTTP thread)."""
+        self.running: tuple[Job, ...] = ()  # oldest first (replaced whole by the leader loop, read by the HTTP thread)
         self.peak_running = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.recent: list[dict[str, Any]] = []
@@ -221,8 +214,7 @@ class Front:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
-            with self.lock:
-                self.counts["rejected"] += 1
+            self._count("rejected")
             raise ApiError(
                 429,
                 f"the request queue is full ({self.settings.max_queue} waiting); retry later",
@@ -292,8 +284,7 @@ class Front:
                 return None
             if not job.cancelled.is_set():
                 return job
-            with self.lock:  # the client left while its request waited: nothing reaches the other ranks
-                self.counts["cancelled"] += 1
+            self._count("cancelled")  # the client left while its request waited: nothing reaches the other ranks
             job.emit(Event("done", finish_reason="cancelled"))
 
     def reject_waiting(self, error: ApiError) -> None:
@@ -367,9 +358,9 @@ class Front:
             self.recent = (self.recent + [record])[-RECENT:]
         log(
             f"request {job.seq} ({job.kind}): prompt {len(job.tokens)} tokens, cached {result.cached}, "
-            f"prefill {_count(prefilled)}"
+            f"prefill {_tokens(prefilled)}"
             + (f" at {prefill_tps:,.0f} tokens/s" if prefilled > 1 else "")
-            + f", decode {_count(generated)}"
+            + f", decode {_tokens(generated)}"
             + (f" at {decode_tps:,.1f} tokens/s" if generated > 1 else "")
             + f", finish {finish}"
             + (f" in the {phase}" if finish == "cancelled" else "")
@@ -403,7 +394,7 @@ class Front:
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _count(tokens: int) -> str:
+def _tokens(tokens: int) -> str:
     return f"{tokens} token{'' if tokens == 1 else 's'}"
 
 
