@@ -50,9 +50,7 @@ FAR_POSITION = 4096
 FAR_LENGTHS = (128, 256)
 """Chunk lengths timed again after :data:`FAR_POSITION` positions (zeros in the caches, not computed): their time
 beyond the same chunk at position 0 is attention, :attr:`LayerCosts.far_pairs`. Shorter chunks pay what 128-token
-ones do per pair (one process, the benchmark model, best of 3: 64 and 128 tokens within 2% of each other after
-2048, 4096 and 8000 positions; 256 tokens 14% dearer after 8000); timing them too only added noise to auto's
-choice."""
+ones do per pair, so timing them would only add noise."""
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 

@@ -183,10 +183,9 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
         stage.mark_broken(exc)
         raise
     step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
-    num_chunks = len(lengths) if lengths is not None else -(-(tokens.size - 1) // step)
     spacing = options.agree_every
     if spacing is None:
-        spacing = default_agreement_spacing(num_chunks, stage.world_size)
+        spacing = default_agreement_spacing(tokens.size, step, stage.world_size, lengths)
     plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
     runner = _PlanRunner(
         model, stage, plan, tokens, cache, options, timeout, tracer_for(stage.rank, options.trace_dir), prefix

@@ -53,8 +53,8 @@ def choose_step(num_tokens: int, costs: CostModel) -> int:
 
 
 DEFAULT_MAX_CHUNK_SECONDS = 2.0
-"""Metal ends a command buffer that runs for more than a few seconds (exo's users met it in pipeline
-prefill): auto never plans a chunk the cost model predicts to take longer than this on any rank."""
+"""Metal ends a command buffer that runs for more than a few seconds: auto never plans a chunk the cost model
+predicts to take longer than this on any rank."""
 RAMP_MIN_TOKENS = 16
 """The smallest chunk a ramp starts or ends with."""
 NEAR_TIE = 0.01
@@ -92,10 +92,7 @@ def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tu
     rest = prefill - sum(up) - sum(down)
     if rest < 2 * step:
         return None
-    middle = [step] * (rest // step)
-    if rest % step:
-        middle.insert(0, rest % step)
-    return (*up, *middle, *down)
+    return (*up, *_remainder_first(rest, step), *down)
 
 
 def tail_lengths(num_tokens: int, step: int, ratio: float) -> tuple[int, ...] | None:
@@ -116,10 +113,12 @@ def tail_lengths(num_tokens: int, step: int, ratio: float) -> tuple[int, ...] | 
     rest = num_tokens - 1 - sum(tail)
     if not tail or rest < 2 * step:
         return None
-    middle = [step] * (rest // step)
-    if rest % step:
-        middle.insert(0, rest % step)
-    return (*middle, *tail)
+    return (*_remainder_first(rest, step), *tail)
+
+
+def _remainder_first(positions: int, step: int) -> tuple[int, ...]:
+    """``positions`` in chunks of ``step``, the remainder (if any) first, where attention is cheapest."""
+    return ((positions % step,) if positions % step else ()) + (step,) * (positions // step)
 
 
 def uniform_lengths(num_tokens: int, step: int) -> tuple[int, ...]:

@@ -1,17 +1,12 @@
 """The tick schedule of continuous batching: which prefill chunk each rank computes, when requests join.
 
-:class:`pipemlx.BatchGenerator` runs in *ticks*: in every tick each rank runs
-the decode step of the active batch and at most one chunk of a queued prompt.
-Chunks travel the ranks like a pipeline: the chunk rank 0 computes in tick t,
-rank 1 computes in tick t+1, and so on, so in one tick the ranks work on
-different chunks at once. This module decides all of it as plain data, from
-data every rank has (the queue of requests and their lengths, the batch size,
+In every tick of :class:`pipemlx.BatchGenerator` each rank computes at most one
+chunk of a queued prompt: the chunk rank 0 computes in tick t, rank 1 computes
+in tick t+1, and so on. This module decides it all as plain data, from data
+every rank has (the queue of requests and their lengths, the batch size,
 removals agreed between ticks), so every rank derives the same :class:`Tick`
-and checks the others did with :meth:`Tick.fingerprint`.
-
-Nothing here imports MLX: the schedule is checked by itself (the properties in
-``tests/test_batch_plan.py``) and by a small simulator of the ranks'
-messages (:mod:`pipemlx.schedule.batch_sim`).
+and checks the others did with :meth:`Tick.fingerprint`. Nothing here imports
+MLX (:mod:`pipemlx.schedule.batch_sim` simulates the ranks' messages).
 """
 
 from __future__ import annotations

@@ -257,8 +257,7 @@ def predict(
     (``agree_every=None``: the executor's default spacing).
     """
     if agree_every is None:
-        num_chunks = len(chunk_lengths) if chunk_lengths is not None else -(-(num_tokens - 1) // step_size)
-        agree_every = default_agreement_spacing(num_chunks, costs.world_size)
+        agree_every = default_agreement_spacing(num_tokens, step_size, costs.world_size, chunk_lengths)
     plans = build_plans(num_tokens, step_size, costs.world_size, agree_every, chunk_lengths)
     result = simulate(
         plans, capacity=None, await_sends=True, hidden_size=costs.hidden_size, durations=costs

@@ -27,6 +27,7 @@ from ..runtime.batch import BatchGenerator, LogitsProcessor, Response, Sampler
 from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, cache_parts, counted_offset, trim_to
 from ..runtime.generate import generate_step
 from ..runtime.stage import stage_of
+from ..schedule.plan import default_step_size
 from .broadcast import HELLO, REQUEST, STEP, Channel, Header, Insert, Ops
 from .front import OUTCOMES, Outcome, RequestResult, ServeSettings
 from .penalties import Penalties
@@ -164,7 +165,7 @@ class OneAtATime:
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
-        step: int | Literal["auto"] = settings.step_size or default_step(new, rank.size)
+        step: int | Literal["auto"] = settings.step_size or default_step_size(new, rank.size)
         generated: list[int] = []
         outcome: Outcome = "length"
         error: BaseException | None = None
@@ -383,11 +384,6 @@ def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | No
         return mx.random.categorical(logprobs * (1.0 / temperature), key=pair[1])
 
     return sample
-
-
-def default_step(new_tokens: int, ranks: int) -> int:
-    """512 tokens, less for short prompts so that every rank gets about 4 chunks (``pipemlx generate``'s rule)."""
-    return max(1, min(512, -(-(new_tokens - 1) // (4 * ranks))))
 
 
 def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .protocol import ApiError, Kind, StopText, unavailable
+from .protocol import ApiError, Kind, StopText, unavailable, usage
 
 if TYPE_CHECKING:
     from .penalties import Penalties
@@ -297,12 +297,7 @@ class Front:
 
     def answer(self, job: Job, reply: Reply, result: RequestResult) -> None:
         """Send the end of ``job``'s answer (or its error), count it, and record it."""
-        usage = {
-            "prompt_tokens": len(job.tokens),
-            "completion_tokens": len(result.generated),
-            "total_tokens": len(job.tokens) + len(result.generated),
-            "prompt_tokens_details": {"cached_tokens": result.cached},
-        }
+        counts = usage(len(job.tokens), len(result.generated), result.cached)
         finish = result.outcome
         if finish != "failed" and job.cancelled.is_set():
             finish = "cancelled"
@@ -315,13 +310,13 @@ class Front:
             if self.stopping.is_set() and not job.cancelled.is_set():
                 job.emit(Event("error", error=unavailable("the server is shutting down", code="shutting_down")))
             else:
-                job.emit(Event("done", finish_reason="cancelled", usage=usage))
+                job.emit(Event("done", finish_reason="cancelled", usage=counts))
         else:
             rest = reply.finish()
             if rest:
                 job.emit(Event("text", rest))
             self._count("served")
-            job.emit(Event("done", finish_reason=finish, usage=usage))
+            job.emit(Event("done", finish_reason=finish, usage=counts))
         self._record(job, reply, result, finish)
 
     def _count(self, what: str) -> None:

@@ -222,8 +222,7 @@ class TickRunner:
             tokens = mx.array(work.chunk_tokens(chunk), dtype=mx.int32)[None]
             self._forward(tokens, cache)
             output = None if self.stage.is_last else self._queued_output()
-            received = list(self.stage.received)
-            self.stage.received.clear()
+            received = self.stage.take_received()
             if received:
                 self._issue(received, None, f"receiving chunk {chunk.start}..{chunk.stop - 1} of request {chunk.uid}")
             return Held(chunk, output, cache), False
