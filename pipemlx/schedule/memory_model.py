@@ -300,12 +300,7 @@ def plan_context(
     if budgets is not None and len(budgets) != world_size:
         raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
     if split is None:
-        costs = [layer_cost(model, i, settings) for i in range(n)]
-        peak = max(
-            (rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n)),
-            default=0,
-        )
-        fixed = [fixed_bytes(model.bytes, r, world_size, settings.head) + peak for r in range(world_size)]
+        costs, fixed = _split_weights(model, world_size, settings)
         split = plan_layers(costs, fixed, budgets if budgets is not None else [1] * world_size)
     split = tuple(split)
     ranks = tuple(
@@ -328,6 +323,17 @@ def plan_context(
             f"but has {format_size(worst.budget or 0)}; split {list(split)}; {fits}"
         )
     return plan
+
+
+def _split_weights(model: MemoryModel, world_size: int, settings: Settings | None) -> tuple[list[int], list[int]]:
+    """What a split weighs against the budgets: per layer its weights and its cache at the context; per rank its fixed
+    weights and one chunk's peak (the parameters alone without ``settings``)."""
+    n = len(model.bytes.layers)
+    if settings is None:
+        return list(model.bytes.layers), [fixed_bytes(model.bytes, r, world_size, "all") for r in range(world_size)]
+    costs = [layer_cost(model, i, settings) for i in range(n)]
+    peak = max((rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n)), default=0)
+    return costs, [fixed_bytes(model.bytes, r, world_size, settings.head) + peak for r in range(world_size)]
 
 
 def check_context(model: MemoryModel, context: int) -> None:
@@ -413,26 +419,6 @@ def format_context_plan(plan: ContextPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = [
-    "Activations",
-    "ContextPlan",
-    "LayerCache",
-    "MemoryModel",
-    "RankMemory",
-    "Settings",
-    "chunk_peak",
-    "fixed_bytes",
-    "format_context_plan",
-    "layer_cache_trace",
-    "longest_context",
-    "check_speeds",
-    "plan_balanced",
-    "plan_context",
-    "prefill_chunks",
-    "rank_memory",
-]
-
-
 def check_speeds(speeds: Sequence[float], world_size: int) -> tuple[float, ...]:
     """Per-rank speeds (any unit: only their ratios count), checked."""
     values = tuple(float(s) for s in speeds)
@@ -468,12 +454,7 @@ def plan_balanced(
             raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
         if settings is not None:
             check_context(model, settings.context)
-            costs = [layer_cost(model, i, settings) for i in range(n)]
-            peak = max(rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n))
-        else:
-            costs, peak = list(model.bytes.layers), 0
-        head: HeadPolicy = settings.head if settings is not None else "all"
-        fixed = [fixed_bytes(model.bytes, r, world_size, head) + peak for r in range(world_size)]
+        costs, fixed = _split_weights(model, world_size, settings)
         prefix = [0]
         for c in costs:
             prefix.append(prefix[-1] + c)

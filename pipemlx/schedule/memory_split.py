@@ -288,17 +288,3 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{', tied' if model.tied else ''}); split {list(plan.split)}"
     )
     return "\n".join(lines)
-
-
-__all__ = [
-    "MemoryPlan",
-    "MemoryPlanError",
-    "ModelBytes",
-    "RankPlan",
-    "format_plan",
-    "format_size",
-    "parse_size",
-    "plan_layers",
-    "plan_split",
-    "resolve_budgets",
-]

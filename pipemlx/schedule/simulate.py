@@ -391,23 +391,20 @@ class _Run:
 
     def compute(self, s: _Rank, action: Compute) -> None:
         chunk = action.chunk
+        wanted = f"rank {s.rank} computes {_chunk(chunk)}"
         if s.rank == 0:
             if s.inbox:
-                wanted = f"rank {s.rank} computes {_chunk(chunk)}"
                 return self.mismatch(f"{wanted} but holds received {self.names(s.inbox)} that nothing uses")
         elif len(s.inbox) != 1:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             got = f"has received {self.names(s.inbox)}" if s.inbox else "has received nothing"
             return self.mismatch(
                 f"{wanted}, for which its first layer receives one hidden state from rank {s.rank - 1}, "
                 f"but it {got} (a missing or extra Recv)"
             )
         elif s.inbox[0].chunk != chunk or s.inbox[0].source != s.rank - 1:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             got = s.inbox[0]
             return self.mismatch(f"{wanted} but its input is {_chunk(got.chunk)} from rank {got.source}")
         if chunk.start != s.done or chunk.stop <= chunk.start:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             so_far = f"after positions 0..{s.done - 1}" if s.done else "before any other"
             return self.mismatch(f"{wanted} {so_far}: positions must be computed in order, each once")
         s.inbox.clear()
