@@ -70,8 +70,7 @@ SHARDING_FLAGS = {
     "(shard_model's lend_heads=K; auto: the count the ranks' timings predict fastest): balances long prompts, "
     "where attention is most of the work",
 }
-COUNT_FLAGS = ("--lend-heads",)
-"""Sharding flags that take a count or ``auto`` (the others are switches)."""
+COUNT_FLAGS = ("--lend-heads",)  # sharding flags that take a count or auto (the others are switches)
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:

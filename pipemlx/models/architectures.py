@@ -37,8 +37,7 @@ Check = Callable[[Any, Any, range], None]
 
 BOOKKEEPING = re.compile(r"(?:idx|index|indices)$|^_?first_|layer_types|_pattern$|attn_idxs")
 """Names of owner attributes that describe the whole layer list (a fixup must adjust them)."""
-HARMLESS = frozenset({"start_idx", "end_idx"})
-"""mlx-lm's PipelineMixin bookkeeping: ``layers[0:None]`` is all local layers."""
+HARMLESS = frozenset({"start_idx", "end_idx"})  # mlx-lm's PipelineMixin bookkeeping: layers[0:None] is all local layers
 
 
 @dataclass(frozen=True)

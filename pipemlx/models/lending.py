@@ -271,8 +271,7 @@ def _mix(layer: nn.Module, mixin: type) -> None:
     layer.__class__ = type(original.__name__, (mixin, original), {"__module__": original.__module__})
 
 
-AUTO_LEND_TOKENS = 4096
-"""The prompt length ``lend_heads="auto"`` plans for when ``shard_model`` is given no ``context``."""
+AUTO_LEND_TOKENS = 4096  # the prompt length lend_heads="auto" plans for when shard_model is given no context
 
 
 def lendable_heads(layers: list[nn.Module], sizes: tuple[int, ...]) -> int:

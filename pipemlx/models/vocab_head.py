@@ -14,8 +14,7 @@ from ..runtime.stage import StageInfo
 from .architectures import architecture_of
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
-ROW_PARAMETERS = ("weight", "scales", "biases", "bias")
-"""A head's parameters whose first axis is the vocabulary."""
+ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
 FINAL_NORMS = ("norm", "embedding_norm")
 """Names of the norm ``model.model`` ends with (lfm2's is ``embedding_norm``): it gives the hidden state's dtype."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..errors import PipelineMismatchError
-from .protocol import AGREE, HANDSHAKE, UNCOUNTED, Status, Table, dtype_code, per_rank
+from .caches import UNCOUNTED
+from .protocol import AGREE, HANDSHAKE, Status, Table, dtype_code, per_rank
 from .stage import PipelineStage
 
 
@@ -34,7 +35,7 @@ def handshake(
     table), naming the field that differs and each rank's value (the fields of
     :data:`~pipemlx.runtime.protocol.HANDSHAKE`). ``cache_offset`` is how many
     positions the cache already holds (a reused prefix;
-    :data:`~pipemlx.runtime.protocol.UNCOUNTED` on a rank whose caches count
+    :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose caches count
     none): ranks holding different prefixes would compute different tokens.
     ``decode_settings`` (an index of :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS`)
     is what a decode after the prefill will exchange, so that ranks that would

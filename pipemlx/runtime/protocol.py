@@ -33,6 +33,7 @@ from typing import cast
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
+from .caches import UNCOUNTED
 from .waits import wait_for
 
 
@@ -237,8 +238,6 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 """Activation dtypes as the handshake's ``dtype`` field numbers them (from 1; 0: another dtype)."""
 DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
 """What the handshake's ``decode_settings`` values mean: what the decode after the prefill will exchange."""
-UNCOUNTED = -1
-"""A ``cache_offset`` (or a tick's ``prefixes``) from a rank whose caches count no positions: not compared."""
 
 
 def dtype_code(dtype: mx.Dtype | None) -> int:

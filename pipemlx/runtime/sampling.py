@@ -31,8 +31,7 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's logits processor: ``(tokens so far, logits) -> logits``."""
 
-SHARE_WIDTH = 2
-"""What a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id."""
+SHARE_WIDTH = 2  # what a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,8 @@ class OpenRequest(Protocol):
 SendMode = Literal["immediate", "queue"]
 SEND_MODES: tuple[SendMode, ...] = ("immediate", "queue")
 STAGE_ATTRIBUTE = "_pipemlx_stage"
-OUTSTANDING_OUTPUTS = 4
-"""Immediate-mode outputs remembered for :meth:`PipelineStage.settle` (mlx-lm leaves one step in flight)."""
-EXIT_TIMEOUT = 10.0
-"""Seconds the end of the program may wait for what a stage left in flight."""
+OUTSTANDING_OUTPUTS = 4  # immediate-mode outputs remembered for PipelineStage.settle (mlx-lm leaves one step in flight)
+EXIT_TIMEOUT = 10.0  # seconds the end of the program may wait for what a stage left in flight
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from .plan import chunks_of_lengths
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Powers of two: the lengths the calibration times (``pipemlx.runtime.calibrate.CALIBRATION_LENGTHS``), so a
 candidate's middle chunks cost what was measured, not what was interpolated between two lengths."""
-MAX_CHUNKS = 512
-"""Candidates that would cut the prompt into more chunks than this are not simulated."""
+MAX_CHUNKS = 512  # candidates that would cut the prompt into more chunks than this are not simulated
 
 
 class AutoRequest:
@@ -55,16 +54,13 @@ def choose_step(num_tokens: int, costs: CostModel) -> int:
 DEFAULT_MAX_CHUNK_SECONDS = 2.0
 """Metal ends a command buffer that runs for more than a few seconds: auto never plans a chunk the cost model
 predicts to take longer than this on any rank."""
-RAMP_MIN_TOKENS = 16
-"""The smallest chunk a ramp starts or ends with."""
-NEAR_TIE = 0.01
-"""A non-uniform cut must be predicted this much faster than the best uniform one to be chosen."""
+RAMP_MIN_TOKENS = 16  # the smallest chunk a ramp starts or ends with
+NEAR_TIE = 0.01  # a non-uniform cut must be predicted this much faster than the best uniform one to be chosen
 
 
 RAMP_LEVELS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 4))
 """``(head, tail)`` ramp depths tried for each step: the drain (tail) matters most, so it goes deeper."""
-RAMPED_STEPS = 3
-"""Ramps are tried around the best this many uniform steps (each ramp is one more simulation)."""
+RAMPED_STEPS = 3  # ramps are tried around the best this many uniform steps (each ramp is one more simulation)
 TAIL_RATIOS = (0.625, 0.75)
 """Gentler drains tried too (:func:`tail_lengths`): each chunk of the tail this share of the one before."""
 

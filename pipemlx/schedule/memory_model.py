@@ -41,8 +41,7 @@ from typing import Literal
 from .memory_split import MemoryPlanError, ModelBytes, align_columns, format_size, plan_layers
 from .split import check_world, layer_range
 
-KV_BLOCK = 256
-"""mlx-lm's ``KVCache.step``: caches grow by whole blocks of this many positions."""
+KV_BLOCK = 256  # mlx-lm's KVCache.step: caches grow by whole blocks of this many positions
 HIDDEN_BUFFERS = 11
 INTERMEDIATE_BUFFERS = 2
 CACHE_GROWTH = 1.2

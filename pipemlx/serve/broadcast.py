@@ -95,8 +95,7 @@ class Insert:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
-    """-1: none (greedy)."""
+    seed: int  # -1: none (greedy)
     plan: Plan = field(default_factory=Plan)
     penalties: Penalties = field(default_factory=Penalties)
 

@@ -28,10 +28,8 @@ if TYPE_CHECKING:
     from .penalties import Penalties
     from .prefix_cache import PrefixCache
 
-PROGRESS_LOG_S = 2.0
-"""A prefill longer than this logs its progress every this many seconds."""
-RECENT = 16
-"""Requests whose figures ``/health`` keeps."""
+PROGRESS_LOG_S = 2.0  # a prefill longer than this logs its progress every this many seconds
+RECENT = 16  # requests whose figures /health keeps
 
 Outcome = Literal["stop", "length", "cancelled", "failed"]
 OUTCOMES = ("none", "stop", "length", "cancelled", "failed")

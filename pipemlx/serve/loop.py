@@ -37,8 +37,7 @@ from .engines import Rank, Scheduler
 from .front import Front, Job, Reply, log
 from .prefix_cache import Plan
 
-TICK = 0.05
-"""Seconds between idle messages: the extra wait of a request that arrives while the server is idle."""
+TICK = 0.05  # seconds between idle messages: the extra wait of a request that arrives while the server is idle
 
 
 @dataclass

@@ -12,8 +12,7 @@ from ..caches import cache_parts
 from ..protocol import MEMORY
 from ..stage import PipelineStage
 
-BUDGET_UNIT = 1024
-"""Budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB."""
+BUDGET_UNIT = 1024  # budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB
 
 
 def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:

@@ -40,9 +40,9 @@ import mlx.nn as nn
 
 from ...errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
 from ...schedule.batch_plan import Tick, TickChunk
-from ..caches import cache_state
+from ..caches import UNCOUNTED, cache_state
 from ..failure import stand_in
-from ..protocol import TICK, UNCOUNTED, Status, Table, gather
+from ..protocol import TICK, Status, Table, gather
 from ..sampling import VocabShard, pick_tokens, shared_head
 from ..send_mode import send_mode
 from ..stage import PipelineStage
