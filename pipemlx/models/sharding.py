@@ -190,9 +190,8 @@ def shard_model(
     ``head="last"`` keeps the output head on the last rank only (tied: rank 0
     keeps the embedding, the last rank the head): less memory on the other
     ranks, but only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate`
-    and :func:`pipemlx.runtime.lean_decode.lean_generate_step` can decode then (mlx-lm's own
-    ``generate_step`` needs the logits on every rank and is refused on the
-    others). The default ``"all"`` keeps it on every rank.
+    and ``lean_generate_step`` can decode then (mlx-lm's own ``generate_step``
+    is refused on the other ranks). The default ``"all"`` keeps it on every rank.
 
     ``lend_mlp=True`` cuts between the halves of each rank's last layer: its
     feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`),
@@ -206,18 +205,14 @@ def shard_model(
     of that layer's attention, their cache and its output projection to the
     next rank: where attention is most of the work (long prompts), this
     balances what whole layers and feed-forward halves cannot. The next rank's
-    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache` (an
-    mlx-lm ``CacheList`` of its own and the lent heads' that quantizes, masks
-    and batches as its own cache does), so ``kv_bits``, ``max_kv_size`` (with
-    :func:`pipemlx.generate_step`; mlx-lm's own ``generate_step`` cannot bound
-    a model's caches that it makes with the model's ``make_cache``) and
-    :class:`pipemlx.BatchGenerator` work with it. The layers at each cut must
-    keep plain ``KVCache`` caches (no sliding window).
+    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache`, with
+    which ``kv_bits``, ``max_kv_size`` (with :func:`pipemlx.generate_step`) and
+    :class:`pipemlx.BatchGenerator` work. The layers at each cut must keep
+    plain ``KVCache`` caches (no sliding window).
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
-    wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
-    Architectures pipemlx has not been verified on are refused, naming the
-    ones it covers, unless ``allow_unregistered=True``.
+    wait on this model. Architectures pipemlx has not been verified on are
+    refused, naming the ones it covers, unless ``allow_unregistered=True``.
     Raises ``ValueError``/``TypeError`` for a bad split, and
     :class:`PipelineError` for a model it cannot shard, before changing anything.
     """

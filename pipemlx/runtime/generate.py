@@ -119,10 +119,11 @@ def generate_step(
     Stops are agreed: when any rank's consumer stops early or its
     ``should_cancel()`` (polled before every token) says yes, every rank's
     generator ends after the same token and nothing is left in flight; the
-    reason is in the returned generator's ``stop`` (a :class:`DecodeStream`). A generator dropped without
-    being closed is closed by the next pipemlx call on any sharded model, or at exit.
-    The generator also ends after yielding any of ``stop_tokens`` (the ranks
-    check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
+    reason is in the returned :class:`DecodeStream`'s ``stop``. A generator
+    dropped without being closed is closed by the next pipemlx call on any
+    sharded model, or at exit. The generator also ends after yielding any of
+    ``stop_tokens`` (the ranks check they hold the same set). ``timeout``
+    bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
     a callback on its own rank, :class:`PipelineTimeoutError` /
     :class:`PeerLostError` when a peer stalls or dies, and
@@ -130,14 +131,12 @@ def generate_step(
     (``input_embeddings``, which mlx-lm takes for multimodal prompts, is
     accepted only as ``None``).
 
-    ``stream`` is mlx-lm's (its third argument; mlx-lm's default is its
-    ``generation_stream``), accepted so that mlx-lm code runs unchanged, but
-    pipemlx does not compute on it: every rank computes on its stage's own
-    stream (``stage_of(model).compute_stream``, on the device that was the
-    default when the model was sharded), which its bounded waits evaluate from
-    helper threads. A stream or device on that device is accepted (``None``:
-    the same); one on another device raises ``ValueError``, anything else
-    ``TypeError``, before anything is sent (:meth:`PipelineStage.check_stream`).
+    ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
+    runs unchanged, but every rank computes on its stage's own stream
+    (``stage_of(model).compute_stream``, on the device that was the default
+    when the model was sharded): a stream or device on that device (or
+    ``None``) is accepted; one on another device raises ``ValueError``,
+    anything else ``TypeError``, before anything is sent.
     """
     stage = stage_of(model)
     stage.check_usable()
@@ -206,11 +205,9 @@ def stream_generate(
     after its prefill but before its first token gives that one response,
     with ``generation_tokens`` 0 and empty ``text``; one cancelled during
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
-    does. ``stream`` in ``kwargs`` is :func:`generate_step`'s (mlx-lm's,
-    accepted on the stage's device). As with mlx-lm, ``draft_model=None``
-    and ``num_draft_tokens`` (ignored without a draft model) are accepted;
-    speculative decoding itself is not supported: a ``draft_model`` raises
-    ``ValueError``.
+    does. As with mlx-lm, ``draft_model=None`` and ``num_draft_tokens``
+    (ignored without a draft model) are accepted; a ``draft_model`` raises
+    ``ValueError`` (no speculative decoding).
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
@@ -318,10 +315,8 @@ class _Part:
 class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | None"]):
     """What :func:`generate_step` returns: mlx-lm's generator of ``(token, logprobs)`` pairs.
 
-    Once it has ended, by itself or closed by its consumer, :attr:`stop` says
-    why (the same on every rank; it is also the generator's return value).
-    :attr:`shared_head` says whether its steps after the first shared the
-    output head among the ranks.
+    Once it has ended, :attr:`stop` says why (the same on every rank; also the generator's return value);
+    :attr:`shared_head` says whether its steps after the first shared the output head among the ranks.
     """
 
     def __init__(self, request: _Request, inner: Generator[tuple[int, mx.array | None], None, DecodeStop | None]):

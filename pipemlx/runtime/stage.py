@@ -91,22 +91,16 @@ class PipelineStage:
     """What :func:`pipemlx.shard_model` attaches to a model: one rank's part of the pipeline.
 
     :attr:`info` is what the rank is (fixed when the model is sharded); the
-    rest is what changes at run time: the send mode, the sends and receives in
-    flight, whether a failed wait left the wire unusable, an open request, and
-    the group's cost model once calibrated.
-
-    It owns the model's :class:`SendQueue` and the current send mode. The mode
-    is read by the last local layer on every call and changed only by
-    :func:`pipemlx.send_mode`, which scopes it to a ``with`` block:
-
-    - ``"immediate"`` (outside any block): the last local layer sends its output
-      to the next rank inside the model's graph, then every rank receives the
-      final hidden state (an all-gather), so each rank computes the same logits.
-      The send is tied to the layer's cache, so evaluating the caches alone
-      (as mlx-lm's ``generate_step`` does while prefilling) still sends.
-    - ``"queue"``: the last local layer puts its output on the send queue and
-      returns; nothing is broadcast. The first local layer's receives are
-      recorded in :attr:`received` for the prefill executor to wait on.
+    rest is what changes at run time: the send mode (set by
+    :func:`pipemlx.send_mode`), the sends and receives in flight, whether a
+    failed wait left the wire unusable, an open request, and the group's cost
+    model once calibrated. In ``"immediate"`` mode the last local layer sends
+    its output to the next rank inside the model's graph, tied to the layer's
+    cache (so evaluating the caches alone, as mlx-lm's ``generate_step`` does
+    while prefilling, still sends), then every rank receives the final hidden
+    state (an all-gather), so each rank computes the same logits. In
+    ``"queue"`` mode it puts its output on the :class:`SendQueue`, and the
+    first local layer's receives are recorded in :attr:`received`.
     """
 
     def __init__(self, info: StageInfo, group: mx.distributed.Group) -> None:
@@ -160,10 +154,7 @@ class PipelineStage:
 
     @contextmanager
     def detached(self) -> Generator[None, None, None]:
-        """Within the block the edges neither receive nor send: the local layers run on their own.
-
-        For timing the local layers (:mod:`pipemlx.runtime.calibrate`); nothing crosses the wire.
-        """
+        """Within the block the edges neither receive nor send: the local layers run on their own (calibration)."""
         self._detached = True
         try:
             yield
@@ -173,10 +164,8 @@ class PipelineStage:
 
     @contextmanager
     def without_broadcast(self) -> Generator[None, None, None]:
-        """Within the block an immediate send is not followed by the final hidden state's all-gather.
-
-        For the decode steps of :func:`pipemlx.generate_step`, which gather only what they need.
-        """
+        """Within the block an immediate send is not followed by the final hidden state's all-gather (the decode
+        steps of :func:`pipemlx.generate_step` gather only what they need)."""
         self._broadcast = False
         try:
             yield
@@ -187,9 +176,7 @@ class PipelineStage:
     def executing_plan(self) -> Generator[None, None, None]:
         """Within the block the prefill executor drives the model: forward passes in queue mode are allowed.
 
-        Outside it, calling the model in queue mode raises :class:`PipelineError`:
-        the last local layer only queues its output there, so the logits would be
-        computed from this rank's partial hidden state.
+        Outside it they raise :class:`PipelineError`: the logits would come from this rank's partial hidden state.
         """
         self._executing_plan = True
         try:
