@@ -87,12 +87,8 @@ def agree_on_step(
 ) -> Table:
     """Close step ``step`` with this rank's ``status``; returns every rank's status and ``failed_chunk``.
 
-    It returns once every rank has finished the step. ``status`` is
-    :attr:`Status.OK`, :attr:`Status.CANCEL` (the caller's ``should_cancel``
-    said yes), :attr:`Status.CHUNK_FAILED` (the model raised while computing
-    chunk ``failed_chunk`` since the last agreement point) or
-    :attr:`Status.FAILED` (a callback raised on this rank since the last
-    agreement point); the caller stops when any rank's status is not OK.
+    It returns once every rank has finished the step (:attr:`Status.CHUNK_FAILED`: the model raised while computing
+    chunk ``failed_chunk`` since the last agreement point); the caller stops when any rank's status is not OK.
     """
     where = f"the agreement closing step {step}"
     values = {"step": step, "failed_chunk": failed_chunk}

@@ -147,9 +147,7 @@ class PipelineStage:
         return self._mode == "immediate" and self._broadcast and not self._detached
 
     def set_mode(self, mode: SendMode) -> None:
-        """Switch the send mode; only :func:`pipemlx.send_mode` should call this."""
-        if mode not in SEND_MODES:
-            raise ValueError(f"unknown send mode {mode!r}; expected one of {SEND_MODES}")
+        """Switch the send mode; only :func:`pipemlx.send_mode` (which checks ``mode``) should call this."""
         self._mode = mode
 
     @contextmanager

@@ -69,16 +69,12 @@ def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tu
     """Chunks of ``step`` tokens, ``head`` halvings ramping up at the start and ``tail`` ramping down at the end.
 
     ``ramp_lengths(M, 256, 2, 3)`` is ``64, 128, 256, ..., 256, 128, 64, 32``.
-    The pipeline fills on its first chunks and drains on its last ones: while
-    the first chunk runs on rank 0 the others wait, and while the last chunk
-    runs on the last rank the others are idle. Small chunks there shorten both
-    (the idea of TeraPipe, Li et al. 2021, which cuts chunks by dynamic
-    programming over a cost model; here the ramps are a small family whose
-    every member the cost model simulates). The drain is usually the costlier
-    end: the last chunks attend to the whole prompt. The remainder goes right
-    after the ramp-up, where attention is cheapest. None when a ramp would
-    hold a chunk under :data:`RAMP_MIN_TOKENS` or the prompt is too short
-    for it; ``head=tail=0`` is the uniform cut with the remainder first.
+    While the first chunk runs on rank 0 the others wait, and while the last
+    chunk runs on the last rank the others are idle: small chunks there shorten
+    the pipeline's fill and drain (the idea of TeraPipe, Li et al. 2021). The
+    remainder goes right after the ramp-up, where attention is cheapest. None
+    when a ramp would hold a chunk under :data:`RAMP_MIN_TOKENS` or the prompt
+    is too short for it; ``head=tail=0`` is the uniform cut with the remainder first.
     """
     prefill = num_tokens - 1
     up = [step >> level for level in range(head, 0, -1)]
@@ -136,14 +132,11 @@ def choose_chunks(
 
     Candidates: every step of :func:`candidate_steps` cut as mlx-lm cuts it,
     and, around the :data:`RAMPED_STEPS` best of those, the same step with the
-    ramps of :data:`RAMP_LEVELS` at its ends (:func:`ramp_lengths`) and with
-    the tails of :data:`TAIL_RATIOS` (:func:`tail_lengths`). Each is
-    simulated with the executor's agreement spacing; a ramped cut wins only
-    when it is predicted :data:`NEAR_TIE` faster than the best uniform one.
-    Candidates with a chunk predicted above ``max_chunk_seconds`` on some rank
-    are dropped (when all would be, the uniform cut whose slowest chunk is
-    cheapest is taken). Pure and deterministic: every rank derives the same
-    lengths from the same cost model.
+    ramps of :data:`RAMP_LEVELS` and the tails of :data:`TAIL_RATIOS`; a ramped
+    cut wins only when it is predicted :data:`NEAR_TIE` faster than the best
+    uniform one. Candidates with a chunk predicted above ``max_chunk_seconds``
+    on some rank are dropped (when all would be, the uniform cut whose slowest
+    chunk is cheapest is taken). Pure: every rank derives the same lengths.
     """
     if num_tokens < 2:
         return ()

@@ -287,11 +287,8 @@ def plan_context(
 ) -> ContextPlan:
     """The split (``split`` if given, else planned) and every rank's memory at ``settings.context``.
 
-    A planned split weighs each layer by its weights plus its cache at the
-    context, and each rank's fixed weights plus one chunk's peak, over its
-    budget (as :func:`pipemlx.schedule.memory_split.plan_layers`). Raises
-    :class:`MemoryPlanError` naming the rank, what it needs and has, and the
-    longest context that fits, when a rank exceeds its budget.
+    A planned split weighs what :func:`split_weights` says over each rank's budget. Raises :class:`MemoryPlanError`
+    naming the rank, what it needs and has, and the longest context that fits, when a rank exceeds its budget.
     """
     n = len(model.bytes.layers)
     check_world(n, world_size)
@@ -299,7 +296,7 @@ def plan_context(
     if budgets is not None and len(budgets) != world_size:
         raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
     if split is None:
-        costs, fixed = _split_weights(model, world_size, settings)
+        costs, fixed = split_weights(model, world_size, settings)
         split = plan_layers(costs, fixed, budgets if budgets is not None else [1] * world_size)
     split = tuple(split)
     ranks = tuple(
@@ -324,7 +321,7 @@ def plan_context(
     return plan
 
 
-def _split_weights(model: MemoryModel, world_size: int, settings: Settings | None) -> tuple[list[int], list[int]]:
+def split_weights(model: MemoryModel, world_size: int, settings: Settings | None) -> tuple[list[int], list[int]]:
     """What a split weighs against the budgets: per layer its weights and its cache at the context; per rank its fixed
     weights and one chunk's peak (the parameters alone without ``settings``)."""
     n = len(model.bytes.layers)
@@ -440,9 +437,7 @@ def plan_balanced(
     A rank's prefill time is its layers' compute (taken as their parameter
     bytes) over its speed; the split makes the slowest rank as fast as it can
     be, then the next, and so on. With ``budgets`` a rank may hold only what
-    fits: its layers' weights and caches at ``settings.context`` plus its fixed
-    weights and one chunk's peak (parameters alone without ``settings``).
-    Raises :class:`MemoryPlanError` when no split fits.
+    fits (:func:`split_weights`). Raises :class:`MemoryPlanError` when no split fits.
     """
     n = len(model.bytes.layers)
     check_world(n, world_size)
@@ -453,7 +448,7 @@ def plan_balanced(
             raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
         if settings is not None:
             check_context(model, settings.context)
-        costs, fixed = _split_weights(model, world_size, settings)
+        costs, fixed = split_weights(model, world_size, settings)
         prefix = [0]
         for c in costs:
             prefix.append(prefix[-1] + c)

@@ -224,10 +224,8 @@ def build_plan(
 
     ``agree_every`` spaces the agreement points: step ``t`` closes with an
     :class:`Agree` when ``t + 1`` is a multiple of it, and the last step always
-    does. Between two agreement points the ranks run free (only the sends
-    and receives of the wavefront connect them), and the progress of the
-    chunks that left the last rank since the previous agreement point is
-    reported, in order, after the next one.
+    does. The progress of the chunks that left the last rank since the previous
+    agreement point is reported, in order, after the next one.
     """
     check_prefill_args(num_tokens, step_size, world_size)
     if not 0 <= rank < world_size:

@@ -144,11 +144,8 @@ class SimulationResult:
     def idle_slots(self, rank: int) -> int:
         """Wavefront steps in which ``rank`` computed nothing.
 
-        A step is the stretch of a rank's plan closed by one of its ``Agree``
-        actions, all but the last: that one closes the prefill (it follows the
-        last progress report) and holds no work. With ``n >= 1`` chunks a plan
-        has ``n + S - 1`` steps and each rank computes in ``n`` of them, so it
-        idles in ``S - 1``: filling or draining the pipeline.
+        A step is the stretch of a rank's plan closed by one of its ``Agree`` actions, all but the last (which
+        closes the prefill and holds no work). With ``n >= 1`` chunks each rank idles in ``S - 1`` steps.
         """
         steps = max(self.steps[rank] - 1, 0)
         return steps - len(set(self.compute_steps[rank]))
@@ -225,11 +222,8 @@ def simulate(
 ) -> SimulationResult:
     """Run ``plans`` (one per rank, indexed by rank) together; see the module docstring.
 
-    ``capacity`` is the send buffer per link (``None``: unbounded).
-    ``check_handshake=False`` skips the comparison of plan headers at the
-    handshake, to see what disagreeing plans would do without it. Raises
-    ``ValueError`` only when ``plans`` cannot be a group (empty, wrong ranks);
-    everything about the plans' behaviour is in the result.
+    ``check_handshake=False`` skips the comparison of plan headers at the handshake. Raises ``ValueError`` only
+    when ``plans`` cannot be a group (empty, wrong ranks); everything about the plans' behaviour is in the result.
     """
     plans = tuple(plans)
     _check_group(plans)

@@ -232,12 +232,10 @@ class Batched:
     """Every rank's :class:`pipemlx.BatchGenerator`, one tick per step.
 
     Each insert starts from its planned prefix-cache entry (checked out before
-    anything is stored in the step, so the plans rank 0 made still hold) and is
-    prefilled from the first token the entry lacks. Once a request's prompt is
-    in its cache (its first token arrives), or when it is removed while its
-    prompt is still being prefilled, that cache is kept in the prefix cache; when
-    it finishes, the cache the generator hands back (its prompt and answer)
-    replaces it, on every rank alike.
+    anything is stored in the step, so the plans rank 0 made still hold). Once a
+    request's prompt is in its cache, or when it is removed during its prefill,
+    that cache is kept in the prefix cache; when it finishes, the cache the
+    generator hands back (its prompt and answer) replaces it, on every rank alike.
     """
 
     def __init__(self, rank: Rank) -> None:
@@ -306,21 +304,15 @@ class Batched:
         return ended
 
     def _agreed_prompt(self, request: _Request) -> int:
-        """Positions of ``request``'s prompt that every rank holds: its reused prefix and what all prefilled.
-
-        A rank ahead in the prefill pipeline holds more in its own cache (rank 0
-        computes chunk k while the last rank computes an earlier one): only this
-        count is the same on every rank.
-        """
+        """Positions of ``request``'s prompt that every rank holds (a rank ahead in the prefill holds more): its
+        reused prefix and what all prefilled."""
         return request.insert.plan.reuse + self.generator.prefilled(request.uid)
 
     def _keep_prompt(self, request: _Request, length: int | None) -> None:
         """Keep the first ``length`` positions of ``request``'s prompt in the prefix cache (once, the first time).
 
-        ``length`` is the same on every rank (``None``: the prompt but its last
-        token, which a decoding request's cache holds on every rank); a cache
-        holding more (a rank ahead in the prefill) is cut back to it, so that
-        every rank keeps the same entry.
+        ``length`` is the same on every rank (``None``: the prompt but its last token, which a decoding request's
+        cache holds); a cache holding more is cut back to it, so that every rank keeps the same entry.
         """
         cache, request.prompt_cache = request.prompt_cache, None
         prefix = self.rank.prefix
