@@ -105,8 +105,9 @@ def _ssm_mask_from_first(h: mx.array, cache: list[Any], kinds: list[bool], kind:
     return None if index is None else make(h, cache[index])
 
 
-def _swap_forward(owner: Any, forward: type) -> None:
-    """Give ``owner`` the ``__call__`` of ``forward`` (a mixin), keeping its class name, module and attributes."""
+def mix_in(owner: Any, forward: type) -> None:
+    """Give ``owner`` the ``__call__`` of ``forward`` (a mixin) in front of its own, keeping its class name, module
+    and attributes (once: an owner that has it already is left as it is)."""
     original: type = type(owner)  # pyright: ignore[reportUnknownVariableType]
     if not issubclass(original, forward):
         owner.__class__ = type(original.__name__, (forward, original), {"__module__": original.__module__})
@@ -199,17 +200,17 @@ class _BatchMaskGemma2Attention(nn.Module):
 def _gemma2(owner: Any, local: range) -> None:
     """gemma2: batch masks (pipemlx.BatchGenerator's decode steps) fit its grouped-query attention."""
     for layer in owner.layers:
-        _swap_forward(layer.self_attn, _BatchMaskGemma2Attention)
+        mix_in(layer.self_attn, _BatchMaskGemma2Attention)
 
 
 def _gemma3(owner: Any, local: range) -> None:
     """gemma3 text: a forward that reads each layer's kind instead of its position."""
-    _swap_forward(owner, _LocalGemma3Model)
+    mix_in(owner, _LocalGemma3Model)
 
 
 def _lfm2(owner: Any, local: range) -> None:
     """lfm2: a forward that builds the attention and convolution masks only for kinds the rank holds."""
-    _swap_forward(owner, _LocalLfm2Model)
+    mix_in(owner, _LocalLfm2Model)
 
 
 def _nemotron_h_check(model: Any, owner: Any, local: range) -> None:
@@ -227,7 +228,7 @@ def _nemotron_h_check(model: Any, owner: Any, local: range) -> None:
 
 def _nemotron_h(owner: Any, local: range) -> None:
     """nemotron-h of Mamba and attention blocks only: a forward that builds masks for the kinds the rank holds."""
-    _swap_forward(owner, _LocalNemotronHModel)
+    mix_in(owner, _LocalNemotronHModel)
 
 
 ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(

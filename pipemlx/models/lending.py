@@ -48,6 +48,7 @@ from ..runtime.calibrate import feed_forward_share, group_layer_costs, last_laye
 from ..runtime.stage import StageInfo
 from ..schedule.autostep import choose_lent_heads
 from ..schedule.costmodel import CostModel
+from .architectures import mix_in
 
 BLOCK_PARTS = ("self_attn", "input_layernorm", "mlp", "post_attention_layernorm")
 """The children a pre-norm block needs to be cut between its halves."""
@@ -171,12 +172,12 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: i
         return
     halves = [(_take(layers[i], "mlp"), _take(layers[i], "post_attention_layernorm")) for i in lenders]
     for lender in lenders:
-        _mix(layers[lender], LendingBlock)
+        mix_in(layers[lender], LendingBlock)
     # Borrowing goes in front: a rank of one layer first runs what it borrowed, then its attention half.
     for borrower, (mlp, norm) in zip(starts, halves):
         layers[borrower].borrowed_mlp = mlp
         layers[borrower].borrowed_post_attention_layernorm = norm
-        _mix(layers[borrower], BorrowingBlock)
+        mix_in(layers[borrower], BorrowingBlock)
 
 
 def check_head_split(layer: nn.Module, index: int, heads: int) -> None:
@@ -254,21 +255,15 @@ def _lend_heads(layers: list[nn.Module], lenders: list[int], starts: list[int], 
         taker.borrowed_post_attention_layernorm = _take(block, "post_attention_layernorm")
         block.self_attn = kept
     for lender in lenders:
-        _mix(layers[lender], HeadLendingBlock)
+        mix_in(layers[lender], HeadLendingBlock)
     for borrower in starts:
-        _mix(layers[borrower], HeadBorrowingBlock)
+        mix_in(layers[borrower], HeadBorrowingBlock)
 
 
 def _take(layer: nn.Module, name: str) -> nn.Module:
     """Remove child ``name`` from ``layer`` and return it."""
     children = cast(dict[str, nn.Module], layer)
     return children.pop(name)
-
-
-def _mix(layer: nn.Module, mixin: type) -> None:
-    """Put ``mixin``'s ``__call__`` in front of ``layer``'s, keeping its class name and module."""
-    original = type(layer)
-    layer.__class__ = type(original.__name__, (mixin, original), {"__module__": original.__module__})
 
 
 AUTO_LEND_TOKENS = 4096  # the prompt length lend_heads="auto" plans for when shard_model is given no context

@@ -37,7 +37,7 @@ from ..schedule.costmodel import (
     lent_heads_share_of,
 )
 from ..schedule.plan import Chunk
-from .caches import cache_state
+from .caches import cache_parts, cache_state
 from .protocol import CALIBRATE, gather
 from .stage import PipelineStage, StageInfo
 from .waits import wait_for
@@ -88,17 +88,8 @@ def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
 
 def plain_leaves(cache: Sequence[Any]) -> list[Any] | None:
     """Every :class:`KVCache` in ``cache`` (inside a ``CacheList`` too); ``None`` if it holds a cache of another kind."""
-    leaves: list[Any] = []
-    for entry in cache:
-        inner: Any = getattr(entry, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            found = plain_leaves(cast(list[Any], inner))
-        else:
-            found = [entry] if type(entry) is KVCache else None
-        if found is None:
-            return None
-        leaves += found
-    return leaves
+    leaves = cache_parts(list(cache))
+    return leaves if all(type(c) is KVCache for c in leaves) else None
 
 
 def has_position_table(model: nn.Module) -> bool:
