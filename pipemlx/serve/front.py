@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from .protocol import ApiError, Kind, StopText, unavailable, usage
 
 if TYPE_CHECKING:
@@ -328,8 +329,8 @@ class Front:
         generated = len(result.generated)
         prefill_s = (reply.prefill_end or end) - reply.start
         decode_s = (reply.last_token or end) - (reply.first_token or end)
-        prefill_tps = max(prefilled - 1, 0) / prefill_s if prefill_s > 0 else 0.0
-        decode_tps = (generated - 1) / decode_s if decode_s > 0 and generated > 1 else 0.0
+        prefill_tps = prefill_tokens_per_s(prefilled, prefill_s)
+        decode_tps = decode_tokens_per_s(generated, decode_s)
         phase = "prefill" if reply.first_token is None else "decode"
         record = {
             "seq": job.seq,
