@@ -3,10 +3,8 @@
 Opt in with ``pipeline_prefill(..., trace_dir=DIR)`` or ``PIPEMLX_TRACE=DIR``:
 each rank writes ``DIR/trace-rank<r>.json`` (Chrome trace-event format, one
 process per rank). :func:`merge_traces` joins the ranks' files into one that
-https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.cli.timeline
-merge DIR`` does it from the command line. :func:`read_spans` reads a trace back as
-:class:`Span` tuples (for tests and plots), and :func:`samples_from_trace` the chunk timings
-that calibrate the cost model. See docs/timeline.md.
+https://ui.perfetto.dev or chrome://tracing opens (``python -m pipemlx.cli.timeline
+merge DIR``). See docs/timeline.md.
 
 Spans: ``handshake``, ``compute <chunk>`` (args chunk, tokens), ``recv <chunk>``
 (chunk, peer), ``send <chunk>`` (chunk, peer: the send being issued),

@@ -231,16 +231,8 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
         raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
     fixed = [model.fixed(r, world_size) for r in range(world_size)]
     split = plan_layers(model.layers, fixed, budgets if budgets is not None else [1] * world_size)
-    ranks: list[RankPlan] = []
-    for r in range(world_size):
-        local = layer_range(split, r)
-        ranks.append(
-            RankPlan(
-                r, local, sum(model.layers[local.start : local.stop]), fixed[r], None if budgets is None else budgets[r]
-            )
-        )
-    plan = MemoryPlan(split, tuple(ranks), model)
-    over = [p for p in ranks if p.budget is not None and p.total > p.budget]
+    plan = memory_plan(model, split, budgets)
+    over = [p for p in plan.ranks if p.budget is not None and p.total > p.budget]
     if over and budgets is not None:
         worst = max(over, key=lambda p: p.total / (p.budget or 1))
         raise MemoryPlanError(
@@ -252,6 +244,17 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
             f"{worst.rank} at {format_size(worst.total)}, over its {format_size(worst.budget or 0)}"
         )
     return plan
+
+
+def memory_plan(model: ModelBytes, split: Sequence[int], budgets: Sequence[int] | None = None) -> MemoryPlan:
+    """What ``split`` costs each rank in parameters, with its budget if ``budgets`` are given."""
+    world = len(split)
+    ranks: list[RankPlan] = []
+    for r in range(world):
+        local = layer_range(split, r)
+        budget = None if budgets is None else budgets[r]
+        ranks.append(RankPlan(r, local, sum(model.layers[local.start : local.stop]), model.fixed(r, world), budget))
+    return MemoryPlan(tuple(split), tuple(ranks), model)
 
 
 def align_columns(rows: list[tuple[str, ...]]) -> list[str]:
