@@ -27,22 +27,9 @@ from types import MappingProxyType
 from .split import check_world, layer_range
 
 SIZE_UNITS: MappingProxyType[str, int] = MappingProxyType(
-    {
-        "": 1,
-        "B": 1,
-        "K": 10**3,
-        "KB": 10**3,
-        "M": 10**6,
-        "MB": 10**6,
-        "G": 10**9,
-        "GB": 10**9,
-        "T": 10**12,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
+    {"": 1, "B": 1}
+    | {prefix + suffix: 10 ** (3 * power) for power, prefix in enumerate("KMGT", 1) for suffix in ("", "B")}
+    | {prefix + "IB": 2 ** (10 * power) for power, prefix in enumerate("KMGT", 1)}
 )
 
 
