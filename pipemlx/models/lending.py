@@ -100,12 +100,9 @@ class HeadBorrowingBlock(nn.Module):
 class LentHeadsCache(CacheList):  # pyright: ignore[reportUntypedBaseClass]
     """A borrowing layer's cache: its own cache and the lent heads', side by side (``caches[0]``, ``caches[1]``).
 
-    Both hold the same positions (each token goes through both attentions),
-    so what mlx-lm asks of one layer's cache is the own cache's answer: its
-    ``offset``, its ``make_mask`` (a batch cache's left padding, a rotating
-    window), and ``to_quantized`` quantizes both (``kv_bits``). Batching
-    (``merge``, ``extend``, ``filter``, ``extract``) and trimming act on both,
-    as mlx-lm's ``CacheList`` does, and keep this class.
+    Both hold the same positions, so what mlx-lm asks of one layer's cache is the
+    own cache's answer (``offset``, ``make_mask``); ``to_quantized``, batching and
+    trimming act on both, as mlx-lm's ``CacheList`` does, and keep this class.
     """
 
     @property
@@ -148,12 +145,9 @@ def has_block_parts(layer: nn.Module) -> bool:
 def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: int = 0) -> None:
     """Cut the whole ``layers`` list between the halves of each rank's last layer, in place.
 
-    ``sizes[r]`` layers per rank. For every rank but the last, its last layer
-    keeps the attention half and the next rank's first layer takes the
-    feed-forward half (the modules move: the lending block no longer holds
-    them, so a rank materialises only the weights it runs). With ``heads``,
-    the next rank also takes that many key-value heads of the attention and
-    its output projection (:func:`split_heads`). Raises
+    ``sizes[r]`` layers per rank. The modules move, so a rank materialises only
+    the weights it runs. With ``heads``, the next rank also takes that many
+    key-value heads of the attention and its output projection. Raises
     :class:`PipelineError` before changing anything when a boundary layer is
     not a pre-norm block, or its attention cannot lend ``heads`` heads.
     """

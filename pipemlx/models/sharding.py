@@ -383,12 +383,10 @@ def _lent_first(caches: list[Any]) -> list[Any]:
 def held_arrays(model: nn.Module) -> list[mx.array]:
     """Arrays the model's modules hold, their parameters and the rest: private ones such as a RoPE's ``_freqs``.
 
-    mlx-lm computes some of them lazily when a model is built (llama 3's and
-    yarn's RoPE frequencies, deepseek_v2's), on the building thread's default
-    stream. A pipeline waits in helper threads (bounded waits), and MLX cannot
-    evaluate there a graph that still holds an operation of another thread's
-    default stream ("There is no Stream(cpu, 0) in current thread"):
-    :func:`shard_model` evaluates them on the building thread.
+    mlx-lm computes some of them lazily when a model is built (llama 3's RoPE
+    frequencies), on the building thread's default stream, which the helper
+    threads of the bounded waits cannot evaluate: :func:`shard_model`
+    evaluates them on the building thread.
     """
     arrays: list[mx.array] = []
     for module in cast(list[nn.Module], model.modules()):

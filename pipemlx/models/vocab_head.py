@@ -24,10 +24,8 @@ def vocab_shard(model: nn.Module, info: StageInfo) -> VocabShard | None:
 
     Shared only where the registry says the logits are the head applied to
     ``model.model``'s output (``Architecture.plain_head``) and the head is a
-    plain (or quantized) linear map: ``model.lm_head``, or the embedding when
-    there is none (tied). The rows are views of the head's weights: no memory
-    is added. Call it on every rank once the model is cut (every rank keeps the
-    head: ``head="all"``).
+    plain (or quantized) linear map. The rows are views of the head's weights:
+    no memory is added. Call it on every rank once the model is cut.
     """
     entry = architecture_of(model)
     inner = getattr(model, "model", None)

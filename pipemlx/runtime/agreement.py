@@ -31,18 +31,13 @@ def handshake(
 ) -> Table:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
-    Raises :class:`PipelineMismatchError` on every rank (they all see the same
-    table), naming the field that differs and each rank's value (the fields of
-    :data:`~pipemlx.runtime.protocol.HANDSHAKE`). ``cache_offset`` is how many
-    positions the cache already holds (a reused prefix;
-    :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose caches count
-    none): ranks holding different prefixes would compute different tokens.
-    ``decode_settings`` (an index of :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS`)
-    is what a decode after the prefill will exchange, so that ranks that would
-    send differently sized messages are told before anything is sent.
-    ``lend_mlp`` and ``lend_heads`` say where each rank's layers end and how
-    wide its messages are. Returns the table: every rank's ``status`` and
-    ``needs_calibration`` too.
+    Raises :class:`PipelineMismatchError` on every rank, naming the field of
+    :data:`~pipemlx.runtime.protocol.HANDSHAKE` that differs and each rank's
+    value. ``cache_offset`` is how many positions the cache already holds (a
+    reused prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose
+    caches count none); ``decode_settings`` is what a decode after the prefill
+    will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`). Returns
+    the table: every rank's ``status`` and ``needs_calibration`` too.
     """
     values = {
         "needs_calibration": int(needs_calibration),

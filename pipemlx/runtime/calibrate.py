@@ -346,11 +346,10 @@ def measure_speeds(
 ) -> list[float]:
     """Every rank's speed (higher is faster), the same list on every rank (a collective: all ranks call it).
 
-    Each rank times a layer-shaped workload, the two matrix products of an MLP
-    of the model's widths (capped to 256..1024) on :data:`SPEED_TOKENS`
-    tokens, best of :data:`SPEED_PASSES` after a warm-up, so that what makes a
-    rank slow (its BLAS, its share of the cores, its chip) shows; the ranks
-    all-gather the seconds. ``split="balanced"`` plans from these speeds.
+    Each rank times the two matrix products of an MLP of the model's widths
+    (capped to 256..1024) on :data:`SPEED_TOKENS` tokens, best of
+    :data:`SPEED_PASSES` after a warm-up, so that what makes a rank slow (its
+    BLAS, its share of the cores, its chip) shows.
     """
     width = max(256, min(1024, hidden))
     inner = max(256, min(1024, intermediate or 4 * hidden))

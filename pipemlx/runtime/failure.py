@@ -4,9 +4,8 @@ When the model raises on a rank in the middle of a pass (a prefill chunk, a
 decode step, a batch tick), the other ranks are already exchanging that pass's
 messages. The failing rank must still take its input off the wire and send a
 message of the right shape on, or its neighbours would wait for ever and the
-next pass would read stale bytes. It reports the failure in the pass's
-agreement message (:attr:`~pipemlx.runtime.protocol.Status.CHUNK_FAILED`),
-where every rank learns of it at once and stops alike.
+next pass would read stale bytes; it reports the failure in the pass's
+agreement message (``Status.CHUNK_FAILED``).
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ from .stage import PipelineStage
 def stand_in(stage: PipelineStage, rows: int, length: int) -> tuple[list[mx.array], mx.array | None]:
     """This rank's messages for a failed pass of ``rows`` x ``length`` tokens, without its layers (lazy).
 
-    Returns the receives of the pass's input (the ones the failed pass built,
-    else a new receive, shaped as the previous rank sends) and zeros shaped as
-    this rank's message to the next rank (``None`` on the last rank). Whatever
-    the failed pass queued is discarded. The caller waits for the receives and
-    sends the zeros as the pass would have sent its output.
+    Returns the receives of the pass's input (the ones the failed pass built, else a new one) and zeros shaped as
+    this rank's message to the next rank (``None`` on the last rank), which the caller sends on; whatever the failed
+    pass queued is discarded.
     """
     stage.send_queue.discard()
     received = stage.take_received()

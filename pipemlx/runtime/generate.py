@@ -255,8 +255,8 @@ def _responses(
                 finish = "length"
                 break
             yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
-    yielded_last = finish is None  # the generator stopped (a cancel): its last token was yielded already
-    if finish is None:
+    if finish is None:  # the generator stopped (a cancel): its last token was yielded already, the end adds none
+        token, logprobs = NO_TOKEN, None
         reason = generator.stop.reason if generator.stop is not None else "length"
         finish = reason if reason in ("stop", "length") else "cancelled"
     if n < 0:  # stopped after the prefill, before the first token: say so, as a cancellation after one would
@@ -264,9 +264,6 @@ def _responses(
         yield _response("", NO_TOKEN, None, prompt_tokens, prompt_tps, 0, time.perf_counter(), finish)
         return
     detokenizer.finalize()
-    if yielded_last:  # the closing response carries no token of its own, only the text the detokenizer held
-        yield _response(detokenizer.last_segment, NO_TOKEN, None, prompt_tokens, prompt_tps, n + 1, tic, finish)
-        return
     yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)
 
 
@@ -448,10 +445,8 @@ class _Request:
     def _step(self, inputs: mx.array, index: int, status: Status) -> tuple[int, mx.array | None, Table]:
         """One forward pass of every rank and the step's message: the token, and every rank's status.
 
-        Each communication is evaluated on its own, so that a lost rank fails
-        at once (:class:`PeerLostError`) rather than after the timeout: first
-        this rank's own part (its receive, layers and send), then the shared
-        head's all-gather, then the step's message built on them.
+        Each communication is evaluated on its own (this rank's part, the shared head's all-gather, then the step's
+        message), so that a lost rank fails at once (:class:`PeerLostError`) rather than after the timeout.
         """
         stage = self.stage
         mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it

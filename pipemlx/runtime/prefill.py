@@ -234,10 +234,9 @@ def check_timeout(timeout: Any) -> None:
 def check_kv_quantization(kv_bits: Any, kv_group_size: Any, dims: Sequence[int] = ()) -> None:
     """Raise ``ValueError`` unless MLX can quantize with ``kv_bits`` and ``kv_group_size`` (``kv_bits=None``: off).
 
-    Checked on a tiny array, and against ``dims`` (the model's cached key/value widths,
-    :attr:`PipelineStage.kv_dims <pipemlx.runtime.stage.PipelineStage.kv_dims>`, the same on every rank), which
-    ``kv_group_size`` must divide, before anything is sent: every rank raises the same error, rather than
-    the first rank to quantize a cache failing mid-prefill and the others stopping with it.
+    Checked on a tiny array, and against ``dims`` (the model's cached key/value widths, the same on every rank),
+    which ``kv_group_size`` must divide, before anything is sent: every rank raises the same error, rather than
+    the first rank to quantize a cache failing mid-prefill.
     """
     if kv_bits is None:
         return
@@ -265,12 +264,10 @@ def check_rotating_caches(
 ) -> None:
     """Raise ``ValueError`` when ``kv_bits`` is set and ``layers`` (``(layer, cache class)``) is not empty.
 
-    ``layers`` are the whole model's layers whose caches ``kv_bits`` cannot
-    quantize (:attr:`PipelineStage.unquantizable <pipemlx.runtime.stage.PipelineStage.unquantizable>`,
-    the same on every rank, or ``unquantizable_bounded`` when ``max_kv_size`` makes the caches): mlx-lm's
-    ``RotatingKVCache.to_quantized`` raises ``NotImplementedError`` once such a cache reaches
-    ``quantized_kv_start``, on the ranks holding one, mid-prefill. Every rank refuses alike, before anything
-    is sent, however short the prompt: a decode grows the cache past any ``quantized_kv_start``.
+    ``layers`` are the whole model's layers whose caches ``kv_bits`` cannot quantize (the same on every rank):
+    mlx-lm's ``RotatingKVCache.to_quantized`` raises once such a cache reaches ``quantized_kv_start``, mid-prefill,
+    on the ranks holding one. Every rank refuses alike, before anything is sent, however short the prompt: a decode
+    grows the cache past any ``quantized_kv_start``.
     """
     if kv_bits is None or not layers:
         return

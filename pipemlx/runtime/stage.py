@@ -187,10 +187,9 @@ class PipelineStage:
 
         mlx-lm's ``generate_step`` evaluates step n+1 before yielding token n; a
         pipemlx decode whose consumer stopped without closing it leaves a step
-        unagreed. Both hold collectives, and a collective started before they
-        complete would interleave with theirs on the wire. Every pipemlx entry
-        point calls this first, so no caller has to synchronize by hand. The
-        drain is bounded by ``timeout``; a failure marks the stage broken.
+        unagreed. A collective started before they complete would interleave
+        with theirs on the wire, so every pipemlx entry point calls this first.
+        The drain is bounded by ``timeout``; a failure marks the stage broken.
 
         Every sharded model of the process shares the wire, so the other
         models' stages are settled first: a request on one model cannot read
@@ -228,10 +227,9 @@ class PipelineStage:
 
         Two passes evaluated together (``mx.eval(model(a), model(b))``) would
         interleave their messages on the wire in an order the ranks need not
-        agree on, which hangs every rank. A previous pass that was evaluated, or
-        scheduled with ``mx.async_eval`` as mlx-lm's ``generate_step`` does, is
-        waited for (bounded by the timeout); one that was not raises here, on
-        every rank, before anything of the new pass is sent.
+        agree on. A previous pass that was evaluated or scheduled is waited for
+        (bounded); one that was not raises here, on every rank, before anything
+        of the new pass is sent.
         """
         if not self.outstanding:
             return
@@ -320,9 +318,8 @@ class PipelineStage:
     def new_cache(self, model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
         """Fresh caches for this rank's layers: mlx-lm's ``make_prompt_cache(model, max_kv_size)``.
 
-        mlx-lm bounds the caches only of a model without its own
-        ``make_cache``; the rank after a ``lend_heads`` cut has one (its first
-        layer's cache holds the lent heads' too), so here it gets the rotating
+        mlx-lm bounds the caches only of a model without its own ``make_cache``;
+        the rank after a ``lend_heads`` cut has one, so here it gets the rotating
         caches mlx-lm gives every other layer of that model.
         """
         if max_kv_size is not None and self.info.bounded_caches is not None:
