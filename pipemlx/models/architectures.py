@@ -116,12 +116,10 @@ def mix_in(owner: Any, forward: type) -> None:
 class _LocalGemma3Model(nn.Module):
     """Gemma 3's text model over a cut layer list.
 
-    mlx-lm's ``Gemma3Model`` tells global from sliding layers by position
-    (``i % sliding_window_pattern``) and takes the masks from caches at fixed
-    positions, which is wrong once the list starts at another layer. This
-    forward asks each layer (``self_attn.is_sliding``, set from its global
-    index) and takes each mask from the first local layer of that kind; on the
-    whole list it computes what mlx-lm's does.
+    mlx-lm's ``Gemma3Model`` tells global from sliding layers by position and
+    takes the masks from caches at fixed positions, wrong once the list starts
+    at another layer. This forward asks each layer (``self_attn.is_sliding``)
+    and takes each mask from the first local layer of that kind.
     """
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
@@ -142,9 +140,9 @@ class _LocalLfm2Model(nn.Module):
     """LFM2's model over a cut layer list.
 
     mlx-lm's ``Lfm2Model`` takes the convolution mask from a cache at a fixed
-    index and builds it even on a rank without convolution layers, where that
-    cache is a KV cache and the call fails. This forward builds each mask from
-    the first local layer of its kind, and only when there is one.
+    index, even on a rank without convolution layers, where the call fails.
+    This forward builds each mask from the first local layer of its kind, and
+    only when there is one.
     """
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
@@ -184,10 +182,9 @@ class _BatchMaskGemma2Attention(nn.Module):
     """Gemma 2's attention, with a batch cache's mask lined up with its grouped-query scores.
 
     mlx-lm's gemma2 attention computes scores of shape ``[B, kv_heads,
-    repeats, L, S]`` and adds the mask as given; a batch cache's mask is
-    ``[B, 1, L, S]``, which then lines up its batch axis with ``kv_heads``:
-    wrong rows are masked when ``B == kv_heads`` and shapes clash otherwise.
-    This gives the mask its missing axis; any other mask passes unchanged.
+    repeats, L, S]``; a batch cache's mask ``[B, 1, L, S]`` then lines up its
+    batch axis with ``kv_heads``. This gives the mask its missing axis; any
+    other mask passes unchanged.
     """
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:

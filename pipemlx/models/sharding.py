@@ -445,9 +445,8 @@ class EmbeddingStandIn(nn.Module):
     """Takes an input embedding's place on a rank that never uses its output.
 
     On ranks other than 0 the first local layer replaces its input by the
-    hidden state received from the previous rank, so the embedding's output
-    only lends its shape and dtype. This returns zeros of that shape and dtype
-    without holding any weight. With ``vocab`` (a tied head dropped by
+    hidden state received, so this returns zeros of the embedding's shape and
+    dtype without holding any weight. With ``vocab`` (a tied head dropped by
     ``head="last"``), ``as_linear`` stands in for the head the same way.
     """
 

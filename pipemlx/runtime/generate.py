@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -106,8 +106,7 @@ def generate_step(
     does: rotating caches of that many positions. mlx-lm cannot quantize a
     rotating cache, so ``kv_bits`` is refused with ``ValueError`` on every rank,
     before anything is sent and whatever the prompt's length, on a model with
-    sliding-window layers, and with ``max_kv_size`` where that makes the caches
-    rotating (a model without a ``make_cache`` of its own).
+    sliding-window layers and with a ``max_kv_size`` that makes the caches rotating.
 
     Only the last rank applies the head, runs ``logits_processors`` and
     samples, so a random ``sampler`` needs no seed shared by the ranks (seed
@@ -339,43 +338,34 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
         self._inner.close()
 
 
+@dataclass(eq=False)
 class _Request:
     """One request's decode on one rank: the steps, the agreement in each, and the trailing step."""
 
-    def __init__(
-        self,
-        stage: PipelineStage,
-        model: nn.Module,
-        *,
-        max_tokens: int,
-        sampler: Sampler | None,
-        logits_processors: list[LogitsProcessor],
-        quantize: Callable[[list[Any]], None],
-        timeout: float | None,
-        share_logprobs: bool,
-        stop_tokens: frozenset[int],
-    ) -> None:
-        self.stage = stage
-        self.model = model
-        self.max_tokens = max_tokens
-        self.sampler = sampler
-        self.logits_processors = logits_processors
-        self.quantize = quantize
-        self.timeout = timeout
-        self.share_logprobs = share_logprobs
-        self.stop_tokens = stop_tokens
-        self.stopped_at_token = False
-        self.stop_fingerprint = _fingerprint(stop_tokens)
-        self.generator: weakref.ref[Generator[Any, None, Any]] | None = None
-        self.cache: list[Any] = []
-        self.history: mx.array | None = None
-        self.deferred: BaseException | None = None
-        self.vocab_size = 0
-        self.stop: DecodeStop | None = None
+    stage: PipelineStage
+    model: nn.Module
+    max_tokens: int
+    sampler: Sampler | None
+    logits_processors: list[LogitsProcessor]
+    quantize: Callable[[list[Any]], None]
+    timeout: float | None
+    share_logprobs: bool
+    stop_tokens: frozenset[int]
+    stopped_at_token: bool = False
+    generator: weakref.ref[Generator[Any, None, Any]] | None = None
+    cache: list[Any] = field(default_factory=list[Any])
+    history: mx.array | None = None
+    deferred: BaseException | None = None
+    vocab_size: int = 0
+    stop: DecodeStop | None = None
+    shares_head: bool = False  # every rank said it may, in the first step: the later steps share the head
+
+    def __post_init__(self) -> None:
+        self.stop_fingerprint = _fingerprint(self.stop_tokens)
         # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
-        self.may_share_head = stage.info.vocab_shard is not None and sampler is None and not logits_processors
-        self.may_share_head = self.may_share_head and not share_logprobs
-        self.shares_head = False  # every rank said it may, in the first step: the later steps share the head
+        shard = self.stage.info.vocab_shard
+        self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
+        self.may_share_head = self.may_share_head and not self.share_logprobs
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""

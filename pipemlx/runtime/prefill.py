@@ -134,9 +134,9 @@ def pipeline_prefill(
 class PrefillOptions:
     """:func:`pipeline_prefill`'s keyword arguments, and ``decode_settings``: what the decode after it exchanges.
 
-    ``decode_settings`` indexes :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS` (0: no decode follows); ranks whose
-    decodes would exchange messages of different sizes raise :class:`PipelineMismatchError` at the handshake instead of
-    waiting out their timeout in the first decode step.
+    ``decode_settings`` indexes :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS` (0: no decode follows): the
+    handshake compares it, so ranks whose decodes would exchange messages of different sizes raise
+    :class:`PipelineMismatchError` there rather than wait out their timeout in the first decode step.
     """
 
     step_size: int | Literal["auto"]
@@ -187,10 +187,8 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     if spacing is None:
         spacing = default_agreement_spacing(tokens.size, step, stage.world_size, lengths)
     plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
-    runner = _PlanRunner(
-        model, stage, plan, tokens, cache, options, timeout, tracer_for(stage.rank, options.trace_dir), prefix
-    )
-    runner.deferred = refused
+    tracer = tracer_for(stage.rank, options.trace_dir)
+    runner = _PlanRunner(model, stage, plan, tokens, cache, options, timeout, tracer, prefix, deferred=refused)
     try:
         with send_mode(model, "queue"), stage.executing_plan():
             runner.run()
@@ -315,33 +313,22 @@ def check_prompt(prompt: Any) -> mx.array:
     return prompt
 
 
+@dataclass(eq=False)
 class _PlanRunner:
     """Executes one rank's :class:`PrefillPlan`, action by action."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        stage: PipelineStage,
-        plan: PrefillPlan,
-        tokens: mx.array,
-        cache: list[Any],
-        options: PrefillOptions,
-        timeout: float | None,
-        tracer: Tracer,
-        prefix: int,
-    ) -> None:
-        self.model = model
-        self.stage = stage
-        self.plan = plan
-        self.tokens = tokens
-        self.cache = cache
-        self.options = options
-        self.timeout = timeout
-        self.tracer = tracer
-        self.prefix = prefix
-        self.expected_receives = 0
-        self.deferred: BaseException | None = None
-        self.failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
+    model: nn.Module
+    stage: PipelineStage
+    plan: PrefillPlan
+    tokens: mx.array
+    cache: list[Any]
+    options: PrefillOptions
+    timeout: float | None
+    tracer: Tracer
+    prefix: int
+    deferred: BaseException | None = None  # an error acted on at the next agreement point
+    expected_receives: int = 0
+    failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
 
     def run(self) -> None:
         """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
@@ -425,10 +412,9 @@ class _PlanRunner:
         """Run the local layers on the chunk; an error of the model's own is deferred to the next agreement.
 
         From the chunk the model failed on to the next agreement point, the
-        failing rank stands in for its layers: it takes each chunk's input off
-        the wire and passes zeros on, so every message of the plan is still
-        sent and received and nothing stale is left for the next request. It
-        reports the failed chunk at the agreement point, where every rank stops.
+        failing rank stands in for its layers (:func:`~.failure.stand_in`), so
+        every message of the plan is still sent and received; it reports the
+        failed chunk at the agreement point, where every rank stops.
         """
         if self.failed_chunk is not None:
             self._stand_in(action)

@@ -69,16 +69,12 @@ def _plain(value: int) -> object:
 
 @dataclass(frozen=True)
 class Field:
-    """One named integer of a message's header.
-
-    ``agreed``: every rank must send the same value, except ``unknown`` (a rank
-    that cannot know it); ``show`` turns a value into what an error message shows.
-    """
+    """One named integer of a message's header."""
 
     name: str
-    agreed: bool = False
+    agreed: bool = False  # every rank must send the same value, except unknown (a rank that cannot know it)
     unknown: int | None = None
-    show: Callable[[int], object] = _plain
+    show: Callable[[int], object] = _plain  # turns a value into what an error message shows
 
 
 def agreed(name: str, *, unknown: int | None = None, show: Callable[[int], object] = _plain) -> Field:
@@ -176,10 +172,8 @@ class Message:
         return mx.concatenate([mx.view(header, mx.float32), *body])
 
     def read(self, gathered: mx.array, world_size: int, where: str) -> Table:
-        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module).
-
-        ``where`` names the message in errors (``"the handshake"``): the same on every rank, so that every
-        rank raises the same error."""
+        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module)
+        whose message names the message ``where`` (``"the handshake"``) alike on every rank."""
         flat = mx.reshape(gathered, (world_size, -1)) if gathered.size % world_size == 0 else None
         if flat is None or flat.shape[1] < self.width:
             raise PipelineMismatchError(f"{where}: the ranks sent rows of different sizes: they are out of step")

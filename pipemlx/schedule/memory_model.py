@@ -150,13 +150,10 @@ def _position_bytes(layer: LayerCache, dtype_bytes: int, settings: Settings, qua
 def layer_cache_trace(layer: LayerCache, dtype_bytes: int, settings: Settings) -> list[tuple[int, int, int, int, int]]:
     """Per chunk: (chunk size, positions it attends to, cache bytes after it, bytes of a growth, bytes converted).
 
-    Follows mlx-lm's caches exactly: ``KVCache`` grows by blocks of
-    :data:`KV_BLOCK` (trimming a partly used last block first); a growth
-    copies the layer's cache into a larger buffer (the grown buffer's bytes
-    are the "growth"). With ``kv_bits`` the whole buffer is converted to a
-    ``QuantizedKVCache`` after the chunk that reaches ``quantized_kv_start``
-    (both live for a moment: "converted"), which then grows alike.
-    ``RotatingKVCache`` keeps ``window - 1`` positions plus the chunk.
+    Follows mlx-lm's caches exactly: ``KVCache`` grows by blocks of :data:`KV_BLOCK` (trimming a partly used last
+    block first) into a larger buffer (the "growth"). With ``kv_bits`` the whole buffer is converted to a
+    ``QuantizedKVCache`` after the chunk that reaches ``quantized_kv_start`` (both live for a moment: "converted"),
+    which then grows alike. ``RotatingKVCache`` keeps ``window - 1`` positions plus the chunk.
     """
     rows: list[tuple[int, int, int, int, int]] = []
     offset = capacity = 0

@@ -152,13 +152,11 @@ def plan_layers(
 
     Rank ``r`` holding layers ``j..i-1`` carries ``fixed[r] + sum(layer_bytes[j:i])``
     bytes, a load of that over ``budgets[r]``. The split returned makes the
-    largest load as small as possible, then the second largest, and so on
-    (so with budgets 3:2:1 and equal layers, the layers go 3:2:1). Every rank
-    gets at least one layer; among equal choices the lower ranks get more
-    layers. It does not check that the loads are at most 1: see :func:`plan_split`.
-    ``allowed(rank, start, stop)``, when given, rules out ranks holding layers
-    ``start..stop-1`` (a memory limit while the loads are times); raises
-    :class:`MemoryPlanError` when no split is allowed.
+    largest load as small as possible, then the second largest, and so on.
+    Every rank gets at least one layer; among equal choices the lower ranks get
+    more layers. It does not check that the loads are at most 1 (:func:`plan_split`
+    does). ``allowed(rank, start, stop)``, when given, rules out ranks holding
+    layers ``start..stop-1``; raises :class:`MemoryPlanError` when no split is allowed.
     """
     n, world = len(layer_bytes), len(budgets)
     check_world(n, world)

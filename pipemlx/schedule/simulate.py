@@ -104,14 +104,13 @@ class Blocked:
 class SimulationResult:
     """What happened when the plans ran together.
 
-    ``finished``: every rank carried out its whole plan. ``blocked``: non-empty
-    when the run deadlocked, one entry per stuck rank. ``mismatches``: readable
-    descriptions of what did not match; when one stopped the run, it comes
-    first and is followed by one line per rank saying where it stood. ``computed[r]`` lists the chunks rank
-    ``r`` computed, in order, with ``compute_steps[r]`` the step of each;
-    ``progress[r]`` the ``(processed, total)`` pairs it reported; ``steps[r]``
-    the number of ``Agree`` actions it completed. ``events`` holds every
-    executed action in execution order (empty when not recorded).
+    ``finished``: every rank carried out its whole plan. ``blocked``: one entry
+    per stuck rank when the run deadlocked. ``mismatches``: what did not match;
+    when one stopped the run, it comes first, then one line per rank saying
+    where it stood. ``computed[r]``: the chunks rank ``r`` computed, in order,
+    ``compute_steps[r]`` the step of each; ``progress[r]``: the pairs it
+    reported; ``steps[r]``: the ``Agree`` actions it completed; ``events``:
+    every executed action in order (empty when not recorded).
     """
 
     plans: tuple[PrefillPlan, ...]

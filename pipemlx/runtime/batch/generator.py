@@ -99,10 +99,9 @@ class BatchGenerator:
     in the queue, in order. ``None`` (the default; mlx-lm's is 32): no limit.
 
     ``prefill_batch_size`` (as mlx-lm's): at most this many requests are started and not yet decoding at once (chunks in
-    flight on some rank, or prefilled and waiting to join); the next one starts when one joins. Our ticks prefill one
-    chunk per rank, so at most one request per rank is computed at once (up to ``world_size`` over the pipeline, more
-    only counting one-token prompts, which need no prefill): this caps that. ``None`` (the default; mlx-lm's is 8): no
-    cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
+    flight on some rank, or prefilled and waiting to join); the next one starts when one joins. A tick prefills one
+    chunk per rank, so up to ``world_size`` requests are computed at once: this caps that. ``None`` (the default;
+    mlx-lm's is 8): no cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
     rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
