@@ -60,10 +60,9 @@ def load_sharded(
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
     ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s
-    (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's ``load_tokenizer``'s (``tokenizer_config``
-    passes extra settings to it); ``model_config`` overrides entries of
-    ``config.json``. Weight files may be one or many, with or without
-    ``model.safetensors.index.json``.
+    (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's
+    ``load_tokenizer``'s (``tokenizer_config`` passes extra settings to it); ``model_config`` overrides entries of
+    ``config.json``. Weight files may be one or many, with or without ``model.safetensors.index.json``.
 
     Raises ``FileNotFoundError`` when ``path`` is not a model directory, and
     what :func:`pipemlx.shard_model` raises for a bad split or a model it cannot
