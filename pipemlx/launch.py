@@ -151,9 +151,6 @@ def launch(
                     )
                 )
             failure = _wait(procs, timeout, fail_fast)
-        except BaseException:
-            kill_all(procs)
-            raise
         finally:
             kill_all(procs)
         results = [_result(rank, proc, outputs[rank]) for rank, proc in enumerate(procs)]

@@ -1,16 +1,9 @@
-"""The ``pipemlx`` command: ``generate``, ``serve``, ``bench`` and ``split``; one module per command.
+"""The ``pipemlx`` command: ``generate``, ``serve``, ``bench``, ``split`` (alias ``plan``) and ``doctor``.
 
-``pipemlx generate`` (:mod:`.generate`) prefills a prompt across ranks and
-streams the decoded text; ``pipemlx serve`` (:mod:`.serve`, over
-:mod:`pipemlx.serve`) is an OpenAI-compatible server over the ranks; ``pipemlx bench`` (:mod:`.bench`, its ranks run
-:mod:`.bench_rank`) compares one process with a 2-rank pipeline;
-``pipemlx split`` (:mod:`.split`; ``pipemlx plan`` is an alias) proposes a layer split from each rank's memory (and the KV cache at a
-context, and each rank's speed); ``pipemlx doctor`` (:mod:`.doctor`) checks a
-cluster: versions, links, memory and a real prefill + decode. Without ``--model``
-they use the demo model shipped in :mod:`pipemlx.demo`. What the commands
-share is in :mod:`.common`; this module holds the parser and the dispatcher.
-Two tools have a command line of their own: ``python -m pipemlx.cli.timeline``
-and ``python -m pipemlx.cli.costmodel``.
+One module per command (what they share is in :mod:`.common`); this module
+holds the parser and the dispatcher. Without ``--model`` the commands use the
+demo model shipped in :mod:`pipemlx.demo`. Two tools have a command line of
+their own: ``python -m pipemlx.cli.timeline`` and ``python -m pipemlx.cli.costmodel``.
 
 Where the ranks come from (``generate``, ``serve``):
 

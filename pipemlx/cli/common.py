@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 from collections.abc import Sequence
@@ -12,11 +11,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..demo import MODEL_DIR, default_prompt
+from ..schedule.plan import default_step_size as default_step_size  # what the commands (and tests) use
 from ..schedule.split import resolve_split
 
 RANK_VARIABLES = ("MLX_RANK", "OMPI_COMM_WORLD_RANK")
-MAX_STEP_SIZE = 512
-CHUNKS_PER_RANK = 4
 
 
 class UserError(Exception):
@@ -72,8 +70,7 @@ SHARDING_FLAGS = {
     "(shard_model's lend_heads=K; auto: the count the ranks' timings predict fastest): balances long prompts, "
     "where attention is most of the work",
 }
-COUNT_FLAGS = ("--lend-heads",)
-"""Sharding flags that take a count or ``auto`` (the others are switches)."""
+COUNT_FLAGS = ("--lend-heads",)  # sharding flags that take a count or auto (the others are switches)
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
@@ -197,8 +194,3 @@ def _is_local(host: str) -> bool:
         return True
     except OSError:
         return False
-
-
-def default_step_size(num_tokens: int, world_size: int) -> int:
-    """512 tokens, or less so that a short prompt still gives every rank ``CHUNKS_PER_RANK`` chunks."""
-    return max(1, min(MAX_STEP_SIZE, math.ceil((num_tokens - 1) / (CHUNKS_PER_RANK * world_size))))

@@ -4,9 +4,7 @@ Per rank and per link it checks: mlx / mlx-lm / pipemlx versions (they must matc
 neighbour link's latency and bandwidth (bounded), the memory each rank has against what the model's
 split needs, and a real pipelined prefill + decode of the demo model (or ``--model``) with a timeout.
 It ends with a verdict line and exit status 0 (OK) or 1, naming the host or link at fault; 2 for bad
-input. ``--ranks N`` starts N local ranks; ``--hostfile FILE``: run the same command on every host
-(each finds its rank by its own address, ``--rank`` when ambiguous); under ``mlx.launch`` / ``mpirun``
-the command is one rank of the surrounding group. The ranks' work is in :mod:`.doctor_rank`.
+input. The ranks come from where ``pipemlx generate``'s do; their work is in :mod:`.doctor_rank`.
 """
 
 from __future__ import annotations

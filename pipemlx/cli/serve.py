@@ -42,8 +42,7 @@ DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
 STOP_GRACE = 15.0
 """Seconds the other ranks get to leave on their own once rank 0 has stopped the group (or was asked to)."""
-FAULT_GRACE = 2.0
-"""Seconds they get after rank 0 failed (a lost peer): a follower notices within about a second."""
+FAULT_GRACE = 2.0  # seconds they get after rank 0 failed (a lost peer): a follower notices within about a second
 PARENT_VARIABLE = "PIPEMLX_SERVE_PARENT"
 """Set for local ranks: rank 0 stops the group when the supervising process is gone."""
 

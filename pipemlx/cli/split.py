@@ -21,13 +21,13 @@ from ..schedule.memory_split import (
     MemoryPlan,
     MemoryPlanError,
     ModelBytes,
-    RankPlan,
     format_plan,
     format_size,
+    memory_plan,
     plan_split,
     resolve_budgets,
 )
-from ..schedule.split import layer_range, resolve_split
+from ..schedule.split import resolve_split
 
 EXIT_DOES_NOT_FIT = 2
 EXIT_USAGE = 2
@@ -161,15 +161,11 @@ def _run(args: argparse.Namespace, prog: str) -> int:
 
 def parameter_plan(model: ModelBytes, split: tuple[int, ...], budgets: tuple[int, ...] | None) -> MemoryPlan:
     """The parameter-only table of a given split; :class:`MemoryPlanError` when a rank exceeds its budget."""
-    world = len(split)
-    ranks: list[RankPlan] = []
-    for r in range(world):
-        local = layer_range(split, r)
-        budget = None if budgets is None else budgets[r]
-        rank = RankPlan(r, local, sum(model.layers[local.start : local.stop]), model.fixed(r, world), budget)
-        if budget is not None and rank.total > budget:
+    plan = memory_plan(model, split, budgets)
+    for rank in plan.ranks:
+        if rank.budget is not None and rank.total > rank.budget:
             raise MemoryPlanError(
-                f"rank {r} needs {format_size(rank.total)} of parameters but has {format_size(budget)}; split {list(split)}"
+                f"rank {rank.rank} needs {format_size(rank.total)} of parameters but has {format_size(rank.budget)}; "
+                f"split {list(split)}"
             )
-        ranks.append(rank)
-    return MemoryPlan(split, tuple(ranks), model)
+    return plan

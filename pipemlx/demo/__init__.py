@@ -1,8 +1,7 @@
 """The demo model pipemlx ships: a small llama trained on *Pride and Prejudice*.
 
-What this folder is for: giving ``pipemlx generate``, ``pipemlx bench``, the
-examples and the tests a real model and prompt to run without any download.
-It is not used by the runtime (``shard_model``, ``pipeline_prefill``, ...).
+It gives ``pipemlx generate``, ``pipemlx bench``, the examples and the tests a
+real model and prompt to run without any download; the runtime does not use it.
 
 ``MODEL_DIR`` is an mlx-lm model folder (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``) that ``mlx_lm.load`` reads like

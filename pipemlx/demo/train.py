@@ -11,9 +11,8 @@ AdamW on random windows of the text, and writes ``config.json``,
 ``./demo-model`` in the current folder; never inside the installed package),
 where ``mlx_lm.load`` reads it like any downloaded model.
 
-Reproduce the shipped model (about two minutes on one core with OpenBLAS
-preloaded, see the README's platform notes), then compare it with, or copy it
-over, ``pipemlx/demo/model`` in a clone of the repository::
+Reproduce the shipped model, then compare it with, or copy it over,
+``pipemlx/demo/model`` in a clone of the repository::
 
     python -m pipemlx.demo.train --out demo-model
 

@@ -37,8 +37,7 @@ Check = Callable[[Any, Any, range], None]
 
 BOOKKEEPING = re.compile(r"(?:idx|index|indices)$|^_?first_|layer_types|_pattern$|attn_idxs")
 """Names of owner attributes that describe the whole layer list (a fixup must adjust them)."""
-HARMLESS = frozenset({"start_idx", "end_idx"})
-"""mlx-lm's PipelineMixin bookkeeping: ``layers[0:None]`` is all local layers."""
+HARMLESS = frozenset({"start_idx", "end_idx"})  # mlx-lm's PipelineMixin bookkeeping: layers[0:None] is all local layers
 
 
 @dataclass(frozen=True)
@@ -106,8 +105,9 @@ def _ssm_mask_from_first(h: mx.array, cache: list[Any], kinds: list[bool], kind:
     return None if index is None else make(h, cache[index])
 
 
-def _swap_forward(owner: Any, forward: type) -> None:
-    """Give ``owner`` the ``__call__`` of ``forward`` (a mixin), keeping its class name, module and attributes."""
+def mix_in(owner: Any, forward: type) -> None:
+    """Give ``owner`` the ``__call__`` of ``forward`` (a mixin) in front of its own, keeping its class name, module
+    and attributes (once: an owner that has it already is left as it is)."""
     original: type = type(owner)  # pyright: ignore[reportUnknownVariableType]
     if not issubclass(original, forward):
         owner.__class__ = type(original.__name__, (forward, original), {"__module__": original.__module__})
@@ -116,12 +116,10 @@ def _swap_forward(owner: Any, forward: type) -> None:
 class _LocalGemma3Model(nn.Module):
     """Gemma 3's text model over a cut layer list.
 
-    mlx-lm's ``Gemma3Model`` tells global from sliding layers by position
-    (``i % sliding_window_pattern``) and takes the masks from caches at fixed
-    positions, which is wrong once the list starts at another layer. This
-    forward asks each layer (``self_attn.is_sliding``, set from its global
-    index) and takes each mask from the first local layer of that kind; on the
-    whole list it computes what mlx-lm's does.
+    mlx-lm's ``Gemma3Model`` tells global from sliding layers by position and
+    takes the masks from caches at fixed positions, wrong once the list starts
+    at another layer. This forward asks each layer (``self_attn.is_sliding``)
+    and takes each mask from the first local layer of that kind.
     """
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
@@ -142,9 +140,9 @@ class _LocalLfm2Model(nn.Module):
     """LFM2's model over a cut layer list.
 
     mlx-lm's ``Lfm2Model`` takes the convolution mask from a cache at a fixed
-    index and builds it even on a rank without convolution layers, where that
-    cache is a KV cache and the call fails. This forward builds each mask from
-    the first local layer of its kind, and only when there is one.
+    index, even on a rank without convolution layers, where the call fails.
+    This forward builds each mask from the first local layer of its kind, and
+    only when there is one.
     """
 
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
@@ -184,10 +182,9 @@ class _BatchMaskGemma2Attention(nn.Module):
     """Gemma 2's attention, with a batch cache's mask lined up with its grouped-query scores.
 
     mlx-lm's gemma2 attention computes scores of shape ``[B, kv_heads,
-    repeats, L, S]`` and adds the mask as given; a batch cache's mask is
-    ``[B, 1, L, S]``, which then lines up its batch axis with ``kv_heads``:
-    wrong rows are masked when ``B == kv_heads`` and shapes clash otherwise.
-    This gives the mask its missing axis; any other mask passes unchanged.
+    repeats, L, S]``; a batch cache's mask ``[B, 1, L, S]`` then lines up its
+    batch axis with ``kv_heads``. This gives the mask its missing axis; any
+    other mask passes unchanged.
     """
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -200,17 +197,17 @@ class _BatchMaskGemma2Attention(nn.Module):
 def _gemma2(owner: Any, local: range) -> None:
     """gemma2: batch masks (pipemlx.BatchGenerator's decode steps) fit its grouped-query attention."""
     for layer in owner.layers:
-        _swap_forward(layer.self_attn, _BatchMaskGemma2Attention)
+        mix_in(layer.self_attn, _BatchMaskGemma2Attention)
 
 
 def _gemma3(owner: Any, local: range) -> None:
     """gemma3 text: a forward that reads each layer's kind instead of its position."""
-    _swap_forward(owner, _LocalGemma3Model)
+    mix_in(owner, _LocalGemma3Model)
 
 
 def _lfm2(owner: Any, local: range) -> None:
     """lfm2: a forward that builds the attention and convolution masks only for kinds the rank holds."""
-    _swap_forward(owner, _LocalLfm2Model)
+    mix_in(owner, _LocalLfm2Model)
 
 
 def _nemotron_h_check(model: Any, owner: Any, local: range) -> None:
@@ -228,7 +225,7 @@ def _nemotron_h_check(model: Any, owner: Any, local: range) -> None:
 
 def _nemotron_h(owner: Any, local: range) -> None:
     """nemotron-h of Mamba and attention blocks only: a forward that builds masks for the kinds the rank holds."""
-    _swap_forward(owner, _LocalNemotronHModel)
+    mix_in(owner, _LocalNemotronHModel)
 
 
 ARCHITECTURES: MappingProxyType[str, Architecture] = MappingProxyType(

@@ -48,6 +48,7 @@ from ..runtime.calibrate import feed_forward_share, group_layer_costs, last_laye
 from ..runtime.stage import StageInfo
 from ..schedule.autostep import choose_lent_heads
 from ..schedule.costmodel import CostModel
+from .architectures import mix_in
 
 BLOCK_PARTS = ("self_attn", "input_layernorm", "mlp", "post_attention_layernorm")
 """The children a pre-norm block needs to be cut between its halves."""
@@ -99,12 +100,9 @@ class HeadBorrowingBlock(nn.Module):
 class LentHeadsCache(CacheList):  # pyright: ignore[reportUntypedBaseClass]
     """A borrowing layer's cache: its own cache and the lent heads', side by side (``caches[0]``, ``caches[1]``).
 
-    Both hold the same positions (each token goes through both attentions),
-    so what mlx-lm asks of one layer's cache is the own cache's answer: its
-    ``offset``, its ``make_mask`` (a batch cache's left padding, a rotating
-    window), and ``to_quantized`` quantizes both (``kv_bits``). Batching
-    (``merge``, ``extend``, ``filter``, ``extract``) and trimming act on both,
-    as mlx-lm's ``CacheList`` does, and keep this class.
+    Both hold the same positions, so what mlx-lm asks of one layer's cache is the
+    own cache's answer (``offset``, ``make_mask``); ``to_quantized``, batching and
+    trimming act on both, as mlx-lm's ``CacheList`` does, and keep this class.
     """
 
     @property
@@ -147,12 +145,9 @@ def has_block_parts(layer: nn.Module) -> bool:
 def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: int = 0) -> None:
     """Cut the whole ``layers`` list between the halves of each rank's last layer, in place.
 
-    ``sizes[r]`` layers per rank. For every rank but the last, its last layer
-    keeps the attention half and the next rank's first layer takes the
-    feed-forward half (the modules move: the lending block no longer holds
-    them, so a rank materialises only the weights it runs). With ``heads``,
-    the next rank also takes that many key-value heads of the attention and
-    its output projection (:func:`split_heads`). Raises
+    ``sizes[r]`` layers per rank. The modules move, so a rank materialises only
+    the weights it runs. With ``heads``, the next rank also takes that many
+    key-value heads of the attention and its output projection. Raises
     :class:`PipelineError` before changing anything when a boundary layer is
     not a pre-norm block, or its attention cannot lend ``heads`` heads.
     """
@@ -171,12 +166,12 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: i
         return
     halves = [(_take(layers[i], "mlp"), _take(layers[i], "post_attention_layernorm")) for i in lenders]
     for lender in lenders:
-        _mix(layers[lender], LendingBlock)
+        mix_in(layers[lender], LendingBlock)
     # Borrowing goes in front: a rank of one layer first runs what it borrowed, then its attention half.
     for borrower, (mlp, norm) in zip(starts, halves):
         layers[borrower].borrowed_mlp = mlp
         layers[borrower].borrowed_post_attention_layernorm = norm
-        _mix(layers[borrower], BorrowingBlock)
+        mix_in(layers[borrower], BorrowingBlock)
 
 
 def check_head_split(layer: nn.Module, index: int, heads: int) -> None:
@@ -254,9 +249,9 @@ def _lend_heads(layers: list[nn.Module], lenders: list[int], starts: list[int], 
         taker.borrowed_post_attention_layernorm = _take(block, "post_attention_layernorm")
         block.self_attn = kept
     for lender in lenders:
-        _mix(layers[lender], HeadLendingBlock)
+        mix_in(layers[lender], HeadLendingBlock)
     for borrower in starts:
-        _mix(layers[borrower], HeadBorrowingBlock)
+        mix_in(layers[borrower], HeadBorrowingBlock)
 
 
 def _take(layer: nn.Module, name: str) -> nn.Module:
@@ -265,14 +260,7 @@ def _take(layer: nn.Module, name: str) -> nn.Module:
     return children.pop(name)
 
 
-def _mix(layer: nn.Module, mixin: type) -> None:
-    """Put ``mixin``'s ``__call__`` in front of ``layer``'s, keeping its class name and module."""
-    original = type(layer)
-    layer.__class__ = type(original.__name__, (mixin, original), {"__module__": original.__module__})
-
-
-AUTO_LEND_TOKENS = 4096
-"""The prompt length ``lend_heads="auto"`` plans for when ``shard_model`` is given no ``context``."""
+AUTO_LEND_TOKENS = 4096  # the prompt length lend_heads="auto" plans for when shard_model is given no context
 
 
 def lendable_heads(layers: list[nn.Module], sizes: tuple[int, ...]) -> int:

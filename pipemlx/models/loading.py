@@ -59,15 +59,10 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s;
-    ``split="memory"`` plans from the byte sizes of the layers as built
-    (and their caches at ``context`` tokens when given), ``split="balanced"``
-    from each rank's speed; ``head="last"`` keeps the output head on the last
-    rank only (then decode with :func:`pipemlx.generate_step`).
-    The tokenizer is mlx-lm's ``load_tokenizer``'s (``tokenizer_config``
-    passes extra settings to it); ``model_config`` overrides entries of
-    ``config.json``. Weight files may be one or many, with or without
-    ``model.safetensors.index.json``.
+    ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s
+    (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's
+    ``load_tokenizer``'s (``tokenizer_config`` passes extra settings to it); ``model_config`` overrides entries of
+    ``config.json``. Weight files may be one or many, with or without ``model.safetensors.index.json``.
 
     Raises ``FileNotFoundError`` when ``path`` is not a model directory, and
     what :func:`pipemlx.shard_model` raises for a bad split or a model it cannot

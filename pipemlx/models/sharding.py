@@ -96,15 +96,11 @@ def choose_split(
     timeout: float | None = DEFAULT_TIMEOUT,
     context_lends: bool = False,
 ) -> tuple[int, ...]:
-    """Layers per rank for ``split``/``memory``/``speeds``, checked against the model and the group.
+    """Layers per rank for :func:`shard_model`'s ``split``/``memory``/``speeds``/``context``, checked against the
+    model and the group.
 
     ``memory`` given with ``split=None`` means ``split="memory"``, ``speeds``
-    given with ``split=None`` means ``split="balanced"``; budgets go with
-    ``"memory"`` and ``"balanced"`` only, speeds with ``"balanced"`` only.
-    ``context`` (tokens; with ``kv_bits`` and ``step_size``) makes the
-    memory plan count each layer's cache at that context and one prefill
-    chunk's peak (:mod:`pipemlx.schedule.memory_model`). ``"balanced"``
-    without ``speeds`` measures them on the group (a collective). Raises
+    given with ``split=None`` means ``split="balanced"``. Raises
     ``ValueError``/``TypeError`` naming the problem,
     :class:`~pipemlx.schedule.memory_split.MemoryPlanError` when the budgets
     cannot hold the model.
@@ -194,9 +190,8 @@ def shard_model(
     ``head="last"`` keeps the output head on the last rank only (tied: rank 0
     keeps the embedding, the last rank the head): less memory on the other
     ranks, but only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate`
-    and :func:`pipemlx.runtime.lean_decode.lean_generate_step` can decode then (mlx-lm's own
-    ``generate_step`` needs the logits on every rank and is refused on the
-    others). The default ``"all"`` keeps it on every rank.
+    and ``lean_generate_step`` can decode then (mlx-lm's own ``generate_step``
+    is refused on the other ranks). The default ``"all"`` keeps it on every rank.
 
     ``lend_mlp=True`` cuts between the halves of each rank's last layer: its
     feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`),
@@ -210,18 +205,14 @@ def shard_model(
     of that layer's attention, their cache and its output projection to the
     next rank: where attention is most of the work (long prompts), this
     balances what whole layers and feed-forward halves cannot. The next rank's
-    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache` (an
-    mlx-lm ``CacheList`` of its own and the lent heads' that quantizes, masks
-    and batches as its own cache does), so ``kv_bits``, ``max_kv_size`` (with
-    :func:`pipemlx.generate_step`; mlx-lm's own ``generate_step`` cannot bound
-    a model's caches that it makes with the model's ``make_cache``) and
-    :class:`pipemlx.BatchGenerator` work with it. The layers at each cut must
-    keep plain ``KVCache`` caches (no sliding window).
+    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache`, with
+    which ``kv_bits``, ``max_kv_size`` (with :func:`pipemlx.generate_step`) and
+    :class:`pipemlx.BatchGenerator` work. The layers at each cut must keep
+    plain ``KVCache`` caches (no sliding window).
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
-    wait of :func:`pipemlx.pipeline_prefill` and :func:`pipemlx.generate_step` on this model.
-    Architectures pipemlx has not been verified on are refused, naming the
-    ones it covers, unless ``allow_unregistered=True``.
+    wait on this model. Architectures pipemlx has not been verified on are
+    refused, naming the ones it covers, unless ``allow_unregistered=True``.
     Raises ``ValueError``/``TypeError`` for a bad split, and
     :class:`PipelineError` for a model it cannot shard, before changing anything.
     """
@@ -392,12 +383,10 @@ def _lent_first(caches: list[Any]) -> list[Any]:
 def held_arrays(model: nn.Module) -> list[mx.array]:
     """Arrays the model's modules hold, their parameters and the rest: private ones such as a RoPE's ``_freqs``.
 
-    mlx-lm computes some of them lazily when a model is built (llama 3's and
-    yarn's RoPE frequencies, deepseek_v2's), on the building thread's default
-    stream. A pipeline waits in helper threads (bounded waits), and MLX cannot
-    evaluate there a graph that still holds an operation of another thread's
-    default stream ("There is no Stream(cpu, 0) in current thread"):
-    :func:`shard_model` evaluates them on the building thread.
+    mlx-lm computes some of them lazily when a model is built (llama 3's RoPE
+    frequencies), on the building thread's default stream, which the helper
+    threads of the bounded waits cannot evaluate: :func:`shard_model`
+    evaluates them on the building thread.
     """
     arrays: list[mx.array] = []
     for module in cast(list[nn.Module], model.modules()):
@@ -456,9 +445,8 @@ class EmbeddingStandIn(nn.Module):
     """Takes an input embedding's place on a rank that never uses its output.
 
     On ranks other than 0 the first local layer replaces its input by the
-    hidden state received from the previous rank, so the embedding's output
-    only lends its shape and dtype. This returns zeros of that shape and dtype
-    without holding any weight. With ``vocab`` (a tied head dropped by
+    hidden state received, so this returns zeros of the embedding's shape and
+    dtype without holding any weight. With ``vocab`` (a tied head dropped by
     ``head="last"``), ``as_linear`` stands in for the head the same way.
     """
 

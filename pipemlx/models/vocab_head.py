@@ -14,8 +14,7 @@ from ..runtime.stage import StageInfo
 from .architectures import architecture_of
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
-ROW_PARAMETERS = ("weight", "scales", "biases", "bias")
-"""A head's parameters whose first axis is the vocabulary."""
+ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
 FINAL_NORMS = ("norm", "embedding_norm")
 """Names of the norm ``model.model`` ends with (lfm2's is ``embedding_norm``): it gives the hidden state's dtype."""
 
@@ -25,10 +24,8 @@ def vocab_shard(model: nn.Module, info: StageInfo) -> VocabShard | None:
 
     Shared only where the registry says the logits are the head applied to
     ``model.model``'s output (``Architecture.plain_head``) and the head is a
-    plain (or quantized) linear map: ``model.lm_head``, or the embedding when
-    there is none (tied). The rows are views of the head's weights: no memory
-    is added. Call it on every rank once the model is cut (every rank keeps the
-    head: ``head="all"``).
+    plain (or quantized) linear map. The rows are views of the head's weights:
+    no memory is added. Call it on every rank once the model is cut.
     """
     entry = architecture_of(model)
     inner = getattr(model, "model", None)

@@ -10,12 +10,9 @@ docs all use these definitions. For a prompt of ``M`` tokens:
   reports ``(M - 1, M)`` (:class:`PrefillClock` notes it). The last prompt token
   is not part of the prefill: it goes through the model in the first decode
   step, the one that produces the first token.
-- **prefill tokens/s**: the ``M - 1`` positions prefilled, over the prefill time
-  (:func:`prefill_tokens_per_s`).
-- **decode tokens/s**: the tokens generated after the first, over the seconds
-  from the first token to the last (:func:`decode_tokens_per_s`). The first
-  decode step, from the end of the prefill to the first token, counts in
-  neither figure.
+- **prefill tokens/s** (:func:`prefill_tokens_per_s`) and **decode tokens/s**
+  (:func:`decode_tokens_per_s`): the first decode step, from the end of the
+  prefill to the first token, counts in neither figure.
 
 Pure Python: no MLX.
 """

@@ -1,15 +1,8 @@
 """Timelines of a prefill: a text Gantt of a plan, Chrome traces of simulations, PNG plots of traces.
 
-- :func:`gantt` draws the plans of :func:`pipemlx.schedule.plan.build_plans` as text: one
-  row per rank, one column per wavefront step, the chunk each rank computes.
-- :func:`simulated_trace` turns a timed :func:`pipemlx.schedule.simulate.simulate` run
-  (for instance a :func:`pipemlx.schedule.costmodel.predict` result) into the same Chrome
-  trace format the executor records, so prediction and measurement open side
-  by side in https://ui.perfetto.dev.
-- :func:`plot_timeline` draws traces as a PNG with matplotlib (the optional
-  ``plot`` extra: ``pip install 'pipemlx[plot]'``).
-
-Command line: :mod:`pipemlx.cli.timeline`. Pure Python (no MLX); see docs/timeline.md.
+A simulation's trace (:func:`simulated_trace`) has the format the executor records, so prediction and measurement
+open side by side in https://ui.perfetto.dev. Command line: :mod:`pipemlx.cli.timeline`. Pure Python (no MLX); see
+docs/timeline.md.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from typing import Any
 
 from ..schedule.plan import Agree, Compute, Handshake, PrefillPlan, Progress, Recv, Send
 from ..schedule.simulate import SimulationResult
-from .trace import THREAD_NAMES, THREADS, Span
+from .trace import Span, rank_metadata, span_event
 
 IDLE = "."
 KIND_OF: Mapping[type, str] = MappingProxyType(
@@ -94,11 +87,7 @@ def simulated_trace(result: SimulationResult, *, seconds_per_unit: float = 1.0) 
     scale = 1e6 * seconds_per_unit
     events: list[dict[str, Any]] = []
     for rank in range(len(result.plans)):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (simulated)"}})
-        events += [
-            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-            for tid, name in enumerate(THREAD_NAMES)
-        ]
+        events += rank_metadata(rank, f"rank {rank} (simulated)")
     for e in result.events:
         kind = KIND_OF[type(e.action)]
         args: dict[str, Any] = {}
@@ -112,19 +101,7 @@ def simulated_trace(result: SimulationResult, *, seconds_per_unit: float = 1.0) 
             args["step"] = e.action.step
         if isinstance(e.action, Progress):
             args["processed"] = e.action.processed
-        name = f"{kind} {args['chunk']}" if "chunk" in args else kind
-        events.append(
-            {
-                "name": name,
-                "cat": kind,
-                "ph": "X",
-                "ts": e.start * scale,
-                "dur": (e.end - e.start) * scale,
-                "pid": e.rank,
-                "tid": THREADS.get(kind, 3),
-                "args": args,
-            }
-        )
+        events.append(span_event(e.rank, kind, e.start * scale, (e.end - e.start) * scale, args))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -3,10 +3,8 @@
 Opt in with ``pipeline_prefill(..., trace_dir=DIR)`` or ``PIPEMLX_TRACE=DIR``:
 each rank writes ``DIR/trace-rank<r>.json`` (Chrome trace-event format, one
 process per rank). :func:`merge_traces` joins the ranks' files into one that
-https://ui.perfetto.dev or chrome://tracing opens; ``python -m pipemlx.cli.timeline
-merge DIR`` does it from the command line. :func:`read_spans` reads a trace back as
-:class:`Span` tuples (for tests and plots), and :func:`samples_from_trace` the chunk timings
-that calibrate the cost model. See docs/timeline.md.
+https://ui.perfetto.dev or chrome://tracing opens (``python -m pipemlx.cli.timeline
+merge DIR``). See docs/timeline.md.
 
 Spans: ``handshake``, ``compute <chunk>`` (args chunk, tokens), ``recv <chunk>``
 (chunk, peer), ``send <chunk>`` (chunk, peer: the send being issued),
@@ -63,19 +61,7 @@ class Tracer:
         finally:
             end = time.perf_counter_ns()
             args = {k: v for k, v in {"chunk": chunk, "peer": peer, **extra}.items() if v is not None}
-            name = kind if chunk is None else f"{kind} {chunk}"
-            self.events.append(
-                {
-                    "name": name,
-                    "cat": kind,
-                    "ph": "X",
-                    "ts": start / 1000.0,
-                    "dur": (end - start) / 1000.0,
-                    "pid": self.rank,
-                    "tid": THREADS.get(kind, 3),
-                    "args": args,
-                }
-            )
+            self.events.append(span_event(self.rank, kind, start / 1000.0, (end - start) / 1000.0, args))
 
     def save(self) -> Path | None:
         """Write this rank's trace file; returns its path (None when tracing is off)."""
@@ -83,15 +69,32 @@ class Tracer:
             return None
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"trace-rank{self.rank}.json"
-        meta = [
-            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
-            *(
-                {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
-                for tid, name in enumerate(THREAD_NAMES)
-            ),
-        ]
+        meta = rank_metadata(self.rank, f"rank {self.rank}")
         path.write_text(json.dumps({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}))
         return path
+
+
+def span_event(rank: int, kind: str, start_us: float, dur_us: float, args: dict[str, Any]) -> dict[str, Any]:
+    """A complete (``"X"``) trace event: rank ``rank`` did ``kind``, named after its chunk when ``args`` has one."""
+    return {
+        "name": f"{kind} {args['chunk']}" if "chunk" in args else kind,
+        "cat": kind,
+        "ph": "X",
+        "ts": start_us,
+        "dur": dur_us,
+        "pid": rank,
+        "tid": THREADS.get(kind, 3),
+        "args": args,
+    }
+
+
+def rank_metadata(rank: int, label: str) -> list[dict[str, Any]]:
+    """The events that name rank ``rank``'s process (``label``) and its threads in a trace."""
+    threads = [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": t, "args": {"name": n}}
+        for t, n in enumerate(THREAD_NAMES)
+    ]
+    return [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": label}}, *threads]
 
 
 def tracer_for(rank: int, trace_dir: str | os.PathLike[str] | None) -> Tracer:

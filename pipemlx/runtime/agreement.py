@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..errors import PipelineMismatchError
-from .protocol import AGREE, HANDSHAKE, UNCOUNTED, Status, Table, dtype_code, per_rank
+from .caches import UNCOUNTED
+from .protocol import AGREE, HANDSHAKE, Status, Table, dtype_code, per_rank
 from .stage import PipelineStage
 
 
@@ -30,18 +31,13 @@ def handshake(
 ) -> Table:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
-    Raises :class:`PipelineMismatchError` on every rank (they all see the same
-    table), naming the field that differs and each rank's value (the fields of
-    :data:`~pipemlx.runtime.protocol.HANDSHAKE`). ``cache_offset`` is how many
-    positions the cache already holds (a reused prefix;
-    :data:`~pipemlx.runtime.protocol.UNCOUNTED` on a rank whose caches count
-    none): ranks holding different prefixes would compute different tokens.
-    ``decode_settings`` (an index of :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS`)
-    is what a decode after the prefill will exchange, so that ranks that would
-    send differently sized messages are told before anything is sent.
-    ``lend_mlp`` and ``lend_heads`` say where each rank's layers end and how
-    wide its messages are. Returns the table: every rank's ``status`` and
-    ``needs_calibration`` too.
+    Raises :class:`PipelineMismatchError` on every rank, naming the field of
+    :data:`~pipemlx.runtime.protocol.HANDSHAKE` that differs and each rank's
+    value. ``cache_offset`` is how many positions the cache already holds (a
+    reused prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose
+    caches count none); ``decode_settings`` is what a decode after the prefill
+    will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`). Returns
+    the table: every rank's ``status`` and ``needs_calibration`` too.
     """
     values = {
         "needs_calibration": int(needs_calibration),
@@ -86,12 +82,8 @@ def agree_on_step(
 ) -> Table:
     """Close step ``step`` with this rank's ``status``; returns every rank's status and ``failed_chunk``.
 
-    It returns once every rank has finished the step. ``status`` is
-    :attr:`Status.OK`, :attr:`Status.CANCEL` (the caller's ``should_cancel``
-    said yes), :attr:`Status.CHUNK_FAILED` (the model raised while computing
-    chunk ``failed_chunk`` since the last agreement point) or
-    :attr:`Status.FAILED` (a callback raised on this rank since the last
-    agreement point); the caller stops when any rank's status is not OK.
+    It returns once every rank has finished the step (:attr:`Status.CHUNK_FAILED`: the model raised while computing
+    chunk ``failed_chunk`` since the last agreement point); the caller stops when any rank's status is not OK.
     """
     where = f"the agreement closing step {step}"
     values = {"step": step, "failed_chunk": failed_chunk}

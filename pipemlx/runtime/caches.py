@@ -147,7 +147,8 @@ def counted_offset(cache: list[Any]) -> int:
     convolutions, Mamba) cannot tell how long a reused prefix is; the ranks
     whose caches count positions agree on it for that rank.
     """
-    if any(_counts_positions(c) for c in cache) or all(_is_empty(c) for c in cache):
+    counts = any(isinstance(getattr(c, "offset", None), int) for c in cache_parts(cache))
+    if counts or all(_says(c, "empty") for c in cache):
         return cache_offset(cache)
     return UNCOUNTED
 
@@ -155,29 +156,13 @@ def counted_offset(cache: list[Any]) -> int:
 def always_trimmable(cache: list[Any]) -> bool:
     """Whether every layer cache can be cut back at any length: no rotating window (which cannot once it is
     full) and no recurrent state (which never can)."""
-    return all(_always_trimmable(c) for c in cache)
+    return all(not isinstance(c, RotatingKVCache) and _says(c, "is_trimmable") for c in cache_parts(cache))
 
 
-def _always_trimmable(cache: Any) -> bool:
-    sub_caches = getattr(cache, "caches", None)
-    if isinstance(sub_caches, (list, tuple)):
-        return all(_always_trimmable(c) for c in cast(list[Any], sub_caches))
-    if isinstance(cache, RotatingKVCache):
-        return False
-    trimmable = getattr(cache, "is_trimmable", None)
-    return callable(trimmable) and bool(trimmable())
-
-
-def _counts_positions(cache: Any) -> bool:
-    if isinstance(getattr(cache, "offset", None), int):
-        return True
-    sub_caches = getattr(cache, "caches", None)
-    return isinstance(sub_caches, (list, tuple)) and any(_counts_positions(c) for c in cast(list[Any], sub_caches))
-
-
-def _is_empty(cache: Any) -> bool:
-    empty = getattr(cache, "empty", None)
-    return callable(empty) and bool(empty())
+def _says(cache: Any, question: str) -> bool:
+    """Whether ``cache`` has the method ``question`` and it answers yes."""
+    answer = getattr(cache, question, None)
+    return callable(answer) and bool(answer())
 
 
 def trim_to(cache: list[Any], length: int) -> bool:

@@ -37,7 +37,7 @@ from ..schedule.costmodel import (
     lent_heads_share_of,
 )
 from ..schedule.plan import Chunk
-from .caches import cache_state
+from .caches import cache_parts, cache_state
 from .protocol import CALIBRATE, gather
 from .stage import PipelineStage, StageInfo
 from .waits import wait_for
@@ -50,9 +50,7 @@ FAR_POSITION = 4096
 FAR_LENGTHS = (128, 256)
 """Chunk lengths timed again after :data:`FAR_POSITION` positions (zeros in the caches, not computed): their time
 beyond the same chunk at position 0 is attention, :attr:`LayerCosts.far_pairs`. Shorter chunks pay what 128-token
-ones do per pair (one process, the benchmark model, best of 3: 64 and 128 tokens within 2% of each other after
-2048, 4096 and 8000 positions; 256 tokens 14% dearer after 8000); timing them too only added noise to auto's
-choice."""
+ones do per pair, so timing them would only add noise."""
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
 
@@ -90,17 +88,8 @@ def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
 
 def plain_leaves(cache: Sequence[Any]) -> list[Any] | None:
     """Every :class:`KVCache` in ``cache`` (inside a ``CacheList`` too); ``None`` if it holds a cache of another kind."""
-    leaves: list[Any] = []
-    for entry in cache:
-        inner: Any = getattr(entry, "caches", None)
-        if isinstance(inner, (list, tuple)):
-            found = plain_leaves(cast(list[Any], inner))
-        else:
-            found = [entry] if type(entry) is KVCache else None
-        if found is None:
-            return None
-        leaves += found
-    return leaves
+    leaves = cache_parts(list(cache))
+    return leaves if all(type(c) is KVCache for c in leaves) else None
 
 
 def has_position_table(model: nn.Module) -> bool:
@@ -357,11 +346,10 @@ def measure_speeds(
 ) -> list[float]:
     """Every rank's speed (higher is faster), the same list on every rank (a collective: all ranks call it).
 
-    Each rank times a layer-shaped workload, the two matrix products of an MLP
-    of the model's widths (capped to 256..1024) on :data:`SPEED_TOKENS`
-    tokens, best of :data:`SPEED_PASSES` after a warm-up, so that what makes a
-    rank slow (its BLAS, its share of the cores, its chip) shows; the ranks
-    all-gather the seconds. ``split="balanced"`` plans from these speeds.
+    Each rank times the two matrix products of an MLP of the model's widths
+    (capped to 256..1024) on :data:`SPEED_TOKENS` tokens, best of
+    :data:`SPEED_PASSES` after a warm-up, so that what makes a rank slow (its
+    BLAS, its share of the cores, its chip) shows.
     """
     width = max(256, min(1024, hidden))
     inner = max(256, min(1024, intermediate or 4 * hidden))

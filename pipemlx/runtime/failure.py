@@ -4,9 +4,8 @@ When the model raises on a rank in the middle of a pass (a prefill chunk, a
 decode step, a batch tick), the other ranks are already exchanging that pass's
 messages. The failing rank must still take its input off the wire and send a
 message of the right shape on, or its neighbours would wait for ever and the
-next pass would read stale bytes. It reports the failure in the pass's
-agreement message (:attr:`~pipemlx.runtime.protocol.Status.CHUNK_FAILED`),
-where every rank learns of it at once and stops alike.
+next pass would read stale bytes; it reports the failure in the pass's
+agreement message (``Status.CHUNK_FAILED``).
 """
 
 from __future__ import annotations
@@ -21,12 +20,10 @@ from .stage import PipelineStage
 def stand_in(stage: PipelineStage, rows: int, length: int, take: Callable[[list[mx.array]], None]) -> mx.array | None:
     """This rank's messages for a failed pass of ``rows`` x ``length`` tokens, without its layers.
 
-    Whatever the failed pass queued is discarded. The pass's input is taken
-    off the wire: the receives the failed pass built, else a new receive
-    shaped as the previous rank sends, handed to ``take`` (the executor's own
-    bounded wait, or its asynchronous issue). Returns zeros shaped as this
-    rank's message to the next rank (``None`` on the last rank), for the
-    caller to send as the pass would have sent its output.
+    Whatever the failed pass queued is discarded. Its input is taken off the wire (the receives the failed
+    pass built, else a new one) through ``take``, the executor's own bounded wait or asynchronous issue.
+    Returns zeros shaped as this rank's message to the next rank (``None`` on the last rank), for the caller to
+    send as the pass would have sent its output.
     """
     stage.send_queue.discard()
     received = stage.take_received()

@@ -1,22 +1,14 @@
 """The whole request on a sharded model: pipelined prefill, then decoding with bounded waits and agreed stops.
 
-:func:`generate_step` and :func:`stream_generate` take mlx-lm's arguments and
-give mlx-lm's output on every rank. Per decoded token each rank runs its
-layers and sends on; only the last rank applies the head and samples, and one
-small all-gather per token hands every rank the token id together with every
-rank's word on whether to go on (see ``docs/design.md``, "The request
-lifecycle"):
-
-- Nothing is evaluated ahead: a token is computed only after every consumer
-  asked for it, so when a generator ends nothing is left in flight.
-- Every rank yields the same tokens and stops after the same one. A consumer
-  that stops (``break``, ``close()``, an exception, its ``should_cancel``)
-  stops the others at the same token: its generator still runs the step
-  that the others are running, saying "stop" in its all-gather.
-- Like mlx-lm, the forward pass of the last yielded token always runs before
-  the generator ends, so the cache holds the prompt and every yielded token.
-- Every wait is bounded by ``timeout``: a stalled peer ends in
-  :class:`PipelineTimeoutError`, a dead one in :class:`PeerLostError`.
+Per decoded token each rank runs its layers and sends on; only the last rank
+applies the head and samples, and one small all-gather per token hands every
+rank the token id together with every rank's word on whether to go on (see
+``docs/design.md``, "The request lifecycle"). Nothing is evaluated ahead: a
+token is computed only after every consumer asked for it, so when a generator
+ends nothing is left in flight. A consumer that stops (``break``, ``close()``,
+an exception) still runs the step the others are running, saying "stop" in its
+all-gather. Like mlx-lm, the forward pass of the last yielded token always runs
+before the generator ends, so the cache holds the prompt and every yielded token.
 """
 
 from __future__ import annotations
@@ -25,14 +17,13 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
@@ -40,6 +31,9 @@ from .caches import cache_offset, cache_state, trim_to
 from .failure import stand_in
 from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
+    CancelCheck,
+    PrefillOptions,
+    ProgressCallback,
     check_kv_quantization,
     check_prompt,
     check_rotating_caches,
@@ -60,9 +54,6 @@ from .sampling import (
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
 
-ProgressCallback = Callable[[int, int], Any]
-CancelCheck = Callable[[], bool]
-
 NO_TOKEN = -1
 """``GenerationResponse.token`` of :func:`stream_generate`'s closing ``"cancelled"`` response: it adds no token."""
 
@@ -76,10 +67,8 @@ class DecodeStop:
     """
 
     reason: Literal["length", "cancelled", "failed", "stop"]
-    tokens: int
-    """Tokens yielded before the end."""
-    ranks: tuple[int, ...] = ()
-    """Ranks that asked to stop (``cancelled``) or failed (``failed``)."""
+    tokens: int  # yielded before the end
+    ranks: tuple[int, ...] = ()  # that asked to stop (cancelled) or failed (failed)
 
 
 def generate_step(
@@ -117,8 +106,7 @@ def generate_step(
     does: rotating caches of that many positions. mlx-lm cannot quantize a
     rotating cache, so ``kv_bits`` is refused with ``ValueError`` on every rank,
     before anything is sent and whatever the prompt's length, on a model with
-    sliding-window layers, and with ``max_kv_size`` where that makes the caches
-    rotating (a model without a ``make_cache`` of its own).
+    sliding-window layers and with a ``max_kv_size`` that makes the caches rotating.
 
     Only the last rank applies the head, runs ``logits_processors`` and
     samples, so a random ``sampler`` needs no seed shared by the ranks (seed
@@ -130,10 +118,11 @@ def generate_step(
     Stops are agreed: when any rank's consumer stops early or its
     ``should_cancel()`` (polled before every token) says yes, every rank's
     generator ends after the same token and nothing is left in flight; the
-    reason is in the returned generator's ``stop`` (a :class:`DecodeStream`). A generator dropped without
-    being closed is closed by the next pipemlx call on any sharded model, or at exit.
-    The generator also ends after yielding any of ``stop_tokens`` (the ranks
-    check they hold the same set). ``timeout`` bounds every wait (seconds; default: the model's). Raises
+    reason is in the returned :class:`DecodeStream`'s ``stop``. A generator
+    dropped without being closed is closed by the next pipemlx call on any
+    sharded model, or at exit. The generator also ends after yielding any of
+    ``stop_tokens`` (the ranks check they hold the same set). ``timeout``
+    bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
     a callback on its own rank, :class:`PipelineTimeoutError` /
     :class:`PeerLostError` when a peer stalls or dies, and
@@ -141,14 +130,12 @@ def generate_step(
     (``input_embeddings``, which mlx-lm takes for multimodal prompts, is
     accepted only as ``None``).
 
-    ``stream`` is mlx-lm's (its third argument; mlx-lm's default is its
-    ``generation_stream``), accepted so that mlx-lm code runs unchanged, but
-    pipemlx does not compute on it: every rank computes on its stage's own
-    stream (``stage_of(model).compute_stream``, on the device that was the
-    default when the model was sharded), which its bounded waits evaluate from
-    helper threads. A stream or device on that device is accepted (``None``:
-    the same); one on another device raises ``ValueError``, anything else
-    ``TypeError``, before anything is sent (:meth:`PipelineStage.check_stream`).
+    ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
+    runs unchanged, but every rank computes on its stage's own stream
+    (``stage_of(model).compute_stream``, on the device that was the default
+    when the model was sharded): a stream or device on that device (or
+    ``None``) is accepted; one on another device raises ``ValueError``,
+    anything else ``TypeError``, before anything is sent.
     """
     stage = stage_of(model)
     stage.check_usable()
@@ -179,12 +166,17 @@ def generate_step(
         share_logprobs=share_logprobs,
         stop_tokens=stops,
     )
-    prefill = dict(
-        step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start
+    prefill = PrefillOptions(
+        step_size=prefill_step_size,
+        progress_callback=prompt_progress_callback,
+        should_cancel=should_cancel,
+        timeout=request.timeout,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
+        decode_settings=2 if share_logprobs else 1,  # protocol.DECODE_SETTINGS
     )
-    generator = request.run(
-        tokens, prompt_cache, prefill=prefill, progress=prompt_progress_callback, should_cancel=should_cancel
-    )
+    generator = request.run(tokens, prompt_cache, prefill)
     request.generator = weakref.ref(generator)
     return DecodeStream(request, generator)
 
@@ -212,11 +204,9 @@ def stream_generate(
     after its prefill but before its first token gives that one response,
     with ``generation_tokens`` 0 and empty ``text``; one cancelled during
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
-    does. ``stream`` in ``kwargs`` is :func:`generate_step`'s (mlx-lm's,
-    accepted on the stage's device). As with mlx-lm, ``draft_model=None``
-    and ``num_draft_tokens`` (ignored without a draft model) are accepted;
-    speculative decoding itself is not supported: a ``draft_model`` raises
-    ``ValueError``.
+    does. As with mlx-lm, ``draft_model=None`` and ``num_draft_tokens``
+    (ignored without a draft model) are accepted; a ``draft_model`` raises
+    ``ValueError`` (no speculative decoding).
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
@@ -264,8 +254,8 @@ def _responses(
                 finish = "length"
                 break
             yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
-    yielded_last = finish is None  # the generator stopped (a cancel): its last token was yielded already
-    if finish is None:
+    if finish is None:  # the generator stopped (a cancel): its last token was yielded already, the end adds none
+        token, logprobs = NO_TOKEN, None
         reason = generator.stop.reason if generator.stop is not None else "length"
         finish = reason if reason in ("stop", "length") else "cancelled"
     if n < 0:  # stopped after the prefill, before the first token: say so, as a cancellation after one would
@@ -273,9 +263,6 @@ def _responses(
         yield _response("", NO_TOKEN, None, prompt_tokens, prompt_tps, 0, time.perf_counter(), finish)
         return
     detokenizer.finalize()
-    if yielded_last:  # the closing response carries no token of its own, only the text the detokenizer held
-        yield _response(detokenizer.last_segment, NO_TOKEN, None, prompt_tokens, prompt_tps, n + 1, tic, finish)
-        return
     yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)
 
 
@@ -324,10 +311,8 @@ class _Part:
 class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | None"]):
     """What :func:`generate_step` returns: mlx-lm's generator of ``(token, logprobs)`` pairs.
 
-    Once it has ended, by itself or closed by its consumer, :attr:`stop` says
-    why (the same on every rank; it is also the generator's return value).
-    :attr:`shared_head` says whether its steps after the first shared the
-    output head among the ranks.
+    Once it has ended, :attr:`stop` says why (the same on every rank; also the generator's return value);
+    :attr:`shared_head` says whether its steps after the first shared the output head among the ranks.
     """
 
     def __init__(self, request: _Request, inner: Generator[tuple[int, mx.array | None], None, DecodeStop | None]):
@@ -353,43 +338,34 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
         self._inner.close()
 
 
+@dataclass(eq=False)
 class _Request:
     """One request's decode on one rank: the steps, the agreement in each, and the trailing step."""
 
-    def __init__(
-        self,
-        stage: PipelineStage,
-        model: nn.Module,
-        *,
-        max_tokens: int,
-        sampler: Sampler | None,
-        logits_processors: list[LogitsProcessor],
-        quantize: Callable[[list[Any]], None],
-        timeout: float | None,
-        share_logprobs: bool,
-        stop_tokens: frozenset[int],
-    ) -> None:
-        self.stage = stage
-        self.model = model
-        self.max_tokens = max_tokens
-        self.sampler = sampler
-        self.logits_processors = logits_processors
-        self.quantize = quantize
-        self.timeout = timeout
-        self.share_logprobs = share_logprobs
-        self.stop_tokens = stop_tokens
-        self.stopped_at_token = False
-        self.stop_fingerprint = _fingerprint(stop_tokens)
-        self.generator: weakref.ref[Generator[Any, None, Any]] | None = None
-        self.cache: list[Any] = []
-        self.history: mx.array | None = None
-        self.deferred: BaseException | None = None
-        self.vocab_size = 0
-        self.stop: DecodeStop | None = None
+    stage: PipelineStage
+    model: nn.Module
+    max_tokens: int
+    sampler: Sampler | None
+    logits_processors: list[LogitsProcessor]
+    quantize: Callable[[list[Any]], None]
+    timeout: float | None
+    share_logprobs: bool
+    stop_tokens: frozenset[int]
+    stopped_at_token: bool = False
+    generator: weakref.ref[Generator[Any, None, Any]] | None = None
+    cache: list[Any] = field(default_factory=list[Any])
+    history: mx.array | None = None
+    deferred: BaseException | None = None
+    vocab_size: int = 0
+    stop: DecodeStop | None = None
+    shares_head: bool = False  # every rank said it may, in the first step: the later steps share the head
+
+    def __post_init__(self) -> None:
+        self.stop_fingerprint = _fingerprint(self.stop_tokens)
         # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
-        self.may_share_head = stage.info.vocab_shard is not None and sampler is None and not logits_processors
-        self.may_share_head = self.may_share_head and not share_logprobs
-        self.shares_head = False  # every rank said it may, in the first step: the later steps share the head
+        shard = self.stage.info.vocab_shard
+        self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
+        self.may_share_head = self.may_share_head and not self.share_logprobs
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -403,33 +379,19 @@ class _Request:
                 self.stage.mark_broken(exc)
 
     def run(
-        self,
-        prompt: mx.array,
-        cache: list[Any] | None,
-        *,
-        prefill: dict[str, Any],
-        progress: ProgressCallback | None,
-        should_cancel: CancelCheck | None,
+        self, prompt: mx.array, cache: list[Any], prefill: PrefillOptions
     ) -> Generator[tuple[int, mx.array | None], None, DecodeStop | None]:
-        """The generator behind :func:`generate_step`; returns why it stopped."""
+        """The generator behind :func:`generate_step` (``prefill`` holds its callbacks); returns why it stopped."""
         stage = self.stage
         stage.settle(self.timeout)
-        self.cache = cache if cache is not None else make_prompt_cache(self.model)
+        self.cache = cache
         # mlx-lm's history: the prefilled tokens, then each step's input (the prompt's last token first).
         self.history = prompt[:-1] if self.logits_processors else None
         if self.history is not None:
             mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
         num_tokens = prompt.size
-        prefill_before_decode(
-            self.model,
-            prompt,
-            self.cache,
-            progress_callback=progress,
-            should_cancel=should_cancel,
-            timeout=self.timeout,
-            decode_settings=2 if self.share_logprobs else 1,  # protocol.DECODE_SETTINGS
-            **prefill,
-        )
+        prefill_before_decode(self.model, prompt, self.cache, prefill)
+        progress, should_cancel = prefill.progress_callback, prefill.should_cancel
         inputs = prompt[-1:]
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
@@ -473,10 +435,8 @@ class _Request:
     def _step(self, inputs: mx.array, index: int, status: Status) -> tuple[int, mx.array | None, Table]:
         """One forward pass of every rank and the step's message: the token, and every rank's status.
 
-        Each communication is evaluated on its own, so that a lost rank fails
-        at once (:class:`PeerLostError`) rather than after the timeout: first
-        this rank's own part (its receive, layers and send), then the shared
-        head's all-gather, then the step's message built on them.
+        Each communication is evaluated on its own (this rank's part, the shared head's all-gather, then the step's
+        message), so that a lost rank fails at once (:class:`PeerLostError`) rather than after the timeout.
         """
         stage = self.stage
         mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it

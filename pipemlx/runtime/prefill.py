@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -114,50 +115,53 @@ def pipeline_prefill(
         model,
         prompt,
         cache,
-        step_size=step_size,
-        progress_callback=progress_callback,
-        should_cancel=should_cancel,
-        timeout=timeout,
-        kv_bits=kv_bits,
-        kv_group_size=kv_group_size,
-        quantized_kv_start=quantized_kv_start,
-        trace_dir=trace_dir,
-        agree_every=agree_every,
-        max_chunk_seconds=max_chunk_seconds,
-        decode_settings=0,
+        PrefillOptions(
+            step_size=step_size,
+            progress_callback=progress_callback,
+            should_cancel=should_cancel,
+            timeout=timeout,
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+            quantized_kv_start=quantized_kv_start,
+            trace_dir=trace_dir,
+            agree_every=agree_every,
+            max_chunk_seconds=max_chunk_seconds,
+        ),
     )
 
 
-def prefill_before_decode(
-    model: nn.Module,
-    prompt: mx.array,
-    cache: list[Any],
-    *,
-    step_size: int | Literal["auto"] = 512,
-    progress_callback: ProgressCallback | None = None,
-    should_cancel: CancelCheck | None = None,
-    timeout: float | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-    trace_dir: str | os.PathLike[str] | None = None,
-    agree_every: int | None = None,
-    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS,
-    decode_settings: int = 0,
-) -> int:
-    """:func:`pipeline_prefill` for a request that decodes next: the handshake also compares ``decode_settings``.
+@dataclass(frozen=True)
+class PrefillOptions:
+    """:func:`pipeline_prefill`'s keyword arguments, and ``decode_settings``: what the decode after it exchanges.
 
-    ``decode_settings`` indexes :data:`~pipemlx.runtime.agreement.DECODE_SETTINGS` (0: no decode follows);
-    ranks whose decodes would exchange messages of different sizes raise :class:`PipelineMismatchError`
-    at the handshake instead of waiting out their timeout in the first decode step.
+    ``decode_settings`` indexes :data:`~pipemlx.runtime.protocol.DECODE_SETTINGS` (0: no decode follows): the
+    handshake compares it, so ranks whose decodes would exchange messages of different sizes raise
+    :class:`PipelineMismatchError` there rather than wait out their timeout in the first decode step.
     """
+
+    step_size: int | Literal["auto"]
+    progress_callback: ProgressCallback | None
+    should_cancel: CancelCheck | None
+    timeout: float | None
+    kv_bits: int | None
+    kv_group_size: int
+    quantized_kv_start: int
+    trace_dir: str | os.PathLike[str] | None = None
+    agree_every: int | None = None
+    max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS
+    decode_settings: int = 0
+
+
+def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], options: PrefillOptions) -> int:
+    """:func:`pipeline_prefill` with its arguments as one value; the handshake also compares ``decode_settings``."""
     stage = stage_of(model)
     stage.check_usable()
     tokens = check_prompt(prompt)
+    step_size, kv_bits, kv_group_size = options.step_size, options.kv_bits, options.kv_group_size
     if isinstance(step_size, str) and step_size != "auto":
         raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
-    check_timeout(timeout)
+    check_timeout(options.timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
     if not isinstance(cache, list) or len(cache) != len(stage.info.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -167,38 +171,24 @@ def prefill_before_decode(
         )
     # A cache list made otherwise may hold rotating caches on some ranks only: refused at the handshake.
     refused = _refuse_rotating_cache(kv_bits, cache, stage)
-    timeout = timeout or stage.info.timeout
+    timeout = options.timeout or stage.info.timeout
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
     try:
         lengths = (
-            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, max_chunk_seconds, decode_settings)
-            if step_size == "auto"
-            else None
+            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, options) if step_size == "auto" else None
         )
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
     step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
-    num_chunks = len(lengths) if lengths is not None else -(-(tokens.size - 1) // step)
-    spacing = agree_every if agree_every is not None else default_agreement_spacing(num_chunks, stage.world_size)
+    spacing = options.agree_every
+    if spacing is None:
+        spacing = default_agreement_spacing(tokens.size, step, stage.world_size, lengths)
     plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
-    runner = _PlanRunner(
-        model,
-        stage,
-        plan,
-        tokens,
-        cache,
-        progress_callback=progress_callback,
-        should_cancel=should_cancel,
-        timeout=timeout,
-        quantize=lambda c: maybe_quantize_kv_cache(c, quantized_kv_start, kv_group_size, kv_bits),
-        tracer=tracer_for(stage.rank, trace_dir),
-        prefix=prefix,
-        decode_settings=decode_settings,
-    )
-    runner.deferred = refused
+    tracer = tracer_for(stage.rank, options.trace_dir)
+    runner = _PlanRunner(model, stage, plan, tokens, cache, options, timeout, tracer, prefix, deferred=refused)
     try:
         with send_mode(model, "queue"), stage.executing_plan():
             runner.run()
@@ -216,8 +206,7 @@ def _agree_on_auto_chunks(
     num_tokens: int,
     timeout: float | None,
     prefix: int,
-    max_chunk_seconds: float,
-    decode_settings: int,
+    options: PrefillOptions,
 ) -> tuple[int, ...]:
     """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the chunks."""
     table = handshake(
@@ -227,11 +216,11 @@ def _agree_on_auto_chunks(
         timeout,
         needs_calibration=stage.cost_model is None,
         cache_offset=prefix,
-        decode_settings=decode_settings,
+        decode_settings=options.decode_settings,
     )
     if any(table["needs_calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
-    return choose_chunks(num_tokens, stage.cost_model, max_chunk_seconds)
+    return choose_chunks(num_tokens, stage.cost_model, options.max_chunk_seconds)
 
 
 def check_timeout(timeout: Any) -> None:
@@ -243,10 +232,9 @@ def check_timeout(timeout: Any) -> None:
 def check_kv_quantization(kv_bits: Any, kv_group_size: Any, dims: Sequence[int] = ()) -> None:
     """Raise ``ValueError`` unless MLX can quantize with ``kv_bits`` and ``kv_group_size`` (``kv_bits=None``: off).
 
-    Checked on a tiny array, and against ``dims`` (the model's cached key/value widths,
-    :attr:`PipelineStage.kv_dims <pipemlx.runtime.stage.PipelineStage.kv_dims>`, the same on every rank), which
-    ``kv_group_size`` must divide, before anything is sent: every rank raises the same error, rather than
-    the first rank to quantize a cache failing mid-prefill and the others stopping with it.
+    Checked on a tiny array, and against ``dims`` (the model's cached key/value widths, the same on every rank),
+    which ``kv_group_size`` must divide, before anything is sent: every rank raises the same error, rather than
+    the first rank to quantize a cache failing mid-prefill.
     """
     if kv_bits is None:
         return
@@ -274,12 +262,10 @@ def check_rotating_caches(
 ) -> None:
     """Raise ``ValueError`` when ``kv_bits`` is set and ``layers`` (``(layer, cache class)``) is not empty.
 
-    ``layers`` are the whole model's layers whose caches ``kv_bits`` cannot
-    quantize (:attr:`PipelineStage.unquantizable <pipemlx.runtime.stage.PipelineStage.unquantizable>`,
-    the same on every rank, or ``unquantizable_bounded`` when ``max_kv_size`` makes the caches): mlx-lm's
-    ``RotatingKVCache.to_quantized`` raises ``NotImplementedError`` once such a cache reaches
-    ``quantized_kv_start``, on the ranks holding one, mid-prefill. Every rank refuses alike, before anything
-    is sent, however short the prompt: a decode grows the cache past any ``quantized_kv_start``.
+    ``layers`` are the whole model's layers whose caches ``kv_bits`` cannot quantize (the same on every rank):
+    mlx-lm's ``RotatingKVCache.to_quantized`` raises once such a cache reaches ``quantized_kv_start``, mid-prefill,
+    on the ranks holding one. Every rank refuses alike, before anything is sent, however short the prompt: a decode
+    grows the cache past any ``quantized_kv_start``.
     """
     if kv_bits is None or not layers:
         return
@@ -327,40 +313,22 @@ def check_prompt(prompt: Any) -> mx.array:
     return prompt
 
 
+@dataclass(eq=False)
 class _PlanRunner:
     """Executes one rank's :class:`PrefillPlan`, action by action."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        stage: PipelineStage,
-        plan: PrefillPlan,
-        tokens: mx.array,
-        cache: list[Any],
-        *,
-        progress_callback: ProgressCallback | None,
-        should_cancel: CancelCheck | None,
-        timeout: float | None,
-        quantize: Callable[[list[Any]], None],
-        tracer: Tracer,
-        prefix: int = 0,
-        decode_settings: int = 0,
-    ) -> None:
-        self.model = model
-        self.stage = stage
-        self.plan = plan
-        self.tokens = tokens
-        self.cache = cache
-        self.progress_callback = progress_callback
-        self.should_cancel = should_cancel
-        self.timeout = timeout
-        self.quantize = quantize
-        self.tracer = tracer
-        self.prefix = prefix
-        self.decode_settings = decode_settings
-        self.expected_receives = 0
-        self.deferred: BaseException | None = None
-        self.failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
+    model: nn.Module
+    stage: PipelineStage
+    plan: PrefillPlan
+    tokens: mx.array
+    cache: list[Any]
+    options: PrefillOptions
+    timeout: float | None
+    tracer: Tracer
+    prefix: int
+    deferred: BaseException | None = None  # an error acted on at the next agreement point
+    expected_receives: int = 0
+    failed_chunk: int | None = None  # the first chunk the model raised on, on this rank
 
     def run(self) -> None:
         """Carry out every action; failures of the timeout kind end the run at once, on this rank."""
@@ -373,7 +341,7 @@ class _PlanRunner:
                         self.status(),
                         self.timeout,
                         cache_offset=self.prefix,
-                        decode_settings=self.decode_settings,
+                        decode_settings=self.options.decode_settings,
                     )
                 self.prefix = agreed_offset(table)
                 self.stop_if_asked(table, step=None)
@@ -394,9 +362,9 @@ class _PlanRunner:
         """This rank's word at an agreement point: failed, cancel, or OK."""
         if self.deferred is not None:
             return Status.CHUNK_FAILED if self.failed_chunk is not None else Status.FAILED
-        if self.should_cancel is not None:
+        if self.options.should_cancel is not None:
             try:
-                if self.should_cancel():
+                if self.options.should_cancel():
                     return Status.CANCEL
             except Exception as exc:
                 self.deferred = exc
@@ -444,10 +412,9 @@ class _PlanRunner:
         """Run the local layers on the chunk; an error of the model's own is deferred to the next agreement.
 
         From the chunk the model failed on to the next agreement point, the
-        failing rank stands in for its layers: it takes each chunk's input off
-        the wire and passes zeros on, so every message of the plan is still
-        sent and received and nothing stale is left for the next request. It
-        reports the failed chunk at the agreement point, where every rank stops.
+        failing rank stands in for its layers (:func:`~.failure.stand_in`), so
+        every message of the plan is still sent and received; it reports the
+        failed chunk at the agreement point, where every rank stops.
         """
         stage, chunk = self.stage, action.chunk
         if self.failed_chunk is None:
@@ -469,7 +436,8 @@ class _PlanRunner:
         chunk, stage = action.chunk, self.stage
         with mx.stream(stage.compute_stream):
             self.model(self.tokens[None, chunk.start : chunk.stop], cache=self.cache)
-            self.quantize(self.cache)
+            options = self.options
+            maybe_quantize_kv_cache(self.cache, options.quantized_kv_start, options.kv_group_size, options.kv_bits)
         if len(stage.received) != self.expected_receives:
             raise PipelineError(
                 f"{stage.describe()}: plan expects {self.expected_receives} receive(s) for chunk "
@@ -510,10 +478,11 @@ class _PlanRunner:
         self.stop_if_asked(table, action.step)
 
     def progress(self, action: Progress) -> None:
-        if self.progress_callback is None or self.deferred is not None:
+        callback = self.options.progress_callback
+        if callback is None or self.deferred is not None:
             return
         with self.tracer.span("progress", processed=action.processed):
             try:
-                self.progress_callback(action.processed, action.total)
+                callback(action.processed, action.total)
             except Exception as exc:  # acted on at the next agreement point, on every rank
                 self.deferred = exc

@@ -7,13 +7,12 @@ sampled tokens, the shared output head's best logits):
 ``[kind, status, payload width, *fields] + payload``
 
 :class:`Message` declares a message's kind and fields; it builds a rank's row
-(lazily, so a decode step's token can be a field that is computed in the same
-graph), and reads the gathered rows back into a :class:`Table`, checking on the
-way that every rank sent the same kind of message with the same payload width,
-that every status is known, and that the fields marked ``agreed`` hold one value
-on every rank. A disagreement raises :class:`PipelineMismatchError` naming the
-field and each rank's value; every rank holds the same rows, so every rank
-raises the same error.
+(lazily, so a decode step's token can be a field computed in the same graph),
+and reads the gathered rows back into a :class:`Table`, checking that every
+rank sent the same kind of message with the same payload width, that every
+status is known, and that the fields marked ``agreed`` hold one value on every
+rank. Every rank holds the same rows, so every rank raises the same
+:class:`PipelineMismatchError`, naming the field and each rank's value.
 
 The header travels as ``int32``; in a message with a payload it is reinterpreted
 as ``float32`` bits beside the payload (and back when read), so every field is
@@ -34,6 +33,7 @@ from typing import cast
 import mlx.core as mx
 
 from ..errors import PipelineMismatchError
+from .caches import UNCOUNTED
 from .waits import wait_for
 
 
@@ -54,18 +54,13 @@ class Status(IntEnum):
     """A rank's word on whether to go on, in every message."""
 
     OK = 0
-    CANCEL = 1
-    """The rank's consumer stopped, or its ``should_cancel`` said yes."""
-    FAILED = 2
-    """A callback raised on the rank."""
-    CHUNK_FAILED = 3
-    """The model raised on the rank: it stood in for its layers (:mod:`pipemlx.runtime.failure`)."""
-    END = 4
-    """The rank wants no more tokens (``max_tokens`` reached, or a stop token yielded)."""
+    CANCEL = 1  # the rank's consumer stopped, or its should_cancel said yes
+    FAILED = 2  # a callback raised on the rank
+    CHUNK_FAILED = 3  # the model raised on the rank: it stood in for its layers (runtime/failure.py)
+    END = 4  # the rank wants no more tokens (max_tokens reached, or a stop token yielded)
 
 
-PREFIX = ("kind", "status", "payload")
-"""The fields every row begins with."""
+PREFIX = ("kind", "status", "payload")  # the fields every row begins with
 
 
 def _plain(value: int) -> object:
@@ -74,16 +69,12 @@ def _plain(value: int) -> object:
 
 @dataclass(frozen=True)
 class Field:
-    """One named integer of a message's header.
-
-    ``agreed``: every rank must send the same value, except ``unknown`` (a rank
-    that cannot know it); ``show`` turns a value into what an error message shows.
-    """
+    """One named integer of a message's header."""
 
     name: str
-    agreed: bool = False
+    agreed: bool = False  # every rank must send the same value, except unknown (a rank that cannot know it)
     unknown: int | None = None
-    show: Callable[[int], object] = _plain
+    show: Callable[[int], object] = _plain  # turns a value into what an error message shows
 
 
 def agreed(name: str, *, unknown: int | None = None, show: Callable[[int], object] = _plain) -> Field:
@@ -181,19 +172,14 @@ class Message:
         return mx.concatenate([mx.view(header, mx.float32), *body])
 
     def read(self, gathered: mx.array, world_size: int, where: str) -> Table:
-        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module).
-
-        ``where`` names the message in errors (``"the handshake"``): the same on every rank, so that every
-        rank raises the same error."""
+        """The :class:`Table` of an evaluated all-gather of rows; raises :class:`PipelineMismatchError` (see module)
+        whose message names the message ``where`` (``"the handshake"``) alike on every rank."""
         flat = mx.reshape(gathered, (world_size, -1)) if gathered.size % world_size == 0 else None
         if flat is None or flat.shape[1] < self.width:
             raise PipelineMismatchError(f"{where}: the ranks sent rows of different sizes: they are out of step")
-        if flat.dtype == mx.int32:
-            heads = cast(list[list[int]], flat[:, : self.width].tolist())
-            payloads = cast(list[list[float]], flat[:, self.width :].tolist())
-        else:
-            heads = cast(list[list[int]], mx.view(flat[:, : self.width], mx.int32).tolist())
-            payloads = cast(list[list[float]], flat[:, self.width :].tolist())
+        header = flat[:, : self.width]
+        heads = cast(list[list[int]], (header if flat.dtype == mx.int32 else mx.view(header, mx.int32)).tolist())
+        payloads = cast(list[list[float]], flat[:, self.width :].tolist())
         columns = {name: [row[i] for row in heads] for name, i in self._index.items()}
         kinds = columns["kind"]
         if any(k != self.kind for k in kinds):
@@ -242,14 +228,10 @@ def per_rank(values: Sequence[object]) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
 
 
-# The messages. Each is gathered from every rank; the fields marked agreed are compared.
-
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 """Activation dtypes as the handshake's ``dtype`` field numbers them (from 1; 0: another dtype)."""
 DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
 """What the handshake's ``decode_settings`` values mean: what the decode after the prefill will exchange."""
-UNCOUNTED = -1
-"""A ``cache_offset`` (or a tick's ``prefixes``) from a rank whose caches count no positions: not compared."""
 
 
 def dtype_code(dtype: mx.Dtype | None) -> int:

@@ -31,8 +31,7 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's logits processor: ``(tokens so far, logits) -> logits``."""
 
-SHARE_WIDTH = 2
-"""What a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id."""
+SHARE_WIDTH = 2  # what a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id
 
 
 @dataclass(frozen=True)
@@ -58,14 +57,11 @@ class VocabShard:
     ) -> mx.array:
         """``[rows, 2]``, lazily: this rank's largest logit and its id per row, for the last rank's ``hidden``.
 
-        ``hidden`` is ``[rows, hidden_size]``: the final hidden states on the
-        last rank, zeros on the others; every rank calls this once per step,
-        after its own part of the step is evaluated. The all-gather that brings
-        the last rank's rows to every rank is evaluated here on its own (a
-        bounded wait, ``describe()`` naming it), before any later collective is
-        built on it: on MLX's ring backend a graph holding two collectives
-        hangs when a peer dies during the first, while a graph holding one
-        fails with the lost connection (docs/design.md, "Decoding").
+        The all-gather that brings the last rank's rows to every rank is
+        evaluated here on its own (a bounded wait, ``describe()`` naming it),
+        before any later collective is built on it: on MLX's ring backend a
+        graph holding two collectives hangs when a peer dies during the first,
+        while a graph holding one fails with the lost connection.
         """
         gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
         last = gathered[-hidden.shape[0] :]
@@ -115,9 +111,8 @@ def processed(logits: mx.array, context: mx.array, processors: Sequence[LogitsPr
 def choose(logits: mx.array, sampler: Sampler | None) -> tuple[mx.array, mx.array]:
     """The token ids and the log-probabilities of ``logits`` (lazy): greedy when ``sampler`` is ``None``.
 
-    Greedy takes the argmax of the logits themselves: the same ids, and the
-    step need not wait for the vocabulary-wide ``logsumexp``, which is computed
-    only if the log-probabilities are read.
+    Greedy takes the argmax of the logits themselves, so the vocabulary-wide
+    ``logsumexp`` is computed only if the log-probabilities are read.
     """
     logprobs = log_probabilities(logits)
     return (greedy(logits) if sampler is None else sampler(logprobs)), logprobs
@@ -146,9 +141,8 @@ def shared_head(
 ) -> mx.array:
     """This rank's part of a shared head's step, flattened: per row, its largest logit and that logit's id.
 
-    ``hidden`` is the last rank's final hidden states (``None`` on the other
-    ranks and on a rank standing in: zeros are sent). A collective: every rank
-    calls it once its own part of the step is evaluated (:meth:`VocabShard.pairs`).
+    ``hidden`` is the last rank's final hidden states (``None`` on the other ranks and on a rank standing in:
+    zeros are sent). A collective: every rank calls it once its own part of the step is evaluated.
     """
     if hidden is None:
         hidden = mx.zeros((rows, shard.hidden_size), dtype=mx.float32)

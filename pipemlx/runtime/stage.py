@@ -32,28 +32,20 @@ class OpenRequest(Protocol):
 SendMode = Literal["immediate", "queue"]
 SEND_MODES: tuple[SendMode, ...] = ("immediate", "queue")
 STAGE_ATTRIBUTE = "_pipemlx_stage"
-OUTSTANDING_OUTPUTS = 4
-"""Immediate-mode outputs remembered for :meth:`PipelineStage.settle` (mlx-lm leaves one step in flight)."""
-EXIT_TIMEOUT = 10.0
-"""Seconds the end of the program may wait for what a stage left in flight."""
+OUTSTANDING_OUTPUTS = 4  # immediate-mode outputs remembered for PipelineStage.settle (mlx-lm leaves one step in flight)
+EXIT_TIMEOUT = 10.0  # seconds the end of the program may wait for what a stage left in flight
 
 
 @dataclass(frozen=True)
 class Lending:
     """Where the cuts fall inside layers (``shard_model``'s ``lend_mlp`` and ``lend_heads``); none by default."""
 
-    mlp: bool = False
-    """Each rank's last layer's feed-forward half runs on the next rank."""
-    share: float = 0.0
-    """The share of a layer's per-token work that the cut moves to the next rank."""
-    heads: int = 0
-    """Key-value heads of that layer's attention moved too."""
-    pair_share: float = 0.0
-    """The share of a layer's attention to earlier positions that the lent heads move."""
-    incoming_width: int = 0
-    """Width of the messages from the previous rank (0: ``hidden_size``); lent heads widen them."""
-    outgoing_width: int = 0
-    """Width of the messages to the next rank (0: ``hidden_size``)."""
+    mlp: bool = False  # each rank's last layer's feed-forward half runs on the next rank
+    share: float = 0.0  # the share of a layer's per-token work that the cut moves to the next rank
+    heads: int = 0  # key-value heads of that layer's attention moved too
+    pair_share: float = 0.0  # the share of a layer's attention to earlier positions that the lent heads move
+    incoming_width: int = 0  # of the messages from the previous rank (0: hidden_size); lent heads widen them
+    outgoing_width: int = 0  # of the messages to the next rank (0: hidden_size)
 
 
 @dataclass(frozen=True)
@@ -62,27 +54,20 @@ class StageInfo:
 
     rank: int
     world_size: int
-    split: tuple[int, ...]
-    """Layers per rank."""
-    layers: range
-    """This rank's layers, as indices into the whole model's."""
+    split: tuple[int, ...]  # layers per rank
+    layers: range  # this rank's layers, as indices into the whole model's
     total_layers: int
-    timeout: float | None
-    """The default bound of every blocking wait (seconds)."""
+    timeout: float | None  # the default bound of every blocking wait (seconds)
     hidden_size: int
-    dtype: mx.Dtype | None
-    """The dtype of the hidden states this rank's layers exchange."""
-    kv_dims: tuple[int, ...] = ()
-    """The whole model's cached key/value widths, which ``kv_group_size`` must divide."""
+    dtype: mx.Dtype | None  # of the hidden states this rank's layers exchange
+    kv_dims: tuple[int, ...] = ()  # the whole model's cached key/value widths, which kv_group_size must divide
     unquantizable: tuple[tuple[int, str], ...] = ()
     """The whole model's layers whose caches ``kv_bits`` cannot quantize: ``(layer, cache class)``."""
     unquantizable_bounded: tuple[tuple[int, str], ...] = ()
     """Likewise for the caches ``make_prompt_cache(model, max_kv_size=...)`` makes."""
     lending: Lending = field(default_factory=Lending)
-    head: Literal["all", "last"] = "all"
-    """Which ranks keep the output head."""
-    vocab_shard: VocabShard | None = None
-    """This rank's rows of the output head, for greedy decodes that share it (``None``: not shared)."""
+    head: Literal["all", "last"] = "all"  # which ranks keep the output head
+    vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes that share it
     bounded_caches: Callable[[int], list[Any]] | None = None
     """``lend_heads``, the rank after a cut: its caches bounded by ``max_kv_size`` (see :meth:`PipelineStage.new_cache`)."""
 
@@ -106,22 +91,16 @@ class PipelineStage:
     """What :func:`pipemlx.shard_model` attaches to a model: one rank's part of the pipeline.
 
     :attr:`info` is what the rank is (fixed when the model is sharded); the
-    rest is what changes at run time: the send mode, the sends and receives in
-    flight, whether a failed wait left the wire unusable, an open request, and
-    the group's cost model once calibrated.
-
-    It owns the model's :class:`SendQueue` and the current send mode. The mode
-    is read by the last local layer on every call and changed only by
-    :func:`pipemlx.send_mode`, which scopes it to a ``with`` block:
-
-    - ``"immediate"`` (outside any block): the last local layer sends its output
-      to the next rank inside the model's graph, then every rank receives the
-      final hidden state (an all-gather), so each rank computes the same logits.
-      The send is tied to the layer's cache, so evaluating the caches alone
-      (as mlx-lm's ``generate_step`` does while prefilling) still sends.
-    - ``"queue"``: the last local layer puts its output on the send queue and
-      returns; nothing is broadcast. The first local layer's receives are
-      recorded in :attr:`received` for the prefill executor to wait on.
+    rest is what changes at run time: the send mode (set by
+    :func:`pipemlx.send_mode`), the sends and receives in flight, whether a
+    failed wait left the wire unusable, an open request, and the group's cost
+    model once calibrated. In ``"immediate"`` mode the last local layer sends
+    its output to the next rank inside the model's graph, tied to the layer's
+    cache (so evaluating the caches alone, as mlx-lm's ``generate_step`` does
+    while prefilling, still sends), then every rank receives the final hidden
+    state (an all-gather), so each rank computes the same logits. In
+    ``"queue"`` mode it puts its output on the :class:`SendQueue`, and the
+    first local layer's receives are recorded in :attr:`received`.
     """
 
     def __init__(self, info: StageInfo, group: mx.distributed.Group) -> None:
@@ -168,17 +147,12 @@ class PipelineStage:
         return self._mode == "immediate" and self._broadcast and not self._detached
 
     def set_mode(self, mode: SendMode) -> None:
-        """Switch the send mode; only :func:`pipemlx.send_mode` should call this."""
-        if mode not in SEND_MODES:
-            raise ValueError(f"unknown send mode {mode!r}; expected one of {SEND_MODES}")
+        """Switch the send mode; only :func:`pipemlx.send_mode` (which checks ``mode``) should call this."""
         self._mode = mode
 
     @contextmanager
     def detached(self) -> Generator[None, None, None]:
-        """Within the block the edges neither receive nor send: the local layers run on their own.
-
-        For timing the local layers (:mod:`pipemlx.runtime.calibrate`); nothing crosses the wire.
-        """
+        """Within the block the edges neither receive nor send: the local layers run on their own (calibration)."""
         self._detached = True
         try:
             yield
@@ -188,10 +162,8 @@ class PipelineStage:
 
     @contextmanager
     def without_broadcast(self) -> Generator[None, None, None]:
-        """Within the block an immediate send is not followed by the final hidden state's all-gather.
-
-        For the decode steps of :func:`pipemlx.generate_step`, which gather only what they need.
-        """
+        """Within the block an immediate send is not followed by the final hidden state's all-gather (the decode
+        steps of :func:`pipemlx.generate_step` gather only what they need)."""
         self._broadcast = False
         try:
             yield
@@ -202,9 +174,7 @@ class PipelineStage:
     def executing_plan(self) -> Generator[None, None, None]:
         """Within the block the prefill executor drives the model: forward passes in queue mode are allowed.
 
-        Outside it, calling the model in queue mode raises :class:`PipelineError`:
-        the last local layer only queues its output there, so the logits would be
-        computed from this rank's partial hidden state.
+        Outside it they raise :class:`PipelineError`: the logits would come from this rank's partial hidden state.
         """
         self._executing_plan = True
         try:
@@ -217,15 +187,13 @@ class PipelineStage:
 
         mlx-lm's ``generate_step`` evaluates step n+1 before yielding token n; a
         pipemlx decode whose consumer stopped without closing it leaves a step
-        unagreed. Both hold collectives, and a collective started before they
-        complete would interleave with theirs on the wire. Every pipemlx entry
-        point calls this first, so no caller has to synchronize by hand. The
-        drain is bounded by ``timeout``; a failure marks the stage broken.
+        unagreed. A collective started before they complete would interleave
+        with theirs on the wire, so every pipemlx entry point calls this first.
+        The drain is bounded by ``timeout``; a failure marks the stage broken.
 
-        Every sharded model of the process shares the wire: the other models'
-        stages are settled first (an open request finished, what mlx-lm left
-        in flight drained), so that a request on one model cannot read another
-        model's step off the wire.
+        Every sharded model of the process shares the wire, so the other
+        models' stages are settled first: a request on one model cannot read
+        another model's step off the wire.
         """
         self.check_usable()
         for other in [s for s in _LIVE_STAGES if s is not self and s.broken is None]:
@@ -259,10 +227,9 @@ class PipelineStage:
 
         Two passes evaluated together (``mx.eval(model(a), model(b))``) would
         interleave their messages on the wire in an order the ranks need not
-        agree on, which hangs every rank. A previous pass that was evaluated, or
-        scheduled with ``mx.async_eval`` as mlx-lm's ``generate_step`` does, is
-        waited for (bounded by the timeout); one that was not raises here, on
-        every rank, before anything of the new pass is sent.
+        agree on. A previous pass that was evaluated or scheduled is waited for
+        (bounded); one that was not raises here, on every rank, before anything
+        of the new pass is sent.
         """
         if not self.outstanding:
             return
@@ -351,9 +318,8 @@ class PipelineStage:
     def new_cache(self, model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
         """Fresh caches for this rank's layers: mlx-lm's ``make_prompt_cache(model, max_kv_size)``.
 
-        mlx-lm bounds the caches only of a model without its own
-        ``make_cache``; the rank after a ``lend_heads`` cut has one (its first
-        layer's cache holds the lent heads' too), so here it gets the rotating
+        mlx-lm bounds the caches only of a model without its own ``make_cache``;
+        the rank after a ``lend_heads`` cut has one, so here it gets the rotating
         caches mlx-lm gives every other layer of that model.
         """
         if max_kv_size is not None and self.info.bounded_caches is not None:
@@ -410,12 +376,8 @@ def stage_of(model: nn.Module) -> PipelineStage:
     return stage
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage)
-
-
 def ensure_unsharded(model: nn.Module) -> None:
-    if is_sharded(model):
+    if isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage):
         raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")
 
 

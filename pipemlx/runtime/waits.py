@@ -32,12 +32,11 @@ def wait_for(arrays: Any, timeout: float | None, describe: Callable[[], str]) ->
 def issue(arrays: Any, timeout: float | None, describe: Callable[[], str]) -> None:
     """Hand ``arrays`` to MLX to evaluate in the background (``mx.async_eval``), raising after ``timeout`` seconds.
 
-    ``mx.async_eval`` itself blocks while MLX has too many tasks in flight:
-    a large graph behind a receive its peer has not sent yet keeps it from
-    returning until the peer sends. A forward pass of a model is such a
-    graph, so issuing one that starts with a receive is a wait like
-    any other: it runs in a helper thread and fails with
-    :class:`PipelineTimeoutError` (or :class:`PeerLostError`) rather than hang.
+    ``mx.async_eval`` itself blocks while MLX has too many tasks in flight: a
+    forward pass behind a receive its peer has not sent yet keeps it from
+    returning until the peer sends. So issuing is a wait like any other: it
+    runs in a helper thread and fails with :class:`PipelineTimeoutError` (or
+    :class:`PeerLostError`) rather than hang.
     """
     _in_helper_thread(lambda: mx.async_eval(arrays), timeout, describe)  # pyright: ignore[reportUnknownMemberType, reportUnknownLambdaType]
 

@@ -20,8 +20,7 @@ from .plan import chunks_of_lengths
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Powers of two: the lengths the calibration times (``pipemlx.runtime.calibrate.CALIBRATION_LENGTHS``), so a
 candidate's middle chunks cost what was measured, not what was interpolated between two lengths."""
-MAX_CHUNKS = 512
-"""Candidates that would cut the prompt into more chunks than this are not simulated."""
+MAX_CHUNKS = 512  # candidates that would cut the prompt into more chunks than this are not simulated
 
 
 class AutoRequest:
@@ -53,18 +52,15 @@ def choose_step(num_tokens: int, costs: CostModel) -> int:
 
 
 DEFAULT_MAX_CHUNK_SECONDS = 2.0
-"""Metal ends a command buffer that runs for more than a few seconds (exo's users met it in pipeline
-prefill): auto never plans a chunk the cost model predicts to take longer than this on any rank."""
-RAMP_MIN_TOKENS = 16
-"""The smallest chunk a ramp starts or ends with."""
-NEAR_TIE = 0.01
-"""A non-uniform cut must be predicted this much faster than the best uniform one to be chosen."""
+"""Metal ends a command buffer that runs for more than a few seconds: auto never plans a chunk the cost model
+predicts to take longer than this on any rank."""
+RAMP_MIN_TOKENS = 16  # the smallest chunk a ramp starts or ends with
+NEAR_TIE = 0.01  # a non-uniform cut must be predicted this much faster than the best uniform one to be chosen
 
 
 RAMP_LEVELS = ((0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (2, 4))
 """``(head, tail)`` ramp depths tried for each step: the drain (tail) matters most, so it goes deeper."""
-RAMPED_STEPS = 3
-"""Ramps are tried around the best this many uniform steps (each ramp is one more simulation)."""
+RAMPED_STEPS = 3  # ramps are tried around the best this many uniform steps (each ramp is one more simulation)
 TAIL_RATIOS = (0.625, 0.75)
 """Gentler drains tried too (:func:`tail_lengths`): each chunk of the tail this share of the one before."""
 
@@ -73,16 +69,12 @@ def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tu
     """Chunks of ``step`` tokens, ``head`` halvings ramping up at the start and ``tail`` ramping down at the end.
 
     ``ramp_lengths(M, 256, 2, 3)`` is ``64, 128, 256, ..., 256, 128, 64, 32``.
-    The pipeline fills on its first chunks and drains on its last ones: while
-    the first chunk runs on rank 0 the others wait, and while the last chunk
-    runs on the last rank the others are idle. Small chunks there shorten both
-    (the idea of TeraPipe, Li et al. 2021, which cuts chunks by dynamic
-    programming over a cost model; here the ramps are a small family whose
-    every member the cost model simulates). The drain is usually the costlier
-    end: the last chunks attend to the whole prompt. The remainder goes right
-    after the ramp-up, where attention is cheapest. None when a ramp would
-    hold a chunk under :data:`RAMP_MIN_TOKENS` or the prompt is too short
-    for it; ``head=tail=0`` is the uniform cut with the remainder first.
+    While the first chunk runs on rank 0 the others wait, and while the last
+    chunk runs on the last rank the others are idle: small chunks there shorten
+    the pipeline's fill and drain (the idea of TeraPipe, Li et al. 2021). The
+    remainder goes right after the ramp-up, where attention is cheapest. None
+    when a ramp would hold a chunk under :data:`RAMP_MIN_TOKENS` or the prompt
+    is too short for it; ``head=tail=0`` is the uniform cut with the remainder first.
     """
     prefill = num_tokens - 1
     up = [step >> level for level in range(head, 0, -1)]
@@ -92,10 +84,7 @@ def ramp_lengths(num_tokens: int, step: int, head: int = 2, tail: int = 2) -> tu
     rest = prefill - sum(up) - sum(down)
     if rest < 2 * step:
         return None
-    middle = [step] * (rest // step)
-    if rest % step:
-        middle.insert(0, rest % step)
-    return (*up, *middle, *down)
+    return (*up, *_remainder_first(rest, step), *down)
 
 
 def tail_lengths(num_tokens: int, step: int, ratio: float) -> tuple[int, ...] | None:
@@ -116,10 +105,12 @@ def tail_lengths(num_tokens: int, step: int, ratio: float) -> tuple[int, ...] | 
     rest = num_tokens - 1 - sum(tail)
     if not tail or rest < 2 * step:
         return None
-    middle = [step] * (rest // step)
-    if rest % step:
-        middle.insert(0, rest % step)
-    return (*middle, *tail)
+    return (*_remainder_first(rest, step), *tail)
+
+
+def _remainder_first(positions: int, step: int) -> tuple[int, ...]:
+    """``positions`` in chunks of ``step``, the remainder (if any) first, where attention is cheapest."""
+    return ((positions % step,) if positions % step else ()) + (step,) * (positions // step)
 
 
 def uniform_lengths(num_tokens: int, step: int) -> tuple[int, ...]:
@@ -141,14 +132,11 @@ def choose_chunks(
 
     Candidates: every step of :func:`candidate_steps` cut as mlx-lm cuts it,
     and, around the :data:`RAMPED_STEPS` best of those, the same step with the
-    ramps of :data:`RAMP_LEVELS` at its ends (:func:`ramp_lengths`) and with
-    the tails of :data:`TAIL_RATIOS` (:func:`tail_lengths`). Each is
-    simulated with the executor's agreement spacing; a ramped cut wins only
-    when it is predicted :data:`NEAR_TIE` faster than the best uniform one.
-    Candidates with a chunk predicted above ``max_chunk_seconds`` on some rank
-    are dropped (when all would be, the uniform cut whose slowest chunk is
-    cheapest is taken). Pure and deterministic: every rank derives the same
-    lengths from the same cost model.
+    ramps of :data:`RAMP_LEVELS` and the tails of :data:`TAIL_RATIOS`; a ramped
+    cut wins only when it is predicted :data:`NEAR_TIE` faster than the best
+    uniform one. Candidates with a chunk predicted above ``max_chunk_seconds``
+    on some rank are dropped (when all would be, the uniform cut whose slowest
+    chunk is cheapest is taken). Pure: every rank derives the same lengths.
     """
     if num_tokens < 2:
         return ()

@@ -1,17 +1,12 @@
 """The tick schedule of continuous batching: which prefill chunk each rank computes, when requests join.
 
-:class:`pipemlx.BatchGenerator` runs in *ticks*: in every tick each rank runs
-the decode step of the active batch and at most one chunk of a queued prompt.
-Chunks travel the ranks like a pipeline: the chunk rank 0 computes in tick t,
-rank 1 computes in tick t+1, and so on, so in one tick the ranks work on
-different chunks at once. This module decides all of it as plain data, from
-data every rank has (the queue of requests and their lengths, the batch size,
+In every tick of :class:`pipemlx.BatchGenerator` each rank computes at most one
+chunk of a queued prompt: the chunk rank 0 computes in tick t, rank 1 computes
+in tick t+1, and so on. This module decides it all as plain data, from data
+every rank has (the queue of requests and their lengths, the batch size,
 removals agreed between ticks), so every rank derives the same :class:`Tick`
-and checks the others did with :meth:`Tick.fingerprint`.
-
-Nothing here imports MLX: the schedule is checked by itself (the properties in
-``tests/test_batch_plan.py``) and by a small simulator of the ranks'
-messages (:mod:`pipemlx.schedule.batch_sim`).
+and checks the others did with :meth:`Tick.fingerprint`. Nothing here imports
+MLX (:mod:`pipemlx.schedule.batch_sim` simulates the ranks' messages).
 """
 
 from __future__ import annotations
@@ -269,19 +264,14 @@ def plan_tick(
     ``decoding``: the reservations (positions) of the requests in the decode
     batch before the tick's joins. Rank 0 takes the next ``chunk_tokens``
     positions of the first queued request (:class:`ChunkSizes`: as many as it
-    gives for where the chunk starts; ``lone_chunk_tokens`` when no
-    request decodes or joins in the tick: a lone prompt is prefilled in
-    larger chunks); rank ``r`` computes what rank ``r - 1`` computed in the
-    last tick. A request starts only when ``admission`` (an :class:`Admission`
-    or :class:`AdmissionLimits`) admits it together with everything decoding
-    and prefilling, and fewer than ``prefill_batch_size`` requests are
-    started and not yet decoding (those joining in this tick not counted):
-    they are then all that are prefilled, ready or in flight on some rank at
-    once (mlx-lm's ``prefill_batch_size``). Requests start in order, so one
-    that waits holds back those behind it. A request with no positions to
-    prefill is ready at once. A chunk ends at its request's next boundary
-    (:attr:`QueuedPrompt.boundaries`) if it would cross it. Pure: the same arguments
-    give the same tick everywhere.
+    gives for where the chunk starts; ``lone_chunk_tokens`` when no request
+    decodes or joins in the tick); rank ``r`` computes what rank ``r - 1``
+    computed in the last tick. A request starts only when ``admission`` admits
+    it together with everything decoding and prefilling, and fewer than
+    ``prefill_batch_size`` requests are started and not yet decoding (those
+    joining in this tick not counted). Requests start in order, so one that
+    waits holds back those behind it. A request with no positions to prefill is
+    ready at once. Pure: the same arguments give the same tick everywhere.
     """
     if (isinstance(chunk_tokens, int) and chunk_tokens < 1) or (
         lone_chunk_tokens is not None and lone_chunk_tokens < 1

@@ -22,21 +22,12 @@ The model is deliberately small:
 - an agreement point (or the handshake) ends ``collective_s`` after the last
   rank enters it.
 
-:func:`predict` runs the real plans (:func:`pipemlx.schedule.plan.build_plans`) through
-:func:`pipemlx.schedule.simulate.simulate` with these durations, the executor's send
-semantics (sends issued asynchronously, awaited before the next agreement
-point), and reports the prefill time and the bubble fraction: the share of
-rank-seconds in which ranks were not computing. :func:`fit_layer_costs`
-calibrates a layer's costs from chunk timings of one process holding the
-whole model (:func:`pipemlx.observe.trace.samples_from_trace` reads them from a
-trace). Pure Python: no MLX.
-
-A prediction is a simulation: :func:`predict` needs :mod:`pipemlx.schedule.simulate`
-(pure Python too), and so does ``step_size="auto"``, which calls it.
-
-Run ``python -m pipemlx.cli.costmodel --help`` for a table of predictions for 1..16 ranks
-(``--calibrate TRACE`` fits the costs to the trace of a 1-rank run, ``--trace OUT``
-writes a predicted timeline that Perfetto and :mod:`pipemlx.observe.timeline` show).
+:func:`predict` runs the real plans through :func:`pipemlx.schedule.simulate.simulate`
+with these durations and the executor's send semantics (sends issued
+asynchronously, awaited before the next agreement point). :func:`fit_layer_costs`
+calibrates a layer's costs from chunk timings of one process holding the whole
+model. Pure Python: no MLX. ``python -m pipemlx.cli.costmodel --help`` prints a
+table of predictions for 1..16 ranks.
 """
 
 from __future__ import annotations
@@ -93,16 +84,12 @@ class LayerCosts:
     :meth:`seconds_at_start`) plus ``attention_s`` per query-key pair *before*
     its start; ``chunk_s`` and ``token_s`` remain the straight-line summary of
     those measurements. BLAS multiplies some lengths of chunk markedly more
-    slowly per token than others, a curve that no straight line through a few
-    chunks follows (``docs/performance.md``), and the choice of
-    ``step_size="auto"`` turns on small differences.
+    slowly per token than others, a curve no straight line follows.
 
     ``far_pairs``, when given, holds ``(length, seconds per pair)`` of chunks
-    measured far into a prompt (lengths ascending): a pair then costs what
-    the chunk's length measured there (interpolated, see
-    :meth:`pair_seconds`) instead of ``attention_s``. Far in, a chunk's
-    attention scores outgrow the caches, and longer chunks can pay more per
-    pair, which at long prompts decides between chunk lengths.
+    measured far into a prompt (lengths ascending): a pair then costs what the
+    chunk's length measured there (:meth:`pair_seconds`) instead of
+    ``attention_s``: far in, longer chunks can pay more per pair.
     """
 
     chunk_s: float
@@ -128,10 +115,8 @@ class LayerCosts:
         return self.seconds_at_start(chunk.length) + self.pair_seconds(chunk.length) * chunk.length * chunk.start
 
     def pair_seconds(self, length: int) -> float:
-        """Seconds per query-key pair of a ``length``-token chunk's attention to earlier positions.
-
-        :attr:`far_pairs` interpolated linearly in the length (at the nearest
-        measured length outside them); without them, ``attention_s``.
+        """Seconds per query-key pair of a ``length``-token chunk's attention to earlier positions: :attr:`far_pairs`
+        interpolated linearly in the length (the nearest measured length outside them); without them, ``attention_s``.
         """
         if not self.far_pairs:
             return self.attention_s
@@ -260,8 +245,7 @@ def predict(
     (``agree_every=None``: the executor's default spacing).
     """
     if agree_every is None:
-        num_chunks = len(chunk_lengths) if chunk_lengths is not None else -(-(num_tokens - 1) // step_size)
-        agree_every = default_agreement_spacing(num_chunks, costs.world_size)
+        agree_every = default_agreement_spacing(num_tokens, step_size, costs.world_size, chunk_lengths)
     plans = build_plans(num_tokens, step_size, costs.world_size, agree_every, chunk_lengths)
     result = simulate(
         plans, capacity=None, await_sends=True, hidden_size=costs.hidden_size, durations=costs

@@ -41,8 +41,7 @@ from typing import Literal
 from .memory_split import MemoryPlanError, ModelBytes, align_columns, format_size, plan_layers
 from .split import check_world, layer_range
 
-KV_BLOCK = 256
-"""mlx-lm's ``KVCache.step``: caches grow by whole blocks of this many positions."""
+KV_BLOCK = 256  # mlx-lm's KVCache.step: caches grow by whole blocks of this many positions
 HIDDEN_BUFFERS = 11
 INTERMEDIATE_BUFFERS = 2
 CACHE_GROWTH = 1.2
@@ -151,13 +150,10 @@ def _position_bytes(layer: LayerCache, dtype_bytes: int, settings: Settings, qua
 def layer_cache_trace(layer: LayerCache, dtype_bytes: int, settings: Settings) -> list[tuple[int, int, int, int, int]]:
     """Per chunk: (chunk size, positions it attends to, cache bytes after it, bytes of a growth, bytes converted).
 
-    Follows mlx-lm's caches exactly: ``KVCache`` grows by blocks of
-    :data:`KV_BLOCK` (trimming a partly used last block first); a growth
-    copies the layer's cache into a larger buffer (the grown buffer's bytes
-    are the "growth"). With ``kv_bits`` the whole buffer is converted to a
-    ``QuantizedKVCache`` after the chunk that reaches ``quantized_kv_start``
-    (both live for a moment: "converted"), which then grows alike.
-    ``RotatingKVCache`` keeps ``window - 1`` positions plus the chunk.
+    Follows mlx-lm's caches exactly: ``KVCache`` grows by blocks of :data:`KV_BLOCK` (trimming a partly used last
+    block first) into a larger buffer (the "growth"). With ``kv_bits`` the whole buffer is converted to a
+    ``QuantizedKVCache`` after the chunk that reaches ``quantized_kv_start`` (both live for a moment: "converted"),
+    which then grows alike. ``RotatingKVCache`` keeps ``window - 1`` positions plus the chunk.
     """
     rows: list[tuple[int, int, int, int, int]] = []
     offset = capacity = 0
@@ -288,11 +284,8 @@ def plan_context(
 ) -> ContextPlan:
     """The split (``split`` if given, else planned) and every rank's memory at ``settings.context``.
 
-    A planned split weighs each layer by its weights plus its cache at the
-    context, and each rank's fixed weights plus one chunk's peak, over its
-    budget (as :func:`pipemlx.schedule.memory_split.plan_layers`). Raises
-    :class:`MemoryPlanError` naming the rank, what it needs and has, and the
-    longest context that fits, when a rank exceeds its budget.
+    A planned split weighs what :func:`split_weights` says over each rank's budget. Raises :class:`MemoryPlanError`
+    naming the rank, what it needs and has, and the longest context that fits, when a rank exceeds its budget.
     """
     n = len(model.bytes.layers)
     check_world(n, world_size)
@@ -300,12 +293,7 @@ def plan_context(
     if budgets is not None and len(budgets) != world_size:
         raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
     if split is None:
-        costs = [layer_cost(model, i, settings) for i in range(n)]
-        peak = max(
-            (rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n)),
-            default=0,
-        )
-        fixed = [fixed_bytes(model.bytes, r, world_size, settings.head) + peak for r in range(world_size)]
+        costs, fixed = split_weights(model, world_size, settings)
         split = plan_layers(costs, fixed, budgets if budgets is not None else [1] * world_size)
     split = tuple(split)
     ranks = tuple(
@@ -328,6 +316,17 @@ def plan_context(
             f"but has {format_size(worst.budget or 0)}; split {list(split)}; {fits}"
         )
     return plan
+
+
+def split_weights(model: MemoryModel, world_size: int, settings: Settings | None) -> tuple[list[int], list[int]]:
+    """What a split weighs against the budgets: per layer its weights and its cache at the context; per rank its fixed
+    weights and one chunk's peak (the parameters alone without ``settings``)."""
+    n = len(model.bytes.layers)
+    if settings is None:
+        return list(model.bytes.layers), [fixed_bytes(model.bytes, r, world_size, "all") for r in range(world_size)]
+    costs = [layer_cost(model, i, settings) for i in range(n)]
+    peak = max((rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n)), default=0)
+    return costs, [fixed_bytes(model.bytes, r, world_size, settings.head) + peak for r in range(world_size)]
 
 
 def check_context(model: MemoryModel, context: int) -> None:
@@ -413,26 +412,6 @@ def format_context_plan(plan: ContextPlan) -> str:
     return "\n".join(lines)
 
 
-__all__ = [
-    "Activations",
-    "ContextPlan",
-    "LayerCache",
-    "MemoryModel",
-    "RankMemory",
-    "Settings",
-    "chunk_peak",
-    "fixed_bytes",
-    "format_context_plan",
-    "layer_cache_trace",
-    "longest_context",
-    "check_speeds",
-    "plan_balanced",
-    "plan_context",
-    "prefill_chunks",
-    "rank_memory",
-]
-
-
 def check_speeds(speeds: Sequence[float], world_size: int) -> tuple[float, ...]:
     """Per-rank speeds (any unit: only their ratios count), checked."""
     values = tuple(float(s) for s in speeds)
@@ -455,9 +434,7 @@ def plan_balanced(
     A rank's prefill time is its layers' compute (taken as their parameter
     bytes) over its speed; the split makes the slowest rank as fast as it can
     be, then the next, and so on. With ``budgets`` a rank may hold only what
-    fits: its layers' weights and caches at ``settings.context`` plus its fixed
-    weights and one chunk's peak (parameters alone without ``settings``).
-    Raises :class:`MemoryPlanError` when no split fits.
+    fits (:func:`split_weights`). Raises :class:`MemoryPlanError` when no split fits.
     """
     n = len(model.bytes.layers)
     check_world(n, world_size)
@@ -468,12 +445,7 @@ def plan_balanced(
             raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
         if settings is not None:
             check_context(model, settings.context)
-            costs = [layer_cost(model, i, settings) for i in range(n)]
-            peak = max(rank_memory(model, range(i, i + 1), 1, 2, settings).chunk for i in range(n))
-        else:
-            costs, peak = list(model.bytes.layers), 0
-        head: HeadPolicy = settings.head if settings is not None else "all"
-        fixed = [fixed_bytes(model.bytes, r, world_size, head) + peak for r in range(world_size)]
+        costs, fixed = split_weights(model, world_size, settings)
         prefix = [0]
         for c in costs:
             prefix.append(prefix[-1] + c)

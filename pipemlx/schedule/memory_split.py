@@ -27,22 +27,9 @@ from types import MappingProxyType
 from .split import check_world, layer_range
 
 SIZE_UNITS: MappingProxyType[str, int] = MappingProxyType(
-    {
-        "": 1,
-        "B": 1,
-        "K": 10**3,
-        "KB": 10**3,
-        "M": 10**6,
-        "MB": 10**6,
-        "G": 10**9,
-        "GB": 10**9,
-        "T": 10**12,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
+    {"": 1, "B": 1}
+    | {prefix + suffix: 10 ** (3 * power) for power, prefix in enumerate("KMGT", 1) for suffix in ("", "B")}
+    | {prefix + "IB": 2 ** (10 * power) for power, prefix in enumerate("KMGT", 1)}
 )
 
 
@@ -165,13 +152,11 @@ def plan_layers(
 
     Rank ``r`` holding layers ``j..i-1`` carries ``fixed[r] + sum(layer_bytes[j:i])``
     bytes, a load of that over ``budgets[r]``. The split returned makes the
-    largest load as small as possible, then the second largest, and so on
-    (so with budgets 3:2:1 and equal layers, the layers go 3:2:1). Every rank
-    gets at least one layer; among equal choices the lower ranks get more
-    layers. It does not check that the loads are at most 1: see :func:`plan_split`.
-    ``allowed(rank, start, stop)``, when given, rules out ranks holding layers
-    ``start..stop-1`` (a memory limit while the loads are times); raises
-    :class:`MemoryPlanError` when no split is allowed.
+    largest load as small as possible, then the second largest, and so on.
+    Every rank gets at least one layer; among equal choices the lower ranks get
+    more layers. It does not check that the loads are at most 1 (:func:`plan_split`
+    does). ``allowed(rank, start, stop)``, when given, rules out ranks holding
+    layers ``start..stop-1``; raises :class:`MemoryPlanError` when no split is allowed.
     """
     n, world = len(layer_bytes), len(budgets)
     check_world(n, world)
@@ -231,16 +216,8 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
         raise ValueError(f"{len(budgets)} budgets for {world_size} ranks")
     fixed = [model.fixed(r, world_size) for r in range(world_size)]
     split = plan_layers(model.layers, fixed, budgets if budgets is not None else [1] * world_size)
-    ranks: list[RankPlan] = []
-    for r in range(world_size):
-        local = layer_range(split, r)
-        ranks.append(
-            RankPlan(
-                r, local, sum(model.layers[local.start : local.stop]), fixed[r], None if budgets is None else budgets[r]
-            )
-        )
-    plan = MemoryPlan(split, tuple(ranks), model)
-    over = [p for p in ranks if p.budget is not None and p.total > p.budget]
+    plan = memory_plan(model, split, budgets)
+    over = [p for p in plan.ranks if p.budget is not None and p.total > p.budget]
     if over and budgets is not None:
         worst = max(over, key=lambda p: p.total / (p.budget or 1))
         raise MemoryPlanError(
@@ -252,6 +229,17 @@ def plan_split(model: ModelBytes, world_size: int, budgets: Sequence[int] | None
             f"{worst.rank} at {format_size(worst.total)}, over its {format_size(worst.budget or 0)}"
         )
     return plan
+
+
+def memory_plan(model: ModelBytes, split: Sequence[int], budgets: Sequence[int] | None = None) -> MemoryPlan:
+    """What ``split`` costs each rank in parameters, with its budget if ``budgets`` are given."""
+    world = len(split)
+    ranks: list[RankPlan] = []
+    for r in range(world):
+        local = layer_range(split, r)
+        budget = None if budgets is None else budgets[r]
+        ranks.append(RankPlan(r, local, sum(model.layers[local.start : local.stop]), model.fixed(r, world), budget))
+    return MemoryPlan(tuple(split), tuple(ranks), model)
 
 
 def align_columns(rows: list[tuple[str, ...]]) -> list[str]:
@@ -288,17 +276,3 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{', tied' if model.tied else ''}); split {list(plan.split)}"
     )
     return "\n".join(lines)
-
-
-__all__ = [
-    "MemoryPlan",
-    "MemoryPlanError",
-    "ModelBytes",
-    "RankPlan",
-    "format_plan",
-    "format_size",
-    "parse_size",
-    "plan_layers",
-    "plan_split",
-    "resolve_budgets",
-]

@@ -181,16 +181,29 @@ def chunks_of_lengths(num_tokens: int, lengths: Sequence[int]) -> tuple[Chunk, .
     return tuple(chunks)
 
 
+MAX_STEP_SIZE = 512
+CHUNKS_PER_RANK = 4
+
+
+def default_step_size(num_tokens: int, world_size: int) -> int:
+    """512 tokens, or less so that a short prompt still gives every rank ``CHUNKS_PER_RANK`` chunks."""
+    return max(1, min(MAX_STEP_SIZE, -(-(num_tokens - 1) // (CHUNKS_PER_RANK * world_size))))
+
+
 AGREEMENTS_PER_PREFILL = 8
 """With the default spacing a prefill has at most about this many agreement points (plus the closing one)."""
 
 
-def default_agreement_spacing(num_chunks: int, world_size: int) -> int:
-    """Steps between agreement points for ``num_chunks`` chunks: about :data:`AGREEMENTS_PER_PREFILL` of them.
+def default_agreement_spacing(
+    num_tokens: int, step_size: int, world_size: int, chunk_lengths: Sequence[int] | None = None
+) -> int:
+    """Steps between agreement points for the chunks :func:`build_plan` cuts from these arguments: about
+    :data:`AGREEMENTS_PER_PREFILL` of them.
 
     Fewer agreement points let the ranks run free between them; each one still
     bounds how late a cancellation or an error is acted on.
     """
+    num_chunks = len(chunk_lengths) if chunk_lengths is not None else -(-(num_tokens - 1) // step_size)
     steps = num_chunks + world_size - 1
     return max(1, -(-steps // AGREEMENTS_PER_PREFILL))
 
@@ -211,10 +224,8 @@ def build_plan(
 
     ``agree_every`` spaces the agreement points: step ``t`` closes with an
     :class:`Agree` when ``t + 1`` is a multiple of it, and the last step always
-    does. Between two agreement points the ranks run free (only the sends
-    and receives of the wavefront connect them), and the progress of the
-    chunks that left the last rank since the previous agreement point is
-    reported, in order, after the next one.
+    does. The progress of the chunks that left the last rank since the previous
+    agreement point is reported, in order, after the next one.
     """
     check_prefill_args(num_tokens, step_size, world_size)
     if not 0 <= rank < world_size:

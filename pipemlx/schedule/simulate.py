@@ -34,13 +34,8 @@ queued output sent, every received state computed, every rank must have
 processed positions ``0 .. M - 2`` and every rank must have reported the same
 progress sequence.
 
-The result is a :class:`SimulationResult`, never an exception: it either
-finished cleanly (``result.ok``), deadlocked (``result.blocked`` names each
-stuck rank, the action it is stuck on and why) or has mismatches (readable
-sentences in ``result.mismatches``; a mismatch found while running stops the
-run). :meth:`SimulationResult.raise_for_failure` turns a failure into
-:class:`DeadlockError` or :class:`PlanMismatchError` (both
-:class:`SimulationError`); :func:`check_plans` simulates and raises in one go.
+The result is a :class:`SimulationResult`, never an exception: it finished
+cleanly, deadlocked or has mismatches (:func:`check_plans` raises instead).
 
 Given :class:`Durations` (see :mod:`pipemlx.schedule.costmodel`), every action gets a
 start and end time: a compute takes its duration, a message arrives
@@ -109,14 +104,13 @@ class Blocked:
 class SimulationResult:
     """What happened when the plans ran together.
 
-    ``finished``: every rank carried out its whole plan. ``blocked``: non-empty
-    when the run deadlocked, one entry per stuck rank. ``mismatches``: readable
-    descriptions of what did not match; when one stopped the run, it comes
-    first and is followed by one line per rank saying where it stood. ``computed[r]`` lists the chunks rank
-    ``r`` computed, in order, with ``compute_steps[r]`` the step of each;
-    ``progress[r]`` the ``(processed, total)`` pairs it reported; ``steps[r]``
-    the number of ``Agree`` actions it completed. ``events`` holds every
-    executed action in execution order (empty when not recorded).
+    ``finished``: every rank carried out its whole plan. ``blocked``: one entry
+    per stuck rank when the run deadlocked. ``mismatches``: what did not match;
+    when one stopped the run, it comes first, then one line per rank saying
+    where it stood. ``computed[r]``: the chunks rank ``r`` computed, in order,
+    ``compute_steps[r]`` the step of each; ``progress[r]``: the pairs it
+    reported; ``steps[r]``: the ``Agree`` actions it completed; ``events``:
+    every executed action in order (empty when not recorded).
     """
 
     plans: tuple[PrefillPlan, ...]
@@ -149,11 +143,8 @@ class SimulationResult:
     def idle_slots(self, rank: int) -> int:
         """Wavefront steps in which ``rank`` computed nothing.
 
-        A step is the stretch of a rank's plan closed by one of its ``Agree``
-        actions, all but the last: that one closes the prefill (it follows the
-        last progress report) and holds no work. With ``n >= 1`` chunks a plan
-        has ``n + S - 1`` steps and each rank computes in ``n`` of them, so it
-        idles in ``S - 1``: filling or draining the pipeline.
+        A step is the stretch of a rank's plan closed by one of its ``Agree`` actions, all but the last (which
+        closes the prefill and holds no work). With ``n >= 1`` chunks each rank idles in ``S - 1`` steps.
         """
         steps = max(self.steps[rank] - 1, 0)
         return steps - len(set(self.compute_steps[rank]))
@@ -230,11 +221,8 @@ def simulate(
 ) -> SimulationResult:
     """Run ``plans`` (one per rank, indexed by rank) together; see the module docstring.
 
-    ``capacity`` is the send buffer per link (``None``: unbounded).
-    ``check_handshake=False`` skips the comparison of plan headers at the
-    handshake, to see what disagreeing plans would do without it. Raises
-    ``ValueError`` only when ``plans`` cannot be a group (empty, wrong ranks);
-    everything about the plans' behaviour is in the result.
+    ``check_handshake=False`` skips the comparison of plan headers at the handshake. Raises ``ValueError`` only
+    when ``plans`` cannot be a group (empty, wrong ranks); everything about the plans' behaviour is in the result.
     """
     plans = tuple(plans)
     _check_group(plans)
@@ -396,23 +384,20 @@ class _Run:
 
     def compute(self, s: _Rank, action: Compute) -> None:
         chunk = action.chunk
+        wanted = f"rank {s.rank} computes {_chunk(chunk)}"
         if s.rank == 0:
             if s.inbox:
-                wanted = f"rank {s.rank} computes {_chunk(chunk)}"
                 return self.mismatch(f"{wanted} but holds received {self.names(s.inbox)} that nothing uses")
         elif len(s.inbox) != 1:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             got = f"has received {self.names(s.inbox)}" if s.inbox else "has received nothing"
             return self.mismatch(
                 f"{wanted}, for which its first layer receives one hidden state from rank {s.rank - 1}, "
                 f"but it {got} (a missing or extra Recv)"
             )
         elif s.inbox[0].chunk != chunk or s.inbox[0].source != s.rank - 1:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             got = s.inbox[0]
             return self.mismatch(f"{wanted} but its input is {_chunk(got.chunk)} from rank {got.source}")
         if chunk.start != s.done or chunk.stop <= chunk.start:
-            wanted = f"rank {s.rank} computes {_chunk(chunk)}"
             so_far = f"after positions 0..{s.done - 1}" if s.done else "before any other"
             return self.mismatch(f"{wanted} {so_far}: positions must be computed in order, each once")
         s.inbox.clear()

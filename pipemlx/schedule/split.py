@@ -5,8 +5,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
-SPLIT_NAMES = ("even", "memory", "balanced")
-"""The named splits :func:`pipemlx.shard_model` accepts besides a list of layers per rank."""
+SPLIT_NAMES = ("even", "memory", "balanced")  # the named splits shard_model accepts besides a list of layers per rank
 
 
 def even_split(num_layers: int, world_size: int) -> tuple[int, ...]:

@@ -3,11 +3,9 @@
 Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
 the pipeline up and greets the others (:class:`.engines.Rank`); then rank 0
 serves HTTP (:mod:`.app`) over the request queue (:mod:`.front`) and leads the
-serving loop (:class:`.loop.Leader`), and every other rank follows the steps
-rank 0 broadcasts (:func:`.loop.follow`, :mod:`.broadcast`). Both loops drive
-one scheduler (:mod:`.engines`): requests one at a time, or up to
-``--max-concurrency`` of them batched together. Requests reuse the KV caches
-of earlier ones (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+serving loop (:mod:`.loop`), which every other rank follows, each driving one
+scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
+(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
 uvicorn) on rank 0; :func:`missing_packages` says what is missing.

@@ -7,11 +7,9 @@ then, ...), so one collective both says what comes next and tells every rank
 where every other rank stands. A step with operations follows it with one
 ``TOKENS`` message: rank 0's encoded :class:`Ops` as an ``int32`` payload (the
 other ranks send zeros of the same count), read from rank 0's row. Being plain
-collectives, both run on any backend the group runs on (ring, MPI, JACCL), and
-every wait is bounded (a helper thread evaluates the collective; MLX cannot
-interrupt one): a rank that dies or stalls becomes :class:`PeerLostError` /
-:class:`PipelineTimeoutError`, never a hang. A message from a rank in another
-phase, or a garbled one, raises :class:`PipelineMismatchError` on every rank.
+collectives with bounded waits, both run on any backend the group runs on, and
+a rank that dies or stalls becomes :class:`PeerLostError` /
+:class:`PipelineTimeoutError`, never a hang.
 
 Operations (``op``): ``HELLO`` (start-up: every rank's own fields only),
 ``IDLE`` (rank 0 has nothing to run; the other ranks pause ``pause_ms`` and
@@ -95,8 +93,7 @@ class Insert:
     max_tokens: int
     temperature: float
     top_p: float
-    seed: int
-    """-1: none (greedy)."""
+    seed: int  # -1: none (greedy)
     plan: Plan = field(default_factory=Plan)
     penalties: Penalties = field(default_factory=Penalties)
 

@@ -1,22 +1,12 @@
-"""What every rank runs: its share of the model, and one of two schedulers behind one interface.
+"""What every rank runs: its share of the model (:class:`Rank`), and one of two schedulers behind one interface.
 
-:class:`Rank` is what every serving rank holds: the sharded model, its end of
-the broadcast, its prefix cache, and where it stands (its slot in every
-broadcast). A :class:`Scheduler` applies a step's operations
-(:class:`~.broadcast.Ops`), the same on every rank, and runs the step; it hands
-rank 0 each token through a :class:`Sink` and returns the requests that ended.
-
-- :class:`OneAtATime` (``--max-concurrency 1``): a step is one request, run
-  whole by :func:`pipemlx.generate_step`: its prefill is pipelined in chunks of
-  ``--step-size`` (``auto``: the ranks' cost model chooses), every token is an
-  agreed decode step (a stop or a cancel takes effect on every rank after the
-  same token), and the cache ends holding every token the request generated, so
-  the next turn of a conversation reuses all of it.
-- :class:`Batched` (above 1): a step is one tick of
-  :class:`pipemlx.BatchGenerator`: a decode step of every running request and a
-  prefill chunk per rank; requests join and leave at tick boundaries, and a
-  finished request hands back its cache holding all but its last token (never
-  fed back).
+A :class:`Scheduler` applies a step's operations (:class:`~.broadcast.Ops`), the
+same on every rank, runs the step, hands rank 0 each token through a
+:class:`Sink` and returns the requests that ended. :class:`OneAtATime`
+(``--max-concurrency 1``) runs a whole request per step; its cache ends holding
+every token the request generated, so the next turn of a conversation reuses all
+of it. :class:`Batched` (above 1) runs a tick of the batch per step; a finished
+request hands back its cache holding all but its last token (never fed back).
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ from ..runtime.batch import BatchGenerator, LogitsProcessor, Response, Sampler
 from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, cache_parts, counted_offset, trim_to
 from ..runtime.generate import generate_step
 from ..runtime.stage import stage_of
+from ..schedule.plan import default_step_size
 from .broadcast import HELLO, REQUEST, STEP, Channel, Header, Insert, Ops
 from .front import OUTCOMES, Outcome, RequestResult, ServeSettings
 from .penalties import Penalties
@@ -66,8 +57,7 @@ class Rank:
         self.last_outcome = 0
         self.bytes_per_token = 0
         self.trimmable = 0
-        self.slots: list[dict[str, int]] = []
-        """Every rank's slot, as of the last broadcast."""
+        self.slots: list[dict[str, int]] = []  # every rank's slot, as of the last broadcast
 
     def slot(self) -> dict[str, int]:
         return {
@@ -130,12 +120,9 @@ class Sink(Protocol):
 class Scheduler(Protocol):
     """How the ranks run the requests; every rank makes the same calls with the same operations."""
 
-    op: int
-    """The broadcast operation of a step (``REQUEST``, ``STEP``); a rank told another one is out of step."""
-    unit: str
-    """What a step is called in messages."""
-    capacity: int
-    """The most requests it runs at once."""
+    op: int  # the broadcast operation of a step (REQUEST, STEP); a rank told another one is out of step
+    unit: str  # what a step is called in messages
+    capacity: int  # the most requests it runs at once
 
     def active(self) -> Collection[int]:
         """The requests it holds between steps (rank 0 removes those answered or cancelled)."""
@@ -178,7 +165,7 @@ class OneAtATime:
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
-        step: int | Literal["auto"] = settings.step_size or default_step(new, rank.size)
+        step: int | Literal["auto"] = settings.step_size or default_step_size(new, rank.size)
         generated: list[int] = []
         outcome: Outcome = "length"
         error: BaseException | None = None
@@ -237,8 +224,7 @@ class _Request:
 
     insert: Insert
     uid: int
-    prompt_cache: list[Any] | None
-    """The cache its prompt is prefilled in, until it is kept in the prefix cache."""
+    prompt_cache: list[Any] | None  # the cache its prompt is prefilled in, until kept in the prefix cache
     generated: list[int] = field(default_factory=list[int])
 
 
@@ -246,12 +232,10 @@ class Batched:
     """Every rank's :class:`pipemlx.BatchGenerator`, one tick per step.
 
     Each insert starts from its planned prefix-cache entry (checked out before
-    anything is stored in the step, so the plans rank 0 made still hold) and is
-    prefilled from the first token the entry lacks. Once a request's prompt is
-    in its cache (its first token arrives), or when it is removed while its
-    prompt is still being prefilled, that cache is kept in the prefix cache; when
-    it finishes, the cache the generator hands back (its prompt and answer)
-    replaces it, on every rank alike.
+    anything is stored in the step, so the plans rank 0 made still hold). Once a
+    request's prompt is in its cache, or when it is removed during its prefill,
+    that cache is kept in the prefix cache; when it finishes, the cache the
+    generator hands back (its prompt and answer) replaces it, on every rank alike.
     """
 
     def __init__(self, rank: Rank) -> None:
@@ -320,21 +304,15 @@ class Batched:
         return ended
 
     def _agreed_prompt(self, request: _Request) -> int:
-        """Positions of ``request``'s prompt that every rank holds: its reused prefix and what all prefilled.
-
-        A rank ahead in the prefill pipeline holds more in its own cache (rank 0
-        computes chunk k while the last rank computes an earlier one): only this
-        count is the same on every rank.
-        """
+        """Positions of ``request``'s prompt that every rank holds (a rank ahead in the prefill holds more): its
+        reused prefix and what all prefilled."""
         return request.insert.plan.reuse + self.generator.prefilled(request.uid)
 
     def _keep_prompt(self, request: _Request, length: int | None) -> None:
         """Keep the first ``length`` positions of ``request``'s prompt in the prefix cache (once, the first time).
 
-        ``length`` is the same on every rank (``None``: the prompt but its last
-        token, which a decoding request's cache holds on every rank); a cache
-        holding more (a rank ahead in the prefill) is cut back to it, so that
-        every rank keeps the same entry.
+        ``length`` is the same on every rank (``None``: the prompt but its last token, which a decoding request's
+        cache holds); a cache holding more is cut back to it, so that every rank keeps the same entry.
         """
         cache, request.prompt_cache = request.prompt_cache, None
         prefix = self.rank.prefix
@@ -398,11 +376,6 @@ def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | No
         return mx.random.categorical(logprobs * (1.0 / temperature), key=pair[1])
 
     return sample
-
-
-def default_step(new_tokens: int, ranks: int) -> int:
-    """512 tokens, less for short prompts so that every rank gets about 4 chunks (``pipemlx generate``'s rule)."""
-    return max(1, min(512, -(-(new_tokens - 1) // (4 * ranks))))
 
 
 def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | None:

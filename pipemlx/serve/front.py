@@ -22,16 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .protocol import ApiError, Kind, StopText, unavailable
+from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
+from .protocol import ApiError, Kind, StopText, unavailable, usage
 
 if TYPE_CHECKING:
     from .penalties import Penalties
     from .prefix_cache import PrefixCache
 
-PROGRESS_LOG_S = 2.0
-"""A prefill longer than this logs its progress every this many seconds."""
-RECENT = 16
-"""Requests whose figures ``/health`` keeps."""
+PROGRESS_LOG_S = 2.0  # a prefill longer than this logs its progress every this many seconds
+RECENT = 16  # requests whose figures /health keeps
 
 Outcome = Literal["stop", "length", "cancelled", "failed"]
 OUTCOMES = ("none", "stop", "length", "cancelled", "failed")
@@ -57,10 +56,8 @@ class ServeSettings:
     fault_grace: float = 5.0
     api_key: str | None = None
     parent_pid: int | None = None
-    max_concurrency: int = 1
-    """Requests decoded together; 1: one at a time (:mod:`.engines`)."""
-    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
-    """With ``max_concurrency`` above 1: :class:`pipemlx.BatchGenerator`'s ``prefill_chunking``."""
+    max_concurrency: int = 1  # requests decoded together; 1: one at a time (engines.py)
+    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"  # with max_concurrency > 1: BatchGenerator's
 
 
 @dataclass
@@ -120,12 +117,9 @@ class RequestResult:
 
     outcome: Outcome
     generated: list[int]
-    cached: int
-    """Prompt positions reused from the prefix cache."""
-    cache_tokens: int
-    """Positions its cache held at the end."""
-    prefilled: int
-    """Prompt positions computed by this request (``processed`` of a prefill cut short)."""
+    cached: int  # prompt positions reused from the prefix cache
+    cache_tokens: int  # positions its cache held at the end
+    prefilled: int  # prompt positions computed by this request (processed of a prefill cut short)
     error: BaseException | None = None
 
 
@@ -194,14 +188,12 @@ class Front:
         self.settings = settings
         self.split = list(split)
         self.prefix = prefix
-        self.slots = list(slots)
-        """Every rank's own fields, as of the last broadcast (replaced whole by the leader loop)."""
+        self.slots = list(slots)  # every rank's own fields, as of the last broadcast (replaced whole by the loop)
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
         self.status: Literal["loading", "ready", "failed", "stopping"] = "loading"
         self.fault: str | None = None
         self.stopping = threading.Event()
-        self.running: tuple[Job, ...] = ()
-        """The requests running, oldest first (replaced whole by the leader loop, read by the HTTP thread)."""
+        self.running: tuple[Job, ...] = ()  # oldest first (replaced whole by the leader loop, read by the HTTP thread)
         self.peak_running = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.recent: list[dict[str, Any]] = []
@@ -221,8 +213,7 @@ class Front:
         try:
             self.queue.put_nowait(job)
         except queue.Full:
-            with self.lock:
-                self.counts["rejected"] += 1
+            self._count("rejected")
             raise ApiError(
                 429,
                 f"the request queue is full ({self.settings.max_queue} waiting); retry later",
@@ -292,8 +283,7 @@ class Front:
                 return None
             if not job.cancelled.is_set():
                 return job
-            with self.lock:  # the client left while its request waited: nothing reaches the other ranks
-                self.counts["cancelled"] += 1
+            self._count("cancelled")  # the client left while its request waited: nothing reaches the other ranks
             job.emit(Event("done", finish_reason="cancelled"))
 
     def reject_waiting(self, error: ApiError) -> None:
@@ -306,12 +296,7 @@ class Front:
 
     def answer(self, job: Job, reply: Reply, result: RequestResult) -> None:
         """Send the end of ``job``'s answer (or its error), count it, and record it."""
-        usage = {
-            "prompt_tokens": len(job.tokens),
-            "completion_tokens": len(result.generated),
-            "total_tokens": len(job.tokens) + len(result.generated),
-            "prompt_tokens_details": {"cached_tokens": result.cached},
-        }
+        counts = usage(len(job.tokens), len(result.generated), result.cached)
         finish = result.outcome
         if finish != "failed" and job.cancelled.is_set():
             finish = "cancelled"
@@ -324,13 +309,13 @@ class Front:
             if self.stopping.is_set() and not job.cancelled.is_set():
                 job.emit(Event("error", error=unavailable("the server is shutting down", code="shutting_down")))
             else:
-                job.emit(Event("done", finish_reason="cancelled", usage=usage))
+                job.emit(Event("done", finish_reason="cancelled", usage=counts))
         else:
             rest = reply.finish()
             if rest:
                 job.emit(Event("text", rest))
             self._count("served")
-            job.emit(Event("done", finish_reason=finish, usage=usage))
+            job.emit(Event("done", finish_reason=finish, usage=counts))
         self._record(job, reply, result, finish)
 
     def _count(self, what: str) -> None:
@@ -344,8 +329,8 @@ class Front:
         generated = len(result.generated)
         prefill_s = (reply.prefill_end or end) - reply.start
         decode_s = (reply.last_token or end) - (reply.first_token or end)
-        prefill_tps = max(prefilled - 1, 0) / prefill_s if prefill_s > 0 else 0.0
-        decode_tps = (generated - 1) / decode_s if decode_s > 0 and generated > 1 else 0.0
+        prefill_tps = prefill_tokens_per_s(prefilled, prefill_s)
+        decode_tps = decode_tokens_per_s(generated, decode_s)
         phase = "prefill" if reply.first_token is None else "decode"
         record = {
             "seq": job.seq,
@@ -367,9 +352,9 @@ class Front:
             self.recent = (self.recent + [record])[-RECENT:]
         log(
             f"request {job.seq} ({job.kind}): prompt {len(job.tokens)} tokens, cached {result.cached}, "
-            f"prefill {_count(prefilled)}"
+            f"prefill {_tokens(prefilled)}"
             + (f" at {prefill_tps:,.0f} tokens/s" if prefilled > 1 else "")
-            + f", decode {_count(generated)}"
+            + f", decode {_tokens(generated)}"
             + (f" at {decode_tps:,.1f} tokens/s" if generated > 1 else "")
             + f", finish {finish}"
             + (f" in the {phase}" if finish == "cancelled" else "")
@@ -403,7 +388,7 @@ class Front:
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _count(tokens: int) -> str:
+def _tokens(tokens: int) -> str:
     return f"{tokens} token{'' if tokens == 1 else 's'}"
 
 

@@ -3,15 +3,11 @@
 At each step rank 0 decides the operations: the requests to remove (their
 client left, or rank 0 has answered them: a stop string) and the waiting
 requests to insert (first come, first served, while the scheduler has room),
-each with its prefix-cache plan and seed. It broadcasts them (one ``SERVE``
-message, then the encoded operations, :mod:`.broadcast`), and every rank,
-rank 0 included, applies the operations as received to its scheduler
-(:mod:`.engines`) and runs the step: the same calls with the same arguments on
-every rank, so a removal takes effect everywhere at the same step. Only rank 0
-looks at the text: the scheduler hands it each token (:class:`Leader` is its
-:class:`~.engines.Sink`), which its :class:`~.front.Reply` detokenizes and
-checks for stop strings, and the requests that ended, which the
-:class:`~.front.Front` answers.
+each with its prefix-cache plan and seed. It broadcasts them (:mod:`.broadcast`),
+and every rank, rank 0 included, applies them as received to its scheduler
+(:mod:`.engines`) and runs the step, so a removal takes effect everywhere at
+the same step. Only rank 0 looks at the text: :class:`Leader` is the
+scheduler's :class:`~.engines.Sink`.
 
 With nothing to run, rank 0 sends an ``IDLE`` message every :data:`TICK`
 seconds: the other ranks sleep for the tick, then meet rank 0 in the next
@@ -37,8 +33,7 @@ from .engines import Rank, Scheduler
 from .front import Front, Job, Reply, log
 from .prefix_cache import Plan
 
-TICK = 0.05
-"""Seconds between idle messages: the extra wait of a request that arrives while the server is idle."""
+TICK = 0.05  # seconds between idle messages: the extra wait of a request that arrives while the server is idle
 
 
 @dataclass

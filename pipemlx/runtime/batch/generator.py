@@ -45,20 +45,18 @@ from .tick import TickOutcome, TickRunner, TickWork
 class Response:
     """One request's token from one :meth:`BatchGenerator.next` tick, the same on every rank.
 
-    The fields are those of mlx-lm's ``BatchGenerator`` responses, in its order. ``finish_reason`` is ``None`` while the
-    request goes on, ``"length"`` when it reached its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop
-    sequences, and ``"error"`` (``token`` is -1) when the model raised on some rank while computing this request (its
-    prefill chunk, or a decode step of the batch it was in); in all three the request has left.
-
-    ``logprobs``: on the last rank, the log-probabilities this token was sampled from (``[vocabulary]``, after the
-    request's logits processors), computed only when read; ``None`` on the other ranks (they never see the logits) and
-    on an ``"error"`` response.
+    The fields are mlx-lm's ``BatchGenerator`` responses', in its order. ``finish_reason`` is ``None`` while the
+    request goes on, ``"length"`` at its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop sequences, and
+    ``"error"`` (``token`` -1) when the model raised on some rank while computing this request; in all three the
+    request has left. ``logprobs``: on the last rank, the log-probabilities this token was sampled from
+    (``[vocabulary]``, after the request's logits processors), computed only when read; ``None`` on the other ranks
+    and on an ``"error"`` response.
 
     ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"`` response only (as in mlx-lm): this rank's
     per-layer caches of the finished request, taken out of the batch, and the tokens they hold — its ``all_tokens``
     given at insert, its prompt and every generated token but this last one, which was never fed back. Pass the cache to
     :meth:`BatchGenerator.insert` with the next turn's tokens, starting with ``token``, to continue the conversation
-    without prefilling it again. ``None`` otherwise (a failed request's cache may hold a stand-in's zeros).
+    without prefilling it again.
     """
 
     uid: int
@@ -101,18 +99,16 @@ class BatchGenerator:
     in the queue, in order. ``None`` (the default; mlx-lm's is 32): no limit.
 
     ``prefill_batch_size`` (as mlx-lm's): at most this many requests are started and not yet decoding at once (chunks in
-    flight on some rank, or prefilled and waiting to join); the next one starts when one joins. Our ticks prefill one
-    chunk per rank, so at most one request per rank is computed at once (up to ``world_size`` over the pipeline, more
-    only counting one-token prompts, which need no prefill): this caps that. ``None`` (the default; mlx-lm's is 8): no
-    cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
+    flight on some rank, or prefilled and waiting to join); the next one starts when one joins. A tick prefills one
+    chunk per rank, so up to ``world_size`` requests are computed at once: this caps that. ``None`` (the default;
+    mlx-lm's is 8): no cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
     rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
     Admission control still reserves a request's whole length (conservative).
 
-    ``stream`` (mlx-lm's computes on it): the ranks compute on the stage's own stream (``stage.compute_stream``, which
-    the waits in helper threads need), so a stream or device is accepted only on that stream's device (``ValueError``
-    otherwise); :attr:`stream` is the stream computed on.
+    ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
+    the ranks compute on (``ValueError`` otherwise).
 
     Raises ``ValueError`` for a bad value of any of these before anything is sent.
     """
@@ -233,8 +229,7 @@ class BatchGenerator:
         per prompt (default: the generator's); ``samplers`` one per prompt (``None`` entries: the default). ``caches``
         reuses prefixes per request: ``caches[i]`` is ``None`` or a per-layer list of mlx-lm caches of this rank's local
         layers (``make_prompt_cache(model)`` on the sharded model) that already holds a prefix of request ``i``;
-        ``prompts[i]`` is then only the tokens not yet in it (at least one: the last prompt token feeds the first decode
-        step). The generator takes the cache over (it is extended, merged into the batch and not handed back); every
+        ``prompts[i]`` is then only the tokens not yet in it (at least one). The generator takes the cache over; every
         rank must pass caches holding the same number of positions. Tokens then equal a solo run of the whole prompt.
 
         ``logits_processors`` is one list per prompt, as in mlx-lm's ``BatchGenerator`` (default: the generator's for
@@ -244,9 +239,9 @@ class BatchGenerator:
         the tokens a reused cache holds (seen by the processors, and handed back with the cache; default none).
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
-        request. Raises ``ValueError`` for an empty prompt, a bad count, a cache that does not fit the model, a request
-        that could never fit the memory budget or one that could outgrow a ``RotatingKVCache`` that keeps its first
-        positions (what ``max_kv_size`` makes; see the class), on every rank alike, before anything changes.
+        request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
+        model, one that could never fit the memory budget or outgrow its ``max_kv_size``), on every rank alike, before
+        anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
         return self._insert([[p] for p in prompts], False, options)
@@ -265,9 +260,8 @@ class BatchGenerator:
 
         ``segments[i]`` is request ``i``'s prompt cut into segments (empty ones are skipped); the other arguments are
         :meth:`insert`'s. A request's tokens are those of :meth:`insert` of its segments joined, and, as in mlx-lm, no
-        prefill chunk crosses a segment boundary: a chunk that would ends there (the prompt's last token is fed by the
-        first decode step, not prefilled). A request whose every segment is empty raises ``ValueError`` ("has an empty
-        prompt"), as mlx-lm's does, before anything changes.
+        prefill chunk crosses a segment boundary. A request whose every segment is empty raises ``ValueError``, as
+        mlx-lm's does, before anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
         return self._insert(segments, True, options)
@@ -285,16 +279,13 @@ class BatchGenerator:
     ) -> dict[int, tuple[list[Any] | None, list[int]]]:
         """Drop requests, queued (even partly prefilled) or active; unknown uids are ignored.
 
-        Takes effect before the next tick; a dropped request's own caches are freed, and its batch row is left out of
-        every later step's results (the row itself is freed when the batch caches are next compacted).
-
-        With ``return_prompt_caches`` (as mlx-lm's ``BatchGenerator``), returns ``{uid: (cache, tokens)}`` per dropped
-        request: this rank's per-layer caches of it and the tokens they hold (``all_tokens`` given at insert, then its
-        prompt and answer as far as every rank computed them). An active request's cache is a copy of its batch row (its
-        prompt and every token it generated but the last, which was never fed back); a queued one's holds the prompt
-        positions every rank prefilled (:meth:`prefilled`), or ``None`` when a part only some ranks prefilled cannot be
-        cut off (recurrent layers); one not started yet gets back the cache it was inserted with (a new empty one if
-        none). Otherwise ``{}``.
+        Takes effect before the next tick: a dropped request's caches are freed and its row is left out of every later
+        step's results. With ``return_prompt_caches`` (as mlx-lm's ``BatchGenerator``), returns ``{uid: (cache,
+        tokens)}`` per dropped request: this rank's per-layer caches of it and the tokens they hold, as
+        :meth:`extract_cache` gives them, except that a queued request's holds the prompt positions every rank
+        prefilled (:meth:`prefilled`), or is ``None`` when a part only some ranks prefilled cannot be cut off
+        (recurrent layers); one not started yet gets back the cache it was inserted with (a new empty one if none).
+        Otherwise ``{}``.
         """
         gone = {u for u in uids if u in self._requests}
         if not gone:
@@ -342,9 +333,8 @@ class BatchGenerator:
         """Run one tick: a decode step of every active request and one prefill chunk per rank.
 
         Returns the decode step's :class:`Response` per active request (and an ``"error"`` response per request that
-        failed in the tick); the same on every rank. ``[]`` when nothing is active: a tick that only prefilled, or
-        nothing at all to do (then nothing is sent). (mlx-lm's ``BatchGenerator.next`` returns these as the second of a
-        pair, after its prompt-progress responses; :meth:`next_generated` is mlx-lm's.)
+        failed in the tick); the same on every rank. ``[]`` when nothing is active (with nothing at all to do, nothing
+        is sent). mlx-lm's ``next`` returns these second, after prompt progress: :meth:`next_generated` is mlx-lm's.
         """
         self.stage.settle(self.timeout)
         if self._plan.idle() and not self._rows:

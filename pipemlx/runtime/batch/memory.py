@@ -12,17 +12,14 @@ from ..caches import cache_parts
 from ..protocol import MEMORY
 from ..stage import PipelineStage
 
-BUDGET_UNIT = 1024
-"""Budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB."""
+BUDGET_UNIT = 1024  # budgets cross the wire in KiB (int32), so a budget is rounded down to a whole KiB
 
 
 def cache_bytes_per_position(model: nn.Module, stage: PipelineStage) -> int:
     """Bytes one cached position costs in this rank's local layers, measured on a one-token cache.
 
-    The local layers run on their own (nothing crosses the wire) on one token
-    into a fresh ``make_prompt_cache(model)``; each layer cache's keys and
-    values are counted per position (a cache without them, a fixed-size
-    state, counts 0).
+    The local layers run on their own (nothing crosses the wire) on one token into a fresh cache; a layer cache
+    without keys and values (a fixed-size state) counts 0.
     """
     cache = make_prompt_cache(model)
     with stage.detached(), mx.stream(stage.compute_stream):

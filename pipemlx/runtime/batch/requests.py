@@ -14,7 +14,7 @@ from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ...schedule.batch_plan import Admission, QueuedPrompt
-from ..caches import counted_offset
+from ..caches import cache_parts, counted_offset
 from ..prefill import check_timeout
 from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage
@@ -221,12 +221,10 @@ def kept_window(cache: list[Any]) -> tuple[int, int] | None:
     """``(max_size, keep)`` of the smallest layer cache that is a ``RotatingKVCache`` keeping its first positions
     (``keep > 0``, as ``max_kv_size`` makes them); ``None`` when there is none (sliding windows keep none)."""
     kept: list[tuple[int, int]] = []
-    for layer in cache:
-        parts = getattr(layer, "caches", None)
-        for c in cast(list[Any], parts) if isinstance(parts, (list, tuple)) else [layer]:
-            keep = int(getattr(c, "keep", 0))
-            if isinstance(c, RotatingKVCache) and keep > 0:
-                kept.append((int(getattr(c, "max_size")), keep))
+    for c in cache_parts(cache):
+        keep = int(getattr(c, "keep", 0))
+        if isinstance(c, RotatingKVCache) and keep > 0:
+            kept.append((int(getattr(c, "max_size")), keep))
     return min(kept) if kept else None
 
 

@@ -23,8 +23,7 @@ from .tick import UNKNOWN_PREFIXES
 COMPACT_DEAD_FRACTION = 0.5
 """Dead rows (finished or removed requests) are filtered out of the batch caches once they are this share of
 the rows (or when no live row is left, or a request that joins finds too few of them to take their places)."""
-DEAD_ROW_INPUT = 0
-"""The token a dead row's decode step feeds (its output is ignored)."""
+DEAD_ROW_INPUT = 0  # the token a dead row's decode step feeds (its output is ignored)
 
 
 class Rows:

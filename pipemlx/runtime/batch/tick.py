@@ -14,10 +14,8 @@ taken in the order below on both ends of each link):
    this tick to rank ``r + 1`` (after the decode's send);
 4. ``r > 0``: receive the chunk rank ``r - 1`` computed in this tick and build
    its graph for the next tick;
-5. the tick's all-gather: a header (tick, status, rows, fingerprints of the
-   rows' uids, of their reused prefix lengths and of the tick's plan, what
-   failed, whether and how the rank cuts inside a layer: ``shard_model``'s
-   ``lend_mlp`` and ``lend_heads``) and the last rank's tokens.
+5. the tick's all-gather (:data:`~pipemlx.runtime.protocol.TICK`): a header
+   the ranks compare, and the last rank's tokens.
 
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
@@ -40,9 +38,9 @@ import mlx.nn as nn
 
 from ...errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
 from ...schedule.batch_plan import Tick, TickChunk
-from ..caches import cache_state
+from ..caches import UNCOUNTED, cache_state
 from ..failure import stand_in
-from ..protocol import TICK, UNCOUNTED, Status, Table, gather
+from ..protocol import TICK, Status, Table, gather
 from ..sampling import VocabShard, pick_tokens, shared_head
 from ..send_mode import send_mode
 from ..stage import PipelineStage
@@ -86,18 +84,17 @@ class TickWork:
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
 
 
+@dataclass(eq=False)
 class TickRunner:
     """Runs ticks on one rank, holding the chunk received for the next tick between calls."""
 
-    def __init__(self, model: nn.Module, stage: PipelineStage, timeout: float | None) -> None:
-        self.model = model
-        self.stage = stage
-        self.timeout = timeout
-        self.held: Held | None = None
-        self.error: BaseException | None = None  # the first model error this rank stood in for
-        # Every rank said its rows were greedy in the last tick: this tick's decode shares the output head.
-        self.shares_head = False
-        self.shared_ticks = 0  # ticks whose decode shared the head (observability)
+    model: nn.Module
+    stage: PipelineStage
+    timeout: float | None
+    held: Held | None = None
+    error: BaseException | None = None  # the first model error this rank stood in for
+    shares_head: bool = False  # every rank's rows were greedy in the last tick: this tick's decode shares the head
+    shared_ticks: int = 0  # ticks whose decode shared the head (observability)
 
     def drop(self, uids: set[int]) -> None:
         """Forget a held chunk of a removed request (its input was already taken off the wire)."""
@@ -222,8 +219,7 @@ class TickRunner:
             tokens = mx.array(work.chunk_tokens(chunk), dtype=mx.int32)[None]
             self._forward(tokens, cache)
             output = None if self.stage.is_last else self._queued_output()
-            received = list(self.stage.received)
-            self.stage.received.clear()
+            received = self.stage.take_received()
             if received:
                 self._issue(received, None, f"receiving chunk {chunk.start}..{chunk.stop - 1} of request {chunk.uid}")
             return Held(chunk, output, cache), False
@@ -275,9 +271,8 @@ def _is_model_error(exc: BaseException) -> bool:
 def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, bool]:
     """What every rank learns from a tick's gathered ``table``, and whether every rank's rows were greedy.
 
-    The tokens are the last rank's (the first ``rows`` entries of its payload),
-    or, when the ranks shared the head (``sharing``) and the last rank's rows
-    were all greedy, picked from every rank's best logits (the rest of each payload).
+    The tokens are the last rank's, or, when the ranks shared the head (``sharing``) and the last rank's rows were
+    all greedy, picked from every rank's best logits.
     """
     if sharing and table.last("greedy"):
         tokens = pick_tokens([payload[rows:] for payload in table.payloads])
