@@ -29,9 +29,9 @@ from pipemlx.serve.broadcast import (
 )
 from pipemlx.serve.engines import request_sampler
 from pipemlx.serve.loop import share_entries
+from pipemlx.serve.openai_api import ApiError, StopText, parse_chat, parse_completion
 from pipemlx.serve.penalties import Penalties
-from pipemlx.serve.prefix_cache import Plan, PrefixCache
-from pipemlx.serve.protocol import ApiError, StopText, parse_chat, parse_completion
+from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
@@ -185,23 +185,23 @@ def kv(tokens: int, layers: int = 2, seed: int = 0) -> list[Any]:
 
 def test_prefix_cache_takes_extends_copies_and_evicts() -> None:
     cache = PrefixCache(budget_tokens=20)
-    assert cache.plan([1, 2, 3]) == Plan()
+    assert cache.plan([1, 2, 3]) == PrefixReuse()
     assert cache.store([1, 2, 3, 4, 5], kv(5))
     # A request extending the entry takes it over (no copy) and keeps one token to compute.
     plan = cache.plan([1, 2, 3, 4, 5, 6, 7])
-    assert plan == Plan(entry=1, reuse=5, copy=False)
+    assert plan == PrefixReuse(entry=1, reuse=5, copy=False)
     taken = cache.checkout(plan, lambda: kv(0))
     assert taken[0].offset == 5 and not cache.entries
     # The same prompt again: everything but its last token is reused, from a trimmed copy.
     assert cache.store([1, 2, 3, 4, 5, 6, 7, 8], kv(8))
     plan = cache.plan([1, 2, 3, 4, 5, 6, 7])
-    assert plan == Plan(entry=2, reuse=6, copy=True)
+    assert plan == PrefixReuse(entry=2, reuse=6, copy=True)
     copied = cache.checkout(plan, lambda: kv(0))
     assert copied[0].offset == 6 and cache.entries[2].cache[0].offset == 8
     keys = copied[0].state[0][..., :6, :]
     assert keys.reshape(-1).tolist() == [0, 1, 2, 3, 4, 5]
     # A diverging request shares only the common part.
-    assert cache.plan([1, 2, 9, 9]) == Plan(entry=2, reuse=2, copy=True)
+    assert cache.plan([1, 2, 9, 9]) == PrefixReuse(entry=2, reuse=2, copy=True)
     # Storing what an entry already holds keeps the entry; a longer one replaces the entries it extends.
     assert not cache.store([1, 2, 3], kv(3))
     assert cache.store([1, 2, 3, 4, 5, 6, 7, 8, 9], kv(9)) and list(cache.entries) == [3]
@@ -214,7 +214,7 @@ def test_prefix_cache_takes_extends_copies_and_evicts() -> None:
 
 def test_a_missing_entry_starts_from_an_empty_cache() -> None:
     cache = PrefixCache(10)
-    fresh = cache.checkout(Plan(entry=99, reuse=3, copy=False), lambda: kv(0))
+    fresh = cache.checkout(PrefixReuse(entry=99, reuse=3, copy=False), lambda: kv(0))
     assert fresh[0].offset == 0  # the ranks' prefill check then reports the disagreement
 
 
@@ -265,7 +265,7 @@ inserts_strategy = st.lists(
         temperature=st.sampled_from([0.0, 0.75, 1.0, 1.875]),  # float32 values: sent as their bits
         top_p=st.sampled_from([1.0, 0.5, 0.25]),
         seed=st.integers(-1, (1 << 31) - 1),
-        plan=st.builds(Plan, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
+        plan=st.builds(PrefixReuse, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
         penalties=st.builds(
             Penalties,
             st.sampled_from([0.0, 1.25, 1.5]),
@@ -295,7 +295,7 @@ def test_batch_operations_survive_the_broadcast(removes: list[int], inserts: lis
 
 def test_inserts_of_one_step_sharing_an_entry_copy_it() -> None:
     def insert(seq: int, entry: int, copy: bool) -> Insert:
-        return Insert(seq, [1, 2, 3], 4, 0.0, 1.0, -1, Plan(entry, 2, copy))
+        return Insert(seq, [1, 2, 3], 4, 0.0, 1.0, -1, PrefixReuse(entry, 2, copy))
 
     shared = share_entries([insert(1, 5, False), insert(2, 5, False), insert(3, 6, False), insert(4, -1, False)])
     assert [i.plan.copy for i in shared] == [True, True, False, False]

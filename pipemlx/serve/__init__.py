@@ -5,7 +5,7 @@ the pipeline up and greets the others (:class:`.engines.Rank`); then rank 0
 serves HTTP (:mod:`.app`) over the request queue (:mod:`.front`) and leads the
 serving loop (:mod:`.loop`), which every other rank follows, each driving one
 scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
-(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.protocol`.
+(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.openai_api`.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
 uvicorn) on rank 0; :func:`missing_packages` says what is missing.

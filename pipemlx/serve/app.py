@@ -31,7 +31,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .front import Event, Front, Job, ServeSettings
-from .protocol import (
+from .openai_api import (
     ApiError,
     ParsedRequest,
     bad_request,

@@ -30,7 +30,7 @@ from ..runtime.protocol import SERVE, TOKENS, gather
 from ..runtime.waits import wait_for
 from .front import OUTCOMES as OUTCOMES  # what a rank's ``outcome`` field numbers
 from .penalties import Penalties
-from .prefix_cache import Plan
+from .prefix_cache import PrefixReuse
 
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
 OPS = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
@@ -94,7 +94,7 @@ class Insert:
     temperature: float
     top_p: float
     seed: int  # -1: none (greedy)
-    plan: Plan = field(default_factory=Plan)
+    plan: PrefixReuse = field(default_factory=PrefixReuse)
     penalties: Penalties = field(default_factory=Penalties)
 
 
@@ -136,7 +136,7 @@ def _insert(r: Mapping[str, int], tokens: list[int]) -> Insert:
         bits_float(r["frequency_penalty"]),
         r["frequency_context_size"],
     )
-    plan = Plan(r["entry"], r["reuse"], bool(r["copy"]))
+    plan = PrefixReuse(r["entry"], r["reuse"], bool(r["copy"]))
     temperature, top_p = bits_float(r["temperature"]), bits_float(r["top_p"])
     return Insert(r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties)
 

@@ -31,7 +31,7 @@ from ..schedule.plan import default_step_size
 from .broadcast import HELLO, REQUEST, STEP, Channel, Header, Insert, Ops
 from .front import OUTCOMES, Outcome, RequestResult, ServeSettings
 from .penalties import Penalties
-from .prefix_cache import Plan, PrefixCache
+from .prefix_cache import PrefixCache, PrefixReuse
 
 WARM_UP_TOKENS = 4
 MB = float(1 << 20)
@@ -92,7 +92,7 @@ class Rank:
         budget = int(self.settings.prefix_cache_mb * MB) // largest
         self.prefix = PrefixCache(budget, cut_back=all(s["trimmable"] for s in slots))
 
-    def checkout(self, plan: Plan) -> list[Any]:
+    def checkout(self, plan: PrefixReuse) -> list[Any]:
         """The cache a request starts from: its planned prefix-cache entry, or a new one."""
         return self.prefix.checkout(plan, lambda: make_prompt_cache(self.model))
 

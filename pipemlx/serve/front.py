@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
-from .protocol import ApiError, Kind, StopText, unavailable, usage
+from .openai_api import ApiError, Kind, StopText, unavailable, usage
 
 if TYPE_CHECKING:
     from .penalties import Penalties

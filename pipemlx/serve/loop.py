@@ -9,7 +9,7 @@ and every rank, rank 0 included, applies them as received to its scheduler
 the same step. Only rank 0 looks at the text: :class:`Leader` is the
 scheduler's :class:`~.engines.Sink`.
 
-With nothing to run, rank 0 sends an ``IDLE`` message every :data:`TICK`
+With nothing to run, rank 0 sends an ``IDLE`` message every :data:`IDLE_POLL_S`
 seconds: the other ranks sleep for the tick, then meet rank 0 in the next
 message, so an idle server neither busy-waits in a collective for long nor lets
 a dead or stalled rank go unnoticed (every wait is bounded by the timeout). A
@@ -31,9 +31,9 @@ from ..errors import PipelineMismatchError
 from .broadcast import IDLE, OPS, SHUTDOWN, Insert, Ops, checksum, decode_ops, encode_ops
 from .engines import Rank, Scheduler
 from .front import Front, Job, Reply, log
-from .prefix_cache import Plan
+from .prefix_cache import PrefixReuse
 
-TICK = 0.05  # seconds between idle messages: the extra wait of a request that arrives while the server is idle
+IDLE_POLL_S = 0.05  # seconds between idle messages: the extra wait of a request that arrives while the server is idle
 
 
 @dataclass
@@ -73,9 +73,9 @@ class Leader:
                 return 0
             active = scheduler.active()
             removes = [seq for seq in active if seq not in self.running or self.running[seq].job.cancelled.is_set()]
-            inserts = self._admit(scheduler.capacity - len(active) + len(removes), TICK if idle else 0.0)
+            inserts = self._admit(scheduler.capacity - len(active) + len(removes), IDLE_POLL_S if idle else 0.0)
             if not active and not inserts:
-                self._exchange({"op": IDLE, "pause_ms": int(TICK * 1000)}, "sending the idle heartbeat")
+                self._exchange({"op": IDLE, "pause_ms": int(IDLE_POLL_S * 1000)}, "sending the idle heartbeat")
                 idle = True
                 continue
             idle = False
@@ -98,7 +98,7 @@ class Leader:
             seed = job.seed
             if seed is None:
                 seed = random.randrange(1 << 31) if job.temperature > 0 else -1
-            plan = prefix.plan(job.tokens) if prefix.budget_tokens > 0 else Plan()
+            plan = prefix.plan(job.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
             job.cached = plan.reuse
             inserts.append(
                 Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan, job.penalties)
@@ -168,7 +168,7 @@ def follow(rank: Rank, scheduler: Scheduler) -> int:
     while True:
         if pause > 0:
             time.sleep(pause)
-        header = rank.exchange(None, timeout + TICK, "waiting for the next request")
+        header = rank.exchange(None, timeout + IDLE_POLL_S, "waiting for the next request")
         op, step = header.op, header.fields["seq"]
         pause = 0.0
         if op == IDLE:

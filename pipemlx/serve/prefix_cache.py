@@ -23,7 +23,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache  # pyri
 
 
 @dataclass(frozen=True)
-class Plan:
+class PrefixReuse:
     """How to start a request: from entry ``entry`` (-1: an empty cache), keeping its first ``reuse`` tokens.
 
     ``copy``: the entry is longer than what is reused, so it is copied and stays
@@ -70,7 +70,7 @@ class PrefixCache:
     def tokens(self) -> int:
         return sum(len(e.tokens) for e in self.entries.values())
 
-    def plan(self, tokens: Sequence[int]) -> Plan:
+    def plan(self, tokens: Sequence[int]) -> PrefixReuse:
         """The entry sharing the longest prefix with ``tokens`` (at least one token is left to compute)."""
         best, best_reuse = None, 0
         limit = len(tokens) - 1
@@ -82,11 +82,11 @@ class PrefixCache:
                 best, best_reuse = entry, reuse
         if best is None:
             self.misses += 1
-            return Plan()
+            return PrefixReuse()
         self.hits += 1
-        return Plan(best.id, best_reuse, best_reuse < len(best.tokens))
+        return PrefixReuse(best.id, best_reuse, best_reuse < len(best.tokens))
 
-    def checkout(self, plan: Plan, make_cache: Callable[[], list[Any]]) -> list[Any]:
+    def checkout(self, plan: PrefixReuse, make_cache: Callable[[], list[Any]]) -> list[Any]:
         """The cache to run a request on: the planned entry's (taken or copied), cut to ``plan.reuse`` tokens."""
         if plan.entry < 0:
             return make_cache()
