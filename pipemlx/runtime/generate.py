@@ -456,12 +456,10 @@ class _Request:
                         [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
                     )
                     part = _Part(moved=sent)
-                own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None)]
-                if self.share_logprobs:
-                    own.append(self._shared_logprobs(part))
+                payload = [self._shared_logprobs(part)] if self.share_logprobs else []
+                own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 if stage.world_size > 1:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
-                payload = [own[-1]] if self.share_logprobs else []
                 if self.shares_head:
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing token {index}'s output head"  # noqa: E731

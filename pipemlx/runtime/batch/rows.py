@@ -18,7 +18,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache  # pyright: ignore[reportU
 from ...schedule.batch_plan import fingerprint
 from ..caches import UNCOUNTED, cache_parts, cache_state
 from .requests import Request
-from .tick import UNKNOWN_PREFIXES
 
 COMPACT_DEAD_FRACTION = 0.5
 """Dead rows (finished or removed requests) are filtered out of the batch caches once they are this share of
@@ -128,9 +127,9 @@ class Rows:
         return fingerprint(0 if r.done else r.uid + 1 for r in self.requests)
 
     def prefixes_fingerprint(self) -> int:
-        """Of the rows' reused prefix lengths (a dead row: 0); ``UNKNOWN_PREFIXES`` when this rank cannot count one."""
+        """Of the rows' reused prefix lengths (a dead row: 0); ``UNCOUNTED`` when this rank cannot count one."""
         if any(not r.done and r.prefix == UNCOUNTED for r in self.requests):
-            return UNKNOWN_PREFIXES
+            return UNCOUNTED
         return fingerprint(0 if r.done else r.prefix + 1 for r in self.requests)
 
 

@@ -38,16 +38,13 @@ import mlx.nn as nn
 
 from ...errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
 from ...schedule.batch_plan import Tick, TickChunk
-from ..caches import UNCOUNTED, cache_state
+from ..caches import cache_state
 from ..failure import stand_in
 from ..protocol import TICK, Status, Table, gather
 from ..sampling import VocabShard, pick_tokens, shared_head
 from ..send_mode import send_mode
 from ..stage import PipelineStage
 from ..waits import PEER_LOST_MARKERS, issue, wait_for
-
-UNKNOWN_PREFIXES = UNCOUNTED
-"""The ``prefixes`` field of a rank that cannot count a reused prefix (only recurrent layers): not compared."""
 
 
 @dataclass
@@ -77,7 +74,7 @@ class TickWork:
     inputs: list[int]  # per row: the token the decode step feeds
     batch_cache: list[Any]
     uids_fingerprint: int
-    prefixes_fingerprint: int  # of the rows' reused prefix lengths; UNKNOWN_PREFIXES where this rank cannot count
+    prefixes_fingerprint: int  # of the rows' reused prefix lengths; UNCOUNTED where this rank cannot count
     chunk_tokens: Callable[[TickChunk], list[int]]  # a chunk's token ids
     chunk_cache: Callable[[TickChunk], list[Any]]  # the cache of a chunk's request on this rank
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
