@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..demo import MODEL_DIR, default_prompt
+from ..models.hub import is_repo_id, locate_model
 from ..schedule.plan import default_step_size as default_step_size  # what the commands (and tests) use
 from ..schedule.split import resolve_split
 
@@ -89,11 +90,23 @@ def in_launched_rank() -> bool:
 
 
 def model_layers(model_dir: Path) -> int | None:
-    """Check that ``model_dir`` looks like an mlx-lm model folder; return its decoder layer count if known."""
+    """Check that ``model_dir`` is an mlx-lm model folder or Hub repo; return its decoder layer count if known.
+
+    A Hub repo id (``org/name``, no such folder here) has its config, tokenizer files and index fetched
+    (:func:`pipemlx.models.hub.locate_model`): a missing repo or weight file is a :class:`UserError`.
+    """
+    if is_repo_id(model_dir):
+        try:
+            model_dir = locate_model(model_dir).root
+        except OSError as exc:
+            raise UserError(str(exc)) from None
+        remote = True
+    else:
+        remote = False
     if not model_dir.exists():
         raise UserError(f"model folder {str(model_dir)!r} does not exist")
     if not model_dir.is_dir():
-        raise UserError(f"{str(model_dir)!r} is not a folder; --model takes an mlx-lm model folder")
+        raise UserError(f"{str(model_dir)!r} is not a folder; --model takes an mlx-lm model folder or a Hub repo id")
     config_path = model_dir / "config.json"
     try:
         config: Any = json.loads(config_path.read_text(encoding="utf-8"))
@@ -101,7 +114,7 @@ def model_layers(model_dir: Path) -> int | None:
         raise UserError(f"{str(model_dir)!r} has no config.json; it is not an mlx-lm model folder") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot read {config_path}: {exc}") from None
-    if not any(model_dir.glob("model*.safetensors")):
+    if not remote and not any(model_dir.glob("model*.safetensors")):  # a repo's weights are checked, not fetched
         raise UserError(f"{str(model_dir)!r} has no model*.safetensors weights")
     if not isinstance(config, dict):
         raise UserError(f"{config_path} does not hold a JSON object")
@@ -113,7 +126,7 @@ def model_layers(model_dir: Path) -> int | None:
 
 
 def model_name(model_dir: Path) -> str:
-    """``the demo model`` for the shipped one, else the folder as given."""
+    """``the demo model`` for the shipped one, else the folder or repo id as given."""
     return "the demo model" if Path(model_dir).resolve() == MODEL_DIR.resolve() else str(model_dir)
 
 

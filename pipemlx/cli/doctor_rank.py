@@ -204,11 +204,11 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def planned_memory(args: argparse.Namespace, size: int) -> dict[str, Any] | None:
-    from ..models.memory import memory_model_from_dir
+    from ..models.hub import memory_model_of
     from ..schedule.memory_model import Settings, plan_context
 
     try:
-        model = memory_model_from_dir(args.model)
+        model = memory_model_of(args.model)
         context = min(args.context or model.max_context or 4096, model.max_context or 1 << 24)
         plan = plan_context(model, size, Settings(context, 512), split=args.split)
     except (OSError, ValueError):

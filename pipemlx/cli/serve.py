@@ -27,6 +27,7 @@ from typing import IO
 
 from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
+from ..models.hub import is_repo_id
 from .common import (
     UserError,
     add_sharding_flags,
@@ -148,6 +149,8 @@ def _step_size(text: str) -> int | str:
 def model_id(args: argparse.Namespace) -> str:
     if args.model_name:
         return str(args.model_name)
+    if is_repo_id(args.model):  # a Hub repo: its id, as mlx-lm's server names it
+        return str(args.model)
     return "pipemlx-demo" if Path(args.model).resolve() == MODEL_DIR.resolve() else Path(args.model).resolve().name
 
 

@@ -14,8 +14,7 @@ import argparse
 import re
 import sys
 
-from ..models.memory import memory_model_from_dir
-from ..models.safetensors import model_bytes_from_dir
+from ..models.hub import memory_model_of, model_bytes_of
 from ..schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from ..schedule.memory_split import (
     MemoryPlan,
@@ -67,7 +66,12 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
         description="Split an mlx-lm model directory's layers over ranks from its safetensors headers, "
         "its config and each rank's memory (and speed).",
     )
-    parser.add_argument("model_dir", help="mlx-lm model directory (config.json, model*.safetensors)")
+    parser.add_argument(
+        "model_dir",
+        metavar="MODEL",
+        help="mlx-lm model directory (config.json, model*.safetensors) or Hugging Face repo id "
+        "(sized from its index and safetensors headers; the weights are not downloaded)",
+    )
     parser.add_argument("--ranks", type=int, help="number of ranks (default: the number of --memory budgets)")
     parser.add_argument(
         "--memory",
@@ -131,9 +135,9 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         if args.kv_bits is not None or args.head != "all" or args.fused_attention:
             raise ValueError("--kv-bits, --head and --fused-attention need --context")
         if split is None and speeds is None:
-            print(format_plan(plan_split(model_bytes_from_dir(args.model_dir), ranks, budgets)))
+            print(format_plan(plan_split(model_bytes_of(args.model_dir), ranks, budgets)))
             return 0
-    model = memory_model_from_dir(args.model_dir)
+    model = memory_model_of(args.model_dir)
     if args.context is None:  # a given or balanced split, parameters only
         layers = len(model.bytes.layers)
         given = resolve_split([int(s) for s in split], layers, ranks) if split is not None else None

@@ -1,17 +1,19 @@
-"""load_sharded: load an mlx-lm model directory holding only this rank's part of the model in memory."""
+"""load_sharded: load an mlx-lm model (a folder or a Hub repo id) holding only this rank's part in memory."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.memory_model import HeadPolicy
-from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, shard_model
+from ..schedule.split import resolve_split
+from .hub import ModelSource, fetch_files, locate_model, needed_files
+from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, find_layer_list, shard_model
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -47,8 +49,16 @@ def load_sharded(
     allow_unregistered: bool = False,
     lend_mlp: bool = False,
     lend_heads: int | Literal["auto"] = 0,
+    revision: str | None = None,
 ) -> tuple[nn.Module, Any]:
-    """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
+    """Load the mlx-lm model ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
+
+    ``path`` is a model folder or, as in mlx-lm, a Hugging Face repo id
+    (``mlx-community/...``, at ``revision``; default the main branch): then this
+    rank fetches the config, the tokenizer files and the safetensors index, and
+    of the weights only the files holding the tensors it keeps, read from the
+    index (:mod:`pipemlx.models.hub`; a ``"memory"`` or ``"balanced"`` split is
+    planned from every layer's weights, so there every rank fetches every file).
 
     Call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
@@ -64,12 +74,27 @@ def load_sharded(
     ``load_tokenizer``'s (``tokenizer_config`` passes extra settings to it); ``model_config`` overrides entries of
     ``config.json``. Weight files may be one or many, with or without ``model.safetensors.index.json``.
 
-    Raises ``FileNotFoundError`` when ``path`` is not a model directory, and
-    what :func:`pipemlx.shard_model` raises for a bad split or a model it cannot
+    Raises ``FileNotFoundError`` when ``path`` is not a model directory
+    (:class:`pipemlx.models.hub.ModelNotFoundError`, one line, for a repo,
+    revision or file the Hub or the offline cache lacks), and what
+    :func:`pipemlx.shard_model` raises for a bad split or a model it cannot
     pipeline.
     """
-    root = check_model_dir(path)
-    loaded: Any = load_model(root, lazy=True, model_config=model_config, trust_remote_code=trust_remote_code)  # pyright: ignore[reportUnknownVariableType]
+    source = locate_model(path, revision=revision, rank=group.rank())
+    if source.repo is None:
+        root = check_model_dir(path)
+    else:
+        planned = _fetch_rank_weights(
+            source, group, split, memory, speeds, model_config, trust_remote_code, lend_mlp, head
+        )
+        root, split = source.root, planned or split
+    loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
+        root,
+        lazy=True,
+        strict=source.repo is None,  # a repo's snapshot holds only this rank's weight files
+        model_config=model_config,
+        trust_remote_code=trust_remote_code,
+    )
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
     shard_model(
@@ -89,3 +114,35 @@ def load_sharded(
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
+
+
+def _fetch_rank_weights(
+    source: ModelSource,
+    group: Any,
+    split: SplitSpec,
+    memory: MemorySpec,
+    speeds: Sequence[float] | None,
+    model_config: dict[str, Any] | None,
+    trust_remote_code: bool,
+    lend_mlp: bool,
+    head: HeadPolicy,
+) -> list[int] | None:
+    """Fetch the weight files of a Hub repo that this rank needs; return the split if it was decided here.
+
+    The layer count comes from the model as mlx-lm builds it from the config
+    alone (lazily, nothing evaluated). An even or given split is decided here,
+    before fetching, and passed on to :func:`shard_model`, so the files match
+    the layers the rank keeps; a split planned from memory or speeds needs
+    every layer's weights, and every file is fetched (``None`` returned).
+    """
+    if memory is not None or speeds is not None or (isinstance(split, str) and split != "even"):
+        fetch_files(source, source.weight_files)
+        return None
+    loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
+        source.root, lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
+    )
+    owner, attribute = find_layer_list(loaded[0])
+    count = len(cast(list[Any], owner[attribute]))
+    sizes = resolve_split(split, count, group.size())
+    fetch_files(source, needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head))
+    return list(sizes)

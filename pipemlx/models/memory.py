@@ -21,14 +21,18 @@ caches really hold for every tiny model of :mod:`pipemlx.testing`.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, cast
 
 from ..schedule.memory_model import Activations, LayerCache, MemoryModel
 from ..schedule.memory_split import ModelBytes
-from .safetensors import SAFETENSORS_ITEM_BYTES, read_safetensors_header
+from .safetensors import (
+    SAFETENSORS_ITEM_BYTES,
+    model_bytes_from_headers,
+    read_dir_config,
+    read_dir_headers,
+)
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 CONFIG_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -167,29 +171,38 @@ def memory_model_from_config(config: dict[str, Any], model_bytes: ModelBytes, dt
     return MemoryModel(model_bytes, caches, activations, max_context, notes)
 
 
-def activation_dtype_bytes(root: Path, config: dict[str, Any]) -> int:
-    """Bytes per activation element: the float dtype holding most parameters (scales of a quantized model)."""
+def activation_dtype_bytes(headers: dict[str, dict[str, Any]], config: dict[str, Any]) -> int:
+    """Bytes per activation element: the float dtype holding most parameters (scales of a quantized model).
+
+    ``headers`` are the safetensors header entries of every tensor (name -> dtype, shape, data_offsets).
+    """
     counts: Counter[str] = Counter()
-    for file in sorted(root.glob("model*.safetensors")):
-        for entry in read_safetensors_header(file).values():
-            dtype = str(entry.get("dtype"))
-            if dtype in FLOAT_DTYPES:
-                size = 1
-                for d in entry.get("shape", []):
-                    size *= int(d)
-                counts[dtype] += size
+    for entry in headers.values():
+        dtype = str(entry.get("dtype"))
+        if dtype in FLOAT_DTYPES:
+            size = 1
+            for d in entry.get("shape", []):
+                size *= int(d)
+            counts[dtype] += size
     if counts:
         return SAFETENSORS_ITEM_BYTES[counts.most_common(1)[0][0]]
     named = text_config(config).get("torch_dtype") or text_config(config).get("dtype")
     return CONFIG_DTYPES.get(str(named), 2)
 
 
+def memory_model_from_headers(headers: dict[str, dict[str, Any]], config: dict[str, Any], where: str) -> MemoryModel:
+    """The memory model of a model given its config and every tensor's safetensors header entry.
+
+    ``where`` names the model in errors. What :func:`memory_model_from_dir` and a Hub repo's
+    (:func:`pipemlx.models.hub.memory_model_of`) plans come from.
+    """
+    model_bytes = model_bytes_from_headers(headers, config, where)
+    return memory_model_from_config(config, model_bytes, activation_dtype_bytes(headers, config))
+
+
 def memory_model_from_dir(path: str | Path) -> MemoryModel:
     """The memory model of an mlx-lm model directory: safetensors headers and config.json, no tensor read."""
-    from .safetensors import model_bytes_from_dir
-
     root = Path(path)
-    model_bytes = model_bytes_from_dir(root)
-    config_path = root / "config.json"
-    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-    return memory_model_from_config(config, model_bytes, activation_dtype_bytes(root, config))
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a model directory")
+    return memory_model_from_headers(read_dir_headers(root), read_dir_config(root), str(root))

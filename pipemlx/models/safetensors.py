@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -82,24 +83,42 @@ def model_bytes_from_dir(path: str | Path) -> ModelBytes:
     """Per-layer and fixed parameter bytes of an mlx-lm model directory, from its safetensors headers.
 
     Reads ``config.json`` for the layer count and every ``model*.safetensors``
-    header (as mlx-lm's loader globs them); no tensor data is read. A tensor
-    belongs to layer ``i`` when its name has ``layers.i.`` (or ``h.i.``,
-    ``blocks.i.``) under the prefix holding the decoder layers; layers past the
-    config's count (multi-token-prediction heads that mlx-lm drops) are not
-    counted. The head is tied when no ``lm_head``/``output`` tensor exists.
+    header (as mlx-lm's loader globs them); no tensor data is read. See
+    :func:`model_bytes_from_headers` for how tensors are attributed.
     """
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a model directory")
+    return model_bytes_from_headers(read_dir_headers(root), read_dir_config(root), str(root))
+
+
+def read_dir_headers(root: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor's header entry (dtype, shape, data_offsets) across ``root``'s ``model*.safetensors`` files."""
     files = sorted(root.glob("model*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no model*.safetensors files in {root}")
-    config_path = root / "config.json"
-    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
-    sizes: dict[str, int] = {}
+    headers: dict[str, dict[str, Any]] = {}
     for file in files:
-        for name, entry in read_safetensors_header(file).items():
-            sizes[name] = _tensor_bytes(name, entry)
+        headers.update(read_safetensors_header(file))
+    return headers
+
+
+def read_dir_config(root: Path) -> dict[str, Any]:
+    """``root/config.json`` as a dict (empty when the folder has none)."""
+    config_path = root / "config.json"
+    return json.loads(config_path.read_text()) if config_path.exists() else {}
+
+
+def model_bytes_from_headers(headers: dict[str, dict[str, Any]], config: dict[str, Any], where: str) -> ModelBytes:
+    """Per-layer and fixed parameter bytes from safetensors header entries (tensor name -> dtype, shape, offsets).
+
+    A tensor belongs to layer ``i`` when its name has ``layers.i.`` (or ``h.i.``,
+    ``blocks.i.``) under the prefix holding the decoder layers; layers past the
+    config's count (multi-token-prediction heads that mlx-lm drops) are not
+    counted. The head is tied when no ``lm_head``/``output`` tensor exists.
+    ``where`` names the model in errors (a folder, or a Hub repo id).
+    """
+    sizes = {name: _tensor_bytes(name, entry) for name, entry in headers.items()}
     per_prefix: dict[str, dict[int, int]] = {}
     outside: dict[str, int] = {}
     for name, size in sizes.items():
@@ -111,16 +130,30 @@ def model_bytes_from_dir(path: str | Path) -> ModelBytes:
         index = int(match.group(2))
         layers[index] = layers.get(index, 0) + size
     if not per_prefix:
-        raise ValueError(f"no decoder layer weights (names with 'layers.N.') in the safetensors files of {root}")
+        raise ValueError(f"no decoder layer weights (names with 'layers.N.') in the safetensors files of {where}")
     prefix = max(per_prefix, key=lambda p: len(per_prefix[p]))
     decoder = per_prefix.pop(prefix)
     count = _num_layers(config) or max(decoder) + 1
     missing = sorted(set(range(count)) - set(decoder))
     if missing:
-        raise ValueError(f"{root}: the safetensors files hold no weights for layers {missing} of {count}")
+        raise ValueError(f"{where}: the safetensors files hold no weights for layers {missing} of {count}")
     for other in per_prefix.values():  # other stacks of layers (a vision tower, ...): fixed weights
         outside[f"<other layers {len(other)}>"] = sum(other.values())
     embedding = sum(s for n, s in outside.items() if EMBEDDING_NAME.search(n))
     head = sum(s for n, s in outside.items() if not EMBEDDING_NAME.search(n))
     tied = not any(HEAD_NAME.search(n) for n in outside)
     return ModelBytes(tuple(decoder[i] for i in range(count)), embedding, head, tied)
+
+
+def decoder_prefix(names: Iterable[str]) -> str | None:
+    """The prefix under which the decoder layers' tensors are named (``model`` in ``model.layers.3.mlp``).
+
+    The prefix holding the most numbered layers, as :func:`model_bytes_from_headers` decides; ``None`` when no
+    name has ``layers.N.``.
+    """
+    per_prefix: dict[str, set[int]] = {}
+    for name in names:
+        match = LAYER_NAME.match(name)
+        if match is not None:
+            per_prefix.setdefault(match.group(1), set()).add(int(match.group(2)))
+    return max(per_prefix, key=lambda p: len(per_prefix[p])) if per_prefix else None

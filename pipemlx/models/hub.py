@@ -1,0 +1,362 @@
+"""Models by name: a Hugging Face repo id in place of a model folder, each rank fetching only its files.
+
+``load_sharded`` and the ``pipemlx`` commands take ``--model org/name`` as
+mlx-lm does: a path that exists is a local folder, anything else that looks
+like a repo id is fetched from the Hub (``HF_ENDPOINT``, ``HF_HOME``,
+``HF_HUB_OFFLINE`` and the login token work as for every huggingface_hub
+client). What a rank fetches:
+
+1. :func:`locate_model`: ``config.json``, the tokenizer files and
+   ``model.safetensors.index.json`` (the patterns mlx-lm's ``sharded_load`` uses
+   for everything but the weights), and the repo's file list, to check that
+   every weight file the index names exists. Every rank does this before any
+   collective, so every rank stops with the same :class:`ModelNotFoundError`
+   for a missing repo, revision or file.
+2. :func:`rank_files`: from the index, the weight files holding this rank's
+   tensors: its decoder layers (and with ``lend_mlp`` the previous rank's last
+   layer, whose feed-forward half it runs), the tensors outside the layers
+   (final norm, output head, ...), the input embedding only where the rank keeps
+   it (rank 0; every rank when it is the tied head), the output head only where
+   the rank keeps it (``head="last"``: the last rank).
+3. :func:`fetch_files`: those files, from the commit step 1 resolved, into the
+   Hub cache; the other ranks' files are never requested.
+
+``pipemlx split`` sizes a repo from its index and the safetensors headers read
+with HTTP range requests (:func:`model_bytes_of`, :func:`memory_model_of`),
+without downloading the weights. Offline, every file a rank needs must be in
+the cache already; headers are then read from the cached files.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from ..schedule.memory_model import HeadPolicy, MemoryModel
+from ..schedule.memory_split import ModelBytes
+from .memory import memory_model_from_dir, memory_model_from_headers
+from .safetensors import (
+    LAYER_NAME,
+    decoder_prefix,
+    model_bytes_from_dir,
+    model_bytes_from_headers,
+    read_dir_config,
+    read_safetensors_header,
+)
+
+METADATA_PATTERNS = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
+"""What every rank fetches besides weights: config, tokenizer files, the index (as mlx-lm's ``sharded_load``)."""
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
+HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
+
+T = TypeVar("T")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model that is neither a local folder nor a repo, revision or file the Hub (or the offline cache) has.
+
+    Its message is one line naming what is missing; the commands print it and exit with status 2.
+    """
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a local folder (``repo`` None), or a Hub repo at one commit.
+
+    For a repo, ``root`` is the commit's snapshot folder in the Hub cache, holding the config, the tokenizer
+    files and the index, and the weight files fetched so far; ``weight_map`` is the index's (tensor name ->
+    file; empty for a repo with one ``model.safetensors`` and no index) and ``weight_files`` every weight file.
+    """
+
+    root: Path
+    repo: str | None = None
+    commit: str | None = None
+    weight_map: dict[str, str] = field(default_factory=dict[str, str])
+    weight_files: tuple[str, ...] = ()
+    user_agent: str = "pipemlx"
+
+    @property
+    def name(self) -> str:
+        """The model as the user named it: the repo id, or the folder."""
+        return self.repo if self.repo is not None else str(self.root)
+
+
+def is_repo_id(name: str | os.PathLike[str]) -> bool:
+    """Whether ``name`` names a Hub repo rather than a local folder: no such path exists and it reads ``org/name``."""
+    text = os.fspath(name)
+    return not Path(text).exists() and REPO_ID.fullmatch(text) is not None and ".." not in text
+
+
+def offline() -> bool:
+    """Whether huggingface_hub may not reach the Hub (``HF_HUB_OFFLINE=1``, read when it was imported)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def locate_model(name: str | os.PathLike[str], *, revision: str | None = None, rank: int | None = None) -> ModelSource:
+    """Where the model ``name`` is: a local folder as is, or a Hub repo with its metadata fetched.
+
+    For a repo id, fetches (or, offline, finds in the cache) ``config.json``,
+    the tokenizer files and the safetensors index at ``revision`` (default:
+    the main branch), and checks that the repo holds every weight file the
+    index names. ``rank`` goes into the user agent of the requests, so a
+    server's log tells the ranks apart. Raises :class:`ModelNotFoundError`
+    (one line) for a missing repo, revision or file, ``OSError`` when the Hub
+    fails otherwise; a local path is not checked here.
+    """
+    if not is_repo_id(name):
+        return ModelSource(Path(name))
+    repo = os.fspath(name)
+    agent = f"pipemlx; rank/{rank}" if rank is not None else "pipemlx"
+    from huggingface_hub import HfApi, snapshot_download  # pyright: ignore[reportUnknownVariableType]
+
+    what = f"the metadata of {repo!r}"
+    root = Path(
+        _hub_call(
+            lambda: snapshot_download(
+                repo,
+                revision=revision,
+                allow_patterns=list(METADATA_PATTERNS),
+                user_agent=agent,
+                tqdm_class=_quiet_bar(),  # small files: no progress bar before a one-line error
+            ),
+            repo,
+            revision,
+            what,
+        )
+    )
+    commit = root.name
+    if not (root / "config.json").is_file():
+        raise ModelNotFoundError(f"the Hub repo {repo!r} has no config.json: it is not an mlx-lm model")
+    weight_map: dict[str, str] = {}
+    if (root / INDEX_FILE).is_file():
+        try:
+            index: Any = json.loads((root / INDEX_FILE).read_text(encoding="utf-8"))
+            weight_map = {str(k): str(v) for k, v in dict(index["weight_map"]).items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"the Hub repo {repo!r} has an unreadable {INDEX_FILE}: {exc}") from None
+    files = tuple(sorted(set(weight_map.values()))) if weight_map else (SINGLE_FILE,)
+    if not offline():
+        listed = set(
+            _hub_call(lambda: HfApi(user_agent=agent).list_repo_files(repo, revision=commit), repo, revision, what)
+        )
+        missing = [f for f in files if f not in listed]
+        if missing and not weight_map:
+            raise ModelNotFoundError(
+                f"the Hub repo {repo!r} has neither {INDEX_FILE} nor {SINGLE_FILE}: no mlx-lm weights"
+            )
+        if missing:
+            raise ModelNotFoundError(
+                f"the Hub repo {repo!r} (commit {commit[:12]}) has no file {missing[0]}, which its {INDEX_FILE} names"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+    return ModelSource(root, repo, commit, weight_map, files, agent)
+
+
+def rank_files(
+    source: ModelSource,
+    layers: range,
+    *,
+    keep_embedding: bool,
+    keep_head: bool,
+    tied: bool | None = None,
+) -> tuple[str, ...]:
+    """The weight files of ``source`` that hold the tensors a rank keeps, from the index alone.
+
+    ``layers`` are the decoder layers whose weights the rank needs;
+    ``keep_embedding`` whether it keeps the input embedding when the model has
+    a separate output head (``lm_head``), ``keep_head`` whether it keeps that
+    head. A tied model's embedding is its head: it is needed where either is
+    kept. ``tied`` (default: read from the index and config) says which. Every
+    other tensor outside the decoder layers (final norm, a vision tower, ...)
+    is needed on every rank. Layers are matched by number, as mlx-lm's
+    ``sharded_load`` does, since a model's ``sanitize`` may rename tensors.
+    Without an index (one ``model.safetensors``) that one file.
+    """
+    if not source.weight_map:
+        return source.weight_files
+    names = list(source.weight_map)
+    prefix = decoder_prefix(names)
+    if tied is None:
+        config = read_dir_config(source.root)
+        flagged = any(bool(c.get("tie_word_embeddings")) for c in (config, config.get("text_config") or {}))
+        tied = flagged or not any(HEAD_SEGMENT.search(n) for n in names)
+    wanted: set[str] = set()
+    for name, file in source.weight_map.items():
+        match = LAYER_NAME.match(name)
+        if match is not None and match.group(1) == prefix:
+            needed = int(match.group(2)) in layers
+        elif prefix is not None and _is_embedding(name, prefix):
+            needed = keep_embedding or (tied and keep_head)
+        elif HEAD_SEGMENT.search(name):
+            needed = keep_head
+        else:
+            needed = True
+        if needed:
+            wanted.add(file)
+    return tuple(sorted(wanted))
+
+
+def _is_embedding(name: str, prefix: str) -> bool:
+    """Whether tensor ``name`` is the input embedding held beside the decoder layers (``model.embed_tokens.*``)."""
+    rest = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else ("" if prefix else name)
+    return EMBEDDING_SEGMENT.fullmatch(rest) is not None
+
+
+def needed_files(
+    source: ModelSource,
+    split: tuple[int, ...],
+    rank: int,
+    *,
+    lend_mlp: bool = False,
+    head: HeadPolicy = "all",
+) -> tuple[str, ...]:
+    """The weight files rank ``rank`` of a pipeline with layers per rank ``split`` needs (see :func:`rank_files`)."""
+    start = sum(split[:rank])
+    stop = start + split[rank]
+    last = rank == len(split) - 1
+    if lend_mlp and rank > 0:  # the previous rank's last layer: its feed-forward half runs here
+        start -= 1
+    return rank_files(source, range(start, stop), keep_embedding=rank == 0, keep_head=head == "all" or last)
+
+
+def fetch_files(source: ModelSource, files: Iterable[str]) -> Path:
+    """Fetch ``files`` of ``source``'s repo at its commit into the Hub cache (offline: check they are cached).
+
+    Returns the snapshot folder, where the files then are. Raises
+    :class:`ModelNotFoundError` for a file the Hub or the offline cache does
+    not have. A local folder is returned as is.
+    """
+    wanted = sorted(set(files))
+    if source.repo is None or not wanted:
+        return source.root
+    repo = source.repo
+    if offline():
+        absent = [f for f in wanted if not (source.root / f).is_file()]
+        if absent:
+            raise ModelNotFoundError(
+                f"{absent[0]} of {repo!r} is not in the Hub cache and HF_HUB_OFFLINE is set: "
+                "fetch it once online (or unset HF_HUB_OFFLINE)"
+            )
+        return source.root
+    from huggingface_hub import snapshot_download  # pyright: ignore[reportUnknownVariableType]
+
+    patterns = [glob.escape(f) for f in wanted]
+    _hub_call(
+        lambda: snapshot_download(repo, revision=source.commit, allow_patterns=patterns, user_agent=source.user_agent),
+        repo,
+        source.commit,
+        f"{len(wanted)} weight files of {repo!r}",
+    )
+    absent = [f for f in wanted if not (source.root / f).is_file()]
+    if absent:
+        raise ModelNotFoundError(f"the Hub repo {repo!r} has no file {absent[0]}")
+    return source.root
+
+
+def remote_headers(source: ModelSource) -> dict[str, dict[str, Any]]:
+    """Every tensor's safetensors header entry (dtype, shape, data_offsets) of ``source``, no tensor data read.
+
+    A local folder's files are read; a repo's files are read from the cache
+    where they are there, else their headers are fetched with HTTP range
+    requests (huggingface_hub's ``parse_safetensors_file_metadata``).
+    """
+    if source.repo is None:
+        from .safetensors import read_dir_headers
+
+        return read_dir_headers(source.root)
+    repo = source.repo
+    headers: dict[str, dict[str, Any]] = {}
+    for file in source.weight_files:
+        cached = source.root / file
+        if cached.is_file():
+            headers.update(read_safetensors_header(cached))
+            continue
+        if offline():
+            raise ModelNotFoundError(
+                f"{file} of {repo!r} is not in the Hub cache and HF_HUB_OFFLINE is set: its header cannot be read"
+            )
+        from huggingface_hub import HfApi
+
+        api = HfApi(user_agent=source.user_agent)
+        metadata = _hub_call(
+            lambda: api.parse_safetensors_file_metadata(repo, file, revision=source.commit),
+            repo,
+            source.commit,
+            f"the header of {file} of {repo!r}",
+        )
+        for name, info in metadata.tensors.items():
+            headers[name] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": list(info.data_offsets)}
+    return headers
+
+
+def model_bytes_of(name: str | os.PathLike[str]) -> ModelBytes:
+    """Per-layer and fixed parameter bytes of a model folder or Hub repo, from safetensors headers only."""
+    source = locate_model(name)
+    if source.repo is None:
+        return model_bytes_from_dir(source.root)
+    return model_bytes_from_headers(remote_headers(source), read_dir_config(source.root), source.name)
+
+
+def memory_model_of(name: str | os.PathLike[str]) -> MemoryModel:
+    """The memory model of a model folder or Hub repo, from its config and safetensors headers only."""
+    source = locate_model(name)
+    if source.repo is None:
+        return memory_model_from_dir(source.root)
+    return memory_model_from_headers(remote_headers(source), read_dir_config(source.root), source.name)
+
+
+def _hub_call(call: Callable[[], T], repo: str, revision: str | None, what: str) -> T:
+    """``call()``, with huggingface_hub's errors turned into one line naming what is missing."""
+    from huggingface_hub import errors
+
+    try:
+        return call()
+    except errors.LocalEntryNotFoundError:
+        _raise_not_cached(repo, what)
+    except errors.GatedRepoError:
+        raise ModelNotFoundError(
+            f"the Hub repo {repo!r} is gated: accept its terms on the Hub and log in (hf auth login)"
+        ) from None
+    except errors.RepositoryNotFoundError:
+        raise ModelNotFoundError(
+            f"{repo!r} is neither a local folder nor a model repo on the Hub (a private one needs hf auth login)"
+        ) from None
+    except errors.RevisionNotFoundError:
+        raise ModelNotFoundError(f"the Hub repo {repo!r} has no revision {revision!r}") from None
+    except errors.EntryNotFoundError as exc:
+        raise ModelNotFoundError(f"the Hub repo {repo!r} lacks a file for {what}: {_first_line(exc)}") from None
+    except errors.HfHubHTTPError as exc:
+        raise OSError(f"the Hub failed while fetching {what}: {_first_line(exc)}") from None
+
+
+def _quiet_bar() -> Any:
+    """A tqdm class that shows nothing (huggingface_hub's ``tqdm_class``)."""
+    from tqdm.asyncio import tqdm_asyncio
+
+    class QuietBar(tqdm_asyncio[Any]):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)  # pyright: ignore[reportUnknownMemberType]
+
+    return QuietBar
+
+
+def _raise_not_cached(repo: str, what: str) -> NoReturn:
+    reason = "HF_HUB_OFFLINE is set" if offline() else "the Hub cannot be reached"
+    raise ModelNotFoundError(f"{what} is not in the Hub cache and {reason}: fetch {repo!r} once online") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

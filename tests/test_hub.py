@@ -1,0 +1,218 @@
+"""Models by name: a Hugging Face repo id in place of a folder, each rank fetching only the files it needs.
+
+A stand-in Hub (``hub_server.StandInHub``, reached through ``HF_ENDPOINT``)
+serves a tiny 4-layer llama split over 4 safetensors files: the embedding,
+layers 0-1, layers 2-3, and the final norm with the output head. With 2
+ranks, rank 0 needs files 1, 2 and 4 and rank 1 files 3 and 4; the server's
+log (the rank is in each request's user agent) shows who fetched what. Every
+test has its own ``HF_HOME``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from hub_server import StandInHub
+from mlx.utils import tree_flatten
+from mlx_lm.generate import stream_generate
+from mlx_lm.utils import load
+
+from pipemlx.cli.split import main as split_main
+from pipemlx.launch import launch
+from pipemlx.models.hub import ModelSource, needed_files, rank_files
+from pipemlx.testing import build_model, save_model_dir, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 120
+REPO, BROKEN = "some-org/some-model", "some-org/broken-model"
+PROMPT = "t5 t17 t3 t99 t42 t8 t61 t23 t7 t11"
+FILES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+RANK_FILES = {"0": {FILES[0], FILES[1], FILES[3]}, "1": {FILES[2], FILES[3]}}
+
+
+def _file_of(name: str) -> str:
+    """Which of the 4 files holds tensor ``name``: embedding, layers 0-1, layers 2-3, norm and head."""
+    if "embed_tokens" in name:
+        return FILES[0]
+    if ".layers." in name:
+        return FILES[1] if int(name.split(".")[2]) < 2 else FILES[2]
+    return FILES[3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama as a Hub repo would hold it: 4 weight files and their index."""
+    config = tiny_config("llama", num_hidden_layers=4)
+    model = build_model(config, seed=3)
+    root = save_model_dir(model, config, tmp_path_factory.mktemp("hub") / "some-model", index=False)
+    (root / "model.safetensors").unlink()
+    weights: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for file in FILES:
+        mx.save_safetensors(
+            str(root / file), {k: v for k, v in weights if _file_of(k) == file}, metadata={"format": "mlx"}
+        )
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for _, v in weights)},
+        "weight_map": {k: _file_of(k) for k, _ in weights},
+    }
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    return root
+
+
+@pytest.fixture(scope="module")
+def hub(model_dir: Path) -> Iterator[StandInHub]:
+    """The stand-in Hub: the model, and a broken copy whose third weight file is missing."""
+    with StandInHub({REPO: model_dir, BROKEN: model_dir}, hidden={BROKEN: {FILES[2]}}) as server:
+        yield server
+
+
+@pytest.fixture
+def env(hub: StandInHub, tmp_path: Path) -> dict[str, str]:
+    """The environment of a pipemlx process that reaches the stand-in Hub, with a fresh cache."""
+    hub.clear()
+    return {
+        **os.environ,
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+def pipemlx(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m pipemlx argv...``; on timeout interrupted (its launcher then kills every rank) and failed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipemlx", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the launcher's finally kills its ranks
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"pipemlx {' '.join(argv)} timed out after {TIMEOUT} s\nstdout:\n{out}\nstderr:\n{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def weight_requests(hub: StandInHub) -> dict[str | None, dict[str, set[str]]]:
+    """Per rank (None: no rank), the weight files requested per method (``GET`` whole, ``RANGE``, ``HEAD``)."""
+    seen: dict[str | None, dict[str, set[str]]] = {}
+    for request in hub.requests():
+        file = request.file()
+        if file is None or file not in FILES:
+            continue
+        kind = "RANGE" if request.range else request.method
+        seen.setdefault(request.rank(), {}).setdefault(kind, set()).add(file)
+    return seen
+
+
+def reference_tokens(model_dir: Path, step: int, max_tokens: int) -> list[int]:
+    """Single-process mlx-lm on the same model folder, greedy."""
+    loaded: Any = load(str(model_dir))
+    model, tokenizer = loaded[0], loaded[1]
+    return [
+        r.token
+        for r in stream_generate(model, tokenizer, PROMPT, max_tokens=max_tokens, prefill_step_size=step)
+        if r.finish_reason != "stop"
+    ]
+
+
+def test_generate_by_repo_id_fetches_only_each_ranks_files_then_runs_offline(
+    hub: StandInHub, env: dict[str, str], model_dir: Path
+) -> None:
+    argv = ["generate", "--model", REPO, "--ranks", "2", "--temp", "0", "--json", "--max-tokens", "8"]
+    result = pipemlx(env, *argv, "--prompt", PROMPT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["split"] == [2, 2]
+    assert report["tokens"] == reference_tokens(model_dir, report["step_size"], 8)
+    fetched = weight_requests(hub)
+    assert None not in fetched, f"the launcher fetched weights: {fetched}"
+    for rank, files in RANK_FILES.items():
+        asked = set().union(*fetched[rank].values())
+        assert asked <= files, f"rank {rank} asked for {sorted(asked - files)}, other ranks' files"
+    # Both ranks need the last file and share one cache: one of them fetches it, the other may find it there.
+    assert fetched["0"]["GET"] >= {FILES[0], FILES[1]} and fetched["1"]["GET"] >= {FILES[2]}
+    assert FILES[3] in fetched["0"]["GET"] | fetched["1"]["GET"]
+
+    hub.clear()
+    offline = pipemlx({**env, "HF_HUB_OFFLINE": "1"}, *argv, "--prompt", PROMPT)
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout.strip().splitlines()[-1])["tokens"] == report["tokens"]
+    assert [r for r in hub.requests() if "/api/agent-harnesses" not in r.path] == []
+
+
+def test_split_sizes_a_repo_from_headers_without_fetching_weights(
+    hub: StandInHub, env: dict[str, str], model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for extra in ([], ["--context", "1k"]):
+        argv = ["--ranks", "2", *extra]
+        result = pipemlx(env, "split", REPO, *argv)
+        assert result.returncode == 0, result.stderr
+        assert split_main([str(model_dir), *argv]) == 0
+        assert result.stdout == capsys.readouterr().out
+    fetched = weight_requests(hub)
+    assert set(fetched) == {None} and set(fetched[None]) == {"RANGE"}, fetched  # headers only, by range
+    assert fetched[None]["RANGE"] == set(FILES)
+    assert not list(Path(env["HF_HOME"]).rglob("model-*.safetensors"))
+
+
+def test_a_missing_repo_or_file_is_one_line_and_status_2(env: dict[str, str]) -> None:
+    result = pipemlx(env, "split", "some-org/no-such-model", "--ranks", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "pipemlx split: 'some-org/no-such-model' is neither a local folder nor a model repo on the Hub "
+        "(a private one needs hf auth login)"
+    ]
+    result = pipemlx(env, "generate", "--model", BROKEN, "--ranks", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"pipemlx generate: error: the Hub repo {BROKEN!r} (commit {StandInHub.commit(BROKEN)[:12]}) has no file "
+        f"{FILES[2]}, which its model.safetensors.index.json names"
+    ]
+
+
+def test_every_rank_stops_with_the_same_line_on_a_missing_file(hub: StandInHub, env: dict[str, str]) -> None:
+    """Started as ranks (as under mlx.launch), each rank checks the whole index: none waits in a collective."""
+    command = [sys.executable, "-m", "pipemlx", "generate", "--model", BROKEN, "--temp", "0", "--max-tokens", "2"]
+    results = launch(2, command, timeout=TIMEOUT, env=env, cwd=ROOT, fail_fast=False)
+    lines = [r.stderr.strip().splitlines() for r in results]
+    assert [r.returncode for r in results] == [2, 2], lines
+    assert lines[0] == lines[1] and len(lines[0]) == 1 and f"has no file {FILES[2]}" in lines[0][0], lines
+    assert weight_requests(hub) == {}
+
+
+def test_rank_files_follow_what_each_rank_keeps(model_dir: Path) -> None:
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    source = ModelSource(model_dir, REPO, "0" * 40, weight_map, tuple(FILES))
+    assert set(needed_files(source, (2, 2), 0)) == RANK_FILES["0"]
+    assert set(needed_files(source, (2, 2), 1)) == RANK_FILES["1"]
+    # lend_mlp: rank 1 runs the feed-forward half of rank 0's last layer (layer 1).
+    assert set(needed_files(source, (2, 2), 1, lend_mlp=True)) == {FILES[1], FILES[2], FILES[3]}
+    # head="last": rank 0 keeps no output head; the norm shares its file, which rank 0 still needs.
+    assert set(needed_files(source, (2, 2), 0, head="last")) == RANK_FILES["0"]
+    assert set(needed_files(source, (3, 1), 1)) == RANK_FILES["1"]
+    assert set(needed_files(source, (1, 3), 1)) == {FILES[1], FILES[2], FILES[3]}
+    # A tied model's embedding is its head: every rank that keeps the head needs it.
+    untied = {k: v for k, v in weight_map.items() if not k.startswith("lm_head.")}
+    tied = ModelSource(model_dir, REPO, "0" * 40, untied, tuple(FILES))
+    assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=True)) == {FILES[0], FILES[2], FILES[3]}
+    assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=False)) == {FILES[2], FILES[3]}
