@@ -344,7 +344,7 @@ def _quiet_bar() -> Any:
     """A tqdm class that shows nothing (huggingface_hub's ``tqdm_class``)."""
     from tqdm.asyncio import tqdm_asyncio
 
-    class QuietBar(tqdm_asyncio[Any]):
+    class QuietBar(tqdm_asyncio):  # pyright: ignore[reportMissingTypeArgument]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)  # pyright: ignore[reportUnknownMemberType]
