@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from fakes import FakeGroup
 from hub_server import StandInHub
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
@@ -28,7 +30,9 @@ from mlx_lm.utils import load
 
 from pipemlx.cli.split import main as split_main
 from pipemlx.launch import launch
+from pipemlx.models import loading
 from pipemlx.models.hub import ModelSource, needed_files, rank_files
+from pipemlx.models.sharding import EmbeddingStandIn
 from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +59,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_model(config, seed=3)
     root = save_model_dir(model, config, tmp_path_factory.mktemp("hub") / "some-model", index=False)
     (root / "model.safetensors").unlink()
-    weights: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    # bfloat16 as on the Hub: a rank that fetches no embedding must still compute in the checkpoint's dtype.
+    weights: list[tuple[str, mx.array]] = [(k, v.astype(mx.bfloat16)) for k, v in tree_flatten(model.parameters())]  # type: ignore[misc]
     for file in FILES:
         mx.save_safetensors(
             str(root / file), {k: v for k, v in weights if _file_of(k) == file}, metadata={"format": "mlx"}
@@ -84,7 +89,7 @@ def env(hub: StandInHub, tmp_path: Path) -> dict[str, str]:
         "HF_ENDPOINT": hub.url,
         "HF_HOME": str(tmp_path / "hf"),
         "HF_HUB_DISABLE_TELEMETRY": "1",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
 
 
@@ -216,3 +221,27 @@ def test_rank_files_follow_what_each_rank_keeps(model_dir: Path) -> None:
     tied = ModelSource(model_dir, REPO, "0" * 40, untied, tuple(FILES))
     assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=True)) == {FILES[0], FILES[2], FILES[3]}
     assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=False)) == {FILES[2], FILES[3]}
+
+
+def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2 with only its files (no embedding): its stand-in embedding has the checkpoint's dtype."""
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for file in model_dir.iterdir():
+        if file.suffix != ".safetensors" or file.name in RANK_FILES["1"]:
+            shutil.copy(file, snapshot / file.name)
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    source = ModelSource(snapshot, REPO, "0" * 40, weight_map, tuple(FILES))
+    fetched: list[set[str]] = []
+    monkeypatch.setattr(loading, "locate_model", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
+    monkeypatch.setattr(loading, "fetch_files", lambda s, files: fetched.append(set(files)))  # pyright: ignore[reportUnknownLambdaType]
+    model, _ = loading.load_sharded(REPO, FakeGroup(1, 2))
+    assert fetched == [RANK_FILES["1"]]
+    stand_in = getattr(model, "model").embed_tokens
+    assert isinstance(stand_in, EmbeddingStandIn) and stand_in(mx.array([1])).dtype == mx.bfloat16
+    whole: Any = load(str(model_dir))
+    expected = dict(tree_flatten(whole[0].model.layers[2].parameters()))
+    for name, value in tree_flatten(getattr(model, "model").layers[0].parameters()):
+        assert mx.array_equal(value, expected[name]).item(), name

@@ -207,6 +207,14 @@ def rank_files(
     return tuple(sorted(wanted))
 
 
+def embedding_files(source: ModelSource) -> set[str]:
+    """The weight files holding the input embedding (the tensors beside the decoder layers, ``*.embed_tokens.*``)."""
+    prefix = decoder_prefix(source.weight_map)
+    if prefix is None:
+        return set()
+    return {file for name, file in source.weight_map.items() if _is_embedding(name, prefix)}
+
+
 def _is_embedding(name: str, prefix: str) -> bool:
     """Whether tensor ``name`` is the input embedding held beside the decoder layers (``model.embed_tokens.*``)."""
     rest = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else ("" if prefix else name)

@@ -7,12 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.memory_model import HeadPolicy
-from ..schedule.split import resolve_split
-from .hub import ModelSource, fetch_files, locate_model, needed_files
+from ..schedule.split import layer_range, resolve_split
+from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed_files
+from .parameters import activation_dtype, embedding_modules
 from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, find_layer_list, shard_model
 
 
@@ -81,13 +83,14 @@ def load_sharded(
     pipeline.
     """
     source = locate_model(path, revision=revision, rank=group.rank())
+    planned: tuple[list[int], tuple[str, ...]] | None = None
     if source.repo is None:
         root = check_model_dir(path)
     else:
         planned = _fetch_rank_weights(
             source, group, split, memory, speeds, model_config, trust_remote_code, lend_mlp, head
         )
-        root, split = source.root, planned or split
+        root, split = source.root, planned[0] if planned is not None else split
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
         lazy=True,
@@ -97,6 +100,8 @@ def load_sharded(
     )
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
+    if planned is not None and not embedding_files(source) <= set(planned[1]):
+        _unfetched_embedding_dtype(model, layer_range(planned[0], group.rank()))
     shard_model(
         model,
         group,
@@ -126,8 +131,8 @@ def _fetch_rank_weights(
     trust_remote_code: bool,
     lend_mlp: bool,
     head: HeadPolicy,
-) -> list[int] | None:
-    """Fetch the weight files of a Hub repo that this rank needs; return the split if it was decided here.
+) -> tuple[list[int], tuple[str, ...]] | None:
+    """Fetch the weight files of a Hub repo that this rank needs; return the split and files if decided here.
 
     The layer count comes from the model as mlx-lm builds it from the config
     alone (lazily, nothing evaluated). An even or given split is decided here,
@@ -144,5 +149,24 @@ def _fetch_rank_weights(
     owner, attribute = find_layer_list(loaded[0])
     count = len(cast(list[Any], owner[attribute]))
     sizes = resolve_split(split, count, group.size())
-    fetch_files(source, needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head))
-    return list(sizes)
+    files = needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head)
+    fetch_files(source, files)
+    return list(sizes), files
+
+
+def _unfetched_embedding_dtype(model: nn.Module, local: range) -> None:
+    """Give an input embedding this rank did not fetch the dtype of its own layers' weights.
+
+    Unfetched, the embedding keeps the float32 weights mlx-lm's modules are
+    built with; :func:`shard_model` replaces it by a stand-in whose zeros take
+    its dtype, and those zeros (a mask's dtype is derived from them) must have
+    the dtype a load of the whole folder gives. Nothing is evaluated: the cast
+    stays lazy and the stand-in drops it.
+    """
+    owner, attribute = find_layer_list(model)
+    layers = cast(list[nn.Module], owner[attribute])
+    dtype = activation_dtype(layers[local.start : local.stop])
+    for _, embedding in embedding_modules(owner):
+        weight: Any = getattr(embedding, "weight", None)
+        if isinstance(weight, mx.array) and weight.dtype != dtype:
+            embedding.weight = weight.astype(dtype)
