@@ -104,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=MODEL_DIR, help="mlx-lm model folder (default: the demo model)")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=MODEL_DIR,
+        help="mlx-lm model folder or Hugging Face repo id (default: the demo model)",
+    )
     parser.add_argument(
         "--step-size",
         type=positive_int,

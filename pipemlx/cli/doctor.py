@@ -43,7 +43,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     where.add_argument("--ranks", type=int, help=f"local ranks to start (default {DEFAULT_RANKS})")
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
     doctor.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
-    doctor.add_argument("--model", type=Path, default=MODEL_DIR, help="model for the end-to-end run (default: demo)")
+    doctor.add_argument(
+        "--model",
+        type=Path,
+        default=MODEL_DIR,
+        help="model folder or Hugging Face repo id for the end-to-end run (default: demo)",
+    )
     doctor.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     doctor.add_argument("--context", type=int, help="context the memory check plans for (default: the model's max)")
     doctor.add_argument("--timeout", type=positive_float, default=30.0, help="seconds any wait may take (30)")

@@ -55,7 +55,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
         "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.",
     )
-    serve.add_argument("--model", type=Path, default=MODEL_DIR, help="mlx-lm model folder (default: the demo model)")
+    serve.add_argument(
+        "--model",
+        type=Path,
+        default=MODEL_DIR,
+        help="mlx-lm model folder or Hugging Face repo id (default: the demo model)",
+    )
     serve.add_argument("--model-name", help="the model id clients use (default: pipemlx-demo, or the folder's name)")
     where = serve.add_mutually_exclusive_group()
     where.add_argument("--ranks", type=positive_int, help=f"local ranks to start (default {DEFAULT_RANKS})")
