@@ -165,7 +165,7 @@ def test_generate_by_repo_id_fetches_only_each_ranks_files_then_runs_offline(
     assert [r for r in hub.requests() if "/api/agent-harnesses" not in r.path] == []
 
 
-def test_split_sizes_a_repo_from_headers_without_fetching_weights(
+def test_split_sizes_a_repo_from_headers_without_fetching_weights_which_offline_use_needs(
     hub: StandInHub, env: dict[str, str], model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for extra in ([], ["--context", "1k"]):
@@ -178,6 +178,13 @@ def test_split_sizes_a_repo_from_headers_without_fetching_weights(
     assert set(fetched) == {None} and set(fetched[None]) == {"RANGE"}, fetched  # headers only, by range
     assert fetched[None]["RANGE"] == set(FILES)
     assert not list(Path(env["HF_HOME"]).rglob("model-*.safetensors"))
+    # Offline, the local ranks would share this cache, which holds no weights: one line before any rank starts.
+    offline = pipemlx({**env, "HF_HUB_OFFLINE": "1"}, "generate", "--model", REPO, "--ranks", "2")
+    assert offline.returncode == 2
+    assert offline.stderr.strip().splitlines() == [
+        f"pipemlx generate: error: {FILES[0]} of {REPO!r} is not in the Hub cache and HF_HUB_OFFLINE is set: "
+        "fetch it once online (or unset HF_HUB_OFFLINE)"
+    ]
 
 
 def test_a_missing_repo_or_file_is_one_line_and_status_2(env: dict[str, str]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..demo import MODEL_DIR, default_prompt
-from ..models.hub import is_repo_id, locate_model
+from ..models.hub import check_cached, is_repo_id, locate_model, offline
 from ..schedule.plan import default_step_size as default_step_size  # what the commands (and tests) use
 from ..schedule.split import resolve_split
 
@@ -93,14 +93,17 @@ def model_layers(model_dir: Path) -> int | None:
     """Check that ``model_dir`` is an mlx-lm model folder or Hub repo; return its decoder layer count if known.
 
     A Hub repo id (``org/name``, no such folder here) has its config, tokenizer files and index fetched
-    (:func:`pipemlx.models.hub.locate_model`): a missing repo or weight file is a :class:`UserError`.
+    (:func:`pipemlx.models.hub.locate_model`): a missing repo or weight file is a :class:`UserError`, and so,
+    offline, is a weight file missing from the cache where this process starts the ranks (or is the only one).
     """
     if is_repo_id(model_dir):
         try:
-            model_dir = locate_model(model_dir).root
+            source = locate_model(model_dir)
+            if offline() and not in_launched_rank():  # the local ranks share this cache: every file must be there
+                check_cached(source)
         except OSError as exc:
             raise UserError(str(exc)) from None
-        remote = True
+        model_dir, remote = source.root, True
     else:
         remote = False
     if not model_dir.exists():

@@ -250,12 +250,7 @@ def fetch_files(source: ModelSource, files: Iterable[str]) -> Path:
         return source.root
     repo = source.repo
     if offline():
-        absent = [f for f in wanted if not (source.root / f).is_file()]
-        if absent:
-            raise ModelNotFoundError(
-                f"{absent[0]} of {repo!r} is not in the Hub cache and HF_HUB_OFFLINE is set: "
-                "fetch it once online (or unset HF_HUB_OFFLINE)"
-            )
+        check_cached(source, wanted)
         return source.root
     from huggingface_hub import snapshot_download  # pyright: ignore[reportUnknownVariableType]
 
@@ -270,6 +265,23 @@ def fetch_files(source: ModelSource, files: Iterable[str]) -> Path:
     if absent:
         raise ModelNotFoundError(f"the Hub repo {repo!r} has no file {absent[0]}")
     return source.root
+
+
+def check_cached(source: ModelSource, files: Iterable[str] | None = None) -> None:
+    """Raise :class:`ModelNotFoundError` naming the first of ``files`` (default: every weight file) not cached.
+
+    For offline use (``HF_HUB_OFFLINE=1``): what a rank, or a launcher whose ranks share this machine's cache,
+    checks before starting.
+    """
+    if source.repo is None:
+        return
+    wanted = sorted(set(source.weight_files if files is None else files))
+    absent = [f for f in wanted if not (source.root / f).is_file()]
+    if absent:
+        raise ModelNotFoundError(
+            f"{absent[0]} of {source.repo!r} is not in the Hub cache and HF_HUB_OFFLINE is set: "
+            "fetch it once online (or unset HF_HUB_OFFLINE)"
+        )
 
 
 def remote_headers(source: ModelSource) -> dict[str, dict[str, Any]]:
