@@ -37,7 +37,7 @@ from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
-REPO, BROKEN = "some-org/some-model", "some-org/broken-model"
+REPO, BROKEN, SINGLE = "some-org/some-model", "some-org/broken-model", "some-org/one-file-model"
 PROMPT = "t5 t17 t3 t99 t42 t8 t61 t23 t7 t11"
 FILES = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
 RANK_FILES = {"0": {FILES[0], FILES[1], FILES[3]}, "1": {FILES[2], FILES[3]}}
@@ -74,9 +74,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub(model_dir: Path) -> Iterator[StandInHub]:
-    """The stand-in Hub: the model, and a broken copy whose third weight file is missing."""
-    with StandInHub({REPO: model_dir, BROKEN: model_dir}, hidden={BROKEN: {FILES[2]}}) as server:
+def single_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model as one ``model.safetensors`` without an index."""
+    config = tiny_config("llama", num_hidden_layers=2)
+    return save_model_dir(build_model(config), config, tmp_path_factory.mktemp("hub") / "one-file", index=False)
+
+
+@pytest.fixture(scope="module")
+def hub(model_dir: Path, single_dir: Path) -> Iterator[StandInHub]:
+    """The stand-in Hub: the model, a broken copy whose third weight file is missing, a one-file model."""
+    repos = {REPO: model_dir, BROKEN: model_dir, SINGLE: single_dir}
+    with StandInHub(repos, hidden={BROKEN: {FILES[2]}}) as server:
         yield server
 
 
@@ -166,14 +174,20 @@ def test_generate_by_repo_id_fetches_only_each_ranks_files_then_runs_offline(
 
 
 def test_split_sizes_a_repo_from_headers_without_fetching_weights_which_offline_use_needs(
-    hub: StandInHub, env: dict[str, str], model_dir: Path, capsys: pytest.CaptureFixture[str]
+    hub: StandInHub, env: dict[str, str], model_dir: Path, single_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for extra in ([], ["--context", "1k"]):
+    for repo, folder, extra in (
+        (REPO, model_dir, []),
+        (REPO, model_dir, ["--context", "1k"]),
+        (SINGLE, single_dir, []),
+    ):
         argv = ["--ranks", "2", *extra]
-        result = pipemlx(env, "split", REPO, *argv)
+        result = pipemlx(env, "split", repo, *argv)
         assert result.returncode == 0, result.stderr
-        assert split_main([str(model_dir), *argv]) == 0
+        assert split_main([str(folder), *argv]) == 0
         assert result.stdout == capsys.readouterr().out
+    single = [r for r in hub.requests() if r.file() == "model.safetensors"]
+    assert single and all(r.range for r in single), single
     fetched = weight_requests(hub)
     assert set(fetched) == {None} and set(fetched[None]) == {"RANGE"}, fetched  # headers only, by range
     assert fetched[None]["RANGE"] == set(FILES)

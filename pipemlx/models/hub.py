@@ -29,6 +29,7 @@ the cache already; headers are then read from the cached files.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
@@ -54,6 +55,7 @@ METADATA_PATTERNS = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoke
 """What every rank fetches besides weights: config, tokenizer files, the index (as mlx-lm's ``sharded_load``)."""
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+WEIGHT_PATTERN = "model*.safetensors"
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
 HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
@@ -74,7 +76,8 @@ class ModelSource:
 
     For a repo, ``root`` is the commit's snapshot folder in the Hub cache, holding the config, the tokenizer
     files and the index, and the weight files fetched so far; ``weight_map`` is the index's (tensor name ->
-    file; empty for a repo with one ``model.safetensors`` and no index) and ``weight_files`` every weight file.
+    file; empty for a repo without an index, usually one ``model.safetensors``) and ``weight_files`` every
+    weight file.
     """
 
     root: Path
@@ -145,21 +148,23 @@ def locate_model(name: str | os.PathLike[str], *, revision: str | None = None, r
             weight_map = {str(k): str(v) for k, v in dict(index["weight_map"]).items()}
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"the Hub repo {repo!r} has an unreadable {INDEX_FILE}: {exc}") from None
-    files = tuple(sorted(set(weight_map.values()))) if weight_map else (SINGLE_FILE,)
+    files = tuple(sorted(set(weight_map.values())))
     if not offline():
         listed = set(
             _hub_call(lambda: HfApi(user_agent=agent).list_repo_files(repo, revision=commit), repo, revision, what)
         )
+        if not weight_map:  # no index: every model*.safetensors, as mlx-lm's loader globs them
+            files = tuple(sorted(f for f in listed if fnmatch.fnmatchcase(f, WEIGHT_PATTERN)))
+            if not files:
+                raise ModelNotFoundError(f"the Hub repo {repo!r} has no {WEIGHT_PATTERN} weight files")
         missing = [f for f in files if f not in listed]
-        if missing and not weight_map:
-            raise ModelNotFoundError(
-                f"the Hub repo {repo!r} has neither {INDEX_FILE} nor {SINGLE_FILE}: no mlx-lm weights"
-            )
         if missing:
             raise ModelNotFoundError(
                 f"the Hub repo {repo!r} (commit {commit[:12]}) has no file {missing[0]}, which its {INDEX_FILE} names"
                 + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
+    if not files:  # offline without an index: the weight files cached (a single model.safetensors if none)
+        files = tuple(sorted(p.name for p in root.glob(WEIGHT_PATTERN))) or (SINGLE_FILE,)
     return ModelSource(root, repo, commit, weight_map, files, agent)
 
 
@@ -181,7 +186,7 @@ def rank_files(
     other tensor outside the decoder layers (final norm, a vision tower, ...)
     is needed on every rank. Layers are matched by number, as mlx-lm's
     ``sharded_load`` does, since a model's ``sanitize`` may rename tensors.
-    Without an index (one ``model.safetensors``) that one file.
+    Without an index, every weight file (one ``model.safetensors``, usually).
     """
     if not source.weight_map:
         return source.weight_files

@@ -94,7 +94,7 @@ def load_sharded(
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
         lazy=True,
-        strict=source.repo is None,  # a repo's snapshot holds only this rank's weight files
+        strict=planned is None,  # a repo's snapshot may hold only this rank's weight files
         model_config=model_config,
         trust_remote_code=trust_remote_code,
     )
