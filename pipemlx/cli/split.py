@@ -1,5 +1,7 @@
-"""``pipemlx split MODEL_DIR --ranks N --memory 24GB,16GB,8GB [--context 32768]``: a layer split that fits.
+"""``pipemlx split MODEL --ranks N --memory 24GB,16GB,8GB [--context 32768]``: a layer split that fits.
 
+MODEL is a model folder or a Hugging Face repo id, sized from its index and safetensors
+headers (read with HTTP range requests; :mod:`pipemlx.models.hub`) without downloading the weights.
 Without ``--context`` the split weighs parameter bytes only; with it, each
 rank's memory is its weights, its layers' KV cache at that context and one
 prefill chunk's peak (:mod:`pipemlx.schedule.memory_model`, ``docs/planning.md``),
@@ -53,7 +55,7 @@ def _numbers(text: str | None, kind: type[int] | type[float], what: str) -> list
 
 
 def main(argv: list[str], prog: str = "pipemlx split") -> int:
-    """``pipemlx split MODEL_DIR [--ranks N] [--memory ...] [--context N] ...``: print the split as a table.
+    """``pipemlx split MODEL [--ranks N] [--memory ...] [--context N] ...``: print the split as a table.
 
     ``argv`` holds the arguments after ``split``; ``prog`` names the command in
     messages (``pipemlx plan`` when called by the alias). Returns 0, or 2
