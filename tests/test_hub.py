@@ -33,6 +33,7 @@ from pipemlx.launch import launch
 from pipemlx.models import loading
 from pipemlx.models.hub import ModelSource, needed_files, rank_files
 from pipemlx.models.sharding import EmbeddingStandIn
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, save_model_dir, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,3 +267,24 @@ def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
     expected = dict(tree_flatten(whole[0].model.layers[2].parameters()))
     for name, value in tree_flatten(getattr(model, "model").layers[0].parameters()):
         assert mx.array_equal(value, expected[name]).item(), name
+
+
+@pytest.mark.parametrize("context", [None, 2048])
+def test_a_memory_split_is_planned_from_the_headers_before_fetching(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, context: int | None
+) -> None:
+    """split="memory" of a repo: the split a whole-folder load plans, decided from the headers, then only its files."""
+    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    source = ModelSource(model_dir, REPO, "0" * 40, weight_map, tuple(FILES))
+    fetched: list[set[str]] = []
+    monkeypatch.setattr(loading, "fetch_files", lambda s, files: fetched.append(set(files)))  # pyright: ignore[reportUnknownLambdaType]
+    budgets = [3e6, 1e6] if context is None else ["24MB", "11.2MB"]
+    for rank in range(2):
+        local, _ = loading.load_sharded(model_dir, FakeGroup(rank, 2), memory=budgets, context=context)
+        with monkeypatch.context() as patched:
+            patched.setattr(loading, "locate_model", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
+            remote, _ = loading.load_sharded(REPO, FakeGroup(rank, 2), memory=budgets, context=context)
+        split = stage_of(local).info.split
+        assert stage_of(remote).info.split == split and split not in ((2, 2),), split
+        assert fetched[-1] == set(needed_files(source, split, rank))
+    assert fetched[0] != fetched[1]

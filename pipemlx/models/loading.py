@@ -11,10 +11,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
-from ..schedule.memory_model import HeadPolicy
+from ..schedule.memory_model import HeadPolicy, Settings, plan_context
+from ..schedule.memory_split import plan_split, resolve_budgets
 from ..schedule.split import layer_range, resolve_split
-from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed_files
+from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed_files, remote_headers
+from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
+from .safetensors import read_dir_config
 from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, find_layer_list, shard_model
 
 
@@ -59,8 +62,9 @@ def load_sharded(
     (``mlx-community/...``, at ``revision``; default the main branch): then this
     rank fetches the config, the tokenizer files and the safetensors index, and
     of the weights only the files holding the tensors it keeps, read from the
-    index (:mod:`pipemlx.models.hub`; a ``"memory"`` or ``"balanced"`` split is
-    planned from every layer's weights, so there every rank fetches every file).
+    index (:mod:`pipemlx.models.hub`; ``split="memory"`` is planned from the
+    safetensors headers, read remotely; a ``"balanced"`` split, which may
+    measure the ranks first, makes every rank fetch every file).
 
     Call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
@@ -88,9 +92,24 @@ def load_sharded(
         root = check_model_dir(path)
     else:
         planned = _fetch_rank_weights(
-            source, group, split, memory, speeds, model_config, trust_remote_code, lend_mlp, head
+            source,
+            group,
+            split,
+            memory,
+            speeds,
+            context=context,
+            kv_bits=kv_bits,
+            step_size=step_size,
+            model_config=model_config,
+            trust_remote_code=trust_remote_code,
+            lend_mlp=lend_mlp,
+            head=head,
         )
-        root, split = source.root, planned[0] if planned is not None else split
+        root = source.root
+        if planned is not None:  # decided before fetching: shard_model takes it as given
+            if memory is not None or split == "memory":  # the context planned the split; lend_heads="auto" uses it
+                context = context if lend_mlp and lend_heads == "auto" else None
+            split, memory = planned[0], None
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
         lazy=True,
@@ -127,6 +146,10 @@ def _fetch_rank_weights(
     split: SplitSpec,
     memory: MemorySpec,
     speeds: Sequence[float] | None,
+    *,
+    context: int | None,
+    kv_bits: int | None,
+    step_size: int,
     model_config: dict[str, Any] | None,
     trust_remote_code: bool,
     lend_mlp: bool,
@@ -134,24 +157,49 @@ def _fetch_rank_weights(
 ) -> tuple[list[int], tuple[str, ...]] | None:
     """Fetch the weight files of a Hub repo that this rank needs; return the split and files if decided here.
 
-    The layer count comes from the model as mlx-lm builds it from the config
-    alone (lazily, nothing evaluated). An even or given split is decided here,
-    before fetching, and passed on to :func:`shard_model`, so the files match
-    the layers the rank keeps; a split planned from memory or speeds needs
-    every layer's weights, and every file is fetched (``None`` returned).
+    The split is decided before fetching and passed on to :func:`shard_model`,
+    so the files match the layers the rank keeps. An even or given split needs
+    the layer count, from the model as mlx-lm builds it from the config alone
+    (lazily, nothing evaluated). ``split="memory"`` (or ``memory`` alone) is
+    planned as :func:`shard_model` plans it, from the parameter bytes in the
+    safetensors headers (read remotely, :func:`pipemlx.models.hub.remote_headers`)
+    rather than from the weights as built. A ``"balanced"`` split (or
+    ``speeds``) is left to :func:`shard_model`, which may measure the ranks:
+    every file is fetched (``None`` returned).
     """
-    if memory is not None or speeds is not None or (isinstance(split, str) and split != "even"):
+    if speeds is not None or split == "balanced":
         fetch_files(source, source.weight_files)
         return None
-    loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
-        source.root, lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
-    )
-    owner, attribute = find_layer_list(loaded[0])
-    count = len(cast(list[Any], owner[attribute]))
-    sizes = resolve_split(split, count, group.size())
+    if split == "memory" or (split is None and memory is not None):
+        sizes = _memory_split(source, group.size(), memory, context, kv_bits, step_size, head)
+    elif memory is not None:
+        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
+    else:
+        loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
+            source.root, lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
+        )
+        owner, attribute = find_layer_list(loaded[0])
+        sizes = resolve_split(split, len(cast(list[Any], owner[attribute])), group.size())
     files = needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head)
     fetch_files(source, files)
     return list(sizes), files
+
+
+def _memory_split(
+    source: ModelSource,
+    world: int,
+    memory: MemorySpec,
+    context: int | None,
+    kv_bits: int | None,
+    step_size: int,
+    head: HeadPolicy,
+) -> tuple[int, ...]:
+    """``split="memory"`` of a Hub repo from its config and safetensors headers, as :func:`shard_model` plans it."""
+    model = memory_model_from_headers(remote_headers(source), read_dir_config(source.root), source.name)
+    budgets = resolve_budgets(memory, world)
+    if context is None:
+        return plan_split(model.bytes, world, budgets).split
+    return plan_context(model, world, Settings(context, step_size, kv_bits=kv_bits, head=head), budgets).split
 
 
 def _unfetched_embedding_dtype(model: nn.Module, local: range) -> None:
