@@ -269,22 +269,29 @@ def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
         assert mx.array_equal(value, expected[name]).item(), name
 
 
-@pytest.mark.parametrize("context", [None, 2048])
-def test_a_memory_split_is_planned_from_the_headers_before_fetching(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, context: int | None
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"memory": [3e6, 1e6]},
+        {"memory": ["24MB", "11.2MB"], "context": 2048},
+        {"split": "balanced", "speeds": [3.0, 1.0]},
+    ],
+)
+def test_a_planned_split_is_planned_from_the_headers_before_fetching(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[str, Any]
 ) -> None:
-    """split="memory" of a repo: the split a whole-folder load plans, decided from the headers, then only its files."""
+    """A memory split (or a balanced one with given speeds) of a repo: the split a whole-folder load plans,
+    decided from the headers, then only the files it needs."""
     weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     source = ModelSource(model_dir, REPO, "0" * 40, weight_map, tuple(FILES))
     fetched: list[set[str]] = []
     monkeypatch.setattr(loading, "fetch_files", lambda s, files: fetched.append(set(files)))  # pyright: ignore[reportUnknownLambdaType]
-    budgets = [3e6, 1e6] if context is None else ["24MB", "11.2MB"]
     for rank in range(2):
-        local, _ = loading.load_sharded(model_dir, FakeGroup(rank, 2), memory=budgets, context=context)
+        local, _ = loading.load_sharded(model_dir, FakeGroup(rank, 2), **plan)
         with monkeypatch.context() as patched:
             patched.setattr(loading, "locate_model", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
-            remote, _ = loading.load_sharded(REPO, FakeGroup(rank, 2), memory=budgets, context=context)
+            remote, _ = loading.load_sharded(REPO, FakeGroup(rank, 2), **plan)
         split = stage_of(local).info.split
-        assert stage_of(remote).info.split == split and split not in ((2, 2),), split
+        assert stage_of(remote).info.split == split and split != (2, 2), split
         assert fetched[-1] == set(needed_files(source, split, rank))
     assert fetched[0] != fetched[1]

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
-from ..schedule.memory_model import HeadPolicy, Settings, plan_context
+from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import plan_split, resolve_budgets
 from ..schedule.split import layer_range, resolve_split
 from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed_files, remote_headers
@@ -107,9 +107,9 @@ def load_sharded(
         )
         root = source.root
         if planned is not None:  # decided before fetching: shard_model takes it as given
-            if memory is not None or split == "memory":  # the context planned the split; lend_heads="auto" uses it
-                context = context if lend_mlp and lend_heads == "auto" else None
-            split, memory = planned[0], None
+            if split in ("memory", "balanced") or memory is not None or speeds is not None:
+                context = context if lend_mlp and lend_heads == "auto" else None  # it planned the split
+            split, memory, speeds = planned[0], None, None
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
         lazy=True,
@@ -160,46 +160,59 @@ def _fetch_rank_weights(
     The split is decided before fetching and passed on to :func:`shard_model`,
     so the files match the layers the rank keeps. An even or given split needs
     the layer count, from the model as mlx-lm builds it from the config alone
-    (lazily, nothing evaluated). ``split="memory"`` (or ``memory`` alone) is
-    planned as :func:`shard_model` plans it, from the parameter bytes in the
-    safetensors headers (read remotely, :func:`pipemlx.models.hub.remote_headers`)
-    rather than from the weights as built. A ``"balanced"`` split (or
-    ``speeds``) is left to :func:`shard_model`, which may measure the ranks:
-    every file is fetched (``None`` returned).
+    (lazily, nothing evaluated). ``split="memory"`` and a ``"balanced"`` split
+    with given ``speeds`` are planned as :func:`shard_model` plans them, from
+    the parameter bytes in the safetensors headers (read remotely,
+    :func:`pipemlx.models.hub.remote_headers`) rather than from the weights as
+    built. A ``"balanced"`` split without ``speeds`` is left to
+    :func:`shard_model`, which times the ranks on the model: every file is
+    fetched (``None`` returned).
     """
-    if speeds is not None or split == "balanced":
+    kind = split
+    if kind is None and speeds is not None:  # as shard_model reads them
+        kind = "balanced"
+    if kind is None and memory is not None:
+        kind = "memory"
+    if memory is not None and kind not in ("memory", "balanced"):
+        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
+    if speeds is not None and kind != "balanced":
+        raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
+    if kind == "balanced" and speeds is None:
         fetch_files(source, source.weight_files)
         return None
-    if split == "memory" or (split is None and memory is not None):
-        sizes = _memory_split(source, group.size(), memory, context, kv_bits, step_size, head)
-    elif memory is not None:
-        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
+    if kind == "memory" or kind == "balanced":
+        sizes = _planned_split(source, group.size(), memory, speeds, context, kv_bits, step_size, head)
     else:
         loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
             source.root, lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
         )
         owner, attribute = find_layer_list(loaded[0])
-        sizes = resolve_split(split, len(cast(list[Any], owner[attribute])), group.size())
+        sizes = resolve_split(kind, len(cast(list[Any], owner[attribute])), group.size())
     files = needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head)
     fetch_files(source, files)
     return list(sizes), files
 
 
-def _memory_split(
+def _planned_split(
     source: ModelSource,
     world: int,
     memory: MemorySpec,
+    speeds: Sequence[float] | None,
     context: int | None,
     kv_bits: int | None,
     step_size: int,
     head: HeadPolicy,
 ) -> tuple[int, ...]:
-    """``split="memory"`` of a Hub repo from its config and safetensors headers, as :func:`shard_model` plans it."""
+    """A ``"memory"`` split (``speeds`` None) or a ``"balanced"`` one with given speeds, of a Hub repo, from its
+    config and safetensors headers: what :func:`shard_model` plans from the weights as built."""
     model = memory_model_from_headers(remote_headers(source), read_dir_config(source.root), source.name)
     budgets = resolve_budgets(memory, world)
-    if context is None:
+    settings = None if context is None else Settings(context, step_size, kv_bits=kv_bits, head=head)
+    if speeds is not None:
+        return plan_balanced(model, world, check_speeds(speeds, world), budgets, settings)
+    if settings is None:
         return plan_split(model.bytes, world, budgets).split
-    return plan_context(model, world, Settings(context, step_size, kv_bits=kv_bits, head=head), budgets).split
+    return plan_context(model, world, settings, budgets).split
 
 
 def _unfetched_embedding_dtype(model: nn.Module, local: range) -> None:
