@@ -63,8 +63,8 @@ def load_sharded(
     rank fetches the config, the tokenizer files and the safetensors index, and
     of the weights only the files holding the tensors it keeps, read from the
     index (:mod:`pipemlx.models.hub`; ``split="memory"`` is planned from the
-    safetensors headers, read remotely; a ``"balanced"`` split, which may
-    measure the ranks first, makes every rank fetch every file).
+    safetensors headers, read remotely, as is ``"balanced"`` with ``speeds``;
+    a ``"balanced"`` split that times the ranks makes every rank fetch every file).
 
     Call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
