@@ -61,7 +61,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=MODEL_DIR,
         help="mlx-lm model folder or Hugging Face repo id (default: the demo model)",
     )
-    serve.add_argument("--model-name", help="the model id clients use (default: pipemlx-demo, or the folder's name)")
+    serve.add_argument(
+        "--model-name", help="the model id clients use (default: pipemlx-demo, the folder's name or the repo id)"
+    )
     where = serve.add_mutually_exclusive_group()
     where.add_argument("--ranks", type=positive_int, help=f"local ranks to start (default {DEFAULT_RANKS})")
     where.add_argument("--hostfile", help="MLX ring hostfile: run the same command on every host")
