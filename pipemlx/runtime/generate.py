@@ -454,7 +454,7 @@ class _Request:
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
         progress, should_cancel = prefill.progress_callback, prefill.should_cancel
-        last = int(prompt[-1].item())
+        last = cast(int, prompt[-1].item())
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
         while True:
@@ -468,6 +468,7 @@ class _Request:
                 except Exception as exc:  # acted on in the next step's agreement, by every rank
                     self.deferred = exc
             if not table.all_ok:
+                self._drop_guesses(table, guesses)
                 self.stop = _decode_stop(table, n, stopped_at_token=self.stopped_at_token)
                 if self.deferred is not None:
                     raise self.deferred
@@ -493,6 +494,7 @@ class _Request:
                 done = ended or n == self.max_tokens
                 closing_guesses = [] if done else self._guess(n)
                 final = self._step(last, closing_guesses, n, Status.CANCEL)[2]
+                self._drop_guesses(final, closing_guesses)
                 self.stop = _decode_stop(final, n, stopped_at_token=False)
                 raise stopped
 
@@ -504,10 +506,11 @@ class _Request:
         room = self.num_draft_tokens if self.max_tokens == -1 else min(self.num_draft_tokens, self.max_tokens - n - 1)
         return self.proposer.propose(self.tokens, room) if room > 0 else []
 
-    def _keep(self, decided: list[int], guesses: list[int]) -> int:
+    def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
         histories cut to match: they hold the step's input and the guesses before the last yielded token."""
-        kept = next((i + 1 for i, t in enumerate(decided) if t in self.stop_tokens), len(decided))
+        if kept is None:
+            kept = next((i + 1 for i, t in enumerate(decided) if t in self.stop_tokens), len(decided))
         if guesses:
             trim_to(self.cache, self.offset + kept)
             if self.history is not None:
@@ -516,6 +519,11 @@ class _Request:
         if self.proposer is not None:
             self.tokens.extend(decided[:kept])
         return kept
+
+    def _drop_guesses(self, table: Table, guesses: list[int]) -> None:
+        """After a step that ends the request: the caches keep its input only, as a step without guesses would."""
+        if guesses and not table.ranks_with(Status.CHUNK_FAILED):  # (a failed step is undone whole)
+            self._keep([], guesses, kept=1)
 
     def _poll(self, should_cancel: CancelCheck | None) -> Status:
         if self.deferred is not None:
@@ -590,7 +598,7 @@ class _Request:
             trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
         logprobs = part.logprobs
         if self.share_logprobs and not stage.is_last:
-            logprobs = mx.array(table.payloads[-1]).reshape(inputs.size, -1)
+            logprobs = mx.reshape(mx.array(table.payloads[-1]), (inputs.size, -1))
         if self.shares_head:
             (token,) = pick_tokens(table.payloads)
         else:
@@ -604,7 +612,7 @@ class _Request:
     def _shared_logprobs(self, part: _Part, positions: int) -> mx.array:
         """``share_logprobs``: the last rank's log-probabilities; zeros of the same size on the others."""
         if part.logprobs is not None:
-            return part.logprobs.reshape(-1)
+            return mx.reshape(part.logprobs, (-1,))
         return mx.zeros((positions * self.vocab_size,), dtype=mx.float32)
 
     def _build(self, inputs: mx.array, guesses: int) -> _Part:

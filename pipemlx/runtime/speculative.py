@@ -44,7 +44,7 @@ class DraftModel:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.cache: list[Any] = cast(list[Any], make_prompt_cache(model))
+        self.cache: list[Any] = make_prompt_cache(model)
         self.tokens: list[int] = []  # what the cache holds, in order
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
@@ -61,7 +61,7 @@ class DraftModel:
         guesses: list[int] = []
         for _ in range(k):
             logits = self._read(pending)
-            guess = int(mx.argmax(logits[0, -1, :]).item())
+            guess = cast(int, mx.argmax(logits[0, -1, :]).item())
             guesses.append(guess)
             pending = [guess]
         return guesses
@@ -75,7 +75,7 @@ class DraftModel:
         """The draft's parameter shapes and a checksum of its weights (a different draft guesses differently)."""
         leaves = cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
         shapes = [d for _, a in leaves for d in a.shape]
-        checksum = sum(float(mx.sum(mx.abs(a.astype(mx.float32))).item()) for _, a in leaves[:4])
+        checksum = sum(cast(float, mx.sum(mx.abs(a.astype(mx.float32))).item()) for _, a in leaves[:4])
         return fingerprint([*shapes, int(checksum * 1000) % (1 << 24)])
 
 
