@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from conftest import run_ranks
+
+import pipemlx
+from pipemlx.runtime.speculative import AUTO_LIMIT, DraftLength
+from pipemlx.testing import build_model, tiny_config
 
 CASES: list[dict[str, Any]] = [
     {"name": "lookup", "M": 6, "repeat": 4, "max_tokens": 16, "lookup": 3, "k": 4},
@@ -13,6 +18,7 @@ CASES: list[dict[str, Any]] = [
     {"name": "draft-other", "M": 9, "max_tokens": 12, "draft": "other", "k": 2},
     {"name": "draft-penalty", "M": 5, "repeat": 3, "max_tokens": 12, "draft": "other", "k": 3, "penalty": 1.3},
     {"name": "break", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "break_after": {"rank": 0, "after": 2}},
+    {"name": "auto", "M": 9, "max_tokens": 14, "draft": "same", "k": "auto"},
     {"name": "stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
     {"name": "rotating", "M": 6, "repeat": 4, "max_tokens": 12, "lookup": 2, "k": 3, "max_kv_size": 16},
     {"name": "sampled", "M": 6, "repeat": 3, "max_tokens": 12, "draft": "same", "k": 3, "temp": 1.0},
@@ -71,3 +77,34 @@ def test_speculative_decoding_matches_plain_mlx_lm(
         assert proposed > 0, (name, rows[0])
         if case.get("draft") == "same":  # the model guessing for itself: every guess is right
             assert accepted == proposed, (name, rows[0])
+
+
+def test_auto_draft_length_follows_the_acceptance_rate() -> None:
+    """``num_draft_tokens="auto"``: more guesses while they hold, fewer when they fail, never fewer than one."""
+    always = DraftLength("auto")
+    never = DraftLength("auto")
+    assert always.next() == never.next() == 2  # nothing measured yet
+    for _ in range(6):
+        k = always.next()
+        always.record(k, k, 0.010 + 0.001 * k)
+        never.record(2, 0, 0.012)
+    assert always.next() == AUTO_LIMIT and never.next() == 1
+    assert DraftLength(3).next() == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_draft_tokens": 0, "prompt_lookup": 2}, "num_draft_tokens must be a positive int or 'auto'"),
+        ({"prompt_lookup": 0}, "prompt_lookup must be a positive int"),
+        ({"prompt_lookup": 2, "draft_model": "model"}, "draft_model or prompt_lookup, not both"),
+        ({"draft_model": "model", "num_draft_tokens": "many"}, "num_draft_tokens must be a positive int or 'auto'"),
+    ],
+)
+def test_bad_speculation_arguments_are_named_before_anything_is_sent(kwargs: dict[str, Any], message: str) -> None:
+    config = tiny_config("llama")
+    model = pipemlx.shard_model(build_model(config), mx.distributed.init())  # one rank
+    if kwargs.get("draft_model") == "model":
+        kwargs = {**kwargs, "draft_model": build_model(config)}
+    with pytest.raises(ValueError, match=message):
+        pipemlx.generate_step(mx.array([1, 2, 3]), model, **kwargs)

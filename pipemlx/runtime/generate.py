@@ -51,7 +51,7 @@ from .sampling import (
     processed,
     shared_head,
 )
-from .speculative import Proposer, accepted, proposer_of
+from .speculative import DraftLength, Proposer, accepted, proposer_of
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
 
@@ -93,7 +93,7 @@ def generate_step(
     stop_tokens: Iterable[int] = (),
     input_embeddings: mx.array | None = None,
     draft_model: nn.Module | None = None,
-    num_draft_tokens: int = 2,
+    num_draft_tokens: int | Literal["auto"] = 2,
     prompt_lookup: int | None = None,
 ) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
@@ -137,7 +137,8 @@ def generate_step(
     Speculative decoding: with a ``draft_model`` (a small whole model with the
     same tokenizer, passed on every rank) or ``prompt_lookup=n`` (guesses from
     the latest earlier match of the last ``n``-gram in the prompt and the
-    tokens so far), every rank guesses up to ``num_draft_tokens`` tokens alike,
+    tokens so far), every rank guesses up to ``num_draft_tokens`` tokens alike
+    (``"auto"``: as many as maximise the measured tokens per second),
     one pass through the pipeline checks them all, and the last rank keeps the
     guesses up to the first one its own sampling disagrees with: the output is
     what decoding without guesses gives (greedy: the same tokens; a sampler: the
@@ -170,8 +171,7 @@ def generate_step(
         check_rotating_caches(kv_bits, stage.info.unquantizable_bounded, stage.info.total_layers, max_kv_size)
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
     proposer = proposer_of(draft_model, prompt_lookup)
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise ValueError(f"num_draft_tokens must be a positive int, got {num_draft_tokens!r}")
+    draft_length = DraftLength(num_draft_tokens)
     if prompt_cache is None:
         prompt_cache = stage.new_cache(model, max_kv_size)
     request = _Request(
@@ -185,7 +185,7 @@ def generate_step(
         share_logprobs=share_logprobs,
         stop_tokens=stops,
         proposer=proposer,
-        num_draft_tokens=num_draft_tokens,
+        draft_length=draft_length,
     )
     prefill = PrefillOptions(
         step_size=prefill_step_size,
@@ -410,7 +410,8 @@ class _Request:
     stop: DecodeStop | None = None
     shares_head: bool = False  # every rank said it may, in the first step: the later steps share the head
     proposer: Proposer | None = None
-    num_draft_tokens: int = 2
+    draft_length: DraftLength = field(default_factory=lambda: DraftLength(2))
+    next_guesses: int = 0  # rank 0's word, in the last step's message: how many tokens the next step guesses
     speculating: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
     tokens: list[int] = field(default_factory=list[int])  # the prompt's new tokens and every decided token
     from_draft: bool = False
@@ -425,7 +426,8 @@ class _Request:
         shard = self.stage.info.vocab_shard
         self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.proposer is None
-        self.speculation = 0 if self.proposer is None else self.proposer.fingerprint() ^ (self.num_draft_tokens << 20)
+        fixed = self.draft_length.fixed or 0  # "auto": 0
+        self.speculation = 0 if self.proposer is None else self.proposer.fingerprint() ^ (fixed << 20)
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -460,8 +462,10 @@ class _Request:
         while True:
             done = ended or n == self.max_tokens
             status = Status.END if done else self._poll(should_cancel)
+            started = time.perf_counter()
             guesses = [] if done else self._guess(n)  # alike on every rank, whatever each one's status
             decided, logprobs, table = self._step(last, guesses, n, status)
+            self.draft_length.record(len(guesses), len(decided) - 1, time.perf_counter() - started)
             if n == 0 and progress is not None:
                 try:
                     progress(num_tokens, num_tokens)
@@ -503,7 +507,7 @@ class _Request:
         and never more than ``max_tokens`` leaves room for (the step's own token comes after them)."""
         if self.proposer is None or not self.speculating:
             return []
-        room = self.num_draft_tokens if self.max_tokens == -1 else min(self.num_draft_tokens, self.max_tokens - n - 1)
+        room = self.next_guesses if self.max_tokens == -1 else min(self.next_guesses, self.max_tokens - n - 1)
         return self.proposer.propose(self.tokens, room) if room > 0 else []
 
     def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
@@ -584,6 +588,7 @@ class _Request:
                     "accepted": part.accepted if part.accepted is not None else 0,
                     "shares_head": int(self.may_share_head),
                     "can_speculate": int(self.proposer is not None and always_trimmable(self.cache)),
+                    "next_guesses": self.draft_length.next(),  # rank 0's is the one every rank follows
                 }
                 gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -606,6 +611,7 @@ class _Request:
         if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
             self.shares_head = all(table["shares_head"])
             self.speculating = all(table["can_speculate"])
+        self.next_guesses = table["next_guesses"][0]
         confirmed = guesses[: table.last("accepted")] if guesses else []
         return [*confirmed, token], logprobs, table
 

@@ -292,6 +292,7 @@ DECODE = Message(
         Field("accepted"),  # how many guesses the last rank's samples confirmed
         Field("shares_head"),  # this rank may share the output head (greedy, plain head)
         Field("can_speculate"),  # this rank's caches can be cut back at any length
+        Field("next_guesses"),  # rank 0's: how many tokens the next step guesses (num_draft_tokens="auto")
     ),
     "a decode step",
 )

@@ -139,3 +139,63 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+AUTO_LIMIT = 8
+"""The most tokens ``num_draft_tokens="auto"`` guesses in one pass."""
+
+
+class DraftLength:
+    """How many tokens the next pass guesses: a fixed count, or ``"auto"``.
+
+    ``"auto"`` keeps the count that maximises the expected tokens per second:
+    a pass of ``k`` guesses yields ``(1 - p**(k + 1)) / (1 - p)`` tokens when
+    each guess holds with probability ``p`` (measured: confirmed guesses over
+    guesses up to and including the first wrong one), and costs ``t0 + t1*k``
+    seconds (a line fitted to the passes measured so far; until two lengths
+    were seen, a guess costs a tenth of a pass). Rank 0 decides and its choice
+    travels in the step's message, so every rank guesses the same number.
+    """
+
+    def __init__(self, setting: int | str) -> None:
+        if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
+            raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {setting!r}")
+        self.fixed = setting if isinstance(setting, int) else None
+        self.confirmed = 1  # a prior of one confirmed and one wrong guess: p starts at one half
+        self.tried = 2
+        self.passes: dict[int, tuple[int, float]] = {}  # guesses -> (passes, seconds in all)
+
+    def record(self, guesses: int, accepted: int, seconds: float) -> None:
+        """One pass measured: ``guesses`` proposed, ``accepted`` of them confirmed, ``seconds`` on rank 0."""
+        if guesses == 0:
+            return
+        self.confirmed += accepted
+        self.tried += accepted + (1 if accepted < guesses else 0)
+        count, total = self.passes.get(guesses, (0, 0.0))
+        self.passes[guesses] = (count + 1, total + seconds)
+
+    def next(self) -> int:
+        """The count for the next pass."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self.passes:
+            return 2
+        p = min(self.confirmed / self.tried, 0.99)
+        t0, t1 = self._cost_line()
+
+        def rate(k: int) -> float:
+            return (1 - p ** (k + 1)) / (1 - p) / max(t0 + t1 * k, 1e-9)
+
+        return max(range(1, AUTO_LIMIT + 1), key=rate)
+
+    def _cost_line(self) -> tuple[float, float]:
+        means = {k: total / count for k, (count, total) in self.passes.items()}
+        if len(means) == 1:
+            ((k, t),) = means.items()
+            return t / (1 + 0.1 * k), 0.1 * t / (1 + 0.1 * k)
+        n = len(means)
+        mean_k = sum(means) / n
+        mean_t = sum(means.values()) / n
+        slope = sum((k - mean_k) * (t - mean_t) for k, t in means.items()) / sum((k - mean_k) ** 2 for k in means)
+        slope = max(slope, 0.0)
+        return max(mean_t - slope * mean_k, 1e-9), slope
