@@ -57,6 +57,8 @@ def test_speculative_decoding_matches_plain_mlx_lm(
             assert ended[0] == "cancelled" and ended[1] >= 2, rows
             for row in rows[1:]:
                 assert row["tokens"] == row["reference"][: ended[1]], rows
+            # What the caches hold after the prompt, the same on every rank, rank 0's unseen tokens included.
+            assert all(r["decided"] == r["reference"][: ended[1]] for r in rows), rows
             continue
         if case.get("temp"):
             assert len({tuple(r["tokens"]) for r in rows}) == 1, (name, rows)
@@ -68,7 +70,7 @@ def test_speculative_decoding_matches_plain_mlx_lm(
             assert all(r["offset"] == r["prompt"] + len(expected) for r in rows), rows
             continue
         for row in rows:
-            assert row["tokens"] == row["reference"], (name, row)
+            assert row["tokens"] == row["reference"] == row["decided"], (name, row)
             if not case.get("max_kv_size"):  # the prompt and every yielded token are in the cache, no rejected guess
                 assert row["offset"] == row["prompt"] + case["max_tokens"], (name, row)
         if case.get("max_kv_size"):

@@ -374,6 +374,12 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
         return self._request.from_draft
 
     @property
+    def decided(self) -> list[int]:
+        """Every token the request decided, the same on every rank: what the caches hold after the prompt once
+        the generator ended. A consumer that stopped in the middle of a pass (with guesses) saw fewer."""
+        return list(self._request.decided)
+
+    @property
     def guesses(self) -> tuple[int, int]:
         """Speculative decoding's tally so far: ``(proposed, accepted)`` guesses."""
         return self._request.proposed, self._request.accepted
@@ -414,6 +420,7 @@ class _Request:
     next_guesses: int = 0  # rank 0's word, in the last step's message: how many tokens the next step guesses
     speculating: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
     tokens: list[int] = field(default_factory=list[int])  # the prompt's new tokens and every decided token
+    decided: list[int] = field(default_factory=list[int])  # every decided token
     from_draft: bool = False
     proposed: int = 0
     accepted: int = 0
@@ -522,6 +529,7 @@ class _Request:
                     self.history = self.history[: self.history_length + kept]
         if self.proposer is not None:
             self.tokens.extend(decided[:kept])
+        self.decided.extend(decided[:kept])
         return kept
 
     def _drop_guesses(self, table: Table, guesses: list[int]) -> None:

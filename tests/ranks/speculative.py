@@ -84,6 +84,7 @@ def main() -> None:
                 "offset": cache[0].offset,
                 "prompt": prompt.size,
                 "guesses": list(stream.guesses),
+                "decided": stream.decided,
                 "speculating": stream.speculating,
                 "stop": None if stop is None else [stop.reason, stop.tokens],
                 "stop_tokens": stops,
