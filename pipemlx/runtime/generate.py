@@ -591,7 +591,7 @@ class _Request:
                     "stop_tokens": self.stop_fingerprint,
                     "speculation": self.speculation,
                     "guesses": len(guesses),
-                    "guessed": _fingerprint(guesses),
+                    "guessed": fingerprint(g + 1 for g in guesses),
                     "token": part.token if part.token is not None else 0,
                     "accepted": part.accepted if part.accepted is not None else 0,
                     "shares_head": int(self.may_share_head),
