@@ -22,6 +22,7 @@ CASES: list[dict[str, Any]] = [
     {"name": "stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
     {"name": "rotating", "M": 6, "repeat": 4, "max_tokens": 12, "lookup": 2, "k": 3, "max_kv_size": 16},
     {"name": "sampled", "M": 6, "repeat": 3, "max_tokens": 12, "draft": "same", "k": 3, "temp": 1.0},
+    {"name": "mismatch", "M": 5, "max_tokens": 4, "draft": "mismatch", "k": 2},
 ]
 
 
@@ -45,6 +46,9 @@ def test_speculative_decoding_matches_plain_mlx_lm(
     for i, case in enumerate(cases):
         rows = [r["results"][i] for r in reports]
         name = case["name"]
+        if case.get("draft") == "mismatch":  # rank 0 guesses with another draft: every rank says so, at once
+            assert all("ranks disagree on speculation" in r.get("error", "") for r in rows), rows
+            continue
         # Every rank decided the same tokens, holds the same cache, and ended for the same reason.
         assert len({(r["offset"], str(r["stop"])) for r in rows}) == 1, (name, rows)
         # Rotating caches cannot be cut back: speculation turns itself off on every rank, the tokens stay exact.

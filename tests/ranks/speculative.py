@@ -1,6 +1,6 @@
 """Rank program: speculative decoding through the pipeline against mlx-lm's plain decoding.
 
-Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|null, "lookup": n|null,
+Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|null, "lookup": n|null,
 "k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp"}]}. Every prompt repeats a
 random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
 reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
@@ -27,6 +27,13 @@ from pipemlx.testing import build_model, tiny_config
 def prompt_of(case: dict[str, Any], vocab: int) -> mx.array:
     piece = mx.random.randint(0, vocab, (case["M"],), key=mx.random.key(case["M"])).astype(mx.int32)
     return mx.concatenate([piece] * case.get("repeat", 1))
+
+
+def draft_of(case: dict[str, Any], rank: int) -> str:
+    """The draft this rank guesses with: ``"mismatch"`` gives rank 0 another draft than the others."""
+    if case["draft"] == "mismatch":
+        return "other" if rank == 0 else "same"
+    return case["draft"]
 
 
 def main() -> None:
@@ -61,7 +68,7 @@ def main() -> None:
             model,
             prompt_cache=cache,
             logits_processors=processors,
-            draft_model=drafts[case["draft"]] if case.get("draft") else None,
+            draft_model=drafts[draft_of(case, group.rank())] if case.get("draft") else None,
             prompt_lookup=case.get("lookup"),
             num_draft_tokens=case.get("k", 3),
             stop_tokens=stops,
@@ -70,11 +77,15 @@ def main() -> None:
         )
         tokens: list[int] = []
         brk = case.get("break_after")
-        for token, _ in stream:
-            tokens.append(token)
-            if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
-                break
-        stream.close()
+        try:
+            for token, _ in stream:
+                tokens.append(token)
+                if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
+                    break
+            stream.close()
+        except pipemlx.PipelineMismatchError as exc:
+            results.append({"name": case["name"], "error": str(exc)})
+            continue
         stop = stream.stop
         results.append(
             {
