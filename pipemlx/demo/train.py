@@ -18,6 +18,11 @@ Reproduce the shipped model, then compare it with, or copy it over,
 
 Seeds are fixed; the weights match the shipped ones up to floating-point
 differences between BLAS libraries.
+
+The demo's draft model (``pipemlx/demo/draft``, for speculative decoding) is
+the same recipe with two layers and the demo's own tokenizer::
+
+    python -m pipemlx.demo.train --out demo-draft --layers 2 --tokenizer pipemlx/demo/model
 """
 
 from __future__ import annotations
@@ -47,12 +52,12 @@ END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_MAX_LENGTH = 1 << 20  # no limit to speak of: RoPE has none (the model was trained on 256-token windows)
 
 
-def model_config(vocab_size: int) -> dict[str, Any]:
-    """The demo model's mlx-lm config: llama, 8 decoder layers, about 1.3 M parameters."""
+def model_config(vocab_size: int, layers: int = 8) -> dict[str, Any]:
+    """The demo model's mlx-lm config: llama, 8 decoder layers, about 1.3 M parameters (its draft: 2 layers)."""
     return {
         "model_type": "llama",
         "hidden_size": 128,
-        "num_hidden_layers": 8,
+        "num_hidden_layers": layers,
         "intermediate_size": 256,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -149,17 +154,20 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256, help="training window in tokens")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers (the demo's draft model: 2)")
+    parser.add_argument("--tokenizer", type=Path, help="a model folder whose tokenizer to keep (a draft's target)")
     args = parser.parse_args()
 
     with gzip.open(TEXT, "rt", encoding="utf-8") as f:
         text = f.read()
     args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(text, args.vocab)
+    tokenizer = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json")) if args.tokenizer else None
+    tokenizer = tokenizer or train_tokenizer(text, args.vocab)
     tokens = np.array(tokenizer.encode(text).ids, dtype=np.int32)
     print(f"{len(text)} characters -> {tokens.size} tokens (vocabulary {tokenizer.get_vocab_size()})")
 
     mx.random.seed(args.seed)
-    config = model_config(tokenizer.get_vocab_size())
+    config = model_config(tokenizer.get_vocab_size(), args.layers)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # pyright: ignore[reportAssignmentType]
     count = sum(p.size for _, p in params)

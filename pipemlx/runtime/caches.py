@@ -170,7 +170,8 @@ def trim_to(cache: list[Any], length: int) -> bool:
     if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):
         return False
     for c in cache:
-        excess = c.size() - length
+        offset = getattr(c, "offset", None)  # mlx-lm's QuantizedKVCache counts its positions but has no size()
+        excess = (offset if isinstance(offset, int) else c.size()) - length
         if excess > 0:
             c.trim(excess)
     return True

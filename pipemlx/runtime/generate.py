@@ -27,7 +27,7 @@ from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyrig
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
-from .caches import cache_offset, cache_state, trim_to
+from .caches import always_trimmable, cache_offset, cache_state, trim_to
 from .failure import stand_in
 from .prefill import (
     DEFAULT_QUANTIZED_KV_START,
@@ -51,6 +51,7 @@ from .sampling import (
     processed,
     shared_head,
 )
+from .speculative import DraftLength, Proposer, accepted, proposer_of
 from .stage import PipelineStage, stage_of
 from .waits import wait_for
 
@@ -91,6 +92,9 @@ def generate_step(
     share_logprobs: bool = False,
     stop_tokens: Iterable[int] = (),
     input_embeddings: mx.array | None = None,
+    draft_model: nn.Module | None = None,
+    num_draft_tokens: int | Literal["auto"] = 2,
+    prompt_lookup: int | None = None,
 ) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -130,6 +134,19 @@ def generate_step(
     (``input_embeddings``, which mlx-lm takes for multimodal prompts, is
     accepted only as ``None``).
 
+    Speculative decoding: with a ``draft_model`` (a small whole model with the
+    same tokenizer, passed on every rank) or ``prompt_lookup=n`` (guesses from
+    the latest earlier match of the last ``n``-gram in the prompt and the
+    tokens so far), every rank guesses up to ``num_draft_tokens`` tokens alike
+    (``"auto"``: as many as maximise the measured tokens per second),
+    one pass through the pipeline checks them all, and the last rank keeps the
+    guesses up to the first one its own sampling disagrees with: the output is
+    what decoding without guesses gives (greedy: the same tokens; a sampler: the
+    same distribution). Every cache is cut back by the rejected positions.
+    Speculation turns itself off, on every rank, where some cache cannot be cut
+    back (rotating or recurrent caches). A consumer that stops in the middle of
+    a pass's tokens ends the request after that pass's tokens on the other ranks.
+
     ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
     runs unchanged, but every rank computes on its stage's own stream
     (``stage_of(model).compute_stream``, on the device that was the default
@@ -153,6 +170,8 @@ def generate_step(
     if prompt_cache is None and max_kv_size is not None:  # mlx-lm ignores max_kv_size with a prompt_cache
         check_rotating_caches(kv_bits, stage.info.unquantizable_bounded, stage.info.total_layers, max_kv_size)
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
+    proposer = proposer_of(draft_model, prompt_lookup)
+    draft_length = DraftLength(num_draft_tokens)
     if prompt_cache is None:
         prompt_cache = stage.new_cache(model, max_kv_size)
     request = _Request(
@@ -165,6 +184,8 @@ def generate_step(
         timeout=timeout or stage.info.timeout,
         share_logprobs=share_logprobs,
         stop_tokens=stops,
+        proposer=proposer,
+        draft_length=draft_length,
     )
     prefill = PrefillOptions(
         step_size=prefill_step_size,
@@ -204,15 +225,14 @@ def stream_generate(
     after its prefill but before its first token gives that one response,
     with ``generation_tokens`` 0 and empty ``text``; one cancelled during
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
-    does. As with mlx-lm, ``draft_model=None`` and ``num_draft_tokens``
-    (ignored without a draft model) are accepted; a ``draft_model`` raises
-    ``ValueError`` (no speculative decoding).
+    does. ``draft_model``, ``num_draft_tokens`` and ``prompt_lookup``
+    speculate as in :func:`generate_step` (each response's ``from_draft`` says
+    whether its token was a confirmed guess).
     """
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
-    if draft_model is not None:
-        raise ValueError("draft_model: speculative decoding is not supported on a sharded model; pass None")
-    kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
+    if draft_model is None and kwargs.get("prompt_lookup") is None:
+        kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
     extra_stops = cast(Iterable[int], kwargs.pop("stop_tokens", ()))
     wrapper = cast(Any, tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
     if isinstance(prompt, str):
@@ -223,7 +243,7 @@ def stream_generate(
         # mx.array([]) is float32: an empty prompt must be named as empty, not as a bad dtype.
         prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
     eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
-    generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, **kwargs)
+    generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, draft_model=draft_model, **kwargs)
     return _responses(generator, wrapper, prompt.size, max_tokens, eos)
 
 
@@ -253,7 +273,17 @@ def _responses(
             if n + 1 == max_tokens:
                 finish = "length"
                 break
-            yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, None)
+            yield _response(
+                detokenizer.last_segment,
+                token,
+                logprobs,
+                prompt_tokens,
+                prompt_tps,
+                n + 1,
+                tic,
+                None,
+                generator.from_draft,
+            )
     if finish is None:  # the generator stopped (a cancel): its last token was yielded already, the end adds none
         token, logprobs = NO_TOKEN, None
         reason = generator.stop.reason if generator.stop is not None else "length"
@@ -263,7 +293,10 @@ def _responses(
         yield _response("", NO_TOKEN, None, prompt_tokens, prompt_tps, 0, time.perf_counter(), finish)
         return
     detokenizer.finalize()
-    yield _response(detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish)
+    from_draft = generator.from_draft and token != NO_TOKEN
+    yield _response(
+        detokenizer.last_segment, token, logprobs, prompt_tokens, prompt_tps, n + 1, tic, finish, from_draft
+    )
 
 
 def _response(
@@ -275,12 +308,13 @@ def _response(
     generated: int,
     tic: float,
     finish: str | None,
+    from_draft: bool = False,
 ) -> GenerationResponse:
     return GenerationResponse(
         text=text,
         token=token,
         logprobs=logprobs,
-        from_draft=False,
+        from_draft=from_draft,
         prompt_tokens=prompt_tokens,
         prompt_tps=prompt_tps,
         generation_tokens=generated,
@@ -303,8 +337,9 @@ class _Part:
     """This rank's part of a decode step, lazily: what it moves on the wire and what it computed."""
 
     moved: list[mx.array]  # its receive and send (evaluating these runs the rank's own part)
-    token: mx.array | None = None  # the last rank's sampled token
-    logprobs: mx.array | None = None  # the last rank's log-probabilities
+    token: mx.array | None = None  # the last rank's sampled token (after the accepted guesses)
+    accepted: mx.array | None = None  # how many guesses the last rank's samples confirmed
+    logprobs: mx.array | None = None  # the last rank's log-probabilities, one row per position
     hidden: mx.array | None = None  # the last rank's final hidden state, when the ranks share the head
 
 
@@ -327,6 +362,27 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
     @property
     def shared_head(self) -> bool:
         return self._request.shares_head
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the steps after the first guessed tokens (every rank could cut its caches back)."""
+        return self._request.speculating
+
+    @property
+    def from_draft(self) -> bool:
+        """Whether the last token yielded was a guess the pipeline confirmed."""
+        return self._request.from_draft
+
+    @property
+    def decided(self) -> list[int]:
+        """Every token the request decided, the same on every rank: what the caches hold after the prompt once
+        the generator ended. A consumer that stopped in the middle of a pass (with guesses) saw fewer."""
+        return list(self._request.decided)
+
+    @property
+    def guesses(self) -> tuple[int, int]:
+        """Speculative decoding's tally so far: ``(proposed, accepted)`` guesses."""
+        return self._request.proposed, self._request.accepted
 
     def send(self, value: None) -> tuple[int, mx.array | None]:
         return self._inner.send(value)
@@ -359,13 +415,26 @@ class _Request:
     vocab_size: int = 0
     stop: DecodeStop | None = None
     shares_head: bool = False  # every rank said it may, in the first step: the later steps share the head
+    proposer: Proposer | None = None
+    draft_length: DraftLength = field(default_factory=lambda: DraftLength(2))
+    next_guesses: int = 0  # rank 0's word, in the last step's message: how many tokens the next step guesses
+    speculating: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
+    tokens: list[int] = field(default_factory=list[int])  # the prompt's new tokens and every decided token
+    decided: list[int] = field(default_factory=list[int])  # every decided token
+    from_draft: bool = False
+    proposed: int = 0
+    accepted: int = 0
+    offset: int = 0  # the caches' positions before the step running now
+    history_length: int = 0  # the logits processors' history's length before it
 
     def __post_init__(self) -> None:
         self.stop_fingerprint = _fingerprint(self.stop_tokens)
-        # Greedy, no processors, logprobs kept on the last rank: this rank may share the head.
+        # Greedy, no processors, logprobs kept on the last rank, no guesses: this rank may share the head.
         shard = self.stage.info.vocab_shard
         self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
-        self.may_share_head = self.may_share_head and not self.share_logprobs
+        self.may_share_head = self.may_share_head and not self.share_logprobs and self.proposer is None
+        fixed = self.draft_length.fixed or 0  # "auto": 0
+        self.speculation = 0 if self.proposer is None else self.proposer.fingerprint() ^ (fixed << 20)
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -389,37 +458,84 @@ class _Request:
         self.history = prompt[:-1] if self.logits_processors else None
         if self.history is not None:
             mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
+        if self.proposer is not None:
+            self.tokens = [int(t) for t in cast(list[int], prompt.tolist())]
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
         progress, should_cancel = prefill.progress_callback, prefill.should_cancel
-        inputs = prompt[-1:]
+        last = cast(int, prompt[-1].item())
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
         while True:
-            status = Status.END if ended or n == self.max_tokens else self._poll(should_cancel)
-            token, logprobs, table = self._step(inputs, n, status)
+            done = ended or n == self.max_tokens
+            status = Status.END if done else self._poll(should_cancel)
+            started = time.perf_counter()
+            guesses = [] if done else self._guess(n)  # alike on every rank, whatever each one's status
+            decided, logprobs, table = self._step(last, guesses, n, status)
+            self.draft_length.record(len(guesses), len(decided) - 1, time.perf_counter() - started)
             if n == 0 and progress is not None:
                 try:
                     progress(num_tokens, num_tokens)
                 except Exception as exc:  # acted on in the next step's agreement, by every rank
                     self.deferred = exc
             if not table.all_ok:
+                self._drop_guesses(table, guesses)
                 self.stop = _decode_stop(table, n, stopped_at_token=self.stopped_at_token)
                 if self.deferred is not None:
                     raise self.deferred
                 return self.stop
-            stage.open_request = self
-            try:
-                yield token, logprobs
-            except BaseException:
-                stage.open_request = None
-                last = self._step(mx.array([token], dtype=mx.int32), n + 1, Status.CANCEL)[2]
-                self.stop = _decode_stop(last, n + 1, stopped_at_token=False)
-                raise
-            stage.open_request = None
-            ended = self.stopped_at_token = token in self.stop_tokens
-            inputs = mx.array([token], dtype=mx.int32)
-            n += 1
+            kept = self._keep(decided, guesses)
+            self.accepted += min(len(decided) - 1, len(guesses))
+            self.proposed += len(guesses)
+            stopped: BaseException | None = None
+            for i in range(kept):
+                self.from_draft = i < len(decided) - 1
+                stage.open_request = self
+                try:
+                    yield decided[i], None if logprobs is None else logprobs[i]
+                except BaseException as exc:  # the others yield this pass's tokens: stop after them too
+                    stopped = exc
+                    break
+                finally:
+                    stage.open_request = None
+            n += kept
+            last = decided[kept - 1]
+            ended = self.stopped_at_token = last in self.stop_tokens
+            if stopped is not None:
+                done = ended or n == self.max_tokens
+                closing_guesses = [] if done else self._guess(n)
+                final = self._step(last, closing_guesses, n, Status.CANCEL)[2]
+                self._drop_guesses(final, closing_guesses)
+                self.stop = _decode_stop(final, n, stopped_at_token=False)
+                raise stopped
+
+    def _guess(self, n: int) -> list[int]:
+        """The proposer's guesses for the step after ``n`` tokens: none before every rank said it can speculate,
+        and never more than ``max_tokens`` leaves room for (the step's own token comes after them)."""
+        if self.proposer is None or not self.speculating:
+            return []
+        room = self.next_guesses if self.max_tokens == -1 else min(self.next_guesses, self.max_tokens - n - 1)
+        return self.proposer.propose(self.tokens, room) if room > 0 else []
+
+    def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
+        """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
+        histories cut to match: they hold the step's input and the guesses before the last yielded token."""
+        if kept is None:
+            kept = next((i + 1 for i, t in enumerate(decided) if t in self.stop_tokens), len(decided))
+        if guesses:
+            trim_to(self.cache, self.offset + kept)
+            if self.history is not None:
+                with mx.stream(self.stage.compute_stream):  # the next step's wait evaluates it in a helper thread
+                    self.history = self.history[: self.history_length + kept]
+        if self.proposer is not None:
+            self.tokens.extend(decided[:kept])
+        self.decided.extend(decided[:kept])
+        return kept
+
+    def _drop_guesses(self, table: Table, guesses: list[int]) -> None:
+        """After a step that ends the request: the caches keep its input only, as a step without guesses would."""
+        if guesses and not table.ranks_with(Status.CHUNK_FAILED):  # (a failed step is undone whole)
+            self._keep([], guesses, kept=1)
 
     def _poll(self, should_cancel: CancelCheck | None) -> Status:
         if self.deferred is not None:
@@ -432,21 +548,26 @@ class _Request:
             self.deferred = exc
             return Status.FAILED
 
-    def _step(self, inputs: mx.array, index: int, status: Status) -> tuple[int, mx.array | None, Table]:
-        """One forward pass of every rank and the step's message: the token, and every rank's status.
+    def _step(
+        self, last: int, guesses: list[int], index: int, status: Status
+    ) -> tuple[list[int], mx.array | None, Table]:
+        """One forward pass of every rank over ``last`` and ``guesses``, and the step's message: the decided tokens
+        (the confirmed guesses, then the last rank's own), their log-probabilities, and every rank's status.
 
         Each communication is evaluated on its own (this rank's part, the shared head's all-gather, then the step's
         message), so that a lost rank fails at once (:class:`PeerLostError`) rather than after the timeout.
         """
         stage = self.stage
-        mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
-        offset = cache_offset(self.cache)
+        inputs = mx.array([last, *guesses], dtype=mx.int32)
+        mx.eval(inputs)  # pyright: ignore[reportUnknownMemberType]  # a local array: the helper thread cannot run it
+        self.offset = offset = cache_offset(self.cache)
+        self.history_length = 0 if self.history is None else self.history.size
         where = f"decode step {index}"
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
                 stage.received.clear()
                 try:
-                    part = self._build(inputs)
+                    part = self._build(inputs, len(guesses))
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
                     self.deferred = self.deferred or exc
                     status = Status.CHUNK_FAILED
@@ -456,7 +577,7 @@ class _Request:
                         [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
                     )
                     part = _Part(moved=sent)
-                payload = [self._shared_logprobs(part)] if self.share_logprobs else []
+                payload = [self._shared_logprobs(part, inputs.size)] if self.share_logprobs else []
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 if stage.world_size > 1:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
@@ -468,8 +589,14 @@ class _Request:
                     "index": index,
                     "max_tokens": self.max_tokens,
                     "stop_tokens": self.stop_fingerprint,
+                    "speculation": self.speculation,
+                    "guesses": len(guesses),
+                    "guessed": fingerprint(g + 1 for g in guesses),
                     "token": part.token if part.token is not None else 0,
+                    "accepted": part.accepted if part.accepted is not None else 0,
                     "shares_head": int(self.may_share_head),
+                    "can_speculate": int(self.proposer is not None and always_trimmable(self.cache)),
+                    "next_guesses": self.draft_length.next(),  # rank 0's is the one every rank follows
                 }
                 gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -484,22 +611,25 @@ class _Request:
             trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
         logprobs = part.logprobs
         if self.share_logprobs and not stage.is_last:
-            logprobs = mx.array(table.payloads[-1])
+            logprobs = mx.reshape(mx.array(table.payloads[-1]), (inputs.size, -1))
         if self.shares_head:
             (token,) = pick_tokens(table.payloads)
         else:
             token = table.last("token")
         if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
             self.shares_head = all(table["shares_head"])
-        return token, logprobs, table
+            self.speculating = all(table["can_speculate"])
+        self.next_guesses = table["next_guesses"][0]
+        confirmed = guesses[: table.last("accepted")] if guesses else []
+        return [*confirmed, token], logprobs, table
 
-    def _shared_logprobs(self, part: _Part) -> mx.array:
+    def _shared_logprobs(self, part: _Part, positions: int) -> mx.array:
         """``share_logprobs``: the last rank's log-probabilities; zeros of the same size on the others."""
         if part.logprobs is not None:
-            return part.logprobs
-        return mx.zeros((self.vocab_size,), dtype=mx.float32)
+            return mx.reshape(part.logprobs, (-1,))
+        return mx.zeros((positions * self.vocab_size,), dtype=mx.float32)
 
-    def _build(self, inputs: mx.array) -> _Part:
+    def _build(self, inputs: mx.array, guesses: int) -> _Part:
         """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
         if self.shares_head and stage.is_last:
@@ -507,7 +637,7 @@ class _Request:
             hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
             self.quantize(self.cache)
             logits = shard.full(hidden)  # read only with the logprobs
-            return _Part(moved=[], logprobs=log_probabilities(logits).squeeze(0), hidden=hidden)
+            return _Part(moved=[], logprobs=log_probabilities(logits), hidden=hidden)
         output = cast(mx.array, self.model(inputs[None], cache=self.cache))
         self.quantize(self.cache)
         self.vocab_size = output.shape[-1]
@@ -515,12 +645,18 @@ class _Request:
             # This rank's send is tied to its cache: evaluating the cache sends.
             leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
             return _Part(moved=[a for _, a in leaves if isinstance(a, mx.array)])
-        logits = output[:, -1, :]
+        logits = output[0]  # one row per position: the input's, then each guess's
         if self.logits_processors:
-            self.history = inputs if self.history is None else mx.concatenate([self.history, inputs])
-            logits = processed(logits, self.history, self.logits_processors)
-        token, logprobs = choose(logits, self.sampler)
-        return _Part(moved=[], token=mx.reshape(token, (1,)), logprobs=logprobs.squeeze(0))
+            rows: list[mx.array] = []
+            for i in range(inputs.size):  # each position sees the history up to its own input, as mlx-lm's do
+                self.history = inputs[:1] if self.history is None else mx.concatenate([self.history, inputs[i : i + 1]])
+                rows.append(processed(logits[i : i + 1], self.history, self.logits_processors))
+            logits = mx.concatenate(rows)
+        tokens, logprobs = choose(logits, self.sampler)
+        count = accepted(inputs[1:], tokens)
+        return _Part(
+            moved=[], token=mx.reshape(tokens[count], (1,)), accepted=mx.reshape(count, (1,)), logprobs=logprobs
+        )
 
 
 def _decode_stop(table: Table, n: int, *, stopped_at_token: bool) -> DecodeStop:

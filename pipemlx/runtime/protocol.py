@@ -285,8 +285,14 @@ DECODE = Message(
         agreed("index"),  # the token's number in the request
         agreed("max_tokens"),
         agreed("stop_tokens"),  # a fingerprint of the set
-        Field("token"),  # the last rank's sampled token
+        agreed("speculation"),  # a fingerprint of the proposer (0: none), the same on every rank
+        agreed("guesses"),  # how many proposed tokens follow the step's input (speculative decoding)
+        agreed("guessed"),  # a fingerprint of them
+        Field("token"),  # the last rank's sampled token (after the accepted guesses)
+        Field("accepted"),  # how many guesses the last rank's samples confirmed
         Field("shares_head"),  # this rank may share the output head (greedy, plain head)
+        Field("can_speculate"),  # this rank's caches can be cut back at any length
+        Field("next_guesses"),  # rank 0's: how many tokens the next step guesses (num_draft_tokens="auto")
     ),
     "a decode step",
 )

@@ -8,12 +8,12 @@ holding the same cache history. Commands (one JSON object per stdin line):
   {"op": "request", "M", "seed", "step", "max_tokens", "temp", "reuse", "trim_to",
    "stop": {"rank", "after", "how"}, "cancel_prefill": {"rank", "at"},
    "cancel_decode": {"rank", "after"}, "raise_progress": {"rank", "at"}, "model_error": {"rank", "chunk"},
-   "decode_error": {"rank", "token"}, "penalty"}  (a fault's "rank" may be "all": every rank)
+   "decode_error": {"rank", "token"}, "penalty", "draft"}  (a fault's "rank" may be "all": every rank)
       pipemlx.generate_step on the pipeline; ``reuse`` keeps the cache of the previous requests (trimmed to
       ``trim_to`` positions when given), otherwise both caches start empty. ``stop.how`` is "break", "close",
       "raise" (the consumer's own exception) or "abandon" (the generator is dropped without being closed and
       the rank goes straight on to the request in ``then``, which every rank runs next). Answers tokens, progress calls, outcome, cache offset and
-      the reference's tokens and offset. ``penalty``: a repetition penalty plus a logits processor that
+      the reference's tokens and offset. ``draft``: speculate, the reference model (whole) guessing. ``penalty``: a repetition penalty plus a logits processor that
       records the token history it is given (answered as ``histories`` / ``ref_histories``).
   {"op": "plain", "M", "seed", "step", "take"}
       mlx-lm's own generate_step on the sharded model, consumed for ``take`` tokens, nothing synchronized.
@@ -140,7 +140,7 @@ class Server:
             if not prefilled["done"]:
                 polls["prefill"] += 1
                 return bool(cancel_prefill) and polls["prefill"] == cancel_prefill["at"]
-            return bool(cancel_decode) and len(tokens) == cancel_decode["after"]
+            return bool(cancel_decode) and len(tokens) >= cancel_decode["after"]
 
         outcome: dict[str, Any] = {"outcome": "done"}
         mx.random.seed(command["seed"])
@@ -155,6 +155,7 @@ class Server:
             prefill_step_size=command["step"],
             prompt_progress_callback=on_progress,
             should_cancel=should_cancel,
+            draft_model=self.reference if command.get("draft") else None,
         )
         try:
             for token, _ in generator:
@@ -187,7 +188,9 @@ class Server:
             answer["offset"] = None  # the agreed stop runs when the next command settles the stage
         else:
             answer["offset"] = self.cache[0].offset
-        answer.update(self.replay(prompt, command, outcome, len(tokens), temp))
+        # With guesses (greedy), a pass's tokens are decided together: a consumer's stop ends the request after them.
+        taken = last.tokens if command.get("draft") and last is not None else len(tokens)
+        answer.update(self.replay(prompt, command, outcome, taken, temp))
         if "then" in command:  # the abandoning rank goes straight on; the others finish first, then follow
             answer["then"] = self.request(command["then"])
         return answer

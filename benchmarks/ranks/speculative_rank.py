@@ -1,0 +1,88 @@
+"""Benchmark rank program: greedy decode tokens/s with and without speculation, on the demo model.
+
+Spec: {"mode": "single" | "pipemlx", "draft": folder, "prompts": {name: text}, "tokens", "repeats",
+"k", "lookup"}. "single": mlx-lm's generate_step and speculative_generate_step (the same draft) on one
+process; "pipemlx": pipemlx.generate_step on the sharded model, plain, with the draft, with
+num_draft_tokens="auto" and with prompt lookup. Prints one JSON line: per prompt and contender, the
+decode tokens/s of each repeat (first token to last) and the share of guesses confirmed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.generate import generate_step, speculative_generate_step
+
+import pipemlx
+from pipemlx.demo import MODEL_DIR
+from pipemlx.launch import init_group
+
+
+def timed(tokens: Iterable[Any], count: int) -> tuple[float, list[int]]:
+    """Tokens/s from the first token to the ``count``-th, and the tokens."""
+    out: list[int] = []
+    start = 0.0
+    for item in tokens:
+        out.append(int(item[0]))
+        if len(out) == 1:
+            start = time.perf_counter()
+        if len(out) == count:
+            break
+    return (len(out) - 1) / (time.perf_counter() - start), out
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    count, k = spec["tokens"], spec["k"]
+    draft, _ = mlx_lm.load(spec["draft"])
+    contenders: dict[str, Callable[[mx.array], Any]] = {}
+    rank = 0
+    if spec["mode"] == "single":
+        model, tokenizer = mlx_lm.load(str(MODEL_DIR))
+        contenders["mlx-lm"] = lambda p: generate_step(p, model, max_tokens=count)
+        contenders["mlx-lm draft"] = lambda p: speculative_generate_step(
+            p, model, draft, num_draft_tokens=k, max_tokens=count
+        )
+    else:
+        group = init_group()
+        rank = group.rank()
+        model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)
+        contenders["pipemlx"] = lambda p: pipemlx.generate_step(p, model, max_tokens=count)
+        contenders["pipemlx draft"] = lambda p: pipemlx.generate_step(
+            p, model, max_tokens=count, draft_model=draft, num_draft_tokens=k
+        )
+        contenders["pipemlx draft auto"] = lambda p: pipemlx.generate_step(
+            p, model, max_tokens=count, draft_model=draft, num_draft_tokens="auto"
+        )
+        contenders["pipemlx lookup"] = lambda p: pipemlx.generate_step(
+            p, model, max_tokens=count, prompt_lookup=spec["lookup"], num_draft_tokens=k
+        )
+    report: dict[str, Any] = {"rank": rank}
+    for name, text in spec["prompts"].items():
+        prompt = mx.array(tokenizer.encode(text), dtype=mx.int32)
+        rows: dict[str, Any] = {}
+        for label, start in contenders.items():
+            rates: list[float] = []
+            tokens: list[int] = []
+            accepted = ""
+            for _ in range(spec["repeats"]):
+                stream = start(prompt)
+                rate, tokens = timed(stream, count)
+                stream.close()
+                rates.append(rate)
+                guesses = getattr(stream, "guesses", None)
+                if guesses is not None and guesses[0]:
+                    accepted = f"{guesses[1] / guesses[0]:.2f}"
+            rows[label] = {"tok_s": rates, "tokens": tokens, "accepted": accepted}
+        report[name] = rows
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

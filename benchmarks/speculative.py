@@ -1,0 +1,83 @@
+"""Speculative decoding benchmark: greedy decode tokens/s with and without guesses, S=2 and one process.
+
+    python benchmarks/speculative.py [--tokens 128] [--repeats 3] [--k 3] [--lookup 3]
+
+On the demo model with its draft (pipemlx/demo/draft), two prompts: the demo's own (the draft guesses) and
+one that prompt lookup suits (the start of a passage that the prompt already contains: the model continues
+it). Contenders, each greedy, the tokens checked equal: mlx-lm's generate_step and its
+speculative_generate_step with the same draft on one process; pipemlx.generate_step at S=2 plain, with the
+draft (k guesses, and "auto"), and with prompt lookup. OpenBLAS preloaded, one core per process; run by
+hand on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import bench_env, openblas_available
+
+from pipemlx.demo import MODEL_DIR, book_text
+from pipemlx.launch import launch
+
+HERE = Path(__file__).parent
+PROGRAM = HERE / "ranks" / "speculative_rank.py"
+DRAFT = MODEL_DIR.parent / "draft"
+
+
+def prompts() -> dict[str, str]:
+    demo = (MODEL_DIR.parent / "prompt.txt").read_text()
+    book = book_text()
+    start = book.index("It is a truth universally acknowledged")
+    passage = book[start : start + 1500]
+    return {"demo prompt": demo, "repeated passage": passage + "\n\n" + passage[:300]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--k", type=int, default=3, help="guesses per pass (num_draft_tokens)")
+    parser.add_argument("--lookup", type=int, default=3, help="prompt lookup's longest n-gram")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    openblas = openblas_available()
+    spec: dict[str, Any] = {
+        "draft": str(DRAFT),
+        "prompts": prompts(),
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "k": args.k,
+        "lookup": args.lookup,
+    }
+    runs = [launch(1, [*command(spec, "single")], timeout=1800, env=bench_env(openblas))[0]]
+    runs.append(launch(2, [*command(spec, "pipemlx")], timeout=1800, env=bench_env(openblas))[0])
+    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    print(f"greedy, {args.tokens} tokens, k={args.k}, lookup n={args.lookup}; OpenBLAS {'on' if openblas else 'off'}")
+    table: dict[str, Any] = {}
+    for name in spec["prompts"]:
+        rows = {**reports[0][name], **reports[1][name]}
+        base = statistics.median(rows["pipemlx"]["tok_s"])
+        single = statistics.median(rows["mlx-lm"]["tok_s"])
+        print(f"\n{name}")
+        print(f"{'contender':<22} {'tokens/s':>9} {'vs pipemlx':>11} {'vs mlx-lm':>10} {'accepted':>9}  same tokens")
+        for label, row in rows.items():
+            rate = statistics.median(row["tok_s"])
+            same = row["tokens"] == rows["mlx-lm"]["tokens"]
+            print(f"{label:<22} {rate:>9.1f} {rate / base:>11.2f} {rate / single:>10.2f} {row['accepted']:>9}  {same}")
+        table[name] = {label: {**row, "median": statistics.median(row["tok_s"])} for label, row in rows.items()}
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=2))
+
+
+def command(spec: dict[str, Any], mode: str) -> list[str]:
+    import sys
+
+    return [sys.executable, str(PROGRAM), json.dumps({**spec, "mode": mode})]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Speculative decoding's proposers: guesses of the next tokens that one pipeline pass then verifies.
+
+Every rank runs the same proposer on the same token history, so every rank
+holds the same guesses without a message: the last rank needs them to verify,
+the others to know how many positions the pass carries and to feed them to
+their layers. A proposer is deterministic for that reason (a draft model
+proposes greedily). What the guesses are never changes the output, only how
+many tokens one pass yields: the last rank samples every position as plain
+decoding would and keeps the guesses up to the first one it disagrees with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+
+from ..schedule.batch_plan import fingerprint
+
+DRAFT_PREFILL_STEP = 512
+"""The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
+
+
+class Proposer(Protocol):
+    """Guesses up to ``k`` tokens that follow ``history`` (the prompt and every token decided so far)."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+    def fingerprint(self) -> int:
+        """The same on every rank exactly when the ranks' proposers give the same guesses."""
+        ...
+
+
+class DraftModel:
+    """A small model with the target's tokenizer, whole on every rank, proposing greedily.
+
+    Its cache follows the history: what it holds beyond the longest prefix it
+    shares with the history (the rejected guesses) is cut off before it reads on.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.cache: list[Any] = make_prompt_cache(model)
+        self.tokens: list[int] = []  # what the cache holds, in order
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or not history:
+            return []
+        kept = _common_prefix(self.tokens, history)
+        kept = min(kept, len(history) - 1)  # the last token is read again: its logits give the first guess
+        trim_prompt_cache(self.cache, len(self.tokens) - kept)
+        self.tokens = list(history[:kept])
+        pending = list(history[kept:])
+        while len(pending) > DRAFT_PREFILL_STEP:
+            self._read(pending[:DRAFT_PREFILL_STEP])
+            pending = pending[DRAFT_PREFILL_STEP:]
+        guesses: list[int] = []
+        for _ in range(k):
+            logits = self._read(pending)
+            guess = cast(int, mx.argmax(logits[0, -1, :]).item())
+            guesses.append(guess)
+            pending = [guess]
+        return guesses
+
+    def _read(self, tokens: list[int]) -> mx.array:
+        logits = cast(mx.array, self.model(mx.array(tokens, dtype=mx.int32)[None], cache=self.cache))
+        self.tokens.extend(tokens)
+        return logits
+
+    def fingerprint(self) -> int:
+        """The draft's parameter shapes and a checksum of its weights (a different draft guesses differently)."""
+        leaves = cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
+        shapes = [d for _, a in leaves for d in a.shape]
+        checksum = sum(cast(float, mx.sum(mx.abs(a.astype(mx.float32))).item()) for _, a in leaves[:4])
+        return fingerprint([*shapes, int(checksum * 1000) % (1 << 24)])
+
+
+class PromptLookup:
+    """Prompt-lookup decoding: the tokens that followed the latest earlier match of the history's last n-gram.
+
+    Tries n-grams of ``max_ngram`` tokens down to one and proposes what followed
+    the most recent earlier occurrence (vLLM's ``ngram`` speculator works the
+    same way); proposes nothing when no n-gram occurred before.
+    """
+
+    def __init__(self, max_ngram: int) -> None:
+        self.max_ngram = max_ngram
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        length = len(history)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            tail = list(history[length - n :])
+            for start in range(length - n - 1, -1, -1):
+                if list(history[start : start + n]) == tail:
+                    return list(history[start + n : start + n + k])
+        return []
+
+    def fingerprint(self) -> int:
+        return fingerprint([1, self.max_ngram])
+
+
+def proposer_of(draft_model: nn.Module | None, prompt_lookup: int | None) -> Proposer | None:
+    """The proposer ``generate_step``'s arguments ask for (``None``: no speculation); checks them."""
+    if draft_model is not None and prompt_lookup is not None:
+        raise ValueError("pass draft_model or prompt_lookup, not both")
+    if prompt_lookup is not None:
+        if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(
+                f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}"
+            )
+        return PromptLookup(prompt_lookup)
+    if draft_model is None:
+        return None
+    if not isinstance(draft_model, nn.Module):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TypeError(f"draft_model must be an mlx-lm model (an nn.Module), got {type(draft_model).__name__}")
+    if hasattr(draft_model, "_pipemlx_stage"):
+        raise ValueError("draft_model must be a whole model on every rank, not a sharded one")
+    return DraftModel(draft_model)
+
+
+def accepted(guesses: mx.array, tokens: mx.array) -> mx.array:
+    """How many of ``guesses`` (k) the sampled ``tokens`` (k + 1) confirm, in order: lazily, as an int32 scalar."""
+    if guesses.size == 0:
+        return mx.array(0, dtype=mx.int32)
+    same = (tokens[: guesses.size] == guesses).astype(mx.int32)
+    return mx.sum(mx.cumprod(same)).astype(mx.int32)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+AUTO_LIMIT = 8
+"""The most tokens ``num_draft_tokens="auto"`` guesses in one pass."""
+
+
+class DraftLength:
+    """How many tokens the next pass guesses: a fixed count, or ``"auto"``.
+
+    ``"auto"`` keeps the count that maximises the expected tokens per second:
+    a pass of ``k`` guesses yields ``(1 - p**(k + 1)) / (1 - p)`` tokens when
+    each guess holds with probability ``p`` (measured: confirmed guesses over
+    guesses up to and including the first wrong one), and costs ``t0 + t1*k``
+    seconds (a line fitted to the passes measured so far; until two lengths
+    were seen, a guess costs a tenth of a pass). Rank 0 decides and its choice
+    travels in the step's message, so every rank guesses the same number.
+    """
+
+    def __init__(self, setting: int | str) -> None:
+        if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
+            raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {setting!r}")
+        self.fixed = setting if isinstance(setting, int) else None
+        self.confirmed = 1  # a prior of one confirmed and one wrong guess: p starts at one half
+        self.tried = 2
+        self.passes: dict[int, tuple[int, float]] = {}  # guesses -> (passes, seconds in all)
+
+    def record(self, guesses: int, accepted: int, seconds: float) -> None:
+        """One pass measured: ``guesses`` proposed, ``accepted`` of them confirmed, ``seconds`` on rank 0."""
+        if guesses == 0:
+            return
+        self.confirmed += accepted
+        self.tried += accepted + (1 if accepted < guesses else 0)
+        count, total = self.passes.get(guesses, (0, 0.0))
+        self.passes[guesses] = (count + 1, total + seconds)
+
+    def next(self) -> int:
+        """The count for the next pass."""
+        if self.fixed is not None:
+            return self.fixed
+        if not self.passes:
+            return 2
+        p = min(self.confirmed / self.tried, 0.99)
+        t0, t1 = self._cost_line()
+
+        def rate(k: int) -> float:
+            return (1 - p ** (k + 1)) / (1 - p) / max(t0 + t1 * k, 1e-9)
+
+        return max(range(1, AUTO_LIMIT + 1), key=rate)
+
+    def _cost_line(self) -> tuple[float, float]:
+        means = {k: total / count for k, (count, total) in self.passes.items()}
+        if len(means) == 1:
+            ((k, t),) = means.items()
+            return t / (1 + 0.1 * k), 0.1 * t / (1 + 0.1 * k)
+        n = len(means)
+        mean_k = sum(means) / n
+        mean_t = sum(means.values()) / n
+        slope = sum((k - mean_k) * (t - mean_t) for k, t in means.items()) / sum((k - mean_k) ** 2 for k in means)
+        slope = max(slope, 0.0)
+        return max(mean_t - slope * mean_k, 1e-9), slope

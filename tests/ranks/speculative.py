@@ -1,0 +1,109 @@
+"""Rank program: speculative decoding through the pipeline against mlx-lm's plain decoding.
+
+Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|null, "lookup": n|null,
+"k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp"}]}. Every prompt repeats a
+random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
+reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
+tally and whether the steps speculated.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+import pipemlx
+from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
+from pipemlx.testing import build_model, tiny_config
+
+
+def prompt_of(case: dict[str, Any], vocab: int) -> mx.array:
+    piece = mx.random.randint(0, vocab, (case["M"],), key=mx.random.key(case["M"])).astype(mx.int32)
+    return mx.concatenate([piece] * case.get("repeat", 1))
+
+
+def draft_of(case: dict[str, Any], rank: int) -> str:
+    """The draft this rank guesses with: ``"mismatch"`` gives rank 0 another draft than the others."""
+    if case["draft"] == "mismatch":
+        return "other" if rank == 0 else "same"
+    return case["draft"]
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    group = init_group()
+    config = tiny_config(spec["arch"], **spec.get("config", {}))
+    reference = build_model(config)
+    model = pipemlx.shard_model(build_model(config), group)
+    drafts = {"same": build_model(config), "other": build_model({**config, "num_hidden_layers": 1}, 7)}
+    mx.random.seed(100 + group.rank())  # deliberately different on every rank: only the last rank samples
+    results: list[dict[str, Any]] = []
+    for case in spec["cases"]:
+        prompt = prompt_of(case, config["vocab_size"])
+        max_tokens = case["max_tokens"]
+        processors = make_logits_processors(repetition_penalty=case["penalty"]) if case.get("penalty") else None
+        options: dict[str, Any] = {"max_tokens": max_tokens, "kv_bits": case.get("kv_bits"), "kv_group_size": 32}
+        if case.get("kv_bits"):
+            options["quantized_kv_start"] = 0
+        ref_options = {**options, "max_kv_size": case.get("max_kv_size")}
+        if case.get("temp"):
+            options["sampler"] = make_sampler(temp=case["temp"])
+        ref = [
+            int(t)
+            for t, _ in generate_step(
+                prompt, reference, logits_processors=processors, prefill_step_size=8, **ref_options
+            )
+        ]
+        stops = [ref[case["stop_at"]]] if "stop_at" in case else []
+        cache = stage_of(model).new_cache(model, case.get("max_kv_size"))
+        stream = pipemlx.generate_step(
+            prompt,
+            model,
+            prompt_cache=cache,
+            logits_processors=processors,
+            draft_model=drafts[draft_of(case, group.rank())] if case.get("draft") else None,
+            prompt_lookup=case.get("lookup"),
+            num_draft_tokens=case.get("k", 3),
+            stop_tokens=stops,
+            prefill_step_size=8,
+            **options,
+        )
+        tokens: list[int] = []
+        brk = case.get("break_after")
+        try:
+            for token, _ in stream:
+                tokens.append(token)
+                if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
+                    break
+            stream.close()
+        except pipemlx.PipelineMismatchError as exc:
+            results.append({"name": case["name"], "error": str(exc)})
+            continue
+        stop = stream.stop
+        results.append(
+            {
+                "name": case["name"],
+                "tokens": tokens,
+                "reference": ref,
+                "offset": cache[0].offset,
+                "prompt": prompt.size,
+                "guesses": list(stream.guesses),
+                "decided": stream.decided,
+                "speculating": stream.speculating,
+                "stop": None if stop is None else [stop.reason, stop.tokens],
+                "stop_tokens": stops,
+                "rotating": any(isinstance(c, RotatingKVCache) for c in cache),
+            }
+        )
+    print(json.dumps({"rank": group.rank(), "results": results}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Speculative decoding through the pipeline: the tokens of plain single-process mlx-lm, every rank alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from conftest import run_ranks
+
+import pipemlx
+from pipemlx.runtime.speculative import AUTO_LIMIT, DraftLength
+from pipemlx.testing import build_model, tiny_config
+
+CASES: list[dict[str, Any]] = [
+    {"name": "lookup", "M": 6, "repeat": 4, "max_tokens": 16, "lookup": 3, "k": 4},
+    {"name": "draft-same", "M": 9, "max_tokens": 12, "draft": "same", "k": 3},
+    {"name": "draft-other", "M": 9, "max_tokens": 12, "draft": "other", "k": 2},
+    {"name": "draft-penalty", "M": 5, "repeat": 3, "max_tokens": 12, "draft": "other", "k": 3, "penalty": 1.3},
+    {"name": "break", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "break_after": {"rank": 0, "after": 2}},
+    {"name": "auto", "M": 9, "max_tokens": 14, "draft": "same", "k": "auto"},
+    {"name": "stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
+    {"name": "rotating", "M": 6, "repeat": 4, "max_tokens": 12, "lookup": 2, "k": 3, "max_kv_size": 16},
+    {"name": "sampled", "M": 6, "repeat": 3, "max_tokens": 12, "draft": "same", "k": 3, "temp": 1.0},
+    {"name": "mismatch", "M": 5, "max_tokens": 4, "draft": "mismatch", "k": 2},
+]
+
+
+QUANTIZED: list[dict[str, Any]] = [
+    {"name": "draft-kv-bits", "M": 40, "max_tokens": 10, "draft": "same", "k": 4, "kv_bits": 8},
+    {"name": "lookup-kv-bits", "M": 7, "repeat": 3, "max_tokens": 10, "lookup": 2, "k": 3, "kv_bits": 4},
+]
+HEAD_DIM_32 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize(
+    "arch,world_size,config,cases",
+    [("llama", 2, {}, CASES), ("qwen3", 3, {}, CASES), ("llama", 2, HEAD_DIM_32, QUANTIZED)],
+    ids=["llama-2", "qwen3-3", "quantized-kv-2"],
+)
+def test_speculative_decoding_matches_plain_mlx_lm(
+    arch: str, world_size: int, config: dict[str, Any], cases: list[dict[str, Any]]
+) -> None:
+    spec = {"arch": arch, "config": config, "cases": cases}
+    reports = run_ranks(world_size, "speculative.py", spec, timeout=240)
+    for i, case in enumerate(cases):
+        rows = [r["results"][i] for r in reports]
+        name = case["name"]
+        if case.get("draft") == "mismatch":  # rank 0 guesses with another draft: every rank says so, at once
+            assert all("ranks disagree on speculation" in r.get("error", "") for r in rows), rows
+            continue
+        # Every rank decided the same tokens, holds the same cache, and ended for the same reason.
+        assert len({(r["offset"], str(r["stop"])) for r in rows}) == 1, (name, rows)
+        # Rotating caches cannot be cut back: speculation turns itself off on every rank, the tokens stay exact.
+        rotating = any(r["rotating"] for r in rows)  # (tiny llama makes its own caches: mlx-lm ignores max_kv_size)
+        assert [r["speculating"] for r in rows] == [not rotating] * world_size, (name, rows)
+        if case.get("break_after"):
+            # Rank 0's consumer stopped after 2 tokens: every rank ended after the same pass.
+            assert rows[0]["tokens"] == rows[0]["reference"][:2], rows
+            ended = rows[0]["stop"]
+            assert ended[0] == "cancelled" and ended[1] >= 2, rows
+            for row in rows[1:]:
+                assert row["tokens"] == row["reference"][: ended[1]], rows
+            # What the caches hold after the prompt, the same on every rank, rank 0's unseen tokens included.
+            assert all(r["decided"] == r["reference"][: ended[1]] for r in rows), rows
+            continue
+        if case.get("temp"):
+            assert len({tuple(r["tokens"]) for r in rows}) == 1, (name, rows)
+            continue
+        if "stop_at" in case:  # the stop token came among a pass's confirmed guesses: nothing after it is yielded
+            expected = row0 = rows[0]["reference"]
+            expected = row0[: row0.index(rows[0]["stop_tokens"][0]) + 1]
+            assert all(r["tokens"] == expected and r["stop"] == ["stop", len(expected)] for r in rows), rows
+            assert all(r["offset"] == r["prompt"] + len(expected) for r in rows), rows
+            continue
+        for row in rows:
+            assert row["tokens"] == row["reference"] == row["decided"], (name, row)
+            if not case.get("max_kv_size"):  # the prompt and every yielded token are in the cache, no rejected guess
+                assert row["offset"] == row["prompt"] + case["max_tokens"], (name, row)
+        if case.get("max_kv_size"):
+            continue
+        proposed, accepted = rows[0]["guesses"]
+        assert proposed > 0, (name, rows[0])
+        if case.get("draft") == "same":  # the model guessing for itself: every guess is right
+            assert accepted == proposed, (name, rows[0])
+
+
+def test_auto_draft_length_follows_the_acceptance_rate() -> None:
+    """``num_draft_tokens="auto"``: more guesses while they hold, fewer when they fail, never fewer than one."""
+    always = DraftLength("auto")
+    never = DraftLength("auto")
+    assert always.next() == never.next() == 2  # nothing measured yet
+    for _ in range(6):
+        k = always.next()
+        always.record(k, k, 0.010 + 0.001 * k)
+        never.record(2, 0, 0.012)
+    assert always.next() == AUTO_LIMIT and never.next() == 1
+    assert DraftLength(3).next() == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"num_draft_tokens": 0, "prompt_lookup": 2}, "num_draft_tokens must be a positive int or 'auto'"),
+        ({"prompt_lookup": 0}, "prompt_lookup must be a positive int"),
+        ({"prompt_lookup": 2, "draft_model": "model"}, "draft_model or prompt_lookup, not both"),
+        ({"draft_model": "model", "num_draft_tokens": "many"}, "num_draft_tokens must be a positive int or 'auto'"),
+    ],
+)
+def test_bad_speculation_arguments_are_named_before_anything_is_sent(kwargs: dict[str, Any], message: str) -> None:
+    config = tiny_config("llama")
+    model = pipemlx.shard_model(build_model(config), mx.distributed.init())  # one rank
+    if kwargs.get("draft_model") == "model":
+        kwargs = {**kwargs, "draft_model": build_model(config)}
+    with pytest.raises(ValueError, match=message):
+        pipemlx.generate_step(mx.array([1, 2, 3]), model, **kwargs)
