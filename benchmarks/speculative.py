@@ -20,12 +20,11 @@ from typing import Any
 
 from common import bench_env, openblas_available
 
-from pipemlx.demo import MODEL_DIR, book_text
+from pipemlx.demo import DRAFT_DIR, MODEL_DIR, book_text
 from pipemlx.launch import launch
 
 HERE = Path(__file__).parent
 PROGRAM = HERE / "ranks" / "speculative_rank.py"
-DRAFT = MODEL_DIR.parent / "draft"
 
 
 def prompts() -> dict[str, str]:
@@ -46,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     openblas = openblas_available()
     spec: dict[str, Any] = {
-        "draft": str(DRAFT),
+        "draft": str(DRAFT_DIR),
         "prompts": prompts(),
         "tokens": args.tokens,
         "repeats": args.repeats,

@@ -6,7 +6,8 @@ real model and prompt to run without any download; the runtime does not use it.
 ``MODEL_DIR`` is an mlx-lm model folder (``config.json``, ``model.safetensors``,
 ``tokenizer.json``, ``tokenizer_config.json``) that ``mlx_lm.load`` reads like
 any downloaded model; ``train.py`` beside it made it (from the text that
-``extract_text.py`` recovered). :func:`default_prompt` is the prompt
+``extract_text.py`` recovered). ``DRAFT_DIR`` is its draft model for speculative
+decoding: the same recipe with 2 layers and the demo's tokenizer. :func:`default_prompt` is the prompt
 ``pipemlx generate`` uses when given none; :func:`book_text` the whole novel.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 MODEL_DIR = HERE / "model"
+DRAFT_DIR = HERE / "draft"
 PROMPT_FILE = HERE / "prompt.txt"
 BOOK_FILE = HERE / "pride_and_prejudice.txt.gz"
 
