@@ -338,7 +338,7 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
     import mlx_lm
     from mlx_lm.generate import stream_generate as mlx_stream_generate
 
-    from pipemlx.demo import MODEL_DIR
+    from pipemlx.demo import DRAFT_DIR, MODEL_DIR
 
     model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
     reference, ref_tokenizer = mlx_lm.load(str(MODEL_DIR))
@@ -353,8 +353,9 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
     expected = seen(mlx_stream_generate(reference, ref_tokenizer, prompt, max_tokens=8, **extra))
     got = seen(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, stop_tokens=[plain[3]], **extra))
     assert got == expected and expected[-1][3] == "stop", (got, expected)
-    # A draft model (here the model itself, whole): the same tokens as without one, some of them confirmed guesses.
-    drafted = list(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, draft_model=reference))
+    # The demo's draft model: the same tokens as without one, some of them confirmed guesses.
+    draft, _ = mlx_lm.load(str(DRAFT_DIR))
+    drafted = list(pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, draft_model=draft))
     assert [r.token for r in drafted] == plain and any(r.from_draft for r in drafted), seen(drafted)
     with pytest.raises(ValueError, match="input_embeddings is not supported"):
         next(pipemlx.stream_generate(model, tokenizer, prompt, input_embeddings=mx.zeros((1, 4, 8))))
@@ -363,7 +364,7 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
 @pytest.mark.parametrize("empty", ["", []])
 def test_stream_generate_names_an_empty_prompt(empty: Any) -> None:
     """An empty text or token list is "the prompt is empty", not a dtype error (``mx.array([])`` is float32)."""
-    from pipemlx.demo import MODEL_DIR
+    from pipemlx.demo import DRAFT_DIR, MODEL_DIR
 
     model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
     with pytest.raises(ValueError, match="the prompt is empty"):
