@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import hypothesis_profiles  # noqa: F401  (loads the hypothesis profile before any test module is collected)
 import pytest
 
 from pipemlx.launch import LaunchError, launch
