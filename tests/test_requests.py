@@ -10,6 +10,7 @@ starting with a request on fresh caches; the tests that end or break their group
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -429,21 +430,27 @@ def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) 
     """mlx-lm's third argument, ``stream``: accepted on the stage's device (computation stays on the stage's own)."""
     from mlx_lm.generate import generation_stream
 
+    from mlx_lm.generate import generate_step
+
     model, tokenizer = _tiny_with_tokenizer(tmp_path)
     prompt = tokens(10)
-    expected = [t for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4)]
+    # single-process mlx-lm on the same weights (_tiny_with_tokenizer's model, unsharded)
+    expected = [int(t) for t, _ in generate_step(prompt, build_model(tiny_config("llama")), max_tokens=4)]
+    assert len(set(expected)) > 1, expected
     assert [t for t, _ in pipemlx.generate_step(prompt, model, generation_stream, max_tokens=4)] == expected
     assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(mx.cpu), max_tokens=4)] == expected
     streamed = pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=4, stream=generation_stream)
     assert [r.token for r in streamed][:-1] == expected[:3]
 
-    class OtherDevice:  # a GPU stream cannot be made on a machine without a GPU backend
-        device = mx.Device(mx.gpu, 0)
-
     stage = stage_of(model)
-    with pytest.raises(
-        ValueError, match=r"stream is on Device\(gpu, 0\), but rank 0/1 .* computes on Device\(cpu, 0\)"
-    ):
+    here = stage.compute_stream.device
+    other = mx.Device(mx.cpu if here.type == mx.gpu else mx.gpu, 0)  # the other kind of device than the stage's
+
+    class OtherDevice:  # a stream on it cannot be made where that backend is missing: its device is enough
+        device = other
+
+    words = rf"stream is on {re.escape(str(other))}, but rank 0/1 .* computes on {re.escape(str(here))}"
+    with pytest.raises(ValueError, match=words):
         pipemlx.generate_step(prompt, model, stream=OtherDevice())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stream is on Device"):
         pipemlx.stream_generate(model, tokenizer, prompt, stream=OtherDevice())
