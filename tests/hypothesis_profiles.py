@@ -74,6 +74,7 @@ def live_settings(scale: float = 1.0) -> settings:
         suppress_health_check=list(HealthCheck),
     )
 
+
 # Chunks x ranks allowed in one example: about 5 actions each, a few microseconds per action.
 WORK_LIMITS = {"ci": 8000, "thorough": None}
 WORK_LIMIT = WORK_LIMITS.get(PROFILE, WORK_LIMITS["ci"])
