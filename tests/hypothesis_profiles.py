@@ -59,18 +59,19 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 
 # The stateful machines over live rank groups (tests/test_batch_stateful.py, tests/test_requests.py): every
-# step is a round trip to real ranks, so they run fewer, longer examples than the pure property tests.
-LIVE_EXAMPLES = {"ci": 8, "thorough": 60}
-LIVE_STEPS = {"ci": 12, "thorough": 30}
+# step is a round trip to real ranks, so they run fewer, shorter examples than the pure property tests; the
+# thorough profile runs several times more of both.
+LIVE_SCALE = {"ci": (1.0, 1.0), "thorough": (8.0, 2.5)}
 
 
-def live_settings(scale: float = 1.0) -> settings:
-    """Settings for a stateful machine on a live group: the loaded profile's, with fewer examples."""
-    examples = max(1, round(LIVE_EXAMPLES.get(PROFILE, LIVE_EXAMPLES["ci"]) * scale))
+def live_settings(examples: int, steps: int) -> settings:
+    """Settings for a stateful machine on a live group: the loaded profile's (random, with the example database),
+    with ``examples`` runs of ``steps`` steps in the ci profile, more in the thorough one."""
+    more_examples, more_steps = LIVE_SCALE.get(PROFILE, LIVE_SCALE["ci"])
     return settings(
         settings.default,
-        max_examples=examples,
-        stateful_step_count=LIVE_STEPS.get(PROFILE, LIVE_STEPS["ci"]),
+        max_examples=round(examples * more_examples),
+        stateful_step_count=round(steps * more_steps),
         suppress_health_check=list(HealthCheck),
     )
 

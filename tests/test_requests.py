@@ -17,9 +17,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from fakes import tokens
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis_profiles import live_settings
 from live_group import LiveGroup
 
 import pipemlx
@@ -259,14 +259,7 @@ def test_request_state_machine(live_group: Callable[[int], LiveGroup]) -> None:
 
         run_state_machine_as_test(
             RequestMachine,
-            settings=settings(
-                max_examples=6,
-                stateful_step_count=6,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=True,
-                database=None,
-            ),
+            settings=live_settings(examples=6, steps=6),  # random each run, failures kept in the example database
         )
     finally:
         RequestMachine.group = None
@@ -428,9 +421,7 @@ def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any)
 
 def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) -> None:
     """mlx-lm's third argument, ``stream``: accepted on the stage's device (computation stays on the stage's own)."""
-    from mlx_lm.generate import generation_stream
-
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
 
     model, tokenizer = _tiny_with_tokenizer(tmp_path)
     prompt = tokens(10)

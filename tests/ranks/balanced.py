@@ -22,7 +22,6 @@ from pipemlx.runtime.calibrate import measure_speeds
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
-
 PROMPT = mx.arange(40, dtype=mx.int32) % 200
 
 
