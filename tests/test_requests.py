@@ -187,7 +187,7 @@ def test_decode_faults_end_in_typed_errors_within_the_bound(kind: str, num_ranks
     typed = {"PeerLostError", "PipelineTimeoutError"}
     for answer in answers:
         assert answer["outcome"] in typed, answer
-        assert answer["after"] <= timeout + 3, answer
+        assert answer["after"] <= timeout + 2, answer  # a stall or a lost peer: an error within timeout + 2 s
     for answer in answers:
         print(
             f"S={num_ranks} rank {faulty} {kind}s at token 2: rank {answer['rank']} raised {answer['outcome']} "
