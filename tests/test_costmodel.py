@@ -1,4 +1,4 @@
-"""The cost model: exact answers where the arithmetic is known, and a prediction against a real 2-rank run."""
+"""The cost model: exact answers where the arithmetic is known (its timing check is benchmarks/cost_model_accuracy.py)."""
 
 from __future__ import annotations
 
