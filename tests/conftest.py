@@ -140,6 +140,8 @@ def _install_wheel(tmp: Path) -> tuple[DemoRun | str, list[str], dict[str, str],
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     """``pipemlx generate --ranks 2 --max-tokens 20`` run once for the session, from the installed wheel when it can
     be built (tests/test_wheel.py), else from the checkout; tests/test_cli.py checks its text against mlx-lm's."""
+    import os
+    import signal
     import subprocess
 
     prepared, argv, env, cwd = _install_wheel(tmp_path_factory.mktemp("wheel"))
@@ -147,14 +149,24 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
         return prepared  # the wheel could not be built or installed: tests/test_wheel.py fails on it
     if isinstance(prepared, str):
         argv, env, cwd = [sys.executable, "-m", "pipemlx"], {}, ROOT
-    result = subprocess.run(
+    # its own process group: on a timeout the command and both ranks it started are killed, and the test shows
+    # what they printed (rank 0's stderr, where the ranks' errors end up)
+    proc = subprocess.Popen(
         [*argv, "generate", "--ranks", "2", "--max-tokens", str(DEMO_MAX_TOKENS)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=RUN_TIMEOUT,
         cwd=cwd,
         env=env or None,
+        start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(killed with its ranks after {RUN_TIMEOUT} s)"
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if isinstance(prepared, str):
         return DemoRun("checkout", result.returncode, result.stdout, result.stderr, prepared)
     prepared.returncode, prepared.stdout, prepared.stderr = result.returncode, result.stdout, result.stderr
