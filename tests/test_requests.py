@@ -429,12 +429,12 @@ def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) 
     expected = [int(t) for t, _ in generate_step(prompt, build_model(tiny_config("llama")), max_tokens=4)]
     assert len(set(expected)) > 1, expected
     assert [t for t, _ in pipemlx.generate_step(prompt, model, generation_stream, max_tokens=4)] == expected
-    assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(mx.cpu), max_tokens=4)] == expected
+    stage = stage_of(model)
+    here = stage.compute_stream.device  # the CPU here; a GPU where MLX has one
+    assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(here), max_tokens=4)] == expected
     streamed = pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=4, stream=generation_stream)
     assert [r.token for r in streamed][:-1] == expected[:3]
 
-    stage = stage_of(model)
-    here = stage.compute_stream.device
     other = mx.Device(mx.cpu if here.type == mx.gpu else mx.gpu, 0)  # the other kind of device than the stage's
 
     class OtherDevice:  # a stream on it cannot be made where that backend is missing: its device is enough
