@@ -76,6 +76,7 @@ class DemoRun:
     sdist: Path | None = None
     venv: Path | None = None
     imported_from: Path | None = None
+    wheel_failure: DemoRun | None = None  # the wheel's build, install or import that failed (then run from here)
 
 
 def _install_wheel(tmp: Path) -> tuple[DemoRun | str, list[str], dict[str, str], Path]:
@@ -145,8 +146,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     import subprocess
 
     prepared, argv, env, cwd = _install_wheel(tmp_path_factory.mktemp("wheel"))
+    failed: DemoRun | None = None
     if isinstance(prepared, DemoRun) and (prepared.returncode != 0 or prepared.imported_from is None):
-        return prepared  # the wheel could not be built or installed: tests/test_wheel.py fails on it
+        failed, prepared = prepared, f"the wheel failed: {prepared.why}"  # tests/test_wheel.py fails on it
     if isinstance(prepared, str):
         argv, env, cwd = [sys.executable, "-m", "pipemlx"], {}, ROOT
     # its own process group: on a timeout the command and both ranks it started are killed, and the test shows
@@ -168,7 +170,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
         err += f"\n(killed with its ranks after {RUN_TIMEOUT} s)"
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if isinstance(prepared, str):
-        return DemoRun("checkout", result.returncode, result.stdout, result.stderr, prepared)
+        return DemoRun("checkout", result.returncode, result.stdout, result.stderr, prepared, wheel_failure=failed)
     prepared.returncode, prepared.stdout, prepared.stderr = result.returncode, result.stdout, result.stderr
     return prepared
 

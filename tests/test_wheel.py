@@ -18,9 +18,10 @@ from conftest import DEMO_RUN_TIMEOUT, DemoRun, check_demo_run
 
 @pytest.mark.timeout(DEMO_RUN_TIMEOUT)
 def test_the_wheel_installs_and_generates_mlx_lms_text(demo_run: DemoRun) -> None:
+    failed = demo_run.wheel_failure
+    assert failed is None, f"{failed.why}:\n{failed.stdout}\n{failed.stderr}"
     if demo_run.source != "wheel":
         pytest.skip(f"no wheel: {demo_run.why}")
-    assert demo_run.why == "", f"{demo_run.why}:\n{demo_run.stdout}\n{demo_run.stderr}"
     assert demo_run.wheel is not None and demo_run.sdist is not None and demo_run.venv is not None
     names = set(zipfile.ZipFile(demo_run.wheel).namelist())
     for required in (
