@@ -1,6 +1,11 @@
 """Hypothesis profiles and the prefill-case strategy shared by the plan property tests.
 
-Importing this module loads a profile, chosen by ``$HYPOTHESIS_PROFILE``:
+Importing this module loads a profile, chosen by ``$HYPOTHESIS_PROFILE``; ``tests/conftest.py`` imports it,
+so the profile is loaded before any test module is collected and every ``@settings`` decorator inherits it.
+Every profile explores: examples are random on every run (never derandomized), and failing examples are
+kept in a shared example database, ``.hypothesis/examples`` at the repository root (the folder CI caches),
+or ``$PIPEMLX_HYPOTHESIS_DB``, and replayed first on the next run. A failure prints the
+``@reproduce_failure`` blob that replays it; ``pytest --hypothesis-seed=N`` fixes the seed to reproduce a run.
 
 - ``ci`` (the default): 60 examples per test and at most 8000 chunks x ranks
   per example, so that the simulator, property and mutation tests take well
@@ -17,13 +22,20 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 MAX_TOKENS = 100_000
 MAX_STEP = 8192
 MAX_RANKS = 16
+
+DATABASE_DIR = Path(
+    os.environ.get("PIPEMLX_HYPOTHESIS_DB") or Path(__file__).resolve().parent.parent / ".hypothesis" / "examples"
+)
+DATABASE = DirectoryBasedExampleDatabase(DATABASE_DIR)
 
 settings.register_profile(
     "ci",
@@ -31,6 +43,8 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
+    derandomize=False,
+    database=DATABASE,
 )
 settings.register_profile(
     "thorough",
@@ -38,9 +52,29 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
+    derandomize=False,
+    database=DATABASE,
 )
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
+
+# The stateful machines over live rank groups (tests/test_batch_stateful.py, tests/test_requests.py): every
+# step is a round trip to real ranks, so they run fewer, shorter examples than the pure property tests; the
+# thorough profile runs several times more of both.
+LIVE_SCALE = {"ci": (1.0, 1.0), "thorough": (8.0, 2.5)}
+
+
+def live_settings(examples: int, steps: int) -> settings:
+    """Settings for a stateful machine on a live group: the loaded profile's (random, with the example database),
+    with ``examples`` runs of ``steps`` steps in the ci profile, more in the thorough one."""
+    more_examples, more_steps = LIVE_SCALE.get(PROFILE, LIVE_SCALE["ci"])
+    return settings(
+        settings.default,
+        max_examples=round(examples * more_examples),
+        stateful_step_count=round(steps * more_steps),
+        suppress_health_check=list(HealthCheck),
+    )
+
 
 # Chunks x ranks allowed in one example: about 5 actions each, a few microseconds per action.
 WORK_LIMITS = {"ci": 8000, "thorough": None}

@@ -212,7 +212,9 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
             pipemlx.stream_generate(model, _word_tokenizer(tmp_path), prompt, kv_bits=4)
     assert stage.mode == "immediate" and len(stage.send_queue) == 0 and stage.received == []
     assert stage.info.unquantizable == ((5, "RotatingKVCache"),)
-    pipemlx.generate_step(prompt, model)  # without kv_bits: accepted (a generator; nothing runs yet)
+    # without kv_bits the same model decodes as mlx-lm does (one real rank: the whole model)
+    whole = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), mx.distributed.init())
+    assert_decodes_as_mlx_lm(whole, tiny_config("llama", **ONE_SLIDING), tokens(9), {})
 
 
 def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> None:
@@ -223,11 +225,31 @@ def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> 
     ):
         pipemlx.generate_step(tokens(9), model, kv_bits=4, max_kv_size=64)
     assert len(stage_of(model).send_queue) == 0
-    pipemlx.generate_step(tokens(9), model, max_kv_size=64)  # either alone is accepted
-    pipemlx.generate_step(tokens(9), model, kv_bits=4)
+    # Either alone is accepted, and decodes as mlx-lm does: the caches rotate (max_kv_size 8 < 20 positions),
+    # or are quantized from the start. One real rank holds the whole model.
+    qwen2 = tiny_config("qwen2", hidden_size=256)
+    one = pipemlx.shard_model(build_model(qwen2), mx.distributed.init())
+    prompt = tokens(14)
+    assert_decodes_as_mlx_lm(one, qwen2, prompt, {"max_kv_size": 8})
+    assert_decodes_as_mlx_lm(one, qwen2, prompt, {"kv_bits": 4, "quantized_kv_start": 0})
     llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2))  # type: ignore[arg-type]
     assert stage_of(llama).info.unquantizable_bounded == ()
-    pipemlx.generate_step(tokens(9), llama, kv_bits=4, max_kv_size=64)
+    # llama makes its own caches (mlx-lm ignores max_kv_size for it): both together decode as mlx-lm's
+    whole = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), mx.distributed.init())
+    assert_decodes_as_mlx_lm(whole, tiny_config("llama", **WIDE), prompt, {"kv_bits": 4, "max_kv_size": 8,
+                                                                          "quantized_kv_start": 0})  # fmt: skip
+
+
+def assert_decodes_as_mlx_lm(model: Any, config: dict[str, Any], prompt: mx.array, kwargs: dict[str, Any]) -> None:
+    """pipemlx.generate_step with ``kwargs`` yields single-process mlx-lm's tokens and logprobs on the same weights."""
+    from mlx_lm.generate import generate_step
+
+    got = list(pipemlx.generate_step(prompt, model, max_tokens=6, prefill_step_size=4, **kwargs))
+    expected = list(generate_step(prompt, build_model(config), max_tokens=6, prefill_step_size=4, **kwargs))
+    assert [int(t) for t, _ in got] == [int(t) for t, _ in expected], kwargs
+    assert len({int(t) for t, _ in expected}) > 1, expected  # a model that repeats one token would show nothing
+    for (_, lp), (_, ref) in zip(got, expected):
+        assert lp is not None and mx.allclose(lp, ref, atol=1e-4).item(), kwargs
 
 
 def test_kv_bits_on_a_given_rotating_cache_is_refused_at_the_handshake() -> None:

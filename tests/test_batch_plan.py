@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pipemlx.schedule.batch_plan import (
@@ -131,7 +131,6 @@ def computed(run: Run, rank: int) -> dict[int, list[TickChunk]]:
     return chunks
 
 
-@settings(deadline=None)
 @given(scenarios)
 def test_every_position_is_prefilled_once_in_order_on_every_rank(s: Scenario) -> None:
     run = drive(s)
@@ -151,7 +150,6 @@ def test_every_position_is_prefilled_once_in_order_on_every_rank(s: Scenario) ->
                 assert sum(c.length for c in done) == positions, f"rank {rank}, request {uid}: {done}"
 
 
-@settings(deadline=None)
 @given(scenarios)
 def test_chunks_travel_the_ranks_one_tick_apart_and_requests_join_after_the_last_rank(s: Scenario) -> None:
     run = drive(s)
@@ -170,7 +168,6 @@ def test_chunks_travel_the_ranks_one_tick_apart_and_requests_join_after_the_last
         assert (uid in run.joined) or (uid in run.cancelled), f"request {uid} was lost"
 
 
-@settings(deadline=None)
 @given(scenarios)
 def test_the_ranks_messages_run_through_without_buffering(s: Scenario) -> None:
     run = drive(s)
@@ -181,7 +178,6 @@ def test_the_ranks_messages_run_through_without_buffering(s: Scenario) -> None:
     assert run_ticks(programs, capacity=0) == []
 
 
-@settings(deadline=None)
 @given(scenarios.filter(lambda s: s.budget is not None))
 def test_admitted_requests_always_fit_the_budget(s: Scenario) -> None:
     run = drive(s)
@@ -190,7 +186,6 @@ def test_admitted_requests_always_fit_the_budget(s: Scenario) -> None:
         assert not reserves or len(reserves) * max(reserves) <= s.budget, reserves
 
 
-@settings(deadline=None)
 @given(scenarios.filter(lambda s: s.max_rows is not None))
 def test_no_more_requests_than_the_row_limit_decode_or_prefill_at_once(s: Scenario) -> None:
     run = drive(s)
@@ -198,7 +193,6 @@ def test_no_more_requests_than_the_row_limit_decode_or_prefill_at_once(s: Scenar
     assert all(len(reserves) <= s.max_rows for reserves in run.peaks), run.peaks
 
 
-@settings(deadline=None)
 @given(scenarios.filter(lambda s: s.prefill_rows is not None))
 def test_no_more_requests_than_the_prefill_batch_size_are_prefilled_at_once(s: Scenario) -> None:
     # After each tick: requests started and not yet decoding (ready to join, a chunk on some rank, or the head
@@ -210,7 +204,6 @@ def test_no_more_requests_than_the_prefill_batch_size_are_prefilled_at_once(s: S
         assert len({c.uid for c in tick.chunks if c is not None}) <= s.prefill_rows, tick
 
 
-@settings(deadline=None)
 @given(scenarios.filter(lambda s: bool(s.cuts)))
 def test_no_chunk_crosses_a_segment_boundary(s: Scenario) -> None:
     run = drive(s)

@@ -24,6 +24,26 @@ FAST = ["--timeout", "20", "--join-timeout", "40", "--json"]  # generous: a load
 CUT = ["--timeout", "10", "--join-timeout", "10", "--json"]  # the join is meant to fail: no need to wait long
 
 
+def mlx_lm_tokens(model: Any = None) -> list[int]:
+    """The tokens the doctor's end-to-end step must give: single-process mlx-lm's greedy decode of its prompt
+    (``arange(96) % vocabulary``, 8 tokens, chunks of 16) on the demo model, or on ``model``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, generation_stream
+    from mlx_lm.utils import load
+
+    from pipemlx.cli.doctor_rank import DOCTOR_DECODE_TOKENS, DOCTOR_PROMPT_TOKENS
+    from pipemlx.demo import MODEL_DIR
+
+    if model is None:
+        model, _ = load(str(MODEL_DIR))
+    prompt = mx.arange(DOCTOR_PROMPT_TOKENS, dtype=mx.int32) % int(model.args.vocab_size)
+    steps = generate_step(prompt, model, max_tokens=DOCTOR_DECODE_TOKENS, prefill_step_size=16)
+    tokens = [int(t) for t, _ in steps]
+    mx.synchronize(generation_stream)
+    assert len(tokens) == 8 and len(set(tokens)) > 1, tokens
+    return tokens
+
+
 def doctor_json(stdout: str) -> dict[str, Any]:
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert lines, f"no JSON report in:\n{stdout}"
@@ -45,7 +65,7 @@ def test_doctor_passes_a_healthy_local_group() -> None:
     assert len({(r["mlx"], r["mlx-lm"], r["pipemlx"]) for r in report["ranks"]}) == 1
     (link,) = report["links"]
     assert link["ranks"] == [0, 1] and 0 < link["latency_ms"] < 1000 and link["bandwidth"] > 1e6
-    assert report["e2e"]["split"] == [4, 4] and len(report["e2e"]["tokens"]) == 8
+    assert report["e2e"]["split"] == [4, 4] and report["e2e"]["tokens"] == mlx_lm_tokens()
     assert report["memory"]["needs"][0] > 0
 
 
@@ -115,7 +135,7 @@ def test_doctor_allow_unregistered_reaches_load_sharded(tmp_path: Path) -> None:
     with pytest.raises(PipelineError, match="--allow-unregistered to pipemlx generate / serve / bench / doctor"):
         end_to_end(refused, group)
     report = end_to_end(allowed, group)
-    assert report["split"] == [4] and len(report["tokens"]) == 8
+    assert report["split"] == [4] and report["tokens"] == mlx_lm_tokens(build_model(dict(HELIUM_TIED)))
 
 
 # --- across network-namespace hosts ----------------------------------------------------------------
@@ -172,7 +192,7 @@ def test_doctor_across_namespace_hosts_names_the_host_on_another_version(tmp_pat
     assert [r["address"] for r in report["ranks"]] == [f"10.213.0.{i}:5000" for i in (1, 2, 3)]
     assert [link["ranks"] for link in report["links"]] == [[0, 1], [1, 2], [2, 0]]
     assert all(link["bandwidth"] > 1e6 for link in report["links"])
-    assert report["e2e"]["split"] == [3, 3, 2] and len(report["e2e"]["tokens"]) == 8
+    assert report["e2e"]["split"] == [3, 3, 2] and report["e2e"]["tokens"] == mlx_lm_tokens()
     problems = report["problems"]
     assert len(problems) == 1, problems
     assert "rank 2" in problems[0] and "10.213.0.3:5000" in problems[0] and "pipemlx 9.9.9" in problems[0]

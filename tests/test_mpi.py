@@ -49,14 +49,19 @@ def mpi_setup() -> tuple[str, dict[str, str]] | str:
         return mpirun, {"MLX_MPI_LIBNAME": versioned}
 
 
-@pytest.fixture
-def mpi() -> tuple[str, dict[str, str]]:
+def require_mpi() -> tuple[str, dict[str, str]]:
+    """:func:`mpi_setup`, or skip the test naming why, or fail it under ``PIPEMLX_REQUIRE_HOSTS=1`` (CI)."""
     setup = mpi_setup()
     if isinstance(setup, str):
         if os.environ.get("PIPEMLX_REQUIRE_HOSTS") == "1":
             pytest.fail(f"PIPEMLX_REQUIRE_HOSTS=1 but MPI is unavailable: {setup}")
         pytest.skip(f"MPI unavailable: {setup}")
     return setup
+
+
+@pytest.fixture
+def mpi() -> tuple[str, dict[str, str]]:
+    return require_mpi()
 
 
 def descendants(pid: int) -> list[int]:

@@ -10,15 +10,16 @@ starting with a request on fresh caches; the tests that end or break their group
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 import pytest
 from fakes import tokens
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis_profiles import live_settings
 from live_group import LiveGroup
 
 import pipemlx
@@ -200,7 +201,7 @@ def test_decode_faults_end_in_typed_errors_within_the_bound(kind: str, num_ranks
     typed = {"PeerLostError", "PipelineTimeoutError"}
     for answer in answers:
         assert answer["outcome"] in typed, answer
-        assert answer["after"] <= timeout + 3, answer
+        assert answer["after"] <= timeout + 2, answer  # a stall or a lost peer: an error within timeout + 2 s
     for answer in answers:
         print(
             f"S={num_ranks} rank {faulty} {kind}s at token 2: rank {answer['rank']} raised {answer['outcome']} "
@@ -272,14 +273,7 @@ def test_request_state_machine(live_group: Callable[[int], LiveGroup]) -> None:
 
         run_state_machine_as_test(
             RequestMachine,
-            settings=settings(
-                max_examples=6,
-                stateful_step_count=6,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-                derandomize=True,
-                database=None,
-            ),
+            settings=live_settings(examples=6, steps=6),  # random each run, failures kept in the example database
         )
     finally:
         RequestMachine.group = None
@@ -443,23 +437,27 @@ def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any)
 
 def test_generate_step_takes_mlx_lms_stream_on_the_stages_device(tmp_path: Any) -> None:
     """mlx-lm's third argument, ``stream``: accepted on the stage's device (computation stays on the stage's own)."""
-    from mlx_lm.generate import generation_stream
+    from mlx_lm.generate import generate_step, generation_stream
 
     model, tokenizer = _tiny_with_tokenizer(tmp_path)
     prompt = tokens(10)
-    expected = [t for t, _ in pipemlx.generate_step(prompt, model, max_tokens=4)]
+    # single-process mlx-lm on the same weights (_tiny_with_tokenizer's model, unsharded)
+    expected = [int(t) for t, _ in generate_step(prompt, build_model(tiny_config("llama")), max_tokens=4)]
+    assert len(set(expected)) > 1, expected
     assert [t for t, _ in pipemlx.generate_step(prompt, model, generation_stream, max_tokens=4)] == expected
-    assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(mx.cpu), max_tokens=4)] == expected
+    stage = stage_of(model)
+    here = stage.compute_stream.device  # the CPU here; a GPU where MLX has one
+    assert [t for t, _ in pipemlx.generate_step(prompt, model, stream=mx.new_stream(here), max_tokens=4)] == expected
     streamed = pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=4, stream=generation_stream)
     assert [r.token for r in streamed][:-1] == expected[:3]
 
-    class OtherDevice:  # a GPU stream cannot be made on a machine without a GPU backend
-        device = mx.Device(mx.gpu, 0)
+    other = mx.Device(mx.cpu if here.type == mx.gpu else mx.gpu, 0)  # the other kind of device than the stage's
 
-    stage = stage_of(model)
-    with pytest.raises(
-        ValueError, match=r"stream is on Device\(gpu, 0\), but rank 0/1 .* computes on Device\(cpu, 0\)"
-    ):
+    class OtherDevice:  # a stream on it cannot be made where that backend is missing: its device is enough
+        device = other
+
+    words = rf"stream is on {re.escape(str(other))}, but rank 0/1 .* computes on {re.escape(str(here))}"
+    with pytest.raises(ValueError, match=words):
         pipemlx.generate_step(prompt, model, stream=OtherDevice())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="stream is on Device"):
         pipemlx.stream_generate(model, tokenizer, prompt, stream=OtherDevice())

@@ -30,7 +30,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import load
 from serve_process import ServeProcess, serving
-from test_mpi import MPI_OPTIONS, mpi_setup
+from test_mpi import MPI_OPTIONS, require_mpi
 
 from pipemlx import cli
 from pipemlx.cli.common import default_step_size
@@ -648,10 +648,7 @@ def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
 
 def test_serve_under_mpirun_answers_like_one_process(ref: Reference) -> None:
     """Every rank started by Open MPI's mpirun (MLX's MPI backend): the request broadcast is backend-neutral."""
-    setup = mpi_setup()
-    if isinstance(setup, str):
-        pytest.skip(f"MPI unavailable: {setup}")
-    mpirun, extra_env = setup
+    mpirun, extra_env = require_mpi()  # skips where MPI is missing, fails instead in CI (PIPEMLX_REQUIRE_HOSTS=1)
     launcher = [mpirun, *MPI_OPTIONS, "-np", "2"]
     process = ServeProcess(launcher=launcher, env={**extra_env, "PIPEMLX_BACKEND": "mpi", "PYTHONUNBUFFERED": "1"})
     try:

@@ -118,7 +118,16 @@ def test_tracer_records_only_when_enabled(tmp_path: Path, monkeypatch: pytest.Mo
     assert path == tmp_path / "env" / "trace-rank1.json"
     (span,) = read_spans(path)
     assert (span.rank, span.kind, span.chunk, span.peer) == (1, "recv", 2, 0)
-    assert isinstance(Tracer(0, tmp_path), Tracer)
+    assert 0 <= span.dur_us < 10_000_000  # microseconds of the block that just ran
+    # A directory given to the call wins over $PIPEMLX_TRACE; an empty variable is no directory.
+    given = tracer_for(2, tmp_path / "given")
+    with given.span("compute", 4, tokens=7):
+        pass
+    assert given.enabled and given.save() == tmp_path / "given" / "trace-rank2.json"
+    (span,) = read_spans(tmp_path / "given" / "trace-rank2.json")
+    assert (span.rank, span.kind, span.chunk, span.args["tokens"]) == (2, "compute", 4, 7)
+    monkeypatch.setenv("PIPEMLX_TRACE", "")
+    assert not tracer_for(0, None).enabled
 
 
 def test_command_line_merge_and_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

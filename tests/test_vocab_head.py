@@ -66,18 +66,21 @@ def test_the_head_is_the_models_head() -> None:
         assert mx.array_equal(shard.full(hidden), model(inputs)).item()
 
 
-def test_best_pairs_pick_the_argmax_of_the_whole_logits() -> None:
+def test_best_pairs_pick_mlx_lms_greedy_tokens() -> None:
+    """Each shard's best pairs, through the real all-gather of a one-rank group, pick the token mlx-lm's own
+    forward pass gives the largest logit, for every position of a real prompt."""
     model: Any = build_model(tiny_config("llama"), seed=4)
     found = shards(model, 3)
-    hidden = mx.random.normal((4, found[0].hidden_size), key=mx.random.key(2))
-    best = [cast(list[float], s.pairs(hidden, cast(Any, None), None, str).reshape(-1).tolist()) for s in found]
-    assert pick_tokens(best) == mx.argmax(found[0].full(hidden), axis=-1).tolist()
-
-
-@pytest.fixture(autouse=True)
-def _one_rank_all_gather(monkeypatch: pytest.MonkeyPatch) -> None:
-    """:meth:`VocabShard.pairs` in one process: the all-gather of the last rank's hidden state is that state."""
-    monkeypatch.setattr(mx.distributed, "all_gather", lambda x, group=None: x)  # pyright: ignore[reportUnknownLambdaType]
+    inputs = mx.array([[3, 17, 5, 201, 9, 44]])
+    hidden = found[0].hidden(model, inputs, [None] * len(model.layers)).reshape(-1, found[0].hidden_size)
+    mx.eval(hidden)
+    group = mx.distributed.init()  # one rank: its all-gather of the last rank's rows is those rows
+    assert group.size() == 1
+    with mx.stream(mx.new_thread_unsafe_stream(mx.default_device())):  # as the stage's: the wait's thread runs it
+        best = [cast(list[float], s.pairs(hidden, group, 10.0, str).reshape(-1).tolist()) for s in found]
+    expected = mx.argmax(model(inputs)[0], axis=-1).tolist()  # mlx-lm's logits, the whole head in one process
+    assert len(set(expected)) > 1, expected  # the tokens differ: a wrong shard's pick would show
+    assert pick_tokens(best) == expected
 
 
 def test_pick_tokens_takes_the_largest_and_the_lowest_id_on_ties() -> None:

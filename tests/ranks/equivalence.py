@@ -4,7 +4,8 @@ Reads a JSON spec from argv[1]; prints one JSON line with what this rank saw.
 Every rank also runs the reference (the whole model, no pipeline) itself, so
 the parent test compares each rank against single-device mlx-lm.
 
-Spec: {"arch", "config"?, "seed", "split"?, "lend_mlp"?, "lend_heads"?, "max_tokens", "steps": [...]} where a step is
+Spec: {"arch", "config"?, "seed", "split"?, "lend_mlp"?, "lend_heads"?, "layer_costs"?, "max_tokens", "steps": [...]}
+("layer_costs": [chunk_s, token_s, attention_s] that lend_heads="auto" decides from instead of timing a layer) where a step is
   {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
   {"kind": "plain", "M", "step", "args"?}  generate_step on the sharded model, no pipeline_prefill
   {"kind": "pipemlx", "M", "step", "args"?} pipemlx.generate_step on the sharded model
@@ -28,9 +29,13 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
+import pipemlx.models.lending as lending
 from pipemlx.launch import init_group
 from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.costmodel import LayerCosts
 from pipemlx.testing import build_model, tiny_config
+
+TIMED_LAYER_COSTS = lending.group_layer_costs
 
 
 def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
@@ -70,8 +75,25 @@ def layer_caches(cache: list[Any]) -> list[Any]:
     return [inner for c in cache for inner in getattr(c, "caches", (c,))]
 
 
+def compare_logprobs(logprobs: list[Any], ref_logprobs: list[Any]) -> dict[str, Any]:
+    """How many of this rank's tokens came with logprobs (pipemlx.generate_step: the last rank's only; mlx-lm's
+    generate_step on the sharded model: every rank's), and the largest difference from the reference's."""
+    compared = [(a, b) for a, b in zip(logprobs, ref_logprobs) if a is not None]
+    diff = max((float(mx.max(mx.abs(a - b))) for a, b in compared), default=None)
+    return {"logprobs_compared": len(compared), "logprob_diff": diff}
+
+
+def use_layer_costs(costs: list[float] | None) -> None:
+    """lend_heads="auto" decides from these layer costs (chunk_s, token_s, attention_s) instead of timing a layer:
+    a count known in advance, whatever the machine's load. ``None``: timed, as in production."""
+    lending.group_layer_costs = (  # pyright: ignore[reportAttributeAccessIssue]
+        TIMED_LAYER_COSTS if costs is None else lambda layer, info, group: LayerCosts(*costs)
+    )
+
+
 def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str, Any]]:
     config = tiny_config(spec["arch"], **spec.get("config", {}))
+    use_layer_costs(spec.get("layer_costs"))
     reference = build_model(config, seed=spec["seed"])
     model = pipemlx.shard_model(
         build_model(config, seed=spec["seed"]),
@@ -106,8 +128,11 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
                 model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b])
             )
             entry["step"], entry["progress"] = step, calls
-            entry["tokens"], _ = decode(prompt[-1:], model, cache, step, max_tokens)
-            entry["ref_tokens"], _ = decode(prompt, reference, None, step, max_tokens)
+            auto_logprobs: list[Any] = []
+            auto_ref_logprobs: list[Any] = []
+            entry["tokens"], _ = decode(prompt[-1:], model, cache, step, max_tokens, auto_logprobs)
+            entry["ref_tokens"], _ = decode(prompt, reference, None, step, max_tokens, auto_ref_logprobs)
+            entry |= compare_logprobs(auto_logprobs, auto_ref_logprobs)
             seen.append(entry)
             continue
         args = s.get("args", {})
@@ -139,10 +164,8 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             )
             entry["progress"] = calls
             entry["cache_offsets"] = sorted({c.offset for c in layer_caches(cache)})
-            entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens)
-        compared = [(a, b) for a, b in zip(logprobs, ref_logprobs) if a is not None]  # pipemlx: the last rank's
-        if args and compared:  # how far this rank's logprobs are from the reference's (quantized or bounded caches)
-            entry["logprob_diff"] = max(float(mx.max(mx.abs(a - b))) for a, b in compared)
+            entry["tokens"], _ = decode(prompt[-1:], model, cache, s["step"], max_tokens, logprobs)
+        entry |= compare_logprobs(logprobs, ref_logprobs)
         seen.append(entry)
     # generate_step leaves one forward pass in flight; let it finish on every rank before going on.
     mx.synchronize(generation_stream)
