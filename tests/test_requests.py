@@ -265,6 +265,16 @@ class RequestMachine(RuleBasedStateMachine):
     def raising_callback(self, rank: int, at: int) -> None:
         self.ask({**BASE, "raise_progress": {"rank": rank, "at": at}})
 
+    @rule(m=st.integers(1, 24), reuse=st.booleans(), max_tokens=st.integers(1, 9), stop_after=st.integers(0, 4))
+    def speculating(self, m: int, reuse: bool, max_tokens: int, stop_after: int) -> None:
+        """Greedy with the model guessing for itself (every pass several tokens), on a fresh or a kept cache."""
+        command: dict[str, Any] = {**BASE, "draft": True, "M": m, "max_tokens": max_tokens}
+        if reuse and self.has_cache:
+            command["reuse"] = True
+        if stop_after:  # every consumer stops alike: the request ends after that pass, on every rank
+            command["stop"] = {"rank": "all", "after": stop_after, "how": "break"}
+        self.ask(command)
+
 
 def test_request_state_machine(live_group: Callable[[int], LiveGroup]) -> None:
     RequestMachine.group = live_group(2)
@@ -358,7 +368,7 @@ def test_stream_generate_takes_mlx_lm_keywords_and_stop_tokens() -> None:
 @pytest.mark.parametrize("empty", ["", []])
 def test_stream_generate_names_an_empty_prompt(empty: Any) -> None:
     """An empty text or token list is "the prompt is empty", not a dtype error (``mx.array([])`` is float32)."""
-    from pipemlx.demo import DRAFT_DIR, MODEL_DIR
+    from pipemlx.demo import MODEL_DIR
 
     model, tokenizer = pipemlx.load_sharded(MODEL_DIR, mx.distributed.init())  # one rank
     with pytest.raises(ValueError, match="the prompt is empty"):
