@@ -142,7 +142,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     leader = Leader(engine, scheduler, front)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(front, engine.tokenizer, settings, context)
-    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port)
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
         front.stopping.set()
@@ -150,9 +150,13 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
         return 2
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        if front.stopping.is_set():
+        if front.stopping.is_set():  # a second signal: no more waiting
+            log(f"{signal.Signals(signum).name} again: exiting now")
             os._exit(130)
-        log(f"{signal.Signals(signum).name}: finishing the current request's agreed stop, then stopping")
+        log(
+            f"{signal.Signals(signum).name}: new requests get 503; the running ones get {settings.grace:g} s "
+            "(--grace) to finish, then every rank stops"
+        )
         front.stopping.set()
 
     signal.signal(signal.SIGINT, stop)
