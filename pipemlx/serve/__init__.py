@@ -157,7 +157,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
             f"{signal.Signals(signum).name}: new requests get 503; the running ones get {settings.grace:g} s "
             "(--grace) to finish, then every rank stops"
         )
-        front.stopping.set()
+        front.request_stop()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)

@@ -344,12 +344,17 @@ class Front:
             self._count("cancelled")  # the client left while its request waited: nothing reaches the other ranks
             job.emit(Event("done", finish_reason="cancelled"))
 
-    def begin_stop(self) -> None:
-        """A graceful stop begins: new and waiting requests get 503, running ones get ``--grace`` seconds."""
-        if self.stop_deadline is not None:
-            return
+    def request_stop(self) -> None:
+        """Ask for a graceful stop (safe in a signal handler: assignments only): new requests get 503 from now
+        on, and the running ones have ``--grace`` seconds from now to finish."""
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.settings.grace
         self.status = "stopping"
-        self.stop_deadline = time.monotonic() + self.settings.grace
+        self.stopping.set()
+
+    def begin_stop(self) -> None:
+        """The loop's side of a stop: the waiting requests get 503 (they never reach the ranks)."""
+        self.request_stop()
         self.reject_waiting(unavailable("the server is shutting down", code="shutting_down"))
 
     def stop_due(self) -> bool:

@@ -65,7 +65,7 @@ class Leader:
             parent = self.settings.parent_pid
             if parent is not None and os.getppid() != parent:
                 log("the launching process is gone; stopping")
-                front.stopping.set()
+                front.request_stop()
             if front.stopping.is_set():
                 front.begin_stop()
                 if not scheduler.active():
