@@ -111,7 +111,9 @@ def expected_text(tokens: list[int], stops: tuple[str, ...], make: Callable[[], 
 
 
 UNICODE = st.characters(codec="utf-8", exclude_characters="\ufffd", exclude_categories=["Cs", "Cc"])
-TEXT = st.text(UNICODE, min_size=1, max_size=24) | st.sampled_from(["café naïve", "日本語のテキスト", "a😀b🎉c", "Ωμέγα – ñ"])
+TEXT = st.text(UNICODE, min_size=1, max_size=24) | st.sampled_from(
+    ["café naïve", "日本語のテキスト", "a😀b🎉c", "Ωμέγα – ñ"]
+)
 
 
 @st.composite
