@@ -7,8 +7,8 @@ serving loop (:mod:`.loop`), which every other rank follows, each driving one
 scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
 (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.openai_api`.
 
-Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
-uvicorn) on rank 0; :func:`missing_packages` says what is missing.
+Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette,
+uvicorn and prometheus_client) on rank 0; :func:`missing_packages` says what is missing.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
 from .loop import Leader, follow
 
-SERVE_PACKAGES = ("starlette", "uvicorn")
-INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn)"
+SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
+INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn prometheus_client)"
 
 __all__ = ["INSTALL_HINT", "RankOptions", "ServeSettings", "missing_packages", "model_context", "run_rank"]
 
