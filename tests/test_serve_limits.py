@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,9 +29,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from serve_process import ROOT, ServeProcess, serving
+from serve_process import ROOT, ServeProcess
 from test_serve import MODEL, Reference
-from test_serve_stateful import BODY_CAP, LIMIT_ARGS, Raw, json_body, run_machine
+from test_serve_stateful import BODY_CAP, LIMIT_ARGS, Raw, alive, json_body, run_machine
 
 from pipemlx.demo import MODEL_DIR
 from pipemlx.launch import free_ports, write_hostfile
@@ -56,12 +57,18 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving(
+    """The module's server; its last test stops it with two signals (so no clean-exit check here)."""
+    process = ServeProcess(
         "--api-key", KEY, "--max-concurrency", str(CONCURRENCY), "--max-queue", str(MAX_QUEUE),
         "--max-streams", str(MAX_STREAMS), "--header-timeout", "1", "--idle-timeout", "1", "--max-tokens", "8",
         *LIMIT_ARGS,
-    ) as process:  # fmt: skip
+    )  # fmt: skip
+    try:
+        process.wait_ready()
         yield process
+        assert "Traceback" not in process.stderr(), process.stderr()[-4000:]
+    finally:
+        process.close()
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +376,25 @@ def test_bad_commands_say_one_line_and_exit_2_on_every_rank(tmp_path: Path) -> N
         for proc in procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, 9)
+
+
+# --- last: a second signal exits at once (this stops the module's server) --------------------------------------------
+
+
+def test_a_second_sigterm_exits_at_once(server: ServeProcess) -> None:
+    """The first SIGTERM lets a long stream go on (and refuses new requests); a second one ends every rank now."""
+    raw = Raw(server.port, "/v1/completions", json_body({"prompt": "Stream on", "max_tokens": TOKENS_CAP,
+                                                          "stream": True}), KEY)  # fmt: skip
+    try:
+        raw.read_until(b"data: ", 2)
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait_for("a 503 for new requests", lambda: httpx.get(server.url + "/health").status_code == 503)
+        before = raw.received.count(b"data: ")
+        raw.read_until(b"data: ", before + 3)  # the running stream goes on within --grace
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        status = server.proc.wait(10.0)
+    finally:
+        raw.close()
+    assert status == 130 and time.monotonic() - started < 5.0, server.stderr()[-3000:]
+    assert not any(alive(pid) for pid in server.rank_pids)  # the launching process killed and reaped them

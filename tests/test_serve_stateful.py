@@ -329,14 +329,14 @@ def test_sigterm_finishes_the_running_request_refuses_new_ones_and_exits_0(
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(30.0) == 0, server.stderr()[-3000:]
     for pid in server.rank_pids:
-        assert not _alive(pid), f"rank pid {pid} still runs"
+        assert not alive(pid), f"rank pid {pid} still runs"
     with socket.socket() as again:  # as uvicorn binds: SO_REUSEADDR, so connections in TIME_WAIT do not block
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", server.port))
         again.listen()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
