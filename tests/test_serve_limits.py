@@ -147,17 +147,19 @@ def test_full_slots_queue_and_streams_answer_429_and_hang_ups_clear_them(
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
         return Raw(server.port, "/v1/completions", json_body(body), KEY)
 
-    held = [raw(f"Stream {i}", True) for i in range(MAX_STREAMS)]
+    held: list[Raw] = []
     try:
-        for r in held:
-            r.read_until(b"data: ")
+        for i in range(MAX_STREAMS):  # one at a time: a burst could overflow the small queue (429)
+            held.append(raw(f"Stream {i}", True))
+            assert held[-1].status() == 200
+            held[-1].read_until(b"data: ")
         refused = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=30.0,
                              json={"prompt": "One more stream", "stream": True})  # fmt: skip
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "--max-streams" in refused.json()["error"]["message"]
         held.append(raw("A whole answer", False))
         server.wait_for("the batch to fill", lambda: len(server.health()["running"]) == CONCURRENCY)
-        held += [raw(f"Queued {i}", False, 4) for i in range(MAX_QUEUE)]
+        held += [raw(f"Queued {i}", False, 4) for i in range(MAX_QUEUE)]  # none is admitted: no burst problem
         server.wait_for("the queue to fill", lambda: server.health()["queue"]["waiting"] == MAX_QUEUE)
         full = httpx.post(server.url + "/v1/completions", headers=AUTH, json={"prompt": "Hi"}, timeout=30.0)
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
