@@ -14,7 +14,9 @@ Usage:
     python benchmarks/serve_load.py --url http://127.0.0.1:8080 --api-key KEY   # a server already running
 
 Without ``--url`` it starts ``pipemlx serve --ranks 2`` on the demo model (OpenBLAS
-preloaded when installed) and stops it at the end. ``drive`` is what the test
+preloaded when installed) and stops it at the end. Its prefix cache is small (``--prefix-cache 1``):
+full after the warm-up, so that memory growth during the run means a leak, not the cache filling
+(at the default 1024 MB the cache grows by every request's tokens, by design). ``drive`` is what the test
 suite's short version (``tests/test_serve_limits.py``) runs.
 """
 
@@ -36,6 +38,7 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
+RETRY_S = 0.2  # a client refused with 429 tries again after this long
 WORDS = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
     "of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -107,6 +110,7 @@ async def one_request(
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code == 429:
                 report.refused_429 += 1
+                await asyncio.sleep(RETRY_S)  # not Retry-After's whole second: keep the pressure on
                 return
             if response.status_code != 200:
                 _error(report, f"status {response.status_code}: {(await response.aread())[:200]!r}")
@@ -209,6 +213,10 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=4)
     parser.add_argument("--max-queue", type=int, default=4, help="small, so that the 429 path is exercised")
+    parser.add_argument(
+        "--prefix-cache", default="1", metavar="MB",
+        help="the server's prefix cache (default 1 MB: full after the warm-up, so that growth means a leak)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the summary here")
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"}
@@ -244,7 +252,7 @@ def _start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_ports(1)[0]
     command = [
         sys.executable, "-m", "pipemlx", "serve", "--ranks", "2", "--port", str(port), "--api-key", args.api_key,
-        "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue), "--grace", "5",
+        "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue), "--grace", "5", "--prefix-cache", args.prefix_cache,
     ]  # fmt: skip
     server = subprocess.Popen(command, env={**os.environ, **bench_env(True)})
     url = f"http://127.0.0.1:{port}"

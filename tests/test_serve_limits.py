@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ROOT, ServeProcess
 from test_serve import MODEL, Reference
-from test_serve_stateful import BODY_CAP, LIMIT_ARGS, Raw, alive, json_body, run_machine
+from test_serve_stateful import BODY_CAP, LIMIT_ARGS, THOROUGH, Raw, alive, json_body, run_machine
 
 from pipemlx.demo import MODEL_DIR
 from pipemlx.launch import free_ports, write_hostfile
@@ -284,7 +284,11 @@ BODIES = st.one_of(
 )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=500 if THOROUGH else 50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(request=BODIES)
 def test_any_json_in_any_field_gets_2xx_or_4xx(server: ServeProcess, request: tuple[str, Any]) -> None:
     path, body = request

@@ -30,6 +30,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis_profiles import PROFILE
 from serve_process import ServeProcess, serving
 from test_serve import MODEL, Reference
 
@@ -42,8 +43,9 @@ KEY = "sk-pipemlx-stateful"
 BODY_CAP = 65536
 PREFIX_MB = "0.25"  # about 128 tokens: entries are evicted during the run
 LONG = 200  # max_tokens of a request that occupies a slot until its client leaves
-STEPS = 6
-EXAMPLES = 3
+THOROUGH = PROFILE == "thorough"  # HYPOTHESIS_PROFILE=thorough: longer runs by hand; the default keeps the suite fast
+STEPS = 15 if THOROUGH else 6
+EXAMPLES = 25 if THOROUGH else 3
 LIMIT_ARGS = ("--max-body-bytes", str(BODY_CAP), "--max-tokens-limit", "256", "--prefix-cache", PREFIX_MB)
 BASES = ["It is a truth universally acknowledged", "Elizabeth walked on, and", "Mr. Darcy said", "Café ñandú 😀"]
 EXTENSIONS = ["", " that a single man", ", and Jane", " in possession of a good fortune", " — naïve"]

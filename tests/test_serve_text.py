@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis_profiles import PROFILE
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.utils import load_tokenizer
 
@@ -131,7 +132,7 @@ def cases(draw: st.DrawFn) -> tuple[str, tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("kind", list(DETOKENIZERS))
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=1000 if PROFILE == "thorough" else 80, deadline=None)
 @given(case=cases())
 def test_streamed_text_never_ends_inside_a_character_and_equals_mlx_lm(
     kind: str, case: tuple[str, tuple[str, ...]]
