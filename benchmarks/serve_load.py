@@ -7,10 +7,10 @@ the time is up; a ``--hang-up`` fraction of them closes the connection after
 (the queue's or the stream cap's answer: expected under load), errors (any
 other status, an ``error`` event, a broken stream: must be 0), time to first
 token and inter-token latency at the client (p50, p99), and rank 0's resident
-memory (``/proc``, Linux) after a warm-up round and at the end.
+memory (``/proc``, Linux) after a warm-up under the same load, every 10 s, and at the end.
 
 Usage:
-    python benchmarks/serve_load.py [--clients 8] [--seconds 60] [--hang-up 0.25] [--max-concurrency 4]
+    python benchmarks/serve_load.py [--clients 8] [--seconds 60] [--warm-up 20] [--hang-up 0.25] [--max-concurrency 4]
     python benchmarks/serve_load.py --url http://127.0.0.1:8080 --api-key KEY   # a server already running
 
 Without ``--url`` it starts ``pipemlx serve --ranks 2`` on the demo model (OpenBLAS
@@ -61,6 +61,7 @@ class LoadReport:
     inter_token: list[float] = field(default_factory=list[float])
     rss_start_mib: float | None = None
     rss_end_mib: float | None = None
+    rss_every_10s_mib: list[float] = field(default_factory=list[float])
 
     def summary(self) -> dict[str, Any]:
         """The figures, with p50/p99 instead of the samples."""
@@ -148,8 +149,9 @@ def _error(report: LoadReport, what: str) -> None:
 
 
 async def _drive(
-    url: str, headers: dict[str, str], clients: int, seconds: float, hang_up: float, max_tokens: int, seed: int
-) -> LoadReport:
+    url: str, headers: dict[str, str], clients: int, seconds: float, hang_up: float, max_tokens: int, seed: int,
+    rank0_pid: int | None = None,
+) -> LoadReport:  # fmt: skip
     report = LoadReport(clients=clients, seconds=seconds)
     deadline = time.monotonic() + seconds
 
@@ -159,16 +161,15 @@ async def _drive(
             while time.monotonic() < deadline:
                 await one_request(client, url, report, rng, max_tokens, hang_up)
 
-    await asyncio.gather(*(client_loop(i) for i in range(clients)))
+    async def sample_memory() -> None:
+        while rank0_pid is not None and time.monotonic() < deadline:
+            await asyncio.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
+            rss = rss_mib(rank0_pid)
+            if rss is not None:
+                report.rss_every_10s_mib.append(round(rss, 1))
+
+    await asyncio.gather(sample_memory(), *(client_loop(i) for i in range(clients)))
     return report
-
-
-async def _warm_up(url: str, headers: dict[str, str], clients: int, max_tokens: int) -> None:
-    """One request per client, all at once, none hanging up (the figures are not kept)."""
-    report = LoadReport(clients=clients, seconds=0.0)
-    async with httpx.AsyncClient(headers=headers, timeout=120.0) as client:
-        rngs = [random.Random(-1 - i) for i in range(clients)]
-        await asyncio.gather(*(one_request(client, url, report, rng, max_tokens, 0.0) for rng in rngs))
 
 
 def drive(
@@ -181,11 +182,13 @@ def drive(
     max_tokens: int = 32,
     rank0_pid: int | None = None,
     seed: int = 0,
+    warm_up: float = 5.0,
 ) -> LoadReport:
-    """Warm up (one round of ``clients`` requests), read rank 0's memory, run the load, read it again."""
-    asyncio.run(_warm_up(url, headers, clients, max_tokens))
+    """Warm up (the same load for ``warm_up`` seconds: the allocator's and the prefix cache's sizes settle),
+    read rank 0's memory, run the load for ``seconds``, read it again."""
+    asyncio.run(_drive(url, headers, clients, warm_up, hang_up, max_tokens, seed + 1))
     start = rss_mib(rank0_pid) if rank0_pid else None
-    report = asyncio.run(_drive(url, headers, clients, seconds, hang_up, max_tokens, seed))
+    report = asyncio.run(_drive(url, headers, clients, seconds, hang_up, max_tokens, seed, rank0_pid))
     report.rss_start_mib = start
     report.rss_end_mib = rss_mib(rank0_pid) if rank0_pid else None
     return report
@@ -209,6 +212,7 @@ def main() -> int:
     parser.add_argument("--api-key", default="load-test-key")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--warm-up", type=float, default=20.0, help="seconds of the same load before measuring")
     parser.add_argument("--hang-up", type=float, default=0.25, help="fraction of requests that hang up early")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=4)
@@ -229,7 +233,7 @@ def main() -> int:
         pid = int(health["rank_status"][0]["pid"])
         report = drive(
             url, headers, clients=args.clients, seconds=args.seconds, hang_up=args.hang_up,
-            max_tokens=args.max_tokens, rank0_pid=pid,
+            max_tokens=args.max_tokens, rank0_pid=pid, warm_up=args.warm_up,
         )  # fmt: skip
         health = wait_idle(url, headers)
     finally:

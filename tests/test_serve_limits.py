@@ -319,7 +319,7 @@ def test_a_short_load_serves_everyone_without_errors_or_growth(server: ServeProc
     from serve_load import drive  # benchmarks/serve_load.py
 
     idle(server)
-    report = drive(server.url, AUTH, clients=5, seconds=5.0, hang_up=0.25, max_tokens=16,
+    report = drive(server.url, AUTH, clients=5, seconds=5.0, hang_up=0.25, max_tokens=16, warm_up=2.0,
                    rank0_pid=server.rank_pids[0])  # fmt: skip
     summary = report.summary()
     print(json.dumps(summary))
