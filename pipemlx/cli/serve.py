@@ -53,7 +53,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve",
         help="an OpenAI-compatible HTTP server over the pipeline (needs pip install 'pipemlx[serve]')",
         description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
-        "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.",
+        "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, "
+        "GET /metrics.",
     )
     serve.add_argument("--model", type=Path, default=MODEL_DIR, help="mlx-lm model folder (default: the demo model)")
     serve.add_argument("--model-name", help="the model id clients use (default: pipemlx-demo, or the folder's name)")
