@@ -221,10 +221,11 @@ def hostfile_size(path: str) -> int:
 
 
 def check_weights(model_dir: Path) -> None:
-    """Raise :class:`UserError` for weight files that cannot load: an index naming a missing shard, a
-    truncated or corrupt safetensors file (read with ``safetensors``' own header check, without loading)."""
+    """Raise :class:`UserError` for the weight files of a local model folder that cannot load: an index
+    naming a missing shard, a truncated or corrupt safetensors file (``safetensors``' own header check,
+    which reads no tensor)."""
     if not model_dir.is_dir():
-        raise UserError(f"model folder '{model_dir}' does not exist")
+        return  # no such folder (or a Hub repo id): check_ranks or the loader says what is wrong with it
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
