@@ -28,6 +28,7 @@ from pipemlx.launch import free_ports
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 120.0
 STOP_TIMEOUT = 20.0
+GRACE = 5.0  # --grace unless a test gives its own
 T = TypeVar("T")
 
 
@@ -41,6 +42,10 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-test-")
         self._err: IO[bytes] = open(Path(self._dir.name) / "stderr.txt", "w+b")  # noqa: SIM115 (closed in stop())
+        if "--grace" not in args:  # a stop that waits for running requests stays within STOP_TIMEOUT
+            args = (*args, "--grace", str(GRACE))
+        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        self.headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         serve = [sys.executable, "-m", "pipemlx", "serve", "--port", str(self.port), *args]
         # Local ranks (pipemlx's supervisor), or every rank started by a launcher such as mpirun.
         command = [*launcher, *serve] if launcher else [*serve, "--ranks", str(ranks)]
@@ -70,7 +75,7 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 self.fail(f"pipemlx serve exited with status {self.proc.returncode} before it was ready")
             try:
-                response = httpx.get(self.url + "/health", timeout=5.0)
+                response = httpx.get(self.url + "/health", headers=self.headers, timeout=5.0)
                 if response.status_code == 200:
                     health: dict[str, Any] = response.json()
                     self.rank_pids = [r["pid"] for r in health["rank_status"]]
@@ -83,7 +88,8 @@ class ServeProcess:
         raise AssertionError  # not reached
 
     def health(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/health", timeout=10.0).json()
+        """``/health`` with its detail (the API key sent when the server has one)."""
+        return httpx.get(self.url + "/health", headers=self.headers, timeout=10.0).json()
 
     def wait_for(self, what: str, check: Callable[[], T | None], timeout: float = 60.0, every: float = 0.05) -> T:
         """Poll ``check`` until it returns something other than None/False; fail (with stderr) after ``timeout``."""

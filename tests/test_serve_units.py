@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -332,9 +332,10 @@ def test_cors_headers_only_for_the_given_origins(origins: tuple[str, ...], origi
     from starlette.testclient import TestClient
 
     from pipemlx.serve.app import Api
-    from pipemlx.serve.front import ServeSettings
+    from pipemlx.serve.front import Front, ServeSettings
 
-    api = Api(cast(Any, None), None, ServeSettings(model_id="m", api_key="key"), None)  # no request reaches a rank
+    settings = ServeSettings(model_id="m", api_key="key")
+    api = Api(Front(settings), None, settings, None)  # no request reaches a rank
     client = TestClient(api.app(cors_origins=origins))
     preflight = client.options("/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT})
     assert preflight.headers.get("access-control-allow-origin") == allowed

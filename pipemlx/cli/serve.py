@@ -12,6 +12,7 @@ after :data:`STOP_GRACE` seconds is killed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any, cast
 
 from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
@@ -44,6 +45,10 @@ DEFAULT_PORT = 8080
 STOP_GRACE = 15.0
 """Seconds the other ranks get to leave on their own once rank 0 has stopped the group (or was asked to)."""
 FAULT_GRACE = 2.0  # seconds they get after rank 0 failed (a lost peer): a follower notices within about a second
+MALLOC_ARENAS = "2"
+"""glibc's ``MALLOC_ARENA_MAX`` for local ranks unless set: with its default (8 per core) rank 0's threads
+(HTTP, the waits' helpers) left memory fragmented across arenas, its resident size creeping by about 4 MiB a
+minute under load; with 2 it stayed flat (docs/serve.md, "Sustained load"). Other C libraries ignore it."""
 PARENT_VARIABLE = "PIPEMLX_SERVE_PARENT"
 """Set for local ranks: rank 0 stops the group when the supervising process is gone."""
 
@@ -53,7 +58,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "serve",
         help="an OpenAI-compatible HTTP server over the pipeline (needs pip install 'pipemlx[serve]')",
         description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
-        "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health.",
+        "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, "
+        "GET /metrics.",
     )
     serve.add_argument(
         "--model",
@@ -129,6 +135,40 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting (5)"
     )
+    add_limit_flags(serve)
+
+
+def add_limit_flags(serve: argparse.ArgumentParser) -> None:
+    """What one client may make the server hold or do, and how it stops (docs/serve.md, "Limits and timeouts")."""
+    limits = serve.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-bytes", type=positive_int, default=4 << 20, metavar="N",
+        help="largest request body; a larger one gets 413 (default 4194304: 4 MiB)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-tokens-limit", type=positive_int, default=8192, metavar="N",
+        help="most tokens one answer may ask for; more gets 400 (default 8192)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-streams", type=positive_int, default=64, metavar="N",
+        help="streamed answers open at once; more get 429 with Retry-After (default 64)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--header-timeout", type=positive_float, default=10.0, metavar="S",
+        help="seconds a new connection may take to send its request's headers before it is closed (default 10)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--idle-timeout", type=positive_int, default=5, metavar="S",
+        help="seconds a kept-alive connection may sit idle between requests (default 5)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--grace", type=float, default=30.0, metavar="S",
+        help="on SIGTERM/Ctrl-C: seconds the running requests get to finish before every rank stops (default 30)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--metrics-public", action="store_true",
+        help="serve /metrics without the API key (default: /metrics needs it when --api-key is set)",
+    )  # fmt: skip
 
 
 def cors_origin(text: str) -> str:
@@ -174,15 +214,54 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
     if args.prefix_cache < 0:
         raise UserError(f"--prefix-cache must be 0 or more MB, got {args.prefix_cache:g}")
+    if args.grace < 0:
+        raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
+    check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
+            check_ranks(hostfile_size(args.hostfile), args.model, args.split)
             os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), BACKEND_VARIABLE: "ring"})
         return _as_rank(args)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
-    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv])
+    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE)
+
+
+def hostfile_size(path: str) -> int:
+    """The ranks an MLX ring hostfile lists (already checked by :func:`hostfile_rank`)."""
+    return len(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def check_weights(model_dir: Path) -> None:
+    """Raise :class:`UserError` for the weight files of a local model folder that cannot load: an index
+    naming a missing shard, a truncated or corrupt safetensors file (``safetensors``' own header check,
+    which reads no tensor)."""
+    if not model_dir.is_dir():
+        return  # no such folder (or a Hub repo id): check_ranks or the loader says what is wrong with it
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map: Any = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted({str(name) for name in cast(dict[str, Any], weight_map).values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UserError(f"{index} is not a safetensors index: {type(exc).__name__}: {exc}") from None
+        missing = [name for name in shards if not (model_dir / name).is_file()]
+        if missing:
+            raise UserError(f"{index.name} names weight files that are not in {model_dir}: {', '.join(missing)}")
+    for path in sorted(model_dir.glob("*.safetensors")):
+        _check_safetensors(path)
+
+
+def _check_safetensors(path: Path) -> None:
+    from safetensors import SafetensorError, safe_open  # mlx-lm's dependency; the header check reads no tensors
+
+    try:
+        with safe_open(str(path), framework="numpy") as weights:  # pyright: ignore[reportUnknownVariableType]
+            weights.keys()  # pyright: ignore[reportUnknownMemberType]
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"the weight file {path} cannot be read (corrupt or incomplete download?): {exc}") from None
 
 
 def _as_rank(args: argparse.Namespace) -> int:
@@ -203,6 +282,13 @@ def _as_rank(args: argparse.Namespace) -> int:
         fault_grace=max(0.0, args.fault_grace),
         api_key=args.api_key or None,
         parent_pid=int(parent) if parent else None,
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_limit=args.max_tokens_limit,
+        max_streams=args.max_streams,
+        header_timeout=args.header_timeout,
+        idle_timeout=args.idle_timeout,
+        grace=args.grace,
+        metrics_public=args.metrics_public,
     )
     options = RankOptions(
         args.model,
@@ -231,11 +317,11 @@ def _check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def supervise(num_ranks: int, command: list[str]) -> int:
+def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE) -> int:
     """Start ``num_ranks`` local ranks of ``command`` and wait for them; returns rank 0's exit status.
 
-    Rank 0's output is this process's. When rank 0 exits, the others get
-    :data:`STOP_GRACE` seconds to follow, then are killed; a follower's stderr
+    Rank 0's output is this process's. When rank 0 exits or is asked to stop, the others get
+    ``stop_grace`` seconds to follow (``--grace`` plus :data:`STOP_GRACE`), then are killed; a follower's stderr
     tail is shown when it failed. Ctrl-C / SIGTERM forward SIGTERM to rank 0.
     """
     with tempfile.TemporaryDirectory(prefix="pipemlx-serve-") as tmp:
@@ -262,12 +348,13 @@ def supervise(num_ranks: int, command: list[str]) -> int:
                     BACKEND_VARIABLE: "ring",
                     PARENT_VARIABLE: str(os.getpid()),
                     "PYTHONUNBUFFERED": "1",
+                    "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS),
                 }
                 err = None if rank == 0 else open(directory / f"rank{rank}.err", "w+b")
                 logs.append(err)
                 out = None if rank == 0 else subprocess.DEVNULL
                 procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True))
-            return _wait(procs, logs, stopping)
+            return _wait(procs, logs, stopping, stop_grace)
         except KeyboardInterrupt:
             print("pipemlx serve: interrupted", file=sys.stderr)
             return 130
@@ -280,7 +367,9 @@ def supervise(num_ranks: int, command: list[str]) -> int:
                 signal.signal(s, handler)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes] | None], stopping: list[float]) -> int:
+def _wait(
+    procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes] | None], stopping: list[float], stop_grace: float
+) -> int:
     leader_done: float | None = None
     while True:
         codes = [p.poll() for p in procs]
@@ -289,7 +378,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], logs: list[IO[bytes] | None], st
         if all(c is not None for c in codes):
             break
         started = leader_done if leader_done is not None else (stopping[0] if stopping else None)
-        grace = FAULT_GRACE if codes[0] not in (None, 0) else STOP_GRACE
+        grace = FAULT_GRACE if codes[0] not in (None, 0) else stop_grace
         if started is not None and time.monotonic() - started > grace:
             break
         time.sleep(0.1)

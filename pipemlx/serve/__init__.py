@@ -7,8 +7,8 @@ serving loop (:mod:`.loop`), which every other rank follows, each driving one
 scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
 (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.openai_api`.
 
-Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette and
-uvicorn) on rank 0; :func:`missing_packages` says what is missing.
+Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette,
+uvicorn and prometheus_client) on rank 0; :func:`missing_packages` says what is missing.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
 from .loop import Leader, follow
 
-SERVE_PACKAGES = ("starlette", "uvicorn")
-INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn)"
+SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
+INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn prometheus_client)"
 
 __all__ = ["INSTALL_HINT", "RankOptions", "ServeSettings", "missing_packages", "model_context", "run_rank"]
 
@@ -142,7 +142,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     leader = Leader(engine, scheduler, front)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(front, engine.tokenizer, settings, context)
-    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port)
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
         front.stopping.set()
@@ -150,10 +150,14 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
         return 2
 
     def stop(signum: int, frame: FrameType | None) -> None:
-        if front.stopping.is_set():
+        if front.stopping.is_set():  # a second signal: no more waiting
+            log(f"{signal.Signals(signum).name} again: exiting now")
             os._exit(130)
-        log(f"{signal.Signals(signum).name}: finishing the current request's agreed stop, then stopping")
-        front.stopping.set()
+        log(
+            f"{signal.Signals(signum).name}: new requests get 503; the running ones get {settings.grace:g} s "
+            "(--grace) to finish, then every rank stops"
+        )
+        front.request_stop()
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)

@@ -1,9 +1,12 @@
 """The HTTP side (rank 0): an ASGI app (Starlette) speaking OpenAI's API, and the uvicorn thread that serves it.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``. A handler checks the request (4xx with an
-OpenAI-style error body; nothing reaches the ranks), tokenizes it, and queues a
-:class:`~.front.Job` on the :class:`~.front.Front` (429 when the queue is full). The answer is one JSON
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. A handler checks the request
+(4xx with an OpenAI-style error body; nothing reaches the ranks): its size (413 over ``--max-body-bytes``),
+its fields, ``max_tokens`` against ``--max-tokens-limit``; tokenizes it, and queues a
+:class:`~.front.Job` on the :class:`~.front.Front` (429 when the queue is full, or when
+``--max-streams`` streams are open). Slow clients are cut off by uvicorn's settings
+(:class:`HttpThread`: ``--header-timeout``, ``--idle-timeout``). The answer is one JSON
 object, or server-sent events ending in ``data: [DONE]``. While a request
 waits or runs, its response also listens for the client going away
 (``http.disconnect``): then the job is cancelled, and rank 0's loop stops it on
@@ -29,8 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .front import Event, Front, Job, ServeSettings
+from .metrics import CONTENT_TYPE, ServeMetrics, StatusCounter
 from .openai_api import (
     ApiError,
     ParsedRequest,
@@ -60,6 +65,8 @@ class Api:
         self.settings = settings
         self.context = context
         self.created = now()
+        self.metrics = ServeMetrics(front, len(front.split))
+        front.metrics = self.metrics
 
     def app(self, *, cors_origins: Sequence[str] = ()) -> Starlette:
         """The ASGI app; with ``cors_origins`` (``"*"`` for any) browsers on those origins may call it (CORS).
@@ -72,18 +79,21 @@ class Api:
             Route("/v1/models", self._guard(self.models), methods=["GET"]),
             Route("/v1/models/{model:path}", self._guard(self.model), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.scrape, methods=["GET"]),
         ]
-        middleware = [
-            Middleware(
-                CORSMiddleware,
-                allow_origins=list(cors_origins),
-                allow_methods=["GET", "POST"],
-                allow_headers=["*"],  # Authorization (--api-key) and Content-Type among them
+        middleware = [Middleware(StatusCounter, metrics=self.metrics)]
+        if cors_origins:
+            middleware.append(
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=list(cors_origins),
+                    allow_methods=["GET", "POST"],
+                    allow_headers=["*"],  # Authorization (--api-key) and Content-Type among them
+                )
             )
-        ]
         return Starlette(
             routes=routes,
-            middleware=middleware if cors_origins else None,
+            middleware=middleware,
             exception_handlers={HTTPException: self._http_error, Exception: self._crash},
         )
 
@@ -98,6 +108,14 @@ class Api:
                 return error_response(error)
 
         return guarded
+
+    def _has_key(self, request: Request) -> bool:
+        """The request may see what the API key guards (always, when the server has no key)."""
+        try:
+            self._check_key(request)
+        except ApiError:
+            return False
+        return True
 
     def _check_key(self, request: Request) -> None:
         key = self.settings.api_key
@@ -130,8 +148,21 @@ class Api:
     # --- endpoints ---------------------------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """Ready or not for anyone (load balancers: 200 or 503); the detail only with the API key."""
         report = self.front.health()
-        return JSONResponse(report, status_code=200 if report["status"] == "ready" else 503)
+        code = 200 if report["status"] == "ready" else 503
+        if not self._has_key(request):
+            return JSONResponse({"status": report["status"]}, status_code=code)
+        return JSONResponse(report, status_code=code)
+
+    async def scrape(self, request: Request) -> Response:
+        """``GET /metrics``: Prometheus' text format; behind the API key unless ``--metrics-public``."""
+        if not self.settings.metrics_public:
+            try:
+                self._check_key(request)
+            except ApiError as error:
+                return error_response(error)
+        return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(models_object(self.settings.model_id, self.created))
@@ -172,7 +203,7 @@ class Api:
     # --- helpers -----------------------------------------------------------------------------------------------------
 
     async def _body(self, request: Request) -> Any:
-        raw = await request.body()
+        raw = await read_capped(request, self.settings.max_body_bytes)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -202,8 +233,14 @@ class Api:
                 param="messages" if parsed.kind == "chat" else "prompt",
             )
         max_tokens = parsed.max_tokens
+        cap = self.settings.max_tokens_limit
+        if max_tokens is not None and max_tokens > cap:
+            raise bad_request(
+                f"max_tokens is {max_tokens}; this server answers at most {cap} tokens (--max-tokens-limit)",
+                param="max_tokens",
+            )
         if max_tokens is None:
-            max_tokens = self.settings.default_max_tokens
+            max_tokens = min(self.settings.default_max_tokens, cap)
             if context is not None:
                 max_tokens = min(max_tokens, context - len(tokens))
         elif context is not None and len(tokens) + max_tokens > context:
@@ -230,10 +267,40 @@ class Api:
             loop=loop,
             events=asyncio.Queue(),
         )
-        self.front.submit(job)
-        if parsed.stream:
-            return EventStream(job, self.settings.model_id)
-        return WholeAnswer(job, self.settings.model_id)
+        if not parsed.stream:
+            self.front.submit(job)
+            return WholeAnswer(job, self.settings.model_id)
+        self.front.open_stream()
+        try:
+            self.front.submit(job)
+        except ApiError:
+            self.front.close_stream()
+            raise
+        return EventStream(job, self.settings.model_id, self.front.close_stream)
+
+
+async def read_capped(request: Request, cap: int) -> bytes:
+    """The request's body, or 413 as soon as it (or its ``Content-Length``) is over ``cap`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cap:
+        raise too_large(cap)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_large(cap)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(cap: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than this server's cap of {cap} bytes (--max-body-bytes)",
+        param=None,
+        code="request_too_large",
+    )
 
 
 async def _watch_disconnect(receive: Receive, job: Job) -> None:
@@ -294,10 +361,11 @@ class EventStream(Response):
     followed by ``[DONE]``. The client leaving cancels the job.
     """
 
-    def __init__(self, job: Job, model: str) -> None:
+    def __init__(self, job: Job, model: str, closed: Callable[[], None]) -> None:
         super().__init__()
         self.job = job
         self.model = model
+        self.closed = closed  # gives the stream's slot back (--max-streams)
 
     def _event(self, obj: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(obj)}\n\n".encode()
@@ -340,6 +408,7 @@ class EventStream(Response):
             job.cancel()  # the client is gone
         finally:
             watcher.cancel()
+            self.closed()
             if not job.finished:
                 job.cancel()
 
@@ -359,8 +428,17 @@ class EventStream(Response):
 class HttpThread:
     """uvicorn serving the app in a thread of its own (rank 0's main thread runs the pipeline)."""
 
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off")
+    def __init__(self, app: Starlette, host: str, port: int, settings: ServeSettings) -> None:
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            http=header_deadline(settings.header_timeout),
+            timeout_keep_alive=settings.idle_timeout,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="pipemlx-serve-http", daemon=True)
         self.failure: BaseException | None = None
@@ -386,3 +464,19 @@ class HttpThread:
     def stop(self, timeout: float = 5.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout)
+
+
+def header_deadline(seconds: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol, closing a connection that has not sent a request's headers ``seconds``
+    after it opened (uvicorn's own keep-alive timeout only starts after a first answer)."""
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
+            super().connection_made(transport)  # pyright: ignore[reportArgumentType]
+            self.loop.call_later(seconds, self._headers_due)
+
+        def _headers_due(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():  # pyright: ignore[reportUnnecessaryComparison]
+                self.transport.close()
+
+    return HeaderDeadline

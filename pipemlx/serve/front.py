@@ -26,6 +26,7 @@ from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from .openai_api import ApiError, Kind, StopText, unavailable, usage
 
 if TYPE_CHECKING:
+    from .metrics import ServeMetrics
     from .penalties import Penalties
     from .prefix_cache import PrefixCache
 
@@ -58,6 +59,14 @@ class ServeSettings:
     parent_pid: int | None = None
     max_concurrency: int = 1  # requests decoded together; 1: one at a time (engines.py)
     prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"  # with max_concurrency > 1: BatchGenerator's
+    # Limits (docs/serve.md, "Limits and timeouts"): what one client may make the server hold or do.
+    max_body_bytes: int = 4 << 20  # a larger request body gets 413
+    max_tokens_limit: int = 8192  # a request asking for more gets 400
+    max_streams: int = 64  # streamed answers open at once; more get 429
+    header_timeout: float = 10.0  # seconds a new connection may take to send its first request's headers
+    idle_timeout: int = 5  # seconds a kept-alive connection may stay idle between requests
+    grace: float = 30.0  # on SIGTERM: seconds the running requests get to finish
+    metrics_public: bool = False  # /metrics without the API key
 
 
 @dataclass
@@ -126,8 +135,9 @@ class RequestResult:
 class Reply:
     """Rank 0's view of a running request: progress, text, stop strings, figures."""
 
-    def __init__(self, job: Job, tokenizer: Any) -> None:
+    def __init__(self, job: Job, tokenizer: Any, metrics: ServeMetrics | None = None) -> None:
         self.job = job
+        self.metrics = metrics
         self.detokenizer: Any = tokenizer.detokenizer
         self.eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
         self.stop_text = StopText(job.stop)
@@ -154,6 +164,7 @@ class Reply:
         """Take one generated token; True when the answer is complete (end of sequence or a stop string)."""
         job = self.job
         now = time.perf_counter()
+        self._observe(now)
         if self.first_token is None:
             self.first_token = now
             if self.prefill_end is None:
@@ -168,6 +179,15 @@ class Reply:
         if piece:
             job.emit(Event("text", piece))
         return self.stop_text.stopped
+
+    def _observe(self, now: float) -> None:
+        """Time to first token, or the time since the last token, into the histograms."""
+        if self.metrics is None:
+            return
+        if self.last_token is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.inter_token.observe(now - self.last_token)
 
     def finish(self) -> str:
         """The text still held back (a partial stop string, an unfinished character), sent at the end."""
@@ -199,6 +219,26 @@ class Front:
         self.recent: list[dict[str, Any]] = []
         self.started = time.time()
         self.lock = threading.Lock()
+        self.streams = 0  # streamed answers open (changed by the HTTP thread only)
+        self.stop_deadline: float | None = None  # when a graceful stop cuts the running requests short
+        self.metrics: ServeMetrics | None = None  # set by the app (/metrics)
+
+    # --- what /metrics reads (metrics.FrontView) ---------------------------------------------------------------------
+
+    def waiting(self) -> int:
+        return self.queue.qsize()
+
+    def running_count(self) -> int:
+        return len(self.running)
+
+    def open_streams(self) -> int:
+        return self.streams
+
+    def rank_slots(self) -> Sequence[dict[str, int]]:
+        return self.slots
+
+    def prefix_budget_tokens(self) -> int:
+        return 0 if self.prefix is None else self.prefix.budget_tokens
 
     # --- the HTTP side -----------------------------------------------------------------------------------------------
 
@@ -221,6 +261,23 @@ class Front:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": "1"},
             ) from None
+
+    def open_stream(self) -> None:
+        """Count one more open stream, or raise 429 at ``--max-streams`` (HTTP thread only)."""
+        cap = self.settings.max_streams
+        if self.streams >= cap:
+            self._count("rejected")
+            raise ApiError(
+                429,
+                f"{cap} streamed answers are open, this server's cap (--max-streams); retry later",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        self.streams += 1
+
+    def close_stream(self) -> None:
+        self.streams -= 1
 
     def health(self) -> dict[str, Any]:
         running = self.running
@@ -249,6 +306,7 @@ class Front:
             "split": self.split,
             "rank_status": ranks,
             "queue": {"waiting": self.queue.qsize(), "max": self.settings.max_queue},
+            "open_streams": self.streams,
             "active": None if not running else _job_status(running[0]),
             "running": [_job_status(job) for job in running],
             "max_concurrency": self.settings.max_concurrency,
@@ -286,6 +344,25 @@ class Front:
             self._count("cancelled")  # the client left while its request waited: nothing reaches the other ranks
             job.emit(Event("done", finish_reason="cancelled"))
 
+    def request_stop(self) -> None:
+        """Ask for a graceful stop (safe in a signal handler: assignments only): new requests get 503 from now
+        on, and the running ones have ``--grace`` seconds from now to finish."""
+        if self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + self.settings.grace
+        self.status = "stopping"
+        self.stopping.set()
+
+    def begin_stop(self) -> None:
+        """The loop's side of a stop: the waiting requests get 503 (they never reach the ranks)."""
+        self.request_stop()
+        self.reject_waiting(unavailable("the server is shutting down", code="shutting_down"))
+
+    def stop_due(self) -> bool:
+        """The grace is over (or no stop began and the server is stopping anyway): cut what still runs."""
+        if not self.stopping.is_set():
+            return False
+        return self.stop_deadline is None or time.monotonic() >= self.stop_deadline
+
     def reject_waiting(self, error: ApiError) -> None:
         while True:
             try:
@@ -316,6 +393,8 @@ class Front:
                 job.emit(Event("text", rest))
             self._count("served")
             job.emit(Event("done", finish_reason=finish, usage=counts))
+        if self.metrics is not None:
+            self.metrics.request_done(finish, len(job.tokens), len(result.generated), result.cached)
         self._record(job, reply, result, finish)
 
     def _count(self, what: str) -> None:

@@ -65,15 +65,18 @@ class Leader:
             parent = self.settings.parent_pid
             if parent is not None and os.getppid() != parent:
                 log("the launching process is gone; stopping")
-                front.stopping.set()
+                front.request_stop()
             if front.stopping.is_set():
-                front.shut_down()
-                self.running.clear()
-                self._exchange({"op": SHUTDOWN}, "telling the ranks to stop")
-                return 0
+                front.begin_stop()
+                if not scheduler.active():
+                    front.shut_down()
+                    self.running.clear()
+                    self._exchange({"op": SHUTDOWN}, "telling the ranks to stop")
+                    return 0
             active = scheduler.active()
-            removes = [seq for seq in active if seq not in self.running or self.running[seq].job.cancelled.is_set()]
-            inserts = self._admit(scheduler.capacity - len(active) + len(removes), IDLE_POLL_S if idle else 0.0)
+            removes = [seq for seq in active if self.should_cancel(seq)]
+            room = 0 if front.stopping.is_set() else scheduler.capacity - len(active) + len(removes)
+            inserts = self._admit(room, IDLE_POLL_S if idle else 0.0)
             if not active and not inserts:
                 self._exchange({"op": IDLE, "pause_ms": int(IDLE_POLL_S * 1000)}, "sending the idle heartbeat")
                 idle = True
@@ -103,7 +106,7 @@ class Leader:
             inserts.append(
                 Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan, job.penalties)
             )
-            self.running[job.seq] = Running(job, Reply(job, self.rank.tokenizer))
+            self.running[job.seq] = Running(job, Reply(job, self.rank.tokenizer, self.front.metrics))
         self._publish()
         return share_entries(inserts)
 
@@ -141,7 +144,7 @@ class Leader:
 
     def should_cancel(self, seq: int) -> bool:
         running = self.running.get(seq)
-        return running is None or running.job.cancelled.is_set() or self.front.stopping.is_set()
+        return running is None or running.job.cancelled.is_set() or self.front.stop_due()
 
     def token(self, seq: int, token: int) -> bool:
         running = self.running.get(seq)

@@ -19,6 +19,7 @@ from .penalties import Penalties, PenaltyError, parse_penalties
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = (1 << 31) - 1
+REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished UTF-8 character
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Kind = Literal["chat", "completion"]
@@ -326,6 +327,12 @@ def stop_strings_hold(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
+def unfinished_chars(text: str) -> int:
+    """How many characters at the end of ``text`` are U+FFFD: bytes of a character whose other bytes may come
+    with the next token (a detokenizer that decodes every token shows them so), held back while streaming."""
+    return len(text) - len(text.rstrip(REPLACEMENT))
+
+
 class StopText:
     """The text a request may release so far: cut at the first stop string, holding back a possible stop's start."""
 
@@ -349,7 +356,7 @@ class StopText:
                 piece = text[self.sent : cut] if cut > self.sent else ""
                 self.sent = max(self.sent, cut)
                 return piece
-        ready = len(text) - stop_strings_hold(text, self.stops)
+        ready = len(text) - max(stop_strings_hold(text, self.stops), unfinished_chars(text))
         if ready <= self.sent:
             return ""
         piece = text[self.sent : ready]
