@@ -291,7 +291,7 @@ def auto_lent_heads(
     simulated with its best chunking (:func:`~pipemlx.schedule.autostep.choose_lent_heads`): the same count on
     every rank. A collective: every rank must pass ``"auto"``.
     """
-    costs = group_layer_costs(layers[info.layers.start], info, group)
+    costs = group_layer_costs(model, layers[info.layers.start], info, group)
     lender: Any = cast(Any, layers[info.split[0] - 1])["self_attn"]
     kv_heads = max(1, int(getattr(lender, "n_kv_heads", 1) or 1))
     cuts = [

@@ -11,7 +11,8 @@ import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.memory_model import HeadPolicy
-from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, shard_model
+from ..errors import renamed
+from .sharding import DEFAULT_TIMEOUT, LendSpec, MemorySpec, SplitSpec, shard_model
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -29,6 +30,7 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     return root
 
 
+@renamed(step_size="prefill_step_size", lend_mlp="lend", lend_heads="lend")
 def load_sharded(
     path: str | os.PathLike[str],
     group: Any,
@@ -42,15 +44,14 @@ def load_sharded(
     speeds: Sequence[float] | None = None,
     context: int | None = None,
     kv_bits: int | None = None,
-    step_size: int = 512,
+    prefill_step_size: int | Literal["auto"] = "auto",
     head: HeadPolicy = "all",
     allow_unregistered: bool = False,
-    lend_mlp: bool = False,
-    lend_heads: int | Literal["auto"] = 0,
+    lend: LendSpec = "auto",
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model directory ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
-    Call it on every rank of ``group`` with the same arguments. The model is
+    A collective, like :func:`pipemlx.shard_model`: call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
     quantization and the weight checks are mlx-lm's), then
     :func:`pipemlx.shard_model` cuts it to this rank's layers and evaluates
@@ -59,7 +60,7 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s
+    ``prefill_step_size``, ``head``, ``allow_unregistered`` and ``lend`` are :func:`pipemlx.shard_model`'s
     (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's
     ``load_tokenizer``'s (``tokenizer_config`` passes extra settings to it); ``model_config`` overrides entries of
     ``config.json``. Weight files may be one or many, with or without ``model.safetensors.index.json``.
@@ -81,11 +82,10 @@ def load_sharded(
         speeds=speeds,
         context=context,
         kv_bits=kv_bits,
-        step_size=step_size,
+        prefill_step_size=prefill_step_size,
         head=head,
         allow_unregistered=allow_unregistered,
-        lend_mlp=lend_mlp,
-        lend_heads=lend_heads,
+        lend=lend,
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
