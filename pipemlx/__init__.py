@@ -31,7 +31,6 @@ from .runtime.prefill import pipeline_prefill
 from .runtime.send_mode import send_mode
 from .runtime.send_queue import SendQueue
 
-
 __all__ = [
     "__version__",
     "BatchGenerator",

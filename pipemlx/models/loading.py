@@ -10,8 +10,8 @@ from typing import Any, Literal
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
-from ..schedule.memory_model import HeadPolicy
 from ..errors import renamed
+from ..schedule.memory_model import HeadPolicy
 from .sharding import DEFAULT_TIMEOUT, LendSpec, MemorySpec, SplitSpec, shard_model
 
 

@@ -71,8 +71,7 @@ def hosts() -> list[str]:
         try:
             entries: Any = json.loads(Path(path).read_text(encoding="utf-8"))
             return [
-                ",".join(str(a).rsplit(":", 1)[0] for a in cast(list[Any], entry))
-                for entry in cast(list[Any], entries)
+                ",".join(str(a).rsplit(":", 1)[0] for a in cast(list[Any], entry)) for entry in cast(list[Any], entries)
             ]
         except (OSError, ValueError, TypeError):
             pass
