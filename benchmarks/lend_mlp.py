@@ -8,7 +8,7 @@ models of the same weights: whole layers (``lend_mlp=False``, unless ``--no-whol
 ``lend_mlp=True, lend_heads=k`` for each ``k`` of ``--lend-heads``, and with ``--native`` mlx-lm's native
 pipeline first (``model.model.pipeline(group)``, uniform cuts only); every round prefills the prompt with
 each cut on each model in turn (see ranks/cuts_rank.py), so all share the machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
-3/4 (``tail_lengths``), ``auto`` each model's own ``step_size="auto"`` choice (its calibrated cost model).
+3/4 (``tail_lengths``), ``auto`` each model's own ``prefill_step_size="auto"`` choice (its calibrated cost model).
 Prints each cut's best and median seconds per sharding, each best against whole layers' (or ``lend_mlp``'s
 with ``--no-whole``), and whether all gave the same tokens after the prefill.
 """

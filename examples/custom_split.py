@@ -32,7 +32,7 @@ def run_rank(args: argparse.Namespace) -> None:
     stage = stage_of(model)
     prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size)
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=args.step_size)
     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
     tokens = [int(t) for t, _ in steps]  # the same on every rank; nothing is left in flight afterwards
     peak_mb = mx.get_peak_memory() / 2**20

@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipemlx.launch import LaunchError, launch
+from pipemlx.runtime.calibration_cache import CACHE_DIR_VARIABLE
 
 RANKS_DIR = Path(__file__).parent / "ranks"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One calibration cache for the whole session (the rank programs inherit it): "auto" (the default step and
+    lending) calibrates once per configuration, not once per test, and nothing is written to the user's cache."""
+    folder = tmp_path_factory.mktemp("calibration-cache")
+    previous = os.environ.get(CACHE_DIR_VARIABLE)
+    os.environ[CACHE_DIR_VARIABLE] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop(CACHE_DIR_VARIABLE, None)
+    else:
+        os.environ[CACHE_DIR_VARIABLE] = previous
 
 
 def run_ranks(

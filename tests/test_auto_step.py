@@ -1,4 +1,4 @@
-"""step_size="auto": every rank picks the same step, and the result equals single device at that step."""
+"""prefill_step_size="auto": every rank picks the same step, and the result equals single device at that step."""
 
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def test_every_rank_knows_the_whole_models_kv_widths(
     arch: str, rank: int, split: list[int] | None, dims: tuple[int, ...]
 ) -> None:
     """So that a kv_group_size that fits no rank's heads is refused on every rank, whatever layers it holds."""
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(rank, 2), split=split)  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(rank, 2), lend="none", split=split)  # type: ignore[arg-type]
     assert stage_of(model).info.kv_dims == dims
     if dims:
         with pytest.raises(ValueError, match=f"does not divide {min(dims)}"):
@@ -113,14 +113,14 @@ def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exce
     model = build_model(tiny_config("llama"))
     layers_before = list(model.layers)
     with pytest.raises(error, match=words):
-        pipemlx.shard_model(model, FakeGroup(0, 2), split=split)  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", split=split)  # type: ignore[arg-type]
     assert list(model.layers) == layers_before
     with pytest.raises(pipemlx.NotShardedError):
         stage_of(model)
 
 
 def test_numpy_split_is_accepted() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), lend="none", split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
     assert stage_of(model).info.split == (4, 2)
     assert len(model.layers) == 2
 
@@ -128,14 +128,14 @@ def test_numpy_split_is_accepted() -> None:
 def test_more_ranks_than_layers() -> None:
     model = build_model(tiny_config("llama", num_hidden_layers=2))
     with pytest.raises(ValueError, match="more ranks than layers: 3 ranks cannot share 2 layers"):
-        pipemlx.shard_model(model, FakeGroup(0, 3))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 3), lend="none")  # type: ignore[arg-type]
     assert len(model.layers) == 2
 
 
 def test_sharding_twice_is_refused() -> None:
     model = sharded_tiny()
     with pytest.raises(pipemlx.PipelineError, match="already sharded"):
-        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
 
 
 def test_bad_input_fails_alike_on_every_real_rank() -> None:
@@ -200,7 +200,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
 
     Refused even for a prompt of 3 tokens that never reaches quantized_kv_start (the default 5000).
     """
-    model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2), lend="none")  # type: ignore[arg-type]
     stage = stage_of(model)
     prompt = tokens(3)
     with pytest.raises(ValueError, match=ROTATING_REFUSED):
@@ -217,7 +217,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
 
 def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> None:
     """qwen2 makes no caches of its own: max_kv_size gives every layer a RotatingKVCache (llama's make_cache ignores it)."""
-    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"kv_bits=4: max_kv_size=64 gives every layer a RotatingKVCache, which mlx-lm"
     ):
@@ -225,7 +225,7 @@ def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> 
     assert len(stage_of(model).send_queue) == 0
     pipemlx.generate_step(tokens(9), model, max_kv_size=64)  # either alone is accepted
     pipemlx.generate_step(tokens(9), model, kv_bits=4)
-    llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     assert stage_of(llama).info.unquantizable_bounded == ()
     pipemlx.generate_step(tokens(9), llama, kv_bits=4, max_kv_size=64)
 
@@ -236,7 +236,7 @@ def test_kv_bits_on_a_given_rotating_cache_is_refused_at_the_handshake() -> None
     prompt = tokens(12)
     cache = make_prompt_cache(model, max_kv_size=64)
     with pytest.raises(ValueError, match=r"the cache given on rank 0/1 .* holds a RotatingKVCache for layers 0, 1, 2"):
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=4, kv_bits=4, quantized_kv_start=0)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=4, kv_bits=4, quantized_kv_start=0)
     assert [c.offset for c in cache] == [0] * 5
     with pytest.raises(ValueError, match="the cache given on rank 0/1"):
         next(pipemlx.generate_step(prompt, model, prompt_cache=make_prompt_cache(model, max_kv_size=64), kv_bits=4))

@@ -588,7 +588,7 @@ def test_a_stalled_first_rank_fails_the_batch_on_every_other_rank_within_the_tim
 
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
     """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent."""
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     return pipemlx.BatchGenerator(model, **kwargs)
 
 
@@ -898,6 +898,6 @@ def test_models_holding_lazily_built_arrays_batch_and_prefill_in_helper_threads(
             got[response.uid].append(response.token)
     assert [got[uid] for uid in sorted(got)] == solo
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, mx.array(prompts[1]), cache, step_size=8, timeout=60)
+    pipemlx.pipeline_prefill(model, mx.array(prompts[1]), cache, prefill_step_size=8, timeout=60)
     steps = pipemlx.generate_step(mx.array(prompts[1][-1:]), model, prompt_cache=cache, max_tokens=6, timeout=60)
     assert [int(t) for t, _ in steps] == solo[1]

@@ -243,10 +243,10 @@ def test_head_last_frees_the_middle_rank_and_decodes_alike() -> None:
 
 
 def test_head_last_refuses_mlx_lm_decoding_on_other_ranks() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 1), head="last")  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 1), lend="none", head="last")  # type: ignore[arg-type]
     assert model(tokens(3)[None]).shape == (1, 3, 256)  # one rank: it is the last, it keeps the head
-    untied = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), head="last")  # type: ignore[arg-type]
-    tied = pipemlx.shard_model(build_model(tiny_config("qwen3")), FakeGroup(1, 3), head="last")  # type: ignore[arg-type]
+    untied = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none", head="last")  # type: ignore[arg-type]
+    tied = pipemlx.shard_model(build_model(tiny_config("qwen3")), FakeGroup(1, 3), lend="none", head="last")  # type: ignore[arg-type]
     hidden = mx.zeros((1, 3, 64))
     for model, head in ((untied, untied.lm_head), (tied, tied.model.embed_tokens.as_linear)):
         assert type(head).__name__ in ("HeadStandIn", "method")

@@ -91,7 +91,7 @@ def time_pipemlx(
     """
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir, agree_every=agree_every)
+    used = pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=step, trace_dir=trace_dir, agree_every=agree_every)
     prefill_s = time.perf_counter() - start
     STEPS_USED.append(used)
     rate, per_token = 0.0, 0.0
@@ -115,7 +115,7 @@ def time_pipemlx(
 
 
 def auto_chunks(model: Any, spec: dict[str, Any]) -> list[int]:
-    """The cut ``step_size="auto"`` took for this prompt (the same pure choice pipeline_prefill makes)."""
+    """The cut ``prefill_step_size="auto"`` took for this prompt (the same pure choice pipeline_prefill makes)."""
     if spec["mode"] != "pipemlx" or spec["step"] != "auto":
         return []
     return list(choose_chunks(spec["M"], stage_of(model).cost_model))
@@ -151,7 +151,7 @@ def main() -> None:
     sent: list[float] = []
     warmup = 1 if spec.get("warmup", True) else 0
     if mode == "pipemlx" and spec["step"] == "auto" and not warmup:  # calibrate outside the timed runs
-        pipemlx.pipeline_prefill(model, prompt[:64], make_prompt_cache(model), step_size="auto")
+        pipemlx.pipeline_prefill(model, prompt[:64], make_prompt_cache(model), prefill_step_size="auto")
     for i in range(spec["repeats"] + warmup):  # the first run warms up
         if mode == "pipemlx":  # its handshake lines the ranks up; nothing to synchronize by hand
             trace = spec.get("trace_dir") if i == spec["repeats"] + warmup - 1 else None

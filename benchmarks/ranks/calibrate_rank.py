@@ -1,4 +1,4 @@
-"""Benchmark rank program: calibrate the group's cost model as step_size="auto" does; print it (rank 0's line).
+"""Benchmark rank program: calibrate the group's cost model as prefill_step_size="auto" does; print it (rank 0's line).
 
 Spec: {"config", "lend_mlp"?}. Prints the CostModel's fields as one JSON line.
 """

@@ -1,4 +1,4 @@
-"""Calibrating ``step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
+"""Calibrating ``prefill_step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
 
 The first auto request calibrates: every rank times its own layers on a chunk
 of each of :data:`CALIBRATION_LENGTHS` at position 0 and on one chunk after the
@@ -82,7 +82,7 @@ def last_layer_share(model: nn.Module) -> float:
 
 
 def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
-    """The share of a layer's per-token work ``lend_mlp`` moves (its feed-forward half; with ``lent_fraction`` of the
+    """The share of a layer's per-token work ``lend="mlp"`` moves (its feed-forward half; with ``lent_fraction`` of the
     key-value heads lent, also the output projection and those heads' projections); 0 if unknown."""
     shapes = layer_shapes(model)
     if shapes is None:

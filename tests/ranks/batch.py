@@ -75,7 +75,7 @@ def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: i
     if not length:
         return None
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, step_size=step_size)
+    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, prefill_step_size=step_size)
     return cache
 
 

@@ -46,7 +46,7 @@ def main() -> None:
             )
         )
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=run["step"], **kv)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=run["step"], **kv)
         after_prefill = [type(c).__name__ for c in cache]
         out = list(generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], **kv))
         mx.synchronize(generation_stream)

@@ -68,7 +68,7 @@ def main() -> None:
 
     prompt = mx.random.randint(0, int(model.args.vocab_size), (spec["prompt"],), key=mx.random.key(5)).astype(mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=spec["step"])
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])]
     settle(group)
     report: dict[str, Any] = {

@@ -116,8 +116,8 @@ def main() -> None:
             model,
             tokens,
             cache,
-            step_size=spec["step"],
-            progress_callback=lambda a, b: calls.append([a, b]),
+            prefill_step_size=spec["step"],
+            prompt_progress_callback=lambda a, b: calls.append([a, b]),
             trace_dir=str(Path(spec["trace_dir"]) / f"run{i}"),
         )
         times.append(time.perf_counter() - begin)
