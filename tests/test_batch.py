@@ -67,9 +67,9 @@ def scenario_reports() -> Reports:
 
 
 EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
-# shard_model(lend_mlp=True, lend_heads=1): the rank after each cut batches its first layer's cache and the
+# shard_model(lend=1): the rank after each cut batches its first layer's cache and the
 # lent heads' (a LentHeadsCache) as one layer's: merged, masked, filtered and extracted together.
-LENT_HEADS = {"lend_mlp": True, "lend_heads": 1}
+LENT_HEADS = {"lend": 1}
 BATCHED = [
     ("llama", 2, None, "fixed", {}),
     ("qwen3", 3, None, "equal-cost", {}),
@@ -155,7 +155,7 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
 # llama_swa: sliding-window layers (window 5, shorter than every prompt): mlx-lm's rotating caches batched.
-# llama with lend_heads=1: the lent heads' cache is batched with its layer's (see LENT_HEADS).
+# llama with lend=1: the lent heads' cache is batched with its layer's (see LENT_HEADS).
 INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa", "llama lent heads"]
 for name in INTERLEAVED_ARCHS:
     arch = name.split()[0]
@@ -368,7 +368,7 @@ def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: R
 
 # A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
 # linear-attention layers' caches are extended and filtered instead. "llama lent heads": the whole model cut as
-# lend_heads=1 cuts it at [3, 3], layer 3's cache a LentHeadsCache (written in place part by part, so that it
+# lend=1 cuts it at [3, 3], layer 3's cache a LentHeadsCache (written in place part by part, so that it
 # keeps the positions of the layers whose cache gives the mask).
 @pytest.mark.parametrize(
     "arch,joining",
@@ -616,8 +616,9 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] hold only recurrent layers"):
         engine.insert([[1, 2]], caches=[make_prompt_cache(engine.model)])
     assert len(engine) == 2
+    with pytest.raises(TypeError, match="'prefill_budget', renamed 'prefill_chunk_tokens'"):  # its former name
+        fake_engine(prefill_budget=0)
     for bad, named in (
-        ({"prefill_budget": 0}, "prefill_chunk_tokens"),  # its former name
         ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
         ({"prefill_step_size": 0}, "prefill_step_size"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -681,7 +682,7 @@ def tick_rows(*rows: tuple[dict[str, int], list[float]]) -> mx.array:
 
 
 def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() -> None:
-    """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
+    """A rank with lend="mlp" and one without send the same shapes: only the tick's header can tell them apart."""
     from pipemlx.runtime.batch.tick import outcome_of
     from pipemlx.runtime.protocol import TICK
 

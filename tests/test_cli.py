@@ -19,7 +19,6 @@ from pipemlx import cli
 from pipemlx.cli import common
 from pipemlx.cli import generate as generate_command
 from pipemlx.cli import split as split_command
-from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR, default_prompt
 from pipemlx.launch import free_ports
 from pipemlx.testing import build_model, save_model_dir, tiny_config
@@ -82,8 +81,11 @@ def test_folder_without_config_is_named(capsys: pytest.CaptureFixture[str], tmp_
 def test_argument_types_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run_cli(capsys, "generate", "--max-tokens", "0")
     assert code == 2 and "--max-tokens: must be at least 1, got 0" in err
-    code, err = run_cli(capsys, "generate", "--step-size", "x")
-    assert code == 2 and "--step-size: expected a whole number, got 'x'" in err
+    code, err = run_cli(capsys, "generate", "--prefill-step-size", "x")
+    assert code == 2 and "--prefill-step-size: expected a whole number, got 'x'" in err
+    for old, new in (("--step-size", "--prefill-step-size"), ("--lend-mlp", "--lend"), ("--lend-heads", "--lend")):
+        code, err = run_cli(capsys, "generate", old, "4")
+        assert code == 2 and f"{old} was renamed {new} in pipemlx 0.2.0" in err, err
 
 
 @pytest.mark.parametrize(
@@ -164,7 +166,6 @@ def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
     """A tokenizer that encodes the prompt to no tokens (transformers' own byte-level tokenizer for a qwen2
     directory did, for the tiny word-level vocabulary's words): named in one line, exit 2, nothing sent."""
     path = save_model_dir(build_model(tiny_config("llama")), tiny_config("llama"), tmp_path / "llama")
-    loaded = generate_command.load_sharded
 
     class FindsNothing:
         bos_token = None
@@ -172,11 +173,7 @@ def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             return []
 
-    def load_with_a_tokenizer_that_finds_nothing(*args: Any, **kwargs: Any) -> Any:
-        model, _ = loaded(*args, **kwargs)
-        return model, FindsNothing()
-
-    monkeypatch.setattr(generate_command, "load_sharded", load_with_a_tokenizer_that_finds_nothing)
+    monkeypatch.setattr(generate_command, "load_tokenizer", lambda *args, **kwargs: FindsNothing())
     code, err = run_cli(capsys, "generate", "--ranks", "1", "--model", str(path), "--prompt", "t5 t7", "--json")
     assert code == 2 and "the prompt 't5 t7' encodes to no tokens" in err and "Traceback" not in err, err
 
@@ -194,8 +191,8 @@ def test_a_subprocess_error_has_no_traceback() -> None:
 
 
 def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
-    """`pipemlx generate --ranks 2` (sampling at its default temperature and seed): the streamed text is
-    single-device mlx-lm's with the same sampler and seed, and the summary names each rank."""
+    """`pipemlx generate --ranks 2` with its defaults (greedy, the auto step, lend="auto"): the streamed text is
+    single-device mlx-lm's, and the summary names each rank."""
     max_tokens = 20
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--max-tokens", str(max_tokens)],
@@ -207,12 +204,10 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
     assert result.returncode == 0, result.stderr
     _, tokenizer = load(str(MODEL_DIR))
     prompt_tokens = len(tokenizer.encode(default_prompt()))
-    step = default_step_size(prompt_tokens, 2)
-    assert step < prompt_tokens / 4, "the default step size cuts the demo prompt into several chunks per rank"
-    expected = tokenizer.decode(reference_tokens(default_prompt(), step, max_tokens, temp=0.7, seed=0))
+    expected = tokenizer.decode(reference_tokens(default_prompt(), 512, max_tokens))
     assert result.stdout == expected + "\n"
     err = result.stderr
-    assert f"prompt {prompt_tokens} tokens in chunks of {step}" in err
+    assert f"prompt {prompt_tokens} tokens, prefill step auto" in err
     assert f"{prompt_tokens - 1}/{prompt_tokens - 1}" in err and "tok/s" in err  # the progress bar's last state
     assert "layers 0-3" in err and "layers 4-7" in err and "peak memory" in err
     assert "Traceback" not in err
@@ -220,7 +215,7 @@ def test_generate_on_two_local_ranks_streams_single_device_text() -> None:
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
     """Two processes started by hand with one ring hostfile, an uneven split, the cut inside rank 0's last layer
-    (--lend-mlp, with the heads it lends chosen by the ranks: --lend-heads auto) and greedy decoding."""
+    (--lend auto: the feed-forward half and the heads the ranks choose) and greedy decoding."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
@@ -230,7 +225,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
         str(hostfile),
         "--prompt",
         prompt,
-        "--step-size",
+        "--prefill-step-size",
         "4",
         "--max-tokens",
         "16",
@@ -239,8 +234,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
         "--temp",
         "0",
         "--json",
-        "--lend-mlp",
-        "--lend-heads",
+        "--lend",
         "auto",
     ]
     procs = [
@@ -263,7 +257,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
     assert outputs[1][0] == ""  # only rank 0 reports
     report: dict[str, Any] = json.loads(outputs[0][0])
-    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["step_size"] == 4 and report["lend_mlp"]
+    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["prefill_step_size"] == 4 and report["lend_mlp"]
     assert report["lend_heads"] in (0, 1)  # the demo model's layers have 2 key-value heads
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]
@@ -272,14 +266,14 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
 
 def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     """`pipemlx bench --json` (and `--png` where matplotlib is installed), with a head of rank 0's last layer on
-    rank 1 (--lend-mlp --lend-heads 1, loaded by mlx-lm's loader); no speed is asserted here."""
+    rank 1 (--lend 1, loaded by mlx-lm's loader) and the default auto step; no speed is asserted here."""
     try:
         import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports, reportUnusedImport]
 
         png: Path | None = tmp_path / "timeline.png"
     except ImportError:
         png = None
-    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json", "--lend-mlp", "--lend-heads", "1"]
+    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json", "--lend", "1"]
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
         capture_output=True,
@@ -290,7 +284,7 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)
     assert report["ranks"] == 2 and report["prompt_tokens"] == 200
-    assert report["step_size"] == default_step_size(200, 2)
+    assert report["prefill_step_size"] == "auto"
     for side in ("single", "pipeline"):
         figures = report[side]
         assert figures["prefill_s"] > 0 and figures["decode_tokens_per_s"] > 0
@@ -299,3 +293,22 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     assert report["prefill_speedup"] == report["single"]["prefill_s"] / report["pipeline"]["prefill_s"]
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_version_and_every_command_help_shows_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pipemlx --version`; each command's --help shows the defaults of its options (one default per option
+    everywhere: the prefill step auto, lend auto, 256 tokens, temperature 0, 120 s)."""
+    import pipemlx
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"pipemlx {pipemlx.__version__}"
+    for command in ("generate", "bench", "serve", "doctor"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: 120.0)" in text, command
+        if command != "doctor":
+            assert "(default: auto)" in text and "(default: 256)" in text, command
+    assert cli.main(["split", "--help"]) == 0
+    assert "(default: auto)" in " ".join(capsys.readouterr().out.split())

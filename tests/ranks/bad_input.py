@@ -79,15 +79,15 @@ def main() -> None:
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
     reference_tokens = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=4, max_tokens=5)]
     mx.synchronize(generation_stream)
-    # Rank 0 cuts inside its last layer (lend_mlp), rank 1 does not: named before anything is sent.
-    lent = pipemlx.shard_model(build_model(config), group, lend_mlp=group.rank() == 0)
+    # Rank 0 cuts inside its last layer (lend="mlp"), rank 1 does not: named before anything is sent.
+    lent = pipemlx.shard_model(build_model(config), group, lend="mlp" if group.rank() == 0 else "none")
     try:
         pipemlx.pipeline_prefill(lent, prompt, make_prompt_cache(lent), prefill_step_size=4)
         errors.append("no error")
     except pipemlx.PipelineMismatchError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     # Both cut inside the layer, rank 0 also lends a head (a wider message), rank 1 expects none: named too.
-    heads = pipemlx.shard_model(build_model(config), group, lend_mlp=True, lend_heads=int(group.rank() == 0))
+    heads = pipemlx.shard_model(build_model(config), group, lend=int(group.rank() == 0))
     try:
         pipemlx.pipeline_prefill(heads, prompt, make_prompt_cache(heads), prefill_step_size=4)
         errors.append("no error")

@@ -108,7 +108,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     """One scenario; a report, or {"error", "message", "waited"} when the group failed (kill, stall)."""
     rank = group.rank()
     arch = spec.get("arch", "llama")
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **spec.get("shard", {}))  # lend_mlp, lend_heads
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **spec.get("shard", {}))  # lend
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
     default_processors: dict[str, Any] | None = spec.get("default_processors")
