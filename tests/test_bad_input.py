@@ -27,9 +27,11 @@ from pipemlx.testing import build_model, tiny_config
         (mx.array([[1, 2, 3]]), {}, ValueError, r"prompt must be 1-D \(M tokens\), got shape \(1, 3\)"),
         (mx.array([1.0, 2.0]), {}, TypeError, "prompt must hold integer token ids, got dtype mlx.core.float32"),
         ([1, 2, 3], {}, TypeError, "prompt must be an mx.array of token ids, got list"),
-        (tokens(9), {"step_size": 0}, ValueError, "step_size must be at least 1, got 0"),
-        (tokens(9), {"step_size": -2}, ValueError, "step_size must be at least 1, got -2"),
-        (tokens(9), {"step_size": 4.0}, TypeError, "step_size must be an int, got float 4.0"),
+        (tokens(9), {"prefill_step_size": 0}, ValueError, "prefill_step_size must be at least 1 or 'auto', got 0"),
+        (tokens(9), {"prefill_step_size": -2}, ValueError, "prefill_step_size must be at least 1 or 'auto', got -2"),
+        (tokens(9), {"prefill_step_size": 4.0}, TypeError, "prefill_step_size must be an int or 'auto', got float 4.0"),
+        (tokens(9), {"step_size": 4}, TypeError, "'step_size', renamed 'prefill_step_size'"),
+        (tokens(9), {"progress_callback": None}, TypeError, "'progress_callback', renamed 'prompt_progress_callback'"),
         (tokens(9), {"timeout": 0}, ValueError, "timeout must be a positive number"),
         # MLX's own error came from the first rank to quantize, mid-prefill, and the others stopped with
         # PrefillCancelled; a group size of 0 killed the process (SIGFPE).

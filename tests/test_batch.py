@@ -461,8 +461,10 @@ def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(
 
 # Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
 # position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
-# together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
+# together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13). Whole
+# layers (lend="none"): lending a head would move 128 of those bytes from rank 0 to rank 1.
 SCENARIOS[2]["memory budget"] = {
+    "shard": {"lend": "none"},
     "requests": REQUESTS,
     "remove": [REMOVE],
     "steps": 30,
@@ -525,6 +527,7 @@ HELD_BACK_REQUESTS = [
     {"M": 20, "max_tokens": 10, "insert_at": 8},
 ]
 SCENARIOS[2]["dead rows held back"] = {
+    "shard": {"lend": "none"},  # whole layers: the budget's arithmetic counts 768 bytes per position on each rank
     "requests": HELD_BACK_REQUESTS,
     "remove": [],
     "steps": 20,

@@ -272,7 +272,7 @@ def split_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
 def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     demo = str(MODEL_DIR)
     status, out, _ = split_command(
-        ["split", demo, "--memory", "30MB,20MB", "--context", "2k", "--step-size", "256"], capsys
+        ["split", demo, "--memory", "30MB,20MB", "--context", "2k", "--prefill-step-size", "256"], capsys
     )
     assert status == 0
     lines = out.splitlines()
@@ -298,7 +298,7 @@ def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> N
     "argv,words",
     [
         (
-            ["--memory", "20MB,12MB", "--context", "2048", "--step-size", "256"],
+            ["--memory", "20MB,12MB", "--context", "2048", "--prefill-step-size", "256"],
             r"rank 0 needs .* but has 20.00 MB.*longest context this split holds is \d+ tokens",
         ),
         (["--memory", "20MB,12MB", "--context", "4096"], "longer than the model's maximum of 2048"),

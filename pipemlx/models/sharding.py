@@ -264,6 +264,9 @@ def shard_model(
     local_caches = local_cache_factory(model, len(layers), local)
     hidden_size, dtype = activation_signature(model, layers[local.start : local.stop])
     info = StageInfo(group.rank(), group.size(), sizes, local, len(layers), timeout, hidden_size, dtype, head=head)
+    # Of the whole model as built (before a cut inside a layer splits an attention module), the same on every rank.
+    kv_dims, unquantizable = quantized_dims(model), unquantizable_layers(model)
+    unquantizable_bounded = unquantizable_layers(model, max_kv_size=1)
     bounded_caches = None
     if lending:
         if lend_heads != "auto":
@@ -273,10 +276,10 @@ def shard_model(
         info, local_caches, bounded_caches = cut_inside_layers(model, layers, info, heads, local_caches)
     info = replace(
         info,
-        kv_dims=quantized_dims(model),  # of every rank's layers: the ranks refuse a kv_group_size alike
+        kv_dims=kv_dims,  # of every rank's layers: the ranks refuse a kv_group_size alike
         # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
-        unquantizable=unquantizable_layers(model),
-        unquantizable_bounded=unquantizable_layers(model, max_kv_size=1),
+        unquantizable=unquantizable,
+        unquantizable_bounded=unquantizable_bounded,
         vocab_shard=vocab_shard(model, info) if head == "all" and info.world_size > 1 else None,
         bounded_caches=bounded_caches,
     )

@@ -62,7 +62,7 @@ def main() -> None:
     model = pipemlx.shard_model(build_model(config), group)
     bad_calls: list[tuple[Any, dict[str, Any]]] = [
         (mx.array([], dtype=mx.int32), {}),
-        (mx.arange(10), {"step_size": 0}),
+        (mx.arange(10), {"prefill_step_size": 0}),
         (mx.arange(10).astype(mx.float32), {}),
         # MLX quantizes with group size 32, but not the tiny llama's 16-wide heads.
         (mx.arange(10), {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}),
