@@ -68,7 +68,12 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
         outcome: dict[str, Any] = {"id": request.id, "prompt_tokens": prompt.size}
         try:
             pipemlx.pipeline_prefill(
-                model, prompt, cache, prefill_step_size=step_size, prompt_progress_callback=on_progress, should_cancel=should_cancel
+                model,
+                prompt,
+                cache,
+                prefill_step_size=step_size,
+                prompt_progress_callback=on_progress,
+                should_cancel=should_cancel,
             )
         except pipemlx.PrefillCancelled as stop:
             # Every rank lands here at the same agreement point; the group is ready for the next request.

@@ -42,7 +42,9 @@ def run_rank(args: argparse.Namespace) -> None:
 
     cache = make_prompt_cache(model)  # one cache per *local* layer
     start = time.perf_counter()
-    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=args.step_size, prompt_progress_callback=on_progress)
+    pipemlx.pipeline_prefill(
+        model, prompt, cache, prefill_step_size=args.step_size, prompt_progress_callback=on_progress
+    )
     prefill_s = time.perf_counter() - start
 
     # Decoding: pipemlx.generate_step takes mlx-lm's arguments; the cache already holds the prompt but

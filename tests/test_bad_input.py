@@ -122,7 +122,9 @@ def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exce
 
 
 def test_numpy_split_is_accepted() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), lend="none", split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
+    model = pipemlx.shard_model(
+        build_model(tiny_config("llama")), FakeGroup(1, 2), lend="none", split=[np.int64(4), np.int64(2)]
+    )  # type: ignore[arg-type]
     assert stage_of(model).info.split == (4, 2)
     assert len(model.layers) == 2
 

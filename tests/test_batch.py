@@ -590,9 +590,10 @@ def test_a_stalled_first_rank_fails_the_batch_on_every_other_rank_within_the_tim
 
 
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
-    """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent."""
+    """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent (a fixed step and
+    chunks: "auto" and "equal-cost", the defaults, calibrate the group when the generator is made)."""
     model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
-    return pipemlx.BatchGenerator(model, **kwargs)
+    return pipemlx.BatchGenerator(model, **{"prefill_step_size": 8, "prefill_chunking": "fixed", **kwargs})
 
 
 def test_bad_arguments_raise_before_anything_changes() -> None:

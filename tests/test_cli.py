@@ -257,7 +257,9 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
     assert outputs[1][0] == ""  # only rank 0 reports
     report: dict[str, Any] = json.loads(outputs[0][0])
-    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["prefill_step_size"] == 4 and report["lend_mlp"]
+    assert (
+        report["ranks"] == 2 and report["split"] == [6, 2] and report["prefill_step_size"] == 4 and report["lend_mlp"]
+    )
     assert report["lend_heads"] in (0, 1)  # the demo model's layers have 2 key-value heads
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]

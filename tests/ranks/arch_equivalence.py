@@ -25,8 +25,8 @@ from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
-from pipemlx.models.lending import LentHeadsCache
 from pipemlx.launch import init_group
+from pipemlx.models.lending import LentHeadsCache
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 

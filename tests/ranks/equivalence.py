@@ -102,7 +102,11 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             cache = make_prompt_cache(model)
             calls = []
             step = pipemlx.pipeline_prefill(
-                model, prompt, cache, prefill_step_size="auto", prompt_progress_callback=lambda a, b: calls.append([a, b])
+                model,
+                prompt,
+                cache,
+                prefill_step_size="auto",
+                prompt_progress_callback=lambda a, b: calls.append([a, b]),
             )
             entry["step"], entry["progress"] = step, calls
             entry["tokens"], _ = decode(prompt[-1:], model, cache, step, max_tokens)
@@ -134,7 +138,11 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             cache = make_prompt_cache(model)
             calls: list[list[int]] = []
             pipemlx.pipeline_prefill(
-                model, prompt, cache, prefill_step_size=s["step"], prompt_progress_callback=lambda a, b: calls.append([a, b])
+                model,
+                prompt,
+                cache,
+                prefill_step_size=s["step"],
+                prompt_progress_callback=lambda a, b: calls.append([a, b]),
             )
             entry["progress"] = calls
             entry["cache_offsets"] = sorted({c.offset for c in layer_caches(cache)})

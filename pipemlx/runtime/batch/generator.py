@@ -151,7 +151,7 @@ class BatchGenerator:
         chunk = prefill_chunk_tokens
         budget = None if memory_budget is None else parse_size(memory_budget)
         sizes = {
-            "prefill_step_size": None if prefill_step_size == "auto" else prefill_step_size,
+            **({} if prefill_step_size == "auto" else {"prefill_step_size": prefill_step_size}),
             "prefill_chunk_tokens": chunk,
             "memory_budget": budget,
             "completion_batch_size": completion_batch_size,
