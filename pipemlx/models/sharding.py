@@ -215,7 +215,8 @@ def shard_model(
     plain ``KVCache`` caches (no sliding window). ``"auto"`` (the default, the fastest measured: see
     ``docs/api.md``) lends the feed-forward halves and the number of heads predicted to prefill ``context`` tokens
     soonest where the model allows (heads only where the caches at the cuts are plain), and keeps whole layers
-    elsewhere, without an error. ``"none"`` keeps whole layers. Every rank must pass the same value (the prefill's
+    elsewhere, without an error, and on a split planned from ``memory`` budgets (``"memory"``, ``"balanced"``),
+    whose plan counts whole layers. ``"none"`` keeps whole layers. Every rank must pass the same value (the prefill's
     handshake compares what it gave).
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
@@ -248,8 +249,9 @@ def shard_model(
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
     check_lend(lend)
-    if lend == "auto":
-        lending = len(sizes) > 1 and lendable(model)
+    if lend == "auto":  # not on a split planned from memory budgets: they count whole layers
+        planned = memory is not None or split in ("memory", "balanced")
+        lending = len(sizes) > 1 and lendable(model) and not planned
         lend_heads: int | Literal["auto"] = "auto"
     else:
         lending = lend != "none" and len(sizes) > 1

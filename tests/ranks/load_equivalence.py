@@ -27,7 +27,10 @@ from pipemlx.runtime.stage import stage_of
 
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:
     path = entry["path"]
-    model, tokenizer = pipemlx.load_sharded(path, group, split=entry.get("split"), memory=entry.get("memory"))
+    # Whole layers: what each rank holds is compared with the plan's per-layer bytes (test_equivalence runs lend="auto").
+    model, tokenizer = pipemlx.load_sharded(
+        path, group, split=entry.get("split"), memory=entry.get("memory"), lend=entry.get("lend", "none")
+    )
     stage = stage_of(model)
     owner, _ = find_layer_list(model)
     vocab = len(tokenizer.vocab)

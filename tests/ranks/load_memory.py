@@ -58,7 +58,10 @@ def main() -> None:
     path = Path(spec["path"])
     load_tokenizer(path)  # imports and warms the tokenizer code, so the measurement sees weights only
     baseline = start_measuring()
-    model, tokenizer = pipemlx.load_sharded(path, group, split=spec.get("split"), memory=spec.get("memory"))
+    # Whole layers: what each rank holds is compared with the plan's per-layer bytes.
+    model, tokenizer = pipemlx.load_sharded(
+        path, group, split=spec.get("split"), memory=spec.get("memory"), lend=spec.get("lend", "none")
+    )
     sharded_peak = peak_growth(baseline)
     held = sum(p.nbytes for _, p in flat_parameters(model))
     stage = stage_of(model)
