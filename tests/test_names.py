@@ -120,3 +120,19 @@ def test_commands_use_the_same_flags_and_defaults(command: str) -> None:
 
 def test_the_version_is_0_2_0() -> None:
     assert pipemlx.__version__ == "0.2.0"
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve", "split"])
+def test_retired_flags_are_refused_naming_the_new_one(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipemlx import cli
+
+    retired = {"--step-size": "--prefill-step-size"}
+    if command != "split":
+        retired |= {"--lend-mlp": "--lend", "--lend-heads": "--lend"}
+    for old, new in retired.items():
+        argv = [command, old, "4", *(["some_model"] if command == "split" else [])]
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        assert code == 2 and f"{old} was renamed {new} in pipemlx 0.2.0" in capsys.readouterr().err, (command, old)

@@ -250,7 +250,7 @@ def shard_model(
     check_architecture(model, owner, local, allow_unregistered)
     check_lend(lend)
     if lend == "auto":  # not on a split planned from memory budgets: they count whole layers
-        planned = memory is not None or split in ("memory", "balanced")
+        planned = memory is not None or speeds is not None or split in ("memory", "balanced")
         lending = len(sizes) > 1 and lendable(model) and not planned
         lend_heads: int | Literal["auto"] = "auto"
     else:
