@@ -109,7 +109,10 @@ def run_rank(args: argparse.Namespace) -> None:
     model, tokenizer = pipemlx.load_sharded(args.model, group)  # only this rank's weights are read
     outcomes = serve(model, tokenizer, group, args.prefill_step_size, quiet=args.json)
     if args.json:
-        print(json.dumps({"rank": group.rank(), "prefill_step_size": args.prefill_step_size, "requests": outcomes}), flush=True)
+        print(
+            json.dumps({"rank": group.rank(), "prefill_step_size": args.prefill_step_size, "requests": outcomes}),
+            flush=True,
+        )
 
 
 def main() -> int:
