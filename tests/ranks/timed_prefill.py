@@ -97,7 +97,8 @@ def main() -> None:
     chunks = calibration_chunks(tokens.size, spec["step"])
     calibrations: list[list[float]] = []
     collectives: list[float] = []
-    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group)
+    # Whole layers unless the spec says: the measured plan replayed against the cost model's prediction.
+    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group, lend=spec.get("lend", "none"))
     stage = stage_of(model)
     report["split"] = list(stage.info.split)
     report["hidden_size"] = config["hidden_size"]
