@@ -79,6 +79,8 @@ def call_with(name: str, keyword: str) -> None:
     [
         ("pipeline_prefill", "step_size"),
         ("pipeline_prefill", "progress_callback"),
+        ("generate_step", "step_size"),
+        ("generate_step", "progress_callback"),
         ("shard_model", "step_size"),
         ("shard_model", "lend_mlp"),
         ("shard_model", "lend_heads"),

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
+from ..errors import renamed
 from ..schedule.batch_plan import fingerprint
 from .caches import cache_offset, cache_state, trim_to
 from .failure import stand_in
@@ -71,6 +72,7 @@ class DecodeStop:
     ranks: tuple[int, ...] = ()  # that asked to stop (cancelled) or failed (failed)
 
 
+@renamed(step_size="prefill_step_size", progress_callback="prompt_progress_callback")
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
