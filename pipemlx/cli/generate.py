@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -21,6 +20,7 @@ from rich.text import Text
 
 from ..errors import PipelineError
 from ..launch import init_group
+from ..models.hub import locate_model
 from ..models.loading import load_sharded
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from ..runtime.generate import stream_generate
@@ -76,7 +76,7 @@ def generate_rank(
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
     try:  # the tokenizer first: the prompt's real length is the context the model is sharded for (lend=auto)
-        tokenizer: Any = load_tokenizer(Path(args.model))
+        tokenizer: Any = load_tokenizer(locate_model(args.model, rank=rank).root)  # a repo: its metadata fetched
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the tokenizer in {args.model}: {exc}", file=sys.stderr)
         return 2
