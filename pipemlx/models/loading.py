@@ -232,3 +232,14 @@ def _unfetched_embedding_dtype(model: nn.Module, local: range) -> None:
         weight: Any = getattr(embedding, "weight", None)
         if isinstance(weight, mx.array) and weight.dtype != dtype:
             embedding.weight = weight.astype(dtype)
+
+
+def load_draft(path: str | os.PathLike[str]) -> nn.Module:
+    """A draft model for speculative decoding, whole (every rank loads all of it): a folder or a repo id.
+
+    mlx-lm's own ``load`` reads it, downloading a repo id as mlx-lm does.
+    """
+    from mlx_lm import load as mlx_load  # pyright: ignore[reportUnknownVariableType]
+
+    loaded: Any = mlx_load(str(path))  # pyright: ignore[reportUnknownVariableType]
+    return cast(nn.Module, loaded[0])
