@@ -26,7 +26,7 @@ import pytest
 import pipemlx
 from pipemlx.cli import build_parser
 from pipemlx.cli.common import RenamedFlag
-from pipemlx.runtime.stage import stage_of  # noqa: F401  (the docs show it; importable)
+from pipemlx.runtime.lean_decode import lean_generate_step
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -121,10 +121,7 @@ def subparsers() -> dict[str, argparse.ArgumentParser]:
 def flags_of(parser: argparse.ArgumentParser) -> set[str]:
     """The flags a parser takes; the renamed ones of pipemlx 0.1 (refused) are not among them."""
     return {
-        option
-        for action in parser._actions
-        if not isinstance(action, RenamedFlag)
-        for option in action.option_strings
+        option for action in parser._actions if not isinstance(action, RenamedFlag) for option in action.option_strings
     }
 
 
@@ -191,22 +188,18 @@ def test_every_flag_exists_where_it_is_used() -> None:
     assert not problems, "\n".join(problems)
 
 
-def _generate_step_parameters() -> set[str]:
-    return set(inspect.signature(pipemlx.generate_step).parameters)
+def parameters(function: Callable[..., object]) -> set[str]:
+    return set(inspect.signature(function).parameters)
 
 
-FUNCTIONS: dict[str, Callable[[], set[str]]] = {
-    name: (lambda fn=getattr(pipemlx, name): set(inspect.signature(fn).parameters))
+FUNCTIONS: dict[str, set[str]] = {
+    name: parameters(getattr(pipemlx, name))
     for name in ("shard_model", "load_sharded", "pipeline_prefill", "generate_step", "BatchGenerator", "send_mode")
 }
-# stream_generate passes its **kwargs to generate_step
-FUNCTIONS["stream_generate"] = lambda: set(inspect.signature(pipemlx.stream_generate).parameters) | (
-    _generate_step_parameters()
-)
-FUNCTIONS["insert"] = lambda: set(inspect.signature(pipemlx.BatchGenerator.insert).parameters)
-FUNCTIONS["lean_generate_step"] = lambda: set(
-    inspect.signature(__import__("pipemlx.runtime.lean_decode", fromlist=["x"]).lean_generate_step).parameters
-)
+FUNCTIONS["stream_generate"] = parameters(pipemlx.stream_generate) | FUNCTIONS["generate_step"]  # its **kwargs
+FUNCTIONS["insert"] = parameters(pipemlx.BatchGenerator.insert)
+FUNCTIONS["lean_generate_step"] = parameters(lean_generate_step)
+"""The pipemlx functions whose keywords the docs may show, and their parameters."""
 
 CALL = re.compile(r"(?<![\w])(?:(mlx_lm\.|mlx-lm's |speculative_)?)(" + "|".join(FUNCTIONS) + r")\(")
 
@@ -249,7 +242,7 @@ def keyword_problems() -> list[str]:
                 args = arguments(code, match.end() - 1)
                 if name == "insert" and not re.search(r"\w+\s*=(?!=)", args):
                     continue  # list.insert and the like take no keywords
-                known = FUNCTIONS[name]()
+                known = FUNCTIONS[name]
                 for keyword in top_level_keywords(args):
                     if keyword not in known:
                         problems.append(f"{path.relative_to(ROOT)}: {name}(..., {keyword}=...) has no such parameter")
@@ -267,7 +260,7 @@ def readme_python_blocks() -> list[str]:
 
 
 @pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_runs(index: int, tmp_path: Path) -> None:
+def test_readme_python_runs(index: int, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     block = readme_python_blocks()[index]
     if block.lstrip().startswith(NOT_RUN):
         pytest.skip(block.lstrip().splitlines()[0])
@@ -277,7 +270,8 @@ def test_readme_python_runs(index: int, tmp_path: Path) -> None:
     if "init_group" in block or "distributed.init" in block:
         command = [sys.executable, "-m", "pipemlx.launch", "-n", "2", "--", *command]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env["PIPEMLX_CACHE_DIR"] = str(tmp_path / "cache")
+    # the calibration "auto" measures, kept between runs (pytest's cache folder): about 10 s instead of 25
+    env["PIPEMLX_CACHE_DIR"] = str(request.config.cache.mkdir("docs-calibration"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert result.returncode == 0, f"README block {index} failed:\n{block}\n{result.stdout}\n{result.stderr}"
 
