@@ -48,7 +48,7 @@ OTHER_TOOLS: dict[str, str] = {
 GLOBAL_FLAGS = {"--version", "--help"}
 
 FLAG = re.compile(r"(?<![\w\-/.=])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
-PIPEMLX_COMMAND = re.compile(r"\bpipemlx\s+(generate|bench|split|plan|doctor|serve|timeline|costmodel)\b")
+PIPEMLX_COMMAND = re.compile(r"\bpipemlx\s+(generate|bench|split|plan|doctor|serve)\b")
 SCRIPT = re.compile(r"\b((?:benchmarks|examples|tests)/[\w/]+\.py|-m\s+pipemlx(?:\.\w+)+)")
 
 
@@ -276,7 +276,8 @@ def test_readme_python_runs(index: int, tmp_path: Path, request: pytest.FixtureR
     assert result.returncode == 0, f"README block {index} failed:\n{block}\n{result.stdout}\n{result.stderr}"
 
 
-COMMAND = re.compile(r"`(?:python3? |pipemlx |bash |PIPEMLX_\w+=\S+ python)[^`]*`|^```(?:bash|sh)?\n", re.M)
+COMMAND = re.compile(r"`(?:python3? |pipemlx |bash )[^`]*`|^(?:\$ )?(?:python3? |pipemlx |bash )\S", re.M)
+"""A command: an inline code span, or a line of a fenced block (``$ `` optional), running python, pipemlx or bash."""
 
 
 def test_every_performance_table_has_its_command_before_it() -> None:
