@@ -1,9 +1,12 @@
 """The docs stay true: flags, keywords, the README's Python and every figure's command.
 
-- Every ``--flag`` in README.md and docs/*.md exists where it is used: after ``pipemlx CMD`` in that
-  command's argparse parser (``pipemlx.cli.build_parser``), after ``python benchmarks/x.py`` /
-  ``examples/x.py`` in that script, elsewhere (prose, tables) in some ``pipemlx`` command; flags of other
-  tools (``mlx.launch``, ``mpirun``, ``pip``...) are listed in :data:`OTHER_TOOLS`, each with its reason.
+- Every ``--flag`` in README.md and docs/*.md exists where it is used. After ``pipemlx CMD`` in the same
+  fenced line, paragraph or table row: in that command's argparse parser (``pipemlx.cli.build_parser``'s
+  subparsers; ``split``'s own), the flags renamed in 0.2.0 not counted; after ``benchmarks/x.py``,
+  ``examples/x.py`` or ``-m pipemlx.x``: in that script's source. A flag with no command before it: in some
+  ``pipemlx`` command, or in a command named earlier in its section. Flags of other programs
+  (``mlx.launch``, ``mpirun``, ``pip``...) pass after those programs' names, listed in :data:`OTHER_TOOLS`
+  each with its reason.
 - Every ``keyword=`` in a call of a pipemlx function shown in those files is a parameter of it.
 - Every ```python block of the README runs, on 2 local ranks when it joins a group; a block that cannot run
   on one machine says so on its first line (``# not run: <why>``).
@@ -33,7 +36,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = "# not run:"
 
 OTHER_TOOLS: dict[str, str] = {
-    # command head (a regex matched before the flag on the same line or code span) -> why its flags are not ours
+    # a regex for the program named before the flag -> why its flags are not pipemlx's
     r"mlx\.launch": "MLX's launcher",
     r"mlx\.distributed_config": "MLX's hostfile writer",
     r"mpirun|mpiexec|ompi_info": "Open MPI",
