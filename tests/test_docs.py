@@ -300,10 +300,22 @@ def test_every_performance_table_has_its_command_before_it() -> None:
     assert not problems, "\n".join(problems)
 
 
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings (lower case, punctuation dropped, spaces as hyphens)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
 def test_links_to_docs_resolve() -> None:
+    """Every link to a page of the repository names a file that exists, and a heading of it if it names one."""
     problems = []
     for path, text in documents():
-        for target in re.findall(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)", text):
-            if not target.startswith("http") and not (path.parent / target).exists():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+            if target.startswith(("http:", "https:", "mailto:")):
+                continue
+            page = (path.parent / target) if target else path
+            if not page.exists():
                 problems.append(f"{path.relative_to(ROOT)}: link to missing {target}")
+            elif anchor and page.suffix == ".md" and anchor not in anchors(page.read_text(encoding="utf-8")):
+                problems.append(f"{path.relative_to(ROOT)}: no heading #{anchor} in {target or path.name}")
     assert not problems, "\n".join(problems)
