@@ -274,7 +274,10 @@ def test_readme_python_runs(index: int, tmp_path: Path, request: pytest.FixtureR
         command = [sys.executable, "-m", "pipemlx.launch", "-n", "2", "--", *command]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     # the calibration "auto" measures, kept between runs (pytest's cache folder): about 10 s instead of 25
-    env["PIPEMLX_CACHE_DIR"] = str(request.config.cache.mkdir("docs-calibration"))
+    cache = getattr(request.config, "cache", None)  # pytest's cache folder (none under -p no:cacheprovider)
+    env["PIPEMLX_CACHE_DIR"] = (
+        str(cache.mkdir("docs-calibration")) if cache else env.get("PIPEMLX_CACHE_DIR", str(tmp_path))
+    )
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
     assert result.returncode == 0, f"README block {index} failed:\n{block}\n{result.stdout}\n{result.stderr}"
 
