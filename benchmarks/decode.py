@@ -1,15 +1,20 @@
-"""Decode benchmark: tokens/s of one process vs pipemlx at S=2, in one run.
+"""Decode benchmark: one greedy stream's tokens/s, one process against two pipelines at S=2, on two model shapes.
 
-    python benchmarks/decode.py [--prompt-tokens 64] [--tokens 128] [--repeats 3]
+    python benchmarks/decode.py [--prompt-tokens 64] [--tokens 128] [--repeats 3] [--shapes light,bench]
 
-pipemlx decodes with pipemlx.generate_step: greedy, every rank applies its share of the output head to the
-last rank's final hidden state, and each rank's best token travels with its word on whether to go on
-(bounded waits, agreed stops); "head on the last rank" decodes with an argmax sampler (the same tokens),
-which keeps the head on the last rank, as every decode did before the head was shared. Also prints the TCP
-bytes each rank sent per decoded token (from `ss`). (mlx-lm's native pipeline is not timed here: its
-generate_step leaves a decode step with collectives in flight, which every rank would have to drain and
-line up by hand before the next run.)
-OpenBLAS preloaded, one core per process; run by hand on an otherwise idle machine.
+For each shape (:data:`common.SHAPES`: ``light``, a head of 2% of the weights, as in the models people run, then
+``bench``, the 32k-vocabulary head of 37% that the other benchmarks use), in one run:
+
+- one process: mlx-lm's ``generate_step`` on the whole model;
+- mlx-lm's native pipeline (``model.model.pipeline(group)``) under the same ``generate_step`` on 2 ranks;
+- ``pipemlx.generate_step`` on 2 ranks (its defaults: greedy, the head shared where the model allows).
+
+``--sampled`` decodes with mlx-lm's sampler (temperature 0.7, top-p 0.9) and a repetition penalty instead.
+
+Each contender runs ``--repeats`` times after a warm-up; the figure is the median of its repeats. OpenBLAS is
+preloaded with one thread, every process on its own core (the launcher pins ranks); run it on an idle machine
+(``chrt -f 50`` keeps other work off the cores while it runs). Also prints the TCP bytes pipemlx's ranks sent
+per decoded token.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_CONFIG, openblas_available, run_ranks, run_single
+from common import SHAPES, openblas_available, run_ranks, run_single
 
 
 def main() -> None:
@@ -28,36 +33,39 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from common.SHAPES")
+    parser.add_argument(
+        "--sampled", action="store_true", help="temperature 0.7, top-p 0.9 and a repetition penalty instead of greedy"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     openblas = openblas_available()
-    spec: dict[str, Any] = {
-        "M": args.prompt_tokens,
-        "step": 256,
-        "repeats": args.repeats,
-        "decode_tokens": args.tokens,
-        "config": BENCH_CONFIG,
-    }
-    single = statistics.median(run_single({**spec, "mode": "single"}, openblas)["decode_tok_s"])
-    row: dict[str, Any] = {"prompt_tokens": args.prompt_tokens, "single_tok_s": single}
-    print(f"prompt {args.prompt_tokens} tokens, {args.tokens} decoded; OpenBLAS {'on' if openblas else 'off'}")
-    print(f"{'mode':<28} {'tokens/s':>9} {'vs one process':>15} {'bytes sent per token, by rank':>32}")
-    print(f"{'one process':<28} {single:>9.1f} {1.0:>15.2f}")
-    contenders = (
-        ("pipemlx", "pipemlx.generate_step", False),
-        ("pipemlx_head_on_last", "  head on the last rank", True),
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.tokens} decoded, {'sampled' if args.sampled else 'greedy'}; OpenBLAS {'on' if openblas else 'off'}"
     )
-    for mode, label, head_on_last in contenders:
-        reports = run_ranks(2, {**spec, "mode": "pipemlx", "head_on_last": head_on_last}, openblas)
-        rate = statistics.median(reports[0]["decode_tok_s"])
-        sent = [
-            round(statistics.median(r["decode_bytes_per_token"])) if r["decode_bytes_per_token"][0] else "-"
-            for r in reports
-        ]
-        row[f"{mode}_tok_s"], row[f"{mode}_ratio"], row[f"{mode}_bytes"] = rate, rate / single, sent
-        print(f"{label:<28} {rate:>9.1f} {rate / single:>15.2f} {str(sent):>32}")
+    print(f"{'shape':<8} {'contender':<24} {'tokens/s':>9} {'vs one process':>15} {'bytes/token by rank':>21}")
+    rows: list[dict[str, Any]] = []
+    for name in args.shapes.split(","):
+        spec: dict[str, Any] = {
+            "M": args.prompt_tokens,
+            "step": 256,
+            "repeats": args.repeats,
+            "decode_tokens": args.tokens,
+            "config": SHAPES[name],
+            "sampled": args.sampled,
+        }
+        single = statistics.median(run_single({**spec, "mode": "single"}, openblas)["decode_tok_s"])
+        row: dict[str, Any] = {"shape": name, "one_process_tok_s": single}
+        print(f"{name:<8} {'one process (mlx-lm)':<24} {single:>9.1f} {1.0:>15.2f}")
+        for mode, label in (("native", "mlx-lm native pipeline"), ("pipemlx", "pipemlx.generate_step")):
+            reports = run_ranks(2, {**spec, "mode": mode}, openblas)
+            rate = statistics.median(reports[0]["decode_tok_s"])
+            sent = [round(statistics.median(r["decode_bytes_per_token"])) for r in reports] if mode == "pipemlx" else []
+            row[f"{mode}_tok_s"], row[f"{mode}_ratio"] = rate, rate / single
+            print(f"{'':<8} {label:<24} {rate:>9.1f} {rate / single:>15.2f} {str(sent or ''):>21}")
+        rows.append(row)
     if args.json:
-        args.json.write_text(json.dumps(row, indent=2))
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

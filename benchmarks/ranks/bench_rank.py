@@ -4,7 +4,7 @@ Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_
        "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it),
        "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend="mlp" or lend=K or "auto"; whole layers without them)}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
-  native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill (prefill only)
+  native   mlx-lm's own pipeline (model.model.pipeline(group)) under mlx-lm's generate_step
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
 Prefill time and decode tokens/s are pipemlx.observe.metrics' (prefill: from the call until the cache holds
 the M-1 prompt positions, i.e. the progress callback reports (M-1, M), the same point for every mode).
@@ -22,8 +22,9 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
@@ -51,7 +52,21 @@ def pin(rank: int) -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: int) -> tuple[float, float]:
+def sampling(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec["sampled"]``: decode with mlx-lm's sampler (temperature 0.7, top-p 0.9, seeded) and a repetition
+    penalty, the same on every contender; otherwise greedy (no sampler)."""
+    if not spec.get("sampled"):
+        return {}
+    mx.random.seed(3)
+    return {
+        "sampler": make_sampler(temp=0.7, top_p=0.9),
+        "logits_processors": make_logits_processors(repetition_penalty=1.1),
+    }
+
+
+def time_generate_step(
+    model: Any, prompt: mx.array, step: int, decode_tokens: int, options: dict[str, Any]
+) -> tuple[float, float]:
     """Prefill seconds (until the (M-1, M) report) and decode tokens/s of mlx-lm's generate_step.
 
     Prefill alone (``decode_tokens=0``) runs it with ``max_tokens=0``: it then evaluates the first token
@@ -63,12 +78,15 @@ def time_generate_step(model: Any, prompt: mx.array, step: int, decode_tokens: i
     decode_start = decode_end = 0.0
     max_tokens = decode_tokens + 1 if decode_tokens else 0
     for _ in generate_step(
-        prompt, model, prefill_step_size=step, max_tokens=max_tokens, prompt_progress_callback=clock
+        prompt, model, prefill_step_size=step, max_tokens=max_tokens, prompt_progress_callback=clock, **options
     ):
         tokens += 1
         decode_end = time.perf_counter()
         if tokens == 1:
             decode_start = decode_end
+    # Decoding to the end leaves the step after the last token in flight on every rank alike (with the native
+    # pipeline it holds collectives): let it finish before the next run's collectives start.
+    mx.synchronize(generation_stream)
     return clock.seconds, decode_tokens_per_s(tokens, decode_end - decode_start)
 
 
@@ -83,6 +101,7 @@ def time_pipemlx(
     trace_dir: str | None,
     agree_every: int | None,
     head_on_last: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> tuple[float, float, float]:
     """Prefill seconds, decode tokens/s (pipemlx.generate_step), and TCP bytes this rank sent per decode pass.
 
@@ -101,10 +120,10 @@ def time_pipemlx(
         sent_before = tcp_bytes_sent()
         tokens = 0
         decode_start = decode_end = 0.0
-        sampler = (lambda logprobs: mx.argmax(logprobs, axis=-1)) if head_on_last else None
-        for _ in pipemlx.generate_step(
-            prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1, sampler=sampler
-        ):
+        options = dict(options or {})
+        if head_on_last:
+            options["sampler"] = lambda logprobs: mx.argmax(logprobs, axis=-1)
+        for _ in pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=decode_tokens + 1, **options):
             tokens += 1
             decode_end = time.perf_counter()
             if tokens == 1:
@@ -132,8 +151,6 @@ def main() -> None:
         pin(rank)
     model = build_model(spec["config"], seed=0)
     if mode == "native":
-        if spec["decode_tokens"]:  # its generate_step leaves a step with collectives in flight after decoding
-            raise SystemExit("native mode times prefill only (decode_tokens must be 0)")
         model.model.pipeline(group)
         mx.eval(model.parameters())
     elif mode == "pipemlx":
@@ -159,9 +176,10 @@ def main() -> None:
                 trace,
                 spec.get("agree_every"),
                 spec.get("head_on_last", False),
+                sampling(spec),
             )
         else:
-            p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"])
+            p, d = time_generate_step(model, prompt, spec["step"], spec["decode_tokens"], sampling(spec))
             b = 0.0
         if i >= warmup:
             prefill.append(p)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -42,23 +44,71 @@ def issue(arrays: Any, timeout: float | None, describe: Callable[[], str]) -> No
 
 
 def _in_helper_thread(work: Callable[[], None], timeout: float | None, describe: Callable[[], str]) -> None:
-    """Run ``work`` in a daemon thread and wait at most ``timeout`` seconds for it (``None``: no limit)."""
-    failure: list[BaseException] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            work()
-        except BaseException as exc:  # handed to the waiting thread
-            failure.append(exc)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="pipemlx-wait", daemon=True).start()
-    if not done.wait(timeout):
+    """Run ``work`` in a helper thread and wait at most ``timeout`` seconds for it (``None``: no limit)."""
+    job = _Job(work)
+    _HELPERS.run(job)
+    if not job.done.wait(timeout):
         raise PipelineTimeoutError(f"{describe()}: no progress after {timeout:g} s")
-    if failure:
-        _translate(lambda: _reraise(failure[0]), describe)
+    if job.failure is not None:
+        failure = job.failure
+        _translate(lambda: _reraise(failure), describe)
+
+
+class _Job:
+    """One piece of work handed to a helper thread, and what became of it."""
+
+    def __init__(self, work: Callable[[], None]) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except BaseException as exc:  # handed to the waiting thread
+            self.failure = exc
+        finally:
+            self.done.set()
+
+
+class _Helpers:
+    """The process's idle helper threads: a wait reuses one rather than starting a thread per wait.
+
+    Starting a thread costs a fraction of a millisecond (more on a busy machine), and a decode step waits two or
+    three times per token. A helper whose work never ends (an evaluation blocked on a stalled peer: the caller
+    gave up on it at its deadline) never comes back to the idle list, so a later wait gets a fresh thread and is
+    never queued behind a blocked one. Threads are daemons: a blocked one does not keep the process alive.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue[_Job]] = []
+
+    def run(self, job: _Job) -> None:
+        """Start ``job`` on an idle helper, or on a new one when none is idle."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue[_Job]()
+            threading.Thread(target=self._serve, args=(inbox,), name="pipemlx-wait", daemon=True).start()
+        inbox.put(job)
+
+    def forget(self) -> None:
+        """In a forked child: the idle helpers were the parent's threads, which the child does not have."""
+        self._lock = threading.Lock()
+        self._idle = []
+
+    def _serve(self, inbox: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            inbox.get().run()
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_HELPERS = _Helpers()
+"""Process-wide like the threads themselves: which idle helper runs a wait carries no meaning."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HELPERS.forget)
 
 
 NOT_THIS_THREAD_MARKER = "in current thread"
