@@ -9,7 +9,7 @@ import pytest
 from conftest import run_ranks
 
 import pipemlx
-from pipemlx.runtime.speculative import AUTO_LIMIT, DraftLength
+from pipemlx.runtime.speculative import AUTO_LIMIT, EXPLORE_EVERY, DraftLength
 from pipemlx.testing import build_model, tiny_config
 
 CASES: list[dict[str, Any]] = [
@@ -86,15 +86,28 @@ def test_speculative_decoding_matches_plain_mlx_lm(
 
 
 def test_auto_draft_length_follows_the_acceptance_rate() -> None:
-    """``num_draft_tokens="auto"``: more guesses while they hold, fewer when they fail, never fewer than one."""
+    """``num_draft_tokens="auto"``: more guesses while they hold, none when they never do (then one guess again
+    every ``EXPLORE_EVERY`` plain passes), and guesses again once they hold."""
     always = DraftLength("auto")
     never = DraftLength("auto")
     assert always.next() == never.next() == 2  # nothing measured yet
+    always.record(0, 0, 0.010)  # the first pass guesses nothing
+    never.record(0, 0, 0.010)
     for _ in range(6):
         k = always.next()
         always.record(k, k, 0.010 + 0.001 * k)
-        never.record(2, 0, 0.012)
-    assert always.next() == AUTO_LIMIT and never.next() == 1
+        k = never.next()
+        never.record(k, 0, 0.010 + 0.002 * k)
+    assert always.next() == AUTO_LIMIT and never.next() == 0
+    chosen = [never.next()]
+    while chosen[-1] == 0 and len(chosen) <= EXPLORE_EVERY + 1:
+        never.record(0, 0, 0.010)
+        chosen.append(never.next())
+    assert chosen[-1] == 1 and len(chosen) <= EXPLORE_EVERY + 1  # one guess, to notice when guessing pays again
+    for _ in range(20):
+        k = never.next()
+        never.record(k, k, 0.010 + 0.002 * k)  # it does now
+    assert never.next() >= 2
     assert DraftLength(3).next() == 3
 
 

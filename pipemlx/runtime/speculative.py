@@ -143,18 +143,25 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 AUTO_LIMIT = 8
 """The most tokens ``num_draft_tokens="auto"`` guesses in one pass."""
+EXPLORE_EVERY = 32
+"""``num_draft_tokens="auto"`` that stopped guessing guesses one token again after this many plain passes."""
 
 
 class DraftLength:
     """How many tokens the next pass guesses: a fixed count, or ``"auto"``.
 
-    ``"auto"`` keeps the count that maximises the expected tokens per second:
-    a pass of ``k`` guesses yields ``(1 - p**(k + 1)) / (1 - p)`` tokens when
-    each guess holds with probability ``p`` (measured: confirmed guesses over
-    guesses up to and including the first wrong one), and costs ``t0 + t1*k``
-    seconds (a line fitted to the passes measured so far; until two lengths
-    were seen, a guess costs a tenth of a pass). Rank 0 decides and its choice
-    travels in the step's message, so every rank guesses the same number.
+    ``"auto"`` keeps the count, from none to :data:`AUTO_LIMIT`, that
+    maximises the expected tokens per second: a pass of ``k`` guesses yields
+    ``(1 - p**(k + 1)) / (1 - p)`` tokens when each guess holds with
+    probability ``p`` (measured: confirmed guesses over guesses up to and
+    including the first wrong one), and costs ``t0 + t1*k`` seconds (a line
+    fitted to the passes measured so far, proposing included; until two
+    lengths were seen, a guess costs a tenth of a pass). Where guessing does
+    not pay (guesses that rarely hold, or a draft that costs more than it
+    saves) it stops guessing, and tries one guess again every
+    :data:`EXPLORE_EVERY` passes so that it notices when guessing pays again.
+    Rank 0 decides and its choice travels in the step's message, so every
+    rank guesses the same number.
     """
 
     def __init__(self, setting: int | str) -> None:
@@ -164,29 +171,33 @@ class DraftLength:
         self.confirmed = 1  # a prior of one confirmed and one wrong guess: p starts at one half
         self.tried = 2
         self.passes: dict[int, tuple[int, float]] = {}  # guesses -> (passes, seconds in all)
+        self.plain_in_a_row = 0  # passes without guesses since the last one with some
 
     def record(self, guesses: int, accepted: int, seconds: float) -> None:
         """One pass measured: ``guesses`` proposed, ``accepted`` of them confirmed, ``seconds`` on rank 0."""
-        if guesses == 0:
-            return
-        self.confirmed += accepted
-        self.tried += accepted + (1 if accepted < guesses else 0)
         count, total = self.passes.get(guesses, (0, 0.0))
         self.passes[guesses] = (count + 1, total + seconds)
+        self.plain_in_a_row = self.plain_in_a_row + 1 if guesses == 0 else 0
+        if guesses:
+            self.confirmed += accepted
+            self.tried += accepted + (1 if accepted < guesses else 0)
 
     def next(self) -> int:
         """The count for the next pass."""
         if self.fixed is not None:
             return self.fixed
-        if not self.passes:
-            return 2
+        if not any(self.passes.get(k) for k in range(1, AUTO_LIMIT + 1)):
+            return 2  # no pass with guesses measured yet
         p = min(self.confirmed / self.tried, 0.99)
         t0, t1 = self._cost_line()
 
         def rate(k: int) -> float:
             return (1 - p ** (k + 1)) / (1 - p) / max(t0 + t1 * k, 1e-9)
 
-        return max(range(1, AUTO_LIMIT + 1), key=rate)
+        best = max(range(AUTO_LIMIT + 1), key=rate)
+        if best == 0 and self.plain_in_a_row >= EXPLORE_EVERY:
+            return 1
+        return best
 
     def _cost_line(self) -> tuple[float, float]:
         means = {k: total / count for k, (count, total) in self.passes.items()}
