@@ -1,13 +1,21 @@
 """Concurrent requests: aggregate decode tokens/s with R = 1, 2, 4, 8 requests in flight, in one run.
 
     python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
-                                             [--head-on-last] [--lend-heads K]
+                                             [--shapes light,bench] [--repeat 1] [--no-pin]
+                                             [--no-serial] [--head-on-last] [--lend-heads K]
                                              [--arrival-tokens 4096 --chunks 32,64,128 --chunking fixed,equal-cost]
 
-Three ways of serving R requests on the benchmark model (BENCH_CONFIG, OpenBLAS preloaded, one core per
-process): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
-pipemlx.generate_step on 2 ranks one request after another, and mlx-lm's own BatchGenerator in one process
-holding all layers. Decode only: each request's tokens after its first (see ranks/concurrent_rank.py).
+Three ways of serving R requests on each model shape of --shapes (OpenBLAS preloaded, one core per process
+unless --no-pin): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
+pipemlx.generate_step on 2 ranks one request after another
+(left out with --no-serial), and mlx-lm's own BatchGenerator in one process holding all layers. Decode only:
+each request's tokens after its first (see ranks/concurrent_rank.py); with --repeat N each figure is the best
+of N runs in one process. The batched contenders print "whole/window (load)": tokens/s over the whole decode,
+over its quietest stretch of 4 tokens per request (the best such stretch of the N runs), and the 1-minute load
+average before the run: the machine is shared, and other work slows every contender; "vs mlx-lm" gives both
+ratios. The shapes (benchmarks/common.py SHAPES): "light" (a 512-wide, 8-layer qwen2
+with a 1,024-entry vocabulary: the output head is 2% of the weights) and "bench" (the same layers with the
+32,000-entry vocabulary of BENCH_CONFIG: 37%).
 With --arrival-tokens N, then: a prompt of N tokens arrives while 4 requests decode (pipemlx batched, S=2),
 for each prefill_chunking in --chunking and prefill_chunk_tokens in --chunks; the 4 requests' p95 time between tokens before and while
 it is prefilled, and its time to first token against its solo run.
@@ -25,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_CONFIG, HERE, bench_env, openblas_available
+from common import BENCH_CONFIG, HERE, SHAPES, bench_env, openblas_available
 
 from pipemlx.launch import launch
 
@@ -42,10 +50,34 @@ def run_mode(spec: dict[str, Any], openblas: bool) -> Any:
         out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
         if out.returncode != 0:
             raise RuntimeError(f"mlx_batch failed:\n{out.stderr[-3000:]}")
-        return float(json.loads(out.stdout.strip().splitlines()[-1])["tok_s"])
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        return (
+            (float(report["tok_s"]), float(report.get("window", 0.0))) if spec.get("window") else float(report["tok_s"])
+        )
     results = launch(2, command, timeout=1800, env=bench_env(openblas))
     report = json.loads(results[0].stdout.strip().splitlines()[-1])
-    return report if spec["mode"] == "arrival" else float(report["tok_s"])
+    if spec["mode"] == "arrival":
+        return report
+    return (float(report["tok_s"]), float(report.get("window", 0.0))) if spec.get("window") else float(report["tok_s"])
+
+
+def load() -> float:
+    """The 1-minute load average: what else the machine is running (2 cores here)."""
+    return os.getloadavg()[0]
+
+
+def timed(spec: dict[str, Any], openblas: bool) -> tuple[float, float]:
+    """``run_mode``'s tokens/s of ``spec`` and the load average right before it ran."""
+    before = load()
+    return float(run_mode(spec, openblas)), before
+
+
+def windowed(spec: dict[str, Any], openblas: bool) -> tuple[float, float, float]:
+    """``run_mode``'s tokens/s of ``spec`` over the whole decode and over its quietest stretch (4 tokens per
+    request), and the load average right before it ran."""
+    before = load()
+    whole, window = run_mode({**spec, "window": True}, openblas)
+    return whole, window, before
 
 
 def main() -> None:
@@ -54,6 +86,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=33, help="generated tokens per request (decode: all but 1)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--shapes", default="light,bench", help=f"model shapes, of {sorted(SHAPES)}")
+    parser.add_argument("--repeat", type=int, default=1, help="best of this many runs per figure")
+    parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned")
+    parser.add_argument("--no-serial", action="store_true", help="leave out generate_step one request at a time")
     parser.add_argument("--arrival-tokens", type=int, default=0, help="0: no arrival test")
     parser.add_argument("--chunks", default="32,64,128", help="prefill_chunk_tokens values of the arrival test")
     parser.add_argument("--chunking", default="fixed", help="prefill_chunking values of the arrival test")
@@ -71,38 +107,58 @@ def main() -> None:
     )
     args = parser.parse_args()
     openblas = openblas_available()
-    base: dict[str, Any] = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}
+    groups: list[None] = [None]  # one batched contender (its name and row keep the shape of several)
     print(
-        f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}"
+        f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}; "
+        f"{'unpinned' if args.no_pin else 'one core per process'}; best of {args.repeat}; tokens/s (load average)"
     )
-    header = f"{'R':>3} {'batched S=2':>12} {'one at a time':>14} {'mlx-lm batch':>13} {'vs one-at-a-time':>17} {'vs mlx-lm':>10}"
-    if args.head_on_last:
-        header += f" {'head on last':>13} {'vs mlx-lm':>10}"
-    if args.lend_heads:
-        header += f" {f'lend_heads={args.lend_heads}':>13} {'vs mlx-lm':>10}"
-    if not args.skip_table:
-        print(header)
     rows: list[dict[str, Any]] = []
-    for r in [] if args.skip_table else (int(x) for x in args.requests.split(",")):
-        batched = run_mode({**base, "R": r, "mode": "pipemlx_batch"}, openblas)
-        serial = run_mode({**base, "R": r, "mode": "pipemlx_serial"}, openblas)
-        single = run_mode({**base, "R": r, "mode": "mlx_batch"}, openblas)
-        row = {"R": r, "pipemlx_batch": batched, "pipemlx_serial": serial, "mlx_batch": single}
-        line = f"{r:>3} {batched:>12.1f} {serial:>14.1f} {single:>13.1f} {batched / serial:>17.2f} {batched / single:>10.2f}"
+    for shape in [] if args.skip_table else args.shapes.split(","):
+        config = SHAPES[shape]
+        base: dict[str, Any] = {
+            "M": args.prompt_tokens,
+            "tokens": args.tokens,
+            "step": 256,
+            "config": config,
+            "repeat": args.repeat,
+            "pin": not args.no_pin,
+        }
+        names = ["batched S=2" for _ in groups]
+        header = f"{shape:<10} {'R':>3} " + "".join(f"{n:>24}" for n in names) + f"{'mlx-lm batch':>24}"
+        header += "".join(f"{'vs mlx-lm':>12}" for _ in names)
+        if not args.no_serial:
+            header += f"{'one at a time':>22}"
         if args.head_on_last:
-            row["head_on_last"] = last = run_mode(
-                {**base, "R": r, "mode": "pipemlx_batch", "head_on_last": True}, openblas
-            )
-            line += f" {last:>13.1f} {last / single:>10.2f}"
+            header += f"{'head on last':>22}{'vs mlx-lm':>10}"
         if args.lend_heads:
-            row["lent_heads"] = lent = run_mode(
-                {**base, "R": r, "mode": "pipemlx_batch", "lend_heads": args.lend_heads}, openblas
-            )
-            line += f" {lent:>13.1f} {lent / single:>10.2f}"
-        rows.append(row)
-        print(line)
+            header += f"{f'lend_heads={args.lend_heads}':>22}{'vs mlx-lm':>10}"
+        print(header)
+        for r in (int(x) for x in args.requests.split(",")):
+            spec = {**base, "R": r}
+            batched = [windowed({**spec, "mode": "pipemlx_batch"}, openblas) for _ in groups]
+            single = windowed({**spec, "mode": "mlx_batch"}, openblas)
+            row: dict[str, Any] = {"shape": shape, "R": r, "mlx_batch": single}
+            row["pipemlx_batch"] = {str(g): b for g, b in zip(groups, batched)}
+            both = lambda f: f"{f[0]:>10.1f}/{f[1]:.1f} ({f[2]:.2f})"  # noqa: E731  # whole/window (load)
+            cell = lambda figure: f"{figure[0]:>15.1f} ({figure[1]:.2f})"  # noqa: E731
+            line = f"{shape:<10} {r:>3} " + "".join(both(b) for b in batched) + both(single)
+            line += "".join(f"{b[0] / single[0]:>7.2f}/{b[1] / single[1]:.2f}" for b in batched)
+            if not args.no_serial:
+                row["pipemlx_serial"] = serial = timed({**spec, "mode": "pipemlx_serial"}, openblas)
+                line += cell(serial)
+            if args.head_on_last:
+                row["head_on_last"] = last = timed({**spec, "mode": "pipemlx_batch", "head_on_last": True}, openblas)
+                line += cell(last) + f"{last[0] / single[0]:>10.2f}"
+            if args.lend_heads:
+                row["lent_heads"] = lent = timed(
+                    {**spec, "mode": "pipemlx_batch", "lend_heads": args.lend_heads}, openblas
+                )
+                line += cell(lent) + f"{lent[0] / single[0]:>10.2f}"
+            rows.append(row)
+            print(line, flush=True)
     arrival: dict[str, Any] = {}
     if args.arrival_tokens:
+        base = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}
         chunks = [int(c) for c in args.chunks.split(",")]
         spec = {**base, "R": 4, "mode": "arrival", "arrival_tokens": args.arrival_tokens, "chunks": chunks}
         spec["chunkings"] = args.chunking.split(",")
