@@ -194,6 +194,7 @@ class OneAtATime:
             draft_model=rank.draft if guess else None,
             num_draft_tokens=settings.num_draft_tokens,
             prompt_lookup=settings.prompt_lookup if guess else None,
+            history=tokens[: plan.reuse],  # the proposer reads the reused prefix too
         )
         try:
             try:
