@@ -66,16 +66,21 @@ def post(server: ServeProcess, endpoint: str, body: dict[str, Any]) -> dict[str,
     return response.json()
 
 
-def streamed(server: ServeProcess, body: dict[str, Any]) -> str:
-    """A streamed completion's text, joined."""
+def streamed(server: ServeProcess, body: dict[str, Any], chunks: int | None = None) -> tuple[str, str]:
+    """A streamed completion's text, joined, and its id; with ``chunks``, the client leaves after that many."""
     pieces: list[str] = []
+    request_id = ""
     with httpx.stream(
         "POST", f"{server.url}/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=60.0
     ) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                pieces += [c["text"] for c in json.loads(line[6:])["choices"]]
-    return "".join(pieces)
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                pieces += [c["text"] for c in chunk["choices"]]
+                if chunks is not None and len(pieces) >= chunks:
+                    break
+    return "".join(pieces), request_id
 
 
 def record(server: ServeProcess, request_id: str) -> dict[str, Any]:
@@ -115,9 +120,15 @@ def test_draft_answers_equal_mlx_lm_and_are_counted(server: ServeProcess, ref: R
     completion = post(server, "completions", {"prompt": OPENING, "max_tokens": 40, "temperature": 0})
     expected = ref.answer(ref.text_tokens(OPENING), 40)
     assert completion["choices"][0]["text"] == expected
-    assert streamed(server, {"prompt": OPENING, "max_tokens": 40, "temperature": 0}) == expected
+    text, again = streamed(server, {"prompt": OPENING, "max_tokens": 40, "temperature": 0})
+    assert text == expected
     seen = record(server, completion["id"])
     assert seen["draft_proposed_tokens"] > 0 and 0 < seen["draft_accepted_tokens"] <= seen["draft_proposed_tokens"]
+    # The same prompt again, all but its last token reused: the draft reads the cached prefix too, guesses alike.
+    repeat = record(server, again)
+    assert repeat["cached_tokens"] == len(ref.text_tokens(OPENING)) - 1
+    guesses = ("draft_proposed_tokens", "draft_accepted_tokens")
+    assert [repeat[g] for g in guesses] == [seen[g] for g in guesses]
     proposed, accepted = guessed(before, scrape(server))
     assert proposed >= seen["draft_proposed_tokens"] and 0 < accepted <= proposed
     speculation = seen["speculation"]
@@ -137,6 +148,20 @@ def test_draft_false_opts_a_request_out(server: ServeProcess, ref: Reference) ->
     assert seen["draft_proposed_tokens"] == 0 and guessed(before, scrape(server)) == (0.0, 0.0)
     bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": OPENING, "draft": "no"}, timeout=10.0)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft"
+
+
+def test_a_client_leaving_mid_stream_leaves_the_ranks_alike(server: ServeProcess, ref: Reference) -> None:
+    """A streamed answer the client leaves after a few chunks: every rank stops after the same pass, the caches and
+    prefix caches agree, and the next request (the same prompt, reused) still equals mlx-lm."""
+    prompt = f"Mr. Bennet said: {OPENING}"
+    _, left = streamed(server, {"prompt": prompt, "max_tokens": 400, "temperature": 0}, chunks=4)
+    seen = record(server, left)
+    slots = seen["rank_status"]
+    assert seen["finish_reason"] == "cancelled" and seen["completion_tokens"] < 400
+    assert len({(r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
+    answer = post(server, "completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+    assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 20)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProcess, ref: Reference) -> None:
