@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ROOT, ServeProcess, serving
 from test_serve import MODEL, Reference
 
-from pipemlx.demo import MODEL_DIR
+from pipemlx.demo import DRAFT_DIR
 from pipemlx.launch import free_ports, write_hostfile
 
 pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
@@ -33,7 +33,6 @@ pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip 
 
 pytestmark = pytest.mark.timeout(180)
 
-DRAFT_DIR = MODEL_DIR.parent / "draft"
 OPENING = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 CHAT = [
     {"role": "system", "content": "It is a truth universally acknowledged."},

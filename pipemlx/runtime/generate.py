@@ -220,7 +220,7 @@ def stream_generate(
     max_tokens: int = 256,
     draft_model: nn.Module | None = None,
     **kwargs: Any,
-) -> Generator[GenerationResponse, None, None]:
+) -> ResponseStream:
     """mlx-lm's ``stream_generate`` for a sharded model: ``GenerationResponse`` objects, the same text on every rank.
 
     ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
@@ -239,7 +239,8 @@ def stream_generate(
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
     does. ``draft_model``, ``num_draft_tokens`` and ``prompt_lookup``
     speculate as in :func:`generate_step` (each response's ``from_draft`` says
-    whether its token was a confirmed guess).
+    whether its token was a confirmed guess; the returned generator's
+    ``guesses`` is the tally of guessed and confirmed tokens, the acceptance rate).
     """
     if draft_model is None and kwargs.get("prompt_lookup") is None:
         kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
@@ -254,7 +255,30 @@ def stream_generate(
         prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
     eos = stop_sequences(cast(Iterable[int], wrapper.eos_token_ids)) | stop_sequences(extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, draft_model=draft_model, **kwargs)
-    return _responses(generator, wrapper, prompt.size, max_tokens, eos)
+    return ResponseStream(generator, _responses(generator, wrapper, prompt.size, max_tokens, eos))
+
+
+class ResponseStream(Generator[GenerationResponse, None, None]):
+    """What :func:`stream_generate` returns: mlx-lm's generator of ``GenerationResponse`` objects, and the tally of
+    its decode's speculative guesses (:attr:`guesses`), which the responses alone do not carry."""
+
+    def __init__(self, decode: DecodeStream, inner: Generator[GenerationResponse, None, None]) -> None:
+        self._decode = decode
+        self._inner = inner
+
+    @property
+    def guesses(self) -> tuple[int, int]:
+        """``(proposed, accepted)`` guessed tokens so far (:attr:`DecodeStream.guesses`)."""
+        return self._decode.guesses
+
+    def send(self, value: None) -> GenerationResponse:
+        return self._inner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> GenerationResponse:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return self._inner.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def _responses(
