@@ -186,7 +186,8 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
             raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
         request.seed = int(seed) % (MAX_SEED + 1)
     request.stop = _stop(obj.get("stop"))
-    draft = obj.get("draft", True)
+    draft = obj.get("draft")
+    draft = True if draft is None else draft  # null: unset, as for the other fields
     if not isinstance(draft, bool):
         raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
     request.draft = draft
