@@ -171,6 +171,14 @@ def check_draft(draft: str | None) -> None:
         raise UserError(f"cannot load the draft model {draft}: no such folder (a folder or a Hugging Face repo id)")
 
 
+def check_speculation(args: argparse.Namespace) -> None:
+    """:func:`check_draft`, and ``--draft-model`` with ``--prompt-lookup`` (one proposer or the other) refused as a
+    :class:`UserError` before any rank starts, rather than as ``generate_step``'s ``ValueError`` on every rank."""
+    if args.draft_model is not None and args.prompt_lookup is not None:
+        raise UserError("--draft-model and --prompt-lookup both guess tokens: pass one of them, not both")
+    check_draft(args.draft_model)
+
+
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
     """``--allow-unregistered`` and ``--lend`` (or those of them in ``flags``): ``load_sharded``'s
     ``allow_unregistered`` and ``lend``; and the refusal of the flags they replaced."""

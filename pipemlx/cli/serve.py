@@ -37,7 +37,9 @@ from .common import (
     add_prefill_step_flag,
     add_renamed_flags,
     add_sharding_flags,
+    add_speculation_flags,
     check_ranks,
+    check_speculation,
     hostfile_rank,
     in_launched_rank,
     layer_counts,
@@ -144,6 +146,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting"
     )
     add_limit_flags(serve)
+    add_speculation_flags(serve)
 
 
 def add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -221,6 +224,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
+    check_serve_speculation(args)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
@@ -231,6 +235,20 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
     return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE)
+
+
+def check_serve_speculation(args: argparse.Namespace) -> None:
+    """``pipemlx generate``'s checks of the speculation flags, and their refusal with ``--max-concurrency`` above 1:
+    the batch decodes without guesses (docs/serve.md, "Speculative decoding"), so asking for both is a mistake
+    worth naming rather than a draft model loaded for nothing."""
+    check_speculation(args)
+    flags = {"--draft-model": args.draft_model, "--prompt-lookup": args.prompt_lookup}
+    guessing = [flag for flag, value in flags.items() if value is not None]
+    if guessing and args.max_concurrency > 1:
+        raise UserError(
+            f"{guessing[0]} needs --max-concurrency 1: batched requests (--max-concurrency {args.max_concurrency}) "
+            "are decoded without speculation"
+        )
 
 
 def hostfile_size(path: str) -> int:
@@ -293,6 +311,9 @@ def _as_rank(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         grace=args.grace,
         metrics_public=args.metrics_public,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup=args.prompt_lookup,
     )
     options = RankOptions(
         args.model,

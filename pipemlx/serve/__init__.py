@@ -25,7 +25,7 @@ from typing import Any, cast
 
 from ..errors import PipelineError
 from ..launch import init_group
-from ..models.loading import load_sharded
+from ..models.loading import load_draft, load_sharded
 from ..models.sharding import LendSpec
 from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
@@ -106,7 +106,12 @@ def run_rank(options: RankOptions) -> int:
     except PipelineError as exc:  # an architecture it refuses, a group that fails while sharding: as generate says it
         print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
-    engine = Rank(model, tokenizer, group, settings)
+    try:  # speculative decoding: the draft is whole on every rank (mlx-lm's loader, a folder or a repo id)
+        draft = None if settings.draft_model is None else load_draft(settings.draft_model)
+    except Exception as exc:  # a folder without a model, a repo the Hub lacks: one line on every rank
+        print(f"pipemlx serve: error: cannot load the draft model {settings.draft_model}: {exc}", file=sys.stderr)
+        os._exit(2)
+    engine = Rank(model, tokenizer, group, settings, draft)
     try:
         engine.start()
     except PipelineError as exc:
@@ -167,6 +172,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
         f"({ranks}); prefix cache {settings.prefix_cache_mb:g} MB ({engine.prefix.budget_tokens} tokens); "
         f"context {context or 'unlimited'}; queue {settings.max_queue}"
         + (f"; up to {settings.max_concurrency} requests batched" if settings.max_concurrency > 1 else "")
+        + (f"; speculative decoding: {settings.speculation}" if settings.speculation else "")
     )
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
     try:

@@ -264,6 +264,7 @@ class Api:
             penalties=parsed.penalties,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
+            draft=parsed.draft,
             loop=loop,
             events=asyncio.Queue(),
         )

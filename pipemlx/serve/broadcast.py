@@ -64,6 +64,7 @@ INSERT_FIELDS: tuple[str, ...] = (
     "seed",
     *PLAN_FIELDS,
     *PENALTY_FIELDS,
+    "draft",  # 1: speculate (when the server does), 0: the request opted out
 )
 """One insert's record in the encoded operations, before its ``n_tokens`` token ids (floats as their bits)."""
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
@@ -96,6 +97,7 @@ class Insert:
     seed: int  # -1: none (greedy)
     plan: PrefixReuse = field(default_factory=PrefixReuse)
     penalties: Penalties = field(default_factory=Penalties)
+    draft: bool = True  # speculative decoding, when the server does it (False: the request opted out)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ def _record(i: Insert) -> dict[str, int]:
         "presence_context_size": p.presence_context_size,
         "frequency_penalty": float_bits(p.frequency_penalty),
         "frequency_context_size": p.frequency_context_size,
+        "draft": int(i.draft),
     }
 
 
@@ -138,7 +141,7 @@ def _insert(r: Mapping[str, int], tokens: list[int]) -> Insert:
     )
     plan = PrefixReuse(r["entry"], r["reuse"], bool(r["copy"]))
     temperature, top_p = bits_float(r["temperature"]), bits_float(r["top_p"])
-    return Insert(r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties)
+    return Insert(r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties, bool(r["draft"]))
 
 
 def encode_ops(ops: Ops) -> list[int]:

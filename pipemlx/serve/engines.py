@@ -42,8 +42,16 @@ of this many tokens per rank."""
 class Rank:
     """What every rank holds: the model, its end of the broadcast, its prefix cache, where it stands."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, group: mx.distributed.Group, settings: ServeSettings) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        group: mx.distributed.Group,
+        settings: ServeSettings,
+        draft: nn.Module | None = None,
+    ) -> None:
         self.model = model
+        self.draft = draft  # --draft-model, whole on every rank (speculative decoding, one request at a time)
         self.tokenizer = tokenizer
         self.rank = group.rank()
         self.size = group.size()
@@ -170,6 +178,8 @@ class OneAtATime:
         error: BaseException | None = None
         kept = tokens
         prefilled = new
+        # Speculative decoding (--draft-model, --prompt-lookup) unless the request said "draft": false.
+        guess = insert.draft and (rank.draft is not None or settings.prompt_lookup is not None)
         generator = generate_step(
             mx.array(tokens[plan.reuse :], dtype=mx.int32),
             rank.model,
@@ -181,6 +191,10 @@ class OneAtATime:
             prompt_progress_callback=None if sink is None else lambda done, total: sink.progress(seq, done, total),
             should_cancel=None if sink is None else lambda: sink.should_cancel(seq),
             timeout=settings.timeout,
+            draft_model=rank.draft if guess else None,
+            num_draft_tokens=settings.num_draft_tokens,
+            prompt_lookup=settings.prompt_lookup if guess else None,
+            history=tokens[: plan.reuse],  # the proposer reads the reused prefix too
         )
         try:
             try:
@@ -191,7 +205,9 @@ class OneAtATime:
                         break
             finally:
                 generator.close()
-            kept = tokens + generated
+            # What every rank decided: with guesses, rank 0's stop string may have come before the end of a pass
+            # whose tokens are in every cache (streamed: ``generated``, up to the stop).
+            kept = tokens + generator.decided
             if outcome != "stop":
                 reason = generator.stop.reason if generator.stop is not None else "length"
                 outcome = "failed" if reason == "failed" else "cancelled" if reason == "cancelled" else "length"
@@ -214,7 +230,8 @@ class OneAtATime:
         if outcome != "failed" and kept and offset == len(kept):
             rank.prefix.store(kept, cache)
         rank.ended(seq, offset, outcome)
-        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error)
+        proposed, accepted = generator.guesses
+        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error, proposed, accepted)
 
 
 @dataclass
