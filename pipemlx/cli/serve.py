@@ -24,7 +24,7 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
@@ -39,6 +39,9 @@ from .common import (
     positive_float,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from ..serve import ServeSettings
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
@@ -136,6 +139,31 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting (5)"
     )
     add_limit_flags(serve)
+    add_recovery_flags(serve)
+
+
+def add_recovery_flags(serve: argparse.ArgumentParser) -> None:
+    """A front process apart from the ranks, which restarts them after a fault (docs/serve.md, "Recovery")."""
+    recovery = serve.add_argument_group("recovery")
+    recovery.add_argument(
+        "--recover", action="store_true",
+        help="serve HTTP from a front process that is not a rank; with --ranks N it starts the ranks, restarts "
+        "them when one dies or stalls, and resumes every request where its client's stream stopped",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--recover-timeout", type=positive_float, default=60.0, metavar="S",
+        help="with --recover: seconds the ranks get to come back after a fault before the waiting clients get "
+        "503 with Retry-After (default 60)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--max-restarts", type=int, default=5, metavar="N",
+        help="with --recover: faults within --restart-window that are restarted; one more and the server stops "
+        "restarting, says why and exits (default 5)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--restart-window", type=positive_float, default=600.0, metavar="S",
+        help="with --recover: the window --max-restarts counts faults in, in seconds (default 600)",
+    )  # fmt: skip
 
 
 def add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -217,6 +245,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
+    if args.recover and not in_launched_rank():
+        return _front(args, argv)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
@@ -264,11 +294,42 @@ def _check_safetensors(path: Path) -> None:
         raise UserError(f"the weight file {path} cannot be read (corrupt or incomplete download?): {exc}") from None
 
 
-def _as_rank(args: argparse.Namespace) -> int:
-    from ..serve import RankOptions, ServeSettings, run_rank  # MLX and mlx-lm: imported only where a rank runs
+def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``--recover``: this process is the front; it starts the local ranks and restarts them after a fault."""
+    from ..serve import FrontOptions, run_front
+
+    if args.hostfile is not None:
+        raise UserError("--recover runs local ranks (--ranks N); across hosts it is not available yet")
+    if is_repo_id(args.model) and not Path(args.model).is_dir():
+        raise UserError("--recover needs a local model folder (the front loads its tokenizer)")
+    ranks: int = args.ranks or DEFAULT_RANKS
+    if ranks < 2:
+        raise UserError("--recover needs at least 2 ranks (--ranks N)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    check_ranks(ranks, args.model, args.split)
+    _check_port(args.host, args.port)
+    options = FrontOptions(
+        Path(args.model),
+        _settings(args),
+        ranks,
+        [sys.executable, "-m", "pipemlx", *argv],
+        host=args.host,
+        port=args.port,
+        cors_origins=tuple(args.cors_origin),
+        env={"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)},
+        recover_timeout=args.recover_timeout,
+        max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
+    )
+    return run_front(options)
+
+
+def _settings(args: argparse.Namespace) -> ServeSettings:
+    from ..serve import ServeSettings
 
     parent = os.environ.get(PARENT_VARIABLE)
-    settings = ServeSettings(
+    return ServeSettings(
         model_id=model_id(args),
         max_queue=args.max_queue,
         max_concurrency=args.max_concurrency,
@@ -290,6 +351,12 @@ def _as_rank(args: argparse.Namespace) -> int:
         grace=args.grace,
         metrics_public=args.metrics_public,
     )
+
+
+def _as_rank(args: argparse.Namespace) -> int:
+    from ..serve import RankOptions, run_rank  # MLX and mlx-lm: imported only where a rank runs
+
+    settings = _settings(args)
     options = RankOptions(
         args.model,
         settings,

@@ -18,7 +18,7 @@ import json
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, cast
@@ -28,12 +28,22 @@ from ..launch import init_group
 from ..models.loading import load_sharded
 from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
+from .link import FRONT_ADDRESS_VARIABLE
 from .loop import Leader, follow
 
 SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
 INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn prometheus_client)"
 
-__all__ = ["INSTALL_HINT", "RankOptions", "ServeSettings", "missing_packages", "model_context", "run_rank"]
+__all__ = [
+    "INSTALL_HINT",
+    "FrontOptions",
+    "RankOptions",
+    "ServeSettings",
+    "missing_packages",
+    "model_context",
+    "run_front",
+    "run_rank",
+]
 
 
 def missing_packages() -> list[str]:
@@ -87,7 +97,8 @@ def run_rank(options: RankOptions) -> int:
                 file=sys.stderr,
             )
         return 2
-    if rank == 0 and missing_packages():
+    front_address = os.environ.get(FRONT_ADDRESS_VARIABLE)  # a front process serves HTTP (--recover)
+    if rank == 0 and front_address is None and missing_packages():
         print(f"pipemlx serve: error: rank 0 needs the serve extra: {INSTALL_HINT}", file=sys.stderr)
         os._exit(2)  # the other ranks notice the lost peer and exit
     try:
@@ -121,7 +132,22 @@ def run_rank(options: RankOptions) -> int:
         os._exit(2)
     if rank != 0:
         return _follow(engine, scheduler)
+    if front_address is not None:
+        return _work(engine, scheduler, front_address)
     return _lead(engine, scheduler, options)
+
+
+def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
+    """Rank 0 under a front process: connect to it, greet it, serve what it sends."""
+    from .worker import WorkerLeader, connect
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
+    try:
+        link = connect(front_address)
+    except (OSError, EOFError, ValueError) as exc:
+        print(f"pipemlx serve: rank 0: cannot reach the front at {front_address}: {exc}", file=sys.stderr)
+        os._exit(1)
+    return WorkerLeader(engine, scheduler, link).serve()
 
 
 def _follow(engine: Rank, scheduler: Scheduler) -> int:
@@ -174,6 +200,73 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     except Exception as exc:  # an idle heartbeat found a rank lost or stalled
         front.fail(exc, [], "")
         status = 1
+    http.stop()
+    log("stopped")
+    return status
+
+
+@dataclass
+class FrontOptions:
+    """What the front process of ``pipemlx serve --recover`` needs: HTTP, the model's tokenizer, the ranks."""
+
+    model_dir: Path
+    settings: ServeSettings
+    ranks: int
+    command: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    cors_origins: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict[str, str])
+    recover_timeout: float = 60.0
+    max_restarts: int = 5
+    restart_window: float = 600.0
+
+
+def front_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer as every rank loads it (mlx-lm's ``load_tokenizer``): the front tokenizes and
+    detokenizes, and joins no group."""
+    from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+
+    try:
+        config: Any = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    eos = cast(dict[str, Any], config).get("eos_token_id") if isinstance(config, dict) else None
+    return load_tokenizer(model_dir, None, eos_token_ids=eos)
+
+
+def run_front(options: FrontOptions) -> int:
+    """Serve HTTP in this process and run the ranks as workers, restarting them after a fault (``--recover``)."""
+    from .app import Api, HttpThread
+    from .recovery import GroupFront, RecoverOptions, stop_handler
+
+    settings = options.settings
+    tokenizer = front_tokenizer(options.model_dir)
+    front = Front(settings, [0] * options.ranks)
+    context = settings.context if settings.context is not None else model_context(options.model_dir)
+    api = Api(front, tokenizer, settings, context)
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
+    if not http.start():
+        print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
+        return 2
+    recover = RecoverOptions(
+        options.ranks,
+        options.command,
+        env=options.env,
+        recover_timeout=options.recover_timeout,
+        max_restarts=options.max_restarts,
+        restart_window=options.restart_window,
+    )
+    group = GroupFront(front, tokenizer, recover)
+    handler = stop_handler(front, group)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    log(
+        f"{settings.model_id}: the front serves http://{options.host}:{options.port} and runs {options.ranks} ranks, "
+        f"restarting them after a fault (--recover-timeout {options.recover_timeout:g} s, --max-restarts "
+        f"{options.max_restarts} in {options.restart_window:g} s)"
+    )
+    status = group.run()
     http.stop()
     log("stopped")
     return status

@@ -1,0 +1,234 @@
+"""`pipemlx serve --recover`: a rank killed or stalled mid-stream, the ranks restarted, every stream continued.
+
+One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). Each fault test sends 8
+streaming greedy clients, kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
+and checks that every client's text equals one process running mlx-lm on the whole model, that no client
+saw an error, and that ``/health`` reports the restart and how long it took. The last test removes the
+weights first, so the ranks cannot come back: every client must get the bounded error within
+``--recover-timeout`` + 2 s. Every wait is bounded; the server (front and every rank) is always stopped and
+its stderr shown when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from serve_process import ServeProcess
+from test_serve import Reference
+
+from pipemlx.demo import MODEL_DIR
+
+pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [
+    "Mr. Bingley",
+    "Lady Catherine",
+    "Mrs. Bennet said",
+    "Jane smiled and",
+    "It is a truth universally acknowledged",
+    "Elizabeth walked on, and",
+    "Mr. Darcy looked",
+    "Kitty and Lydia",
+]
+MAX_TOKENS = 40
+TIMEOUT = 3.0  # --timeout: a stalled follower is noticed after this many seconds
+RECORD: dict[str, float] = {}  # measured recovery times, printed at the end of the module
+
+
+@dataclass
+class Client:
+    """One streaming client's view: the text, the finish, any error event or status, when each came."""
+
+    prompt: str
+    text: str = ""
+    chunks: int = 0
+    finish: str | None = None
+    done: bool = False
+    status: int | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list[dict[str, Any]])
+    error_at: float | None = None
+
+
+def stream(url: str, client: Client, max_tokens: int) -> None:
+    body = {"prompt": client.prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
+            client.status = response.status_code
+            if response.status_code != 200:
+                response.read()
+                client.errors.append({"status": response.status_code, "body": response.text})
+                client.error_at = time.monotonic()
+                return
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    client.done = True
+                    return
+                chunk: dict[str, Any] = json.loads(data)
+                if "error" in chunk:
+                    client.errors.append(chunk)
+                    client.error_at = time.monotonic()
+                    continue
+                choice = chunk["choices"][0]
+                client.text += choice["text"]
+                client.chunks += 1
+                client.finish = choice["finish_reason"] or client.finish
+    except httpx.HTTPError as exc:
+        client.errors.append({"exception": repr(exc)})
+        client.error_at = time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def ref() -> Reference:
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def expected(ref: Reference) -> dict[str, str]:
+    """Each prompt's greedy answer from one process: what every client's text must be, fault or not."""
+    return {p: ref.text(ref.generate(ref.text_tokens(p), MAX_TOKENS)) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    process = ServeProcess(
+        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--recover-timeout", "90", "--max-restarts",
+        "10", "--prefix-cache", "16",
+    )  # fmt: skip
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        status = process.stop()
+        stderr = process.stderr()
+        process.close()
+        print("\nrecovery times (s):", RECORD)
+    assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
+    assert "Traceback" not in stderr, stderr[-4000:]
+
+
+def rank_pids(server: ServeProcess) -> list[int]:
+    pids = [int(r["pid"]) for r in server.health()["rank_status"]]
+    server.rank_pids = pids  # what stop() kills if it must
+    return pids
+
+
+def run_clients(server: ServeProcess, fault: Callable[[], None] | None, max_tokens: int = MAX_TOKENS) -> list[Client]:
+    """8 streaming clients at once; ``fault`` runs once several of them have text under way."""
+    clients = [Client(p) for p in PROMPTS]
+    threads = [threading.Thread(target=stream, args=(server.url, c, max_tokens), daemon=True) for c in clients]
+    for t in threads:
+        t.start()
+    if fault is not None:
+        server.wait_for("the streams to be under way", lambda: sum(c.chunks >= 3 for c in clients) >= 2, 60.0, 0.01)
+        fault()
+    for t in threads:
+        t.join(120.0)
+    if any(t.is_alive() for t in threads):
+        server.fail("a client was still streaming after 120 s")
+    return clients
+
+
+def check_continued(server: ServeProcess, clients: list[Client], expected: dict[str, str]) -> None:
+    for c in clients:
+        if c.errors or not c.done:
+            server.fail(f"client {c.prompt!r} saw {c.errors} (done: {c.done})")
+        assert c.text == expected[c.prompt], (c.prompt, c.text, expected[c.prompt])
+
+
+def fault_test(
+    server: ServeProcess, expected: dict[str, str], name: str, hurt: Callable[[list[int]], None], stalled: int = -1
+) -> None:
+    before = server.health()["recovery"]["restarts"]
+    pids = rank_pids(server)
+    clients = run_clients(server, lambda: hurt(pids))
+    check_continued(server, clients, expected)
+    health = server.wait_for("ready again", lambda: (h := server.health())["status"] == "ready" and h)
+    recovery = health["recovery"]
+    assert recovery["restarts"] == before + 1, recovery
+    assert recovery["last_recovery_s"] is not None
+    RECORD[name] = recovery["last_recovery_s"]
+    if stalled >= 0:  # the front killed the stalled process with its group
+        server.wait_for("the stalled rank to be gone", lambda: not _alive(pids[stalled]), 10.0)
+    assert set(rank_pids(server)).isdisjoint(pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie until its parent reaps it: gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_undisturbed_streams_equal_one_process(server: ServeProcess, expected: dict[str, str]) -> None:
+    check_continued(server, run_clients(server, None), expected)
+
+
+def test_follower_killed_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
+    fault_test(server, expected, "kill rank 1", lambda pids: os.kill(pids[1], signal.SIGKILL))
+
+
+def test_rank0_worker_killed_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
+    fault_test(server, expected, "kill rank 0", lambda pids: os.kill(pids[0], signal.SIGKILL))
+
+
+def test_follower_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
+    fault_test(server, expected, "stall rank 1", lambda pids: os.kill(pids[1], signal.SIGSTOP), stalled=1)
+
+
+def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> None:
+    """The weights gone, rank 1 killed: each client gets 503 / an error event within --recover-timeout + 2 s."""
+    model = tmp_path / "model"
+    shutil.copytree(MODEL_DIR, model)
+    bound = 4.0
+    server = ServeProcess(
+        "--recover", "--model", str(model), "--model-name", "pipemlx-demo", "--max-concurrency", "4",
+        "--timeout", str(TIMEOUT), "--recover-timeout", str(bound), "--max-restarts", "20", "--fault-grace", "1",
+    )  # fmt: skip
+    killed: list[float] = []
+    try:
+        server.wait_ready()
+        pids = rank_pids(server)
+
+        def hurt() -> None:
+            (model / "model.safetensors").unlink()
+            killed.append(time.monotonic())
+            os.kill(pids[1], signal.SIGKILL)
+
+        clients = run_clients(server, hurt, max_tokens=400)
+        for c in clients:
+            assert c.errors, f"client {c.prompt!r} finished without an error: {c.text!r}"
+            assert c.error_at is not None and c.error_at - killed[0] <= bound + 2.0, (c.error_at - killed[0], c.errors)
+            assert all(e.get("error", {}).get("code") == "pipeline_recovering" for e in c.errors), c.errors
+        response = httpx.get(server.url + "/health", timeout=10.0)
+        assert response.status_code == 503 and response.json()["status"] == "recovering"
+        assert response.headers["retry-after"]
+        late = httpx.post(server.url + "/v1/completions", json={"prompt": "Mr. Bingley", "max_tokens": 4}, timeout=10)
+        assert late.status_code == 503 and late.headers["retry-after"], late.text
+        assert late.json()["error"]["code"] == "pipeline_recovering"
+    finally:
+        status = server.stop()
+        stderr = server.stderr()
+        server.close()
+    assert status == 0, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
