@@ -1,7 +1,7 @@
 """`pipemlx serve --recover`: a rank killed or stalled mid-stream, the ranks restarted, every stream continued.
 
 One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). Each fault test sends 8
-streaming greedy clients, kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
+streaming clients (6 greedy, 2 sampled with a seed), kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
 and checks that every client's text equals one process running mlx-lm on the whole model, that no client
 saw an error, and that ``/health`` reports the restart and how long it took. The last test removes the
 weights first, so the ranks cannot come back: every client must get the bounded error within
@@ -44,6 +44,7 @@ PROMPTS = [
     "Mr. Darcy looked",
     "Kitty and Lydia",
 ]
+SAMPLED = {"Mr. Darcy looked": 1234, "Kitty and Lydia": 4321}  # these clients sample (temperature 1) with a seed
 MAX_TOKENS = 40
 TIMEOUT = 3.0  # --timeout: a stalled follower is noticed after this many seconds
 RECORD: dict[str, float] = {}  # measured recovery times, printed at the end of the module
@@ -64,7 +65,9 @@ class Client:
 
 
 def stream(url: str, client: Client, max_tokens: int) -> None:
-    body = {"prompt": client.prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body: dict[str, Any] = {"prompt": client.prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if client.prompt in SAMPLED:
+        body.update(temperature=1.0, seed=SAMPLED[client.prompt])
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
             client.status = response.status_code
@@ -101,8 +104,14 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def expected(ref: Reference) -> dict[str, str]:
-    """Each prompt's greedy answer from one process: what every client's text must be, fault or not."""
-    return {p: ref.text(ref.generate(ref.text_tokens(p), MAX_TOKENS)) for p in PROMPTS}
+    """Each prompt's answer from one process (greedy, or sampled with the seed): what every client's text must
+    be, fault or not."""
+    return {
+        p: ref.text(
+            ref.generate(ref.text_tokens(p), MAX_TOKENS, temp=1.0 if p in SAMPLED else 0.0, seed=SAMPLED.get(p))
+        )
+        for p in PROMPTS
+    }
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +203,11 @@ def test_rank0_worker_killed_mid_stream(server: ServeProcess, expected: dict[str
 
 def test_follower_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
     fault_test(server, expected, "stall rank 1", lambda pids: os.kill(pids[1], signal.SIGSTOP), stalled=1)
+
+
+def test_rank0_worker_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
+    """Rank 0 stopped: its heartbeat stops, the front counts it stalled after 5 s of silence."""
+    fault_test(server, expected, "stall rank 0", lambda pids: os.kill(pids[0], signal.SIGSTOP), stalled=0)
 
 
 def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> None:

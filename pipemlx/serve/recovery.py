@@ -358,6 +358,7 @@ class GroupFront:
                 "temperature": job.temperature,
                 "top_p": job.top_p,
                 "seed": job.seed,
+                "drawn": len(tracked.generated),
                 "penalties": vars(job.penalties),
             }
         )

@@ -47,6 +47,7 @@ class RemoteJob:
     top_p: float
     seed: int | None
     penalties: Penalties
+    drawn: int = 0  # tokens it generated before (a resumed request): the sampler skips as many keys
 
 
 def connect(address: str) -> Link:
@@ -114,6 +115,7 @@ def _job(message: dict[str, Any]) -> RemoteJob:
         float(message["top_p"]),
         None if seed is None else int(seed),
         Penalties(**penalties),
+        int(message.get("drawn") or 0),
     )
 
 
@@ -188,7 +190,17 @@ class WorkerLeader:
                 seed = random.randrange(1 << 31) if job.temperature > 0 else -1
             plan = prefix.plan(job.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
             inserts.append(
-                Insert(self.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan, job.penalties)
+                Insert(
+                    self.seq,
+                    job.tokens,
+                    job.max_tokens,
+                    job.temperature,
+                    job.top_p,
+                    seed,
+                    plan,
+                    job.penalties,
+                    job.drawn,
+                )
             )
             self.ids[self.seq] = job.id
             self.link.send({"t": "admitted", "id": job.id, "seq": self.seq, "cached": plan.reuse})
