@@ -210,6 +210,22 @@ def test_rank0_worker_stalled_mid_stream(server: ServeProcess, expected: dict[st
     fault_test(server, expected, "stall rank 0", lambda pids: os.kill(pids[0], signal.SIGSTOP), stalled=0)
 
 
+def test_three_ranks_middle_rank_killed(expected: dict[str, str]) -> None:
+    """3 ranks: the middle one killed mid-stream; every stream continues and equals one process."""
+    server = ServeProcess(
+        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--prefix-cache", "16", ranks=3
+    )
+    try:
+        server.wait_ready()
+        fault_test(server, expected, "kill rank 1 of 3", lambda pids: os.kill(pids[1], signal.SIGKILL))
+    finally:
+        status = server.stop()
+        stderr = server.stderr()
+        server.close()
+    assert status == 0, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+
+
 def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> None:
     """The weights gone, rank 1 killed: each client gets 503 / an error event within --recover-timeout + 2 s."""
     model = tmp_path / "model"
@@ -247,3 +263,54 @@ def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> 
         server.close()
     assert status == 0, stderr[-4000:]
     assert "Traceback" not in stderr, stderr[-4000:]
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ten_kills_at_random_moments(expected: dict[str, str]) -> None:
+    """Ten rounds of 8 clients, each round a random rank killed after a random delay: every answer whole and
+    equal to one process's, each request answered once, the front's resident memory flat."""
+    import random
+
+    chooser = random.Random(34)
+    server = ServeProcess(
+        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--max-restarts", "30",
+        "--prefix-cache", "16",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        check_continued(server, run_clients(server, None), expected)  # warm-up: the front's imports and caches
+        rss_start = _rss_kib(server.proc.pid)
+        served = server.health()["requests"]["served"]
+        times: list[float] = []
+        for _ in range(10):
+            pids = rank_pids(server)
+            victim = chooser.randrange(len(pids))
+            delay = chooser.uniform(0.0, 1.5)
+
+            def hurt(pid: int = pids[victim], wait: float = delay) -> None:
+                time.sleep(wait)
+                os.kill(pid, signal.SIGKILL)
+
+            check_continued(server, run_clients(server, hurt), expected)
+            health = server.wait_for("ready again", lambda: (h := server.health())["status"] == "ready" and h)
+            times.append(health["recovery"]["last_recovery_s"])
+        health = server.health()
+        assert health["recovery"]["restarts"] == 10, health["recovery"]
+        assert health["requests"]["served"] == served + 80, health["requests"]
+        assert health["requests"]["failed"] == 0
+        rss_end = _rss_kib(server.proc.pid)
+        print(f"\nten kills: recovery times {times}; the front's RSS {rss_start} -> {rss_end} KiB")
+        assert rss_end <= rss_start * 1.10, (rss_start, rss_end)
+    finally:
+        status = server.stop()
+        stderr = server.stderr()
+        server.close()
+    assert status == 0, stderr[-4000:]

@@ -165,7 +165,8 @@ class OneAtATime:
             if insert.drawn and insert.temperature > 0:  # a resumed request: skip the keys its tokens used
                 for _ in range(insert.drawn):
                     mx.random.uniform(shape=())
-                mx.eval(mx.random.state)  # here: a lazy key would be evaluated on a thread without this stream
+                # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this stream.
+                mx.eval(mx.random.state)  # pyright: ignore[reportUnknownMemberType]
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
@@ -375,7 +376,8 @@ def request_sampler(temperature: float, top_p: float, seed: int, drawn: int = 0)
     state = [mx.random.key(seed)]
     for _ in range(drawn):
         state[0] = mx.random.split(state[0])[0]
-    mx.eval(state[0])  # here: a lazy key would be evaluated on a thread without this thread's stream
+    # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this thread's stream.
+    mx.eval(state[0])  # pyright: ignore[reportUnknownMemberType]
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < top_p < 1:
