@@ -46,7 +46,7 @@ from typing import Any, cast
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from .front import Event, Front, Job, Reply, RequestResult, ServeSettings, log
 from .link import FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, SILENCE_S, Link
-from .openai_api import ApiError
+from .openai_api import ApiError, unavailable
 
 START_TIMEOUT_S = 300.0
 """The longest a group may take to load and greet the front before the start counts as failed."""
@@ -95,8 +95,10 @@ class GroupFront:
         self.key = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
         self.accepted: queue.Queue[Link] = queue.Queue()
+        self.closed = threading.Event()
         threading.Thread(target=self._accept, name="pipemlx-serve-accept", daemon=True).start()
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.workdir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-")  # the ranks' hostfile
         self.tracked: dict[int, Tracked] = {}  # by id, in the order the requests came (dicts keep it)
         self.next_id = 0
         self.faults: list[float] = []  # when each fault happened (monotonic)
@@ -111,6 +113,8 @@ class GroupFront:
             try:
                 connection = self.listener.accept()
             except (OSError, EOFError):  # a failed handshake (not our rank), or the listener closed
+                if self.closed.is_set():
+                    return
                 continue
             self.accepted.put(Link(connection))
 
@@ -118,6 +122,15 @@ class GroupFront:
 
     def run(self) -> int:
         """Serve until stopped (0), or until restarts are used up (1) or the first start fails on bad input (2)."""
+        try:
+            return self._run()
+        finally:
+            kill_all(self.procs)
+            self.closed.set()
+            self.listener.close()
+            self.workdir.cleanup()
+
+    def _run(self) -> int:
         fault_at: float | None = None
         while True:
             link = self._bring_up(fault_at)
@@ -183,8 +196,8 @@ class GroupFront:
         kill_all(self.procs)
         while not self.accepted.empty():  # a link of the old group that came late
             self.accepted.get_nowait().close()
-        directory = Path(tempfile.mkdtemp(prefix="pipemlx-serve-"))
-        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(self.options.ranks)], directory)
+        ports = free_ports(self.options.ranks)  # new ones each time: the old group's may linger
+        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in ports], Path(self.workdir.name))
         host, port = cast(tuple[str, int], self.listener.address)
         self.procs = []
         for rank in range(self.options.ranks):
@@ -199,10 +212,10 @@ class GroupFront:
                 "PYTHONUNBUFFERED": "1",
             }
             out = None if rank == 0 else subprocess.DEVNULL
+            command = self.options.command
             self.procs.append(
-                subprocess.Popen(self.options.command, env=env, stdout=out, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-            )  # fmt: skip
+                subprocess.Popen(command, env=env, stdout=out, stdin=subprocess.DEVNULL, start_new_session=True)
+            )
 
     def _bring_up(self, fault_at: float | None) -> Link | int:
         """Start a group and wait for rank 0's hello; the link, or the exit status when the front is done."""
@@ -213,8 +226,7 @@ class GroupFront:
             while True:
                 if self.front.stopping.is_set():
                     kill_all(self.procs)
-                    self._fail_all(ApiError(503, "the server is shutting down", type="server_error",
-                                            code="shutting_down"))  # fmt: skip
+                    self._fail_all(unavailable("the server is shutting down", code="shutting_down"))
                     return 0
                 now = time.monotonic()
                 if recover_deadline is not None and now >= recover_deadline and not self.front.recover_expired:
@@ -301,8 +313,7 @@ class GroupFront:
             if stop_sent:
                 if all(c is not None for c in codes) or time.monotonic() - stop_sent_at > STOP_GRACE_S:
                     kill_all(self.procs)
-                    self._fail_all(ApiError(503, "the server is shutting down", type="server_error",
-                                            code="shutting_down"))  # fmt: skip
+                    self._fail_all(unavailable("the server is shutting down", code="shutting_down"))
                     return 0
                 continue
             report = self._exit_report()
