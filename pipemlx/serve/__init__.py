@@ -130,6 +130,11 @@ def run_rank(options: RankOptions) -> int:
     except TypeError as exc:  # the same model on every rank: every rank says so and exits
         print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
         os._exit(2)
+    except PipelineError as exc:  # a peer lost or stalled while the batch scheduler calibrated
+        print(
+            f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block or abort
     if rank != 0:
         return _follow(engine, scheduler)
     if front_address is not None:

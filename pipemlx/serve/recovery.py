@@ -151,7 +151,7 @@ class GroupFront:
                 if not self._note_fault(str(fault)):
                     return self._give_up()
 
-    def _note_fault(self, message: str) -> bool:
+    def _note_fault(self, message: str) -> bool:  # a failed start counts too, the first one included
         """Record a fault; False when it is one too many in the window (--max-restarts)."""
         now = time.monotonic()
         self.faults = [t for t in self.faults if now - t <= self.options.restart_window] + [now]
@@ -248,10 +248,6 @@ class GroupFront:
                         self.started_once = True
                         return link
                     continue
-                if not self.started_once:
-                    kill_all(self.procs)
-                    log(f"the ranks could not start: {failure}")
-                    return 1
                 if not self._note_fault(failure):
                     return self._give_up()
                 break  # start again
