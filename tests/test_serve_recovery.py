@@ -49,6 +49,7 @@ MAX_TOKENS = 40
 TIMEOUT = 5.0  # --timeout: a stalled follower is noticed after this many seconds (less fails start-ups on a busy
 # 2-core machine: the batch scheduler's calibration waits on every rank)
 RECORD: dict[str, float] = {}  # measured recovery times, printed at the end of the module
+START: list[float] = []  # the module server's first start, for comparison
 
 
 @dataclass
@@ -123,12 +124,13 @@ def server() -> Iterator[ServeProcess]:
     )  # fmt: skip
     try:
         process.wait_ready()
+        START.append(process.health()["recovery"]["start_s"])
         yield process
     finally:
         status = process.stop()
         stderr = process.stderr()
         process.close()
-        print("\nrecovery times (s):", RECORD)
+        print("\nrecovery times (s):", RECORD, "first start (s):", START)
     assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
     assert "Traceback" not in stderr, stderr[-4000:]
 

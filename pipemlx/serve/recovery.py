@@ -103,7 +103,13 @@ class GroupFront:
         self.next_id = 0
         self.faults: list[float] = []  # when each fault happened (monotonic)
         self.started_once = False
-        self.recovery: dict[str, Any] = {"restarts": 0, "last_fault": None, "last_recovery_s": None, "times_s": []}
+        self.recovery: dict[str, Any] = {
+            "restarts": 0,
+            "last_fault": None,
+            "start_s": None,  # the first start: spawn to rank 0's greeting (loading, warming up, calibrating)
+            "last_recovery_s": None,  # the fault seen to the new group's greeting
+            "times_s": [],  # the last 16 recoveries
+        }
         front.recovery = self.recovery
 
     # --- the link's listener -----------------------------------------------------------------------------------------
@@ -132,11 +138,16 @@ class GroupFront:
 
     def _run(self) -> int:
         fault_at: float | None = None
+        started = time.monotonic()
         while True:
             link = self._bring_up(fault_at)
             if isinstance(link, int):
                 return link
-            if fault_at is not None:
+            if self.recovery["start_s"] is None:
+                took = time.monotonic() - started
+                self.recovery["start_s"] = round(took, 2)
+                log(f"the ranks are up after {took:.2f} s")
+            elif fault_at is not None:
                 took = time.monotonic() - fault_at
                 self.recovery["last_recovery_s"] = round(took, 2)
                 self.recovery["times_s"] = (self.recovery["times_s"] + [round(took, 2)])[-16:]
