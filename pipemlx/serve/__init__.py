@@ -7,6 +7,12 @@ serving loop (:mod:`.loop`), which every other rank follows, each driving one
 scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
 (:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.openai_api`.
 
+With ``--recover`` (:func:`run_front`) HTTP and the requests' state live in a
+front process that is not a rank (:mod:`.recovery`); it starts the ranks,
+rank 0 serves the requests it is sent over a local link (:mod:`.link`,
+:mod:`.worker`), and after a fault the front restarts the ranks and resumes
+every request.
+
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette,
 uvicorn and prometheus_client) on rank 0; :func:`missing_packages` says what is missing.
 """
