@@ -1,7 +1,7 @@
 """`pipemlx serve --recover`: a rank killed or stalled mid-stream, the ranks restarted, every stream continued.
 
 One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). Each fault test sends 8
-streaming clients (6 greedy, 2 sampled with a seed), kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
+clients (6 greedy, 2 sampled with a seed; one asks for its answer unstreamed), kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
 and checks that every client's text equals one process running mlx-lm on the whole model, that no client
 saw an error, and that ``/health`` reports the restart and how long it took. The last test removes the
 weights first, so the ranks cannot come back: every client must get the bounded error within
@@ -45,6 +45,7 @@ PROMPTS = [
     "Kitty and Lydia",
 ]
 SAMPLED = {"Mr. Darcy looked": 1234, "Kitty and Lydia": 4321}  # these clients sample (temperature 1) with a seed
+WHOLE = {"Jane smiled and"}  # this client asks for its answer in one piece (no stream): it must get 200
 MAX_TOKENS = 40
 TIMEOUT = 5.0  # --timeout: a stalled follower is noticed after this many seconds (less fails start-ups on a busy
 # 2-core machine: the batch scheduler's calibration waits on every rank)
@@ -70,6 +71,9 @@ def stream(url: str, client: Client, max_tokens: int) -> None:
     body: dict[str, Any] = {"prompt": client.prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if client.prompt in SAMPLED:
         body.update(temperature=1.0, seed=SAMPLED[client.prompt])
+    if client.prompt in WHOLE:
+        whole(url, client, {**body, "stream": False})
+        return
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120.0) as response:
             client.status = response.status_code
@@ -97,6 +101,23 @@ def stream(url: str, client: Client, max_tokens: int) -> None:
     except httpx.HTTPError as exc:
         client.errors.append({"exception": repr(exc)})
         client.error_at = time.monotonic()
+
+
+def whole(url: str, client: Client, body: dict[str, Any]) -> None:
+    """A request answered in one piece: a 200 with the whole text, or an error recorded."""
+    try:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+    except httpx.HTTPError as exc:
+        client.errors.append({"exception": repr(exc)})
+        client.error_at = time.monotonic()
+        return
+    client.status = response.status_code
+    if response.status_code != 200:
+        client.errors.append({"status": response.status_code, **response.json()})
+        client.error_at = time.monotonic()
+        return
+    choice = response.json()["choices"][0]
+    client.text, client.finish, client.done, client.chunks = choice["text"], choice["finish_reason"], True, 1
 
 
 @pytest.fixture(scope="module")
