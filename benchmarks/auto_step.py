@@ -1,4 +1,4 @@
-"""step_size="auto" against the best fixed step: pipemlx at S=2, same model and prompt, in one run.
+"""prefill_step_size="auto" against the best fixed step: pipemlx at S=2, same model and prompt, in one run.
 
     python benchmarks/auto_step.py [--lengths 1024,2048,4096] [--steps 64,128,256,512] [--rounds 3]
 

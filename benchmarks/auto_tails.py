@@ -8,7 +8,7 @@ prompt once per cut, in turn, in one launch (see ranks/cuts_rank.py), so the cut
 drift; the table shows each cut's best and median seconds, its chunks' tail and the cost model's
 prediction (the group's calibrated costs). The cuts: uniform 128 and ``--step``, ``--step`` with a
 halving tail of 3 (``ramp_lengths``), with tails shrinking by 5/8 and 3/4 (``tail_lengths``), and
-``step_size="auto"``'s own choice.
+``prefill_step_size="auto"``'s own choice.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ CALIBRATE = HERE / "ranks" / "calibrate_rank.py"
 
 
 def calibrated_costs(openblas: bool) -> CostModel:
-    """The group's cost model as step_size="auto" calibrates it (one launch)."""
+    """The group's cost model as prefill_step_size="auto" calibrates it (one launch)."""
     results = launch(
         2, [sys.executable, str(CALIBRATE), json.dumps({"config": BENCH_CONFIG})], timeout=600, env=bench_env(openblas)
     )

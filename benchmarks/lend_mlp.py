@@ -8,7 +8,7 @@ models of the same weights: whole layers (``lend_mlp=False``, unless ``--no-whol
 ``lend_mlp=True, lend_heads=k`` for each ``k`` of ``--lend-heads``, and with ``--native`` mlx-lm's native
 pipeline first (``model.model.pipeline(group)``, uniform cuts only); every round prefills the prompt with
 each cut on each model in turn (see ranks/cuts_rank.py), so all share the machine's drift. Cuts: ``uN`` uniform N-token chunks, ``N+3/4`` N-token chunks then a tail shrinking by
-3/4 (``tail_lengths``), ``auto`` each model's own ``step_size="auto"`` choice (its calibrated cost model).
+3/4 (``tail_lengths``), ``auto`` each model's own ``prefill_step_size="auto"`` choice (its calibrated cost model).
 Prints each cut's best and median seconds per sharding, each best against whole layers' (or ``lend_mlp``'s
 with ``--no-whole``), and whether all gave the same tokens after the prefill.
 """
@@ -60,11 +60,11 @@ def main() -> None:
     cuts = {name: cut_of(name, args.tokens) for name in names}
     shardings: dict[str, dict[str, Any]] = {"native": {"native": True}} if args.native else {}
     if not args.no_whole:
-        shardings["whole layers"] = {}
-    shardings["lend_mlp"] = {"lend_mlp": True}
+        shardings["whole layers"] = {"lend": "none"}
+    shardings["lend_mlp"] = {"lend": "mlp"}
     for heads in filter(None, args.lend_heads.split(",")):
-        lent: dict[str, Any] = {"lend_mlp": True, "lend_heads": "auto", "context": args.tokens}  # for this prompt
-        shardings[f"lend_heads={heads}"] = lent if heads == "auto" else {"lend_mlp": True, "lend_heads": int(heads)}
+        lent: dict[str, Any] = {"lend": "auto", "context": args.tokens}  # for this prompt
+        shardings[f"lend_heads={heads}"] = lent if heads == "auto" else {"lend": int(heads)}
     spec: dict[str, Any] = {
         "M": args.tokens,
         "rounds": args.rounds,
@@ -99,7 +99,7 @@ def main() -> None:
     for sharding, chunks in reports[0]["auto"].items():
         print(f"auto with {sharding}: {describe_cut(chunks)}")
     for sharding, heads in reports[0]["lent_heads"].items():
-        if shardings[sharding].get("lend_heads") == "auto":
+        if shardings[sharding].get("lend") == "auto":
             print(f"{sharding}: {heads} key-value heads lent")
 
 

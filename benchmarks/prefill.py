@@ -6,7 +6,7 @@
 
 For every prompt length, in one run: one process at steps 256, 512 and 2048; mlx-lm's native pipeline
 (``model.model.pipeline(group)``) at steps 128, 256 and 512; pipemlx at the same fixed steps and with
-``step_size="auto"``, then with ``lend_mlp`` (the cut between the halves of rank 0's last layer, whose
+``prefill_step_size="auto"``, then with ``lend_mlp`` (the cut between the halves of rank 0's last layer, whose
 feed-forward half runs on rank 1) and with ``lend_heads=K`` (``--lend-heads``, default 2 of the model's 4
 key-value heads, or ``auto``: the count ``shard_model`` predicts fastest for the prompt; several, comma-separated:
 that layer's attention split between the ranks too) at the first fixed step and auto. The contenders take turns: each round launches every contender once (one warm-up

@@ -1,10 +1,10 @@
-"""Draw the prefill before and after step_size="auto" cuts its ends: docs/images/prefill_before_after.png.
+"""Draw the prefill before and after prefill_step_size="auto" cuts its ends: docs/images/prefill_before_after.png.
 
     python benchmarks/prefill_timeline.py [--tokens 2048] [--step 256] [-o docs/images/prefill_before_after.png]
 
 Two traced pipemlx prefills of the benchmark model at S=2 (OpenBLAS preloaded, one core per process),
 each the last of three in its launch: chunks of ``--step`` tokens as mlx-lm cuts them (what mlx-lm's
-native pipeline also runs), and ``step_size="auto"``. The PNG shows both timelines on one time axis
+native pipeline also runs), and ``prefill_step_size="auto"``. The PNG shows both timelines on one time axis
 (needs matplotlib); the seconds printed are the traced prefills'.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
         print(f"uniform {args.step}: {before_s:.2f} s; auto ({cut}): {after_s:.2f} s")
         panels = [
             (f"chunks of {args.step} ({before_s:.2f} s)", read_spans(before)),
-            (f'step_size="auto" ({after_s:.2f} s)', read_spans(after)),
+            (f'prefill_step_size="auto" ({after_s:.2f} s)', read_spans(after)),
         ]
         title = f"pipemlx prefill, {args.tokens} tokens, 2 ranks"
         print(plot_timeline(panels, args.output, title=title))

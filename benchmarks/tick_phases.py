@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--chunking", default="equal-cost", choices=["fixed", "equal-cost"])
     parser.add_argument("--requests", type=int, default=4)
-    parser.add_argument("--lend-mlp", action="store_true", help="shard_model(..., lend_mlp=True)")
+    parser.add_argument("--lend-mlp", action="store_true", help="shard_model(..., lend='mlp')")
     args = parser.parse_args()
     spec = {
         "R": args.requests,

@@ -32,7 +32,7 @@ def run_rank(args: argparse.Namespace) -> None:
     stage = stage_of(model)
     prompt = mx.array(tokenizer.encode(default_prompt()), dtype=mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size)
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=args.prefill_step_size)
     steps = pipemlx.generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=args.max_tokens)
     tokens = [int(t) for t, _ in steps]  # the same on every rank; nothing is left in flight afterwards
     peak_mb = mx.get_peak_memory() / 2**20
@@ -42,7 +42,7 @@ def run_rank(args: argparse.Namespace) -> None:
                 {
                     "rank": group.rank(),
                     "split": list(stage.info.split),
-                    "step_size": args.step_size,
+                    "prefill_step_size": args.prefill_step_size,
                     "layers": [stage.info.layers.start, stage.info.layers.stop],
                     "tokens": tokens,
                 }
@@ -60,7 +60,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, help="start this many local ranks")
     parser.add_argument("--split", help="layers per rank, comma-separated (default: even)")
     parser.add_argument("--model", default=str(MODEL_DIR), help="mlx-lm model folder (default: the demo model)")
-    parser.add_argument("--step-size", type=int, default=32, help="prefill chunk in tokens")
+    parser.add_argument("--prefill-step-size", type=int, default=32, help="prefill chunk in tokens")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()

@@ -68,7 +68,12 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
         outcome: dict[str, Any] = {"id": request.id, "prompt_tokens": prompt.size}
         try:
             pipemlx.pipeline_prefill(
-                model, prompt, cache, step_size=step_size, progress_callback=on_progress, should_cancel=should_cancel
+                model,
+                prompt,
+                cache,
+                prefill_step_size=step_size,
+                prompt_progress_callback=on_progress,
+                should_cancel=should_cancel,
             )
         except pipemlx.PrefillCancelled as stop:
             # Every rank lands here at the same agreement point; the group is ready for the next request.
@@ -102,16 +107,19 @@ def serve(model: Any, tokenizer: Any, group: mx.distributed.Group, step_size: in
 def run_rank(args: argparse.Namespace) -> None:
     group = init_group()
     model, tokenizer = pipemlx.load_sharded(args.model, group)  # only this rank's weights are read
-    outcomes = serve(model, tokenizer, group, args.step_size, quiet=args.json)
+    outcomes = serve(model, tokenizer, group, args.prefill_step_size, quiet=args.json)
     if args.json:
-        print(json.dumps({"rank": group.rank(), "step_size": args.step_size, "requests": outcomes}), flush=True)
+        print(
+            json.dumps({"rank": group.rank(), "prefill_step_size": args.prefill_step_size, "requests": outcomes}),
+            flush=True,
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ranks", type=int, help="start this many local ranks")
     parser.add_argument("--model", default=str(MODEL_DIR), help="mlx-lm model folder (default: the demo model)")
-    parser.add_argument("--step-size", type=int, default=16, help="prefill chunk in tokens")
+    parser.add_argument("--prefill-step-size", type=int, default=16, help="prefill chunk in tokens")
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()
     if args.ranks and "MLX_RANK" not in os.environ:

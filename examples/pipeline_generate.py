@@ -42,7 +42,9 @@ def run_rank(args: argparse.Namespace) -> None:
 
     cache = make_prompt_cache(model)  # one cache per *local* layer
     start = time.perf_counter()
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=args.step_size, progress_callback=on_progress)
+    pipemlx.pipeline_prefill(
+        model, prompt, cache, prefill_step_size=args.prefill_step_size, prompt_progress_callback=on_progress
+    )
     prefill_s = time.perf_counter() - start
 
     # Decoding: pipemlx.generate_step takes mlx-lm's arguments; the cache already holds the prompt but
@@ -58,7 +60,7 @@ def run_rank(args: argparse.Namespace) -> None:
                 {
                     "rank": rank,
                     "layers": [stage.info.layers.start, stage.info.layers.stop],
-                    "step_size": args.step_size,
+                    "prefill_step_size": args.prefill_step_size,
                     "tokens": tokens,
                 }
             ),
@@ -76,7 +78,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, help="start this many local ranks")
     parser.add_argument("--model", default=str(MODEL_DIR), help="mlx-lm model folder (default: the demo model)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt length (default: the demo prompt, 231 tokens)")
-    parser.add_argument("--step-size", type=int, default=32, help="prefill chunk in tokens")
+    parser.add_argument("--prefill-step-size", type=int, default=32, help="prefill chunk in tokens")
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--json", action="store_true", help="each rank prints one JSON line (for tests)")
     args = parser.parse_args()

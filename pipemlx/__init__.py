@@ -14,6 +14,7 @@ per-rank state stays reachable by module path for tools and tests
 ``pipemlx.runtime.lean_decode.lean_generate_step``.
 """
 
+from ._version import __version__
 from .errors import (
     NotShardedError,
     PeerLostError,
@@ -30,9 +31,8 @@ from .runtime.prefill import pipeline_prefill
 from .runtime.send_mode import send_mode
 from .runtime.send_queue import SendQueue
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "BatchGenerator",
     "NotShardedError",
     "PeerLostError",

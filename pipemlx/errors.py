@@ -7,6 +7,13 @@ so an engine can catch the whole family in one place.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 class PipelineError(RuntimeError):
     """Base class of the errors raised by a running pipeline."""
@@ -69,3 +76,29 @@ class PrefillCancelled(PipelineError):
         self.cache_trimmed = cache_trimmed
         self.failed_ranks = failed_ranks or []
         self.cancelling_ranks = cancelling_ranks or []
+
+
+def renamed(**old_to_new: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorate a function whose keyword arguments were renamed: an old name raises ``TypeError`` naming the new one.
+
+    ``@renamed(step_size="prefill_step_size")`` keeps the signature (``inspect.signature`` follows
+    ``__wrapped__``); a call passing ``step_size=`` raises ``TypeError: pipeline_prefill() got the keyword argument
+    'step_size', renamed 'prefill_step_size' in pipemlx 0.2.0`` rather than Python's bare "unexpected keyword". The
+    check runs before the function, so every rank raises it alike, before anything is sent.
+    """
+
+    def decorate(function: Callable[P, R]) -> Callable[P, R]:
+        name = function.__qualname__.replace(".__init__", "")
+
+        @functools.wraps(function)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            old = [key for key in kwargs if key in old_to_new]
+            if old:
+                raise TypeError(
+                    f"{name}() got the keyword argument {old[0]!r}, renamed {old_to_new[old[0]]!r} in pipemlx 0.2.0"
+                )
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,8 +14,23 @@ import hypothesis_profiles  # noqa: F401  (loads the hypothesis profile before a
 import pytest
 
 from pipemlx.launch import LaunchError, launch
+from pipemlx.runtime.calibration_cache import CACHE_DIR_VARIABLE
 
 RANKS_DIR = Path(__file__).parent / "ranks"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def calibration_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One calibration cache for the whole session (the rank programs inherit it): "auto" (the default step and
+    lending) calibrates once per configuration, not once per test, and nothing is written to the user's cache."""
+    folder = tmp_path_factory.mktemp("calibration-cache")
+    previous = os.environ.get(CACHE_DIR_VARIABLE)
+    os.environ[CACHE_DIR_VARIABLE] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop(CACHE_DIR_VARIABLE, None)
+    else:
+        os.environ[CACHE_DIR_VARIABLE] = previous
 
 
 def run_ranks(
@@ -60,7 +77,7 @@ DEMO_RUN_TIMEOUT = BUILD_TIMEOUT + 3 * RUN_TIMEOUT  # for a test that may be the
 
 @dataclass
 class DemoRun:
-    """One ``pipemlx generate --ranks 2 --max-tokens 20`` (default sampling: temperature 0.7, seed 0) and its output.
+    """One ``pipemlx generate --ranks 2 --max-tokens 20`` (its defaults: greedy, the auto step, lend="auto") and its output.
 
     ``source`` is ``"wheel"`` when the command came from the wheel built from this checkout and installed in a
     fresh venv (then ``wheel``, ``sdist`` and ``imported_from`` are set), else ``"checkout"`` (``python -m pipemlx``
@@ -196,22 +213,19 @@ def demo_reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: fl
 
 
 def check_demo_run(run: DemoRun) -> None:
-    """The demo run streamed single-process mlx-lm's text (same sampler and seed) and named each rank's layers."""
+    """The demo run streamed single-process mlx-lm's text (greedy) and named each rank's layers."""
     from mlx_lm.utils import load
 
-    from pipemlx.cli.common import default_step_size
     from pipemlx.demo import MODEL_DIR, default_prompt
 
     assert run.returncode == 0, f"{run.source} ({run.why}): {run.stderr[-4000:]}"
     _, tokenizer = load(str(MODEL_DIR))
     prompt_tokens = len(tokenizer.encode(default_prompt()))
-    step = default_step_size(prompt_tokens, 2)
-    assert step < prompt_tokens / 4, "the default step size cuts the demo prompt into several chunks per rank"
-    expected = demo_reference_tokens(default_prompt(), step, DEMO_MAX_TOKENS, temp=0.7, seed=0)
+    expected = demo_reference_tokens(default_prompt(), 512, DEMO_MAX_TOKENS)  # greedy, as pipemlx generate's default
     assert len(set(expected)) > 2, expected
     assert run.stdout == tokenizer.decode(expected) + "\n"
     err = run.stderr
-    assert f"prompt {prompt_tokens} tokens in chunks of {step}" in err
+    assert f"prompt {prompt_tokens} tokens, prefill step auto" in err
     assert f"{prompt_tokens - 1}/{prompt_tokens - 1}" in err and "tok/s" in err  # the progress bar's last state
     assert "layers 0-3" in err and "layers 4-7" in err and "peak memory" in err
     assert "Traceback" not in err

@@ -43,7 +43,7 @@ class FakeGroup:
 
 def sharded_tiny(rank: int = 0, size: int = 2, **config: Any) -> Any:
     """A tiny llama sharded as ``rank`` of a fake group of ``size``."""
-    return shard_model(build_model(tiny_config("llama", **config)), FakeGroup(rank, size))  # type: ignore[arg-type]
+    return shard_model(build_model(tiny_config("llama", **config)), FakeGroup(rank, size), lend="none")  # type: ignore[arg-type]
 
 
 def tokens(n: int) -> mx.array:

@@ -108,14 +108,14 @@ def test_nemotron_h_with_cacheless_blocks_is_refused_before_any_change() -> None
     model = build_model(tiny_config("nemotron_h"))
     layers = list(model.layers)
     with pytest.raises(pipemlx.PipelineError, match=r"layers \[1, 4\] \(block types \['-'\]\) hold no cache"):
-        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     assert list(model.layers) == layers
     with pytest.raises(pipemlx.NotShardedError):
         stage_of(model)
 
 
 def test_nemotron_h_of_mamba_and_attention_only_shards() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("nemotron_h_mamba_attention")), FakeGroup(1, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("nemotron_h_mamba_attention")), FakeGroup(1, 2), lend="none")  # type: ignore[arg-type]
     assert [layer.block_type for layer in model.layers] == ["M", "*", "M"]
     assert [type(c).__name__ for c in make_prompt_cache(model)] == ["ArraysCache", "KVCache", "ArraysCache"]
 
@@ -147,7 +147,7 @@ def test_unregistered_architecture_with_layer_bookkeeping_is_refused() -> None:
         pipemlx.PipelineError,
         match=r"mlx_lm.models.exaone4 is not supported by pipemlx yet: ExaoneModel keeps bookkeeping .*\(full_idx, swa_idx\)",
     ):
-        pipemlx.shard_model(model, FakeGroup(0, 2), allow_unregistered=True)  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", allow_unregistered=True)  # type: ignore[arg-type]
     assert list(model.layers) == layers
 
 
@@ -158,7 +158,7 @@ def test_unregistered_architecture_is_refused_naming_the_covered_ones() -> None:
     with pytest.raises(
         pipemlx.PipelineError, match=r"exaone4 is not an architecture pipemlx has been verified on .*llama.*qwen3"
     ):
-        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     assert list(model.layers) == layers
 
 
@@ -181,13 +181,13 @@ def test_make_cache_of_the_wrong_length_is_refused() -> None:
     ShortCache.__module__ = type(model).__module__
     model.__class__ = ShortCache
     with pytest.raises(pipemlx.PipelineError, match=r"make_cache\(\) returns 2 caches for 6 layers"):
-        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss", "falcon_h1"])
 def test_local_caches_are_fresh_copies_of_the_whole_models_choice(arch: str) -> None:
     whole = make_prompt_cache(build_model(tiny_config(arch)))
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(1, 2), split=[1, len(whole) - 1])  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(1, 2), lend="none", split=[1, len(whole) - 1])  # type: ignore[arg-type]
     first, second = make_prompt_cache(model), make_prompt_cache(model)
     assert [type(c) for c in first] == [type(c) for c in whole[1:]]
     assert all(a is not b for a, b in zip(first, second))

@@ -1,4 +1,4 @@
-"""step_size="auto": every rank picks the same step, and the result equals single device at that step."""
+"""prefill_step_size="auto": every rank picks the same step, and the result equals single device at that step."""
 
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
     assert far_lengths == list(FAR_LENGTHS), "the calibration timed no chunks far in"
     for r in reports:
         assert r["calibrated"] and r["far_pairs"] == reports[0]["far_pairs"], "ranks hold different cost models"
-        assert r["mismatch"] is not None and "ranks disagree on step_size" in r["mismatch"] and "auto" in r["mismatch"]
+        assert (
+            r["mismatch"] is not None
+            and "ranks disagree on prefill_step_size" in r["mismatch"]
+            and "auto" in r["mismatch"]
+        )
         assert "ranks disagree on decode_settings" in (r["logprobs_mismatch"] or ""), r["logprobs_mismatch"]
         assert "share_logprobs=True" in r["logprobs_mismatch"] and "share_logprobs=False" in r["logprobs_mismatch"]
         assert r["after"][0] == r["after"][1] and r["after"][0], r["after"]  # the group goes on

@@ -27,9 +27,11 @@ from pipemlx.testing import build_model, tiny_config
         (mx.array([[1, 2, 3]]), {}, ValueError, r"prompt must be 1-D \(M tokens\), got shape \(1, 3\)"),
         (mx.array([1.0, 2.0]), {}, TypeError, "prompt must hold integer token ids, got dtype mlx.core.float32"),
         ([1, 2, 3], {}, TypeError, "prompt must be an mx.array of token ids, got list"),
-        (tokens(9), {"step_size": 0}, ValueError, "step_size must be at least 1, got 0"),
-        (tokens(9), {"step_size": -2}, ValueError, "step_size must be at least 1, got -2"),
-        (tokens(9), {"step_size": 4.0}, TypeError, "step_size must be an int, got float 4.0"),
+        (tokens(9), {"prefill_step_size": 0}, ValueError, "prefill_step_size must be at least 1 or 'auto', got 0"),
+        (tokens(9), {"prefill_step_size": -2}, ValueError, "prefill_step_size must be at least 1 or 'auto', got -2"),
+        (tokens(9), {"prefill_step_size": 4.0}, TypeError, "prefill_step_size must be an int or 'auto', got float 4.0"),
+        (tokens(9), {"step_size": 4}, TypeError, "'step_size', renamed 'prefill_step_size'"),
+        (tokens(9), {"progress_callback": None}, TypeError, "'progress_callback', renamed 'prompt_progress_callback'"),
         (tokens(9), {"timeout": 0}, ValueError, "timeout must be a positive number"),
         # MLX's own error came from the first rank to quantize, mid-prefill, and the others stopped with
         # PrefillCancelled; a group size of 0 killed the process (SIGFPE).
@@ -87,7 +89,7 @@ def test_every_rank_knows_the_whole_models_kv_widths(
     arch: str, rank: int, split: list[int] | None, dims: tuple[int, ...]
 ) -> None:
     """So that a kv_group_size that fits no rank's heads is refused on every rank, whatever layers it holds."""
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(rank, 2), split=split)  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), FakeGroup(rank, 2), lend="none", split=split)  # type: ignore[arg-type]
     assert stage_of(model).info.kv_dims == dims
     if dims:
         with pytest.raises(ValueError, match=f"does not divide {min(dims)}"):
@@ -113,14 +115,16 @@ def test_bad_split_leaves_the_model_untouched(split: list[int], error: type[Exce
     model = build_model(tiny_config("llama"))
     layers_before = list(model.layers)
     with pytest.raises(error, match=words):
-        pipemlx.shard_model(model, FakeGroup(0, 2), split=split)  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", split=split)  # type: ignore[arg-type]
     assert list(model.layers) == layers_before
     with pytest.raises(pipemlx.NotShardedError):
         stage_of(model)
 
 
 def test_numpy_split_is_accepted() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(1, 2), split=[np.int64(4), np.int64(2)])  # type: ignore[arg-type]
+    model = pipemlx.shard_model(
+        build_model(tiny_config("llama")), FakeGroup(1, 2), lend="none", split=[np.int64(4), np.int64(2)]
+    )  # type: ignore[arg-type]
     assert stage_of(model).info.split == (4, 2)
     assert len(model.layers) == 2
 
@@ -128,14 +132,14 @@ def test_numpy_split_is_accepted() -> None:
 def test_more_ranks_than_layers() -> None:
     model = build_model(tiny_config("llama", num_hidden_layers=2))
     with pytest.raises(ValueError, match="more ranks than layers: 3 ranks cannot share 2 layers"):
-        pipemlx.shard_model(model, FakeGroup(0, 3))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 3), lend="none")  # type: ignore[arg-type]
     assert len(model.layers) == 2
 
 
 def test_sharding_twice_is_refused() -> None:
     model = sharded_tiny()
     with pytest.raises(pipemlx.PipelineError, match="already sharded"):
-        pipemlx.shard_model(model, FakeGroup(0, 2))  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
 
 
 def test_bad_input_fails_alike_on_every_real_rank() -> None:
@@ -200,7 +204,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
 
     Refused even for a prompt of 3 tokens that never reaches quantized_kv_start (the default 5000).
     """
-    model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama", **ONE_SLIDING)), FakeGroup(rank, 2), lend="none")  # type: ignore[arg-type]
     stage = stage_of(model)
     prompt = tokens(3)
     with pytest.raises(ValueError, match=ROTATING_REFUSED):
@@ -219,7 +223,7 @@ def test_kv_bits_with_a_sliding_window_layer_is_refused_on_every_rank(rank: int,
 
 def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> None:
     """qwen2 makes no caches of its own: max_kv_size gives every layer a RotatingKVCache (llama's make_cache ignores it)."""
-    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2", hidden_size=256)), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"kv_bits=4: max_kv_size=64 gives every layer a RotatingKVCache, which mlx-lm"
     ):
@@ -232,7 +236,7 @@ def test_kv_bits_with_max_kv_size_is_refused_when_it_makes_rotating_caches() -> 
     prompt = tokens(14)
     assert_decodes_as_mlx_lm(one, qwen2, prompt, {"max_kv_size": 8})
     assert_decodes_as_mlx_lm(one, qwen2, prompt, {"kv_bits": 4, "quantized_kv_start": 0})
-    llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2))  # type: ignore[arg-type]
+    llama = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     assert stage_of(llama).info.unquantizable_bounded == ()
     # llama makes its own caches (mlx-lm ignores max_kv_size for it): both together decode as mlx-lm's
     whole = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), mx.distributed.init())
@@ -258,7 +262,7 @@ def test_kv_bits_on_a_given_rotating_cache_is_refused_at_the_handshake() -> None
     prompt = tokens(12)
     cache = make_prompt_cache(model, max_kv_size=64)
     with pytest.raises(ValueError, match=r"the cache given on rank 0/1 .* holds a RotatingKVCache for layers 0, 1, 2"):
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=4, kv_bits=4, quantized_kv_start=0)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=4, kv_bits=4, quantized_kv_start=0)
     assert [c.offset for c in cache] == [0] * 5
     with pytest.raises(ValueError, match="the cache given on rank 0/1"):
         next(pipemlx.generate_step(prompt, model, prompt_cache=make_prompt_cache(model, max_kv_size=64), kv_bits=4))

@@ -67,9 +67,9 @@ def scenario_reports() -> Reports:
 
 
 EQUAL_COSTS = (0.0, 1.0, 0.05)  # seconds per chunk, token, query-key pair: chunks shrink from 8 to 6 by position 8
-# shard_model(lend_mlp=True, lend_heads=1): the rank after each cut batches its first layer's cache and the
+# shard_model(lend=1): the rank after each cut batches its first layer's cache and the
 # lent heads' (a LentHeadsCache) as one layer's: merged, masked, filtered and extracted together.
-LENT_HEADS = {"lend_mlp": True, "lend_heads": 1}
+LENT_HEADS = {"lend": 1}
 BATCHED = [
     ("llama", 2, None, "fixed", {}),
     ("qwen3", 3, None, "equal-cost", {}),
@@ -155,7 +155,7 @@ INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
 # llama_swa: sliding-window layers (window 5, shorter than every prompt): mlx-lm's rotating caches batched.
-# llama with lend_heads=1: the lent heads' cache is batched with its layer's (see LENT_HEADS).
+# llama with lend=1: the lent heads' cache is batched with its layer's (see LENT_HEADS).
 INTERLEAVED_ARCHS = ["llama", "gemma2", "llama_swa", "llama lent heads"]
 for name in INTERLEAVED_ARCHS:
     arch = name.split()[0]
@@ -368,7 +368,7 @@ def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: R
 
 # A request shorter than the batch's rows (written in place) and longer (the rows moved right first); qwen3_next's
 # linear-attention layers' caches are extended and filtered instead. "llama lent heads": the whole model cut as
-# lend_heads=1 cuts it at [3, 3], layer 3's cache a LentHeadsCache (written in place part by part, so that it
+# lend=1 cuts it at [3, 3], layer 3's cache a LentHeadsCache (written in place part by part, so that it
 # keeps the positions of the layers whose cache gives the mask).
 @pytest.mark.parametrize(
     "arch,joining",
@@ -461,8 +461,10 @@ def test_requests_with_reused_prefixes_equal_solo_runs_of_their_whole_prompts(
 
 # Tiny llama at S=2: 3 layers per rank x 2 KV heads x 16 dims x (keys + values) x 4 bytes = 768 bytes per
 # position. The budget holds 80 positions: requests 0 and 1 (19 and 33 reserved: 2 x 33 left-padded) fit
-# together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13).
+# together, request 2 (50) fits beside neither, so it starts only once request 0 has finished (tick 13). Whole
+# layers (lend="none"): lending a head would move 128 of those bytes from rank 0 to rank 1.
 SCENARIOS[2]["memory budget"] = {
+    "shard": {"lend": "none"},
     "requests": REQUESTS,
     "remove": [REMOVE],
     "steps": 30,
@@ -525,6 +527,7 @@ HELD_BACK_REQUESTS = [
     {"M": 20, "max_tokens": 10, "insert_at": 8},
 ]
 SCENARIOS[2]["dead rows held back"] = {
+    "shard": {"lend": "none"},  # whole layers: the budget's arithmetic counts 768 bytes per position on each rank
     "requests": HELD_BACK_REQUESTS,
     "remove": [],
     "steps": 20,
@@ -587,9 +590,10 @@ def test_a_stalled_first_rank_fails_the_batch_on_every_other_rank_within_the_tim
 
 
 def fake_engine(**kwargs: Any) -> pipemlx.BatchGenerator:
-    """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent."""
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2))  # type: ignore[arg-type]
-    return pipemlx.BatchGenerator(model, **kwargs)
+    """A generator on rank 0 of a fake 2-rank group: for what happens before anything is sent (a fixed step and
+    chunks: "auto" and "equal-cost", the defaults, calibrate the group when the generator is made)."""
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
+    return pipemlx.BatchGenerator(model, **{"prefill_step_size": 8, "prefill_chunking": "fixed", **kwargs})
 
 
 def test_bad_arguments_raise_before_anything_changes() -> None:
@@ -616,8 +620,9 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] hold only recurrent layers"):
         engine.insert([[1, 2]], caches=[make_prompt_cache(engine.model)])
     assert len(engine) == 2
+    with pytest.raises(TypeError, match="'prefill_budget', renamed 'prefill_chunk_tokens'"):  # its former name
+        fake_engine(prefill_budget=0)
     for bad, named in (
-        ({"prefill_budget": 0}, "prefill_chunk_tokens"),  # its former name
         ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
         ({"prefill_step_size": 0}, "prefill_step_size"),
         ({"max_tokens": 0}, "max_tokens"),
@@ -681,7 +686,7 @@ def tick_rows(*rows: tuple[dict[str, int], list[float]]) -> mx.array:
 
 
 def test_ranks_that_cut_their_layers_differently_disagree_in_the_first_tick() -> None:
-    """A rank with lend_mlp and one without send the same shapes: only the tick's header can tell them apart."""
+    """A rank with lend="mlp" and one without send the same shapes: only the tick's header can tell them apart."""
     from pipemlx.runtime.batch.tick import outcome_of
     from pipemlx.runtime.protocol import TICK
 
@@ -898,6 +903,6 @@ def test_models_holding_lazily_built_arrays_batch_and_prefill_in_helper_threads(
             got[response.uid].append(response.token)
     assert [got[uid] for uid in sorted(got)] == solo
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, mx.array(prompts[1]), cache, step_size=8, timeout=60)
+    pipemlx.pipeline_prefill(model, mx.array(prompts[1]), cache, prefill_step_size=8, timeout=60)
     steps = pipemlx.generate_step(mx.array(prompts[1][-1:]), model, prompt_cache=cache, max_tokens=6, timeout=60)
     assert [int(t) for t, _ in steps] == solo[1]

@@ -1,4 +1,4 @@
-"""Plans with chunks of any lengths (step_size="auto"'s cuts) and the auto chooser, checked by simulation."""
+"""Plans with chunks of any lengths (prefill_step_size="auto"'s cuts) and the auto chooser, checked by simulation."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from pipemlx import cli
 from pipemlx.cli import common
 from pipemlx.cli import generate as generate_command
 from pipemlx.cli import split as split_command
-from pipemlx.cli.common import default_step_size
 from pipemlx.demo import MODEL_DIR
 from pipemlx.launch import free_ports
 from pipemlx.testing import build_model, save_model_dir, tiny_config
@@ -69,8 +68,11 @@ def test_folder_without_config_is_named(capsys: pytest.CaptureFixture[str], tmp_
 def test_argument_types_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run_cli(capsys, "generate", "--max-tokens", "0")
     assert code == 2 and "--max-tokens: must be at least 1, got 0" in err
-    code, err = run_cli(capsys, "generate", "--step-size", "x")
-    assert code == 2 and "--step-size: expected a whole number, got 'x'" in err
+    code, err = run_cli(capsys, "generate", "--prefill-step-size", "x")
+    assert code == 2 and "--prefill-step-size: expected a whole number, got 'x'" in err
+    for old, new in (("--step-size", "--prefill-step-size"), ("--lend-mlp", "--lend"), ("--lend-heads", "--lend")):
+        code, err = run_cli(capsys, "generate", old, "4")
+        assert code == 2 and f"{old} was renamed {new} in pipemlx 0.2.0" in err, err
 
 
 @pytest.mark.parametrize(
@@ -151,7 +153,6 @@ def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
     """A tokenizer that encodes the prompt to no tokens (transformers' own byte-level tokenizer for a qwen2
     directory did, for the tiny word-level vocabulary's words): named in one line, exit 2, nothing sent."""
     path = save_model_dir(build_model(tiny_config("llama")), tiny_config("llama"), tmp_path / "llama")
-    loaded = generate_command.load_sharded
 
     class FindsNothing:
         bos_token = None
@@ -159,11 +160,7 @@ def test_a_prompt_that_encodes_to_no_tokens_is_one_line(
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
             return []
 
-    def load_with_a_tokenizer_that_finds_nothing(*args: Any, **kwargs: Any) -> Any:
-        model, _ = loaded(*args, **kwargs)
-        return model, FindsNothing()
-
-    monkeypatch.setattr(generate_command, "load_sharded", load_with_a_tokenizer_that_finds_nothing)
+    monkeypatch.setattr(generate_command, "load_tokenizer", lambda *args, **kwargs: FindsNothing())
     code, err = run_cli(capsys, "generate", "--ranks", "1", "--model", str(path), "--prompt", "t5 t7", "--json")
     assert code == 2 and "the prompt 't5 t7' encodes to no tokens" in err and "Traceback" not in err, err
 
@@ -190,10 +187,10 @@ def test_generate_on_two_local_ranks_streams_single_device_text(demo_run: DemoRu
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
     """Two processes started by hand with one ring hostfile, an uneven split, the cut inside rank 0's last layer
-    (--lend-mlp, lending one of its 2 key-value heads: --lend-heads 1) and greedy decoding. (--lend-heads auto's
+    (--lend 1: the feed-forward half and one of its 2 key-value heads) and greedy decoding. (--lend auto's
     count depends on the ranks' timings: tests/test_equivalence.py checks it with given layer costs.)"""
-    parsed = cli.build_parser().parse_args(["generate", "--lend-mlp", "--lend-heads", "auto"])
-    assert parsed.lend_heads == "auto"
+    parsed = cli.build_parser().parse_args(["generate", "--lend", "auto"])
+    assert parsed.lend == "auto"
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     prompt = "It is a truth universally acknowledged, that a single man in possession"
@@ -203,7 +200,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
         str(hostfile),
         "--prompt",
         prompt,
-        "--step-size",
+        "--prefill-step-size",
         "4",
         "--max-tokens",
         "16",
@@ -212,8 +209,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
         "--temp",
         "0",
         "--json",
-        "--lend-mlp",
-        "--lend-heads",
+        "--lend",
         "1",
     ]
     procs = [
@@ -236,7 +232,9 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
     assert outputs[1][0] == ""  # only rank 0 reports
     report: dict[str, Any] = json.loads(outputs[0][0])
-    assert report["ranks"] == 2 and report["split"] == [6, 2] and report["step_size"] == 4 and report["lend_mlp"]
+    assert (
+        report["ranks"] == 2 and report["split"] == [6, 2] and report["prefill_step_size"] == 4 and report["lend_mlp"]
+    )
     assert report["lend_heads"] == 1
     assert [f["rank"] for f in report["per_rank"]] == [0, 1]
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 6], [6, 8]]
@@ -245,14 +243,14 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
 
 def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     """`pipemlx bench --json` (and `--png` where matplotlib is installed), with a head of rank 0's last layer on
-    rank 1 (--lend-mlp --lend-heads 1, loaded by mlx-lm's loader); no speed is asserted here."""
+    rank 1 (--lend 1, loaded by mlx-lm's loader) and the default auto step; no speed is asserted here."""
     try:
         import matplotlib  # noqa: F401  # pyright: ignore[reportMissingImports, reportUnusedImport]
 
         png: Path | None = tmp_path / "timeline.png"
     except ImportError:
         png = None
-    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json", "--lend-mlp", "--lend-heads", "1"]
+    argv = ["bench", "--prompt-tokens", "200", "--max-tokens", "8", "--json", "--lend", "1"]
     result = subprocess.run(
         [sys.executable, "-m", "pipemlx", *argv, *(["--png", str(png)] if png else [])],
         capture_output=True,
@@ -263,7 +261,7 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     report: dict[str, Any] = json.loads(result.stdout)
     assert report["ranks"] == 2 and report["prompt_tokens"] == 200
-    assert report["step_size"] == default_step_size(200, 2)
+    assert report["prefill_step_size"] == "auto"
     for side in ("single", "pipeline"):
         figures = report[side]
         assert figures["prefill_s"] > 0 and figures["decode_tokens_per_s"] > 0
@@ -278,3 +276,22 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     assert report["prefill_speedup"] > 0 and report["decode_ratio"] > 0
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_version_and_every_command_help_shows_its_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pipemlx --version`; each command's --help shows the defaults of its options (one default per option
+    everywhere: the prefill step auto, lend auto, 256 tokens, temperature 0, 120 s)."""
+    import pipemlx
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"pipemlx {pipemlx.__version__}"
+    for command in ("generate", "bench", "serve", "doctor"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: 120.0)" in text, command
+        if command != "doctor":
+            assert "(default: auto)" in text and "(default: 256)" in text, command
+    assert cli.main(["split", "--help"]) == 0
+    assert "(default: auto)" in " ".join(capsys.readouterr().out.split())

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from netns import namespace_hosts, skip_unless_available
 
+import pipemlx
 from pipemlx.errors import PipelineError
 from pipemlx.launch import launch
 
@@ -102,7 +103,9 @@ def test_doctor_names_a_rank_on_another_version() -> None:
     assert [r.returncode for r in results] == [1, 1], [r.stderr for r in results]
     report = doctor_json(results[0].stdout)
     assert not report["ok"]
-    assert any("rank 1" in p and "pipemlx 9.9.9" in p and "the others 0.1.0" in p for p in report["problems"])
+    assert any(
+        "rank 1" in p and "pipemlx 9.9.9" in p and f"the others {pipemlx.__version__}" in p for p in report["problems"]
+    )
     assert "version mismatch: rank 1" in results[1].stderr
 
 

@@ -31,6 +31,8 @@ def scenario(num_ranks: int) -> list[dict[str, Any]]:
         {"kind": "queue_exception"},
         {"kind": "plain", "M": 20, "step": 8},
     ]
+    if num_ranks == 2:  # the default step too ("auto": calibrated once per architecture, then cached)
+        steps.append({"kind": "auto", "M": 40})
     return steps
 
 
@@ -75,13 +77,13 @@ UNEVEN_STEPS: list[dict[str, Any]] = [{"kind": "pipeline", "M": m, "step": 4} fo
 UNEVEN_STEPS.append({"kind": "plain", "M": 9, "step": 4})
 
 
-# shard_model(lend_mlp=True): each rank's last layer's feed-forward half runs on the next rank. Sliding layers
+# shard_model(lend="mlp"): each rank's last layer's feed-forward half runs on the next rank. Sliding layers
 # (llama_swa: each layer picks its mask by its use_sliding attribute), a rank of one layer that both borrows and
 # lends ([2, 1, 3]), a last rank of one layer ([2, 2, 1]).
 LENT = [("llama_swa", [2, 4]), ("qwen3", [3, 3]), ("llama", [2, 1, 3]), ("qwen2", [2, 2, 1])]
 
 
-# shard_model(lend_mlp=True, lend_heads=1): one of the tiny models' two key-value heads moves too (the
+# shard_model(lend=1): one of the tiny models' two key-value heads moves too (the
 # rank after the cut keeps its cache in a CacheList), with pipemlx's and mlx-lm's decoding and auto's cut.
 LENT_HEADS = [("llama", [3, 3]), ("qwen3", [2, 1, 3]), ("qwen2", [2, 2, 1])]
 LENT_HEADS_STEPS: list[dict[str, Any]] = [
@@ -104,7 +106,7 @@ LENT_HEADS_KV_STEPS: list[dict[str, Any]] = [
 ]
 
 
-# lend_heads="auto": the ranks time a layer, agree on the count, and compute single-device mlx-lm's tokens.
+# lend="auto" (the default, given here on splits where it has a choice): the ranks time a layer, agree on the count, and compute single-device mlx-lm's tokens.
 LENT_HEADS_AUTO = [("llama", [3, 3]), ("qwen3", [2, 2, 2])]
 # The same with the layer's costs given (chunk_s, token_s, attention_s) instead of timed, so that the count is known:
 # a layer whose cost is all per token gains nothing from moving attention heads (each lent head only widens the
@@ -130,7 +132,7 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
             }
     wide = {"hidden_size": 128}  # head size 32 (qwen3 sets its own)
     lent: list[tuple[str, str, list[int], int | str, list[dict[str, Any]], int, dict[str, Any]]] = [
-        *(("lent", arch, split, 0, UNEVEN_STEPS, 7, {}) for arch, split in LENT),
+        *(("lent", arch, split, "mlp", UNEVEN_STEPS, 7, {}) for arch, split in LENT),
         *(("lent heads", arch, split, 1, LENT_HEADS_STEPS, 9, {}) for arch, split in LENT_HEADS),
         *(("lent heads auto", arch, split, "auto", UNEVEN_STEPS, 13, {}) for arch, split in LENT_HEADS_AUTO),
         *(
@@ -153,8 +155,7 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "seed": 13,
                 "max_tokens": 5,
                 "split": [3, 3],
-                "lend_mlp": True,
-                "lend_heads": "auto",
+                "lend": "auto",
                 "layer_costs": costs,
                 "steps": UNEVEN_STEPS,
             }
@@ -166,8 +167,7 @@ def cases_of_size(num_ranks: int) -> dict[str, dict[str, Any]]:
                 "seed": seed,
                 "max_tokens": 5,
                 "split": split,
-                "lend_mlp": True,
-                "lend_heads": heads,
+                "lend": heads,
                 "steps": steps,
             }
     return cases
@@ -232,7 +232,7 @@ def test_lent_heads_with_quantized_or_bounded_caches_match_single_device(
 
 
 @pytest.mark.parametrize("arch,split", LENT_HEADS_AUTO)
-def test_lend_heads_auto_agrees_on_a_count_and_matches_single_device(
+def test_lend_auto_agrees_on_a_count_and_matches_single_device(
     case_reports: Callable[[int, str], list[dict[str, Any]]], arch: str, split: list[int]
 ) -> None:
     reports = case_reports(len(split), f"lent heads auto {arch} {split}")

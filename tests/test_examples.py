@@ -71,7 +71,7 @@ def load_example(name: str) -> ModuleType:
 def test_pipeline_generate() -> None:
     reports = run_example("pipeline_generate.py", "--max-tokens", "16")
     assert [r["layers"] for r in reports] == [[0, 4], [4, 8]]
-    expected, _ = reference(demo_prompt_ids(), reports[0]["step_size"], 16, stop_at_eos=False)
+    expected, _ = reference(demo_prompt_ids(), reports[0]["prefill_step_size"], 16, stop_at_eos=False)
     assert len(expected) == 16
     for r in reports:
         assert r["tokens"] == expected
@@ -81,7 +81,7 @@ def test_custom_split() -> None:
     reports = run_example("custom_split.py", "--split", "6,2", "--max-tokens", "16")
     assert [r["split"] for r in reports] == [[6, 2], [6, 2]]
     assert [r["layers"] for r in reports] == [[0, 6], [6, 8]]
-    expected, _ = reference(demo_prompt_ids(), reports[0]["step_size"], 16, stop_at_eos=False)
+    expected, _ = reference(demo_prompt_ids(), reports[0]["prefill_step_size"], 16, stop_at_eos=False)
     assert len(expected) == 16
     for r in reports:
         assert r["tokens"] == expected
@@ -91,7 +91,7 @@ def test_engine_loop_cancels_on_every_rank_and_serves_the_next_request() -> None
     reports = run_example("engine_loop.py")
     requests = load_example("engine_loop.py").requests()
     _, tokenizer = load(str(MODEL_DIR))
-    step = reports[0]["step_size"]
+    step = reports[0]["prefill_step_size"]
     by_rank = [{o["id"]: o for o in r["requests"]} for r in reports]
     assert [list(outcomes) for outcomes in by_rank] == [[q.id for q in requests]] * 2
     for request in requests:

@@ -1,4 +1,4 @@
-"""Cuts inside a layer (shard_model(lend_mlp=True), and lend_heads=k): the model computes what it did, the work
+"""Cuts inside a layer (shard_model(lend="mlp"), and lend=k): the model computes what it did, the work
 moves as planned.
 
 The ranks' side (tokens equal single-device mlx-lm at S = 2 and 3, ranks that disagree) is in
@@ -60,8 +60,8 @@ def test_the_whole_cut_model_computes_what_the_model_does(arch: str, split: tupl
 def test_architectures_not_known_to_have_plain_pre_norm_blocks_are_refused_before_anything_changes() -> None:
     model = build_model(tiny_config("gemma2"))  # norms around each half: its halves are not plain pre-norm ones
     before = len(model.model.layers)  # type: ignore[attr-defined]
-    with pytest.raises(pipemlx.PipelineError, match=r"lend_mlp: mlx_lm.models.gemma2.*llama, qwen2, qwen3"):
-        pipemlx.shard_model(model, FakeGroup(0, 2), lend_mlp=True)  # type: ignore[arg-type]
+    with pytest.raises(pipemlx.PipelineError, match=r"lend: mlx_lm.models.gemma2.*llama, qwen2, qwen3"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="mlp")  # type: ignore[arg-type]
     assert len(model.model.layers) == before and not hasattr(model, "_pipemlx_stage")  # type: ignore[attr-defined]
 
 
@@ -149,24 +149,24 @@ def test_lending_heads_is_checked_before_anything_moves() -> None:
     for heads in (4, 5):
         with pytest.raises(
             pipemlx.PipelineError,
-            match=r"lend_heads=%d: layer 2's attention has 4 key-value heads; a rank can lend 1..3" % heads,
+            match=r"lend=%d: layer 2's attention has 4 key-value heads; a rank can lend 1..3" % heads,
         ):
             lend_feed_forwards(layers, (3, 3), heads)
     assert "mlp" in layers[2] and "borrowed_mlp" not in layers[3] and layers[2].self_attn.n_kv_heads == 4
-    with pytest.raises(ValueError, match="lend_heads=1 needs lend_mlp=True"):
-        pipemlx.shard_model(model, FakeGroup(0, 2), lend_heads=1)  # type: ignore[arg-type]
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match="lend_heads must be a non-negative int"):
-            pipemlx.shard_model(model, FakeGroup(0, 2), lend_mlp=True, lend_heads=bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'lend_heads', renamed 'lend'"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", lend_heads=1)  # type: ignore[arg-type]
+    for bad in (-1, True, 1.5, "some"):
+        with pytest.raises(ValueError, match="lend must be 'auto', 'none', 'mlp' or a non-negative int"):
+            pipemlx.shard_model(model, FakeGroup(0, 2), lend=bad)  # type: ignore[arg-type]
     assert not hasattr(model, "_pipemlx_stage") and len(model.model.layers) == 6  # type: ignore[attr-defined]
 
 
 def test_lending_heads_needs_plain_caches_at_the_cuts() -> None:
     model = build_model(tiny_config("llama_swa"))  # sliding layers keep rotating caches
     with pytest.raises(
-        pipemlx.PipelineError, match=r"lend_heads: the layers at the cuts must keep plain KVCache.*RotatingKVCache"
+        pipemlx.PipelineError, match=r"lend=k .*: the layers at the cuts must keep plain KVCache.*RotatingKVCache"
     ):
-        pipemlx.shard_model(model, FakeGroup(0, 2), split=[2, 4], lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), split=[2, 4], lend=1)  # type: ignore[arg-type]
     assert not hasattr(model, "_pipemlx_stage")
 
 
@@ -205,7 +205,7 @@ def test_a_lent_heads_cache_masks_and_batches_as_its_layers_cache() -> None:
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_borrowing_rank_makes_its_caches_as_mlx_lm_makes_the_whole_models(rank: int) -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("qwen2")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("qwen2")), FakeGroup(rank, 2), lend=1)  # type: ignore[arg-type]
     stage = stage_of(model)
     assert (stage.info.lending.outgoing_width, stage.info.lending.incoming_width) == (
         (64 + 2 * 16, 0) if rank == 0 else (0, 64 + 2 * 16)
@@ -239,7 +239,7 @@ def test_the_lent_heads_cache_counts_in_the_batch_admissions_bytes_per_position(
 
     per_rank = []
     for rank in (0, 1):
-        model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend_mlp=True, lend_heads=1)  # type: ignore[arg-type]
+        model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(rank, 2), lend=1)  # type: ignore[arg-type]
         per_rank.append(cache_bytes_per_position(model, stage_of(model)))
     layer = 2 * 2 * 16 * 4  # keys and values, 2 key-value heads of 16 floats: 256 bytes per position and layer
     assert per_rank == [3 * layer - layer // 2, 3 * layer + layer // 2]
@@ -277,21 +277,27 @@ def test_auto_lends_heads_where_attention_is_the_work_and_none_where_it_is_not()
 
 
 def test_the_ranks_time_a_layer_on_its_own_before_the_cut() -> None:
-    """lend_heads='auto''s calibration: one layer of the whole model, at position 0 and far in, nothing sent."""
+    """lend='auto''s calibration: one layer of the whole model, at position 0 and far in, nothing sent."""
     model = build_model(tiny_config("qwen2"))
     at_start, attention_chunk_s, far = time_layer(model.model.layers[0], 64, mx.float32)  # type: ignore[attr-defined]
     assert [n for n, _ in at_start] == list(CALIBRATION_LENGTHS) and [n for n, _ in far] == list(FAR_LENGTHS)
     assert min(s for _, s in [*at_start, *far]) > 0 and attention_chunk_s > 0
 
 
-def test_lend_heads_auto_is_checked_before_anything_moves() -> None:
+def test_lend_auto_is_checked_before_anything_moves() -> None:
     model = build_model(tiny_config("llama"))
-    with pytest.raises(ValueError, match="lend_heads='auto' needs lend_mlp=True"):
-        pipemlx.shard_model(model, FakeGroup(0, 2), lend_heads="auto")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="lend_heads must be a non-negative int .* or 'auto', got 'some'"):
-        pipemlx.shard_model(model, FakeGroup(0, 2), lend_mlp=True, lend_heads="some")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"context is only used with split='memory' or 'balanced' \(or lend_heads"):
-        pipemlx.shard_model(model, FakeGroup(0, 2), context=4096)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'lend_mlp', renamed 'lend'"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", lend_mlp=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="lend must be .* got 'some'"):
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="some")  # type: ignore[arg-type]
     assert not hasattr(model, "_pipemlx_stage") and len(model.model.layers) == 6  # type: ignore[attr-defined]
-    one = pipemlx.shard_model(model, FakeGroup(0, 1), lend_mlp=True, lend_heads="auto", context=4096)  # type: ignore[arg-type]
-    assert stage_of(one).info.lending.heads == 0  # one rank: no cut, nothing timed or sent
+    one = pipemlx.shard_model(model, FakeGroup(0, 1), context=4096)  # type: ignore[arg-type]  # lend="auto", context
+    assert stage_of(one).info.lending.heads == 0 and not stage_of(one).info.lending.mlp  # one rank: no cut
+
+
+def test_lend_auto_keeps_whole_layers_where_the_model_cannot_be_cut() -> None:
+    """gemma2's blocks are not plain pre-norm blocks: lend="auto" (the default) keeps whole layers, no error."""
+    model = pipemlx.shard_model(build_model(tiny_config("gemma2")), FakeGroup(0, 2), lend="auto")  # type: ignore[arg-type]
+    assert not stage_of(model).info.lending.mlp
+    sliding = pipemlx.shard_model(build_model(tiny_config("llama_swa")), FakeGroup(0, 2), split=[2, 4])  # type: ignore[arg-type]
+    assert stage_of(sliding).info.lending.mlp and stage_of(sliding).info.lending.heads == 0  # no heads: rotating caches

@@ -107,29 +107,29 @@ def test_loaded_shards_match_mlx_lm(small_models: dict[str, Path]) -> None:
 
 def test_load_sharded_names_what_is_missing(tmp_path: Path, small_models: dict[str, Path]) -> None:
     with pytest.raises(FileNotFoundError, match="is not a directory"):
-        pipemlx.load_sharded(tmp_path / "nowhere", FakeGroup(0, 2))
+        pipemlx.load_sharded(tmp_path / "nowhere", FakeGroup(0, 2), lend="none")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
-        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2))
+        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2), lend="none")
     (tmp_path / "config.json").write_text((small_models["llama"] / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match=r"has no model\*.safetensors"):
-        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2))
+        pipemlx.load_sharded(tmp_path, FakeGroup(0, 2), lend="none")
 
 
 def test_load_sharded_on_a_fake_rank_keeps_its_layers(small_models: dict[str, Path]) -> None:
-    model, tokenizer = pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 3), split=[1, 2, 3])
+    model, tokenizer = pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 3), lend="none", split=[1, 2, 3])
     stage = stage_of(model)
     assert stage.info.layers == range(1, 3) and len(model.layers) == 2
     assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
     with pytest.raises(ValueError, match=r"split \[1, 2\] has 2 entries but the group has 3 ranks"):
-        pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), split=[1, 2])
+        pipemlx.load_sharded(small_models["llama"], FakeGroup(0, 3), lend="none", split=[1, 2])
 
 
 def test_load_sharded_passes_allow_unregistered_on(tmp_path: Path) -> None:
     # helium is not in the registry: refused by default, loaded when asked (load_sharded had no way to ask).
     path = save_model_dir(build_model(dict(HELIUM_TIED)), HELIUM_TIED, tmp_path / "helium")
     with pytest.raises(pipemlx.PipelineError, match=r"pass allow_unregistered=True to shard_model \(or load_sharded\)"):
-        pipemlx.load_sharded(path, FakeGroup(0, 2))
-    model, _ = pipemlx.load_sharded(path, FakeGroup(1, 2), allow_unregistered=True)
+        pipemlx.load_sharded(path, FakeGroup(0, 2), lend="none")
+    model, _ = pipemlx.load_sharded(path, FakeGroup(1, 2), lend="none", allow_unregistered=True)
     assert stage_of(model).info.layers == range(2, 4)
 
 
@@ -146,12 +146,12 @@ def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: d
 
     whole = build_model(dict(config))
     # helium is not in the registry (not verified end to end): allowed explicitly for this check.
-    model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2), allow_unregistered=True)  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2), lend="none", allow_unregistered=True)  # type: ignore[arg-type]
     assert (type(model.model.embed_tokens).__name__ == "Embedding") is kept
     assert (
         model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
     )
-    first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2), allow_unregistered=True)  # type: ignore[arg-type]
+    first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2), lend="none", allow_unregistered=True)  # type: ignore[arg-type]
     assert type(first.model.embed_tokens).__name__ == "Embedding"
 
 

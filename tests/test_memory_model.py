@@ -243,10 +243,10 @@ def test_head_last_frees_the_middle_rank_and_decodes_alike() -> None:
 
 
 def test_head_last_refuses_mlx_lm_decoding_on_other_ranks() -> None:
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 1), head="last")  # type: ignore[arg-type]
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 1), lend="none", head="last")  # type: ignore[arg-type]
     assert model(tokens(3)[None]).shape == (1, 3, 256)  # one rank: it is the last, it keeps the head
-    untied = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), head="last")  # type: ignore[arg-type]
-    tied = pipemlx.shard_model(build_model(tiny_config("qwen3")), FakeGroup(1, 3), head="last")  # type: ignore[arg-type]
+    untied = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none", head="last")  # type: ignore[arg-type]
+    tied = pipemlx.shard_model(build_model(tiny_config("qwen3")), FakeGroup(1, 3), lend="none", head="last")  # type: ignore[arg-type]
     hidden = mx.zeros((1, 3, 64))
     for model, head in ((untied, untied.lm_head), (tied, tied.model.embed_tokens.as_linear)):
         assert type(head).__name__ in ("HeadStandIn", "method")
@@ -272,7 +272,7 @@ def split_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[
 def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     demo = str(MODEL_DIR)
     status, out, _ = split_command(
-        ["split", demo, "--memory", "30MB,20MB", "--context", "2k", "--step-size", "256"], capsys
+        ["split", demo, "--memory", "30MB,20MB", "--context", "2k", "--prefill-step-size", "256"], capsys
     )
     assert status == 0
     lines = out.splitlines()
@@ -298,7 +298,7 @@ def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> N
     "argv,words",
     [
         (
-            ["--memory", "20MB,12MB", "--context", "2048", "--step-size", "256"],
+            ["--memory", "20MB,12MB", "--context", "2048", "--prefill-step-size", "256"],
             r"rank 0 needs .* but has 20.00 MB.*longest context this split holds is \d+ tokens",
         ),
         (["--memory", "20MB,12MB", "--context", "4096"], "longer than the model's maximum of 2048"),

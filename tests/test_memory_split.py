@@ -241,13 +241,13 @@ def test_shard_model_follows_the_memory_plan() -> None:
     bytes_ = model_bytes_from_model(model, owner, owner[attribute])
     budgets = [bytes_.total, bytes_.total // 2]
     expected = plan_split(bytes_, 2, budgets).split
-    sharded = pipemlx.shard_model(model, FakeGroup(1, 2), split="memory", memory=budgets)  # type: ignore[arg-type]
+    sharded = pipemlx.shard_model(model, FakeGroup(1, 2), lend="none", split="memory", memory=budgets)  # type: ignore[arg-type]
     assert stage_of(sharded).info.split == expected and expected[0] > expected[1]
-    implied = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), memory=budgets)  # type: ignore[arg-type]
+    implied = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), lend="none", memory=budgets)  # type: ignore[arg-type]
     assert stage_of(implied).info.split == expected
-    balanced = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), split="memory")  # type: ignore[arg-type]
+    balanced = pipemlx.shard_model(build_model(config), FakeGroup(0, 2), lend="none", split="memory")  # type: ignore[arg-type]
     assert stage_of(balanced).info.split == plan_split(bytes_, 2).split
-    even = pipemlx.shard_model(build_model(config), FakeGroup(0, 3), split="even")  # type: ignore[arg-type]
+    even = pipemlx.shard_model(build_model(config), FakeGroup(0, 3), lend="none", split="even")  # type: ignore[arg-type]
     assert stage_of(even).info.split == (3, 3, 2)
 
 
@@ -271,5 +271,5 @@ def test_bad_memory_split_arguments_leave_the_model_untouched(
     model = build_model(tiny_config("llama"))
     layers = list(model.layers)
     with pytest.raises(error, match=words):
-        pipemlx.shard_model(model, FakeGroup(0, 2), **kwargs)  # type: ignore[arg-type]
+        pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", **kwargs)  # type: ignore[arg-type]
     assert list(model.layers) == layers

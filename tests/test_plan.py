@@ -81,7 +81,7 @@ def test_fingerprint_is_shared_by_ranks_and_tells_plans_apart() -> None:
     "args,error,words",
     [
         ((0, 4, 2, 0), ValueError, "empty"),
-        ((5, 0, 2, 0), ValueError, "step_size must be at least 1, got 0"),
+        ((5, 0, 2, 0), ValueError, "prefill_step_size must be at least 1 or 'auto', got 0"),
         ((5, -3, 2, 0), ValueError, "got -3"),
         ((5, 2.5, 2, 0), TypeError, "step_size must be an int"),
         ((5, True, 2, 0), TypeError, "step_size must be an int"),

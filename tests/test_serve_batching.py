@@ -175,9 +175,9 @@ def test_a_client_hanging_up_mid_stream_leaves_the_others_exact(
 
 
 def test_a_server_sharded_with_lent_heads_batches_answers_equal_to_one_process(ref: Reference) -> None:
-    """--lend-mlp --lend-heads 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; four
+    """--lend 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; four
     clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers."""
-    with serving("--max-concurrency", str(CONCURRENCY), "--lend-mlp", "--lend-heads", "1") as process:
+    with serving("--max-concurrency", str(CONCURRENCY), "--lend", "1") as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
 
         def ask(i: int) -> str:
@@ -337,7 +337,7 @@ def test_a_prefill_cut_short_on_three_ranks_keeps_what_every_rank_prefilled(ref:
     next request failed the whole pipeline with PipelineMismatchError)."""
     messages = [{"role": "user", "content": book_text()[:1200]}]
     prompt = ref.chat_tokens(messages)
-    with serving("--max-concurrency", "2", "--step-size", "16", ranks=3) as process:
+    with serving("--max-concurrency", "2", "--prefill-step-size", "16", ranks=3) as process:
         body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
         with httpx.stream("POST", process.url + "/v1/chat/completions", json=body, timeout=60.0):
 

@@ -40,7 +40,7 @@ def main() -> None:
     for attempt in range(1 + spec["repeats"]):
         cache = make_prompt_cache(model)
         start = time.perf_counter()
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=spec["step"])
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
         if attempt:  # the first is a warm-up
             times.append(time.perf_counter() - start)
     report = {"rank": stage.rank, "split": list(stage.info.split), "speeds": speeds, "prefill_s": times}

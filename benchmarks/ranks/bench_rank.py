@@ -2,7 +2,7 @@
 
 Spec: {"mode": "single" | "native" | "pipemlx", "M", "step", "repeats", "decode_tokens", "pin", "config",
        "agree_every"?, "warmup"? (default true: one untimed run first; pipemlx "auto" calibrates in it),
-       "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend_mlp=..., lend_heads=...); "auto": for M tokens)}
+       "lend_mlp"?, "lend_heads"? (pipemlx: shard_model(lend="mlp" or lend=K or "auto"; whole layers without them)}
   single   one process holding all layers, mlx-lm generate_step's own chunked prefill
   native   mlx-lm's own pipeline (model.model.pipeline(group)), generate_step's prefill (prefill only)
   pipemlx  pipemlx.shard_model + pipeline_prefill, then pipemlx.generate_step(prompt[-1:]) to decode
@@ -91,7 +91,9 @@ def time_pipemlx(
     """
     cache = make_prompt_cache(model)
     start = time.perf_counter()
-    used = pipemlx.pipeline_prefill(model, prompt, cache, step_size=step, trace_dir=trace_dir, agree_every=agree_every)
+    used = pipemlx.pipeline_prefill(
+        model, prompt, cache, prefill_step_size=step, trace_dir=trace_dir, agree_every=agree_every
+    )
     prefill_s = time.perf_counter() - start
     STEPS_USED.append(used)
     rate, per_token = 0.0, 0.0
@@ -115,7 +117,7 @@ def time_pipemlx(
 
 
 def auto_chunks(model: Any, spec: dict[str, Any]) -> list[int]:
-    """The cut ``step_size="auto"`` took for this prompt (the same pure choice pipeline_prefill makes)."""
+    """The cut ``prefill_step_size="auto"`` took for this prompt (the same pure choice pipeline_prefill makes)."""
     if spec["mode"] != "pipemlx" or spec["step"] != "auto":
         return []
     return list(choose_chunks(spec["M"], stage_of(model).cost_model))
@@ -137,21 +139,15 @@ def main() -> None:
     elif mode == "pipemlx":
         assert group is not None
         heads = spec.get("lend_heads", 0)
-        pipemlx.shard_model(  # lend_heads="auto" plans for this prompt's length
-            model,
-            group,
-            timeout=600,
-            lend_mlp=spec.get("lend_mlp", False),
-            lend_heads=heads,
-            context=spec["M"] if heads == "auto" else None,
-        )
+        lend: Any = (heads or "mlp") if spec.get("lend_mlp") else "none"  # whole layers unless asked
+        pipemlx.shard_model(model, group, timeout=600, lend=lend, context=spec["M"])  # lend="auto": for this prompt
     prompt = mx.random.randint(0, spec["config"]["vocab_size"], (spec["M"],), key=mx.random.key(1)).astype(mx.int32)
     prefill: list[float] = []
     decode: list[float] = []
     sent: list[float] = []
     warmup = 1 if spec.get("warmup", True) else 0
     if mode == "pipemlx" and spec["step"] == "auto" and not warmup:  # calibrate outside the timed runs
-        pipemlx.pipeline_prefill(model, prompt[:64], make_prompt_cache(model), step_size="auto")
+        pipemlx.pipeline_prefill(model, prompt[:64], make_prompt_cache(model), prefill_step_size="auto")
     for i in range(spec["repeats"] + warmup):  # the first run warms up
         if mode == "pipemlx":  # its handshake lines the ranks up; nothing to synchronize by hand
             trace = spec.get("trace_dir") if i == spec["repeats"] + warmup - 1 else None

@@ -1,4 +1,4 @@
-"""Benchmark rank program: calibrate the group's cost model as step_size="auto" does; print it (rank 0's line).
+"""Benchmark rank program: calibrate the group's cost model as prefill_step_size="auto" does; print it (rank 0's line).
 
 Spec: {"config", "lend_mlp"?}. Prints the CostModel's fields as one JSON line.
 """
@@ -22,7 +22,9 @@ def main() -> None:
     group = init_group()
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[group.rank() % len(cores)]})
-    model = pipemlx.shard_model(build_model(spec["config"], seed=0), group, lend_mlp=spec.get("lend_mlp", False))
+    model = pipemlx.shard_model(
+        build_model(spec["config"], seed=0), group, lend="mlp" if spec.get("lend_mlp") else "none"
+    )
     print(json.dumps(asdict(calibrated(model, stage_of(model), 120.0))), flush=True)
 
 

@@ -176,8 +176,8 @@ def main() -> None:
         seconds, counted = mlx_batch(model, prompts, spec["tokens"])
     else:
         assert group is not None
-        heads = spec.get("lend_heads", 0)  # shard_model(lend_mlp=True, lend_heads=K) when given
-        model = pipemlx.shard_model(model, group, lend_mlp=heads > 0, lend_heads=heads)
+        heads = spec.get("lend_heads", 0)  # shard_model(lend=K) when given, whole layers otherwise
+        model = pipemlx.shard_model(model, group, lend=heads if heads > 0 else "none")
         if mode == "arrival":
             print(json.dumps({"rank": rank, **arrival(model, spec)}), flush=True)
             return

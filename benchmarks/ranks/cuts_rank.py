@@ -9,7 +9,7 @@ fresh cache. The ranks start each prefill together without a barrier: the one be
 every rank (pipemlx's closing agreement; native's first-token all-gather). (Round 0 is a warm-up, not
 reported); a cut's time on a rank runs from its call to its return, the prefill's handshake included, and
 the slowest rank's is reported. A cut is imposed by standing in for the auto planner's choice
-(``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``step_size="auto"``'s path: the same
+(``pipemlx.runtime.prefill.choose_chunks``), so each runs through ``prefill_step_size="auto"``'s path: the same
 handshake, agreement spacing and executor; a null cut is auto's own choice. Prints {"rank", "seconds":
 {name: [per round]}, "tokens": {sharding: first 4 tokens after the last prefill}} (names prefixed with
 the sharding's label when "shardings" is given).
@@ -91,7 +91,7 @@ def main() -> None:
                 current[0] = sharding
                 cache = make_prompt_cache(model)
                 start = time.perf_counter()
-                pipemlx.pipeline_prefill(model, prompt, cache, step_size="auto")
+                pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size="auto")
                 if round_:
                     seconds.setdefault(label, []).append(time.perf_counter() - start)
                 if round_ == spec["rounds"] and name == next(iter(spec["cuts"])):

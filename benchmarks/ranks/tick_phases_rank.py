@@ -54,7 +54,9 @@ def main() -> None:
     rank = group.rank()
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    model = pipemlx.shard_model(build_model(spec["config"], seed=0), group, lend_mlp=spec.get("lend_mlp", False))
+    model = pipemlx.shard_model(
+        build_model(spec["config"], seed=0), group, lend="mlp" if spec.get("lend_mlp") else "none"
+    )
     vocab = spec["config"]["vocab_size"]
     prompts = [mx.random.randint(0, vocab, (spec["M"],), key=mx.random.key(100 + i)).tolist() for i in range(spec["R"])]
     long_prompt = mx.random.randint(0, vocab, (spec["arrival_tokens"],), key=mx.random.key(7)).tolist()

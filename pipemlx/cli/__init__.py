@@ -27,13 +27,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._version import __version__
 from ..demo import MODEL_DIR
 from ..launch import LaunchError, launch
 from . import doctor as doctor_command
 from . import serve as serve_command
 from . import split as split_command
 from .common import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TIMEOUT,
+    DefaultsFormatter,
     UserError,
+    add_prefill_step_flag,
+    add_renamed_flags,
     add_sharding_flags,
     check_ranks,
     hostfile_rank,
@@ -52,12 +58,14 @@ EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 def build_parser() -> argparse.ArgumentParser:
     """The ``pipemlx`` argument parser."""
     parser = argparse.ArgumentParser(prog="pipemlx", description="Pipeline-parallel prefill for mlx-lm models.")
+    parser.add_argument("--version", action="version", version=f"pipemlx {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     generate = commands.add_parser(
         "generate",
         help="prefill a prompt across ranks with a progress bar, then stream the generated text",
         description="Prefill a prompt across ranks, then stream the generated text and print a summary.",
+        formatter_class=DefaultsFormatter,
     )
     _add_model_args(generate)
     where = generate.add_mutually_exclusive_group()
@@ -68,11 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (default: the opening of Pride and Prejudice)")
     prompt.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
-    generate.add_argument("--max-tokens", type=positive_int, default=100, help="tokens to generate (default 100)")
     generate.add_argument(
-        "--temp", type=float, default=0.7, help="sampling temperature (default 0.7; 0 for greedy decoding)"
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="the most tokens to generate"
     )
-    generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank (default 0)")
+    generate.add_argument(
+        "--temp", type=float, default=0.0, help="sampling temperature (0: greedy decoding, as mlx-lm)"
+    )
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
     add_sharding_flags(generate)
 
@@ -81,12 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="one process against a 2-rank pipeline on the same model and prompt",
-        description="Time prefill and decode in one process and in a pipeline, and print the ratios.",
+        description="Time prefill and decode in one process (mlx-lm, at --prefill-step-size, or at mlx-lm's default "
+        "step with auto) and in a pipeline, and print the ratios.",
+        formatter_class=DefaultsFormatter,
     )
     _add_model_args(bench)
-    bench.add_argument("--ranks", type=positive_int, default=2, help="pipeline ranks (default 2)")
-    bench.add_argument("--prompt-tokens", type=positive_int, default=2048, help="prompt length (default 2048)")
-    bench.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to decode (default 64)")
+    bench.add_argument("--ranks", type=positive_int, default=2, help="pipeline ranks")
+    bench.add_argument("--prompt-tokens", type=positive_int, default=2048, help="prompt length")
+    bench.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="tokens to decode")
     bench.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     bench.add_argument("--png", help="also write the pipeline's prefill timeline to this PNG (needs matplotlib)")
     add_sharding_flags(bench)
@@ -110,12 +122,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=MODEL_DIR,
         help="mlx-lm model folder or Hugging Face repo id (default: the demo model)",
     )
+    add_prefill_step_flag(parser)
+    add_renamed_flags(parser, ["--step-size"])
     parser.add_argument(
-        "--step-size",
-        type=positive_int,
-        help="prefill chunk in tokens (default 512, smaller for short prompts: at least 4 chunks per rank)",
+        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT, help="seconds any pipeline wait may take"
     )
-    parser.add_argument("--timeout", type=positive_float, default=120.0, help="seconds any pipeline wait may take")
 
 
 def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:

@@ -25,7 +25,7 @@ from rich.table import Table
 from ..launch import LaunchError, launch
 from ..observe.timeline import plot_timeline
 from ..observe.trace import find_rank_traces, merge_traces, read_spans
-from .common import UserError, check_ranks, default_step_size, model_name
+from .common import UserError, check_ranks, model_name
 
 LAUNCH_TIMEOUT = 24 * 3600.0
 
@@ -38,15 +38,14 @@ def run_bench(args: argparse.Namespace) -> int:
             importlib.import_module("matplotlib")
         except ImportError:
             raise UserError("--png needs matplotlib: pip install matplotlib") from None
-    step_size: int = args.step_size or default_step_size(args.prompt_tokens, args.ranks)
+    step_size: int | str = args.prefill_step_size
     spec: dict[str, Any] = {
         "model": str(args.model),
         "prompt_tokens": args.prompt_tokens,
-        "step_size": step_size,
+        "prefill_step_size": step_size,
         "max_tokens": args.max_tokens,
         "timeout": args.timeout,
-        "lend_mlp": args.lend_mlp,
-        "lend_heads": args.lend_heads,
+        "lend": args.lend,
         "allow_unregistered": args.allow_unregistered,
     }
     with tempfile.TemporaryDirectory(prefix="pipemlx-bench-") as tmp:
@@ -62,7 +61,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "model": str(args.model),
         "ranks": args.ranks,
         "prompt_tokens": args.prompt_tokens,
-        "step_size": step_size,
+        "prefill_step_size": step_size,
         "max_tokens": args.max_tokens,
         "single": single,
         "pipeline": pipeline,
@@ -92,7 +91,7 @@ def _table(report: dict[str, Any], png: str | None) -> Table:
     table = Table(
         title=(
             f"pipemlx bench: {model_name(Path(report['model']))}\n{report['prompt_tokens']}-token prompt "
-            f"in chunks of {report['step_size']}, {report['max_tokens']} tokens decoded"
+            f"prefill step {report['prefill_step_size']}, {report['max_tokens']} tokens decoded"
         ),
         title_justify="left",
     )

@@ -1,7 +1,7 @@
 """``pipemlx bench``'s rank program: one rank of one side of the benchmark (``python -m pipemlx.cli.bench_rank SPEC``).
 
 ``SPEC`` is a JSON object from :mod:`.bench`: model, prompt_tokens,
-step_size, max_tokens, timeout, mode (``"single"``: one process, mlx-lm's
+prefill_step_size, max_tokens, timeout, lend, mode (``"single"``: one process, mlx-lm's
 ``generate_step``; ``"pipeline"``: a rank of a pipemlx pipeline, prefilled with
 ``pipeline_prefill`` and decoded with ``pipemlx.generate_step``) and, for the
 pipeline, an optional trace_dir. Rank 0 prints its figures (those of
@@ -29,6 +29,9 @@ from ..runtime.generate import generate_step as pipemlx_generate_step
 from ..runtime.prefill import pipeline_prefill
 
 WARMUP_TOKENS = 3
+WARMUP_STEP = 256  # with prefill_step_size="auto": the warm-up prompt is 2 such chunks (and calibrates the group)
+MLX_LM_STEP = 2048
+"""One process's step when the pipeline's is "auto": mlx-lm's default ``prefill_step_size``, what its users get."""
 
 
 def _timed_tokens(tokens: Iterator[tuple[Any, Any]]) -> tuple[list[int], float]:
@@ -46,11 +49,11 @@ def _timed_tokens(tokens: Iterator[tuple[Any, Any]]) -> tuple[list[int], float]:
 def _measure(
     model: nn.Module, prompt: mx.array, spec: dict[str, Any], pipelined: bool, trace: str | None
 ) -> dict[str, Any]:
-    step, max_tokens = spec["step_size"], spec["max_tokens"]
+    step, max_tokens = spec["prefill_step_size"], spec["max_tokens"]
     cache = make_prompt_cache(model)
     start = time.perf_counter()
     if pipelined:
-        pipeline_prefill(model, prompt, cache, step_size=step, timeout=spec["timeout"], trace_dir=trace)
+        pipeline_prefill(model, prompt, cache, prefill_step_size=step, timeout=spec["timeout"], trace_dir=trace)
         prefill_s = time.perf_counter() - start
         decoded = pipemlx_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=max_tokens)
         tokens, decode_s = _timed_tokens(decoded)
@@ -60,7 +63,7 @@ def _measure(
             prompt,
             model,
             prompt_cache=cache,
-            prefill_step_size=step,
+            prefill_step_size=MLX_LM_STEP if step == "auto" else step,
             max_tokens=max_tokens,
             prompt_progress_callback=clock,
         )
@@ -83,8 +86,8 @@ def bench_rank(spec: dict[str, Any]) -> None:
             spec["model"],
             group,
             timeout=spec["timeout"],
-            lend_mlp=spec.get("lend_mlp", False),
-            lend_heads=spec.get("lend_heads", 0),
+            context=spec["prompt_tokens"] + spec["max_tokens"],
+            lend=spec.get("lend", "auto"),
             allow_unregistered=spec.get("allow_unregistered", False),
         )
     else:
@@ -93,7 +96,8 @@ def bench_rank(spec: dict[str, Any]) -> None:
     vocab = int(getattr(model, "args").vocab_size)
     prompt = mx.random.randint(0, vocab, (spec["prompt_tokens"],), key=mx.random.key(0)).astype(mx.int32)
     warmup = {**spec, "max_tokens": WARMUP_TOKENS}
-    _measure(model, prompt[: min(prompt.size, 2 * spec["step_size"] + 1)], warmup, pipelined, None)
+    warm_step = WARMUP_STEP if spec["prefill_step_size"] == "auto" else spec["prefill_step_size"]
+    _measure(model, prompt[: min(prompt.size, 2 * warm_step + 1)], warmup, pipelined, None)
     figures = _measure(model, prompt, spec, pipelined, spec.get("trace_dir"))
     if group is None or group.rank() == 0:
         print(json.dumps(figures), flush=True)

@@ -38,11 +38,6 @@ def positive_int(text: str) -> int:
     return whole_number(text, 1)
 
 
-def heads_count(text: str) -> int | str:
-    """argparse type: ``auto`` or an integer of 0 or more (``--lend-heads``)."""
-    return "auto" if text == "auto" else whole_number(text, 0)
-
-
 def layer_counts(text: str) -> list[int]:
     """argparse type: layers per rank, comma-separated (``6,2``)."""
     try:
@@ -62,26 +57,96 @@ def positive_float(text: str) -> float:
     return value
 
 
+def prefill_step(text: str) -> int | str:
+    """argparse type: ``auto`` or an integer of 1 or more (``--prefill-step-size``)."""
+    return "auto" if text == "auto" else whole_number(text, 1)
+
+
+def lend_choice(text: str) -> int | str:
+    """argparse type: ``auto``, ``none``, ``mlp`` or a count of key-value heads (``--lend``)."""
+    if text in ("auto", "none", "mlp"):
+        return text
+    try:
+        return whole_number(text, 0)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, none, mlp or a number of heads, got {text!r}") from None
+
+
+DEFAULT_TIMEOUT = 120.0
+"""``--timeout``'s default in every command: :func:`pipemlx.shard_model`'s."""
+DEFAULT_MAX_TOKENS = 256
+"""``--max-tokens``' default in every command: mlx-lm's (``mlx_lm.generate``, ``generate_step``)."""
+
 SHARDING_FLAGS = {
     "--allow-unregistered": "shard an architecture pipemlx has not been verified on (load_sharded's "
     "allow_unregistered=True); compare with one process before relying on it",
-    "--lend-mlp": "cut inside each rank's last layer: its feed-forward half runs on the next rank (shard_model's "
-    "lend_mlp=True; llama, mistral, qwen2, qwen3): a faster prefill where the first rank is the busiest",
-    "--lend-heads": "with --lend-mlp, also move K key-value heads of that layer's attention to the next rank "
-    "(shard_model's lend_heads=K; auto: the count the ranks' timings predict fastest): balances long prompts, "
-    "where attention is most of the work",
+    "--lend": "where the cuts between ranks fall (load_sharded's lend): auto cuts inside each rank's last layer "
+    "where the model allows (its feed-forward half and the key-value heads the ranks' timings predict fastest "
+    "run on the next rank; llama, mistral, qwen2, qwen3) and keeps whole layers elsewhere; none: whole layers; "
+    "mlp: the feed-forward half only; K: the feed-forward half and K key-value heads",
 }
-COUNT_FLAGS = ("--lend-heads",)  # sharding flags that take a count or auto (the others are switches)
+RENAMED_FLAGS = {
+    "--step-size": "--prefill-step-size",
+    "--lend-mlp": "--lend",
+    "--lend-heads": "--lend",
+}
+"""Flags of pipemlx 0.1 and the flags that replace them: each old one is refused with an error naming the new one."""
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows each option's default: `` (default: X)`` after the help unless it says its default already
+    (options without a value, or whose default is ``None``, are left as they are)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        if isinstance(default, (list, tuple)) and not default:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class RenamedFlag(argparse.Action):
+    """A flag of an earlier version: using it is an argparse error (exit status 2) naming the flag that replaces it."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option: str | None = None
+    ) -> None:
+        parser.error(f"{option} was renamed {RENAMED_FLAGS.get(option or '', '?')} in pipemlx 0.2.0")
+
+
+def add_renamed_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(RENAMED_FLAGS)) -> None:
+    """Refuse the old ``flags`` (:data:`RENAMED_FLAGS`) with an error naming the new one; hidden from ``--help``."""
+    for flag in flags:
+        parser.add_argument(flag, action=RenamedFlag, nargs="?", help=argparse.SUPPRESS)
+
+
+def add_prefill_step_flag(parser: argparse.ArgumentParser) -> None:
+    """``--prefill-step-size`` (mlx-lm's name): ``auto`` (the default) or tokens per prefill chunk."""
+    parser.add_argument(
+        "--prefill-step-size",
+        type=prefill_step,
+        default="auto",
+        metavar="{auto,N}",
+        help="prompt tokens per prefill chunk (mlx-lm's prefill_step_size); auto: the ranks time their layers once "
+        "(kept in the calibration cache) and choose the chunks predicted fastest for the prompt",
+    )
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
-    """``--allow-unregistered``, ``--lend-mlp`` and ``--lend-heads K`` (or those of them in ``flags``):
-    ``load_sharded``'s ``allow_unregistered``, ``lend_mlp`` and ``lend_heads``."""
+    """``--allow-unregistered`` and ``--lend`` (or those of them in ``flags``): ``load_sharded``'s
+    ``allow_unregistered`` and ``lend``; and the refusal of the flags they replaced."""
     for flag in flags:
-        if flag in COUNT_FLAGS:
-            parser.add_argument(flag, type=heads_count, default=0, metavar="K", help=SHARDING_FLAGS[flag])
+        if flag == "--lend":
+            parser.add_argument(
+                flag, type=lend_choice, default="auto", metavar="{auto,none,mlp,K}", help=SHARDING_FLAGS[flag]
+            )
         else:
             parser.add_argument(flag, action="store_true", help=SHARDING_FLAGS[flag])
+    if "--lend" in flags:
+        add_renamed_flags(parser, ["--lend-mlp", "--lend-heads"])
 
 
 def in_launched_rank() -> bool:

@@ -32,12 +32,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from pathlib import Path
 
     from ..demo import MODEL_DIR
-    from .common import add_sharding_flags, layer_counts, positive_float
+    from .common import DEFAULT_TIMEOUT, DefaultsFormatter, add_sharding_flags, layer_counts, positive_float
 
     doctor = commands.add_parser(
         "doctor",
         help="check every rank and link: versions, backend, latency and bandwidth, memory, a real prefill + decode",
         description="Check a group of ranks before trusting it with a model; ends with a verdict and exit 0/1.",
+        formatter_class=DefaultsFormatter,
     )
     where = doctor.add_mutually_exclusive_group()
     where.add_argument("--ranks", type=int, help=f"local ranks to start (default {DEFAULT_RANKS})")
@@ -50,10 +51,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="model folder or Hugging Face repo id for the end-to-end run (default: demo)",
     )
     doctor.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
-    doctor.add_argument("--context", type=int, help="context the memory check plans for (default: the model's max)")
-    doctor.add_argument("--timeout", type=positive_float, default=30.0, help="seconds any wait may take (30)")
     doctor.add_argument(
-        "--join-timeout", type=positive_float, default=30.0, help="seconds to wait for every rank to join (30)"
+        "--context",
+        type=int,
+        help="most tokens (prompt + answer) a request holds, as load_sharded's context: what the memory check "
+        "plans for (default: the model's max_position_embeddings)",
+    )
+    doctor.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT, help="seconds any wait may take")
+    doctor.add_argument(
+        "--join-timeout", type=positive_float, default=30.0, help="seconds to wait for every rank to join"
     )
     doctor.add_argument("--json", action="store_true", help="rank 0 prints one JSON object")
     add_sharding_flags(doctor, ["--allow-unregistered"])  # for --model: the end-to-end run loads it

@@ -7,10 +7,13 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -23,7 +26,7 @@ from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from ..runtime.generate import stream_generate
 from ..runtime.prefill import pipeline_prefill
 from ..runtime.stage import stage_of
-from .common import check_ranks, default_step_size, model_name
+from .common import check_ranks, model_name
 
 PROMPT_TAIL_CHARS = 300
 MB = float(1 << 20)
@@ -72,6 +75,16 @@ def generate_rank(
 
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
+    try:  # the tokenizer first: the prompt's real length is the context the model is sharded for (lend=auto)
+        tokenizer: Any = load_tokenizer(Path(args.model))
+    except (ValueError, OSError) as exc:
+        print(f"pipemlx generate: error: cannot load the tokenizer in {args.model}: {exc}", file=sys.stderr)
+        return 2
+    add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
+    prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
+    if prompt.size == 0:  # every rank encodes the same text: every rank stops here, before anything is sent
+        print(f"pipemlx generate: error: the prompt {prompt_text!r} encodes to no tokens", file=sys.stderr)
+        return 2
     try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
         model, tokenizer = load_sharded(
             args.model,
@@ -79,23 +92,18 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             split=args.split,
             timeout=args.timeout,
             allow_unregistered=args.allow_unregistered,
-            lend_mlp=args.lend_mlp,
-            lend_heads=args.lend_heads,
+            context=prompt.size + args.max_tokens,
+            lend=args.lend,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
         return 2
     stage = stage_of(model)
-    add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
-    prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
-    if prompt.size == 0:  # every rank encodes the same text: every rank stops here, before anything is sent
-        print(f"pipemlx generate: error: the prompt {prompt_text!r} encodes to no tokens", file=sys.stderr)
-        return 2
-    step_size: int = args.step_size or default_step_size(prompt.size, size)
+    step_size: int | str = args.prefill_step_size
     name = model_name(args.model)
     err.print(
         f"[bold]pipemlx[/bold]: {name}, {stage.info.total_layers} layers on {size} rank{'s' if size > 1 else ''} "
-        f"(split {list(stage.info.split)}); prompt {prompt.size} tokens in chunks of {step_size}",
+        f"(split {list(stage.info.split)}); prompt {prompt.size} tokens, prefill step {step_size}",
         highlight=False,
         soft_wrap=True,
     )
@@ -118,7 +126,14 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
 
     start = time.perf_counter()
     with progress:
-        pipeline_prefill(model, prompt, cache, step_size=step_size, progress_callback=on_progress, timeout=args.timeout)
+        step = pipeline_prefill(
+            model,
+            prompt,
+            cache,
+            prefill_step_size=args.prefill_step_size,
+            prompt_progress_callback=on_progress,
+            timeout=args.timeout,
+        )
     prefill_s = time.perf_counter() - start
 
     err.print(Text(_prompt_tail(prompt_text), style="dim"), end="")
@@ -133,7 +148,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         max_tokens=args.max_tokens,
         prompt_cache=cache,
         sampler=make_sampler(args.temp) if args.temp > 0 else None,  # greedy: the ranks share the head
-        prefill_step_size=step_size,
+        prefill_step_size=step,
     ):
         if response.finish_reason != "stop":
             tokens.append(response.token)
@@ -157,7 +172,8 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             "lend_mlp": stage.info.lending.mlp,
             "lend_heads": stage.info.lending.heads,
             "prompt_tokens": prompt.size,
-            "step_size": step_size,
+            "prefill_step_size": step_size,
+            "largest_chunk": step,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
@@ -169,7 +185,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
-    err.print(_summary(prompt.size, step_size, prefill_s, prefill_tps, len(tokens), decode_tps, figures))
+    err.print(_summary(prompt.size, step, prefill_s, prefill_tps, len(tokens), decode_tps, figures))
     return 0
 
 
@@ -205,7 +221,7 @@ def _summary(
     table = Table(title="pipemlx generate", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("prompt tokens", f"{prompt_tokens} (chunks of {step_size})")
+    table.add_row("prompt tokens", f"{prompt_tokens} (chunks of up to {step_size})")
     table.add_row("prefill", f"{prefill_s:.2f} s, {prefill_tps:,.0f} tokens/s")
     table.add_row("decode", f"{generated} tokens, {decode_tps:,.0f} tokens/s")
     for f in figures:

@@ -30,7 +30,12 @@ from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from ..models.hub import is_repo_id
 from .common import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TIMEOUT,
+    DefaultsFormatter,
     UserError,
+    add_prefill_step_flag,
+    add_renamed_flags,
     add_sharding_flags,
     check_ranks,
     hostfile_rank,
@@ -63,6 +68,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
         "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, "
         "GET /metrics.",
+        formatter_class=DefaultsFormatter,
     )
     serve.add_argument(
         "--model",
@@ -97,7 +103,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="let pages from ORIGIN (like https://app.example.com, or * for any) call the API from a browser; "
         "repeat for more (default: none, no CORS headers)",
     )
-    serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429 (64)")
+    serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429")
     serve.add_argument(
         "--max-concurrency",
         type=positive_int,
@@ -111,7 +117,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="equal-cost",
         help="with --max-concurrency above 1, a prompt prefilled while others decode comes in chunks that "
         "shrink as positions grow, each costing what the first does (equal-cost: the default; calibrates at "
-        "start-up), or in chunks of --step-size (fixed)",
+        "start-up, once: the calibration cache), or in chunks of one size (fixed)",
     )
     serve.add_argument(
         "--prefix-cache",
@@ -120,9 +126,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="MB",
         help="KV caches of recent requests kept for reuse, in MB (default 1024; 0: off)",
     )
-    serve.add_argument("--step-size", type=_step_size, help="prefill chunk in tokens, or 'auto' (default: as generate)")
+    add_prefill_step_flag(serve)
+    add_renamed_flags(serve, ["--step-size"])
     serve.add_argument(
-        "--max-tokens", type=positive_int, default=512, help="tokens per answer when a request says none (512)"
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="tokens per answer when a request says none"
     )
     serve.add_argument(
         "--temp", type=float, default=0.0, help="temperature when a request says none (default 0: greedy)"
@@ -130,13 +137,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--context",
         type=positive_int,
-        help="most tokens (prompt + answer) a request may use (default: the model's max_position_embeddings)",
+        help="most tokens (prompt + answer) a request holds, as load_sharded's context: longer requests are refused, "
+        "and lend=auto plans for it (default: the model's max_position_embeddings)",
     )
     serve.add_argument(
-        "--timeout", type=positive_float, default=60.0, help="seconds any wait on another rank may take (60)"
+        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT, help="seconds any wait on another rank may take"
     )
     serve.add_argument(
-        "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting (5)"
+        "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting"
     )
     add_limit_flags(serve)
     add_recovery_flags(serve)
@@ -215,10 +223,6 @@ def cors_origin(text: str) -> str:
             f"(lower case, no path, no trailing slash), got {text!r}"
         )
     return text
-
-
-def _step_size(text: str) -> int | str:
-    return "auto" if text == "auto" else positive_int(text)
 
 
 def model_id(args: argparse.Namespace) -> str:
@@ -335,7 +339,7 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
         max_concurrency=args.max_concurrency,
         prefill_chunking=args.prefill_chunking,
         prefix_cache_mb=args.prefix_cache,
-        step_size=args.step_size,
+        prefill_step_size=args.prefill_step_size,
         timeout=args.timeout,
         default_max_tokens=args.max_tokens,
         default_temperature=args.temp,
@@ -364,8 +368,7 @@ def _as_rank(args: argparse.Namespace) -> int:
         port=args.port,
         split=args.split,
         allow_unregistered=args.allow_unregistered,
-        lend_mlp=args.lend_mlp,
-        lend_heads=args.lend_heads,
+        lend=args.lend,
         cors_origins=tuple(args.cors_origin),
     )
     if args.ranks is not None and in_launched_rank():

@@ -17,6 +17,7 @@ import re
 import sys
 
 from ..models.hub import memory_model_of, model_bytes_of
+from ..models.sharding import AUTO_PLANNED_STEP
 from ..schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from ..schedule.memory_split import (
     MemoryPlan,
@@ -29,9 +30,15 @@ from ..schedule.memory_split import (
     resolve_budgets,
 )
 from ..schedule.split import resolve_split
+from .common import DefaultsFormatter, add_renamed_flags
 
 EXIT_DOES_NOT_FIT = 2
 EXIT_USAGE = 2
+
+
+def step_tokens(text: str) -> int | str:
+    """argparse type: ``auto`` or a number of tokens as :func:`context_tokens` reads it (``--prefill-step-size``)."""
+    return "auto" if text == "auto" else context_tokens(text)
 
 
 def context_tokens(text: str) -> int:
@@ -65,6 +72,7 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     """
     parser = argparse.ArgumentParser(
         prog=prog,
+        formatter_class=DefaultsFormatter,
         description="Split an mlx-lm model directory's layers over ranks from its safetensors headers, "
         "its config and each rank's memory (and speed).",
     )
@@ -83,7 +91,14 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     parser.add_argument(
         "--context", type=context_tokens, help="tokens each request holds (32768 or 32k): count the KV cache"
     )
-    parser.add_argument("--step-size", type=context_tokens, default=512, help="prefill chunk in tokens (default 512)")
+    parser.add_argument(
+        "--prefill-step-size",
+        type=step_tokens,
+        default="auto",
+        metavar="{auto,N}",
+        help=f"prefill chunk in tokens (512 or 1k) counted in the peak; auto is counted as {AUTO_PLANNED_STEP}",
+    )
+    add_renamed_flags(parser, ["--step-size"])
     parser.add_argument("--kv-bits", type=int, help="quantized KV cache bits (mlx-lm's kv_bits; default: none)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="quantized KV group size (default 64)")
     parser.add_argument(
@@ -148,7 +163,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         return 0
     settings = Settings(
         args.context or 1,
-        args.step_size,
+        AUTO_PLANNED_STEP if args.prefill_step_size == "auto" else args.prefill_step_size,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,

@@ -46,7 +46,7 @@ class Architecture:
 
     ``pre_norm_blocks``: its decoder blocks compute ``h = x + self_attn(input_layernorm(x))`` and then
     ``h + mlp(post_attention_layernorm(h))``, so a cut may sit between the halves
-    (``shard_model(..., lend_mlp=True)``, :mod:`pipemlx.models.lending`).
+    (``shard_model(..., lend="mlp")``, :mod:`pipemlx.models.lending`).
 
     ``plain_head``: its logits are ``lm_head(model.model(...))``, or the embedding applied as a linear map
     where it has no ``lm_head`` (tied), with nothing after it (no scaling or soft-capping), so greedy decodes
@@ -300,12 +300,12 @@ def check_architecture(model: nn.Module, owner: nn.Module, local: range, allow_u
 
 
 def check_lendable(model: nn.Module) -> None:
-    """Raise :class:`PipelineError` unless ``model``'s blocks may be cut between their halves (``lend_mlp``)."""
+    """Raise :class:`PipelineError` unless ``model``'s blocks may be cut between their halves (``lend``)."""
     entry = architecture_of(model)
     if entry is None or not entry.pre_norm_blocks:
         able = ", ".join(sorted(m.rsplit(".", 1)[-1] for m, a in ARCHITECTURES.items() if a.pre_norm_blocks))
         raise PipelineError(
-            f"lend_mlp: {type(model).__module__}'s blocks are not verified to be plain pre-norm blocks (attention "
+            f"lend: {type(model).__module__}'s blocks are not verified to be plain pre-norm blocks (attention "
             f"half, then feed-forward half), so their feed-forward half cannot move to the next rank; it can for: "
             f"{able}"
         )

@@ -11,7 +11,7 @@ runs the attention half of its last layer (the cache stays there) and sends
 ``h``; the next rank runs that layer's feed-forward half before its own first
 layer. What flows between ranks keeps its shape, every layer's cache stays on
 its rank, and the whole computes what the model does. With
-``shard_model(..., lend_mlp=True)``, the first rank (which also embeds) and the
+``shard_model(..., lend="mlp")``, the first rank (which also embeds) and the
 middle ranks hand work to the last one, which is the lighter rank in a prefill
 (its last layer only needs its cache).
 
@@ -22,8 +22,8 @@ have blocks of this form is the registry's to say
 (:mod:`pipemlx.models.architectures`).
 
 Where attention is most of a layer's work (long prompts), moving the
-feed-forward half is not enough. ``shard_model(..., lend_mlp=True,
-lend_heads=k)`` also moves ``k`` of the lending layer's key-value heads (with
+feed-forward half is not enough. ``shard_model(...,
+lend=k)`` also moves ``k`` of the lending layer's key-value heads (with
 their query heads) and its output projection: the lending rank attends with
 the other heads and sends ``[x, its heads' outputs]``, a wider message; the
 next rank attends with the lent heads, whose cache it keeps (its first
@@ -156,7 +156,7 @@ def lend_feed_forwards(layers: list[nn.Module], sizes: tuple[int, ...], heads: i
     bad = sorted({i for i in (*lenders, *starts) if not has_block_parts(layers[i])})
     if bad:
         raise PipelineError(
-            f"lend_mlp: layers {bad} are not pre-norm blocks with {', '.join(BLOCK_PARTS)}; "
+            f"lend: layers {bad} are not pre-norm blocks with {', '.join(BLOCK_PARTS)}; "
             "their feed-forward half cannot move to the next rank"
         )
     if heads:
@@ -180,13 +180,13 @@ def check_head_split(layer: nn.Module, index: int, heads: int) -> None:
     missing = [part for part in ATTENTION_PARTS if not hasattr(attention, part)]
     if missing:
         raise PipelineError(
-            f"lend_heads: layer {index}'s attention ({type(attention).__name__}) has no {', '.join(missing)}; "
+            f"lend={heads}: layer {index}'s attention ({type(attention).__name__}) has no {', '.join(missing)}; "
             "its heads cannot be split between ranks"
         )
     kv_heads = int(attention.n_kv_heads)
     if not 0 < heads < kv_heads:
         raise PipelineError(
-            f"lend_heads={heads}: layer {index}'s attention has {kv_heads} key-value heads; a rank can lend "
+            f"lend={heads}: layer {index}'s attention has {kv_heads} key-value heads; a rank can lend "
             f"1..{kv_heads - 1} of them and keep the rest (lending all of them is a split one layer later)"
         )
 
@@ -260,7 +260,7 @@ def _take(layer: nn.Module, name: str) -> nn.Module:
     return children.pop(name)
 
 
-AUTO_LEND_TOKENS = 4096  # the prompt length lend_heads="auto" plans for when shard_model is given no context
+AUTO_LEND_TOKENS = 4096  # the prompt length lend="auto" plans for when shard_model is given no context
 
 
 def lendable_heads(layers: list[nn.Module], sizes: tuple[int, ...]) -> int:
@@ -283,7 +283,7 @@ def auto_lent_heads(
     most: int,
     context: int | None,
 ) -> int:
-    """``lend_heads="auto"``: how many key-value heads (0 to ``most``) each cut moves, the count predicted to
+    """``lend="auto"``: how many key-value heads (0 to ``most``) each cut moves, the count predicted to
     prefill ``context`` tokens (:data:`AUTO_LEND_TOKENS` if ``None``) soonest.
 
     Each rank times its first layer on its own (:func:`~pipemlx.runtime.calibrate.group_layer_costs`; the
@@ -291,7 +291,7 @@ def auto_lent_heads(
     simulated with its best chunking (:func:`~pipemlx.schedule.autostep.choose_lent_heads`): the same count on
     every rank. A collective: every rank must pass ``"auto"``.
     """
-    costs = group_layer_costs(layers[info.layers.start], info, group)
+    costs = group_layer_costs(model, layers[info.layers.start], info, group)
     lender: Any = cast(Any, layers[info.split[0] - 1])["self_attn"]
     kv_heads = max(1, int(getattr(lender, "n_kv_heads", 1) or 1))
     cuts = [

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
+from ..errors import renamed
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import plan_split, resolve_budgets
 from ..schedule.split import layer_range, resolve_split
@@ -18,7 +19,7 @@ from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed
 from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
 from .safetensors import read_dir_config
-from .sharding import DEFAULT_TIMEOUT, MemorySpec, SplitSpec, find_layer_list, shard_model
+from .sharding import AUTO_PLANNED_STEP, DEFAULT_TIMEOUT, LendSpec, MemorySpec, SplitSpec, find_layer_list, shard_model
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -36,6 +37,7 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
     return root
 
 
+@renamed(step_size="prefill_step_size", lend_mlp="lend", lend_heads="lend")
 def load_sharded(
     path: str | os.PathLike[str],
     group: Any,
@@ -49,11 +51,10 @@ def load_sharded(
     speeds: Sequence[float] | None = None,
     context: int | None = None,
     kv_bits: int | None = None,
-    step_size: int = 512,
+    prefill_step_size: int | Literal["auto"] = "auto",
     head: HeadPolicy = "all",
     allow_unregistered: bool = False,
-    lend_mlp: bool = False,
-    lend_heads: int | Literal["auto"] = 0,
+    lend: LendSpec = "auto",
     revision: str | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
@@ -66,7 +67,7 @@ def load_sharded(
     safetensors headers, read remotely, as is ``"balanced"`` with ``speeds``;
     a ``"balanced"`` split that times the ranks makes every rank fetch every file).
 
-    Call it on every rank of ``group`` with the same arguments. The model is
+    A collective, like :func:`pipemlx.shard_model`: call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
     quantization and the weight checks are mlx-lm's), then
     :func:`pipemlx.shard_model` cuts it to this rank's layers and evaluates
@@ -75,7 +76,7 @@ def load_sharded(
     embedding on rank 0, or on every rank when the output head is the
     embedding (tied). Weights of other ranks' layers are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
-    ``step_size``, ``head``, ``allow_unregistered``, ``lend_mlp`` and ``lend_heads`` are :func:`pipemlx.shard_model`'s
+    ``prefill_step_size``, ``head``, ``allow_unregistered`` and ``lend`` are :func:`pipemlx.shard_model`'s
     (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's
     ``load_tokenizer``'s (``tokenizer_config`` passes extra settings to it); ``model_config`` overrides entries of
     ``config.json``. Weight files may be one or many, with or without ``model.safetensors.index.json``.
@@ -99,16 +100,17 @@ def load_sharded(
             speeds,
             context=context,
             kv_bits=kv_bits,
-            step_size=step_size,
+            step_size=AUTO_PLANNED_STEP if prefill_step_size == "auto" else prefill_step_size,
             model_config=model_config,
             trust_remote_code=trust_remote_code,
-            lend_mlp=lend_mlp,
+            lend_mlp=lend != "none",  # "auto" may cut inside a layer: fetch the layer before the cut too
             head=head,
         )
         root = source.root
         if planned is not None:  # decided before fetching: shard_model takes it as given
             if split in ("memory", "balanced") or memory is not None or speeds is not None:
-                context = context if lend_mlp and lend_heads == "auto" else None  # it planned the split
+                context = None  # it planned the split, from memory budgets that count whole layers
+                lend = "none" if lend == "auto" else lend  # as shard_model's own memory plans keep them
             split, memory, speeds = planned[0], None, None
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
@@ -130,11 +132,10 @@ def load_sharded(
         speeds=speeds,
         context=context,
         kv_bits=kv_bits,
-        step_size=step_size,
+        prefill_step_size=prefill_step_size,
         head=head,
         allow_unregistered=allow_unregistered,
-        lend_mlp=lend_mlp,
-        lend_heads=lend_heads,
+        lend=lend,
     )
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

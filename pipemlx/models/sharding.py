@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
-from ..errors import PipelineError
+from ..errors import PipelineError, renamed
 from ..runtime.caches import quantized_dims, unquantizable_layers
 from ..runtime.calibrate import feed_forward_share, measure_speeds
 from ..runtime.edges import wrap_edge
@@ -37,6 +37,13 @@ from .vocab_head import vocab_shard
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 DEFAULT_TIMEOUT = 120.0
+"""Seconds any blocking wait may take by default: the same in the API and every command."""
+AUTO_PLANNED_STEP = 512
+"""The prefill chunk a memory plan counts for ``prefill_step_size="auto"`` (the chunks auto chooses vary with the
+prompt; pass the int you prefill with to plan for another)."""
+LendSpec = Union[Literal["auto", "none", "mlp"], int]
+"""Where the cuts between ranks fall (:func:`shard_model`'s ``lend``): ``"auto"``, ``"none"``, ``"mlp"`` or a count
+of key-value heads."""
 
 
 def find_layer_list(model: nn.Module) -> tuple[nn.Module, str]:
@@ -91,10 +98,9 @@ def choose_split(
     speeds: Sequence[float] | None = None,
     context: int | None = None,
     kv_bits: int | None = None,
-    step_size: int = 512,
+    prefill_step_size: int | Literal["auto"] = "auto",
     head: HeadPolicy = "all",
     timeout: float | None = DEFAULT_TIMEOUT,
-    context_lends: bool = False,
 ) -> tuple[int, ...]:
     """Layers per rank for :func:`shard_model`'s ``split``/``memory``/``speeds``/``context``, checked against the
     model and the group.
@@ -114,19 +120,14 @@ def choose_split(
         raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
     if speeds is not None and split != "balanced":
         raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
-    if context is not None and split not in ("memory", "balanced"):
-        if not context_lends:
-            raise ValueError(
-                f"context is only used with split='memory' or 'balanced' (or lend_heads='auto'), got split={split!r}"
-            )
-        context = None  # lend_heads="auto"'s, not the split's
     if not (isinstance(split, str) and split in SPLIT_NAMES):
         return resolve_split(split, len(layers), world_size)
     check_world(len(layers), world_size)
     if split == "even":
         return even_split(len(layers), world_size)
     budgets = resolve_budgets(memory, world_size)
-    settings = None if context is None else Settings(context, step_size, kv_bits=kv_bits, head=head)
+    step = AUTO_PLANNED_STEP if prefill_step_size == "auto" else prefill_step_size
+    settings = None if context is None else Settings(context, step, kv_bits=kv_bits, head=head)
     if split == "memory" and settings is None:
         return split_for_memory(model, owner, layers, world_size, memory)
     dtype = activation_dtype(layers)
@@ -143,6 +144,7 @@ def choose_split(
     return plan_balanced(memory_model, world_size, check_speeds(speeds, world_size), budgets, settings)
 
 
+@renamed(step_size="prefill_step_size", lend_mlp="lend", lend_heads="lend")
 def shard_model(
     model: ModelT,
     group: mx.distributed.Group,
@@ -154,12 +156,16 @@ def shard_model(
     speeds: Sequence[float] | None = None,
     context: int | None = None,
     kv_bits: int | None = None,
-    step_size: int = 512,
+    prefill_step_size: int | Literal["auto"] = "auto",
     head: HeadPolicy = "all",
-    lend_mlp: bool = False,
-    lend_heads: int | Literal["auto"] = 0,
+    lend: LendSpec = "auto",
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
+
+    A collective: call it on every rank of ``group`` with the same arguments. The ranks exchange nothing for a
+    fixed split without lending; ``split="balanced"`` without ``speeds`` and ``lend="auto"`` (the default) time
+    the ranks and all-gather the figures (``lend="auto"`` reads them from the calibration cache when every rank
+    holds the same ones: :mod:`pipemlx.runtime.calibration_cache`).
 
     Rank ``r`` of ``group`` keeps ``split[r]`` consecutive decoder layers, rank 0
     the first ones. ``split`` is a list of layers per rank, ``"even"`` (the
@@ -182,10 +188,14 @@ def shard_model(
     ``split="balanced"`` gives each rank layers in proportion to its speed:
     ``speeds`` (one number per rank, only ratios count), or measured on the
     group when not given (:func:`pipemlx.runtime.calibrate.measure_speeds`),
-    within the ``memory`` budgets if given. ``context`` (with ``kv_bits`` and
-    ``step_size``) makes a ``"memory"`` or ``"balanced"`` split count each
-    layer's KV cache at that many tokens and one prefill chunk's peak
-    (``docs/planning.md``).
+    within the ``memory`` budgets if given.
+
+    ``context`` is the most tokens (prompt and generated) one request holds, as everywhere in pipemlx (``pipemlx
+    serve --context``): what the model is planned for. Any option accepts it: a ``"memory"`` or ``"balanced"``
+    split counts each layer's KV cache at that many tokens and one prefill chunk's peak (with ``kv_bits`` and
+    ``prefill_step_size``: ``"auto"`` is counted as chunks of :data:`AUTO_PLANNED_STEP`; ``docs/planning.md``),
+    and ``lend="auto"`` chooses the heads to lend for a prompt of that length (default
+    :data:`pipemlx.models.lending.AUTO_LEND_TOKENS`); elsewhere it changes nothing.
 
     ``head="last"`` keeps the output head on the last rank only (tied: rank 0
     keeps the embedding, the last rank the head): less memory on the other
@@ -193,22 +203,21 @@ def shard_model(
     and ``lean_generate_step`` can decode then (mlx-lm's own ``generate_step``
     is refused on the other ranks). The default ``"all"`` keeps it on every rank.
 
-    ``lend_mlp=True`` cuts between the halves of each rank's last layer: its
-    feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`),
-    moving that much work from the first ranks (which also embed) to the last
-    one (whose last layer a prefill computes only up to its cache). Caches stay
-    with their layers. Only for architectures whose blocks are plain pre-norm
-    blocks (llama and mistral, qwen2, qwen3); every rank must pass the same
-    value (the prefill's handshake compares it).
-
-    ``lend_heads=k`` (with ``lend_mlp=True``) also moves ``k`` key-value heads
-    of that layer's attention, their cache and its output projection to the
-    next rank: where attention is most of the work (long prompts), this
-    balances what whole layers and feed-forward halves cannot. The next rank's
-    first cache is then a :class:`pipemlx.models.lending.LentHeadsCache`, with
-    which ``kv_bits``, ``max_kv_size`` (with :func:`pipemlx.generate_step`) and
-    :class:`pipemlx.BatchGenerator` work. The layers at each cut must keep
-    plain ``KVCache`` caches (no sliding window).
+    ``lend`` chooses where the cuts between ranks fall. ``"mlp"`` cuts between the halves of each rank's last
+    layer: its feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`), moving that much work from
+    the first ranks (which also embed) to the last one (whose last layer a prefill computes only up to its cache).
+    Caches stay with their layers. Only for architectures whose blocks are plain pre-norm blocks (llama and
+    mistral, qwen2, qwen3). An int ``k`` also moves ``k`` key-value heads of that layer's attention, their cache
+    and its output projection to the next rank (``0`` is ``"mlp"``): where attention is most of the work (long
+    prompts), this balances what whole layers and feed-forward halves cannot. The next rank's first cache is then
+    a :class:`pipemlx.models.lending.LentHeadsCache`, with which ``kv_bits``, ``max_kv_size`` (with
+    :func:`pipemlx.generate_step`) and :class:`pipemlx.BatchGenerator` work; the layers at each cut must keep
+    plain ``KVCache`` caches (no sliding window). ``"auto"`` (the default, the fastest measured: see
+    ``docs/api.md``) lends the feed-forward halves and the number of heads predicted to prefill ``context`` tokens
+    soonest where the model allows (heads only where the caches at the cuts are plain), and keeps whole layers
+    elsewhere, without an error, and on a split planned from ``memory`` budgets (``"memory"``, ``"balanced"``),
+    whose plan counts whole layers. ``"none"`` keeps whole layers. Every rank must pass the same value (the prefill's
+    handshake compares what it gave).
 
     ``timeout`` (seconds, ``None`` for none) is the default for every blocking
     wait on this model. Architectures pipemlx has not been verified on are
@@ -233,18 +242,23 @@ def shard_model(
         speeds=speeds,
         context=context,
         kv_bits=kv_bits,
-        step_size=step_size,
+        prefill_step_size=prefill_step_size,
         head=head,
         timeout=timeout,
-        context_lends=lend_mlp and lend_heads == "auto",
     )
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
-    check_lend_heads(lend_heads, lend_mlp)
-    lending = lend_mlp and len(sizes) > 1
-    if lend_mlp:
-        check_lendable(model)
-    most_heads = 0  # lend_heads="auto": the most it may lend; none where a cut's layers keep other caches
+    check_lend(lend)
+    if lend == "auto":  # not on a split planned from memory budgets: they count whole layers
+        planned = memory is not None or speeds is not None or split in ("memory", "balanced")
+        lending = len(sizes) > 1 and lendable(model) and not planned
+        lend_heads: int | Literal["auto"] = "auto"
+    else:
+        lending = lend != "none" and len(sizes) > 1
+        lend_heads = lend if isinstance(lend, int) else 0
+        if lend != "none":
+            check_lendable(model)
+    most_heads = 0  # lend="auto": the most it may lend; none where a cut's layers keep other caches
     if lending and lend_heads == "auto" and not unplain_caches_at_cuts(model, sizes):
         most_heads = lendable_heads(layers, sizes)
     if lending and lend_heads and lend_heads != "auto":
@@ -252,16 +266,22 @@ def shard_model(
     local_caches = local_cache_factory(model, len(layers), local)
     hidden_size, dtype = activation_signature(model, layers[local.start : local.stop])
     info = StageInfo(group.rank(), group.size(), sizes, local, len(layers), timeout, hidden_size, dtype, head=head)
+    # Of the whole model as built (before a cut inside a layer splits an attention module), the same on every rank.
+    kv_dims, unquantizable = quantized_dims(model), unquantizable_layers(model)
+    unquantizable_bounded = unquantizable_layers(model, max_kv_size=1)
     bounded_caches = None
     if lending:
-        heads = lend_heads if lend_heads != "auto" else auto_lent_heads(model, layers, info, group, most_heads, context)
+        if lend_heads != "auto":
+            heads = lend_heads
+        else:  # a collective when there is a choice: most_heads is the same on every rank
+            heads = auto_lent_heads(model, layers, info, group, most_heads, context) if most_heads else 0
         info, local_caches, bounded_caches = cut_inside_layers(model, layers, info, heads, local_caches)
     info = replace(
         info,
-        kv_dims=quantized_dims(model),  # of every rank's layers: the ranks refuse a kv_group_size alike
+        kv_dims=kv_dims,  # of every rank's layers: the ranks refuse a kv_group_size alike
         # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
-        unquantizable=unquantizable_layers(model),
-        unquantizable_bounded=unquantizable_layers(model, max_kv_size=1),
+        unquantizable=unquantizable,
+        unquantizable_bounded=unquantizable_bounded,
         vocab_shard=vocab_shard(model, info) if head == "all" and info.world_size > 1 else None,
         bounded_caches=bounded_caches,
     )
@@ -318,21 +338,24 @@ def cut_inside_layers(
     return info, caches, bounded
 
 
-def check_lend_heads(lend_heads: Any, lend_mlp: bool) -> None:
-    """Raise ``ValueError`` unless ``lend_heads`` is a non-negative int or ``"auto"``, and 0 without ``lend_mlp``."""
-    if lend_heads == "auto":
-        if not lend_mlp:
-            raise ValueError(
-                "lend_heads='auto' needs lend_mlp=True: it chooses how many heads move with the feed-forward half"
-            )
+def check_lend(lend: Any) -> None:
+    """Raise ``ValueError`` unless ``lend`` is ``"auto"``, ``"none"``, ``"mlp"`` or a non-negative int."""
+    if lend in ("auto", "none", "mlp"):
         return
-    if isinstance(lend_heads, bool) or not isinstance(lend_heads, int) or lend_heads < 0:
-        raise ValueError(f"lend_heads must be a non-negative int (key-value heads) or 'auto', got {lend_heads!r}")
-    if lend_heads and not lend_mlp:
+    if isinstance(lend, bool) or not isinstance(lend, int) or lend < 0:
         raise ValueError(
-            f"lend_heads={lend_heads} needs lend_mlp=True: the lent heads' outputs are projected and fed "
-            "forward on the next rank, so the feed-forward half moves with them"
+            f"lend must be 'auto', 'none', 'mlp' or a non-negative int (key-value heads lent with the feed-forward "
+            f"half), got {lend!r}"
         )
+
+
+def lendable(model: nn.Module) -> bool:
+    """Whether ``model``'s blocks may be cut between their halves (``lend="auto"`` lends only then)."""
+    try:
+        check_lendable(model)
+    except PipelineError:
+        return False
+    return True
 
 
 def unplain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> list[tuple[int, str]]:
@@ -345,13 +368,13 @@ def unplain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> list[tup
 
 
 def check_plain_caches_at_cuts(model: nn.Module, sizes: tuple[int, ...]) -> None:
-    """Raise :class:`PipelineError` unless the layers at each cut keep a plain ``KVCache`` (``lend_heads``)."""
+    """Raise :class:`PipelineError` unless the layers at each cut keep a plain ``KVCache`` (``lend=k``)."""
     bad = unplain_caches_at_cuts(model, sizes)
     if bad:
         shown = ", ".join(f"layer {i} ({kind})" for i, kind in bad)
         raise PipelineError(
-            f"lend_heads: the layers at the cuts must keep plain KVCache caches, and {shown} do not; "
-            "lend_mlp alone works here"
+            f"lend=k (lending key-value heads): the layers at the cuts must keep plain KVCache caches, and {shown} do not; "
+            "lend='mlp' works here"
         )
 
 

@@ -12,7 +12,7 @@
 - :mod:`.sampling`: greedy picking, samplers, logits processors, and the output head shared for greedy decodes.
 - :mod:`.batch`: ``BatchGenerator``, many requests decoded together
   as one batch through the pipeline, one tick at a time.
-- :mod:`.calibrate`: times the group for ``step_size="auto"`` and ``lend_heads="auto"``.
+- :mod:`.calibrate`: times the group for ``prefill_step_size="auto"`` and ``lend="auto"``.
 - :mod:`.links`: each neighbour link's latency and bandwidth, for ``pipemlx doctor``.
 - :mod:`.lean_decode`: ``lean_generate_step``, ``generate_step``'s token ids alone.
 """

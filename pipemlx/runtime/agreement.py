@@ -25,7 +25,7 @@ def handshake(
     plan: HandshakeRequest,
     status: Status,
     timeout: float | None,
-    needs_calibration: bool = False,
+    calibration: int = 0,
     cache_offset: int = 0,
     decode_settings: int = 0,
 ) -> Table:
@@ -37,12 +37,12 @@ def handshake(
     reused prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose
     caches count none); ``decode_settings`` is what a decode after the prefill
     will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`). Returns
-    the table: every rank's ``status`` and ``needs_calibration`` too.
+    the table: every rank's ``status`` and ``calibration`` (the fingerprint of the cost model it holds, 0: none) too.
     """
     values = {
-        "needs_calibration": int(needs_calibration),
+        "calibration": calibration,
         "num_tokens": plan.num_tokens,
-        "step_size": plan.step_size,
+        "prefill_step_size": plan.step_size,
         "plan_fingerprint": plan.fingerprint(),
         "total_layers": stage.info.total_layers,
         "hidden_size": stage.info.hidden_size,

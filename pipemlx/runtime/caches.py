@@ -170,8 +170,19 @@ def trim_to(cache: list[Any], length: int) -> bool:
     if not all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in cache):
         return False
     for c in cache:
-        offset = getattr(c, "offset", None)  # mlx-lm's QuantizedKVCache counts its positions but has no size()
-        excess = (offset if isinstance(offset, int) else c.size()) - length
+        excess = _positions(c) - length
         if excess > 0:
             c.trim(excess)
     return True
+
+
+def _positions(cache: Any) -> int:
+    """How many positions one layer's cache holds: its offset (mlx-lm's ``QuantizedKVCache`` has no ``size()``),
+    the most of its parts' (a ``CacheList``), else its ``size()``."""
+    offset = getattr(cache, "offset", None)
+    if isinstance(offset, int):
+        return offset
+    parts = getattr(cache, "caches", None)
+    if isinstance(parts, (list, tuple)):
+        return max((_positions(c) for c in cast(list[Any], parts)), default=0)
+    return int(cache.size())

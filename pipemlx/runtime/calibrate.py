@@ -1,4 +1,4 @@
-"""Calibrating ``step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
+"""Calibrating ``prefill_step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
 
 The first auto request calibrates: every rank times its own layers on a chunk
 of each of :data:`CALIBRATION_LENGTHS` at position 0 and on one chunk after the
@@ -9,11 +9,14 @@ collective. The ranks all-gather what they measured and keep the slowest
 rank's figures, so every rank holds the very same
 :class:`~pipemlx.schedule.costmodel.CostModel` and
 :func:`pipemlx.schedule.autostep.choose_step` derives the very same step on
-every rank.
+every rank. The agreed figures go to the calibration cache
+(:mod:`pipemlx.runtime.calibration_cache`), so that the next run with the same
+model, split and machines reads them instead of measuring again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -37,6 +40,7 @@ from ..schedule.costmodel import (
     lent_heads_share_of,
 )
 from ..schedule.plan import Chunk
+from . import calibration_cache
 from .caches import cache_parts, cache_state
 from .protocol import CALIBRATE, gather
 from .stage import PipelineStage, StageInfo
@@ -78,7 +82,7 @@ def last_layer_share(model: nn.Module) -> float:
 
 
 def feed_forward_share(model: nn.Module, lent_fraction: float = 0.0) -> float:
-    """The share of a layer's per-token work ``lend_mlp`` moves (its feed-forward half; with ``lent_fraction`` of the
+    """The share of a layer's per-token work ``lend="mlp"`` moves (its feed-forward half; with ``lent_fraction`` of the
     key-value heads lent, also the output projection and those heads' projections); 0 if unknown."""
     shapes = layer_shapes(model)
     if shapes is None:
@@ -244,7 +248,10 @@ def over_ranks(
 
 
 def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
-    """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it)."""
+    """Measure this group and return the cost model every rank agrees on (a collective: all ranks call it).
+
+    The agreed figures are written to the calibration cache (:mod:`.calibration_cache`) for the next run.
+    """
     share = last_layer_share(model)
     local_layers = len(stage.info.layers) - (1 - share if stage.is_last else 0)
     halves = lent_halves(stage.rank, stage.world_size)
@@ -257,20 +264,93 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     slowest, fastest = over_ranks(
         stage.group, stage.compute_stream, figures, timeout, stage.describe(), "the calibration"
     )
+    if min(fastest) < 0:  # some rank timed no far chunks: none are used
+        slowest = [*slowest[: len(CALIBRATION_LENGTHS) + 1], *slowest[-1:]]
+    calibration_cache.store("stage", stage_key(model, stage), slowest)
+    return stage_cost_model(model, stage, slowest)
+
+
+def stage_cost_model(model: nn.Module, stage: PipelineStage, figures: Sequence[float]) -> CostModel:
+    """The cost model of :func:`calibrate`'s agreed ``figures``: the seconds at each of :data:`CALIBRATION_LENGTHS`,
+    the attention per pair, per far pair at each of :data:`FAR_LENGTHS` (or none), and a collective's seconds."""
     n = len(CALIBRATION_LENGTHS)
-    seconds, attention_s, far, collective_s = slowest[:n], slowest[n], slowest[n + 1 : -1], slowest[-1]
-    far_everywhere = min(fastest) >= 0  # every rank timed far chunks
-    far_pairs = tuple(zip(FAR_LENGTHS, far)) if far_everywhere else ()
+    seconds, attention_s, far, collective_s = figures[:n], figures[n], figures[n + 1 : -1], figures[-1]
+    far_pairs = tuple(zip(FAR_LENGTHS, far))
     return CostModel(
         layer=layer_costs(CALIBRATION_LENGTHS, seconds, attention_s, far_pairs),
         layers=stage.info.split,
         hidden_size=stage.info.hidden_size or 1,
         collective_s=collective_s,
         latency_s=collective_s / 2,
-        last_layer_share=share,
+        last_layer_share=last_layer_share(model),
         lent_share=stage.info.lending.share,
         lent_pair_share=stage.info.lending.pair_share,
     )
+
+
+CALIBRATION_SETTINGS = {
+    "lengths": CALIBRATION_LENGTHS,
+    "attention_chunk": ATTENTION_CHUNK,
+    "far_position": FAR_POSITION,
+    "far_lengths": FAR_LENGTHS,
+    "passes": CALIBRATION_PASSES,
+}
+"""What the calibration times: part of every calibration cache key."""
+
+
+def quantization(model: nn.Module) -> list[list[int]]:
+    """The ``(bits, group size)`` pairs of the model's quantized modules: part of the cache key (the configuration
+    mlx-lm keeps in ``args`` does not say)."""
+    pairs: set[tuple[int, int]] = set()
+    for _, module in cast(list[tuple[str, nn.Module]], model.named_modules()):  # pyright: ignore[reportUnknownMemberType]
+        bits, size = getattr(module, "bits", None), getattr(module, "group_size", None)
+        if isinstance(bits, int) and isinstance(size, int):
+            pairs.add((bits, size))
+    return [list(p) for p in sorted(pairs)]
+
+
+def group_key(model: nn.Module, info: StageInfo) -> dict[str, Any]:
+    """What a group's timings depend on, besides what is lent: model, split, dtype, machines and software."""
+    return {
+        **calibration_cache.environment(),
+        "config": calibration_cache.model_config(model),
+        "quantization": quantization(model),
+        "split": list(info.split),
+        "world_size": info.world_size,
+        "hidden_size": info.hidden_size,
+        "dtype": str(info.dtype),
+        "settings": CALIBRATION_SETTINGS,
+    }
+
+
+def stage_key(model: nn.Module, stage: PipelineStage) -> dict[str, Any]:
+    """The calibration cache key of :func:`calibrate`'s figures: :func:`group_key` and what each cut lends."""
+    lending = stage.info.lending
+    return {**group_key(model, stage.info), "lending": [lending.mlp, lending.heads, lending.share, lending.pair_share]}
+
+
+def cached_cost_model(model: nn.Module, stage: PipelineStage) -> CostModel | None:
+    """The cost model an earlier :func:`calibrate` stored for this stage; ``None`` if none can be trusted."""
+    n = len(CALIBRATION_LENGTHS)
+    stored = calibration_cache.figures(calibration_cache.load("stage", stage_key(model, stage)))
+    if stored is None or len(stored) not in (n + 2, n + 2 + len(FAR_LENGTHS)):
+        return None
+    return stage_cost_model(model, stage, stored)
+
+
+def held_calibration(model: nn.Module, stage: PipelineStage) -> int:
+    """This rank's cost model, read from the calibration cache if it has none yet, as the fingerprint the ranks
+    compare (0: none). Ranks whose fingerprints differ, or any 0, calibrate together (:func:`calibrate`)."""
+    if stage.cost_model is None:
+        stage.cost_model = cached_cost_model(model, stage)
+    if stage.cost_model is None:
+        return 0
+    return calibration_cache.fingerprint(dataclasses.asdict(stage.cost_model))
+
+
+def must_calibrate(held: Sequence[int]) -> bool:
+    """Whether the ranks holding cost models of fingerprints ``held`` (0: none) must calibrate again."""
+    return 0 in held or len(set(held)) > 1
 
 
 def time_layer(layer: nn.Module, hidden_size: int, dtype: mx.Dtype) -> Timings:
@@ -300,33 +380,51 @@ def time_layer(layer: nn.Module, hidden_size: int, dtype: mx.Dtype) -> Timings:
     return fastest_timings(timed, lambda: [KVCache()], far)
 
 
-def group_layer_costs(layer: nn.Module, info: StageInfo, group: mx.distributed.Group) -> LayerCosts:
+def group_layer_costs(model: nn.Module, layer: nn.Module, info: StageInfo, group: mx.distributed.Group) -> LayerCosts:
     """One decoder layer's costs as the slowest rank measures them (:func:`time_layer` on each rank's own
-    ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it)."""
-    at_start, attention_chunk_s, far_timed = time_layer(layer, info.hidden_size, info.dtype or mx.float32)
-    measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
-    stream = mx.new_thread_unsafe_stream(mx.default_device())
-    what = "a layer's costs (lend_heads='auto')"
-    slowest, _ = over_ranks(group, stream, measured, info.timeout, info.describe(), what)
+    ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it).
+
+    Read from the calibration cache when every rank holds the same figures there (one small all-gather compares
+    their fingerprints); measured, and stored, otherwise.
+    """
     n = len(CALIBRATION_LENGTHS)
-    far_pairs = tuple(zip(FAR_LENGTHS, slowest[n + 1 :]))
-    return layer_costs(CALIBRATION_LENGTHS, slowest[:n], slowest[n], far_pairs)
+    key = group_key(model, info)
+    stored = calibration_cache.figures(calibration_cache.load("layer", key), n + 1 + len(FAR_LENGTHS))
+    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    held = 0 if stored is None else calibration_cache.fingerprint(stored)
+    if group.size() > 1:
+        where = "asking whether the ranks hold the same layer costs (lend='auto')"
+        table = CALIBRATE.exchange(
+            group, stream, {"calibration": held}, timeout=info.timeout, where=where, who=info.describe()
+        )
+        if must_calibrate(table["calibration"]):
+            stored = None
+    if stored is None:
+        at_start, attention_chunk_s, far_timed = time_layer(layer, info.hidden_size, info.dtype or mx.float32)
+        measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
+        what = "a layer's costs (lend='auto')"
+        stored, _ = over_ranks(group, stream, measured, info.timeout, info.describe(), what)
+        calibration_cache.store("layer", key, stored)
+    far_pairs = tuple(zip(FAR_LENGTHS, stored[n + 1 :]))
+    return layer_costs(CALIBRATION_LENGTHS, stored[:n], stored[n], far_pairs)
 
 
 def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
-    """The group's agreed cost model, calibrated first when some rank has none yet (a collective: all ranks call it).
+    """The group's agreed cost model, calibrated first unless every rank holds the same one (a collective: all ranks
+    call it).
 
-    One small all-gather asks whether any rank lacks it (a rank may have
-    calibrated for ``step_size="auto"`` already); then every rank calibrates
+    Each rank takes its cost model from memory (a rank may have calibrated for ``prefill_step_size="auto"``
+    already) or the calibration cache; one small all-gather compares what they hold; then every rank calibrates
     together or none does, so the ranks keep the same model.
     """
-    needs = stage.cost_model is None
+    held = held_calibration(model, stage)
     try:
+        needs = held == 0
         if stage.world_size > 1:
-            values = {"needs_calibration": int(needs)}
             where, who = "asking whether the group has calibrated", stage.describe()
+            values = {"calibration": held}
             table = CALIBRATE.exchange(stage.group, stage.compute_stream, values, timeout=timeout, where=where, who=who)
-            needs = any(table["needs_calibration"])
+            needs = must_calibrate(table["calibration"])
         if needs:
             stage.cost_model = calibrate(model, stage, timeout)
     except (PipelineTimeoutError, PeerLostError) as exc:

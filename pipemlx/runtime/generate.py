@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
+from ..errors import renamed
 from ..schedule.batch_plan import fingerprint
 from .caches import always_trimmable, cache_offset, cache_state, trim_to
 from .failure import stand_in
@@ -72,6 +73,7 @@ class DecodeStop:
     ranks: tuple[int, ...] = ()  # that asked to stop (cancelled) or failed (failed)
 
 
+@renamed(step_size="prefill_step_size", progress_callback="prompt_progress_callback")
 def generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -82,7 +84,7 @@ def generate_step(
     sampler: Sampler | None = None,
     logits_processors: Sequence[LogitsProcessor] | None = None,
     max_kv_size: int | None = None,
-    prefill_step_size: int | Literal["auto"] = 512,
+    prefill_step_size: int | Literal["auto"] = "auto",
     prompt_progress_callback: ProgressCallback | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
@@ -90,7 +92,7 @@ def generate_step(
     should_cancel: CancelCheck | None = None,
     timeout: float | None = None,
     share_logprobs: bool = False,
-    stop_tokens: Iterable[int] = (),
+    stop_tokens: Iterable[int | Sequence[int]] = (),
     input_embeddings: mx.array | None = None,
     draft_model: nn.Module | None = None,
     num_draft_tokens: int | Literal["auto"] = 2,
@@ -102,10 +104,11 @@ def generate_step(
     tokens: ``prompt_cache`` may already hold a prefix (the ranks check that
     they hold the same number of positions). The prompt is prefilled with
     :func:`pipemlx.pipeline_prefill` in chunks of ``prefill_step_size``
-    (``"auto"``: the ranks choose), reporting progress exactly as mlx-lm does
+    (``"auto"``, the default: the ranks choose, see :func:`pipemlx.pipeline_prefill`), reporting progress exactly as mlx-lm does
     (``(0, M)``, each chunk, then ``(M, M)`` once the first token exists), and
     then decoded; the tokens are the ones one process holding the whole model
-    yields with the same sampler. ``max_tokens=-1`` means no limit.
+    yields with the same sampler. ``max_tokens=-1`` means no limit; ``max_tokens=0`` yields nothing (the prompt
+    is prefilled), as in mlx-lm.
     ``max_kv_size`` bounds a cache made here (no ``prompt_cache``) as mlx-lm
     does: rotating caches of that many positions. mlx-lm cannot quantize a
     rotating cache, so ``kv_bits`` is refused with ``ValueError`` on every rank,
@@ -124,8 +127,10 @@ def generate_step(
     generator ends after the same token and nothing is left in flight; the
     reason is in the returned :class:`DecodeStream`'s ``stop``. A generator
     dropped without being closed is closed by the next pipemlx call on any
-    sharded model, or at exit. The generator also ends after yielding any of
-    ``stop_tokens`` (the ranks check they hold the same set). ``timeout``
+    sharded model, or at exit. The generator also ends after yielding a token
+    that completes one of ``stop_tokens``: token ids, or sequences of them, as
+    :class:`pipemlx.BatchGenerator` takes them (an int is a sequence of one;
+    the ranks check they hold the same ones). ``timeout``
     bounds every wait (seconds; default: the model's). Raises
     :class:`PrefillCancelled` when the prefill is cancelled, an error raised by
     a callback on its own rank, :class:`PipelineTimeoutError` /
@@ -164,7 +169,7 @@ def generate_step(
         raise ValueError(f"max_tokens must be a non-negative int or -1 (no limit), got {max_tokens!r}")
     check_timeout(timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
-    stops = frozenset(int(t) for t in stop_tokens)
+    stops = stop_sequences(stop_tokens)
     if not _positive_or_none(max_kv_size):
         raise ValueError(f"max_kv_size must be a positive int or None, got {max_kv_size!r}")
     if prompt_cache is None and max_kv_size is not None:  # mlx-lm ignores max_kv_size with a prompt_cache
@@ -188,8 +193,8 @@ def generate_step(
         draft_length=draft_length,
     )
     prefill = PrefillOptions(
-        step_size=prefill_step_size,
-        progress_callback=prompt_progress_callback,
+        prefill_step_size=prefill_step_size,
+        prompt_progress_callback=prompt_progress_callback,
         should_cancel=should_cancel,
         timeout=request.timeout,
         kv_bits=kv_bits,
@@ -214,8 +219,9 @@ def stream_generate(
 
     ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
     :func:`generate_step`'s. Every rank stops at the tokenizer's end-of-sequence
-    tokens and at ``stop_tokens`` alike (a stop token, like an end-of-sequence
-    token, is not added to the text). The last response has ``finish_reason``
+    tokens and at ``stop_tokens`` alike (token ids or sequences of them; the
+    token that ends one, like an end-of-sequence token, is not added to the
+    text). ``max_tokens=0`` prefills the prompt and yields nothing, as in mlx-lm. The last response has ``finish_reason``
     ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
     or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
     request). Each token is in one response only: a ``"cancelled"`` response
@@ -229,11 +235,9 @@ def stream_generate(
     speculate as in :func:`generate_step` (each response's ``from_draft`` says
     whether its token was a confirmed guess).
     """
-    if max_tokens == 0:
-        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if draft_model is None and kwargs.get("prompt_lookup") is None:
         kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
-    extra_stops = cast(Iterable[int], kwargs.pop("stop_tokens", ()))
+    extra_stops = cast(Iterable[int | Sequence[int]], kwargs.pop("stop_tokens", ()))
     wrapper = cast(Any, tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
     if isinstance(prompt, str):
         bos = wrapper.bos_token
@@ -242,7 +246,7 @@ def stream_generate(
     elif not isinstance(prompt, mx.array):
         # mx.array([]) is float32: an empty prompt must be named as empty, not as a bad dtype.
         prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
-    eos = frozenset(int(t) for t in cast(Iterable[int], wrapper.eos_token_ids)) | frozenset(int(t) for t in extra_stops)
+    eos = stop_sequences(cast(Iterable[int], wrapper.eos_token_ids)) | stop_sequences(extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, draft_model=draft_model, **kwargs)
     return _responses(generator, wrapper, prompt.size, max_tokens, eos)
 
@@ -252,21 +256,29 @@ def _responses(
     tokenizer: Any,
     prompt_tokens: int,
     max_tokens: int,
-    eos: frozenset[int],
+    eos: frozenset[tuple[int, ...]],
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` loop over a pipemlx token generator."""
+    if max_tokens == 0:  # as mlx-lm: the prompt is prefilled, nothing is yielded
+        with closing(generator):
+            for _ in generator:
+                pass
+        return
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
     prompt_tps = 0.0
     token, logprobs, n = 0, cast(Any, None), -1
     finish: str | None = None
+    recent: list[int] = []
+    longest = max((len(s) for s in eos), default=1)
     with closing(generator):
         for n, (token, logprobs) in enumerate(generator):
             if n == 0:
                 prompt_tps = prompt_tokens / max(time.perf_counter() - tic, 1e-9)
                 tic = time.perf_counter()
-            if token in eos:
+            recent = [*recent, token][-longest:]
+            if ends_a_sequence(recent, eos):
                 finish = "stop"
                 break
             detokenizer.add_token(token)
@@ -324,12 +336,30 @@ def _response(
     )
 
 
+def stop_sequences(entries: Iterable[int | Sequence[int]]) -> frozenset[tuple[int, ...]]:
+    """``stop_tokens`` as sequences: token ids and sequences of them (an int is a sequence of one); an empty sequence
+    raises ``ValueError`` (on every rank alike, before anything is sent)."""
+    sequences: set[tuple[int, ...]] = set()
+    for entry in entries:
+        sequence = (int(entry),) if isinstance(entry, int) else tuple(int(t) for t in entry)
+        if not sequence:
+            raise ValueError("stop_tokens holds an empty sequence; every stop sequence needs at least one token")
+        sequences.add(sequence)
+    return frozenset(sequences)
+
+
+def ends_a_sequence(tokens: Sequence[int], sequences: frozenset[tuple[int, ...]]) -> bool:
+    """Whether ``tokens`` (the latest ones) end with one of ``sequences``."""
+    return any(len(s) <= len(tokens) and tuple(tokens[len(tokens) - len(s) :]) == s for s in sequences)
+
+
 def _positive_or_none(value: object) -> bool:
     return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
 
 
-def _fingerprint(tokens: Iterable[int]) -> int:
-    return fingerprint(t + 1 for t in sorted(set(tokens)))
+def _fingerprint(sequences: frozenset[tuple[int, ...]]) -> int:
+    """The stop sequences as one number the ranks compare: each sequence's tokens + 1, then 0, in sorted order."""
+    return fingerprint(t for s in sorted(sequences) for t in (*(x + 1 for x in s), 0))
 
 
 @dataclass
@@ -406,8 +436,9 @@ class _Request:
     quantize: Callable[[list[Any]], None]
     timeout: float | None
     share_logprobs: bool
-    stop_tokens: frozenset[int]
+    stop_tokens: frozenset[tuple[int, ...]]
     stopped_at_token: bool = False
+    recent: list[int] = field(default_factory=list[int])  # the latest tokens yielded, as long as the longest stop
     generator: weakref.ref[Generator[Any, None, Any]] | None = None
     cache: list[Any] = field(default_factory=list[Any])
     history: mx.array | None = None
@@ -462,7 +493,7 @@ class _Request:
             self.tokens = [int(t) for t in cast(list[int], prompt.tolist())]
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
-        progress, should_cancel = prefill.progress_callback, prefill.should_cancel
+        progress, should_cancel = prefill.prompt_progress_callback, prefill.should_cancel
         last = cast(int, prompt[-1].item())
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
@@ -500,7 +531,7 @@ class _Request:
                     stage.open_request = None
             n += kept
             last = decided[kept - 1]
-            ended = self.stopped_at_token = last in self.stop_tokens
+            ended = self.stopped_at_token = ends_a_sequence(self.recent, self.stop_tokens)
             if stopped is not None:
                 done = ended or n == self.max_tokens
                 closing_guesses = [] if done else self._guess(n)
@@ -521,7 +552,12 @@ class _Request:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
         histories cut to match: they hold the step's input and the guesses before the last yielded token."""
         if kept is None:
-            kept = next((i + 1 for i, t in enumerate(decided) if t in self.stop_tokens), len(decided))
+            ends = (
+                i + 1
+                for i in range(len(decided))
+                if ends_a_sequence([*self.recent, *decided[: i + 1]], self.stop_tokens)
+            )
+            kept = next(ends, len(decided))
         if guesses:
             trim_to(self.cache, self.offset + kept)
             if self.history is not None:
@@ -530,6 +566,8 @@ class _Request:
         if self.proposer is not None:
             self.tokens.extend(decided[:kept])
         self.decided.extend(decided[:kept])
+        longest = max((len(s) for s in self.stop_tokens), default=1)
+        self.recent = [*self.recent, *decided[:kept]][-longest:]
         return kept
 
     def _drop_guesses(self, table: Table, guesses: list[int]) -> None:

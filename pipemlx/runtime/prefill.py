@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
 
-from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled
+from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled, renamed
 from ..observe.trace import Tracer, tracer_for
 from ..schedule.autostep import DEFAULT_MAX_CHUNK_SECONDS, AutoRequest, choose_chunks
 from ..schedule.plan import (
@@ -28,7 +28,7 @@ from ..schedule.plan import (
 )
 from .agreement import agree_on_step, agreed_offset, handshake
 from .caches import cache_state, cannot_quantize, counted_offset, trim_to
-from .calibrate import calibrate
+from .calibrate import calibrate, held_calibration, must_calibrate
 from .failure import stand_in
 from .protocol import Status, Table
 from .send_mode import send_mode
@@ -40,13 +40,14 @@ CancelCheck = Callable[[], bool]
 DEFAULT_QUANTIZED_KV_START = 5000
 
 
+@renamed(step_size="prefill_step_size", progress_callback="prompt_progress_callback")
 def pipeline_prefill(
     model: nn.Module,
     prompt: mx.array,
     cache: list[Any],
     *,
-    step_size: int | Literal["auto"] = 512,
-    progress_callback: ProgressCallback | None = None,
+    prefill_step_size: int | Literal["auto"] = "auto",
+    prompt_progress_callback: ProgressCallback | None = None,
     should_cancel: CancelCheck | None = None,
     timeout: float | None = None,
     kv_bits: int | None = None,
@@ -59,9 +60,9 @@ def pipeline_prefill(
     """Fill ``cache`` with ``prompt[:-1]``, the ranks working on different chunks at once.
 
     Call it on every rank with the same ``prompt`` (a 1-D integer array of M
-    tokens) and ``step_size``. The prompt minus its last token is processed in
-    chunks of ``step_size`` tokens, exactly as mlx-lm's ``generate_step`` does
-    with ``prefill_step_size=step_size``; afterwards every rank's cache holds
+    tokens) and ``prefill_step_size``. The prompt minus its last token is processed in
+    chunks (``"auto"``, the default: the ranks choose them, see below; an int: chunks of that many tokens,
+    exactly as mlx-lm's ``generate_step`` does with the same ``prefill_step_size``); afterwards every rank's cache holds
     M-1 positions and decoding continues from ``prompt[-1:]`` (for instance
     ``generate_step(prompt[-1:], model, prompt_cache=cache)``), giving the tokens
     one process holding the whole model would give. ``kv_bits``,
@@ -75,7 +76,7 @@ def pipeline_prefill(
     the handshake: the ranks holding one raise that ``ValueError``, the others
     :class:`PrefillCancelled`.
 
-    ``progress_callback(processed, M)`` is called on every rank with the same
+    ``prompt_progress_callback(processed, M)`` is called on every rank with the same
     sequence ``generate_step`` reports before its first token: ``(0, M)``, then
     ``(processed, M)`` as each chunk leaves the last rank, ending at ``(M-1, M)``.
     No logits are computed. It returns once every rank has done its part,
@@ -83,7 +84,7 @@ def pipeline_prefill(
 
     ``should_cancel()`` is polled on every rank at every agreement point; when
     it returns true on any rank, all ranks stop at that point and raise
-    :class:`PrefillCancelled`. An error raised by ``progress_callback`` on one
+    :class:`PrefillCancelled`. An error raised by ``prompt_progress_callback`` on one
     rank stops all ranks the same way at the next agreement point: that rank
     re-raises its error, the others raise :class:`PrefillCancelled`. Either way
     no send is left queued and every rank's cache is trimmed to the positions
@@ -91,9 +92,11 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
-    ``step_size="auto"`` lets the ranks cut the prompt together: the first
-    such call calibrates the group (each rank times its layers on a few
-    chunks) and every call then takes the cut the cost model predicts to be
+    ``prefill_step_size="auto"`` (the default) lets the ranks cut the prompt together: the first
+    such call on a sharded model calibrates the group (each rank times its layers on a few
+    chunks), or reads what an earlier run measured from the calibration cache
+    (:mod:`pipemlx.runtime.calibration_cache`: keyed by the model, the split and the machines; every rank must
+    hold the same figures, or the group calibrates again), and every call then takes the cut the cost model predicts to be
     fastest for M tokens: chunks of one size, or of one size with smaller
     chunks at both ends where the pipeline fills and drains, never a chunk
     predicted to take longer than ``max_chunk_seconds`` on any rank (see
@@ -116,8 +119,8 @@ def pipeline_prefill(
         prompt,
         cache,
         PrefillOptions(
-            step_size=step_size,
-            progress_callback=progress_callback,
+            prefill_step_size=prefill_step_size,
+            prompt_progress_callback=prompt_progress_callback,
             should_cancel=should_cancel,
             timeout=timeout,
             kv_bits=kv_bits,
@@ -139,8 +142,8 @@ class PrefillOptions:
     :class:`PipelineMismatchError` there rather than wait out their timeout in the first decode step.
     """
 
-    step_size: int | Literal["auto"]
-    progress_callback: ProgressCallback | None
+    prefill_step_size: int | Literal["auto"]
+    prompt_progress_callback: ProgressCallback | None
     should_cancel: CancelCheck | None
     timeout: float | None
     kv_bits: int | None
@@ -157,9 +160,9 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     stage = stage_of(model)
     stage.check_usable()
     tokens = check_prompt(prompt)
-    step_size, kv_bits, kv_group_size = options.step_size, options.kv_bits, options.kv_group_size
+    step_size, kv_bits, kv_group_size = options.prefill_step_size, options.kv_bits, options.kv_group_size
     if isinstance(step_size, str) and step_size != "auto":
-        raise ValueError(f"step_size must be a positive int or 'auto', got {step_size!r}")
+        raise ValueError(f"prefill_step_size must be a positive int or 'auto', got {step_size!r}")
     check_prefill_args(tokens.size, 1 if step_size == "auto" else step_size, stage.world_size)
     check_timeout(options.timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
@@ -208,17 +211,18 @@ def _agree_on_auto_chunks(
     prefix: int,
     options: PrefillOptions,
 ) -> tuple[int, ...]:
-    """Handshake on an auto request, calibrate the group if any rank has not yet, and choose the chunks."""
+    """Handshake on an auto request, calibrate the group unless every rank holds the same cost model (in memory or
+    in the calibration cache), and choose the chunks."""
     table = handshake(
         stage,
         AutoRequest(num_tokens),
         Status.OK,
         timeout,
-        needs_calibration=stage.cost_model is None,
+        calibration=held_calibration(model, stage),
         cache_offset=prefix,
         decode_settings=options.decode_settings,
     )
-    if any(table["needs_calibration"]):
+    if must_calibrate(table["calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
     return choose_chunks(num_tokens, stage.cost_model, options.max_chunk_seconds)
 
@@ -478,7 +482,7 @@ class _PlanRunner:
         self.stop_if_asked(table, action.step)
 
     def progress(self, action: Progress) -> None:
-        callback = self.options.progress_callback
+        callback = self.options.prompt_progress_callback
         if callback is None or self.deferred is not None:
             return
         with self.tracer.span("progress", processed=action.processed):

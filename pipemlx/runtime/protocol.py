@@ -258,9 +258,9 @@ def _offset(value: int) -> object:
 HANDSHAKE = Message(
     Kind.HANDSHAKE,
     (
-        Field("needs_calibration"),  # step_size="auto": this rank has no cost model yet
+        Field("calibration"),  # prefill_step_size="auto": the fingerprint of this rank's cost model (0: none)
         agreed("num_tokens"),
-        agreed("step_size", show=_step_size),  # 0: "auto"
+        agreed("prefill_step_size", show=_step_size),  # 0: "auto"
         agreed("plan_fingerprint"),
         agreed("total_layers"),
         agreed("hidden_size"),
@@ -342,8 +342,9 @@ SERVE = Message(
 TOKENS = Message(Kind.TOKENS, (agreed("count"),), "a token broadcast")
 """Rank 0's token ids (a prompt, a batch step's operations) as an ``int32`` payload; the other ranks send zeros."""
 
-CALIBRATE = Message(Kind.CALIBRATE, (Field("needs_calibration"),), "the calibration")
-"""Whether each rank lacks a cost model; with a payload, each rank's timings."""
+CALIBRATE = Message(Kind.CALIBRATE, (Field("calibration"),), "the calibration")
+"""The fingerprint of the figures each rank holds (0: none; :mod:`.calibration_cache`); with a payload, each rank's
+timings."""
 
 MEMORY = Message(Kind.MEMORY, (Field("bytes_per_position"), Field("budget_kib")), "the memory exchange")
 """Each rank's KV bytes per cached position and its memory budget (:class:`pipemlx.BatchGenerator`)."""

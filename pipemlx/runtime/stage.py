@@ -38,7 +38,7 @@ EXIT_TIMEOUT = 10.0  # seconds the end of the program may wait for what a stage 
 
 @dataclass(frozen=True)
 class Lending:
-    """Where the cuts fall inside layers (``shard_model``'s ``lend_mlp`` and ``lend_heads``); none by default."""
+    """Where the cuts fall inside layers (``shard_model``'s ``lend``); none by default."""
 
     mlp: bool = False  # each rank's last layer's feed-forward half runs on the next rank
     share: float = 0.0  # the share of a layer's per-token work that the cut moves to the next rank

@@ -172,7 +172,7 @@ def choose_chunks(
 
 
 def choose_lent_heads(num_tokens: int, cuts: Sequence[CostModel]) -> int:
-    """Of ``cuts``, the cost models of lending 0, 1, 2, ... key-value heads (``shard_model(lend_heads=k)``), the
+    """Of ``cuts``, the cost models of lending 0, 1, 2, ... key-value heads (``shard_model(lend=k)``), the
     index whose fastest chunking (:func:`choose_chunks`) is predicted to prefill ``num_tokens`` soonest; the
     fewest heads among those within :data:`NEAR_TIE` of it (each lent head widens the messages). Pure: every
     rank derives the same count from the same cost models."""

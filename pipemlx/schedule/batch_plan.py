@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from . import plan as prefill_plan
-from .costmodel import LayerCosts
+from .autostep import choose_step
+from .costmodel import CostModel, LayerCosts
 
 FINGERPRINT_MODULUS = 1 << 23  # fits a message's int32 field, and is exact as a float32 too
 
@@ -69,6 +70,22 @@ class ChunkSizes(Protocol):
     def tokens_at(self, start: int) -> int:
         """The length (>= 1) of a chunk starting at prompt position ``start``."""
         ...
+
+
+@dataclass(frozen=True)
+class AutoSteps:
+    """``prefill_step_size="auto"`` in a batch: a prompt prefilled while nothing decodes comes in chunks of the step
+    :func:`~pipemlx.schedule.autostep.choose_step` predicts fastest for its length on ``costs`` (the calibrated
+    model the ranks agreed on: the same step on every rank)."""
+
+    costs: CostModel
+    chosen: dict[int, int] = field(default_factory=dict[int, int], compare=False)  # by positions: each simulated once
+
+    def tokens_for(self, positions: int) -> int:
+        """The step for a prompt of ``positions`` positions to prefill (>= 1)."""
+        if positions not in self.chosen:
+            self.chosen[positions] = max(1, choose_step(positions + 1, self.costs))
+        return self.chosen[positions]
 
 
 @dataclass(frozen=True)
@@ -255,7 +272,7 @@ def plan_tick(
     state: TickState,
     decoding: Sequence[int],
     chunk_tokens: int | ChunkSizes,
-    lone_chunk_tokens: int | None = None,
+    lone_chunk_tokens: int | AutoSteps | None = None,
     admission: Admits | None = None,
     prefill_batch_size: int | None = None,
 ) -> tuple[Tick, TickState]:
@@ -265,7 +282,7 @@ def plan_tick(
     batch before the tick's joins. Rank 0 takes the next ``chunk_tokens``
     positions of the first queued request (:class:`ChunkSizes`: as many as it
     gives for where the chunk starts; ``lone_chunk_tokens`` when no request
-    decodes or joins in the tick); rank ``r`` computes what rank ``r - 1``
+    decodes or joins in the tick, :class:`AutoSteps`: chosen for the prompt's length); rank ``r`` computes what rank ``r - 1``
     computed in the last tick. A request starts only when ``admission`` admits
     it together with everything decoding and prefilling, and fewer than
     ``prefill_batch_size`` requests are started and not yet decoding (those
@@ -274,7 +291,7 @@ def plan_tick(
     ready at once. Pure: the same arguments give the same tick everywhere.
     """
     if (isinstance(chunk_tokens, int) and chunk_tokens < 1) or (
-        lone_chunk_tokens is not None and lone_chunk_tokens < 1
+        isinstance(lone_chunk_tokens, int) and lone_chunk_tokens < 1
     ):
         raise ValueError(f"chunk sizes must be >= 1, got {chunk_tokens} and {lone_chunk_tokens}")
     if prefill_batch_size is not None and prefill_batch_size < 1:
@@ -301,7 +318,12 @@ def plan_tick(
             queue.pop(0)
             started = 0
             continue
-        size = _size(chunk_tokens, started) if rows or lone_chunk_tokens is None else lone_chunk_tokens
+        if rows or lone_chunk_tokens is None:
+            size = _size(chunk_tokens, started)
+        elif isinstance(lone_chunk_tokens, AutoSteps):
+            size = lone_chunk_tokens.tokens_for(prompt.positions)
+        else:
+            size = lone_chunk_tokens
         stop = prompt.chunk_stop(started, size)
         first = TickChunk(prompt.uid, started, stop, stop == prompt.positions)
         if first.last:

@@ -138,11 +138,11 @@ class PrefillPlan:
 
 def check_prefill_args(num_tokens: int, step_size: int, world_size: int) -> None:
     """Raise ``ValueError``/``TypeError`` naming the bad number, or return quietly."""
-    for name, value in (("step_size", step_size), ("num_tokens", num_tokens), ("world_size", world_size)):
+    for name, value in (("prefill_step_size", step_size), ("num_tokens", num_tokens), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            raise TypeError(f"{name} must be an int or 'auto', got {type(value).__name__} {value!r}")
     if step_size < 1:
-        raise ValueError(f"step_size must be at least 1, got {step_size}")
+        raise ValueError(f"prefill_step_size must be at least 1 or 'auto', got {step_size}")
     if num_tokens < 1:
         raise ValueError("the prompt is empty (0 tokens); pipeline_prefill needs at least 1 token")
     if world_size < 1:

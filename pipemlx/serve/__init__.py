@@ -27,11 +27,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.loading import load_sharded
+from ..models.sharding import LendSpec
 from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
 from .link import FRONT_ADDRESS_VARIABLE
@@ -85,8 +86,7 @@ class RankOptions:
     split: list[int] | None = None
     expected_ranks: int | None = None
     allow_unregistered: bool = False
-    lend_mlp: bool = False
-    lend_heads: int | Literal["auto"] = 0
+    lend: LendSpec = "auto"
     cors_origins: tuple[str, ...] = ()
     """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
@@ -114,8 +114,8 @@ def run_rank(options: RankOptions) -> int:
             split=options.split,
             timeout=settings.timeout,
             allow_unregistered=options.allow_unregistered,
-            lend_mlp=options.lend_mlp,
-            lend_heads=options.lend_heads,
+            context=settings.context,
+            lend=options.lend,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)

@@ -27,7 +27,6 @@ from ..runtime.batch import BatchGenerator, LogitsProcessor, Response, Sampler
 from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, cache_parts, counted_offset, trim_to
 from ..runtime.generate import generate_step
 from ..runtime.stage import stage_of
-from ..schedule.plan import default_step_size
 from .broadcast import HELLO, REQUEST, STEP, Channel, Header, Insert, Ops
 from .front import OUTCOMES, Outcome, RequestResult, ServeSettings
 from .penalties import Penalties
@@ -170,7 +169,7 @@ class OneAtATime:
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
-        step: int | Literal["auto"] = settings.step_size or default_step_size(new, rank.size)
+        step: int | Literal["auto"] = settings.prefill_step_size
         generated: list[int] = []
         outcome: Outcome = "length"
         error: BaseException | None = None
@@ -250,12 +249,12 @@ class Batched:
         self.op = STEP
         self.unit = "batch step"
         self.capacity = settings.max_concurrency
-        step = settings.step_size if isinstance(settings.step_size, int) else DEFAULT_STEP
+        step = settings.prefill_step_size
         self.generator = BatchGenerator(
             rank.model,
             stop_tokens=[int(t) for t in getattr(rank.tokenizer, "eos_token_ids", ())],
             prefill_step_size=step,
-            prefill_chunk_tokens=step,
+            prefill_chunk_tokens=step if isinstance(step, int) else DEFAULT_STEP,
             prefill_chunking=settings.prefill_chunking,
             timeout=settings.timeout,
         )

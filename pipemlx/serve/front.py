@@ -49,9 +49,9 @@ class ServeSettings:
     model_id: str
     max_queue: int = 64
     prefix_cache_mb: float = 1024.0
-    step_size: int | Literal["auto"] | None = None
-    timeout: float = 60.0
-    default_max_tokens: int = 512
+    prefill_step_size: int | Literal["auto"] = "auto"
+    timeout: float = 120.0
+    default_max_tokens: int = 256
     default_temperature: float = 0.0
     context: int | None = None
     fault_grace: float = 5.0

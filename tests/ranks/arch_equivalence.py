@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.models.lending import LentHeadsCache
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
@@ -46,7 +47,10 @@ def decode(
 
 
 def cache_kind(cache: Any) -> str:
-    """A cache's class and the settings that make it differ from another of its class."""
+    """A cache's class and the settings that make it differ from another of its class; a layer that borrows heads
+    (lend="auto", the default) keeps a LentHeadsCache whose own part is the one the whole model makes."""
+    if isinstance(cache, LentHeadsCache):
+        return cache_kind(cache.parts[0])
     inner = getattr(cache, "caches", None)
     if isinstance(inner, (list, tuple)):
         return f"{type(cache).__name__}({', '.join(cache_kind(c) for c in inner)})"
@@ -122,7 +126,7 @@ def run_arch(entry: dict[str, Any], spec: dict[str, Any], group: mx.distributed.
         ref_cache = make_prompt_cache(reference)
         ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, max_tokens)
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=step)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=step)
         offsets = sorted({int(getattr(c, "offset", -1)) for c in cache if hasattr(c, "offset")})
         tokens, logprobs = decode(prompt[-1:], model, cache, step, max_tokens)
         settle(group)

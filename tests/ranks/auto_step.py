@@ -1,4 +1,4 @@
-"""Rank program: pipeline_prefill with step_size="auto" equals single device at the step it chose.
+"""Rank program: pipeline_prefill with prefill_step_size="auto" equals single device at the step it chose.
 
 Spec: {"lengths": [M, ...], "mismatch_rank": r or null}. With mismatch_rank, that rank passes a
 fixed step while the others pass "auto": every rank must raise PipelineMismatchError; then that rank alone
@@ -34,7 +34,7 @@ def main() -> None:
         cache = make_prompt_cache(model)
         calls: list[list[int]] = []
         step = pipemlx.pipeline_prefill(
-            model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b])
+            model, prompt, cache, prefill_step_size="auto", prompt_progress_callback=lambda a, b: calls.append([a, b])
         )
         tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
         ref_calls: list[list[int]] = []
@@ -66,7 +66,7 @@ def main() -> None:
         fixed = group.rank() == spec["mismatch_rank"]
         try:
             pipemlx.pipeline_prefill(
-                model, mx.arange(40, dtype=mx.int32), make_prompt_cache(model), step_size=8 if fixed else "auto"
+                model, mx.arange(40, dtype=mx.int32), make_prompt_cache(model), prefill_step_size=8 if fixed else "auto"
             )
         except pipemlx.PipelineMismatchError as exc:
             mismatch = str(exc)

@@ -29,7 +29,7 @@ def rotating_refusals(group: Any) -> dict[str, Any]:
         write_tokenizer(path, 256)
         tokenizer = load_tokenizer(path)
     calls = [
-        lambda: pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), step_size=4, **kv),
+        lambda: pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), prefill_step_size=4, **kv),
         lambda: next(pipemlx.generate_step(prompt, model, prefill_step_size=4, **kv)),
         lambda: next(pipemlx.stream_generate(model, tokenizer, prompt, prefill_step_size=4, **kv)),
     ]
@@ -47,7 +47,7 @@ def rotating_refusals(group: Any) -> dict[str, Any]:
     plain = pipemlx.shard_model(build_model(tiny_config("llama", **WIDE)), group)
     given = make_prompt_cache(plain) if group.rank() == 0 else [RotatingKVCache(64, keep=4) for _ in plain.layers]
     try:
-        pipemlx.pipeline_prefill(plain, prompt, given, step_size=4, **kv)
+        pipemlx.pipeline_prefill(plain, prompt, given, prefill_step_size=4, **kv)
         errors.append("no error")
     except (ValueError, pipemlx.PrefillCancelled) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
@@ -62,7 +62,7 @@ def main() -> None:
     model = pipemlx.shard_model(build_model(config), group)
     bad_calls: list[tuple[Any, dict[str, Any]]] = [
         (mx.array([], dtype=mx.int32), {}),
-        (mx.arange(10), {"step_size": 0}),
+        (mx.arange(10), {"prefill_step_size": 0}),
         (mx.arange(10).astype(mx.float32), {}),
         # MLX quantizes with group size 32, but not the tiny llama's 16-wide heads.
         (mx.arange(10), {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}),
@@ -75,21 +75,21 @@ def main() -> None:
             errors.append(f"{type(exc).__name__}: {exc}")
     prompt = mx.arange(20, dtype=mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=4)
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=4)
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=5)]
     reference_tokens = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=4, max_tokens=5)]
     mx.synchronize(generation_stream)
-    # Rank 0 cuts inside its last layer (lend_mlp), rank 1 does not: named before anything is sent.
-    lent = pipemlx.shard_model(build_model(config), group, lend_mlp=group.rank() == 0)
+    # Rank 0 cuts inside its last layer (lend="mlp"), rank 1 does not: named before anything is sent.
+    lent = pipemlx.shard_model(build_model(config), group, lend="mlp" if group.rank() == 0 else "none")
     try:
-        pipemlx.pipeline_prefill(lent, prompt, make_prompt_cache(lent), step_size=4)
+        pipemlx.pipeline_prefill(lent, prompt, make_prompt_cache(lent), prefill_step_size=4)
         errors.append("no error")
     except pipemlx.PipelineMismatchError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
     # Both cut inside the layer, rank 0 also lends a head (a wider message), rank 1 expects none: named too.
-    heads = pipemlx.shard_model(build_model(config), group, lend_mlp=True, lend_heads=int(group.rank() == 0))
+    heads = pipemlx.shard_model(build_model(config), group, lend=int(group.rank() == 0))
     try:
-        pipemlx.pipeline_prefill(heads, prompt, make_prompt_cache(heads), step_size=4)
+        pipemlx.pipeline_prefill(heads, prompt, make_prompt_cache(heads), prefill_step_size=4)
         errors.append("no error")
     except pipemlx.PipelineMismatchError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")

@@ -75,7 +75,7 @@ def reused_cache(model: Any, prompt: list[int], length: int | None, step_size: i
     if not length:
         return None
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, step_size=step_size)
+    pipemlx.pipeline_prefill(model, mx.array(prompt[: length + 1]), cache, prefill_step_size=step_size)
     return cache
 
 
@@ -108,7 +108,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     """One scenario; a report, or {"error", "message", "waited"} when the group failed (kill, stall)."""
     rank = group.rank()
     arch = spec.get("arch", "llama")
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **spec.get("shard", {}))  # lend_mlp, lend_heads
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **spec.get("shard", {}))  # lend
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
     default_processors: dict[str, Any] | None = spec.get("default_processors")

@@ -4,13 +4,13 @@ Reads a JSON spec from argv[1]; prints one JSON line with what this rank saw.
 Every rank also runs the reference (the whole model, no pipeline) itself, so
 the parent test compares each rank against single-device mlx-lm.
 
-Spec: {"arch", "config"?, "seed", "split"?, "lend_mlp"?, "lend_heads"?, "layer_costs"?, "max_tokens", "steps": [...]}
-("layer_costs": [chunk_s, token_s, attention_s] that lend_heads="auto" decides from instead of timing a layer) where a step is
+Spec: {"arch", "config"?, "seed", "split"?, "lend"? (default: shard_model's, "auto"), "layer_costs"?, "max_tokens", "steps": [...]}
+("layer_costs": [chunk_s, token_s, attention_s] that lend="auto" decides from instead of timing a layer) where a step is
   {"kind": "pipeline", "M", "step"}        pipeline_prefill then generate_step(prompt[-1:])
   {"kind": "plain", "M", "step", "args"?}  generate_step on the sharded model, no pipeline_prefill
   {"kind": "pipemlx", "M", "step", "args"?} pipemlx.generate_step on the sharded model
 ("args": more keyword arguments for both decodes and the reference's, e.g. kv_bits or max_kv_size.)
-  {"kind": "auto", "M"}                    pipeline_prefill(step_size="auto"), the reference at the step it returns
+  {"kind": "auto", "M"}                    pipeline_prefill(prefill_step_size="auto"), the reference at the step it returns
   {"kind": "queue_exception"}              a send_mode(model, "queue") block left by an exception
 Reports {"rank", "size", "steps": [...]}. Or {"cases": {name: spec, ...}}: several such specs in one launch
 (each with its own reference and sharded model, one after the other on the same group), reported as
@@ -99,8 +99,7 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
         build_model(config, seed=spec["seed"]),
         group,
         split=spec.get("split"),
-        lend_mlp=spec.get("lend_mlp", False),
-        lend_heads=spec.get("lend_heads", 0),
+        lend=spec.get("lend", "auto"),
     )
     max_tokens = spec["max_tokens"]
     seen: list[dict[str, Any]] = []
@@ -119,13 +118,17 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             entry["queued_after"] = len(stage_of(model).send_queue)
             seen.append(entry)
             continue
-        entry["lent_heads"] = stage_of(model).info.lending.heads  # lend_heads="auto": the count this rank chose
+        entry["lent_heads"] = stage_of(model).info.lending.heads  # lend="auto": the count this rank chose
         prompt = prompt_of(s["M"], config["vocab_size"], spec["seed"])
         if s["kind"] == "auto":
             cache = make_prompt_cache(model)
             calls = []
             step = pipemlx.pipeline_prefill(
-                model, prompt, cache, step_size="auto", progress_callback=lambda a, b: calls.append([a, b])
+                model,
+                prompt,
+                cache,
+                prefill_step_size="auto",
+                prompt_progress_callback=lambda a, b: calls.append([a, b]),
             )
             entry["step"], entry["progress"] = step, calls
             auto_logprobs: list[Any] = []
@@ -160,7 +163,11 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> list[dict[str
             cache = make_prompt_cache(model)
             calls: list[list[int]] = []
             pipemlx.pipeline_prefill(
-                model, prompt, cache, step_size=s["step"], progress_callback=lambda a, b: calls.append([a, b])
+                model,
+                prompt,
+                cache,
+                prefill_step_size=s["step"],
+                prompt_progress_callback=lambda a, b: calls.append([a, b]),
             )
             entry["progress"] = calls
             entry["cache_offsets"] = sorted({c.offset for c in layer_caches(cache)})

@@ -87,8 +87,8 @@ def main() -> None:
                 model,
                 prompt,
                 cache,
-                step_size=request["step"],
-                progress_callback=on_progress,
+                prefill_step_size=request["step"],
+                prompt_progress_callback=on_progress,
                 should_cancel=should_cancel,
                 timeout=timeout,
                 agree_every=request.get("agree_every", 1),  # the expected figures count one agreement per step
@@ -116,7 +116,7 @@ def main() -> None:
         if fatal:
             outcome["broken"] = stage.broken is not None
             try:
-                pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), step_size=request["step"])
+                pipemlx.pipeline_prefill(model, prompt, make_prompt_cache(model), prefill_step_size=request["step"])
             except pipemlx.PipelineError as exc:
                 outcome["next_call"] = f"{type(exc).__name__}: {exc}"
             outcomes.append(outcome)

@@ -20,8 +20,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.models.lending import LentHeadsCache
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
+
+
+def kinds(cache: list[Any]) -> list[str]:
+    """Each layer cache's class; a layer that borrows heads (lend="auto", the default) keeps a LentHeadsCache,
+    whose own part is the cache the whole model's layer has."""
+    return [type(c.parts[0] if isinstance(c, LentHeadsCache) else c).__name__ for c in cache]
 
 
 def main() -> None:
@@ -46,8 +53,8 @@ def main() -> None:
             )
         )
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=run["step"], **kv)
-        after_prefill = [type(c).__name__ for c in cache]
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=run["step"], **kv)
+        after_prefill = kinds(cache)
         out = list(generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], **kv))
         mx.synchronize(generation_stream)
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
@@ -59,7 +66,7 @@ def main() -> None:
                 "ref_tokens": [int(t) for t, _ in ref],
                 "logprob_diff": max(float(mx.max(mx.abs(a[1] - b[1]))) for a, b in zip(out, ref)),
                 "after_prefill": after_prefill,
-                "after_decode": [type(c).__name__ for c in cache],
+                "after_decode": kinds(cache),
                 "ref_after_decode": [type(c).__name__ for c in ref_cache[local.start : local.stop]],
             }
         )

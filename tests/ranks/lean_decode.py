@@ -32,11 +32,11 @@ def main() -> None:
     for length in spec["lengths"]:
         prompt = mx.random.randint(0, 256, (length,), key=mx.random.key(length)).astype(mx.int32)
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=8)
         lean = list(lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]))
         ref = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=8, max_tokens=spec["max_tokens"])]
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=8)
         sampled = list(
             lean_generate_step(
                 prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"], sampler=make_sampler(temp=1.0)
@@ -45,7 +45,7 @@ def main() -> None:
         offset = cache[0].offset
         # A consumer that stops early on rank 0 only: every rank stops after the same token.
         cache = make_prompt_cache(model)
-        pipemlx.pipeline_prefill(model, prompt, cache, step_size=8)
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=8)
         early: list[int] = []
         for token in lean_generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"]):
             early.append(token)

@@ -65,8 +65,8 @@ def main() -> None:
                 model,
                 prompt,
                 make_prompt_cache(model),
-                step_size=spec["step"],
-                progress_callback=on_progress,
+                prefill_step_size=spec["step"],
+                prompt_progress_callback=on_progress,
                 timeout=timeout,
                 agree_every=1,
             )

@@ -27,13 +27,16 @@ from pipemlx.runtime.stage import stage_of
 
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:
     path = entry["path"]
-    model, tokenizer = pipemlx.load_sharded(path, group, split=entry.get("split"), memory=entry.get("memory"))
+    # Whole layers: what each rank holds is compared with the plan's per-layer bytes (test_equivalence runs lend="auto").
+    model, tokenizer = pipemlx.load_sharded(
+        path, group, split=entry.get("split"), memory=entry.get("memory"), lend=entry.get("lend", "none")
+    )
     stage = stage_of(model)
     owner, _ = find_layer_list(model)
     vocab = len(tokenizer.vocab)
     prompt = mx.random.randint(0, vocab, (spec["prompt"],), key=mx.random.key(9)).astype(mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=spec["step"])
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])]
     mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))

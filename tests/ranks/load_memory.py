@@ -58,7 +58,10 @@ def main() -> None:
     path = Path(spec["path"])
     load_tokenizer(path)  # imports and warms the tokenizer code, so the measurement sees weights only
     baseline = start_measuring()
-    model, tokenizer = pipemlx.load_sharded(path, group, split=spec.get("split"), memory=spec.get("memory"))
+    # Whole layers: what each rank holds is compared with the plan's per-layer bytes.
+    model, tokenizer = pipemlx.load_sharded(
+        path, group, split=spec.get("split"), memory=spec.get("memory"), lend=spec.get("lend", "none")
+    )
     sharded_peak = peak_growth(baseline)
     held = sum(p.nbytes for _, p in flat_parameters(model))
     stage = stage_of(model)
@@ -68,7 +71,7 @@ def main() -> None:
 
     prompt = mx.random.randint(0, int(model.args.vocab_size), (spec["prompt"],), key=mx.random.key(5)).astype(mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=spec["step"])
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])]
     settle(group)
     report: dict[str, Any] = {

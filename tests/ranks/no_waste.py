@@ -28,7 +28,7 @@ def main() -> None:
     cache = make_prompt_cache(model)
     mx.reset_peak_memory()
     before = mx.get_active_memory()  # the weights
-    pipemlx.pipeline_prefill(model, prompt, cache, step_size=step)
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=step)
     prefill_peak = mx.get_peak_memory() - before
 
     control_cache = make_prompt_cache(model)

@@ -15,7 +15,8 @@ from pipemlx.testing import build_model, tiny_config
 
 def main() -> None:
     group = init_group()
-    model = pipemlx.shard_model(build_model(tiny_config("llama")), group)
+    # Whole layers: rank 1 receives with plain MLX, messages of the hidden size (no lent heads' outputs).
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), group, lend="none")
     report: dict[str, object] = {"rank": group.rank()}
     if group.rank() == 0:
         cache = make_prompt_cache(model)

@@ -53,7 +53,7 @@ def main() -> None:
                 model,
                 prompt,
                 cache,
-                step_size=step,
+                prefill_step_size=step,
                 should_cancel=lambda: cancel and rank == who and next(polls) == when,
             )
         except pipemlx.PrefillCancelled as exc:

@@ -97,7 +97,8 @@ def main() -> None:
     chunks = calibration_chunks(tokens.size, spec["step"])
     calibrations: list[list[float]] = []
     collectives: list[float] = []
-    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group)
+    # Whole layers unless the spec says: the measured plan replayed against the cost model's prediction.
+    model = pipemlx.shard_model(build_model(config, seed=spec["seed"]), group, lend=spec.get("lend", "none"))
     stage = stage_of(model)
     report["split"] = list(stage.info.split)
     report["hidden_size"] = config["hidden_size"]
@@ -116,8 +117,8 @@ def main() -> None:
             model,
             tokens,
             cache,
-            step_size=spec["step"],
-            progress_callback=lambda a, b: calls.append([a, b]),
+            prefill_step_size=spec["step"],
+            prompt_progress_callback=lambda a, b: calls.append([a, b]),
             trace_dir=str(Path(spec["trace_dir"]) / f"run{i}"),
         )
         times.append(time.perf_counter() - begin)

@@ -17,9 +17,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate_utils import BatchStats
 
+from ...errors import renamed
 from ...schedule.batch_plan import (
     Admission,
     AdmissionLimits,
+    AutoSteps,
     ChunkSizes,
     EqualCostChunks,
     Tick,
@@ -29,6 +31,8 @@ from ...schedule.batch_plan import (
     enqueue,
     plan_tick,
 )
+from ...schedule.costmodel import CostModel
+from ...schedule.memory_split import parse_size
 from ..caches import UNCOUNTED, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler
@@ -67,10 +71,16 @@ class Response:
     all_tokens: list[int] | None = None
 
 
+def cast_costs(costs: CostModel | None) -> CostModel:
+    """``costs``, which ``prefill_step_size="auto"`` always calibrates."""
+    assert costs is not None
+    return costs
+
+
 class BatchGenerator:
     """Continuous batching on a sharded model; call every method identically on every rank.
 
-    ``max_tokens`` is the default per request (-1: no limit); ``stop_tokens`` end a request after yielding one of them
+    ``max_tokens`` is the default per request (256, as mlx-lm's ``generate_step``; -1: no limit); ``stop_tokens`` end a request after yielding one of them
     (``finish_reason="stop"``): token ids, or sequences of them as mlx-lm's ``BatchGenerator`` takes (a request stops at
     the token that completes one, counting its generated tokens only); ``sampler`` is the default sampler (greedy when
     ``None``) and ``logits_processors`` the default processors (mlx-lm's ``make_logits_processors``: repetition penalty,
@@ -79,17 +89,21 @@ class BatchGenerator:
     ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a tick while other requests decode: each rank
     adds about one chunk's work to each decode step, so it trades the decoding requests' time between tokens against the
     new request's time to first token. ``prefill_step_size`` is the chunk size while nothing decodes (a prompt prefilled
-    alone). ``prefill_budget`` is an alias of ``prefill_chunk_tokens``.
+    alone): ``"auto"`` (the default) takes the step the calibrated cost model predicts fastest for that prompt's
+    length, as :func:`pipemlx.pipeline_prefill` does.
 
     ``prefill_chunking="equal-cost"`` keeps that trade steady over a long prompt: a chunk attends to every position
     before it, so at a fixed length the late chunks of a long prompt cost several times the first ones and the others'
     time between tokens grows as it fills. With it, the chunk at the start of a prompt has ``prefill_chunk_tokens``
     positions and every later one is as long as the cost model allows for the same predicted cost
-    (:class:`~pipemlx.schedule.batch_plan.EqualCostChunks`). The constructor then calibrates the cost model on the
-    group, as ``step_size="auto"`` does (a collective, once per model: construct on every rank). ``"fixed"`` (the
-    default): every chunk has ``prefill_chunk_tokens`` positions.
+    (:class:`~pipemlx.schedule.batch_plan.EqualCostChunks`; the default, measured to keep the time between tokens
+    lower at about the same time to first token: ``docs/batching.md``). The constructor then calibrates the cost model
+    on the group, as ``prefill_step_size="auto"`` does (a collective, once per model and read from the calibration
+    cache when the ranks hold it: construct on every rank). ``"fixed"``: every chunk has ``prefill_chunk_tokens``
+    positions.
 
-    ``memory_budget`` (bytes this rank may spend on KV caches) turns on admission control: the constructor then
+    ``memory_budget`` (what this rank may spend on KV caches: bytes, or a size like ``"24GB"`` as
+    :func:`pipemlx.shard_model`'s ``memory`` takes) turns on admission control: the constructor then
     exchanges every rank's budget and cache bytes per position (one all-gather: construct on every rank), and a queued
     request starts its prefill only when the batch, left-padded to its longest reservation (prompt + ``max_tokens``),
     fits every rank's budget with it; requests start in order. A request that could never fit raises ``ValueError`` in
@@ -113,20 +127,20 @@ class BatchGenerator:
     Raises ``ValueError`` for a bad value of any of these before anything is sent.
     """
 
+    @renamed(prefill_budget="prefill_chunk_tokens")
     def __init__(
         self,
         model: nn.Module,
         *,
-        max_tokens: int = 128,
+        max_tokens: int = 256,
         stop_tokens: Iterable[int | Sequence[int]] = (),
         sampler: Sampler | None = None,
         logits_processors: Sequence[LogitsProcessor] | None = None,
-        prefill_step_size: int = 512,
-        prefill_chunk_tokens: int = 64,
-        prefill_budget: int | None = None,
-        prefill_chunking: Literal["fixed", "equal-cost"] = "fixed",
+        prefill_step_size: int | Literal["auto"] = "auto",
+        prefill_chunk_tokens: int = 128,
+        prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost",
         timeout: float | None = None,
-        memory_budget: int | None = None,
+        memory_budget: int | str | None = None,
         completion_batch_size: int | None = None,
         prefill_batch_size: int | None = None,
         max_kv_size: int | None = None,
@@ -134,11 +148,12 @@ class BatchGenerator:
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
-        chunk = prefill_chunk_tokens if prefill_budget is None else prefill_budget
+        chunk = prefill_chunk_tokens
+        budget = None if memory_budget is None else parse_size(memory_budget)
         sizes = {
-            "prefill_step_size": prefill_step_size,
+            **({} if prefill_step_size == "auto" else {"prefill_step_size": prefill_step_size}),
             "prefill_chunk_tokens": chunk,
-            "memory_budget": memory_budget,
+            "memory_budget": budget,
             "completion_batch_size": completion_batch_size,
             "prefill_batch_size": prefill_batch_size,
             "max_kv_size": max_kv_size,
@@ -160,7 +175,7 @@ class BatchGenerator:
         self._rows = Rows(self.stage.compute_stream)
         self._runner = TickRunner(model, self.stage, self.timeout)
         self.admission: Admission | None = (
-            None if memory_budget is None else exchange_admission(model, self.stage, memory_budget, self.timeout)
+            None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
         )
         self.prefill_batch_size = prefill_batch_size
         if completion_batch_size is not None and prefill_batch_size is not None:
@@ -173,10 +188,16 @@ class BatchGenerator:
         )
         self._counters = Counters()
         self._logprobs: mx.array | None = None  # the last tick's, on the last rank: read by its responses
+        costs = (
+            calibrated(model, self.stage, self.timeout)
+            if prefill_chunking == "equal-cost" or prefill_step_size == "auto"
+            else None
+        )
         self.chunk_sizes: int | ChunkSizes = (
-            chunk
-            if prefill_chunking == "fixed"
-            else EqualCostChunks(chunk, calibrated(model, self.stage, self.timeout).layer)
+            chunk if costs is None or prefill_chunking == "fixed" else EqualCostChunks(chunk, costs.layer)
+        )
+        self.lone_steps: int | AutoSteps = (
+            prefill_step_size if isinstance(prefill_step_size, int) else AutoSteps(cast_costs(costs))
         )
 
     @property
@@ -415,7 +436,7 @@ class BatchGenerator:
             self._plan,
             [r.reserve for r in self._rows.requests],
             self.chunk_sizes,
-            self.prefill_step_size,
+            self.lone_steps,
             self._limits,
             self.prefill_batch_size,
         )

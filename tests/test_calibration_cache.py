@@ -1,0 +1,131 @@
+"""The calibration cache: "auto" calibrates once, the next model (and process) reads it, a new key or a bad file
+calibrates again (counted by the calls of the timing functions, not by time)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+import pipemlx
+from pipemlx.runtime import calibrate, calibration_cache
+from pipemlx.runtime.stage import stage_of
+from pipemlx.testing import build_model, tiny_config
+
+
+def timings() -> calibrate.Timings:
+    """Made-up timings (a calibration takes seconds on a loaded 2-core machine; what is counted here is whether it
+    runs, not what it measures): a second per million tokens, plus attention."""
+    at_start = [(n, 1e-4 + n * 1e-6) for n in calibrate.CALIBRATION_LENGTHS]
+    far = [(n, 1e-4 + n * 2e-6) for n in calibrate.FAR_LENGTHS]
+    return at_start, 1e-4 + calibrate.ATTENTION_CHUNK * 1.5e-6, far
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
+    """A fresh cache folder, and counts of the calibrations (a stage's layers, one layer for lend="auto")."""
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    counts = {"stage": 0, "layer": 0}
+
+    def stage(*args: Any) -> calibrate.Timings:
+        counts["stage"] += 1
+        return timings()
+
+    def layer(*args: Any) -> calibrate.Timings:
+        counts["layer"] += 1
+        return timings()
+
+    monkeypatch.setattr(calibrate, "time_local_layers", stage)
+    monkeypatch.setattr(calibrate, "time_layer", layer)
+    return counts
+
+
+def prefill_auto(config: dict[str, Any]) -> int:
+    """Shard a fresh model on one rank and prefill with the default (auto) step; the step it took."""
+    model = pipemlx.shard_model(build_model(config, seed=1), mx.distributed.init())
+    cache = stage_of(model).new_cache(model, None)
+    return pipemlx.pipeline_prefill(model, mx.arange(40, dtype=mx.int32), cache)
+
+
+def files(folder: Path, kind: str) -> list[Path]:
+    return sorted(folder.glob(f"calibration-{kind}-*.json"))
+
+
+def test_auto_step_calibrates_once_and_again_for_a_new_key(counted: dict[str, int], tmp_path: Path) -> None:
+    config = tiny_config("llama")
+    first = prefill_auto(config)
+    assert counted["stage"] == 1 and len(files(tmp_path, "stage")) == 1
+    assert prefill_auto(config) == first  # a new model and stage: the same figures, read from the file
+    assert counted["stage"] == 1
+    prefill_auto({**config, "intermediate_size": config["intermediate_size"] * 2})  # another model: another key
+    assert counted["stage"] == 2 and len(files(tmp_path, "stage")) == 2
+    prefill_auto(config)
+    assert counted["stage"] == 2
+
+
+@pytest.mark.parametrize("damage", ["not json", "wrong key", "bad figures", "unreadable"])
+def test_a_bad_cache_file_is_ignored_and_rewritten(counted: dict[str, int], tmp_path: Path, damage: str) -> None:
+    config = tiny_config("llama")
+    prefill_auto(config)
+    (path,) = files(tmp_path, "stage")
+    stored = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{ truncated")
+    elif damage == "wrong key":
+        path.write_text(json.dumps({**stored, "key": {**stored["key"], "mlx": "0.0.1"}}))
+    elif damage == "bad figures":
+        path.write_text(json.dumps({**stored, "value": [float("nan")] * len(stored["value"])}))
+    else:
+        path.unlink()
+        path.mkdir()  # a folder where the file should be: reading fails, writing fails, nothing raises
+    prefill_auto(config)
+    assert counted["stage"] == 2
+    if damage != "unreadable":
+        assert json.loads(path.read_text()) == {**stored, "value": json.loads(path.read_text())["value"]}
+        prefill_auto(config)  # rewritten: read again
+        assert counted["stage"] == 2
+
+
+def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(calibration_cache.CACHE_DIR_VARIABLE, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibration_cache.cache_dir() == tmp_path / "xdg" / "pipemlx"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert calibration_cache.cache_dir() == tmp_path / "home" / ".cache" / "pipemlx"
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(tmp_path / "mine"))
+    assert calibration_cache.cache_dir() == tmp_path / "mine"
+
+
+def test_hosts_ignore_the_ports_of_local_ranks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Local ranks get new ports every run; the key names the machines only, so a second run hits the cache."""
+    keys = []
+    for ports in ((5000, 5001), (6000, 6001)):
+        hostfile = tmp_path / f"hosts{ports[0]}.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ports]))
+        monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+        keys.append(calibration_cache.environment())
+    assert keys[0] == keys[1] and keys[0]["hosts"] == ["127.0.0.1", "127.0.0.1"]
+    hostfile = tmp_path / "other.json"
+    hostfile.write_text(json.dumps([["10.0.0.1:5000"], ["10.0.0.2:5000"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert calibration_cache.environment() != keys[0]
+
+
+def test_the_layer_costs_of_lend_auto_are_cached(counted: dict[str, int]) -> None:
+    """lend="auto"'s timing of one layer (a group of one here): measured once, then read."""
+    model = build_model(tiny_config("llama"), seed=1)
+    info = stage_of(pipemlx.shard_model(build_model(tiny_config("llama"), seed=1), mx.distributed.init())).info
+    layer = model.layers[0]
+    first = calibrate.group_layer_costs(model, layer, info, mx.distributed.init())
+    second = calibrate.group_layer_costs(model, layer, info, mx.distributed.init())
+    assert counted["layer"] == 1 and first == second
+
+
+def test_ranks_holding_different_figures_calibrate_again() -> None:
+    assert calibrate.must_calibrate([0, 5])
+    assert calibrate.must_calibrate([5, 6])
+    assert not calibrate.must_calibrate([5, 5])
