@@ -1,4 +1,4 @@
-"""pipemlx inside an engine's request loop: progress, agreed cancellation, decode with stream_generate.
+"""pipemlx inside an engine's request loop: progress, agreed cancellation, decode with pipemlx.stream_generate.
 
 Every rank runs the same loop over the same requests (an engine would
 broadcast each incoming request from rank 0). For each request the prompt is
@@ -7,8 +7,8 @@ client "hangs up" halfway through its prefill, which only the last rank
 notices: its ``should_cancel`` says yes, and at the next agreement point *all*
 ranks stop and raise ``PrefillCancelled`` with the same ``processed`` count and
 nothing left queued. The loop drops that request and serves the next one.
-Completed prefills are decoded with mlx-lm's ``stream_generate`` on the
-sharded model.
+Completed prefills are decoded with ``pipemlx.stream_generate`` (mlx-lm's
+arguments and ``GenerationResponse`` objects, every rank agreeing on each token).
 
 Run it on 2 local ranks:   python examples/engine_loop.py --ranks 2
 """

@@ -1,4 +1,4 @@
-"""Pipelined generation in a few lines: load, shard, prefill across ranks, decode with mlx-lm.
+"""Pipelined generation in a few lines: load, shard, prefill across ranks, decode with pipemlx.generate_step.
 
 Uses the demo model pipemlx ships (a small llama trained on Pride and Prejudice)
 unless --model names another mlx-lm model folder.

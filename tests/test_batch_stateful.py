@@ -10,7 +10,10 @@ injects model errors on either rank, and runs under a memory budget (the batch m
 step the generator holds exactly the live requests; at the end every request is stepped until it ends.
 
 The machine explores: random sequences on every run, failures kept in the example database and replayed first
-(tests/hypothesis_profiles.py; ``HYPOTHESIS_PROFILE=thorough`` for longer runs).
+(tests/hypothesis_profiles.py; ``HYPOTHESIS_PROFILE=thorough`` for longer runs). Hypothesis replays and shrinks a run
+by its choices alone, so each run depends on nothing but its own steps: it starts on a new generator with no fault
+armed (uids from 0 again; a new group if a failure ended the last one), requests are picked by drawn indices into
+the run's own lists, and every precondition reads only the run's own record.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from hypothesis_profiles import live_settings
 from live_group import LiveGroup
 
 SPEC = {"timeout": 20.0, "step": 8, "chunk": 8}
-UNKNOWN_UID = 10_000
+UNKNOWN_UID = 10_000  # uids start at 0 in every run: never reached
+INDEX = st.integers(0, 2**16)  # picks items[index % len(items)]: the same choices whatever the list holds
 SEEN: Counter[str] = Counter()  # what the runs exercised (printed by the test: pytest -s)
 
 
@@ -213,15 +217,22 @@ requests_drawn = st.fixed_dictionaries(
 )
 
 
+def pick(items: list[int], index: int) -> int:
+    return items[index % len(items)]
+
+
 class BatchMachine(RuleBasedStateMachine):
+    live_group: Callable[[], LiveGroup] | None = None  # the module's group (a new one if a failure ended it)
     group: LiveGroup | None = None
 
     @initialize(budget=st.one_of(st.none(), st.integers(20, 90), st.integers(40, 160)))
     @checked
     def fresh(self, budget: int | None) -> None:
-        """Every run starts from an empty generator, with no memory budget or one of ``budget`` positions."""
-        assert BatchMachine.group is not None
-        answers = BatchMachine.group.ask({"op": "reset", "budget_positions": budget})
+        """Every run starts from a new, empty generator (no fault armed, no cache handed back, uids from 0), with no
+        memory budget or one of ``budget`` positions."""
+        assert BatchMachine.live_group is not None
+        self.group = BatchMachine.live_group()
+        answers = self.group.ask({"op": "reset", "budget_positions": budget})
         self.requests = Requests()
         assert all(a["left"] == 0 for a in answers), answers
         if budget is not None:
@@ -230,8 +241,8 @@ class BatchMachine(RuleBasedStateMachine):
 
     @property
     def ranks(self) -> LiveGroup:
-        assert BatchMachine.group is not None
-        return BatchMachine.group
+        assert self.group is not None
+        return self.group
 
     @rule(request=requests_drawn)
     @checked
@@ -252,11 +263,11 @@ class BatchMachine(RuleBasedStateMachine):
         self.requests.insert_many(self.ranks, requests)
 
     @precondition(lambda self: bool(self.requests.handed))
-    @rule(data=st.data(), request=requests_drawn)
+    @rule(index=INDEX, request=requests_drawn)
     @checked
-    def continue_from_a_handed_back_cache(self, data: st.DataObject, request: dict[str, Any]) -> None:
+    def continue_from_a_handed_back_cache(self, index: int, request: dict[str, Any]) -> None:
         """The next turn of a finished (or removed) request, on the cache the generator handed back."""
-        after = data.draw(st.sampled_from(sorted(self.requests.handed)))
+        after = pick(sorted(self.requests.handed), index)
         self.requests.insert_many(self.ranks, [{**request, "M": min(request["M"], 12), "after": after}])
 
     @rule(times=st.integers(1, 4))
@@ -266,15 +277,15 @@ class BatchMachine(RuleBasedStateMachine):
             self.requests.step(self.ranks)
 
     @precondition(lambda self: bool(self.requests.live))
-    @rule(data=st.data(), return_caches=st.booleans())
+    @rule(index=INDEX, return_caches=st.booleans())
     @checked
-    def remove(self, data: st.DataObject, return_caches: bool) -> None:
-        self.requests.remove(self.ranks, data.draw(st.sampled_from(self.requests.live)), return_caches)
+    def remove(self, index: int, return_caches: bool) -> None:
+        self.requests.remove(self.ranks, pick(self.requests.live, index), return_caches)
 
-    @rule(data=st.data(), return_caches=st.booleans())
+    @rule(index=INDEX, return_caches=st.booleans())
     @checked
-    def remove_a_finished_or_unknown_request(self, data: st.DataObject, return_caches: bool) -> None:
-        uid = data.draw(st.sampled_from([UNKNOWN_UID, *sorted(self.requests.done)]))
+    def remove_a_finished_or_unknown_request(self, index: int, return_caches: bool) -> None:
+        uid = pick([UNKNOWN_UID, *sorted(self.requests.done)], index)
         self.requests.remove(self.ranks, uid, return_caches)
 
     @precondition(lambda self: not any(self.requests.armed.values()))
@@ -294,8 +305,8 @@ class BatchMachine(RuleBasedStateMachine):
             assert set(status["active"]) | set(status["queued"]) == set(self.requests.live), status
 
     def teardown(self) -> None:
-        if BatchMachine.group is not None and getattr(self, "clean", False):
-            self.requests.drain(BatchMachine.group)
+        if self.group is not None and getattr(self, "clean", False):
+            self.requests.drain(self.group)
 
 
 @pytest.fixture(scope="module")
@@ -317,14 +328,14 @@ def batch_group() -> Iterator[Callable[[], LiveGroup]]:
 
 
 def test_random_insert_step_remove_sequences_equal_solo_runs(batch_group: Callable[[], LiveGroup]) -> None:
-    BatchMachine.group = batch_group()
+    BatchMachine.live_group = batch_group
     try:
         SEEN.clear()
         run_state_machine_as_test(BatchMachine, settings=live_settings(examples=8, steps=12))
         print("exercised:", dict(sorted(SEEN.items())))
         assert SEEN["a solo run of varied tokens"] > 0, SEEN
     finally:
-        BatchMachine.group = None
+        BatchMachine.live_group = None
 
 
 def test_model_errors_fail_the_affected_requests_on_every_rank_and_the_rest_go_on(

@@ -179,10 +179,45 @@ def test_a_subprocess_error_has_no_traceback() -> None:
 
 @pytest.mark.timeout(DEMO_RUN_TIMEOUT)
 def test_generate_on_two_local_ranks_streams_single_device_text(demo_run: DemoRun) -> None:
-    """`pipemlx generate --ranks 2` (sampling at its default temperature and seed): the streamed text is
-    single-device mlx-lm's with the same sampler and seed, and the summary names each rank. The session's one
+    """`pipemlx generate --ranks 2` with its defaults (greedy, the auto step, lend="auto"): the streamed text is
+    single-device mlx-lm's, and the summary names each rank. The session's one
     demo run (tests/conftest.py): from the installed wheel where it can be built, else from this checkout."""
     check_demo_run(demo_run)
+
+
+@pytest.mark.parametrize(
+    "guesses", [["--draft-model", "DRAFT"], ["--prompt-lookup", "2", "--num-draft-tokens", "auto"]]
+)
+def test_generate_speculating_gives_single_device_tokens(guesses: list[str]) -> None:
+    """`pipemlx generate --ranks 2` with the demo's draft model or with prompt lookup: greedy tokens equal
+    single-process mlx-lm's without speculation, and the report counts the confirmed guesses."""
+    from pipemlx.demo import DRAFT_DIR
+
+    argv = [str(DRAFT_DIR) if a == "DRAFT" else a for a in guesses]
+    prompt = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    command = ["generate", "--ranks", "2", "--prompt", prompt, "--max-tokens", "24", "--json", *argv]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", *command], capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["tokens"] == demo_reference_tokens(prompt, 512, 24)
+    if "--draft-model" in guesses:  # the demo's draft guesses the demo model's tokens often
+        assert report["confirmed_guesses"] > 0, report
+
+
+def test_generate_with_a_missing_draft_model_says_so_in_one_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--draft-model", "/no/such/draft"],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert lines and all(line.startswith("pipemlx generate: error: cannot load the draft model") for line in lines)
+    assert "Traceback" not in result.stderr
 
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:
@@ -269,7 +304,7 @@ def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     # Both sides give single-process mlx-lm's greedy tokens for bench's prompt (seeded random ids), computed here.
     model, _ = load(str(MODEL_DIR))
     prompt = mx.random.randint(0, int(model.args.vocab_size), (200,), key=mx.random.key(0)).astype(mx.int32)
-    expected = [int(t) for t, _ in generate_step(prompt, model, prefill_step_size=report["step_size"], max_tokens=8)]
+    expected = [int(t) for t, _ in generate_step(prompt, model, prefill_step_size=2048, max_tokens=8)]  # bench: auto
     assert len(set(expected)) > 1, expected
     assert report["single"]["tokens"] == expected and report["pipeline"]["tokens"] == expected
     assert report["same_tokens"] is True

@@ -203,7 +203,8 @@ def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None,
     address (no --rank), and rank 0 reports the tokens single-device mlx-lm gives."""
     import subprocess
 
-    from test_cli import ROOT, reference_tokens
+    from conftest import demo_reference_tokens as reference_tokens
+    from test_cli import ROOT
 
     prompt = "It is a truth universally acknowledged, that a single man in possession"
     with namespace_hosts(2) as hosts:

@@ -41,6 +41,8 @@ from .common import (
     add_prefill_step_flag,
     add_renamed_flags,
     add_sharding_flags,
+    add_speculation_flags,
+    check_draft,
     check_ranks,
     hostfile_rank,
     in_launched_rank,
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
     add_sharding_flags(generate)
+    add_speculation_flags(generate)
 
     serve_command.add_parser(commands)
 
@@ -143,6 +146,7 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return generate_rank(args, prompt, expected_ranks=args.ranks)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
+    check_draft(args.draft_model)
     command = [sys.executable, "-m", "pipemlx", *argv]
     try:
         launch(ranks, command, timeout=LAUNCH_TIMEOUT, passthrough_rank=0)

@@ -8,7 +8,7 @@ import os
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from ..demo import MODEL_DIR, default_prompt
 from ..models.hub import check_cached, is_repo_id, locate_model, offline
@@ -133,6 +133,42 @@ def add_prefill_step_flag(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens per prefill chunk (mlx-lm's prefill_step_size); auto: the ranks time their layers once "
         "(kept in the calibration cache) and choose the chunks predicted fastest for the prompt",
     )
+
+
+def draft_tokens(text: str) -> int | Literal["auto"]:
+    """``--num-draft-tokens``: a positive count or ``auto``."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
+def add_speculation_flags(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (docs/speculative.md): mlx-lm's ``--draft-model`` and ``--num-draft-tokens``,
+    and pipemlx's ``--prompt-lookup``."""
+    group = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    group.add_argument(
+        "--draft-model",
+        help="a small model with the same tokenizer (folder or Hugging Face repo id), whole on every rank, that "
+        "guesses the next tokens; one pass through the pipeline checks them (default: none)",
+    )
+    group.add_argument(
+        "--num-draft-tokens",
+        type=draft_tokens,
+        default=3,
+        metavar="{auto,K}",
+        help="tokens guessed per pass (mlx-lm's); auto: as many as the measured rate of confirmed guesses pays for",
+    )
+    group.add_argument(
+        "--prompt-lookup",
+        type=positive_int,
+        metavar="N",
+        help="guess without a draft model: what followed the latest earlier match of the last N tokens (default: off)",
+    )
+
+
+def check_draft(draft: str | None) -> None:
+    """A ``--draft-model`` folder that does not exist is a :class:`UserError` before any rank starts (a repo id is
+    left to mlx-lm's loader on every rank)."""
+    if draft is not None and not is_repo_id(Path(draft)) and not Path(draft).is_dir():
+        raise UserError(f"cannot load the draft model {draft}: no such folder (a folder or a Hugging Face repo id)")
 
 
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:

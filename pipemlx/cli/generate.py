@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -21,7 +20,8 @@ from rich.text import Text
 
 from ..errors import PipelineError
 from ..launch import init_group
-from ..models.loading import load_sharded
+from ..models.hub import locate_model
+from ..models.loading import load_draft, load_sharded
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from ..runtime.generate import stream_generate
 from ..runtime.prefill import pipeline_prefill
@@ -76,7 +76,7 @@ def generate_rank(
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
     try:  # the tokenizer first: the prompt's real length is the context the model is sharded for (lend=auto)
-        tokenizer: Any = load_tokenizer(Path(args.model))
+        tokenizer: Any = load_tokenizer(locate_model(args.model, rank=rank).root)  # a repo: its metadata fetched
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the tokenizer in {args.model}: {exc}", file=sys.stderr)
         return 2
@@ -97,6 +97,11 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
+        return 2
+    try:  # speculative decoding: the draft is whole on every rank (mlx-lm's loader, a folder or a repo id)
+        draft = None if args.draft_model is None else load_draft(args.draft_model)
+    except Exception as exc:  # a missing folder, a repo the Hub lacks, weights mlx-lm refuses: one line on every rank
+        print(f"pipemlx generate: error: cannot load the draft model {args.draft_model}: {exc}", file=sys.stderr)
         return 2
     stage = stage_of(model)
     step_size: int | str = args.prefill_step_size
@@ -140,7 +145,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     mx.random.seed(args.seed)
     tokens: list[int] = []
     pieces: list[str] = []
-    generated, first_token, last_token = 0, 0.0, 0.0
+    generated, first_token, last_token, confirmed = 0, 0.0, 0.0, 0
     for response in stream_generate(
         model,
         tokenizer,
@@ -149,9 +154,13 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         prompt_cache=cache,
         sampler=make_sampler(args.temp) if args.temp > 0 else None,  # greedy: the ranks share the head
         prefill_step_size=step,
+        draft_model=draft,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup=args.prompt_lookup,
     ):
         if response.finish_reason != "stop":
             tokens.append(response.token)
+        confirmed += int(response.from_draft)
         pieces.append(response.text)
         last_token = time.perf_counter()
         generated += 1
@@ -177,6 +186,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
+            "confirmed_guesses": confirmed,
             "tokens": tokens,
             "text": "".join(pieces),
             "per_rank": [f.__dict__ for f in figures],
@@ -185,7 +195,9 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
-    err.print(_summary(prompt.size, step, prefill_s, prefill_tps, len(tokens), decode_tps, figures))
+    speculating = draft is not None or args.prompt_lookup is not None
+    guessed = confirmed if speculating else None
+    err.print(_summary(prompt.size, step, prefill_s, prefill_tps, len(tokens), decode_tps, figures, guessed))
     return 0
 
 
@@ -217,6 +229,7 @@ def _summary(
     generated: int,
     decode_tps: float,
     figures: list[RankFigures],
+    confirmed: int | None = None,
 ) -> Table:
     table = Table(title="pipemlx generate", title_justify="left", show_header=False)
     table.add_column(style="bold")
@@ -224,6 +237,9 @@ def _summary(
     table.add_row("prompt tokens", f"{prompt_tokens} (chunks of up to {step_size})")
     table.add_row("prefill", f"{prefill_s:.2f} s, {prefill_tps:,.0f} tokens/s")
     table.add_row("decode", f"{generated} tokens, {decode_tps:,.0f} tokens/s")
+    if confirmed is not None:
+        share = confirmed / generated if generated else 0.0
+        table.add_row("guesses", f"{confirmed} of the {generated} tokens were confirmed guesses ({share:.0%})")
     for f in figures:
         table.add_row(
             f"rank {f.rank}",

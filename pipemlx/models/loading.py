@@ -19,7 +19,16 @@ from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed
 from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
 from .safetensors import read_dir_config
-from .sharding import AUTO_PLANNED_STEP, DEFAULT_TIMEOUT, LendSpec, MemorySpec, SplitSpec, find_layer_list, shard_model
+from .sharding import (
+    AUTO_PLANNED_STEP,
+    DEFAULT_TIMEOUT,
+    LendSpec,
+    MemorySpec,
+    SplitSpec,
+    find_layer_list,
+    shard_model,
+    split_kind,
+)
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -169,15 +178,7 @@ def _fetch_rank_weights(
     :func:`shard_model`, which times the ranks on the model: every file is
     fetched (``None`` returned).
     """
-    kind = split
-    if kind is None and speeds is not None:  # as shard_model reads them
-        kind = "balanced"
-    if kind is None and memory is not None:
-        kind = "memory"
-    if memory is not None and kind not in ("memory", "balanced"):
-        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
-    if speeds is not None and kind != "balanced":
-        raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
+    kind = split_kind(split, memory, speeds)  # as shard_model reads them
     if kind == "balanced" and speeds is None:
         fetch_files(source, source.weight_files)
         return None
@@ -232,3 +233,14 @@ def _unfetched_embedding_dtype(model: nn.Module, local: range) -> None:
         weight: Any = getattr(embedding, "weight", None)
         if isinstance(weight, mx.array) and weight.dtype != dtype:
             embedding.weight = weight.astype(dtype)
+
+
+def load_draft(path: str | os.PathLike[str]) -> nn.Module:
+    """A draft model for speculative decoding, whole (every rank loads all of it): a folder or a repo id.
+
+    mlx-lm's own ``load`` reads it, downloading a repo id as mlx-lm does.
+    """
+    from mlx_lm import load as mlx_load  # pyright: ignore[reportUnknownVariableType]
+
+    loaded: Any = mlx_load(str(path))  # pyright: ignore[reportUnknownVariableType]
+    return cast(nn.Module, loaded[0])

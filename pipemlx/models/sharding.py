@@ -87,6 +87,20 @@ MemorySpec = Union[Sequence[Union[float, str]], float, str, None]
 """Per-rank memory budgets: bytes (a number) or sizes like ``"24GB"``, one per rank or one for all."""
 
 
+def split_kind(split: SplitSpec, memory: MemorySpec, speeds: Sequence[float] | None) -> SplitSpec:
+    """``split`` as :func:`shard_model` reads it: ``speeds`` alone mean ``"balanced"``, ``memory`` alone
+    ``"memory"``; raises ``ValueError`` when ``memory`` or ``speeds`` come with a split that does not use them."""
+    if split is None and speeds is not None:
+        split = "balanced"
+    if memory is not None and split is None:
+        split = "memory"
+    if memory is not None and split not in ("memory", "balanced"):
+        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
+    if speeds is not None and split != "balanced":
+        raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
+    return split
+
+
 def choose_split(
     split: SplitSpec,
     memory: MemorySpec,
@@ -112,14 +126,7 @@ def choose_split(
     cannot hold the model.
     """
     world_size = group.size()
-    if split is None and speeds is not None:
-        split = "balanced"
-    if memory is not None and split is None:
-        split = "memory"
-    if memory is not None and split not in ("memory", "balanced"):
-        raise ValueError(f"memory budgets are only used with split='memory' or 'balanced', got split={split!r}")
-    if speeds is not None and split != "balanced":
-        raise ValueError(f"speeds are only used with split='balanced', got split={split!r}")
+    split = split_kind(split, memory, speeds)
     if not (isinstance(split, str) and split in SPLIT_NAMES):
         return resolve_split(split, len(layers), world_size)
     check_world(len(layers), world_size)

@@ -17,10 +17,12 @@ Commands, one JSON line each; every answer is one JSON line:
                                                   (a finished request's cache is kept for "after"; n: the
                                                   positions it holds)
   {"op": "remove", "uids", "return_caches"?}   -> {"left", "returned": {uid: positions or None}}
-  {"op": "reset", "budget_positions"?}        -> {"left": 0, "bytes_per_position", "budget"}: every request
-                                                  removed, faults disarmed, handed caches dropped; a new generator
-                                                  (a collective) when the budget changes: memory_budget = this
-                                                  many cached positions of this rank's layers (None: no budget)
+  {"op": "reset", "budget_positions"?}        -> {"left": 0, "bytes_per_position", "budget"}: faults disarmed
+                                                  first, every request removed, handed caches dropped, then a new
+                                                  generator (a collective), every time: memory_budget = this many
+                                                  cached positions of this rank's layers (None: no budget). Nothing
+                                                  of what came before is left (uids start at 0 again): what follows
+                                                  depends only on the commands sent after it.
   {"op": "status"}                             -> {"len", "active", "queued"}
   {"op": "arm", "rank", "what": "decode" | "chunk"} -> {}: on that rank, the last local layer raises
                                                   on its next decode (one position) or chunk pass
@@ -85,7 +87,6 @@ class Server:
         self.model = pipemlx.shard_model(build_model(config), self.group)
         self.reference = build_model(config)
         self.armed = arm_faults(self.model, self.rank)
-        self.budget: int | None = None
         self.engine = self.new_engine(None)
         self.handed: dict[int, tuple[list[Any], list[int]]] = {}  # uid -> (cache, the tokens it holds)
 
@@ -178,17 +179,21 @@ class Server:
                 self.handed[uid] = (cache, list(tokens))
         return {"left": len(self.engine), "returned": shown}
 
-    def reset(self, budget: int | None) -> dict[str, Any]:
-        self.engine.remove([*self.engine.active_uids, *self.engine.queued_uids])
+    def reset(self, positions: int | None) -> dict[str, Any]:
+        # Disarm first: a fault an earlier run armed and never fired would fire in the budget's measuring pass below
+        # (a one-token pass of the local layers) and end this rank.
         self.armed["what"] = None
         self.handed.clear()
-        if budget != self.budget:
-            self.engine.close()
-            self.engine = self.new_engine(budget)
-            self.budget = budget
+        self.engine.remove([*self.engine.active_uids, *self.engine.queued_uids])
+        left = len(self.engine)
+        self.engine.close()
+        # A new generator every time, budget or not: its uids, plan and batch rows start afresh, so a run's answers
+        # depend only on its own commands (the stateful test replays and shrinks runs on the same ranks).
+        budget = None if positions is None else positions * cache_bytes_per_position(self.model, stage_of(self.model))
+        self.engine = self.new_engine(budget)
         admission = self.engine.admission
         return {
-            "left": len(self.engine),
+            "left": left,
             "bytes_per_position": None if admission is None else list(admission.bytes_per_position),
             "budget": None if admission is None else list(admission.budget),
         }
@@ -205,11 +210,7 @@ class Server:
         if op == "remove":
             return self.remove(command["uids"], command.get("return_caches", False))
         if op == "reset":
-            positions = command.get("budget_positions")
-            budget = (
-                None if positions is None else positions * cache_bytes_per_position(self.model, stage_of(self.model))
-            )
-            return self.reset(budget)
+            return self.reset(command.get("budget_positions"))
         if op == "status":
             engine = self.engine
             return {"len": len(engine), "active": engine.active_uids, "queued": engine.queued_uids}

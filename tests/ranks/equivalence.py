@@ -84,10 +84,10 @@ def compare_logprobs(logprobs: list[Any], ref_logprobs: list[Any]) -> dict[str, 
 
 
 def use_layer_costs(costs: list[float] | None) -> None:
-    """lend_heads="auto" decides from these layer costs (chunk_s, token_s, attention_s) instead of timing a layer:
+    """lend="auto" decides from these layer costs (chunk_s, token_s, attention_s) instead of timing a layer:
     a count known in advance, whatever the machine's load. ``None``: timed, as in production."""
     lending.group_layer_costs = (  # pyright: ignore[reportAttributeAccessIssue]
-        TIMED_LAYER_COSTS if costs is None else lambda layer, info, group: LayerCosts(*costs)
+        TIMED_LAYER_COSTS if costs is None else lambda model, layer, info, group: LayerCosts(*costs)
     )
 
 
