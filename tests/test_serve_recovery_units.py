@@ -1,19 +1,28 @@
-"""The parts of ``pipemlx serve --recover`` that need no ranks: what a resumed request carries, and the front's
-bookkeeping of a request's tokens (answered once, whatever the group sends after)."""
+"""The parts of ``pipemlx serve --recover`` that need no ranks: what a resumed request carries, the front's
+bookkeeping of a request's tokens (answered once, whatever the group sends after), the link's handshake (a wrong
+key or a silent peer refused, neither holding the front up), and the across-hosts flags' bad input (one line,
+exit 2)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
+from multiprocessing import AuthenticationError
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
+from pipemlx import cli
 from pipemlx.demo import MODEL_DIR
 from pipemlx.serve import front_tokenizer
 from pipemlx.serve.broadcast import Insert, Ops, decode_ops, encode_ops
 from pipemlx.serve.engines import request_sampler
 from pipemlx.serve.front import Event, Front, Job, Reply, ServeSettings
+from pipemlx.serve.link import FRONT_KEY_VARIABLE, Acceptor, connect
 from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.recovery import GroupFront, RecoverOptions, Tracked
 
@@ -91,6 +100,69 @@ def test_the_front_resumes_with_the_tokens_sent_and_answers_once() -> None:
         assert front.counts["served"] == 1
     finally:
         loop.close()
-        group.closed.set()
-        group.listener.close()
-        group.workdir.cleanup()
+        group.close()
+
+
+def test_the_link_needs_the_key_and_a_silent_peer_holds_nothing_up() -> None:
+    acceptor = Acceptor("127.0.0.1", 0, "right key")
+    address = f"{acceptor.address[0]}:{acceptor.address[1]}"
+    try:
+        silent = socket.create_connection(acceptor.address)  # connects and never answers the challenge
+        with pytest.raises((AuthenticationError, OSError, EOFError)):  # refused, or the front hanging up
+            connect(address, "wrong key", timeout=5.0)
+        started = time.monotonic()
+        link = connect(address, "right key", timeout=5.0)
+        assert time.monotonic() - started < 3.0  # the silent peer's handshake runs in a thread of its own
+        front_end = acceptor.accepted.get(timeout=5.0)
+        assert acceptor.accepted.empty()  # neither the silent peer nor the wrong key became a link
+        assert link.send({"t": "hello", "split": [4, 4]})
+        assert front_end.poll(5.0) and front_end.recv() == {"t": "hello", "split": [4, 4]}
+        link.close()
+        assert front_end.recv() is None  # the other end gone
+        silent.close()
+    finally:
+        acceptor.close()
+
+
+@pytest.fixture
+def hostfile(tmp_path: Path) -> str:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([["127.0.0.1:5000"], ["10.213.9.9:5000"]]))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv,key,words",
+    [
+        (["--worker", "--front", "127.0.0.1:7000"], "k", "--worker needs --hostfile"),
+        (["--worker", "--hostfile", "{hostfile}"], "k", "--worker needs --front HOST:PORT"),
+        (["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], None, "--worker needs a shared key"),
+        (["--worker", "--recover", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], "k", "the front is its"),
+        (["--front", "127.0.0.1:7000"], "k", "--front goes with --worker"),
+        (["--recover", "--front-listen", "127.0.0.1:7000"], "k", "--front-listen goes with --recover --hostfile"),
+        (["--recover", "--hostfile", "{hostfile}"], "k", "--recover --hostfile needs --front-listen HOST:PORT"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], "k", "a port in 1..65535"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], None, "needs a shared key"),
+        (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], "k", "cannot read hostfile"),
+    ],
+)
+def test_bad_input_across_hosts_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    hostfile: str,
+    argv: list[str],
+    key: str | None,
+    words: str,
+) -> None:
+    if key is None:
+        monkeypatch.delenv(FRONT_KEY_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(FRONT_KEY_VARIABLE, key)
+    try:
+        code = cli.main(["serve", *(a.replace("{hostfile}", hostfile) for a in argv)])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err

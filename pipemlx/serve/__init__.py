@@ -24,7 +24,9 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
+from multiprocessing import AuthenticationError
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -39,6 +41,10 @@ from .link import FRONT_ADDRESS_VARIABLE
 from .loop import Leader, follow
 
 SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
+CONNECT_EVERY_S = 1.0
+"""Seconds between rank 0's attempts to reach a front that is not answering (``--worker``)."""
+HANDSHAKE_WAIT_S = 2.0
+"""The longest one attempt to reach the front may take (less with a short ``--timeout``)."""
 INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn prometheus_client)"
 
 __all__ = [
@@ -149,15 +155,42 @@ def run_rank(options: RankOptions) -> int:
 
 
 def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
-    """Rank 0 under a front process: connect to it, greet it, serve what it sends."""
-    from .worker import WorkerLeader, connect
+    """Rank 0 under a front process: connect to it, greet it, serve what it sends.
+
+    Until the front answers (it may be down, restarting, or across a cut network) rank 0 tries again every
+    :data:`CONNECT_EVERY_S` seconds and keeps the other ranks waiting with idle broadcasts, so a group that is
+    up stays up; a lost or stalled peer meanwhile ends the worker (its supervisor starts it again)."""
+    from .broadcast import IDLE
+    from .link import connect, key_from_environment
+    from .worker import WorkerLeader
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
-    try:
-        link = connect(front_address)
-    except (OSError, EOFError, ValueError) as exc:
-        print(f"pipemlx serve: rank 0: cannot reach the front at {front_address}: {exc}", file=sys.stderr)
-        os._exit(1)
+    key = key_from_environment() or ""
+    timeout = engine.settings.timeout
+    attempt_s = min(HANDSHAKE_WAIT_S, timeout / 4)  # each attempt ends well before the followers' wait does
+    said = False
+    while True:
+        started = time.monotonic()
+        try:
+            link = connect(front_address, key, timeout=attempt_s)
+            break
+        except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # AuthenticationError: a wrong key
+            if not said:
+                print(
+                    f"pipemlx serve: rank 0: cannot reach the front at {front_address} ({type(exc).__name__}: "
+                    f"{exc}); trying again every {CONNECT_EVERY_S:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = True
+        try:
+            engine.exchange({"op": IDLE, "pause_ms": int(CONNECT_EVERY_S * 1000)}, timeout, "waiting for the front")
+        except PipelineError as exc:
+            print(f"pipemlx serve: rank 0: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+        time.sleep(max(0.0, CONNECT_EVERY_S - (time.monotonic() - started)))
+    if said:
+        print(f"pipemlx serve: rank 0: connected to the front at {front_address}", file=sys.stderr, flush=True)
     return WorkerLeader(engine, scheduler, link).serve()
 
 
@@ -231,6 +264,10 @@ class FrontOptions:
     recover_timeout: float = 60.0
     max_restarts: int = 5
     restart_window: float = 600.0
+    listen: tuple[str, int] | None = None
+    """Across hosts: the address rank 0 of the workers connects to (the front then starts no ranks)."""
+    key: str | None = None
+    """Across hosts: the link's shared key (``PIPEMLX_SERVE_FRONT_KEY``)."""
 
 
 def front_tokenizer(model_dir: Path) -> Any:
@@ -256,10 +293,6 @@ def run_front(options: FrontOptions) -> int:
     front = Front(settings, [0] * options.ranks)
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(front, tokenizer, settings, context)
-    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
-    if not http.start():
-        print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
-        return 2
     recover = RecoverOptions(
         options.ranks,
         options.command,
@@ -267,16 +300,38 @@ def run_front(options: FrontOptions) -> int:
         recover_timeout=options.recover_timeout,
         max_restarts=options.max_restarts,
         restart_window=options.restart_window,
+        listen=options.listen,
+        key=options.key,
     )
-    group = GroupFront(front, tokenizer, recover)
+    try:
+        group = GroupFront(front, tokenizer, recover)
+    except OSError as exc:
+        where = "" if options.listen is None else f" {options.listen[0]}:{options.listen[1]} (--front-listen)"
+        print(f"pipemlx serve: error: cannot listen on{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
+    if not http.start():
+        print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
+        group.close()
+        return 2
     handler = stop_handler(front, group)
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
-    log(
-        f"{settings.model_id}: the front serves http://{options.host}:{options.port} and runs {options.ranks} ranks, "
-        f"restarting them after a fault (--recover-timeout {options.recover_timeout:g} s, --max-restarts "
-        f"{options.max_restarts} in {options.restart_window:g} s)"
+    bounds = (
+        f"--recover-timeout {options.recover_timeout:g} s, --max-restarts {options.max_restarts} in "
+        f"{options.restart_window:g} s"
     )
+    if options.listen is None:
+        log(
+            f"{settings.model_id}: the front serves http://{options.host}:{options.port} and runs {options.ranks} "
+            f"ranks, restarting them after a fault ({bounds})"
+        )
+    else:
+        host, port = options.listen
+        log(
+            f"{settings.model_id}: the front serves http://{options.host}:{options.port} and waits for rank 0 of "
+            f"{options.ranks} workers on {host}:{port}; after a fault their supervisors restart them ({bounds})"
+        )
     status = group.run()
     http.stop()
     log("stopped")

@@ -1,9 +1,12 @@
 """The front process of ``pipemlx serve --recover``: HTTP and every request's state live apart from the ranks.
 
 :class:`GroupFront` runs in the process the user started. It serves HTTP
-(:mod:`.app`, over the same :class:`~.front.Front`), starts the local ranks
-(``--ranks N``) and talks to rank 0 over a local link (:mod:`.link`; rank 0 runs
-:class:`.worker.WorkerLeader`). It holds, for every request, the tokens its
+(:mod:`.app`, over the same :class:`~.front.Front`) and talks to rank 0 over a
+link (:mod:`.link`; rank 0 runs :class:`.worker.WorkerLeader`). With local
+ranks (``--ranks N``) it starts them itself and rank 0 connects over loopback;
+across hosts (``--hostfile`` with ``--front-listen``) it starts nothing: each
+host runs ``pipemlx serve --worker`` under a supervisor that restarts it, and
+rank 0 of the group they form connects to the front's listening address. It holds, for every request, the tokens its
 client was already sent (and detokenizes them: stop strings, the answer), so a
 lost group costs no request:
 
@@ -11,8 +14,10 @@ lost group costs no request:
    (``fault``: a lost or stalled peer), or rank 0 is silent for
    :data:`.link.SILENCE_S` seconds (stalled itself). ``/health`` says
    ``recovering`` (503, ``Retry-After``); new requests still queue.
-2. Every rank is killed and a new group started (new ports), bounded by
-   ``--recover-timeout``: past it, every waiting client gets 503 with
+2. Every local rank is killed and a new group started (new ports); across
+   hosts every worker exits (rank 0 after its fault, the others on the lost
+   peer, or when the front closes the link) and the supervisors start them
+   again. Both are bounded by ``--recover-timeout``: past it, every waiting client gets 503 with
    ``Retry-After`` (a stream: an ``error`` event), and new requests get it at
    once until the group is back.
 3. When rank 0 greets the front again, every unfinished request is sent again,
@@ -34,18 +39,16 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Listener
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any
 
 from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
 from .front import Event, Front, Job, Reply, RequestResult, ServeSettings, log
-from .link import FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, SILENCE_S, Link
+from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, SILENCE_S, Acceptor, Link
 from .openai_api import ApiError, unavailable
 
 START_TIMEOUT_S = 300.0
@@ -57,14 +60,16 @@ RETRY_AFTER_S = 2
 
 @dataclass
 class RecoverOptions:
-    """How the front starts and restarts the ranks."""
+    """How the front starts and restarts the ranks (local), or where it waits for them (``listen``: hosts)."""
 
     ranks: int
-    command: list[str]  # the rank program (``python -m pipemlx serve ...`` with the same flags)
+    command: list[str]  # the rank program (``python -m pipemlx serve ...`` with the same flags); local only
     env: dict[str, str] = field(default_factory=dict[str, str])  # added to each rank's environment
     recover_timeout: float = 60.0
     max_restarts: int = 5
     restart_window: float = 600.0
+    listen: tuple[str, int] | None = None  # across hosts: the address rank 0 connects to; the front starts nothing
+    key: str | None = None  # the link's key: given across hosts, random for local ranks
 
 
 @dataclass
@@ -92,11 +97,10 @@ class GroupFront:
         self.tokenizer = tokenizer
         self.options = options
         self.settings: ServeSettings = front.settings
-        self.key = secrets.token_bytes(32)
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.key)
-        self.accepted: queue.Queue[Link] = queue.Queue()
-        self.closed = threading.Event()
-        threading.Thread(target=self._accept, name="pipemlx-serve-accept", daemon=True).start()
+        self.hosts = options.listen is not None  # workers on hosts under their own supervisors: start nothing
+        self.key = options.key or secrets.token_hex(32)
+        host, port = options.listen or ("127.0.0.1", 0)
+        self.acceptor = Acceptor(host, port, self.key)  # OSError when the address cannot be listened on
         self.procs: list[subprocess.Popen[bytes]] = []
         self.workdir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-")  # the ranks' hostfile
         self.tracked: dict[int, Tracked] = {}  # by id, in the order the requests came (dicts keep it)
@@ -112,18 +116,6 @@ class GroupFront:
         }
         front.recovery = self.recovery
 
-    # --- the link's listener -----------------------------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection = self.listener.accept()
-            except (OSError, EOFError):  # a failed handshake (not our rank), or the listener closed
-                if self.closed.is_set():
-                    return
-                continue
-            self.accepted.put(Link(connection))
-
     # --- the main loop -----------------------------------------------------------------------------------------------
 
     def run(self) -> int:
@@ -131,10 +123,13 @@ class GroupFront:
         try:
             return self._run()
         finally:
-            kill_all(self.procs)
-            self.closed.set()
-            self.listener.close()
-            self.workdir.cleanup()
+            self.close()
+
+    def close(self) -> None:
+        """Kill the local ranks, stop listening, remove the ranks' hostfile."""
+        kill_all(self.procs)
+        self.acceptor.close()
+        self.workdir.cleanup()
 
     def _run(self) -> int:
         fault_at: float | None = None
@@ -146,7 +141,7 @@ class GroupFront:
             if self.recovery["start_s"] is None:
                 took = time.monotonic() - started
                 self.recovery["start_s"] = round(took, 2)
-                log(f"the ranks are up after {took:.2f} s")
+                log(f"the {'workers' if self.hosts else 'ranks'} are up after {took:.2f} s")
             elif fault_at is not None:
                 took = time.monotonic() - fault_at
                 self.recovery["last_recovery_s"] = round(took, 2)
@@ -172,7 +167,10 @@ class GroupFront:
             return False
         self.recovery["restarts"] += 1
         self.front.status = "recovering"
-        log(f"the pipeline failed ({message}); restarting the ranks")
+        if self.hosts:
+            log(f"the pipeline failed ({message}); waiting for the workers' supervisors to restart them")
+        else:
+            log(f"the pipeline failed ({message}); restarting the ranks")
         return True
 
     def _give_up(self) -> int:
@@ -205,11 +203,11 @@ class GroupFront:
 
     def _spawn(self) -> None:
         kill_all(self.procs)
-        while not self.accepted.empty():  # a link of the old group that came late
-            self.accepted.get_nowait().close()
+        while not self.acceptor.accepted.empty():  # a link of the old group that came late
+            self.acceptor.accepted.get_nowait().close()
         ports = free_ports(self.options.ranks)  # new ones each time: the old group's may linger
         hostfile = write_hostfile([f"127.0.0.1:{p}" for p in ports], Path(self.workdir.name))
-        host, port = cast(tuple[str, int], self.listener.address)
+        host, port = self.acceptor.address
         self.procs = []
         for rank in range(self.options.ranks):
             env = {
@@ -219,7 +217,7 @@ class GroupFront:
                 "MLX_HOSTFILE": str(hostfile),
                 BACKEND_VARIABLE: "ring",
                 FRONT_ADDRESS_VARIABLE: f"{host}:{port}",
-                FRONT_KEY_VARIABLE: self.key.hex(),
+                FRONT_KEY_VARIABLE: self.key,
                 "PYTHONUNBUFFERED": "1",
             }
             out = None if rank == 0 else subprocess.DEVNULL
@@ -231,6 +229,8 @@ class GroupFront:
     def _bring_up(self, fault_at: float | None) -> Link | int:
         """Start a group and wait for rank 0's hello; the link, or the exit status when the front is done."""
         recover_deadline = None if fault_at is None else fault_at + self.options.recover_timeout
+        if self.hosts:
+            return self._await_workers(recover_deadline)
         while True:
             self._spawn()
             started = time.monotonic()
@@ -263,13 +263,30 @@ class GroupFront:
                     return self._give_up()
                 break  # start again
 
+    def _await_workers(self, recover_deadline: float | None) -> Link | int:
+        """Across hosts: wait for rank 0 of a new group to greet; the link, or 0 when the front is stopped.
+
+        Nothing is started here: the hosts' supervisors restart their workers, which re-form the group. The wait
+        is unbounded (the front keeps answering ``/health``); past ``--recover-timeout`` the waiting clients get
+        503 with ``Retry-After``."""
+        while True:
+            if self.front.stopping.is_set():
+                self._fail_all(unavailable("the server is shutting down", code="shutting_down"))
+                return 0
+            if recover_deadline is not None and time.monotonic() >= recover_deadline and not self.front.recover_expired:
+                self._recovery_expired()
+            link = self._hello(0.1)
+            if link is not None:
+                self.started_once = True
+                return link
+
     def _hello(self, wait: float) -> Link | None:
         """A link whose first message is rank 0's ``hello``, if one comes within ``wait`` seconds."""
         try:
-            link = self.accepted.get(timeout=wait)
+            link = self.acceptor.accepted.get(timeout=wait)
         except queue.Empty:
             return None
-        if not link.poll(30.0):
+        if not link.poll(HANDSHAKE_S):
             link.close()
             return None
         message = link.recv()
@@ -302,23 +319,33 @@ class GroupFront:
                 self._forget(tracked)
             else:
                 self._send_job(link, tracked)
-        last_heard = time.monotonic()
-        stop_sent, stop_sent_at = False, 0.0
+        last_heard = beat_sent = time.monotonic()
+        stop_sent, stop_sent_at, closed = False, 0.0, False
         while True:
-            if link.poll(0.02):
+            if not closed and link.poll(0.02):
                 while True:
                     message = link.recv()
                     if message is None:
                         if stop_sent:
+                            closed = True
                             break
                         raise Fault(self._exit_report() or "rank 0 closed the link")
                     last_heard = time.monotonic()
                     self._handle(message)
                     if not link.poll(0):
                         break
+            elif closed:
+                time.sleep(0.02)
+            now = time.monotonic()
+            if now - beat_sent >= BEAT_S:  # rank 0 stops the group when the front falls silent
+                beat_sent = now
+                link.send({"t": "beat"})
+            if link.broken and not stop_sent:
+                raise Fault("a message to rank 0 could not be sent (the link broke)")
             codes = [p.poll() for p in self.procs]
             if stop_sent:
-                if all(c is not None for c in codes) or time.monotonic() - stop_sent_at > STOP_GRACE_S:
+                gone = all(c is not None for c in codes) if self.procs else closed
+                if gone or time.monotonic() - stop_sent_at > STOP_GRACE_S:
                     kill_all(self.procs)
                     self._fail_all(unavailable("the server is shutting down", code="shutting_down"))
                     return 0

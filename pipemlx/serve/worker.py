@@ -10,7 +10,9 @@ can resume the request on a new group after a fault.
 
 Every other rank runs :func:`.loop.follow` unchanged: the broadcast between
 the ranks is the same. A fault (a lost or stalled peer) is sent to the front
-as a ``fault`` message and rank 0 exits at once: the front restarts the group.
+as a ``fault`` message and rank 0 exits at once: the front restarts the group
+(local ranks), or each host's supervisor restarts its worker (``--worker``).
+When the front goes away or falls silent, rank 0 stops the group.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client
 from typing import Any, cast
 
 from .broadcast import IDLE, SHUTDOWN, Insert, Ops, checksum, decode_ops, encode_ops
 from .engines import Rank, Scheduler
 from .front import RequestResult
-from .link import BEAT_S, FRONT_KEY_VARIABLE, Link
+from .link import BEAT_S, FRONT_SILENCE_S, Link
 from .loop import IDLE_POLL_S, share_entries
 from .penalties import Penalties
 from .prefix_cache import PrefixReuse
@@ -50,13 +51,6 @@ class RemoteJob:
     drawn: int = 0  # tokens it generated before (a resumed request): the sampler skips as many keys
 
 
-def connect(address: str) -> Link:
-    """Rank 0's end of the link to the front at ``address`` (``host:port``; the key from the environment)."""
-    host, _, port = address.rpartition(":")
-    key = bytes.fromhex(os.environ.get(FRONT_KEY_VARIABLE, ""))
-    return Link(Client((host, int(port)), authkey=key))
-
-
 class Inbox:
     """What the front sent, read by a thread of its own: jobs in order, cancelled ids, stop; and the heartbeat."""
 
@@ -66,6 +60,8 @@ class Inbox:
         self.live: set[int] = set()  # jobs received and not yet ended: a cancel for another id is dropped
         self.cancelled: set[int] = set()
         self.stop = threading.Event()
+        self.why: str | None = None  # why the group stops when the front did not say so
+        self.heard = time.monotonic()  # when the front last sent anything (it beats every BEAT_S)
         self.lock = threading.Lock()
         threading.Thread(target=self._read, name="pipemlx-serve-link", daemon=True).start()
         threading.Thread(target=self._beat, name="pipemlx-serve-beat", daemon=True).start()
@@ -74,8 +70,9 @@ class Inbox:
         while True:
             message = self.link.recv()
             if message is None:  # the front is gone: stop the group
-                self.stop.set()
+                self._stop("the link to the front closed")
                 return
+            self.heard = time.monotonic()
             kind = message.get("t")
             if kind == "job":
                 job = _job(message)
@@ -90,8 +87,19 @@ class Inbox:
                 self.stop.set()
 
     def _beat(self) -> None:
-        while not self.stop.is_set() and self.link.send({"t": "beat"}):
+        while not self.stop.is_set():
+            if not self.link.send({"t": "beat"}):
+                self._stop("cannot send to the front")
+                return
+            if time.monotonic() - self.heard > FRONT_SILENCE_S:
+                self._stop(f"the front sent nothing for {FRONT_SILENCE_S:g} s")
+                return
             time.sleep(BEAT_S)
+
+    def _stop(self, why: str) -> None:
+        if not self.stop.is_set():
+            self.why = why
+            self.stop.set()
 
     def is_cancelled(self, job_id: int) -> bool:
         with self.lock:
@@ -147,6 +155,8 @@ class WorkerLeader:
                 stopping = self.inbox.stop.is_set()
                 active = scheduler.active()
                 if stopping and not active:
+                    if self.inbox.why is not None:
+                        print(f"pipemlx serve: rank 0: {self.inbox.why}; stopping the group", file=sys.stderr)
                     self._exchange({"op": SHUTDOWN}, "telling the ranks to stop")
                     return 0
                 removes = [seq for seq in active if self.should_cancel(seq)]
