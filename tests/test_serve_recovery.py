@@ -1,6 +1,8 @@
 """`pipemlx serve --recover`: a rank killed or stalled mid-stream, the ranks restarted, every stream continued.
 
-One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). Each fault test sends 8
+One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). It serves the demo model by a Hub
+repo id from a stand-in Hub (``hub_server.StandInHub``): the front loads the tokenizer from the repo's fetched
+files and every restarted group loads the weights again from the Hub cache. Each fault test sends 8
 clients (6 greedy, 2 sampled with a seed; one asks for its answer unstreamed), kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
 and checks that every client's text equals one process running mlx-lm on the whole model, that no client
 saw an error, and that ``/health`` reports the restart and how long it took. The last test removes the
@@ -24,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from hub_server import StandInHub
 from serve_process import ServeProcess
 from test_serve import Reference
 
@@ -137,21 +140,26 @@ def expected(ref: Reference) -> dict[str, str]:
     }
 
 
+REPO = "pipemlx-test/demo"  # the demo model as a Hub repo (the stand-in Hub's)
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServeProcess]:
-    process = ServeProcess(
-        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--recover-timeout", "90", "--max-restarts",
-        "10", "--prefix-cache", "16",
-    )  # fmt: skip
-    try:
-        process.wait_ready()
-        START.append(process.health()["recovery"]["start_s"])
-        yield process
-    finally:
-        status = process.stop()
-        stderr = process.stderr()
-        process.close()
-        print("\nrecovery times (s):", RECORD, "first start (s):", START)
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    with StandInHub({REPO: MODEL_DIR}) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path_factory.mktemp("hf")), "HF_HUB_DISABLE_TELEMETRY": "1"}
+        process = ServeProcess(
+            "--recover", "--model", REPO, "--model-name", "pipemlx-demo", "--max-concurrency", "4", "--timeout",
+            str(TIMEOUT), "--recover-timeout", "90", "--max-restarts", "10", "--prefix-cache", "16", env=env,
+        )  # fmt: skip
+        try:
+            process.wait_ready()
+            START.append(process.health()["recovery"]["start_s"])
+            yield process
+        finally:
+            status = process.stop()
+            stderr = process.stderr()
+            process.close()
+            print("\nrecovery times (s):", RECORD, "first start (s):", START)
     assert status == 0, f"pipemlx serve did not stop cleanly (status {status}):\n{stderr[-4000:]}"
     assert "Traceback" not in stderr, stderr[-4000:]
 

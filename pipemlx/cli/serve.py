@@ -375,8 +375,6 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``--recover``: this process is the front; it starts the local ranks and restarts them after a fault."""
     from ..serve import FrontOptions, run_front
 
-    if is_repo_id(args.model) and not Path(args.model).is_dir():
-        raise UserError("--recover needs a local model folder (the front loads its tokenizer)")
     listen: tuple[str, int] | None = None
     key: str | None = None
     if args.hostfile is not None:  # across hosts: the workers come to this front

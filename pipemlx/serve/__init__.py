@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from ..errors import PipelineError
 from ..launch import init_group
+from ..models.hub import locate_model
 from ..models.loading import load_sharded
 from ..models.sharding import LendSpec
 from .engines import Rank, Scheduler, make_scheduler
@@ -253,7 +254,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
 class FrontOptions:
     """What the front process of ``pipemlx serve --recover`` needs: HTTP, the model's tokenizer, the ranks."""
 
-    model_dir: Path
+    model_dir: Path  # a folder, or a Hub repo id (the front fetches its tokenizer files, the ranks their weights)
     settings: ServeSettings
     ranks: int
     command: list[str]
@@ -289,9 +290,14 @@ def run_front(options: FrontOptions) -> int:
     from .recovery import GroupFront, RecoverOptions, stop_handler
 
     settings = options.settings
-    tokenizer = front_tokenizer(options.model_dir)
+    try:  # a Hub repo id: its config and tokenizer files fetched (or found in the cache), as every rank does
+        model_dir = locate_model(options.model_dir).root
+        tokenizer = front_tokenizer(model_dir)
+    except (OSError, ValueError) as exc:  # ModelNotFoundError (one line) too
+        print(f"pipemlx serve: error: cannot load the tokenizer of {options.model_dir}: {exc}", file=sys.stderr)
+        return 2
     front = Front(settings, [0] * options.ranks)
-    context = settings.context if settings.context is not None else model_context(options.model_dir)
+    context = settings.context if settings.context is not None else model_context(model_dir)
     api = Api(front, tokenizer, settings, context)
     recover = RecoverOptions(
         options.ranks,
