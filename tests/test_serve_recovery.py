@@ -233,6 +233,7 @@ def test_rank0_worker_killed_mid_stream(server: ServeProcess, expected: dict[str
     fault_test(server, expected, "kill rank 0", lambda pids: os.kill(pids[0], signal.SIGKILL))
 
 
+@pytest.mark.slow  # the default run's namespace-host test cuts a link: the same bounded wait on rank 0 sees it
 def test_follower_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
     fault_test(server, expected, "stall rank 1", lambda pids: os.kill(pids[1], signal.SIGSTOP), stalled=1)
 
@@ -242,6 +243,7 @@ def test_rank0_worker_stalled_mid_stream(server: ServeProcess, expected: dict[st
     fault_test(server, expected, "stall rank 0", lambda pids: os.kill(pids[0], signal.SIGSTOP), stalled=0)
 
 
+@pytest.mark.slow  # a server of its own: about 20 s (35 s on a busy machine)
 def test_three_ranks_middle_rank_killed(expected: dict[str, str]) -> None:
     """3 ranks: the middle one killed mid-stream; every stream continues and equals one process."""
     server = ServeProcess(
