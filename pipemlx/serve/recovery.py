@@ -6,9 +6,9 @@ link (:mod:`.link`; rank 0 runs :class:`.worker.WorkerLeader`). With local
 ranks (``--ranks N``) it starts them itself and rank 0 connects over loopback;
 across hosts (``--hostfile`` with ``--front-listen``) it starts nothing: each
 host runs ``pipemlx serve --worker`` under a supervisor that restarts it, and
-rank 0 of the group they form connects to the front's listening address. It holds, for every request, the tokens its
-client was already sent (and detokenizes them: stop strings, the answer), so a
-lost group costs no request:
+rank 0 of the group they form connects to the front's listening address. It
+holds, for every request, the tokens its client was already sent (and
+detokenizes them: stop strings, the answer), so a lost group costs no request:
 
 1. A fault: a rank process exits, rank 0 reports a typed pipeline error
    (``fault``: a lost or stalled peer), or rank 0 is silent for
@@ -17,9 +17,9 @@ lost group costs no request:
 2. Every local rank is killed and a new group started (new ports); across
    hosts every worker exits (rank 0 after its fault, the others on the lost
    peer, or when the front closes the link) and the supervisors start them
-   again. Both are bounded by ``--recover-timeout``: past it, every waiting client gets 503 with
-   ``Retry-After`` (a stream: an ``error`` event), and new requests get it at
-   once until the group is back.
+   again. Both are bounded by ``--recover-timeout``: past it, every waiting
+   client gets 503 with ``Retry-After`` (a stream: an ``error`` event), and new
+   requests get it at once until the group is back.
 3. When rank 0 greets the front again, every unfinished request is sent again,
    in order, as its prompt plus the tokens already generated, with
    ``max_tokens`` reduced by them: the client's stream pauses and continues.
