@@ -260,6 +260,40 @@ def test_three_ranks_middle_rank_killed(expected: dict[str, str]) -> None:
     assert "Traceback" not in stderr, stderr[-4000:]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_allow_shrink_goes_on_with_one_rank_fewer(expected: dict[str, str]) -> None:
+    """3 ranks with --allow-shrink: rank 2 killed in 3 faults in a row (the last mid-stream); the front goes on
+    with 2 ranks, the split planned again, and every stream resumed there equals one process."""
+    server = ServeProcess(
+        "--recover", "--allow-shrink", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--prefix-cache", "16",
+        "--max-restarts", "10", ranks=3,
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        for _ in range(2):
+            before = server.health()["recovery"]["restarts"]
+            os.kill(rank_pids(server)[2], signal.SIGKILL)
+            server.wait_for(
+                "ready again",
+                lambda: (h := server.health())["status"] == "ready" and h["recovery"]["restarts"] > before and h,
+            )
+        assert server.health()["ranks"] == 3
+        fault_test(
+            server, expected, "kill rank 2 of 3, the third time: 2 ranks", lambda pids: os.kill(pids[2], signal.SIGKILL)
+        )
+        health = server.health()
+        assert health["ranks"] == 2 and health["recovery"]["ranks"] == 2, health
+        assert "going on with 2 ranks (--allow-shrink)" in server.stderr()
+        check_continued(server, run_clients(server, None), expected)
+    finally:
+        status = server.stop()
+        stderr = server.stderr()
+        server.close()
+    assert status == 0, stderr[-4000:]
+    assert "Traceback" not in stderr, stderr[-4000:]
+
+
 def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> None:
     """The weights gone, rank 1 killed: each client gets 503 / an error event within --recover-timeout + 2 s."""
     model = tmp_path / "model"

@@ -144,6 +144,13 @@ def hostfile(tmp_path: Path) -> str:
         (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], "k", "a port in 1..65535"),
         (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], None, "needs a shared key"),
         (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], "k", "cannot read hostfile"),
+        (["--allow-shrink", "--ranks", "3"], "k", "--allow-shrink goes with --recover"),
+        (["--recover", "--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs --ranks 3 or more"),
+        (
+            ["--recover", "--allow-shrink", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"],
+            "k",
+            "--allow-shrink works with local ranks",
+        ),
     ],
 )
 def test_bad_input_across_hosts_exits_2_with_one_line(

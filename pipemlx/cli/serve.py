@@ -176,6 +176,11 @@ def add_recovery_flags(serve: argparse.ArgumentParser) -> None:
         help="with --recover: the window --max-restarts counts faults in, in seconds (default 600)",
     )  # fmt: skip
     recovery.add_argument(
+        "--allow-shrink", action="store_true",
+        help="with --recover --ranks N (N >= 3): when the same rank is killed (a signal: the OOM killer, kill -9) "
+        "in 3 faults in a row, go on with one rank fewer (2 at least), the split planned again (--split dropped)",
+    )  # fmt: skip
+    recovery.add_argument(
         "--front-listen", type=host_port, metavar="HOST:PORT",
         help="with --recover --hostfile: the address this front listens on for rank 0 of the workers (each host "
         "runs --worker under a supervisor); the front starts no ranks. Needs $PIPEMLX_SERVE_FRONT_KEY",
@@ -273,6 +278,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     missing = missing_packages()
     if missing:
         raise UserError(f"needs the serve extra ({', '.join(missing)} missing): {INSTALL_HINT}")
+    if args.allow_shrink and not args.recover:
+        raise UserError("--allow-shrink goes with --recover")
     if args.front_listen is not None and not (args.recover and args.hostfile is not None):
         raise UserError("--front-listen goes with --recover --hostfile (a front for workers on other hosts)")
     if args.rank is not None and args.hostfile is None:
@@ -396,6 +403,12 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise UserError("--recover needs at least 2 ranks (--ranks N)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.allow_shrink and listen is not None:
+        raise UserError(
+            "--allow-shrink works with local ranks (--ranks N) only: across hosts the hostfile fixes the group"
+        )
+    if args.allow_shrink and ranks < 3:
+        raise UserError(f"--allow-shrink needs --ranks 3 or more (a group shrinks to 2 ranks at least), got {ranks}")
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
     if listen is not None:
@@ -414,6 +427,7 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
         restart_window=args.restart_window,
         listen=listen,
         key=key,
+        allow_shrink=args.allow_shrink,
     )
     return run_front(options)
 

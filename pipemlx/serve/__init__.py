@@ -269,6 +269,8 @@ class FrontOptions:
     """Across hosts: the address rank 0 of the workers connects to (the front then starts no ranks)."""
     key: str | None = None
     """Across hosts: the link's shared key (``PIPEMLX_SERVE_FRONT_KEY``)."""
+    allow_shrink: bool = False
+    """Local ranks: one rank fewer after a rank was killed in several faults in a row (``--allow-shrink``)."""
 
 
 def front_tokenizer(model_dir: Path) -> Any:
@@ -308,6 +310,7 @@ def run_front(options: FrontOptions) -> int:
         restart_window=options.restart_window,
         listen=options.listen,
         key=options.key,
+        allow_shrink=options.allow_shrink,
     )
     try:
         group = GroupFront(front, tokenizer, recover)

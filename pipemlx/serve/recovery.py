@@ -25,6 +25,11 @@ detokenizes them: stop strings, the answer), so a lost group costs no request:
    ``max_tokens`` reduced by them: the client's stream pauses and continues.
    A greedy request continues with the tokens an undisturbed run gives.
 
+With ``--allow-shrink`` (local ranks), a rank that is killed by a signal (the
+OOM killer, ``kill -9``) in :data:`SHRINK_AFTER` faults in a row makes the
+front start one rank fewer from then on (never fewer than 2), the split planned
+again for them (``--split`` dropped).
+
 More than ``--max-restarts`` faults within ``--restart-window`` seconds: the
 front stops restarting, answers 503 saying why for ``--fault-grace`` seconds
 and exits with status 1.
@@ -56,6 +61,9 @@ START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
 """Seconds the ranks get to leave on their own once the front told rank 0 to stop the group."""
 RETRY_AFTER_S = 2
+SHRINK_AFTER = 3
+"""With ``--allow-shrink``: faults in a row blamed on the same rank after which the group restarts one rank
+smaller."""
 
 
 @dataclass
@@ -70,6 +78,7 @@ class RecoverOptions:
     restart_window: float = 600.0
     listen: tuple[str, int] | None = None  # across hosts: the address rank 0 connects to; the front starts nothing
     key: str | None = None  # the link's key: given across hosts, random for local ranks
+    allow_shrink: bool = False  # local ranks: one fewer after SHRINK_AFTER faults in a row blamed on one rank
 
 
 @dataclass
@@ -102,6 +111,8 @@ class GroupFront:
         host, port = options.listen or ("127.0.0.1", 0)
         self.acceptor = Acceptor(host, port, self.key)  # OSError when the address cannot be listened on
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.ranks = options.ranks  # the local ranks started now (fewer after a shrink)
+        self.blamed: list[int | None] = []  # the rank each fault in a row was blamed on (None: none could be)
         self.workdir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-")  # the ranks' hostfile
         self.tracked: dict[int, Tracked] = {}  # by id, in the order the requests came (dicts keep it)
         self.next_id = 0
@@ -113,6 +124,7 @@ class GroupFront:
             "start_s": None,  # the first start: spawn to rank 0's greeting (loading, warming up, calibrating)
             "last_recovery_s": None,  # the fault seen to the new group's greeting
             "times_s": [],  # the last 16 recoveries
+            "ranks": options.ranks,  # fewer after a shrink (--allow-shrink)
         }
         front.recovery = self.recovery
 
@@ -157,8 +169,59 @@ class GroupFront:
                 if not self._note_fault(str(fault)):
                     return self._give_up()
 
+    def _blame(self) -> int | None:
+        """The local rank a fault is blamed on: the first one killed by a signal (the others then exit on the lost
+        peer), waiting up to a second for it to be seen; None when none was (a stall, a pipeline error)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            for rank, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is not None and code < 0:
+                    return rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _shrink(self) -> None:
+        """``--allow-shrink``: after :data:`SHRINK_AFTER` faults in a row blamed on one rank, start one fewer."""
+        if self.ranks <= 2:
+            return
+        culprit = self.blamed[-1]
+        if culprit is None or self.blamed[-SHRINK_AFTER:] != [culprit] * SHRINK_AFTER:
+            return
+        self.ranks -= 1
+        self.blamed.clear()
+        self.recovery["ranks"] = self.ranks
+        log(
+            f"rank {culprit} failed {SHRINK_AFTER} times in a row: going on with {self.ranks} ranks (--allow-shrink), "
+            "the split planned again"
+        )
+
+    def _command(self) -> list[str]:
+        """The ranks' command for :attr:`ranks` ranks: ``--ranks`` set to it, ``--split`` dropped after a shrink."""
+        command = self.options.command
+        if self.ranks == self.options.ranks:
+            return command
+        out: list[str] = []
+        skip = False
+        for arg in command:
+            if skip:
+                skip = False
+            elif arg in ("--ranks", "--split"):
+                skip = True  # and its value
+                if arg == "--ranks":
+                    out += ["--ranks", str(self.ranks)]
+            elif arg.startswith("--ranks="):
+                out.append(f"--ranks={self.ranks}")
+            elif not arg.startswith("--split="):
+                out.append(arg)
+        return out
+
     def _note_fault(self, message: str) -> bool:  # a failed start counts too, the first one included
         """Record a fault; False when it is one too many in the window (--max-restarts)."""
+        if self.options.allow_shrink and not self.hosts:
+            self.blamed.append(self._blame())
+            self._shrink()
         now = time.monotonic()
         self.faults = [t for t in self.faults if now - t <= self.options.restart_window] + [now]
         self.recovery["last_fault"] = message
@@ -205,11 +268,12 @@ class GroupFront:
         kill_all(self.procs)
         while not self.acceptor.accepted.empty():  # a link of the old group that came late
             self.acceptor.accepted.get_nowait().close()
-        ports = free_ports(self.options.ranks)  # new ones each time: the old group's may linger
+        ports = free_ports(self.ranks)  # new ones each time: the old group's may linger
         hostfile = write_hostfile([f"127.0.0.1:{p}" for p in ports], Path(self.workdir.name))
         host, port = self.acceptor.address
         self.procs = []
-        for rank in range(self.options.ranks):
+        command = self._command()
+        for rank in range(self.ranks):
             env = {
                 **os.environ,
                 **self.options.env,
@@ -221,7 +285,6 @@ class GroupFront:
                 "PYTHONUNBUFFERED": "1",
             }
             out = None if rank == 0 else subprocess.DEVNULL
-            command = self.options.command
             self.procs.append(
                 subprocess.Popen(command, env=env, stdout=out, stdin=subprocess.DEVNULL, start_new_session=True)
             )
