@@ -275,8 +275,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def hostfile_rank(path: str, rank: int | None) -> int:
-    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+def read_hostfile(path: str) -> list[list[str]]:
+    """MLX's ring hostfile at ``path``: each rank's ``"ip:port"`` addresses; :class:`UserError` when it is not one."""
     try:
         entries: Any = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -286,7 +286,12 @@ def hostfile_rank(path: str, rank: int | None) -> int:
             f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
             'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]]'
         )
-    hosts = cast("list[list[str]]", entries)
+    return cast("list[list[str]]", entries)
+
+
+def hostfile_rank(path: str, rank: int | None) -> int:
+    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+    hosts = read_hostfile(path)
     if rank is not None:
         if not 0 <= rank < len(hosts):
             raise UserError(f"--rank {rank} is not a rank of {path!r}, which has {len(hosts)} ranks")

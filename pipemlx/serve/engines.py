@@ -169,6 +169,11 @@ class OneAtATime:
         cache = rank.checkout(plan)
         if insert.seed >= 0:
             mx.random.seed(insert.seed)
+            if insert.drawn and insert.temperature > 0:  # a resumed request: skip the keys its tokens used
+                for _ in range(insert.drawn):
+                    mx.random.uniform(shape=())
+                # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this stream.
+                mx.eval(mx.random.state)  # pyright: ignore[reportUnknownMemberType]
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
@@ -289,7 +294,7 @@ class Batched:
             uids = self.generator.insert(
                 [i.tokens[i.plan.reuse :] for i in ops.inserts],
                 max_tokens=[i.max_tokens for i in ops.inserts],
-                samplers=[request_sampler(i.temperature, i.top_p, i.seed) for i in ops.inserts],
+                samplers=[request_sampler(i.temperature, i.top_p, i.seed, i.drawn) for i in ops.inserts],
                 caches=caches,
                 logits_processors=[i.penalties.processors() for i in ops.inserts],
                 all_tokens=[i.tokens[: i.plan.reuse] for i in ops.inserts],
@@ -373,16 +378,22 @@ class Batched:
         return seq, result
 
 
-def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | None:
+def request_sampler(temperature: float, top_p: float, seed: int, drawn: int = 0) -> Sampler | None:
     """The sampler of one batched request: ``None`` (greedy) at temperature 0, else categorical with its own key.
 
     Each call splits the request's key as MLX's global generator splits its
     own, so the draws equal a solo run after ``mx.random.seed(seed)``: what
-    else is in the batch does not change a seeded request's text.
+    else is in the batch does not change a seeded request's text. ``drawn``
+    keys are skipped first (a request resumed after ``drawn`` tokens draws
+    what the undisturbed run draws next).
     """
     if temperature <= 0:
         return None
     state = [mx.random.key(seed)]
+    for _ in range(drawn):
+        state[0] = mx.random.split(state[0])[0]
+    # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this thread's stream.
+    mx.eval(state[0])  # pyright: ignore[reportUnknownMemberType]
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < top_p < 1:

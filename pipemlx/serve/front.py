@@ -226,7 +226,9 @@ class Front:
         self.prefix = prefix
         self.slots = list(slots)  # every rank's own fields, as of the last broadcast (replaced whole by the loop)
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
-        self.status: Literal["loading", "ready", "failed", "stopping"] = "loading"
+        self.status: Literal["loading", "ready", "failed", "stopping", "recovering"] = "loading"
+        self.recover_expired = False  # recovering for longer than --recover-timeout: new requests get 503 at once
+        self.recovery: dict[str, Any] | None = None  # with --recover: restarts and recovery times (/health)
         self.fault: str | None = None
         self.stopping = threading.Event()
         self.running: tuple[Job, ...] = ()  # oldest first (replaced whole by the leader loop, read by the HTTP thread)
@@ -267,6 +269,14 @@ class Front:
             raise unavailable("the server is shutting down", code="shutting_down")
         if self.status == "loading":
             raise unavailable("the model is still loading", code="loading")
+        if self.status == "recovering" and self.recover_expired:
+            raise ApiError(
+                503,
+                f"the pipeline is recovering from a fault and is not back yet: {self.fault}",
+                type="server_error",
+                code="pipeline_recovering",
+                headers={"Retry-After": "2"},
+            )
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -343,6 +353,7 @@ class Front:
                 "misses": prefix.misses,
             },
             "last_fault": self.fault,
+            **({} if self.recovery is None else {"recovery": dict(self.recovery)}),
             "uptime_s": round(time.time() - self.started, 1),
         }
 
@@ -437,6 +448,10 @@ class Front:
     def _count(self, what: str) -> None:
         with self.lock:
             self.counts[what] += 1
+
+    def count(self, what: str) -> None:
+        """Count one request as ``what`` (``served``, ``cancelled``, ``failed``, ``rejected``)."""
+        self._count(what)
 
     def _record(self, job: Job, reply: Reply, result: RequestResult, finish: str) -> None:
         """The request's one log line, and its entry in /health's ``recent``."""

@@ -113,7 +113,7 @@ class Leader:
                     seed,
                     plan,
                     job.penalties,
-                    job.draft,
+                    draft=job.draft,
                 )
             )
             self.running[job.seq] = Running(job, Reply(job, self.rank.tokenizer, self.front.metrics))
