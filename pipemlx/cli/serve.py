@@ -29,7 +29,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..demo import MODEL_DIR
-from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
+from ..launch import BACKEND_VARIABLE, cpu_shares, free_ports, kill_all, pin, write_hostfile
 from ..models.hub import is_repo_id
 from .common import (
     DEFAULT_MAX_TOKENS,
@@ -539,6 +539,7 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            shares = cpu_shares(num_ranks)
             for rank in range(num_ranks):
                 env = {
                     **os.environ,
@@ -553,6 +554,8 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
                 logs.append(err)
                 out = None if rank == 0 else subprocess.DEVNULL
                 procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True))
+                if shares is not None:  # each rank on its own CPUs, as pipemlx.launch starts ranks
+                    pin(procs[-1].pid, shares[rank])
             return _wait(procs, logs, stopping, stop_grace)
         except KeyboardInterrupt:
             print("pipemlx serve: interrupted", file=sys.stderr)

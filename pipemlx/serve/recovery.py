@@ -51,7 +51,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
+from ..launch import BACKEND_VARIABLE, cpu_shares, free_ports, kill_all, pin, write_hostfile
 from .front import Event, Front, Job, Reply, RequestResult, ServeSettings, log
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, SILENCE_S, Acceptor, Link
 from .openai_api import ApiError, unavailable
@@ -273,6 +273,7 @@ class GroupFront:
         host, port = self.acceptor.address
         self.procs = []
         command = self._command()
+        shares = cpu_shares(self.ranks)
         for rank in range(self.ranks):
             env = {
                 **os.environ,
@@ -288,6 +289,8 @@ class GroupFront:
             self.procs.append(
                 subprocess.Popen(command, env=env, stdout=out, stdin=subprocess.DEVNULL, start_new_session=True)
             )
+            if shares is not None:  # each rank on its own CPUs, as pipemlx.launch starts ranks
+                pin(self.procs[-1].pid, shares[rank])
 
     def _bring_up(self, fault_at: float | None) -> Link | int:
         """Start a group and wait for rank 0's hello; the link, or the exit status when the front is done."""
