@@ -204,6 +204,7 @@ def test_generate_speculating_gives_single_device_tokens(guesses: list[str]) -> 
     assert report["tokens"] == demo_reference_tokens(prompt, 512, 24)
     if "--draft-model" in guesses:  # the demo's draft guesses the demo model's tokens often
         assert report["confirmed_guesses"] > 0, report
+    assert report["proposed_guesses"] >= report["confirmed_guesses"], report
 
 
 def test_generate_with_a_missing_draft_model_says_so_in_one_line() -> None:
@@ -218,6 +219,18 @@ def test_generate_with_a_missing_draft_model_says_so_in_one_line() -> None:
     lines = [line for line in result.stderr.splitlines() if "error" in line]
     assert lines and all(line.startswith("pipemlx generate: error: cannot load the draft model") for line in lines)
     assert "Traceback" not in result.stderr
+
+
+def test_generate_with_a_draft_model_and_prompt_lookup_says_so_in_one_line() -> None:
+    from pipemlx.demo import DRAFT_DIR
+
+    command = ["generate", "--ranks", "2", "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemlx", *command], capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=ROOT
+    )
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "pipemlx generate: error: --draft-model and --prompt-lookup both guess tokens: pass one of them, not both"
+    ], result.stderr
 
 
 def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> None:

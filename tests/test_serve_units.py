@@ -130,6 +130,17 @@ def test_completion_options_that_change_the_answer_are_refused(body: dict[str, A
     assert parse_chat({"messages": MESSAGES, "logprobs": False, "top_logprobs": 0}).messages == MESSAGES
 
 
+def test_draft_is_a_boolean_that_defaults_to_true() -> None:
+    """``draft: false`` opts a request out of speculative decoding; anything but a boolean is a 400 naming it."""
+    assert parse_completion({"prompt": "x"}).draft and parse_chat({"messages": MESSAGES, "draft": True}).draft
+    assert not parse_completion({"prompt": "x", "draft": False}).draft
+    assert parse_completion({"prompt": "x", "draft": None}).draft  # null: unset
+    for bad in (0, "false"):
+        with pytest.raises(ApiError) as caught:
+            parse_chat({"messages": MESSAGES, "draft": bad})
+        assert caught.value.status == 400 and caught.value.param == "draft"
+
+
 def released(text: str, stops: list[str], cuts: list[int]) -> tuple[list[str], str, bool]:
     """Feed ``text`` to a StopText growing to each cut, then finish; return the pieces, all, and stopped."""
     stop_text = StopText(stops)
@@ -266,6 +277,7 @@ inserts_strategy = st.lists(
         top_p=st.sampled_from([1.0, 0.5, 0.25]),
         seed=st.integers(-1, (1 << 31) - 1),
         plan=st.builds(PrefixReuse, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
+        draft=st.booleans(),
         penalties=st.builds(
             Penalties,
             st.sampled_from([0.0, 1.25, 1.5]),

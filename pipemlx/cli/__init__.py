@@ -42,8 +42,8 @@ from .common import (
     add_renamed_flags,
     add_sharding_flags,
     add_speculation_flags,
-    check_draft,
     check_ranks,
+    check_speculation,
     hostfile_rank,
     in_launched_rank,
     layer_counts,
@@ -137,6 +137,7 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     prompt = read_prompt(args)
     if args.rank is not None and args.hostfile is None:
         raise UserError("--rank only goes with --hostfile")
+    check_speculation(args)  # every rank checks: each one exits 2 with the same line
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
@@ -146,7 +147,6 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return generate_rank(args, prompt, expected_ranks=args.ranks)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
-    check_draft(args.draft_model)
     command = [sys.executable, "-m", "pipemlx", *argv]
     try:
         launch(ranks, command, timeout=LAUNCH_TIMEOUT, passthrough_rank=0)

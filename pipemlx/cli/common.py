@@ -171,6 +171,14 @@ def check_draft(draft: str | None) -> None:
         raise UserError(f"cannot load the draft model {draft}: no such folder (a folder or a Hugging Face repo id)")
 
 
+def check_speculation(args: argparse.Namespace) -> None:
+    """:func:`check_draft`, and ``--draft-model`` with ``--prompt-lookup`` (one proposer or the other) refused as a
+    :class:`UserError` before any rank starts, rather than as ``generate_step``'s ``ValueError`` on every rank."""
+    if args.draft_model is not None and args.prompt_lookup is not None:
+        raise UserError("--draft-model and --prompt-lookup both guess tokens: pass one of them, not both")
+    check_draft(args.draft_model)
+
+
 def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(SHARDING_FLAGS)) -> None:
     """``--allow-unregistered`` and ``--lend`` (or those of them in ``flags``): ``load_sharded``'s
     ``allow_unregistered`` and ``lend``; and the refusal of the flags they replaced."""
@@ -267,8 +275,8 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-def hostfile_rank(path: str, rank: int | None) -> int:
-    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+def read_hostfile(path: str) -> list[list[str]]:
+    """MLX's ring hostfile at ``path``: each rank's ``"ip:port"`` addresses; :class:`UserError` when it is not one."""
     try:
         entries: Any = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -278,7 +286,12 @@ def hostfile_rank(path: str, rank: int | None) -> int:
             f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
             'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]]'
         )
-    hosts = cast("list[list[str]]", entries)
+    return cast("list[list[str]]", entries)
+
+
+def hostfile_rank(path: str, rank: int | None) -> int:
+    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+    hosts = read_hostfile(path)
     if rank is not None:
         if not 0 <= rank < len(hosts):
             raise UserError(f"--rank {rank} is not a rank of {path!r}, which has {len(hosts)} ranks")

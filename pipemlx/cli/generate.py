@@ -146,7 +146,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     tokens: list[int] = []
     pieces: list[str] = []
     generated, first_token, last_token, confirmed = 0, 0.0, 0.0, 0
-    for response in stream_generate(
+    responses = stream_generate(
         model,
         tokenizer,
         prompt[-1:],
@@ -157,7 +157,8 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         draft_model=draft,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup=args.prompt_lookup,
-    ):
+    )
+    for response in responses:
         if response.finish_reason != "stop":
             tokens.append(response.token)
         confirmed += int(response.from_draft)
@@ -187,6 +188,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             "prefill_tokens_per_s": prefill_tps,
             "decode_tokens_per_s": decode_tps,
             "confirmed_guesses": confirmed,
+            "proposed_guesses": responses.guesses[0],
             "tokens": tokens,
             "text": "".join(pieces),
             "per_rank": [f.__dict__ for f in figures],
@@ -196,7 +198,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     sys.stdout.write("\n")
     sys.stdout.flush()
     speculating = draft is not None or args.prompt_lookup is not None
-    guessed = confirmed if speculating else None
+    guessed = (confirmed, *responses.guesses) if speculating else None
     err.print(_summary(prompt.size, step, prefill_s, prefill_tps, len(tokens), decode_tps, figures, guessed))
     return 0
 
@@ -229,17 +231,25 @@ def _summary(
     generated: int,
     decode_tps: float,
     figures: list[RankFigures],
-    confirmed: int | None = None,
+    guesses: tuple[int, int, int] | None = None,
 ) -> Table:
+    """The closing table; ``guesses``: speculative decoding's tokens that were confirmed guesses, and the tokens
+    guessed and accepted (the acceptance rate)."""
     table = Table(title="pipemlx generate", title_justify="left", show_header=False)
     table.add_column(style="bold")
     table.add_column()
     table.add_row("prompt tokens", f"{prompt_tokens} (chunks of up to {step_size})")
     table.add_row("prefill", f"{prefill_s:.2f} s, {prefill_tps:,.0f} tokens/s")
     table.add_row("decode", f"{generated} tokens, {decode_tps:,.0f} tokens/s")
-    if confirmed is not None:
+    if guesses is not None:
+        confirmed, proposed, accepted = guesses
         share = confirmed / generated if generated else 0.0
-        table.add_row("guesses", f"{confirmed} of the {generated} tokens were confirmed guesses ({share:.0%})")
+        rate = f"{accepted / proposed:.0%}" if proposed else "none guessed"
+        table.add_row(
+            "guesses",
+            f"{confirmed} of the {generated} tokens were confirmed guesses ({share:.0%}); "
+            f"acceptance {accepted} of {proposed} guessed tokens ({rate})",
+        )
     for f in figures:
         table.add_row(
             f"rank {f.rank}",

@@ -2,7 +2,9 @@
 
 Like ``pipemlx generate``: ``--ranks N`` starts N local ranks (this process
 supervises them), under ``mlx.launch``/``mpirun`` or with ``--hostfile`` this
-process is one rank. Unlike ``generate``, a local follower that dies does not
+process is one rank. With ``--recover`` this process is a front that is no rank
+(it starts the local ranks, or across hosts waits on ``--front-listen`` for the
+``--worker`` processes each host's supervisor runs). Unlike ``generate``, a local follower that dies does not
 take rank 0 down at once: rank 0 notices, answers 503 for a moment and exits
 with one clear line, and then the supervisor ends the rest. Ctrl-C or SIGTERM
 asks rank 0 to stop the group (every rank exits 0); what is still running
@@ -24,10 +26,10 @@ import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..demo import MODEL_DIR
-from ..launch import BACKEND_VARIABLE, free_ports, kill_all, write_hostfile
+from ..launch import BACKEND_VARIABLE, cpu_shares, free_ports, kill_all, pin, write_hostfile
 from ..models.hub import is_repo_id
 from .common import (
     DEFAULT_MAX_TOKENS,
@@ -37,13 +39,19 @@ from .common import (
     add_prefill_step_flag,
     add_renamed_flags,
     add_sharding_flags,
+    add_speculation_flags,
     check_ranks,
+    check_speculation,
     hostfile_rank,
     in_launched_rank,
     layer_counts,
     positive_float,
     positive_int,
+    read_hostfile,
 )
+
+if TYPE_CHECKING:
+    from ..serve import ServeSettings
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
@@ -144,6 +152,63 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--fault-grace", type=float, default=5.0, help="after a rank fails: seconds of 503 answers before exiting"
     )
     add_limit_flags(serve)
+    add_speculation_flags(serve)
+    add_recovery_flags(serve)
+
+
+def add_recovery_flags(serve: argparse.ArgumentParser) -> None:
+    """A front process apart from the ranks, which restarts them after a fault (docs/serve.md, "Recovery")."""
+    recovery = serve.add_argument_group("recovery")
+    recovery.add_argument(
+        "--recover", action="store_true",
+        help="serve HTTP from a front process that is not a rank; with --ranks N it starts the ranks, restarts "
+        "them when one dies or stalls, and resumes every request where its client's stream stopped",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--recover-timeout", type=positive_float, default=60.0, metavar="S",
+        help="with --recover: seconds the ranks get to come back after a fault before the waiting clients get "
+        "503 with Retry-After (default 60)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--max-restarts", type=int, default=5, metavar="N",
+        help="with --recover: faults within --restart-window that are restarted; one more and the server stops "
+        "restarting, says why and exits (default 5)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--restart-window", type=positive_float, default=600.0, metavar="S",
+        help="with --recover: the window --max-restarts counts faults in, in seconds (default 600)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--allow-shrink", action="store_true",
+        help="with --recover --ranks N (N >= 3): when the same rank is killed (a signal: the OOM killer, kill -9) "
+        "in 3 faults in a row, go on with one rank fewer (2 at least), the split planned again (--split dropped)",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--front-listen", type=host_port, metavar="HOST:PORT",
+        help="with --recover --hostfile: the address this front listens on for rank 0 of the workers (each host "
+        "runs --worker under a supervisor); the front starts no ranks. Needs $PIPEMLX_SERVE_FRONT_KEY",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--worker", action="store_true",
+        help="with --hostfile and --front: run this host's rank for a front started with --recover --front-listen; "
+        "after a fault it exits for its supervisor (systemd, launchd, a shell loop) to start it again",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--front", type=host_port, metavar="HOST:PORT",
+        help="with --worker: the front's --front-listen address (rank 0 connects to it, with the key in "
+        "$PIPEMLX_SERVE_FRONT_KEY)",
+    )  # fmt: skip
+
+
+def host_port(text: str) -> str:
+    """argparse type: ``HOST:PORT`` with a port in 1..65535."""
+    from ..serve.link import parse_address
+
+    try:
+        parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def add_limit_flags(serve: argparse.ArgumentParser) -> None:
@@ -209,9 +274,18 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Check the input, then serve as a rank here or start and supervise the local ranks."""
     from ..serve import INSTALL_HINT, missing_packages  # no MLX: the check runs before anything starts
 
+    if args.worker:
+        check_serve_speculation(args)
+        return _worker(args)  # rank 0 under a front serves no HTTP: no serve extra needed
+    if args.front is not None:
+        raise UserError("--front goes with --worker (the front's own address is --front-listen)")
     missing = missing_packages()
     if missing:
         raise UserError(f"needs the serve extra ({', '.join(missing)} missing): {INSTALL_HINT}")
+    if args.allow_shrink and not args.recover:
+        raise UserError("--allow-shrink goes with --recover")
+    if args.front_listen is not None and not (args.recover and args.hostfile is not None):
+        raise UserError("--front-listen goes with --recover --hostfile (a front for workers on other hosts)")
     if args.rank is not None and args.hostfile is None:
         raise UserError("--rank only goes with --hostfile")
     if not 0 < args.port < 65536:
@@ -221,6 +295,9 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
+    check_serve_speculation(args)
+    if args.recover and not in_launched_rank():
+        return _front(args, argv)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
             rank = hostfile_rank(args.hostfile, args.rank)
@@ -233,9 +310,65 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE)
 
 
+def check_serve_speculation(args: argparse.Namespace) -> None:
+    """``pipemlx generate``'s checks of the speculation flags, and their refusal with ``--max-concurrency`` above 1:
+    the batch decodes without guesses (docs/serve.md, "Speculative decoding"), so asking for both is a mistake
+    worth naming rather than a draft model loaded for nothing."""
+    check_speculation(args)
+    flags = {"--draft-model": args.draft_model, "--prompt-lookup": args.prompt_lookup}
+    guessing = [flag for flag, value in flags.items() if value is not None]
+    if guessing and args.max_concurrency > 1:
+        raise UserError(
+            f"{guessing[0]} needs --max-concurrency 1: batched requests (--max-concurrency {args.max_concurrency}) "
+            "are decoded without speculation"
+        )
+    if guessing and (args.recover or args.worker):
+        raise UserError(
+            f"{guessing[0]} is not supported with --recover or --worker yet: serve without them to speculate"
+        )
+
+
 def hostfile_size(path: str) -> int:
     """The ranks an MLX ring hostfile lists (already checked by :func:`hostfile_rank`)."""
     return len(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+def _shared_key(flag: str) -> str:
+    """The front's key from the environment; :class:`UserError` naming ``flag`` when it is not set."""
+    from ..serve.link import FRONT_KEY_VARIABLE, key_from_environment
+
+    key = key_from_environment()
+    if key is None:
+        raise UserError(
+            f"{flag} needs a shared key in ${FRONT_KEY_VARIABLE}, the same on the front and every worker "
+            "(e.g. from: openssl rand -hex 32)"
+        )
+    return key
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """``--worker``: this host's rank of a group whose rank 0 serves a front on another host (``--front``)."""
+    from ..serve.link import FRONT_ADDRESS_VARIABLE
+
+    if args.recover:
+        raise UserError("--worker runs a rank for a front; the front is its own command (--recover --front-listen)")
+    if args.hostfile is None:
+        raise UserError("--worker needs --hostfile: the group's ring hostfile, the same on every host")
+    if args.front is None:
+        raise UserError("--worker needs --front HOST:PORT: the address the front listens on (--front-listen)")
+    _shared_key("--worker")
+    rank = hostfile_rank(args.hostfile, args.rank)
+    check_weights(Path(args.model))
+    check_ranks(hostfile_size(args.hostfile), args.model, args.split)
+    os.environ.update(
+        {
+            "MLX_HOSTFILE": args.hostfile,
+            "MLX_RANK": str(rank),
+            BACKEND_VARIABLE: "ring",
+            FRONT_ADDRESS_VARIABLE: args.front,
+        }
+    )
+    return _as_rank(args)
 
 
 def check_weights(model_dir: Path) -> None:
@@ -268,11 +401,65 @@ def _check_safetensors(path: Path) -> None:
         raise UserError(f"the weight file {path} cannot be read (corrupt or incomplete download?): {exc}") from None
 
 
-def _as_rank(args: argparse.Namespace) -> int:
-    from ..serve import RankOptions, ServeSettings, run_rank  # MLX and mlx-lm: imported only where a rank runs
+def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``--recover``: this process is the front; it starts the local ranks and restarts them after a fault."""
+    from ..serve import FrontOptions, run_front
+
+    listen: tuple[str, int] | None = None
+    key: str | None = None
+    if args.hostfile is not None:  # across hosts: the workers come to this front
+        if args.front_listen is None:
+            raise UserError(
+                "--recover --hostfile needs --front-listen HOST:PORT: where the workers' rank 0 reaches this front"
+            )
+        if args.rank is not None:
+            raise UserError("--rank goes with --worker: the front is no rank")
+        key = _shared_key("--front-listen")
+        host, _, port = str(args.front_listen).rpartition(":")
+        listen = (host.strip("[]"), int(port))
+        ranks = len(read_hostfile(args.hostfile))
+        if ranks < 2:
+            raise UserError(f"--recover needs at least 2 ranks; {args.hostfile} lists {ranks}")
+    else:
+        ranks = args.ranks or DEFAULT_RANKS
+        if ranks < 2:
+            raise UserError("--recover needs at least 2 ranks (--ranks N)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.allow_shrink and listen is not None:
+        raise UserError(
+            "--allow-shrink works with local ranks (--ranks N) only: across hosts the hostfile fixes the group"
+        )
+    if args.allow_shrink and ranks < 3:
+        raise UserError(f"--allow-shrink needs --ranks 3 or more (a group shrinks to 2 ranks at least), got {ranks}")
+    check_ranks(ranks, args.model, args.split)
+    _check_port(args.host, args.port)
+    if listen is not None:
+        _check_port(*listen)
+    options = FrontOptions(
+        Path(args.model),
+        _settings(args),
+        ranks,
+        [sys.executable, "-m", "pipemlx", *argv],
+        host=args.host,
+        port=args.port,
+        cors_origins=tuple(args.cors_origin),
+        env={"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)},
+        recover_timeout=args.recover_timeout,
+        max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
+        listen=listen,
+        key=key,
+        allow_shrink=args.allow_shrink,
+    )
+    return run_front(options)
+
+
+def _settings(args: argparse.Namespace) -> ServeSettings:
+    from ..serve import ServeSettings
 
     parent = os.environ.get(PARENT_VARIABLE)
-    settings = ServeSettings(
+    return ServeSettings(
         model_id=model_id(args),
         max_queue=args.max_queue,
         max_concurrency=args.max_concurrency,
@@ -293,7 +480,16 @@ def _as_rank(args: argparse.Namespace) -> int:
         idle_timeout=args.idle_timeout,
         grace=args.grace,
         metrics_public=args.metrics_public,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
+        prompt_lookup=args.prompt_lookup,
     )
+
+
+def _as_rank(args: argparse.Namespace) -> int:
+    from ..serve import RankOptions, run_rank  # MLX and mlx-lm: imported only where a rank runs
+
+    settings = _settings(args)
     options = RankOptions(
         args.model,
         settings,
@@ -343,6 +539,7 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            shares = cpu_shares(num_ranks)
             for rank in range(num_ranks):
                 env = {
                     **os.environ,
@@ -357,6 +554,8 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
                 logs.append(err)
                 out = None if rank == 0 else subprocess.DEVNULL
                 procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True))
+                if shares is not None:  # each rank on its own CPUs, as pipemlx.launch starts ranks
+                    pin(procs[-1].pid, shares[rank])
             return _wait(procs, logs, stopping, stop_grace)
         except KeyboardInterrupt:
             print("pipemlx serve: interrupted", file=sys.stderr)

@@ -97,6 +97,7 @@ def generate_step(
     draft_model: nn.Module | None = None,
     num_draft_tokens: int | Literal["auto"] = 2,
     prompt_lookup: int | None = None,
+    history: Sequence[int] = (),
 ) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -151,6 +152,10 @@ def generate_step(
     Speculation turns itself off, on every rank, where some cache cannot be cut
     back (rotating or recurrent caches). A consumer that stops in the middle of
     a pass's tokens ends the request after that pass's tokens on the other ranks.
+    ``history``: the token ids ``prompt_cache`` already holds before ``prompt``
+    (a reused prefix, the same on every rank); the proposer reads them before
+    the prompt, so guesses after a reused prefix are as good as after the whole
+    prompt (ignored without speculation).
 
     ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
     runs unchanged, but every rank computes on its stage's own stream
@@ -191,6 +196,7 @@ def generate_step(
         stop_tokens=stops,
         proposer=proposer,
         draft_length=draft_length,
+        tokens=[int(t) for t in history] if proposer is not None else [],
     )
     prefill = PrefillOptions(
         prefill_step_size=prefill_step_size,
@@ -214,7 +220,7 @@ def stream_generate(
     max_tokens: int = 256,
     draft_model: nn.Module | None = None,
     **kwargs: Any,
-) -> Generator[GenerationResponse, None, None]:
+) -> ResponseStream:
     """mlx-lm's ``stream_generate`` for a sharded model: ``GenerationResponse`` objects, the same text on every rank.
 
     ``prompt`` is text (encoded as mlx-lm does) or token ids; ``kwargs`` are
@@ -233,7 +239,8 @@ def stream_generate(
     the prefill raises :class:`PrefillCancelled`, as :func:`generate_step`
     does. ``draft_model``, ``num_draft_tokens`` and ``prompt_lookup``
     speculate as in :func:`generate_step` (each response's ``from_draft`` says
-    whether its token was a confirmed guess).
+    whether its token was a confirmed guess; the returned generator's
+    ``guesses`` is the tally of guessed and confirmed tokens, the acceptance rate).
     """
     if draft_model is None and kwargs.get("prompt_lookup") is None:
         kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
@@ -248,7 +255,30 @@ def stream_generate(
         prompt = mx.array(prompt) if len(prompt) else mx.array([], dtype=mx.int32)
     eos = stop_sequences(cast(Iterable[int], wrapper.eos_token_ids)) | stop_sequences(extra_stops)
     generator = generate_step(prompt, model, max_tokens=max_tokens, stop_tokens=eos, draft_model=draft_model, **kwargs)
-    return _responses(generator, wrapper, prompt.size, max_tokens, eos)
+    return ResponseStream(generator, _responses(generator, wrapper, prompt.size, max_tokens, eos))
+
+
+class ResponseStream(Generator[GenerationResponse, None, None]):
+    """What :func:`stream_generate` returns: mlx-lm's generator of ``GenerationResponse`` objects, and the tally of
+    its decode's speculative guesses (:attr:`guesses`), which the responses alone do not carry."""
+
+    def __init__(self, decode: DecodeStream, inner: Generator[GenerationResponse, None, None]) -> None:
+        self._decode = decode
+        self._inner = inner
+
+    @property
+    def guesses(self) -> tuple[int, int]:
+        """``(proposed, accepted)`` guessed tokens so far (:attr:`DecodeStream.guesses`)."""
+        return self._decode.guesses
+
+    def send(self, value: None) -> GenerationResponse:
+        return self._inner.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> GenerationResponse:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return self._inner.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def _responses(
@@ -450,7 +480,7 @@ class _Request:
     draft_length: DraftLength = field(default_factory=lambda: DraftLength(2))
     next_guesses: int = 0  # rank 0's word, in the last step's message: how many tokens the next step guesses
     speculating: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
-    tokens: list[int] = field(default_factory=list[int])  # the prompt's new tokens and every decided token
+    tokens: list[int] = field(default_factory=list[int])  # generate_step's history, the prompt, every decided token
     decided: list[int] = field(default_factory=list[int])  # every decided token
     from_draft: bool = False
     proposed: int = 0
@@ -489,8 +519,8 @@ class _Request:
         self.history = prompt[:-1] if self.logits_processors else None
         if self.history is not None:
             mx.eval(self.history)  # pyright: ignore[reportUnknownMemberType]  # a local slice: the helper thread cannot run it
-        if self.proposer is not None:
-            self.tokens = [int(t) for t in cast(list[int], prompt.tolist())]
+        if self.proposer is not None:  # after ``history``, what the cache held before
+            self.tokens += [int(t) for t in cast(list[int], prompt.tolist())]
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
         progress, should_cancel = prefill.prompt_progress_callback, prefill.should_cancel

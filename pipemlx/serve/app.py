@@ -151,9 +151,10 @@ class Api:
         """Ready or not for anyone (load balancers: 200 or 503); the detail only with the API key."""
         report = self.front.health()
         code = 200 if report["status"] == "ready" else 503
+        headers = {"Retry-After": "2"} if report["status"] == "recovering" else None
         if not self._has_key(request):
-            return JSONResponse({"status": report["status"]}, status_code=code)
-        return JSONResponse(report, status_code=code)
+            return JSONResponse({"status": report["status"]}, status_code=code, headers=headers)
+        return JSONResponse(report, status_code=code, headers=headers)
 
     async def scrape(self, request: Request) -> Response:
         """``GET /metrics``: Prometheus' text format; behind the API key unless ``--metrics-public``."""
@@ -264,6 +265,7 @@ class Api:
             penalties=parsed.penalties,
             stream=parsed.stream,
             include_usage=parsed.include_usage,
+            draft=parsed.draft,
             loop=loop,
             events=asyncio.Queue(),
         )

@@ -62,8 +62,10 @@ INSERT_FIELDS: tuple[str, ...] = (
     "temperature",
     "top_p",
     "seed",
+    "drawn",
     *PLAN_FIELDS,
     *PENALTY_FIELDS,
+    "draft",  # 1: speculate (when the server does), 0: the request opted out
 )
 """One insert's record in the encoded operations, before its ``n_tokens`` token ids (floats as their bits)."""
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
@@ -96,6 +98,10 @@ class Insert:
     seed: int  # -1: none (greedy)
     plan: PrefixReuse = field(default_factory=PrefixReuse)
     penalties: Penalties = field(default_factory=Penalties)
+    draft: bool = True  # speculative decoding, when the server does it (False: the request opted out)
+    drawn: int = 0
+    """Samples this request drew before (a request resumed after a restart): its sampler skips as many keys,
+    so a seeded request draws what an undisturbed run draws at each position."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ def _record(i: Insert) -> dict[str, int]:
         "temperature": float_bits(i.temperature),
         "top_p": float_bits(i.top_p),
         "seed": i.seed,
+        "drawn": i.drawn,
         "entry": i.plan.entry,
         "reuse": i.plan.reuse,
         "copy": int(i.plan.copy),
@@ -124,6 +131,7 @@ def _record(i: Insert) -> dict[str, int]:
         "presence_context_size": p.presence_context_size,
         "frequency_penalty": float_bits(p.frequency_penalty),
         "frequency_context_size": p.frequency_context_size,
+        "draft": int(i.draft),
     }
 
 
@@ -138,7 +146,9 @@ def _insert(r: Mapping[str, int], tokens: list[int]) -> Insert:
     )
     plan = PrefixReuse(r["entry"], r["reuse"], bool(r["copy"]))
     temperature, top_p = bits_float(r["temperature"]), bits_float(r["top_p"])
-    return Insert(r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties)
+    return Insert(
+        r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties, bool(r["draft"]), r["drawn"]
+    )
 
 
 def encode_ops(ops: Ops) -> list[int]:

@@ -42,8 +42,16 @@ of this many tokens per rank."""
 class Rank:
     """What every rank holds: the model, its end of the broadcast, its prefix cache, where it stands."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, group: mx.distributed.Group, settings: ServeSettings) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        group: mx.distributed.Group,
+        settings: ServeSettings,
+        draft: nn.Module | None = None,
+    ) -> None:
         self.model = model
+        self.draft = draft  # --draft-model, whole on every rank (speculative decoding, one request at a time)
         self.tokenizer = tokenizer
         self.rank = group.rank()
         self.size = group.size()
@@ -161,6 +169,11 @@ class OneAtATime:
         cache = rank.checkout(plan)
         if insert.seed >= 0:
             mx.random.seed(insert.seed)
+            if insert.drawn and insert.temperature > 0:  # a resumed request: skip the keys its tokens used
+                for _ in range(insert.drawn):
+                    mx.random.uniform(shape=())
+                # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this stream.
+                mx.eval(mx.random.state)  # pyright: ignore[reportUnknownMemberType]
         # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
         sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
@@ -170,6 +183,8 @@ class OneAtATime:
         error: BaseException | None = None
         kept = tokens
         prefilled = new
+        # Speculative decoding (--draft-model, --prompt-lookup) unless the request said "draft": false.
+        guess = insert.draft and (rank.draft is not None or settings.prompt_lookup is not None)
         generator = generate_step(
             mx.array(tokens[plan.reuse :], dtype=mx.int32),
             rank.model,
@@ -181,6 +196,10 @@ class OneAtATime:
             prompt_progress_callback=None if sink is None else lambda done, total: sink.progress(seq, done, total),
             should_cancel=None if sink is None else lambda: sink.should_cancel(seq),
             timeout=settings.timeout,
+            draft_model=rank.draft if guess else None,
+            num_draft_tokens=settings.num_draft_tokens,
+            prompt_lookup=settings.prompt_lookup if guess else None,
+            history=tokens[: plan.reuse],  # the proposer reads the reused prefix too
         )
         try:
             try:
@@ -191,7 +210,9 @@ class OneAtATime:
                         break
             finally:
                 generator.close()
-            kept = tokens + generated
+            # What every rank decided: with guesses, rank 0's stop string may have come before the end of a pass
+            # whose tokens are in every cache (streamed: ``generated``, up to the stop).
+            kept = tokens + generator.decided
             if outcome != "stop":
                 reason = generator.stop.reason if generator.stop is not None else "length"
                 outcome = "failed" if reason == "failed" else "cancelled" if reason == "cancelled" else "length"
@@ -214,7 +235,8 @@ class OneAtATime:
         if outcome != "failed" and kept and offset == len(kept):
             rank.prefix.store(kept, cache)
         rank.ended(seq, offset, outcome)
-        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error)
+        proposed, accepted = generator.guesses
+        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error, proposed, accepted)
 
 
 @dataclass
@@ -272,7 +294,7 @@ class Batched:
             uids = self.generator.insert(
                 [i.tokens[i.plan.reuse :] for i in ops.inserts],
                 max_tokens=[i.max_tokens for i in ops.inserts],
-                samplers=[request_sampler(i.temperature, i.top_p, i.seed) for i in ops.inserts],
+                samplers=[request_sampler(i.temperature, i.top_p, i.seed, i.drawn) for i in ops.inserts],
                 caches=caches,
                 logits_processors=[i.penalties.processors() for i in ops.inserts],
                 all_tokens=[i.tokens[: i.plan.reuse] for i in ops.inserts],
@@ -356,16 +378,22 @@ class Batched:
         return seq, result
 
 
-def request_sampler(temperature: float, top_p: float, seed: int) -> Sampler | None:
+def request_sampler(temperature: float, top_p: float, seed: int, drawn: int = 0) -> Sampler | None:
     """The sampler of one batched request: ``None`` (greedy) at temperature 0, else categorical with its own key.
 
     Each call splits the request's key as MLX's global generator splits its
     own, so the draws equal a solo run after ``mx.random.seed(seed)``: what
-    else is in the batch does not change a seeded request's text.
+    else is in the batch does not change a seeded request's text. ``drawn``
+    keys are skipped first (a request resumed after ``drawn`` tokens draws
+    what the undisturbed run draws next).
     """
     if temperature <= 0:
         return None
     state = [mx.random.key(seed)]
+    for _ in range(drawn):
+        state[0] = mx.random.split(state[0])[0]
+    # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this thread's stream.
+    mx.eval(state[0])  # pyright: ignore[reportUnknownMemberType]
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < top_p < 1:

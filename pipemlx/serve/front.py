@@ -67,6 +67,19 @@ class ServeSettings:
     idle_timeout: int = 5  # seconds a kept-alive connection may stay idle between requests
     grace: float = 30.0  # on SIGTERM: seconds the running requests get to finish
     metrics_public: bool = False  # /metrics without the API key
+    # Speculative decoding (docs/speculative.md), with max_concurrency 1 only: the CLI refuses it with batching.
+    draft_model: str | None = None  # a folder or repo id, loaded whole on every rank
+    num_draft_tokens: int | Literal["auto"] = 3
+    prompt_lookup: int | None = None  # guess from the longest earlier n-gram match, up to this n
+
+    @property
+    def speculation(self) -> str | None:
+        """How requests guess tokens, in words (``None``: they do not)."""
+        if self.draft_model is not None:
+            return f"draft model {self.draft_model}, {self.num_draft_tokens} tokens a pass"
+        if self.prompt_lookup is not None:
+            return f"prompt lookup of up to {self.prompt_lookup} tokens, {self.num_draft_tokens} tokens a pass"
+        return None
 
 
 @dataclass
@@ -100,6 +113,7 @@ class Job:
     events: asyncio.Queue[Event]
     cancelled: threading.Event = field(default_factory=threading.Event)
     finished: bool = False
+    draft: bool = True  # the request's ``draft``: False opts it out of the server's speculative decoding
     # What /health shows while it runs:
     seq: int = 0
     phase: str = "queued"
@@ -130,6 +144,8 @@ class RequestResult:
     cache_tokens: int  # positions its cache held at the end
     prefilled: int  # prompt positions computed by this request (processed of a prefill cut short)
     error: BaseException | None = None
+    proposed: int = 0  # speculative decoding: tokens guessed
+    accepted: int = 0  # of which the pipeline confirmed
 
 
 class Reply:
@@ -210,12 +226,15 @@ class Front:
         self.prefix = prefix
         self.slots = list(slots)  # every rank's own fields, as of the last broadcast (replaced whole by the loop)
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
-        self.status: Literal["loading", "ready", "failed", "stopping"] = "loading"
+        self.status: Literal["loading", "ready", "failed", "stopping", "recovering"] = "loading"
+        self.recover_expired = False  # recovering for longer than --recover-timeout: new requests get 503 at once
+        self.recovery: dict[str, Any] | None = None  # with --recover: restarts and recovery times (/health)
         self.fault: str | None = None
         self.stopping = threading.Event()
         self.running: tuple[Job, ...] = ()  # oldest first (replaced whole by the leader loop, read by the HTTP thread)
         self.peak_running = 0
         self.counts = {"served": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.guesses = (0, 0)  # speculative decoding over every request: (proposed, accepted) tokens
         self.recent: list[dict[str, Any]] = []
         self.started = time.time()
         self.lock = threading.Lock()
@@ -250,6 +269,14 @@ class Front:
             raise unavailable("the server is shutting down", code="shutting_down")
         if self.status == "loading":
             raise unavailable("the model is still loading", code="loading")
+        if self.status == "recovering" and self.recover_expired:
+            raise ApiError(
+                503,
+                f"the pipeline is recovering from a fault and is not back yet: {self.fault}",
+                type="server_error",
+                code="pipeline_recovering",
+                headers={"Retry-After": "2"},
+            )
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -312,6 +339,7 @@ class Front:
             "max_concurrency": self.settings.max_concurrency,
             "peak_running": self.peak_running,
             "requests": dict(self.counts),
+            "speculation": self._speculation(),
             "recent": list(self.recent),
             "prefix_cache": None
             if prefix is None
@@ -325,7 +353,24 @@ class Front:
                 "misses": prefix.misses,
             },
             "last_fault": self.fault,
+            **({} if self.recovery is None else {"recovery": dict(self.recovery)}),
             "uptime_s": round(time.time() - self.started, 1),
+        }
+
+    def _speculation(self) -> dict[str, Any] | None:
+        """``/health``'s ``speculation``: the server's setting and its guesses so far (``None``: it does not guess)."""
+        settings = self.settings
+        if settings.speculation is None:
+            return None
+        with self.lock:
+            proposed, accepted = self.guesses
+        return {
+            "draft_model": settings.draft_model,
+            "prompt_lookup": settings.prompt_lookup,
+            "num_draft_tokens": settings.num_draft_tokens,
+            "proposed_tokens": proposed,
+            "accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
         }
 
     # --- the loop's side (rank 0's main thread) ----------------------------------------------------------------------
@@ -395,11 +440,18 @@ class Front:
             job.emit(Event("done", finish_reason=finish, usage=counts))
         if self.metrics is not None:
             self.metrics.request_done(finish, len(job.tokens), len(result.generated), result.cached)
+            self.metrics.guessed(result.proposed, result.accepted)
+        with self.lock:
+            self.guesses = (self.guesses[0] + result.proposed, self.guesses[1] + result.accepted)
         self._record(job, reply, result, finish)
 
     def _count(self, what: str) -> None:
         with self.lock:
             self.counts[what] += 1
+
+    def count(self, what: str) -> None:
+        """Count one request as ``what`` (``served``, ``cancelled``, ``failed``, ``rejected``)."""
+        self._count(what)
 
     def _record(self, job: Job, reply: Reply, result: RequestResult, finish: str) -> None:
         """The request's one log line, and its entry in /health's ``recent``."""
@@ -426,6 +478,8 @@ class Front:
             "prefill_tokens_per_s": round(prefill_tps, 1),
             "decode_tokens_per_s": round(decode_tps, 1),
             "seconds": round(end - reply.start, 4),
+            "draft_proposed_tokens": result.proposed,
+            "draft_accepted_tokens": result.accepted,
         }
         with self.lock:
             self.recent = (self.recent + [record])[-RECENT:]
@@ -435,6 +489,7 @@ class Front:
             + (f" at {prefill_tps:,.0f} tokens/s" if prefilled > 1 else "")
             + f", decode {_tokens(generated)}"
             + (f" at {decode_tps:,.1f} tokens/s" if generated > 1 else "")
+            + (f", {_guesses(result.proposed, result.accepted)}" if result.proposed else "")
             + f", finish {finish}"
             + (f" in the {phase}" if finish == "cancelled" else "")
             + f", {end - reply.start:.2f} s"
@@ -465,6 +520,11 @@ class Front:
         time.sleep(0.2)  # let the HTTP thread deliver the last 503s
         print(f"pipemlx serve: exiting after a pipeline fault: {self.fault}", file=sys.stderr, flush=True)
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+
+
+def _guesses(proposed: int, accepted: int) -> str:
+    """Speculative decoding's figures for the log line: ``draft accepted 12 of 20 guessed tokens (60%)``."""
+    return f"draft accepted {accepted} of {proposed} guessed tokens ({accepted / proposed:.0%})"
 
 
 def _tokens(tokens: int) -> str:

@@ -104,7 +104,17 @@ class Leader:
             plan = prefix.plan(job.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
             job.cached = plan.reuse
             inserts.append(
-                Insert(job.seq, job.tokens, job.max_tokens, job.temperature, job.top_p, seed, plan, job.penalties)
+                Insert(
+                    job.seq,
+                    job.tokens,
+                    job.max_tokens,
+                    job.temperature,
+                    job.top_p,
+                    seed,
+                    plan,
+                    job.penalties,
+                    draft=job.draft,
+                )
             )
             self.running[job.seq] = Running(job, Reply(job, self.rank.tokenizer, self.front.metrics))
         self._publish()

@@ -95,6 +95,14 @@ class ServeMetrics:
         )
         self.prefix_hits = Counter("pipemlx_prefix_cache_hits", "requests that reused a cached prefix", registry=r)
         self.prefix_misses = Counter("pipemlx_prefix_cache_misses", "requests that reused nothing", registry=r)
+        self.draft_proposed = Counter(
+            "pipemlx_draft_tokens_proposed", "speculative decoding: tokens guessed (draft model or prompt lookup)",
+            registry=r,
+        )  # fmt: skip
+        self.draft_accepted = Counter(
+            "pipemlx_draft_tokens_accepted", "speculative decoding: guessed tokens the pipeline confirmed "
+            "(the acceptance rate: accepted over proposed)", registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "pipemlx_time_to_first_token_seconds", "from handing a request out to its first token",
             buckets=TTFT_BUCKETS, registry=r,
@@ -119,6 +127,11 @@ class ServeMetrics:
         self.generated_tokens.inc(generated)
         self.cached_tokens.inc(cached)
         (self.prefix_hits if cached > 0 else self.prefix_misses).inc()
+
+    def guessed(self, proposed: int, accepted: int) -> None:
+        """Count one ended request's speculative guesses: ``proposed`` tokens, ``accepted`` of them confirmed."""
+        self.draft_proposed.inc(proposed)
+        self.draft_accepted.inc(accepted)
 
     def text(self) -> bytes:
         """The exposition (Prometheus text format 0.0.4)."""

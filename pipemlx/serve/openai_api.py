@@ -75,6 +75,7 @@ class ParsedRequest:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple[str, ...])
     penalties: Penalties = field(default_factory=Penalties)
+    draft: bool = True  # pipemlx's own field: False opts this request out of speculative decoding
 
 
 def parse_chat(body: Any) -> ParsedRequest:
@@ -185,6 +186,11 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
             raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
         request.seed = int(seed) % (MAX_SEED + 1)
     request.stop = _stop(obj.get("stop"))
+    draft = obj.get("draft")
+    draft = True if draft is None else draft  # null: unset, as for the other fields
+    if not isinstance(draft, bool):
+        raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
+    request.draft = draft
     try:
         request.penalties = parse_penalties(obj)
     except PenaltyError as exc:

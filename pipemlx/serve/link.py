@@ -1,0 +1,201 @@
+"""The messages between the front process and rank 0 (``pipemlx serve --recover``): JSON over a local socket.
+
+The front (:mod:`.recovery`) listens on a loopback port with
+:class:`multiprocessing.connection.Listener` (the standard library's
+length-prefixed, HMAC-authenticated connection) and rank 0 connects to it
+(:mod:`.worker`); each message is one JSON object sent with ``send_bytes``
+(nothing is unpickled). The ranks keep talking among themselves over
+``mx.distributed``; this link only carries the requests and their tokens.
+
+Front to rank 0: ``job`` (a request to run: its tokens, so far generated ones
+included after a restart), ``cancel`` (stop a request: its client left, or the
+front has its whole answer), ``stop`` (stop the group). Rank 0 to the front:
+``hello`` (loaded and greeted: the split and the ranks' slots), ``admitted``,
+``progress``, ``token``, ``ended``, ``slots``, ``beat`` (every
+:data:`BEAT_S` seconds, from a thread of its own) and ``fault`` (the pipeline
+failed; rank 0 exits right after). The front sends ``beat`` too while it
+serves: rank 0 stops the group when the front is silent for
+:data:`FRONT_SILENCE_S` (the front gone, or the network between them cut).
+
+Across hosts (``--hostfile``) the front listens on ``--front-listen`` and rank 0
+of the workers connects to it from another machine; the key is then a secret
+the user gives every host. :func:`connect` and :class:`Acceptor` bound every
+wait of the connection and its handshake, so a peer that connects and says
+nothing (or a cut network) cannot hold either end.
+
+No MLX here: the front imports it without joining any group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any, cast
+
+FRONT_ADDRESS_VARIABLE = "PIPEMLX_SERVE_FRONT"
+"""``host:port`` of the front's listener, set for the ranks the front starts (rank 0 connects to it)."""
+FRONT_KEY_VARIABLE = "PIPEMLX_SERVE_FRONT_KEY"
+"""The link's authentication key: random per front process for local ranks; across hosts a secret the user
+sets on the front and on every worker (any string; its UTF-8 bytes are the HMAC key)."""
+BEAT_S = 0.5
+"""Seconds between heartbeats (rank 0's and the front's); the front counts rank 0 as stalled after
+:data:`SILENCE_S` without a message."""
+SILENCE_S = 5.0
+FRONT_SILENCE_S = 10.0
+"""Seconds without a word from the front after which rank 0 stops the group (longer than :data:`SILENCE_S`:
+the front, which sees a fault first, restarts nothing when the ranks are only slow to hear it)."""
+HANDSHAKE_S = 10.0
+"""Seconds the connection and its HMAC handshake may take, at either end."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; ValueError naming what is wrong."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, like 10.0.0.1:8090, got {text!r}")
+    return host, int(port)
+
+
+def key_from_environment() -> str | None:
+    """The shared key in :data:`FRONT_KEY_VARIABLE`, or None when it is unset or empty."""
+    return os.environ.get(FRONT_KEY_VARIABLE) or None
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def set_timeouts(fd: int, receive: float, send: float) -> None:
+    """Bound the blocking reads and writes of socket ``fd`` (0: unbounded). A :class:`Connection` reads and writes
+    its descriptor directly, which a socket object's timeout (a non-blocking descriptor) would break; a bounded
+    call fails with an OSError instead of hanging on a silent peer or a cut network."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(receive))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send))
+    finally:
+        sock.close()
+
+
+def connect(address: str, key: str, timeout: float = HANDSHAKE_S, send_timeout: float = FRONT_SILENCE_S) -> Link:
+    """Rank 0's end of the link to the front at ``address`` (``host:port``): connected and authenticated within
+    ``timeout`` seconds, else OSError or EOFError (:class:`AuthenticationError` for a wrong key). A send that
+    cannot go out for ``send_timeout`` seconds marks the link gone."""
+    host, port = parse_address(address)
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.settimeout(None)
+    set_timeouts(sock.fileno(), timeout, timeout)
+    connection: Connection[Any, Any] = Connection(sock.detach())
+    try:
+        answer_challenge(connection, key.encode())
+        deliver_challenge(connection, key.encode())
+        set_timeouts(connection.fileno(), 0, send_timeout)
+    except BaseException:
+        connection.close()
+        raise
+    return Link(connection)
+
+
+class Acceptor:
+    """The front's listener: every connection that passes the HMAC handshake (bounded by :data:`HANDSHAKE_S`, in
+    a thread of its own, so a silent peer holds nothing up) becomes a :class:`Link` in :attr:`accepted`."""
+
+    def __init__(self, host: str, port: int, key: str, send_timeout: float = SILENCE_S) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(16)
+        self.address: tuple[str, int] = cast(tuple[str, int], self.sock.getsockname()[:2])
+        self.key = key.encode()
+        self.send_timeout = send_timeout
+        self.accepted: queue.Queue[Link] = queue.Queue()
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, name="pipemlx-serve-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                sock, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._handshake, args=(sock,), name="pipemlx-serve-handshake", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(None)
+            set_timeouts(sock.fileno(), HANDSHAKE_S, HANDSHAKE_S)
+        except OSError:
+            sock.close()
+            return
+        connection: Connection[Any, Any] = Connection(sock.detach())
+        try:
+            deliver_challenge(connection, self.key)
+            answer_challenge(connection, self.key)
+            set_timeouts(connection.fileno(), 0, self.send_timeout)
+        except (OSError, EOFError, AuthenticationError):  # not our rank 0, a wrong key, or a silent peer
+            connection.close()
+            return
+        if self.closed.is_set():
+            connection.close()
+            return
+        self.accepted.put(Link(connection))
+
+    def close(self) -> None:
+        self.closed.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Link:
+    """One end of the link: JSON objects over a :class:`Connection`; :meth:`send` is safe from any thread."""
+
+    def __init__(self, connection: Connection[Any, Any]) -> None:
+        self.connection = connection
+        self.lock = threading.Lock()
+        self.broken = False  # a send failed, perhaps halfway through a message: nothing more goes out
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Send ``message``; False when the other end is gone (or a send timed out: the link is then broken)."""
+        data = json.dumps(message, separators=(",", ":")).encode()
+        with self.lock:
+            if self.broken:
+                return False
+            try:
+                self.connection.send_bytes(data)
+            except (OSError, ValueError):
+                self.broken = True
+                return False
+        return True
+
+    def poll(self, timeout: float) -> bool:
+        """A message (or the end of the link) is there to read within ``timeout`` seconds."""
+        try:
+            return self.connection.poll(timeout)
+        except (OSError, ValueError):
+            return True  # recv will say the link is gone
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next message; ``None`` when the other end is gone."""
+        try:
+            data = self.connection.recv_bytes()
+        except (EOFError, OSError, ValueError):
+            return None
+        value: Any = json.loads(data)
+        return cast(dict[str, Any], value) if isinstance(value, dict) else None
+
+    def close(self) -> None:
+        try:
+            self.connection.close()
+        except OSError:
+            pass

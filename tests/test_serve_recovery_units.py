@@ -1,0 +1,181 @@
+"""The parts of ``pipemlx serve --recover`` that need no ranks: what a resumed request carries, the front's
+bookkeeping of a request's tokens (answered once, whatever the group sends after), the link's handshake (a wrong
+key or a silent peer refused, neither holding the front up), and the across-hosts flags' bad input (one line,
+exit 2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from multiprocessing import AuthenticationError
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from pipemlx import cli
+from pipemlx.demo import MODEL_DIR
+from pipemlx.serve import front_tokenizer
+from pipemlx.serve.broadcast import Insert, Ops, decode_ops, encode_ops
+from pipemlx.serve.engines import request_sampler
+from pipemlx.serve.front import Event, Front, Job, Reply, ServeSettings
+from pipemlx.serve.link import FRONT_KEY_VARIABLE, Acceptor, connect
+from pipemlx.serve.penalties import Penalties
+from pipemlx.serve.recovery import GroupFront, RecoverOptions, Tracked
+
+
+@pytest.mark.parametrize("drawn", [1, 5, 17])
+def test_a_resumed_sampler_draws_what_the_undisturbed_one_draws_next(drawn: int) -> None:
+    logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1]]), axis=-1))
+    whole = request_sampler(0.8, 1.0, 99)
+    resumed = request_sampler(0.8, 1.0, 99, drawn)
+    assert whole is not None and resumed is not None
+    undisturbed = [int(whole(logprobs).item()) for _ in range(drawn + 20)]
+    assert [int(resumed(logprobs).item()) for _ in range(20)] == undisturbed[drawn:]
+
+
+def test_an_insert_keeps_its_draws_through_the_broadcast() -> None:
+    insert = Insert(3, [1, 2, 3, 4], 9, 0.5, 0.75, 1234, drawn=11)  # float32-exact temperature and top_p
+    (back,) = decode_ops(encode_ops(Ops([], [insert]))).inserts
+    assert back == insert and back.drawn == 11
+
+
+class FakeLink:
+    """Records what the front sends to rank 0."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, message: dict[str, Any]) -> bool:
+        self.sent.append(message)
+        return True
+
+
+def events_of(loop: asyncio.AbstractEventLoop, job: Job) -> list[Event]:
+    loop.run_until_complete(asyncio.sleep(0))  # deliver what emit scheduled
+    out: list[Event] = []
+    while not job.events.empty():
+        out.append(job.events.get_nowait())
+    return out
+
+
+def test_the_front_resumes_with_the_tokens_sent_and_answers_once() -> None:
+    tokenizer = front_tokenizer(MODEL_DIR)
+    front = Front(ServeSettings("pipemlx-demo", max_concurrency=4), [4, 4])
+    group = GroupFront(front, tokenizer, RecoverOptions(2, ["true"]))
+    loop = asyncio.new_event_loop()
+    try:
+        prompt = list(tokenizer.encode("Mr. Bingley"))
+        answer = list(tokenizer.encode(" was a handsome young man"))[:6]
+        job = Job(
+            kind="completion", request_id="cmpl-1", created=0, tokens=prompt, max_tokens=len(answer),
+            temperature=0.8, top_p=1.0, seed=7, stop=(), stream=True, include_usage=False, penalties=Penalties(),
+            loop=loop, events=asyncio.Queue(),
+        )  # fmt: skip
+        tracked = Tracked(1, job, Reply(job, tokenizer))
+        group.tracked[1] = tracked
+        group._handle({"t": "admitted", "id": 1, "seq": 1, "cached": 0})  # pyright: ignore[reportPrivateUsage]
+        for token in answer[:2]:
+            group._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
+        link = FakeLink()
+        group._send_job(link, tracked)  # pyright: ignore[reportPrivateUsage, reportArgumentType]
+        (resume,) = link.sent
+        assert resume["tokens"] == prompt + answer[:2]
+        assert resume["max_tokens"] == len(answer) - 2 and resume["drawn"] == 2 and resume["seed"] == 7
+        for token in answer[2:]:  # the new group goes on; the last token answers the request (length)
+            group._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
+        group._handle({"t": "token", "id": 1, "token": answer[0]})  # pyright: ignore[reportPrivateUsage]
+        group._handle({"t": "ended", "id": 1, "outcome": "length", "generated": 4})  # pyright: ignore[reportPrivateUsage]
+        events = events_of(loop, job)
+        assert [e.kind for e in events if e.kind != "text"] == ["done"]
+        detokenizer = tokenizer.detokenizer  # what one stream of these tokens reads
+        for token in answer:
+            detokenizer.add_token(token)
+        detokenizer.finalize()
+        assert "".join(e.text for e in events if e.kind == "text") == detokenizer.text
+        assert events[-1].finish_reason == "length" and not group.tracked
+        assert front.counts["served"] == 1
+    finally:
+        loop.close()
+        group.close()
+
+
+def test_the_link_needs_the_key_and_a_silent_peer_holds_nothing_up() -> None:
+    acceptor = Acceptor("127.0.0.1", 0, "right key")
+    address = f"{acceptor.address[0]}:{acceptor.address[1]}"
+    try:
+        silent = socket.create_connection(acceptor.address)  # connects and never answers the challenge
+        with pytest.raises((AuthenticationError, OSError, EOFError)):  # refused, or the front hanging up
+            connect(address, "wrong key", timeout=5.0)
+        started = time.monotonic()
+        link = connect(address, "right key", timeout=5.0)
+        assert time.monotonic() - started < 3.0  # the silent peer's handshake runs in a thread of its own
+        front_end = acceptor.accepted.get(timeout=5.0)
+        assert acceptor.accepted.empty()  # neither the silent peer nor the wrong key became a link
+        assert link.send({"t": "hello", "split": [4, 4]})
+        assert front_end.poll(5.0) and front_end.recv() == {"t": "hello", "split": [4, 4]}
+        link.close()
+        assert front_end.recv() is None  # the other end gone
+        silent.close()
+    finally:
+        acceptor.close()
+
+
+@pytest.fixture
+def hostfile(tmp_path: Path) -> str:
+    path = tmp_path / "hosts.json"
+    path.write_text(json.dumps([["127.0.0.1:5000"], ["10.213.9.9:5000"]]))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "argv,key,words",
+    [
+        (["--worker", "--front", "127.0.0.1:7000"], "k", "--worker needs --hostfile"),
+        (["--worker", "--hostfile", "{hostfile}"], "k", "--worker needs --front HOST:PORT"),
+        (["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], None, "--worker needs a shared key"),
+        (["--worker", "--recover", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], "k", "the front is its"),
+        (["--front", "127.0.0.1:7000"], "k", "--front goes with --worker"),
+        (["--recover", "--front-listen", "127.0.0.1:7000"], "k", "--front-listen goes with --recover --hostfile"),
+        (["--recover", "--hostfile", "{hostfile}"], "k", "--recover --hostfile needs --front-listen HOST:PORT"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], "k", "a port in 1..65535"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], None, "needs a shared key"),
+        (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], "k", "cannot read hostfile"),
+        (["--allow-shrink", "--ranks", "3"], "k", "--allow-shrink goes with --recover"),
+        (["--recover", "--ranks", "2", "--prompt-lookup", "3"], "k", "--prompt-lookup is not supported with --recover"),
+        (
+            ["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000", "--prompt-lookup", "3"],
+            "k",
+            "--prompt-lookup is not supported with --recover or --worker",
+        ),
+        (["--recover", "--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs --ranks 3 or more"),
+        (
+            ["--recover", "--allow-shrink", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"],
+            "k",
+            "--allow-shrink works with local ranks",
+        ),
+    ],
+)
+def test_bad_input_across_hosts_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    hostfile: str,
+    argv: list[str],
+    key: str | None,
+    words: str,
+) -> None:
+    if key is None:
+        monkeypatch.delenv(FRONT_KEY_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(FRONT_KEY_VARIABLE, key)
+    try:
+        code = cli.main(["serve", *(a.replace("{hostfile}", hostfile) for a in argv)])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if "error" in line]) == 1, err

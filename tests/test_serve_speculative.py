@@ -1,0 +1,245 @@
+"""`pipemlx serve --ranks 2` with speculative decoding: the demo's draft model, and prompt lookup.
+
+Every greedy answer is checked against one process running mlx-lm on the whole demo model without
+speculation (the same :class:`~test_serve.Reference` as the other serve tests): guesses may change how many
+tokens a pass yields, never which. A request with ``"draft": false`` guesses nothing; ``/metrics`` counts the
+guessed and the confirmed tokens; a stop string that ends an answer in the middle of a pass leaves every rank's
+cache, and the prefix cache, holding the tokens every rank decided, which the next turn reuses. Bad flags exit
+with status 2 and one line. One server per proposer; every wait is bounded and every rank always stopped
+(:mod:`serve_process`), its stderr shown on a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_process import ROOT, ServeProcess, serving
+from test_serve import MODEL, Reference
+
+from pipemlx.demo import DRAFT_DIR
+from pipemlx.launch import free_ports, write_hostfile
+
+pytest.importorskip("starlette", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip install -e '.[serve]')")
+
+pytestmark = pytest.mark.timeout(180)
+
+OPENING = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+CHAT = [
+    {"role": "system", "content": "It is a truth universally acknowledged."},
+    {"role": "user", "content": "Do you like to dance, Mr. Darcy?"},
+]
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture(scope="module")
+def ref() -> Reference:
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServeProcess]:
+    """The module's server: the demo's draft model guessing 3 tokens a pass."""
+    with serving("--draft-model", str(DRAFT_DIR), "--num-draft-tokens", "3") as process:
+        yield process
+
+
+def post(server: ServeProcess, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One answer (not streamed); a failure shows the server's stderr."""
+    try:
+        response = httpx.post(f"{server.url}/v1/{endpoint}", json={"model": MODEL, **body}, timeout=60.0)
+    except httpx.HTTPError as exc:
+        server.fail(f"POST /v1/{endpoint}: {type(exc).__name__}: {exc}")
+        raise
+    if response.status_code != 200:
+        server.fail(f"POST /v1/{endpoint}: {response.status_code} {response.text}")
+    return response.json()
+
+
+def streamed(server: ServeProcess, body: dict[str, Any], chunks: int | None = None) -> tuple[str, str]:
+    """A streamed completion's text, joined, and its id; with ``chunks``, the client leaves after that many."""
+    pieces: list[str] = []
+    request_id = ""
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={"model": MODEL, "stream": True, **body}, timeout=60.0
+    ) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                pieces += [c["text"] for c in chunk["choices"]]
+                if chunks is not None and len(pieces) >= chunks:
+                    break
+    return "".join(pieces), request_id
+
+
+def record(server: ServeProcess, request_id: str) -> dict[str, Any]:
+    """/health's record of ``request_id`` once every rank finished it, with every rank's slot."""
+
+    def check() -> dict[str, Any] | None:
+        health = server.health()
+        found = next((r for r in health["recent"] if r["id"] == request_id), None)
+        if found is None or any(r["last_request"] < found["seq"] for r in health["rank_status"]):
+            return None
+        return {**found, "rank_status": health["rank_status"], "speculation": health["speculation"]}
+
+    return server.wait_for(f"the record of {request_id}", check)
+
+
+def scrape(server: ServeProcess) -> Samples:
+    text = httpx.get(server.url + "/metrics", timeout=10.0).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def guessed(before: Samples, after: Samples) -> tuple[float, float]:
+    """How much ``pipemlx_draft_tokens_{proposed,accepted}_total`` grew."""
+    names = ("pipemlx_draft_tokens_proposed_total", "pipemlx_draft_tokens_accepted_total")
+    proposed, accepted = (after.get((n, ()), 0.0) - before.get((n, ()), 0.0) for n in names)
+    return proposed, accepted
+
+
+def test_draft_answers_equal_mlx_lm_and_are_counted(server: ServeProcess, ref: Reference) -> None:
+    """Chat and completion, whole and streamed: mlx-lm's greedy text; the guesses in the record and /metrics."""
+    before = scrape(server)
+    chat = post(server, "chat/completions", {"messages": CHAT, "max_tokens": 30, "temperature": 0})
+    assert chat["choices"][0]["message"]["content"] == ref.answer(ref.chat_tokens(CHAT), 30)
+    completion = post(server, "completions", {"prompt": OPENING, "max_tokens": 40, "temperature": 0})
+    expected = ref.answer(ref.text_tokens(OPENING), 40)
+    assert completion["choices"][0]["text"] == expected
+    text, again = streamed(server, {"prompt": OPENING, "max_tokens": 40, "temperature": 0})
+    assert text == expected
+    seen = record(server, completion["id"])
+    assert seen["draft_proposed_tokens"] > 0 and 0 < seen["draft_accepted_tokens"] <= seen["draft_proposed_tokens"]
+    # The same prompt again, all but its last token reused: the draft reads the cached prefix too, guesses alike.
+    repeat = record(server, again)
+    assert repeat["cached_tokens"] == len(ref.text_tokens(OPENING)) - 1
+    guesses = ("draft_proposed_tokens", "draft_accepted_tokens")
+    assert [repeat[g] for g in guesses] == [seen[g] for g in guesses]
+    proposed, accepted = guessed(before, scrape(server))
+    assert proposed >= seen["draft_proposed_tokens"] and 0 < accepted <= proposed
+    speculation = seen["speculation"]
+    assert speculation["draft_model"] == str(DRAFT_DIR) and speculation["num_draft_tokens"] == 3
+    rate = speculation["accepted_tokens"] / speculation["proposed_tokens"]
+    assert abs(rate - speculation["acceptance_rate"]) < 1e-4, speculation
+    assert "draft accepted" in server.stderr()  # the request's log line
+
+
+def test_draft_false_opts_a_request_out(server: ServeProcess, ref: Reference) -> None:
+    before = scrape(server)
+    body = {"prompt": OPENING + " must be", "max_tokens": 24, "temperature": 0, "draft": False}
+    answer = post(server, "completions", body)
+    assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(OPENING + " must be"), 24)
+    seen = record(server, answer["id"])
+    assert seen["draft_proposed_tokens"] == 0 and guessed(before, scrape(server)) == (0.0, 0.0)
+    bad = httpx.post(f"{server.url}/v1/completions", json={"prompt": OPENING, "draft": "no"}, timeout=10.0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "draft"
+
+
+def test_a_client_leaving_mid_stream_leaves_the_ranks_alike(server: ServeProcess, ref: Reference) -> None:
+    """A streamed answer the client leaves after a few chunks: every rank stops after the same pass, the caches and
+    prefix caches agree, and the next request (the same prompt, reused) still equals mlx-lm."""
+    prompt = f"Mr. Bennet said: {OPENING}"
+    _, left = streamed(server, {"prompt": prompt, "max_tokens": 400, "temperature": 0}, chunks=4)
+    seen = record(server, left)
+    slots = seen["rank_status"]
+    assert seen["finish_reason"] == "cancelled" and seen["completion_tokens"] < 400
+    assert len({(r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
+    answer = post(server, "completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+    assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 20)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProcess, ref: Reference) -> None:
+    """Stop strings cut answers after tokens of a pass whose later tokens every rank holds: the caches agree, every
+    rank's prefix cache keeps them alike, and the next turn (the answer continued) reuses them and still equals
+    mlx-lm. Each cut has a prompt of its own, so that no earlier entry covers the next turn."""
+    beyond = 0  # answers whose caches hold decided tokens that the client never saw
+    for i, cut in enumerate((6, 11, 17, 23)):
+        prompt = ref.text_tokens(f"Chapter {i + 1}. {OPENING}")
+        full = ref.generate(prompt, 40)
+        text = ref.text(full)
+        stop = text[cut : cut + 3]
+        answer = post(server, "completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop})
+        assert answer["choices"][0]["text"] == text[: text.index(stop)]
+        seen = record(server, answer["id"])
+        slots = seen["rank_status"]
+        assert len({(r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
+        held = slots[0]["cache_tokens"] - len(prompt)  # every cache: the prompt and the decided tokens
+        assert seen["completion_tokens"] <= held <= len(full)
+        beyond += held > seen["completion_tokens"]
+        follow = prompt + full[:held] + full[held : held + 2]
+        again = post(server, "completions", {"prompt": follow, "max_tokens": 8, "temperature": 0})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + held - 1, (held, seen)
+        assert again["choices"][0]["text"] == ref.answer(follow, 8)
+    assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
+
+
+def test_prompt_lookup_answers_equal_mlx_lm(ref: Reference) -> None:
+    """``--prompt-lookup 3 --num-draft-tokens auto``: a prompt that repeats a passage, continued as mlx-lm does."""
+    passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
+    prompt = f"{OPENING}{passage}\n\n{OPENING}"
+    with serving("--prompt-lookup", "3", "--num-draft-tokens", "auto") as lookup:
+        before = scrape(lookup)
+        answer = post(lookup, "completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
+        assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 40)
+        proposed, accepted = guessed(before, scrape(lookup))
+        assert 0 < accepted <= proposed
+        seen = record(lookup, answer["id"])
+        assert seen["speculation"]["prompt_lookup"] == 3 and seen["draft_accepted_tokens"] == accepted
+        plain = post(lookup, "completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "draft": False})
+        assert plain["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 12)
+        assert guessed(before, scrape(lookup)) == (proposed, accepted)
+
+
+def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    port = str(free_ports(1)[0])
+    serve = [sys.executable, "-m", "pipemlx", "serve", "--port", port]
+    cases: dict[str, tuple[list[str], str]] = {
+        "missing draft": ([*serve, "--draft-model", str(tmp_path / "nowhere")], "cannot load the draft model"),
+        "both proposers": ([*serve, "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"], "not both"),
+        "batched": ([*serve, "--prompt-lookup", "2", "--max-concurrency", "2"], "needs --max-concurrency 1"),
+        "zero guesses": ([*serve, "--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
+        "bad n-gram": ([*serve, "--prompt-lookup", "0"], "--prompt-lookup: must be at least 1"),
+    }
+    hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(2)], tmp_path)
+    for rank in range(2):  # a folder that holds no model: every rank fails to load it and says so itself
+        command = [*serve, "--draft-model", str(not_a_model), "--hostfile", str(hostfile), "--rank", str(rank)]
+        cases[f"not a model, rank {rank}"] = (command, "cannot load the draft model")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True) for name, (cmd, _) in cases.items()}  # fmt: skip
+    try:
+        for name, proc in procs.items():
+            try:
+                _, err = proc.communicate(timeout=90.0)
+            except subprocess.TimeoutExpired:
+                for other in procs.values():
+                    if other.poll() is None:
+                        os.killpg(other.pid, 9)
+                _, err = proc.communicate()
+                pytest.fail(f"{name}: hung; stderr:\n{err.decode(errors='replace')}")
+            lines = err.decode(errors="replace").strip().splitlines()
+            assert proc.returncode == 2, (name, proc.returncode, lines)
+            assert lines and lines[-1].startswith("pipemlx serve: error: "), (name, lines)
+            assert cases[name][1] in lines[-1], (name, lines)
+            if "argument" not in lines[-1]:  # argparse's own errors come after its usage lines
+                assert len(lines) == 1, (name, lines)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
