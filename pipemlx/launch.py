@@ -112,8 +112,8 @@ def launch(
     ``pin_cpus`` (Linux, when there are at least as many CPUs as ranks) gives
     each rank its own share of this process's CPUs (:func:`cpu_shares`):
     MLX's ring backend busy-waits in its receives, and a rank waiting on the
-    same core as the rank it waits for slows that one down (measured: decode
-    at S=2 on two cores, 24 against 38 tokens/s pinned).
+    same core as the rank it waits for slows that one down (docs/performance.md,
+    "Decode").
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
