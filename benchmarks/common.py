@@ -35,9 +35,20 @@ BENCH_CONFIG: dict[str, Any] = {
 # weights (Llama-3-8B 6.5%, Qwen2.5-72B 1.7%) where BENCH_CONFIG's 32,000-entry head is 37%.
 LIGHT_HEAD_CONFIG: dict[str, Any] = {**BENCH_CONFIG, "vocab_size": 1024}
 
-SHAPES: dict[str, dict[str, Any]] = {"light": LIGHT_HEAD_CONFIG, "bench": BENCH_CONFIG}
-"""The model shapes the decode and batching benchmarks report side by side, the realistic one first: "light"
-(head 2% of the weights, 1k vocabulary) and "bench" (head 37%, 32k vocabulary)."""
+# A second family for the prefill defaults: llama with grouped-query attention (2 key-value heads of 8) and a
+# feed-forward 4x the width (qwen2's above is 3x).
+LLAMA_GQA_CONFIG: dict[str, Any] = {
+    **LIGHT_HEAD_CONFIG,
+    "model_type": "llama",
+    "intermediate_size": 2048,
+    "num_key_value_heads": 2,
+    "rope_theta": 500000.0,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {"light": LIGHT_HEAD_CONFIG, "bench": BENCH_CONFIG, "llama": LLAMA_GQA_CONFIG}
+"""The model shapes the benchmarks report: "light" (head 2% of the weights, 1k vocabulary) and "bench" (head 37%,
+32k vocabulary) side by side in the decode and batching benchmarks, the realistic one first; "llama" (grouped-query
+attention, a wider feed-forward) as a second family for the prefill defaults."""
 
 
 def bench_env(openblas: bool) -> dict[str, str]:

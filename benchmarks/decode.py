@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from common.SHAPES")
+    parser.add_argument("--shapes", default="light,bench", help="comma-separated names from common.SHAPES")
     parser.add_argument(
         "--sampled", action="store_true", help="temperature 0.7, top-p 0.9 and a repetition penalty instead of greedy"
     )

@@ -18,7 +18,8 @@ and as a fraction of the bound for perfect overlap: one process's best time divi
 work the busiest rank holds (the last layer counted at the share a prefill computes of it, see
 ``pipemlx.schedule.costmodel``), i.e. no bubble, no communication and no slowdown from two processes
 sharing the machine, for whole layers per rank: ``lend_mlp`` moves the cut inside a layer, so it may pass
-that bound. The 512-d 8-layer qwen2 with random weights, one core per process, OpenBLAS
+that bound. The 512-d 8-layer qwen2 with random weights (``--shape``: another of common.SHAPES; a model
+without mlx-lm's native pipeline leaves native out), one core per process, OpenBLAS
 preloaded (../shared/NOTES.md); run by hand on an otherwise idle machine.
 """
 
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common import BENCH_CONFIG, describe_cut, openblas_available, run_ranks, run_single
+from common import SHAPES, describe_cut, openblas_available, run_ranks, run_single
 
 from pipemlx.runtime.calibrate import last_layer_share
 from pipemlx.schedule.split import even_split
@@ -45,10 +46,10 @@ SINGLE_STEPS = (256, 512, 2048)
 PIPELINE_STEPS = (128, 256, 512)
 
 
-def overlap_bound(ranks: int) -> float:
+def overlap_bound(ranks: int, config: dict[str, Any]) -> float:
     """Speed-up with perfect overlap: all the work over the busiest rank's share of it."""
-    layers = even_split(BENCH_CONFIG["num_hidden_layers"], ranks)
-    share = last_layer_share(build_model(dict(BENCH_CONFIG)))
+    layers = even_split(config["num_hidden_layers"], ranks)
+    share = last_layer_share(build_model(dict(config)))
     work = [float(n) for n in layers]
     work[-1] -= 1.0 - share
     return sum(work) / max(work)
@@ -60,13 +61,18 @@ def slowest_rank(reports: list[dict[str, Any]]) -> list[float]:
 
 
 def contenders(
-    num_tokens: int, single_steps: list[int], pipeline_steps: list[int], lend_heads: Sequence[str] = ("2",)
+    num_tokens: int,
+    single_steps: list[int],
+    pipeline_steps: list[int],
+    lend_heads: Sequence[str] = ("2",),
+    native: bool = True,
 ) -> list[tuple[str, Any]]:
-    """``(who, setting)`` pairs measured for a prompt of ``num_tokens``; ``lend_heads``: counts or ``auto``."""
+    """``(who, setting)`` pairs measured for a prompt of ``num_tokens``; ``lend_heads``: counts or ``auto``;
+    ``native``: whether the model has mlx-lm's own pipeline (``model.model.pipeline``)."""
     lent = [LEND] + [f"{LEND_HEADS}{k}" for k in lend_heads if k != "0"]
     return (
         [("one process", s) for s in single_steps if s < num_tokens]
-        + [("native", s) for s in pipeline_steps]
+        + [("native", s) for s in pipeline_steps if native]
         + [("pipemlx", s) for s in pipeline_steps]
         + [("pipemlx", "auto")]
         + [("pipemlx", f"{s}, {how}") for how in lent for s in [*pipeline_steps[:1], "auto"]]
@@ -100,16 +106,18 @@ def measure(
     pipeline_steps: list[int],
     warmup: bool = True,
     lend_heads: Sequence[str] = ("2",),
+    config: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per contender and setting, all measured in this call, the contenders taking turns."""
     base: dict[str, Any] = {
         "M": num_tokens,
         "repeats": repeats,
         "decode_tokens": 0,
-        "config": BENCH_CONFIG,
+        "config": config or SHAPES["bench"],
         "warmup": warmup,
     }
-    entries = contenders(num_tokens, single_steps, pipeline_steps, lend_heads)
+    native = hasattr(build_model(dict(base["config"])).model, "pipeline")
+    entries = contenders(num_tokens, single_steps, pipeline_steps, lend_heads, native)
     samples: dict[int, list[float]] = {i: [] for i in range(len(entries))}
     used: dict[int, Any] = {}
     for _ in range(rounds):
@@ -133,8 +141,12 @@ def measure(
 
 def print_table(num_tokens: int, rows: list[dict[str, Any]], bound: float) -> None:
     single = min(r["s"] for r in rows if r["who"] == "one process")
-    native = min(r["s"] for r in rows if r["who"] == "native")
-    best = {who: min((r for r in rows if r["who"] == who), key=lambda r: r["s"]) for who in ("one process", "native")}
+    native = min((r["s"] for r in rows if r["who"] == "native"), default=float("nan"))  # nan: no native pipeline
+    best = {
+        who: min((r for r in rows if r["who"] == who), key=lambda r: r["s"])
+        for who in ("one process", "native")
+        if any(r["who"] == who for r in rows)
+    }
     print(f"\n{num_tokens} tokens, S=2; bound for perfect overlap {bound:.2f}x")
     print(f"{'contender':<12} {'setting':>22} {'seconds':>8} {'vs one process':>15} {'vs native':>10} {'of bound':>9}")
     for r in rows:
@@ -160,14 +172,16 @@ def main() -> None:
     parser.add_argument(
         "--lend-heads", default="2", help="key-value heads lent, comma-separated counts or auto (0: no lend_heads rows)"
     )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench", help="the model (common.SHAPES)")
     parser.add_argument("--no-openblas", action="store_true")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     openblas = not args.no_openblas and openblas_available()
-    bound = overlap_bound(2)
+    config = SHAPES[args.shape]
+    bound = overlap_bound(2, config)
     print(
-        f"OpenBLAS preload: {'on' if openblas else 'off'}; model: {BENCH_CONFIG['hidden_size']}-d, "
-        f"{BENCH_CONFIG['num_hidden_layers']} layers ({BENCH_CONFIG['model_type']}); {args.rounds} round(s) of "
+        f"OpenBLAS preload: {'on' if openblas else 'off'}; model {args.shape}: {config['hidden_size']}-d, "
+        f"{config['num_hidden_layers']} layers ({config['model_type']}); {args.rounds} round(s) of "
         f"{args.repeats} timed prefill(s) per contender"
     )
     results: dict[int, list[dict[str, Any]]] = {}
@@ -183,6 +197,7 @@ def main() -> None:
             pipeline,
             warmup=not args.no_warmup,
             lend_heads=args.lend_heads.split(","),
+            config=config,
         )
         print_table(num_tokens, results[num_tokens], bound)
     if args.json:
