@@ -39,7 +39,7 @@ from ..models.sharding import LendSpec
 from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
 from .link import FRONT_ADDRESS_VARIABLE
-from .loop import Leader, follow
+from .loop import Leader, LocalRequests, follow
 
 SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
 CONNECT_EVERY_S = 1.0
@@ -168,7 +168,7 @@ def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
     up stays up; a lost or stalled peer meanwhile ends the worker (its supervisor starts it again)."""
     from .broadcast import IDLE
     from .link import connect, key_from_environment
-    from .worker import WorkerLeader
+    from .worker import LinkRequests
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
     key = key_from_environment() or ""
@@ -197,7 +197,7 @@ def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
         time.sleep(max(0.0, CONNECT_EVERY_S - (time.monotonic() - started)))
     if said:
         print(f"pipemlx serve: rank 0: connected to the front at {front_address}", file=sys.stderr, flush=True)
-    return WorkerLeader(engine, scheduler, link).serve()
+    return Leader(engine, scheduler, LinkRequests(engine, link)).serve()
 
 
 def _follow(engine: Rank, scheduler: Scheduler) -> int:
@@ -215,7 +215,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     settings = options.settings
     split = list(engine.stage.info.split)
     front = Front(settings, split, engine.prefix, engine.slots)
-    leader = Leader(engine, scheduler, front)
+    leader = Leader(engine, scheduler, LocalRequests(front, engine.tokenizer, settings.parent_pid))
     context = settings.context if settings.context is not None else model_context(options.model_dir)
     api = Api(front, engine.tokenizer, settings, context)
     http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
@@ -246,11 +246,7 @@ def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
         + (f"; speculative decoding: {settings.speculation}" if settings.speculation else "")
     )
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
-    try:
-        status = leader.serve()
-    except Exception as exc:  # an idle heartbeat found a rank lost or stalled
-        front.fail(exc, [], "")
-        status = 1
+    status = leader.serve()  # a lost or stalled rank: 503 for --fault-grace seconds, then the process exits
     http.stop()
     log("stopped")
     return status

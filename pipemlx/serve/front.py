@@ -2,7 +2,8 @@
 
 The HTTP thread (:mod:`.app`) checks a request and queues it as a :class:`Job`
 (:meth:`Front.submit`: 429 when the queue is full), and reads
-:meth:`Front.health`. Rank 0's serving loop (:class:`.loop.Leader`) takes jobs
+:meth:`Front.health`. Rank 0's serving loop (:class:`.loop.Leader`, through
+:class:`.loop.LocalRequests`) takes jobs
 from the queue (:meth:`Front.next_job`), feeds each running job's
 :class:`Reply` the tokens every rank agreed on, and hands the end to
 :meth:`Front.answer`. A job talks to its HTTP handler only through
@@ -440,10 +441,15 @@ class Front:
             job.emit(Event("done", finish_reason=finish, usage=counts))
         if self.metrics is not None:
             self.metrics.request_done(finish, len(job.tokens), len(result.generated), result.cached)
-            self.metrics.guessed(result.proposed, result.accepted)
-        with self.lock:
-            self.guesses = (self.guesses[0] + result.proposed, self.guesses[1] + result.accepted)
+        self.guessed(result.proposed, result.accepted)
         self._record(job, reply, result, finish)
+
+    def guessed(self, proposed: int, accepted: int) -> None:
+        """Count speculative decoding's guesses of one request: ``proposed`` tokens, ``accepted`` of them."""
+        if self.metrics is not None:
+            self.metrics.guessed(proposed, accepted)
+        with self.lock:
+            self.guesses = (self.guesses[0] + proposed, self.guesses[1] + accepted)
 
     def _count(self, what: str) -> None:
         with self.lock:

@@ -2,7 +2,7 @@
 
 :class:`GroupFront` runs in the process the user started. It serves HTTP
 (:mod:`.app`, over the same :class:`~.front.Front`) and talks to rank 0 over a
-link (:mod:`.link`; rank 0 runs :class:`.worker.WorkerLeader`). With local
+link (:mod:`.link`; rank 0's loop takes its requests from :class:`.worker.LinkRequests`). With local
 ranks (``--ranks N``) it starts them itself and rank 0 connects over loopback;
 across hosts (``--hostfile`` with ``--front-listen``) it starts nothing: each
 host runs ``pipemlx serve --worker`` under a supervisor that restarts it, and
@@ -471,6 +471,7 @@ class GroupFront:
                 "seed": job.seed,
                 "drawn": len(tracked.generated),
                 "penalties": vars(job.penalties),
+                "draft": job.draft,
             }
         )
 
@@ -508,6 +509,7 @@ class GroupFront:
                 self._finish(tracked, "length")
         else:  # ended
             tracked.prefilled = int(message.get("prefilled") or 0)
+            self.front.guessed(int(message.get("proposed") or 0), int(message.get("accepted") or 0))
             if job.finished:
                 self._forget(tracked)
                 return

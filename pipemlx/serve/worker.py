@@ -1,9 +1,9 @@
-"""Rank 0 as a worker of a separate front (``pipemlx serve --recover``): the serving loop, fed over the link.
+"""Rank 0 as a worker of a separate front process: the serving loop's requests, over the link.
 
-Where :class:`.loop.Leader` takes requests from the HTTP thread in its own
-process, :class:`WorkerLeader` takes them from the front process over the
-link (:mod:`.link`) and sends back what happens to them: each generated token
-id, prefill progress, the end. It looks at no text: detokenizing, stop strings
+Rank 0 runs the same :class:`.loop.Leader` either way; here its
+:class:`~.loop.Requests` are :class:`LinkRequests`: jobs from the front
+process over the link (:mod:`.link`), and back what happens to them: each
+generated token id, prefill progress, the end. It looks at no text: detokenizing, stop strings
 and the answers are the front's, which tells rank 0 to ``cancel`` a request it
 has the whole answer of. So the front holds every token a client was sent and
 can resume the request on a new group after a fault.
@@ -19,20 +19,18 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
-from .broadcast import IDLE, SHUTDOWN, Insert, Ops, checksum, decode_ops, encode_ops
-from .engines import Rank, Scheduler
+from .engines import Rank
 from .front import RequestResult
 from .link import BEAT_S, FRONT_SILENCE_S, Link
-from .loop import IDLE_POLL_S, share_entries
+from .loop import Request
 from .penalties import Penalties
-from .prefix_cache import PrefixReuse
 
 SLOTS_EVERY_S = 0.5  # seconds between the ranks' slots sent to the front (what /health shows of them)
 
@@ -49,6 +47,7 @@ class RemoteJob:
     seed: int | None
     penalties: Penalties
     drawn: int = 0  # tokens it generated before (a resumed request): the sampler skips as many keys
+    draft: bool = True  # speculative decoding, when the server does it (False: the request opted out)
 
 
 class Inbox:
@@ -124,111 +123,73 @@ def _job(message: dict[str, Any]) -> RemoteJob:
         None if seed is None else int(seed),
         Penalties(**penalties),
         int(message.get("drawn") or 0),
+        bool(message.get("draft", True)),
     )
 
 
-class WorkerLeader:
-    """Rank 0's serving loop under a front: admit the jobs sent, broadcast each step, report tokens and ends.
+class LinkRequests:
+    """:class:`~.loop.Requests` from a front process over the link: rank 0 reports each token id, the prefill's
+    progress and each end, and looks at no text (the front tells it to cancel a request whose answer it has whole).
 
     Made once the group is up: it greets the front (``hello``: the split and every rank's slot) first.
     """
 
-    def __init__(self, rank: Rank, scheduler: Scheduler, link: Link) -> None:
-        self.rank = rank
-        self.scheduler = scheduler
+    def __init__(self, rank: Rank, link: Link) -> None:
         self.link = link
-        self.settings = rank.settings
         # The front takes the first message for the greeting: send it before the heartbeat thread starts.
         link.send({"t": "hello", "split": list(rank.stage.info.split), "slots": rank.slots})
         self.inbox = Inbox(link)
         self.ids: dict[int, int] = {}  # request number -> the front's job id
-        self.seq = 0
-        self.step = 0
         self.slots_sent = 0.0
 
-    def serve(self) -> int:
-        """Serve until the front says stop or goes away (0); a fault is reported and the process exits (1)."""
-        scheduler = self.scheduler
-        idle = False
-        try:
-            while True:
-                stopping = self.inbox.stop.is_set()
-                active = scheduler.active()
-                if stopping and not active:
-                    if self.inbox.why is not None:
-                        print(f"pipemlx serve: rank 0: {self.inbox.why}; stopping the group", file=sys.stderr)
-                    self._exchange({"op": SHUTDOWN}, "telling the ranks to stop")
-                    return 0
-                removes = [seq for seq in active if self.should_cancel(seq)]
-                room = 0 if stopping else scheduler.capacity - len(active) + len(removes)
-                inserts = self._admit(room, IDLE_POLL_S if idle else 0.0)
-                if not active and not inserts:
-                    self._exchange({"op": IDLE, "pause_ms": int(IDLE_POLL_S * 1000)}, "sending the idle heartbeat")
-                    idle = True
-                    continue
-                idle = False
-                self._step(Ops(removes, inserts))
-        except Exception as exc:  # a lost or stalled peer, ranks out of step: the front restarts the group
-            self.link.send({"t": "fault", "message": f"{type(exc).__name__}: {exc}"})
-            print(f"pipemlx serve: rank 0: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+    def stopping(self) -> bool:
+        return self.inbox.stop.is_set()
 
-    def _exchange(self, fields: dict[str, int], what: str) -> None:
-        self.rank.exchange(fields, self.settings.timeout, what)
-        now = time.monotonic()
-        if now - self.slots_sent >= SLOTS_EVERY_S:
-            self.slots_sent = now
-            self.link.send({"t": "slots", "slots": self.rank.slots})
+    def shutting_down(self) -> None:
+        if self.inbox.why is not None:
+            print(f"pipemlx serve: rank 0: {self.inbox.why}; stopping the group", file=sys.stderr)
 
-    def _admit(self, room: int, wait: float) -> list[Insert]:
-        """Take the jobs sent, oldest first, while there is ``room`` (a job cancelled before it ran is dropped)."""
-        prefix = self.rank.prefix
-        inserts: list[Insert] = []
-        while len(inserts) < room:
+    def next(self, wait: float) -> Request | None:
+        """The next job sent, oldest first (one cancelled before it ran is answered and skipped)."""
+        while True:
             try:
                 job = self.inbox.jobs.get(timeout=wait) if wait > 0 else self.inbox.jobs.get_nowait()
             except queue.Empty:
-                break
+                return None
             wait = 0.0
-            if self.inbox.is_cancelled(job.id):
-                self.inbox.forget(job.id)
-                self.link.send({"t": "ended", "id": job.id, "outcome": "cancelled", "generated": 0})
-                continue
-            self.seq += 1
-            seed = job.seed
-            if seed is None:
-                seed = random.randrange(1 << 31) if job.temperature > 0 else -1
-            plan = prefix.plan(job.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
-            inserts.append(
-                Insert(
-                    self.seq,
+            if not self.inbox.is_cancelled(job.id):
+                return Request(
+                    job.id,
                     job.tokens,
                     job.max_tokens,
                     job.temperature,
                     job.top_p,
-                    seed,
-                    plan,
+                    job.seed,
                     job.penalties,
+                    draft=job.draft,
                     drawn=job.drawn,
                 )
-            )
-            self.ids[self.seq] = job.id
-            self.link.send({"t": "admitted", "id": job.id, "seq": self.seq, "cached": plan.reuse})
-        return share_entries(inserts)
+            self.inbox.forget(job.id)
+            self.link.send({"t": "ended", "id": job.id, "outcome": "cancelled", "generated": 0})
 
-    def _step(self, ops: Ops) -> None:
-        self.step += 1
-        unit = f"{self.scheduler.unit} {self.step}"
-        payload = encode_ops(ops)
-        fields = {"op": self.scheduler.op, "seq": self.step, "n_tokens": len(payload), "checksum": checksum(payload)}
-        self._exchange(fields, f"handing out {unit}")
-        if payload:
-            self.rank.channel.tokens(payload, len(payload), self.settings.timeout, f"sending {unit}")
-        ended = self.scheduler.apply(decode_ops(payload), self)
-        for seq, result in ended:
-            self._ended(seq, result)
+    def admitted(self, request: Request, seq: int, cached: int) -> None:
+        job_id: int = request.handle
+        self.ids[seq] = job_id
+        self.link.send({"t": "admitted", "id": job_id, "seq": seq, "cached": cached})
 
-    def _ended(self, seq: int, result: RequestResult) -> None:
+    def slots(self, slots: Sequence[dict[str, int]]) -> None:
+        now = time.monotonic()
+        if now - self.slots_sent >= SLOTS_EVERY_S:
+            self.slots_sent = now
+            self.link.send({"t": "slots", "slots": list(slots)})
+
+    def fail(self, exc: BaseException, where: str) -> NoReturn:
+        """Tell the front (which restarts the group, or whose hosts' supervisors do) and exit."""
+        self.link.send({"t": "fault", "message": f"{type(exc).__name__}{where}: {exc}"})
+        print(f"pipemlx serve: rank 0: {type(exc).__name__}{where}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+
+    def ended(self, seq: int, result: RequestResult) -> None:
         job_id = self.ids.pop(seq, None)
         if job_id is None:
             return
@@ -241,6 +202,8 @@ class WorkerLeader:
                 "generated": len(result.generated),
                 "cache_tokens": result.cache_tokens,
                 "prefilled": result.prefilled,
+                "proposed": result.proposed,
+                "accepted": result.accepted,
                 "error": None if result.error is None else f"{type(result.error).__name__}: {result.error}",
             }
         )
