@@ -7,13 +7,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipemlx.schedule.autostep import (
+    DEFAULT_MAX_CHUNK_SECONDS,
+    NEAR_TIE,
+    RAMP_LEVELS,
+    RAMPED_STEPS,
+    TAIL_RATIOS,
     candidate_steps,
     choose_chunks,
+    choose_lent_heads,
+    clear_planning_cache,
+    planning_cache_info,
     ramp_lengths,
     slowest_chunk_s,
     tail_lengths,
+    uniform_lengths,
 )
-from pipemlx.schedule.costmodel import CostModel, LayerCosts, predict
+from pipemlx.schedule.costmodel import (
+    CostModel,
+    LayerCosts,
+    cache_only_share,
+    feed_forward_share_of,
+    lent_heads_share_of,
+    predict,
+)
 from pipemlx.schedule.plan import build_plans, chunks_of_lengths
 from pipemlx.schedule.simulate import simulate
 
@@ -154,3 +170,127 @@ def test_a_gentle_tail_is_chosen_when_the_last_rank_is_lighter() -> None:
 
     halving = [r for t in range(1, 5) if (r := ramp_lengths(2049, max(lengths), 0, t)) is not None]
     assert seconds(lengths) < min(seconds(r) for r in halving)
+
+
+def reference_choose_chunks(
+    num_tokens: int, costs: CostModel, max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS
+) -> tuple[int, ...]:
+    """choose_chunks as it was before its cache: every candidate simulated with predict, as often as asked."""
+    if num_tokens < 2:
+        return ()
+
+    def seconds(lengths: tuple[int, ...]) -> float:
+        return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
+
+    def within_cap(lengths: tuple[int, ...]) -> bool:
+        return slowest_chunk_s(num_tokens, lengths, costs) <= max_chunk_seconds
+
+    uniform = [uniform_lengths(num_tokens, step) for step in candidate_steps(num_tokens)]
+    allowed = [c for c in uniform if within_cap(c)]
+    if not allowed:
+        return min(uniform, key=lambda c: (slowest_chunk_s(num_tokens, c, costs), -max(c)))
+    ranked = sorted(allowed, key=lambda c: (seconds(c), -max(c)))
+    best_uniform = ranked[0]
+    ramped = {
+        r
+        for c in ranked[:RAMPED_STEPS]
+        for head, tail in RAMP_LEVELS
+        if head or tail
+        if (r := ramp_lengths(num_tokens, max(c), head, tail)) is not None and within_cap(r)
+    } | {
+        r
+        for c in ranked[:RAMPED_STEPS]
+        for ratio in TAIL_RATIOS
+        if (r := tail_lengths(num_tokens, max(c), ratio)) is not None and within_cap(r)
+    }
+    best_ramped = min(ramped, key=lambda c: (seconds(c), -max(c), c), default=None)
+    if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
+        return best_ramped
+    return best_uniform
+
+
+def reference_choose_lent_heads(num_tokens: int, cuts: list[CostModel]) -> int:
+    if num_tokens < 2 or len(cuts) < 2:
+        return 0
+
+    def seconds(costs: CostModel) -> float:
+        lengths = reference_choose_chunks(num_tokens, costs)
+        return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
+
+    times = [seconds(c) for c in cuts]
+    return next(k for k, t in enumerate(times) if t <= (1 + NEAR_TIE) * min(times))
+
+
+CALIBRATED = LayerCosts(
+    chunk_s=1.58e-3,
+    token_s=1.2e-4,
+    attention_s=1.52e-7,
+    at_start=((16, 3.5e-3), (32, 6e-3), (64, 9e-3), (128, 16e-3), (256, 36e-3), (512, 84e-3)),
+    far_pairs=((128, 1.5e-7), (256, 1.6e-7)),
+)
+"""Shaped like the benchmark model's calibration: seconds by length at position 0, per pair far in."""
+
+
+def lend_cuts(layer: LayerCosts, layers: tuple[int, ...]) -> list[CostModel]:
+    """The cost models of lending 0 (the feed-forward half) to 3 of 4 key-value heads, as lend="auto" weighs them."""
+    return [
+        CostModel(
+            layer,
+            layers=layers,
+            hidden_size=512,
+            last_layer_share=cache_only_share(512, 256, 1536),
+            lent_share=lent_heads_share_of(512, 256, 1536, k / 4) if k else feed_forward_share_of(512, 256, 1536),
+            lent_pair_share=k / 4,
+            collective_s=2e-4,
+            latency_s=1e-4,
+        )
+        for k in range(4)
+    ]
+
+
+EQUIVALENCE_MODELS = {
+    "line, S=2": (costs(chunk_s=3e-3, token_s=1.6e-4, attention_s=2e-7), DEFAULT_MAX_CHUNK_SECONDS),
+    "fill and drain, S=2": (costs(chunk_s=1e-5, token_s=1e-3), DEFAULT_MAX_CHUNK_SECONDS),
+    "calibrated, S=3": (CostModel(CALIBRATED, (3, 3, 2), 512, last_layer_share=1 / 12), DEFAULT_MAX_CHUNK_SECONDS),
+    "calibrated, lending, S=2": (lend_cuts(CALIBRATED, (4, 4))[2], DEFAULT_MAX_CHUNK_SECONDS),
+    "tight cap, S=3": (costs(1e-3, 1e-4, 1e-8, (3, 3, 2)), 0.05),
+    "nothing fits, S=2": (costs(1e-3, 1e-4, 1e-8), 1e-4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EQUIVALENCE_MODELS))
+def test_choose_chunks_picks_what_simulating_every_candidate_picks(name: str) -> None:
+    """The cache and each candidate simulated once change nothing: the very lengths of the straightforward chooser,
+    planned from scratch and again from the cache."""
+    model, cap = EQUIVALENCE_MODELS[name]
+    for num_tokens in (1, 2, 3, 17, 100, 129, 257, 700, 1025, 2049, 3000, 4097):
+        clear_planning_cache()
+        expected = reference_choose_chunks(num_tokens, model, cap)
+        assert choose_chunks(num_tokens, model, cap) == expected, (name, num_tokens)
+        assert choose_chunks(num_tokens, model, cap) == expected, (name, num_tokens)
+
+
+@pytest.mark.parametrize("layers", [(4, 4), (3, 3, 2)])
+def test_choose_lent_heads_counts_what_simulating_every_candidate_counts(layers: tuple[int, ...]) -> None:
+    attention = LayerCosts(chunk_s=1e-4, token_s=1e-6, attention_s=1e-6)
+    for layer in (CALIBRATED, attention):
+        cuts = lend_cuts(layer, layers)
+        for num_tokens in (100, 2048):
+            clear_planning_cache()
+            assert choose_lent_heads(num_tokens, cuts) == reference_choose_lent_heads(num_tokens, cuts)
+
+
+def test_a_repeated_choice_comes_from_the_cache() -> None:
+    """An equal cost model (not the same object) finds the choice already made; one built with lists (unhashable)
+    is planned afresh, to the same lengths."""
+    clear_planning_cache()
+    first = choose_chunks(2049, costs(3e-3, 1.6e-4, 2e-7))
+    assert planning_cache_info().misses == 1 and planning_cache_info().hits == 0
+    again = choose_chunks(2049, costs(3e-3, 1.6e-4, 2e-7))
+    assert again is first and planning_cache_info().hits == 1
+    choose_chunks(2049, costs(3e-3, 1.6e-4, 2e-7), 1.0)  # another cap: another choice
+    assert planning_cache_info().misses == 2
+    listed = CostModel(LayerCosts(0.0, 0.0, 1.52e-7, list(CALIBRATED.at_start)), (4, 4), 512)  # type: ignore[arg-type]
+    hashable = CostModel(LayerCosts(0.0, 0.0, 1.52e-7, CALIBRATED.at_start), (4, 4), 512)
+    assert choose_chunks(2049, listed) == choose_chunks(2049, hashable)
+    assert planning_cache_info().misses == 3 and planning_cache_info().currsize == 3

@@ -11,11 +11,12 @@ very same cost model.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
 from .costmodel import CostModel, predict
-from .plan import chunks_of_lengths
+from .plan import Action, Chunk, chunks_of_lengths
 
 CANDIDATES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Powers of two: the lengths the calibration times (``pipemlx.runtime.calibrate.CALIBRATION_LENGTHS``), so a
@@ -137,20 +138,92 @@ def choose_chunks(
     uniform one. Candidates with a chunk predicted above ``max_chunk_seconds``
     on some rank are dropped (when all would be, the uniform cut whose slowest
     chunk is cheapest is taken). Pure: every rank derives the same lengths.
+
+    The last :data:`PLANNING_CACHE_SIZE` choices are remembered (:func:`planning_cache_info`): a cost model is a
+    frozen dataclass, so the same arguments give the same lengths, without simulating again.
     """
+    return _planned(num_tokens, costs, max_chunk_seconds)[0]
+
+
+PLANNING_CACHE_SIZE = 64
+"""Choices of :func:`choose_chunks` remembered, the least recently used forgotten first."""
+
+
+def planning_cache_info() -> functools._CacheInfo:  # pyright: ignore[reportPrivateUsage]
+    """Hits, misses and size of :func:`choose_chunks`' cache (``functools.lru_cache``'s ``cache_info``)."""
+    return _planned_cached.cache_info()
+
+
+def clear_planning_cache() -> None:
+    """Forget every remembered choice of :func:`choose_chunks` (to time planning from scratch, say)."""
+    _planned_cached.cache_clear()
+
+
+def _planned(num_tokens: int, costs: CostModel, max_chunk_seconds: float) -> tuple[tuple[int, ...], float | None]:
+    """:func:`_plan`, from the cache when the arguments can be hashed (a cost model built with lists cannot)."""
+    try:
+        hash((num_tokens, costs, max_chunk_seconds))
+    except TypeError:
+        return _plan(num_tokens, costs, max_chunk_seconds)
+    return _planned_cached(num_tokens, costs, max_chunk_seconds)
+
+
+@functools.lru_cache(maxsize=PLANNING_CACHE_SIZE)
+def _planned_cached(
+    num_tokens: int, costs: CostModel, max_chunk_seconds: float
+) -> tuple[tuple[int, ...], float | None]:
+    return _plan(num_tokens, costs, max_chunk_seconds)
+
+
+class _RememberedCosts:
+    """``costs``' durations, each chunk's compute seconds computed once per rank (the cap's check and every
+    simulation of one :func:`choose_chunks` call ask for the same chunks): the very same floats."""
+
+    def __init__(self, costs: CostModel) -> None:
+        self.costs = costs
+        self.computed: dict[tuple[int, int, int], float] = {}
+
+    def compute(self, rank: int, chunk: Chunk) -> float:
+        key = (rank, chunk.start, chunk.stop)  # a chunk's cost depends on its positions, not its index
+        seconds = self.computed.get(key)
+        if seconds is None:
+            seconds = self.computed[key] = self.costs.compute(rank, chunk)
+        return seconds
+
+    def transfer(self, source: int, dest: int, shape: tuple[int, int]) -> float:
+        return self.costs.transfer(source, dest, shape)
+
+    def collective(self, action: Action) -> float:
+        return self.costs.collective(action)
+
+    def slowest_chunk_s(self, num_tokens: int, lengths: Sequence[int]) -> float:
+        """:func:`slowest_chunk_s`, from the remembered seconds."""
+        chunks = chunks_of_lengths(num_tokens, lengths)
+        return max(self.compute(rank, chunk) for chunk in chunks for rank in range(self.costs.world_size))
+
+
+def _plan(num_tokens: int, costs: CostModel, max_chunk_seconds: float) -> tuple[tuple[int, ...], float | None]:
+    """:func:`choose_chunks`' lengths and their predicted prefill seconds (None where it was not simulated: no
+    chunk, or no cut within the cap). Each candidate is simulated once."""
     if num_tokens < 2:
-        return ()
+        return (), None
+    durations = _RememberedCosts(costs)
+    simulated: dict[tuple[int, ...], float] = {}
 
     def seconds(lengths: tuple[int, ...]) -> float:
-        return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
+        if lengths not in simulated:
+            simulated[lengths] = predict(
+                num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None, durations=durations
+            ).prefill_s
+        return simulated[lengths]
 
     def within_cap(lengths: tuple[int, ...]) -> bool:
-        return slowest_chunk_s(num_tokens, lengths, costs) <= max_chunk_seconds
+        return durations.slowest_chunk_s(num_tokens, lengths) <= max_chunk_seconds
 
     uniform = [uniform_lengths(num_tokens, step) for step in candidate_steps(num_tokens)]
     allowed = [c for c in uniform if within_cap(c)]
     if not allowed:
-        return min(uniform, key=lambda c: (slowest_chunk_s(num_tokens, c, costs), -max(c)))
+        return min(uniform, key=lambda c: (durations.slowest_chunk_s(num_tokens, c), -max(c))), None
     ranked = sorted(allowed, key=lambda c: (seconds(c), -max(c)))
     best_uniform = ranked[0]
     ramped = {
@@ -167,8 +240,8 @@ def choose_chunks(
     }
     best_ramped = min(ramped, key=lambda c: (seconds(c), -max(c), c), default=None)
     if best_ramped is not None and seconds(best_ramped) < (1 - NEAR_TIE) * seconds(best_uniform):
-        return best_ramped
-    return best_uniform
+        return best_ramped, seconds(best_ramped)
+    return best_uniform, seconds(best_uniform)
 
 
 def choose_lent_heads(num_tokens: int, cuts: Sequence[CostModel]) -> int:
@@ -180,7 +253,9 @@ def choose_lent_heads(num_tokens: int, cuts: Sequence[CostModel]) -> int:
         return 0
 
     def seconds(costs: CostModel) -> float:
-        lengths = choose_chunks(num_tokens, costs)
+        lengths, simulated = _planned(num_tokens, costs, DEFAULT_MAX_CHUNK_SECONDS)  # choose_chunks' lengths
+        if simulated is not None:
+            return simulated
         return predict(num_tokens, max(lengths), costs, chunk_lengths=lengths, agree_every=None).prefill_s
 
     times = [seconds(c) for c in cuts]

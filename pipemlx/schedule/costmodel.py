@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .plan import Action, Chunk, Compute, build_plans, default_agreement_spacing
-from .simulate import SimulationResult, simulate
+from .simulate import Durations, SimulationResult, simulate
 from .split import even_split
 
 
@@ -238,17 +238,24 @@ def predict(
     costs: CostModel,
     chunk_lengths: Sequence[int] | None = None,
     agree_every: int | None = 1,
+    *,
+    durations: Durations | None = None,
 ) -> Prediction:
     """Simulate the plans for ``costs.world_size`` ranks with ``costs``' durations; raises if they do not run.
 
     ``chunk_lengths`` and ``agree_every`` are :func:`~pipemlx.schedule.plan.build_plan`'s
-    (``agree_every=None``: the executor's default spacing).
+    (``agree_every=None``: the executor's default spacing). ``durations``, when given, stands in for ``costs``'
+    own (a wrapper that remembers ``costs.compute``, say: the same seconds, computed once).
     """
     if agree_every is None:
         agree_every = default_agreement_spacing(num_tokens, step_size, costs.world_size, chunk_lengths)
     plans = build_plans(num_tokens, step_size, costs.world_size, agree_every, chunk_lengths)
     result = simulate(
-        plans, capacity=None, await_sends=True, hidden_size=costs.hidden_size, durations=costs
+        plans,
+        capacity=None,
+        await_sends=True,
+        hidden_size=costs.hidden_size,
+        durations=costs if durations is None else durations,
     ).raise_for_failure()
     busy = [0.0] * costs.world_size
     for event in result.events:
