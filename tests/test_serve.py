@@ -586,9 +586,9 @@ def test_serve_refuses_an_unregistered_architecture_naming_the_flag(tmp_path: Pa
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
-    """Rank 1 dies (SIGKILL) or stalls (SIGSTOP) while a streamed request decodes and another waits."""
+    """``--no-recover``: rank 1 dies (SIGKILL) or stalls (SIGSTOP) while a streamed request decodes and another waits."""
     grace = 3.0
-    process = ServeProcess("--fault-grace", str(grace), "--timeout", "4")
+    process = ServeProcess("--no-recover", "--fault-grace", str(grace), "--timeout", "4")
     try:
         process.wait_ready()
         url = process.url

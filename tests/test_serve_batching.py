@@ -203,10 +203,10 @@ def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> 
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])
 def test_a_lost_follower_fails_every_request_in_flight_and_the_server_exits(fault: str) -> None:
-    """Rank 1 dies (SIGKILL) or stalls (SIGSTOP) while three streams decode together and one waits: every client
+    """``--no-recover``: rank 1 dies (SIGKILL) or stalls (SIGSTOP) while three streams decode together and one waits: every client
     gets a 503, the server exits."""
     grace = 2.0
-    process = ServeProcess("--max-concurrency", "3", "--fault-grace", str(grace), "--timeout", "4")
+    process = ServeProcess("--no-recover", "--max-concurrency", "3", "--fault-grace", str(grace), "--timeout", "4")
     try:
         process.wait_ready()
         url = process.url

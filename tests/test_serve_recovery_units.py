@@ -144,14 +144,10 @@ def hostfile(tmp_path: Path) -> str:
         (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], "k", "a port in 1..65535"),
         (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], None, "needs a shared key"),
         (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], "k", "cannot read hostfile"),
-        (["--allow-shrink", "--ranks", "3"], "k", "--allow-shrink goes with --recover"),
-        (["--recover", "--ranks", "2", "--prompt-lookup", "3"], "k", "--prompt-lookup is not supported with --recover"),
-        (
-            ["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000", "--prompt-lookup", "3"],
-            "k",
-            "--prompt-lookup is not supported with --recover or --worker",
-        ),
-        (["--recover", "--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs --ranks 3 or more"),
+        (["--allow-shrink", "--no-recover", "--ranks", "3"], "k", "--allow-shrink needs the front"),
+        (["--allow-shrink", "--ranks", "1"], "k", "--allow-shrink needs the front"),
+        (["--recover", "--ranks", "1"], "k", "--recover needs at least 2 ranks"),
+        (["--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs --ranks 3 or more"),
         (
             ["--recover", "--allow-shrink", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"],
             "k",

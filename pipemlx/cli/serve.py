@@ -1,11 +1,15 @@
 """``pipemlx serve``: the options, where the ranks come from, and the supervisor of local ranks.
 
-Like ``pipemlx generate``: ``--ranks N`` starts N local ranks (this process
-supervises them), under ``mlx.launch``/``mpirun`` or with ``--hostfile`` this
-process is one rank. With ``--recover`` this process is a front that is no rank
-(it starts the local ranks, or across hosts waits on ``--front-listen`` for the
-``--worker`` processes each host's supervisor runs). Unlike ``generate``, a local follower that dies does not
-take rank 0 down at once: rank 0 notices, answers 503 for a moment and exits
+``--ranks N`` (N >= 2, the default) makes this process a front that is no
+rank (:mod:`pipemlx.serve.recovery`): it serves HTTP, starts the N local ranks,
+and restarts them after a fault, resuming every request. Across hosts the same
+front waits on ``--front-listen`` for the ``--worker`` processes each host's
+supervisor runs (``--recover --hostfile``).
+
+Without a front (``--no-recover``, ``--ranks 1``, ``--hostfile`` without
+``--recover``, under ``mlx.launch``/``mpirun``), rank 0 serves HTTP itself, as
+in ``pipemlx generate`` this process supervises the local ranks or is one rank,
+and a fault ends the server: rank 0 notices, answers 503 for a moment and exits
 with one clear line, and then the supervisor ends the rest. Ctrl-C or SIGTERM
 asks rank 0 to stop the group (every rank exits 0); what is still running
 after :data:`STOP_GRACE` seconds is killed.
@@ -70,7 +74,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve = commands.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server over the pipeline (needs pip install 'pipemlx[serve]')",
-        description="Serve the model over HTTP with OpenAI's API: rank 0 serves, every other rank follows. "
+        description="Serve the model over HTTP with OpenAI's API: a front process serves HTTP and restarts the ranks "
+        "after a fault (--no-recover: rank 0 serves HTTP itself); rank 0 leads the pipeline, every other rank follows. "
         "Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}], GET /health, "
         "GET /metrics.",
         formatter_class=DefaultsFormatter,
@@ -160,27 +165,28 @@ def add_recovery_flags(serve: argparse.ArgumentParser) -> None:
     """A front process apart from the ranks, which restarts them after a fault (docs/serve.md, "Recovery")."""
     recovery = serve.add_argument_group("recovery")
     recovery.add_argument(
-        "--recover", action="store_true",
-        help="serve HTTP from a front process that is not a rank; with --ranks N it starts the ranks, restarts "
-        "them when one dies or stalls, and resumes every request where its client's stream stopped",
+        "--recover", action=argparse.BooleanOptionalAction, default=None,
+        help="serve HTTP from a front process that is not a rank, which restarts the ranks when one dies or stalls "
+        "and resumes every request where its client's stream stopped (default: on with --ranks N, N >= 2; with "
+        "--hostfile it needs --front-listen). --no-recover: rank 0 serves HTTP itself, and a fault ends the server",
     )  # fmt: skip
     recovery.add_argument(
         "--recover-timeout", type=positive_float, default=60.0, metavar="S",
-        help="with --recover: seconds the ranks get to come back after a fault before the waiting clients get "
+        help="with the front: seconds the ranks get to come back after a fault before the waiting clients get "
         "503 with Retry-After (default 60)",
     )  # fmt: skip
     recovery.add_argument(
         "--max-restarts", type=int, default=5, metavar="N",
-        help="with --recover: faults within --restart-window that are restarted; one more and the server stops "
+        help="with the front: faults within --restart-window that are restarted; one more and the server stops "
         "restarting, says why and exits (default 5)",
     )  # fmt: skip
     recovery.add_argument(
         "--restart-window", type=positive_float, default=600.0, metavar="S",
-        help="with --recover: the window --max-restarts counts faults in, in seconds (default 600)",
+        help="with the front: the window --max-restarts counts faults in, in seconds (default 600)",
     )  # fmt: skip
     recovery.add_argument(
         "--allow-shrink", action="store_true",
-        help="with --recover --ranks N (N >= 3): when the same rank is killed (a signal: the OOM killer, kill -9) "
+        help="with the front and --ranks N (N >= 3): when the same rank is killed (a signal: the OOM killer, kill -9) "
         "in 3 faults in a row, go on with one rank fewer (2 at least), the split planned again (--split dropped)",
     )  # fmt: skip
     recovery.add_argument(
@@ -282,8 +288,10 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     missing = missing_packages()
     if missing:
         raise UserError(f"needs the serve extra ({', '.join(missing)} missing): {INSTALL_HINT}")
+    if args.recover is None:  # the front by default wherever this process starts the ranks itself
+        args.recover = args.hostfile is None and not in_launched_rank() and (args.ranks or DEFAULT_RANKS) >= 2
     if args.allow_shrink and not args.recover:
-        raise UserError("--allow-shrink goes with --recover")
+        raise UserError("--allow-shrink needs the front (--ranks N without --no-recover)")
     if args.front_listen is not None and not (args.recover and args.hostfile is not None):
         raise UserError("--front-listen goes with --recover --hostfile (a front for workers on other hosts)")
     if args.rank is not None and args.hostfile is None:
@@ -322,10 +330,6 @@ def check_serve_speculation(args: argparse.Namespace) -> None:
             f"{guessing[0]} needs --max-concurrency 1: batched requests (--max-concurrency {args.max_concurrency}) "
             "are decoded without speculation"
         )
-    if guessing and (args.recover or args.worker):
-        raise UserError(
-            f"{guessing[0]} is not supported with --recover or --worker yet: serve without them to speculate"
-        )
 
 
 def hostfile_size(path: str) -> int:
@@ -350,7 +354,7 @@ def _worker(args: argparse.Namespace) -> int:
     """``--worker``: this host's rank of a group whose rank 0 serves a front on another host (``--front``)."""
     from ..serve.link import FRONT_ADDRESS_VARIABLE
 
-    if args.recover:
+    if args.recover:  # asked for (None: not said)
         raise UserError("--worker runs a rank for a front; the front is its own command (--recover --front-listen)")
     if args.hostfile is None:
         raise UserError("--worker needs --hostfile: the group's ring hostfile, the same on every host")

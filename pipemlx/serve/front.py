@@ -225,6 +225,8 @@ class Front:
         self.settings = settings
         self.split = list(split)
         self.prefix = prefix
+        # A front process holds no prefix cache: rank 0 says its budget, the front counts the admissions.
+        self.remote_prefix: dict[str, int] | None = None  # budget_tokens, hits, misses
         self.slots = list(slots)  # every rank's own fields, as of the last broadcast (replaced whole by the loop)
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=settings.max_queue)
         self.status: Literal["loading", "ready", "failed", "stopping", "recovering"] = "loading"
@@ -258,7 +260,20 @@ class Front:
         return self.slots
 
     def prefix_budget_tokens(self) -> int:
-        return 0 if self.prefix is None else self.prefix.budget_tokens
+        counts = self.prefix_counts()
+        return 0 if counts is None else counts["budget_tokens"]
+
+    def prefix_counts(self) -> dict[str, int] | None:
+        """The prefix cache's budget in tokens, hits and misses (``None``: no rank said yet)."""
+        if self.prefix is not None:
+            return {"budget_tokens": self.prefix.budget_tokens, "hits": self.prefix.hits, "misses": self.prefix.misses}
+        return None if self.remote_prefix is None else dict(self.remote_prefix)
+
+    def admitted_remotely(self, cached: int) -> None:
+        """A front process: rank 0 admitted a request for the first time, ``cached`` prompt positions reused."""
+        counts = self.remote_prefix
+        if counts is not None and counts["budget_tokens"] > 0:
+            counts["hits" if cached > 0 else "misses"] += 1
 
     # --- the HTTP side -----------------------------------------------------------------------------------------------
 
@@ -326,7 +341,7 @@ class Front:
                 }
             )
             start += count
-        prefix = self.prefix
+        prefix = self.prefix_counts()
         return {
             "status": self.status,
             "model": self.settings.model_id,
@@ -348,10 +363,10 @@ class Front:
                 # As of the last broadcast (the main thread changes the entries while this thread reads).
                 "entries": slots[0]["prefix_entries"] if slots else 0,
                 "tokens": slots[0]["prefix_tokens"] if slots else 0,
-                "budget_tokens": prefix.budget_tokens,
+                "budget_tokens": prefix["budget_tokens"],
                 "budget_mb": self.settings.prefix_cache_mb,
-                "hits": prefix.hits,
-                "misses": prefix.misses,
+                "hits": prefix["hits"],
+                "misses": prefix["misses"],
             },
             "last_fault": self.fault,
             **({} if self.recovery is None else {"recovery": dict(self.recovery)}),

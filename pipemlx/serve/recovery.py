@@ -52,7 +52,7 @@ from types import FrameType
 from typing import Any
 
 from ..launch import BACKEND_VARIABLE, cpu_shares, free_ports, kill_all, pin, write_hostfile
-from .front import Event, Front, Job, Reply, RequestResult, ServeSettings, log
+from .front import Event, Front, Job, Outcome, Reply, RequestResult, ServeSettings, log
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, SILENCE_S, Acceptor, Link
 from .openai_api import ApiError, unavailable
 
@@ -90,8 +90,11 @@ class Tracked:
     reply: Reply
     generated: list[int] = field(default_factory=list[int])
     cached: int | None = None  # prompt tokens reused at its first admission (what usage reports)
-    prefilled: int = 0
     cancel_sent: bool = False
+    complete: Outcome | None = None
+    """The front has the whole answer (an end-of-sequence token, a stop string, ``max_tokens``): the client gets
+    its end when rank 0 reports the request ended (the same step, or the next after the front's ``cancel``), with
+    the ranks' figures; or at once when the group fails first."""
 
 
 class Fault(Exception):
@@ -255,7 +258,9 @@ class GroupFront:
     def _fail_all(self, error: ApiError) -> None:
         """Every request the front holds, handed out or waiting, gets ``error``."""
         for tracked in list(self.tracked.values()):
-            if not tracked.job.finished:
+            if tracked.complete is not None and not tracked.job.finished:  # its text was all sent: end it so
+                self._finish(tracked, tracked.complete)
+            elif not tracked.job.finished:
                 tracked.job.emit(Event("error", error=error))
                 self.front.count("failed")
         self.tracked.clear()
@@ -361,6 +366,8 @@ class GroupFront:
             return None
         self.front.split = [int(n) for n in message["split"]]
         self.front.slots = list(message["slots"])
+        counts = self.front.remote_prefix or {"hits": 0, "misses": 0}  # the counts go on across restarts
+        self.front.remote_prefix = {**counts, "budget_tokens": int(message.get("prefix_budget") or 0)}
         return link
 
     def _recovery_expired(self) -> None:
@@ -381,6 +388,8 @@ class GroupFront:
         front.status = "stopping" if front.stopping.is_set() else "ready"
         front.recover_expired = False
         for tracked in list(self.tracked.values()):  # resume, in order
+            if tracked.complete is not None and not tracked.job.finished:  # whole when the old group failed
+                self._finish(tracked, tracked.complete)
             if tracked.job.finished:  # answered; the old group's end of it is gone
                 self._forget(tracked)
             else:
@@ -422,7 +431,8 @@ class GroupFront:
             if time.monotonic() - last_heard > SILENCE_S:
                 raise Fault(f"rank 0 sent nothing for {SILENCE_S:g} s (stalled)")
             for tracked in self.tracked.values():
-                if (tracked.job.cancelled.is_set() or tracked.job.finished) and not tracked.cancel_sent:
+                over = tracked.job.cancelled.is_set() or tracked.job.finished or tracked.complete is not None
+                if over and not tracked.cancel_sent:
                     tracked.cancel_sent = True
                     link.send({"t": "cancel", "id": tracked.id})
             if front.stopping.is_set():
@@ -493,47 +503,61 @@ class GroupFront:
             if tracked.cached is None:
                 tracked.cached = int(message["cached"])
                 job.cached = tracked.cached
+                self.front.admitted_remotely(tracked.cached)
             if not tracked.generated:
                 job.phase = "prefill"
         elif kind == "progress":
             if not tracked.generated:
                 tracked.reply.progress(int(message["processed"]), int(message["total"]))
         elif kind == "token":
-            if job.finished:
+            if job.finished or tracked.complete is not None:
                 return
             token = int(message["token"])
             tracked.generated.append(token)
             if tracked.reply.token(token):
-                self._finish(tracked, "stop")
+                tracked.complete = "stop"
             elif len(tracked.generated) >= job.max_tokens:
-                self._finish(tracked, "length")
+                tracked.complete = "length"
         else:  # ended
-            tracked.prefilled = int(message.get("prefilled") or 0)
-            self.front.guessed(int(message.get("proposed") or 0), int(message.get("accepted") or 0))
-            if job.finished:
-                self._forget(tracked)
-                return
-            outcome = str(message["outcome"])
-            if outcome == "failed":
-                self._finish(tracked, "failed", RuntimeError(str(message.get("error"))))
-            elif outcome == "cancelled":
-                self._finish(tracked, "cancelled")
-            else:
-                self._finish(tracked, "stop" if outcome == "stop" else "length")
+            if not job.finished:
+                outcome = str(message["outcome"])
+                error = RuntimeError(str(message.get("error"))) if outcome == "failed" else None
+                if tracked.complete is not None and outcome != "failed":
+                    outcome = tracked.complete  # a stop string: rank 0 ended it as cancelled
+                elif outcome not in ("failed", "cancelled"):
+                    outcome = "stop" if outcome == "stop" else "length"
+                self._finish(
+                    tracked,
+                    outcome,  # pyright: ignore[reportArgumentType]
+                    error,
+                    prefilled=int(message.get("prefilled") or 0),
+                    cache_tokens=message.get("cache_tokens"),
+                    guesses=(int(message.get("proposed") or 0), int(message.get("accepted") or 0)),
+                )
             self._forget(tracked)
 
-    def _finish(self, tracked: Tracked, outcome: str, error: BaseException | None = None) -> None:
-        """Answer ``tracked`` now (the group may still run it for a step: the answer is the front's)."""
+    def _finish(
+        self,
+        tracked: Tracked,
+        outcome: Outcome,
+        error: BaseException | None = None,
+        prefilled: int = 0,
+        cache_tokens: int | None = None,
+        guesses: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Answer ``tracked``: with the figures rank 0 reported when it ended the request, or (the group failed
+        first) with what the front knows."""
         job = tracked.job
         generated = list(tracked.generated)
         cached = tracked.cached or 0
         result = RequestResult(
-            outcome,  # pyright: ignore[reportArgumentType]
+            outcome,
             generated,
             cached,
-            len(job.tokens) + len(generated),
-            tracked.prefilled or len(job.tokens) - cached,
+            len(job.tokens) + len(generated) if cache_tokens is None else int(cache_tokens),
+            prefilled or len(job.tokens) - cached,
             error,
+            *guesses,
         )
         self.front.answer(job, tracked.reply, result)  # job.finished: the next round tells rank 0 to remove it
         self._publish()

@@ -137,7 +137,14 @@ class LinkRequests:
     def __init__(self, rank: Rank, link: Link) -> None:
         self.link = link
         # The front takes the first message for the greeting: send it before the heartbeat thread starts.
-        link.send({"t": "hello", "split": list(rank.stage.info.split), "slots": rank.slots})
+        link.send(
+            {
+                "t": "hello",
+                "split": list(rank.stage.info.split),
+                "slots": rank.slots,
+                "prefix_budget": rank.prefix.budget_tokens,
+            }
+        )
         self.inbox = Inbox(link)
         self.ids: dict[int, int] = {}  # request number -> the front's job id
         self.slots_sent = 0.0
