@@ -156,7 +156,21 @@ class GroupFront:
             if self.recovery["start_s"] is None:
                 took = time.monotonic() - started
                 self.recovery["start_s"] = round(took, 2)
-                log(f"the {'workers' if self.hosts else 'ranks'} are up after {took:.2f} s")
+                split = self.front.split
+                layers = ", ".join(
+                    f"rank {r} layers {sum(split[:r])}-{sum(split[: r + 1]) - 1}" for r in range(len(split))
+                )
+                prefix = self.front.prefix_budget_tokens()
+                log(
+                    f"the {'workers' if self.hosts else 'ranks'} are up after {took:.2f} s ({layers}); prefix cache "
+                    f"{self.settings.prefix_cache_mb:g} MB ({prefix} tokens); queue {self.settings.max_queue}"
+                    + (
+                        f"; up to {self.settings.max_concurrency} requests batched"
+                        if self.settings.max_concurrency > 1
+                        else ""
+                    )
+                    + (f"; speculative decoding: {self.settings.speculation}" if self.settings.speculation else "")
+                )
             elif fault_at is not None:
                 took = time.monotonic() - fault_at
                 self.recovery["last_recovery_s"] = round(took, 2)
