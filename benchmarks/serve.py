@@ -8,7 +8,9 @@ tokens) measures the time to first token that the prefix cache saves:
 pipemlx serve with its prefix cache and with ``--prefix-cache 0``.
 
 Servers: ``pipemlx serve --ranks 2`` (one request at a time, and with
-``--max-concurrency 4``: the same request through the batch scheduler);
+``--max-concurrency 4``: the same request through the batch scheduler; both
+behind the front process, the default, and once with ``--no-recover``, rank 0
+serving HTTP itself);
 ``mlx_lm.server`` (one process); and
 ``mlx_lm.server --pipeline`` on 2 local ranks (mlx-lm's own pipeline, for the
 models that have one: qwen2 does) when it runs here.
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         action="append",
         default=[],
-        choices=["batched", "mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"],
+        choices=["batched", "no-front", "mlx-lm", "mlx-lm-pipeline", "long-prompt", "concurrency"],
     )
     parser.add_argument(
         "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8], help="concurrent clients (1,4,8)"
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(
             ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"]))
         )
+        if "no-front" not in args.skip:  # rank 0 serving HTTP itself: what the front's extra hop costs
+            runners.append(("pipemlx serve S=2, --no-recover", lambda: pipemlx_server(model, env, ["--no-recover"])))
         if "batched" not in args.skip:
             batched = ["--max-concurrency", "4"]
             runners.append(("pipemlx serve S=2, --max-concurrency 4", lambda: pipemlx_server(model, env, batched)))
@@ -310,11 +314,12 @@ def measure_concurrency(
     model: Path, env: dict[str, str], tokenizer: Any, args: argparse.Namespace, failures: dict[str, str]
 ) -> list[Concurrency]:
     figures: list[Concurrency] = []
-    for n in (1, 4):
-        name = f"pipemlx serve S=2 --max-concurrency {n}"
+    setups = [(1, []), (4, [])] + ([] if "no-front" in args.skip else [(4, ["--no-recover"])])
+    for n, extra in setups:
+        name = " ".join([f"pipemlx serve S=2 --max-concurrency {n}", *extra])
         server: Server | None = None
         try:
-            server = pipemlx_server(model, env, ["--max-concurrency", str(n), "--max-queue", "64"])
+            server = pipemlx_server(model, env, ["--max-concurrency", str(n), "--max-queue", "64", *extra])
             server.wait_ready("/health")
             stream(server.url, "It is a truth universally acknowledged", 4)  # warm-up, not timed
             for clients in args.clients:

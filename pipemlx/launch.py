@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -169,12 +169,13 @@ def launch(
         return results
 
 
-def cpu_shares(num_ranks: int) -> list[set[int]] | None:
-    """This process's CPUs cut into ``num_ranks`` contiguous shares as even as they go (a rank's threads stay on its
-    own cores); ``None`` where CPUs cannot be pinned (not Linux) or there are fewer CPUs than ranks."""
+def cpu_shares(num_ranks: int, cpus: Collection[int] | None = None) -> list[set[int]] | None:
+    """``cpus`` (default: this process's CPUs) cut into ``num_ranks`` contiguous shares as even as they go (a rank's
+    threads stay on its own cores); ``None`` where CPUs cannot be pinned (not Linux) or there are fewer CPUs than
+    ranks."""
     if not hasattr(os, "sched_getaffinity") or num_ranks < 2:
         return None
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
     if len(cpus) < num_ranks:
         return None
     return [set(cpus[len(cpus) * r // num_ranks : len(cpus) * (r + 1) // num_ranks]) for r in range(num_ranks)]

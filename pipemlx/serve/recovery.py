@@ -117,6 +117,8 @@ class GroupFront:
         self.ranks = options.ranks  # the local ranks started now (fewer after a shrink)
         self.blamed: list[int | None] = []  # the rank each fault in a row was blamed on (None: none could be)
         self.workdir = tempfile.TemporaryDirectory(prefix="pipemlx-serve-")  # the ranks' hostfile
+        # The CPUs the ranks share out (the front itself joins rank 0's share once the ranks are pinned).
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.tracked: dict[int, Tracked] = {}  # by id, in the order the requests came (dicts keep it)
         self.next_id = 0
         self.faults: list[float] = []  # when each fault happened (monotonic)
@@ -292,7 +294,7 @@ class GroupFront:
         host, port = self.acceptor.address
         self.procs = []
         command = self._command()
-        shares = cpu_shares(self.ranks)
+        shares = cpu_shares(self.ranks, self.cpus)
         for rank in range(self.ranks):
             env = {
                 **os.environ,
@@ -310,6 +312,8 @@ class GroupFront:
             )
             if shares is not None:  # each rank on its own CPUs, as pipemlx.launch starts ranks
                 pin(self.procs[-1].pid, shares[rank])
+        if shares is not None:  # HTTP and the requests' text on rank 0's CPUs, as when rank 0 serves them itself
+            pin(os.getpid(), shares[0])
 
     def _bring_up(self, fault_at: float | None) -> Link | int:
         """Start a group and wait for rank 0's hello; the link, or the exit status when the front is done."""
