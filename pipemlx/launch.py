@@ -181,6 +181,20 @@ def cpu_shares(num_ranks: int, cpus: Collection[int] | None = None) -> list[set[
     return [set(cpus[len(cpus) * r // num_ranks : len(cpus) * (r + 1) // num_ranks]) for r in range(num_ranks)]
 
 
+def available_memory() -> int:
+    """Bytes this machine can still give (Linux: MemAvailable; elsewhere: the physical memory; 0: unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Keep process ``pid`` and every thread it has on ``cpus`` (threads it starts later inherit its mask).
 

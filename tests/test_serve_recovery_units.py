@@ -147,11 +147,11 @@ def hostfile(tmp_path: Path) -> str:
         (["--allow-shrink", "--no-recover", "--ranks", "3"], "k", "--allow-shrink needs the front"),
         (["--allow-shrink", "--ranks", "1"], "k", "--allow-shrink needs the front"),
         (["--recover", "--ranks", "1"], "k", "--recover needs at least 2 ranks"),
-        (["--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs --ranks 3 or more"),
+        (["--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs 3 ranks or more"),
         (
             ["--recover", "--allow-shrink", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"],
             "k",
-            "--allow-shrink works with local ranks",
+            "--allow-shrink needs 3 ranks or more",
         ),
     ],
 )

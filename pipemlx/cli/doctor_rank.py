@@ -41,20 +41,6 @@ def versions() -> dict[str, str]:
     }
 
 
-def available_memory() -> int:
-    """Bytes this machine can still give (Linux: MemAvailable; elsewhere: the physical memory)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def ring_addresses() -> list[str]:
     """The ring hostfile's first address per rank (empty when there is none)."""
     path = os.environ.get("MLX_HOSTFILE")
@@ -135,6 +121,7 @@ def run_rank(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
+    from ..launch import available_memory
     from ..runtime.links import gather_facts, measure_links
 
     group = join()

@@ -186,8 +186,15 @@ def add_recovery_flags(serve: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     recovery.add_argument(
         "--allow-shrink", action="store_true",
-        help="with the front and --ranks N (N >= 3): when the same rank is killed (a signal: the OOM killer, kill -9) "
-        "in 3 faults in a row, go on with one rank fewer (2 at least), the split planned again (--split dropped)",
+        help="with the front and 3 ranks or more: go on with fewer ranks (2 at least), the split planned again "
+        "(--split dropped). Local ranks: when the same rank is killed (a signal: the OOM killer, kill -9) in 3 faults "
+        "in a row, one fewer. Across hosts: when hosts have not come back --shrink-after seconds after a fault, those "
+        "that did, if their memory holds the model; the group grows again when the others come back",
+    )  # fmt: skip
+    recovery.add_argument(
+        "--shrink-after", type=positive_float, default=20.0, metavar="S",
+        help="with --allow-shrink across hosts: seconds to wait for every host before going on without the missing "
+        "ones (default 20)",
     )  # fmt: skip
     recovery.add_argument(
         "--front-listen", type=host_port, metavar="HOST:PORT",
@@ -353,6 +360,7 @@ def _shared_key(flag: str) -> str:
 def _worker(args: argparse.Namespace) -> int:
     """``--worker``: this host's rank of a group whose rank 0 serves a front on another host (``--front``)."""
     from ..serve.link import FRONT_ADDRESS_VARIABLE
+    from ..serve.worker import JOIN_VARIABLE
 
     if args.recover:  # asked for (None: not said)
         raise UserError("--worker runs a rank for a front; the front is its own command (--recover --front-listen)")
@@ -370,6 +378,7 @@ def _worker(args: argparse.Namespace) -> int:
             "MLX_RANK": str(rank),
             BACKEND_VARIABLE: "ring",
             FRONT_ADDRESS_VARIABLE: args.front,
+            JOIN_VARIABLE: str(rank),  # the front says which group to form (without a lost host: --allow-shrink)
         }
     )
     return _as_rank(args)
@@ -430,12 +439,8 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise UserError("--recover needs at least 2 ranks (--ranks N)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    if args.allow_shrink and listen is not None:
-        raise UserError(
-            "--allow-shrink works with local ranks (--ranks N) only: across hosts the hostfile fixes the group"
-        )
     if args.allow_shrink and ranks < 3:
-        raise UserError(f"--allow-shrink needs --ranks 3 or more (a group shrinks to 2 ranks at least), got {ranks}")
+        raise UserError(f"--allow-shrink needs 3 ranks or more (a group shrinks to 2 ranks at least), got {ranks}")
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
     if listen is not None:
@@ -455,6 +460,8 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
         listen=listen,
         key=key,
         allow_shrink=args.allow_shrink,
+        shrink_after=args.shrink_after,
+        hosts=read_hostfile(str(args.hostfile)) if listen is not None else [],
     )
     return run_front(options)
 

@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from multiprocessing import AuthenticationError
@@ -38,8 +39,9 @@ from ..models.loading import load_draft, load_sharded
 from ..models.sharding import LendSpec
 from .engines import Rank, Scheduler, make_scheduler
 from .front import Front, ServeSettings, log
-from .link import FRONT_ADDRESS_VARIABLE
+from .link import FRONT_ADDRESS_VARIABLE, Link
 from .loop import Leader, LocalRequests, follow
+from .worker import JOIN_VARIABLE, LinkRequests
 
 SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
 CONNECT_EVERY_S = 1.0
@@ -100,6 +102,7 @@ class RankOptions:
 
 def run_rank(options: RankOptions) -> int:
     """Serve as one rank of the group this process belongs to; returns the exit status (or exits after a fault)."""
+    joined = _join(options) if os.environ.get(JOIN_VARIABLE) is not None else None
     group = init_group()
     rank, size = group.rank(), group.size()
     settings = options.settings
@@ -155,9 +158,40 @@ def run_rank(options: RankOptions) -> int:
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block or abort
     if rank != 0:
         return _follow(engine, scheduler)
+    if joined is not None:  # across hosts: the link rank 0 joined the front over
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
+        return Leader(engine, scheduler, LinkRequests(engine, joined)).serve()
     if front_address is not None:
         return _work(engine, scheduler, front_address)
     return _lead(engine, scheduler, options)
+
+
+def _join(options: RankOptions) -> Link | None:
+    """A ``--worker``: join the front, then form the group it assigns (the hosts, this worker's rank among them, the
+    split) from a hostfile of those hosts; rank 0 keeps the link, every other rank closes it."""
+    from ..launch import available_memory
+    from .link import key_from_environment
+    from .worker import join_front
+
+    address = os.environ[FRONT_ADDRESS_VARIABLE]
+    attempt_s = min(HANDSHAKE_WAIT_S, options.settings.timeout / 4)
+    entry = int(os.environ[JOIN_VARIABLE])
+    assignment = join_front(address, key_from_environment() or "", entry, available_memory(), attempt_s)
+    hostfile = Path(tempfile.gettempdir()) / f"pipemlx-serve-worker-{entry}-{os.getuid()}.json"  # assigned hosts
+    hostfile.write_text(json.dumps(assignment.hosts), encoding="utf-8")
+    os.environ.update({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(assignment.rank)})
+    if assignment.split is not None:
+        options.split = assignment.split
+    print(
+        f"pipemlx serve: worker {entry}: forming a group of {len(assignment.hosts)} as rank {assignment.rank}"
+        + (f", split {assignment.split}" if assignment.split is not None else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    if assignment.rank == 0:
+        return assignment.link
+    assignment.link.close()
+    return None
 
 
 def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
@@ -168,7 +202,6 @@ def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
     up stays up; a lost or stalled peer meanwhile ends the worker (its supervisor starts it again)."""
     from .broadcast import IDLE
     from .link import connect, key_from_environment
-    from .worker import LinkRequests
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
     key = key_from_environment() or ""
@@ -272,7 +305,11 @@ class FrontOptions:
     key: str | None = None
     """Across hosts: the link's shared key (``PIPEMLX_SERVE_FRONT_KEY``)."""
     allow_shrink: bool = False
-    """Local ranks: one rank fewer after a rank was killed in several faults in a row (``--allow-shrink``)."""
+    """Fewer ranks after a fault (``--allow-shrink``): local ranks, one fewer after a rank was killed in several
+    faults in a row; across hosts, the hosts that came back when the others stay gone for ``shrink_after`` s."""
+    shrink_after: float = 20.0
+    hosts: list[list[str]] = field(default_factory=list[list[str]])
+    """Across hosts: the hostfile's entries (the front tells each joining worker which of them form the group)."""
 
 
 def front_tokenizer(model_dir: Path) -> Any:
@@ -313,6 +350,9 @@ def run_front(options: FrontOptions) -> int:
         listen=options.listen,
         key=options.key,
         allow_shrink=options.allow_shrink,
+        shrink_after=options.shrink_after,
+        hosts=options.hosts,
+        model=model_dir,
     )
     try:
         group = GroupFront(front, tokenizer, recover)

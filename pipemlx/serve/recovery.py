@@ -78,7 +78,10 @@ class RecoverOptions:
     restart_window: float = 600.0
     listen: tuple[str, int] | None = None  # across hosts: the address rank 0 connects to; the front starts nothing
     key: str | None = None  # the link's key: given across hosts, random for local ranks
-    allow_shrink: bool = False  # local ranks: one fewer after SHRINK_AFTER faults in a row blamed on one rank
+    allow_shrink: bool = False  # fewer ranks: see GroupFront._shrink (local) and GroupFront._choose (hosts)
+    shrink_after: float = 20.0  # across hosts: seconds to wait for every host before going on without some
+    hosts: list[list[str]] = field(default_factory=list[list[str]])  # across hosts: the hostfile's entries
+    model: Path | None = None  # the model folder: the split is planned again for fewer hosts
 
 
 @dataclass
@@ -99,6 +102,18 @@ class Tracked:
 
 class Fault(Exception):
     """The group cannot go on (a rank exited, rank 0 reported a pipeline error or went silent)."""
+
+
+class Regroup(Fault):
+    """Across hosts, after a shrink: a missing host is back; the group stops and forms again with it."""
+
+
+@dataclass
+class Joined:
+    """A worker that joined the front and waits to be told which group to form."""
+
+    link: Link
+    memory: int  # bytes it can give (0: unknown)
 
 
 class GroupFront:
@@ -123,6 +138,10 @@ class GroupFront:
         self.next_id = 0
         self.faults: list[float] = []  # when each fault happened (monotonic)
         self.started_once = False
+        self.joined: dict[int, Joined] = {}  # across hosts: by hostfile entry
+        self.unheard: list[tuple[Link, float]] = []  # links that have not said which worker they are yet
+        self.group: list[int] = list(range(options.ranks))  # across hosts: the entries of the group formed last
+        self.cannot_shrink: str | None = None  # why the hosts that came back cannot hold the model (said once)
         self.recovery: dict[str, Any] = {
             "restarts": 0,
             "last_fault": None,
@@ -181,6 +200,12 @@ class GroupFront:
                 log(f"the group is back after {took:.2f} s; resuming {unfinished} request(s)")
             try:
                 return self._serve(link)
+            except Regroup as regroup:
+                fault_at = time.monotonic()
+                self.front.recover_expired = False
+                self.front.status = "recovering"
+                link.close()  # rank 0 stops the group; the workers' supervisors start them, and they join
+                log(f"{regroup}; the group stops and forms again with it")
             except Fault as fault:
                 fault_at = time.monotonic()
                 self.front.recover_expired = False
@@ -353,21 +378,138 @@ class GroupFront:
                 break  # start again
 
     def _await_workers(self, recover_deadline: float | None) -> Link | int:
-        """Across hosts: wait for rank 0 of a new group to greet; the link, or 0 when the front is stopped.
+        """Across hosts: wait for the workers to join, tell them which group to form, and wait for its rank 0 to
+        greet; the link, or 0 when the front is stopped.
 
-        Nothing is started here: the hosts' supervisors restart their workers, which re-form the group. The wait
-        is unbounded (the front keeps answering ``/health``); past ``--recover-timeout`` the waiting clients get
-        503 with ``Retry-After``."""
+        Nothing is started here: the hosts' supervisors restart their workers, each of which joins the front
+        before it forms a group. The group is every host of the hostfile; with ``--allow-shrink``, once
+        ``--shrink-after`` seconds passed, the hosts that joined (2 at least) when their memory holds the model.
+        The wait is unbounded (the front keeps answering ``/health``); past ``--recover-timeout`` the waiting
+        clients get 503 with ``Retry-After``."""
+        waiting_since = time.monotonic()
+        beat_sent = 0.0
         while True:
             if self.front.stopping.is_set():
+                self._drop_joined()
                 self._fail_all(unavailable("the server is shutting down", code="shutting_down"))
                 return 0
-            if recover_deadline is not None and time.monotonic() >= recover_deadline and not self.front.recover_expired:
+            now = time.monotonic()
+            if recover_deadline is not None and now >= recover_deadline and not self.front.recover_expired:
                 self._recovery_expired()
-            link = self._hello(0.1)
+            self._take_joins(0.1)
+            if now - beat_sent >= BEAT_S:  # a joined worker starts over when the front falls silent
+                beat_sent = now
+                for entry, joined in list(self.joined.items()):
+                    if not joined.link.send({"t": "beat"}):
+                        self._drop(entry)
+            chosen = self._choose(now - waiting_since)
+            if chosen is None:
+                continue
+            entries, split = chosen
+            link = self._form(entries, split)
             if link is not None:
                 self.started_once = True
                 return link
+
+    def _take_joins(self, wait: float) -> None:
+        """Read the ``join`` of every new link (a link silent for :data:`HANDSHAKE_S` is closed); notice a joined
+        worker that went away."""
+        try:
+            self.unheard.append((self.acceptor.accepted.get(timeout=wait), time.monotonic()))
+        except queue.Empty:
+            pass
+        still: list[tuple[Link, float]] = []
+        for link, since in self.unheard:
+            if not link.poll(0):
+                if time.monotonic() - since < HANDSHAKE_S:
+                    still.append((link, since))
+                else:
+                    link.close()
+                continue
+            message = link.recv()
+            entry = -1 if message is None or message.get("t") != "join" else int(message.get("entry", -1))
+            if not 0 <= entry < len(self.options.hosts):
+                link.close()  # not a worker of this hostfile (or one from an older pipemlx)
+                continue
+            self._drop(entry)  # a worker that joins again replaces its older self
+            self.joined[entry] = Joined(link, int(message.get("memory") or 0) if message else 0)
+        self.unheard = still
+        for entry, joined in list(self.joined.items()):
+            while joined.link.poll(0):
+                if joined.link.recv() is None:
+                    self._drop(entry)
+                    break
+
+    def _drop(self, entry: int) -> None:
+        joined = self.joined.pop(entry, None)
+        if joined is not None:
+            joined.link.close()
+
+    def _drop_joined(self) -> None:
+        for entry in list(self.joined):
+            self._drop(entry)
+
+    def _choose(self, waited: float) -> tuple[list[int], list[int] | None] | None:
+        """The entries of the group to form and its split (``None``: the workers' own), or None to wait on."""
+        entries = sorted(self.joined)
+        if len(entries) == len(self.options.hosts):
+            return entries, None
+        if not self.options.allow_shrink or len(entries) < 2 or waited < self.options.shrink_after:
+            return None
+        try:
+            split = self._plan(entries)
+        except (ValueError, OSError) as exc:  # MemoryPlanError: the hosts there cannot hold the model
+            why = f"{len(entries)} hosts cannot hold the model: {exc}"
+            if why != self.cannot_shrink:
+                self.cannot_shrink = why
+                log(f"not going on without the missing hosts: {why}")
+            return None
+        missing = [e for e in range(len(self.options.hosts)) if e not in self.joined]
+        log(
+            f"hosts {missing} did not come back within {self.options.shrink_after:g} s (--shrink-after): going on "
+            f"with the {len(entries)} others (--allow-shrink), split {split}"
+        )
+        return entries, split
+
+    def _plan(self, entries: list[int]) -> list[int]:
+        """The split of the model over the hosts ``entries``, for the memory each said it can give."""
+        from ..models.hub import model_bytes_of
+        from ..schedule.memory_split import plan_split
+
+        if self.options.model is None:
+            raise ValueError("no model folder to plan the split from")
+        memory = [self.joined[e].memory for e in entries]
+        budgets = memory if all(m > 0 for m in memory) else None
+        return list(plan_split(model_bytes_of(self.options.model), len(entries), budgets).split)
+
+    def _form(self, entries: list[int], split: list[int] | None) -> Link | None:
+        """Tell each joined worker of ``entries`` the group and its rank in it, and wait for rank 0's ``hello``
+        (bounded by :data:`START_TIMEOUT_S`); the link, or None when the group did not come up."""
+        hosts = [self.options.hosts[e] for e in entries]
+        links = [self.joined.pop(e).link for e in entries]
+        self._drop_joined()  # workers not in the group join again later
+        for rank, link in enumerate(links):
+            link.send({"t": "group", "hosts": hosts, "rank": rank, "split": split})
+        for link in links[1:]:
+            link.close()
+        self.group = entries
+        self.recovery["ranks"] = len(entries)
+        self.recovery["hosts"] = entries
+        link = links[0]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline and not self.front.stopping.is_set():
+            if not link.poll(0.1):
+                self._take_joins(0.0)  # the workers of the next group may join meanwhile
+                continue
+            message = link.recv()
+            if message is None:
+                break
+            if message.get("t") == "hello":
+                self._greeted(message)
+                return link
+        link.close()
+        log(f"the group of hosts {entries} did not come up; waiting for the workers to join again")
+        return None
 
     def _hello(self, wait: float) -> Link | None:
         """A link whose first message is rank 0's ``hello``, if one comes within ``wait`` seconds."""
@@ -382,11 +524,15 @@ class GroupFront:
         if message is None or message.get("t") != "hello":
             link.close()
             return None
+        self._greeted(message)
+        return link
+
+    def _greeted(self, message: dict[str, Any]) -> None:
+        """Rank 0's ``hello``: the split and the ranks' slots, the prefix cache's budget."""
         self.front.split = [int(n) for n in message["split"]]
         self.front.slots = list(message["slots"])
         counts = self.front.remote_prefix or {"hits": 0, "misses": 0}  # the counts go on across restarts
         self.front.remote_prefix = {**counts, "budget_tokens": int(message.get("prefix_budget") or 0)}
-        return link
 
     def _recovery_expired(self) -> None:
         """``--recover-timeout`` passed without a group: every waiting client gets 503 with ``Retry-After``."""
@@ -446,6 +592,11 @@ class GroupFront:
             report = self._exit_report()
             if report is not None:
                 raise Fault(report)
+            if self.hosts and len(self.group) < len(self.options.hosts):  # shrunk: grow again when a host is back
+                self._take_joins(0.0)
+                back = sorted(e for e in self.joined if e not in self.group)
+                if back:
+                    raise Regroup(f"host {back[0]} is back")
             if time.monotonic() - last_heard > SILENCE_S:
                 raise Fault(f"rank 0 sent nothing for {SILENCE_S:g} s (stalled)")
             for tracked in self.tracked.values():
