@@ -98,16 +98,28 @@ class HostsServer:
             sys.executable, "-m", "pipemlx", "serve", "--worker", "--hostfile", str(self.hostfile), "--front",
             f"{front_ip}:{LINK_PORT}", *serving,
         ]  # fmt: skip
-        loop = f'while true; do {" ".join(worker)}; echo "worker exited with status $?" >&2; sleep 0.5; done'
+        self.loop = f'while true; do {" ".join(worker)}; echo "worker exited with status $?" >&2; sleep 0.5; done'
+        self.env = env
         for rank in range(ranks):
-            self._start([*hosts.prefix(rank), "sh", "-c", loop], f"worker{rank}", env)
+            self._start([*hosts.prefix(rank), "sh", "-c", self.loop], f"worker{rank}", env)
 
-    def _start(self, command: list[str], name: str, env: dict[str, str]) -> None:
-        log = open(self.folder / f"{name}.err", "w+b")  # noqa: SIM115 (closed in close())
+    def _start(self, command: list[str], name: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.folder / f"{name}.err", "a+b")  # noqa: SIM115 (closed in close())
         self.logs.append(log)
-        self.procs.append(
-            subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
         )
+        self.procs.append(proc)
+        return proc
+
+    def host_gone(self, rank: int) -> None:
+        """Host ``rank`` gone for good: its restart loop killed with the worker it runs."""
+        os.killpg(self.procs[1 + rank].pid, signal.SIGKILL)
+
+    def host_back(self, rank: int) -> None:
+        """Host ``rank`` back: a new restart loop (the old one stays in :attr:`procs` for :meth:`stop`)."""
+        proc = self._start([*self.hosts.prefix(rank), "sh", "-c", self.loop], f"worker{rank}", self.env)
+        self.procs[1 + rank], self.procs[-1] = proc, self.procs[1 + rank]
 
     @property
     def front(self) -> subprocess.Popen[bytes]:
@@ -284,6 +296,31 @@ def test_worker_killed_and_link_cut_across_hosts(tmp_path: Path, expected: dict[
             expected,
             [("kill rank 1", lambda: kill_worker(server, 1)), ("cut rank 1's link", lambda: cut_link(server, 1))],
         )
+
+
+@pytest.mark.timeout(420)
+def test_a_host_that_stays_gone_is_left_out_then_taken_back(tmp_path: Path, expected: dict[str, str]) -> None:
+    """``--allow-shrink`` on 3 namespace hosts: host 2 gone for good mid-stream (its restart loop killed): after
+    ``--shrink-after`` the other 2 form a group, split again, and every stream continues equal to one process; host
+    2 back: the group grows back to 3, and the next streams are equal too."""
+    with hosts_server(3, tmp_path, "--allow-shrink", "--shrink-after", "3") as server:
+        check_continued(server, run_clients(server, lambda: server.host_gone(2)), expected)
+        health = server.wait_for("ready again", lambda: (h := server.health()) and h["status"] == "ready" and h, 120.0)
+        assert health["recovery"]["ranks"] == 2 and health["recovery"]["hosts"] == [0, 1], health["recovery"]
+        assert len(health["split"]) == 2 and sum(health["split"]) == 8, health["split"]
+        shrunk_s = health["recovery"]["last_recovery_s"]
+        server.host_back(2)
+        health = server.wait_for(
+            "the group to grow back to 3 hosts",
+            lambda: (h := server.health()) and h["status"] == "ready" and h["recovery"]["ranks"] == 3 and h,
+            150.0,
+        )
+        assert health["recovery"]["hosts"] == [0, 1, 2] and len(health["split"]) == 3, health
+        grew_s = health["recovery"]["last_recovery_s"]
+        check_continued(server, run_clients(server, None), expected)
+        front = (tmp_path / "front.err").read_text(errors="replace")
+        assert "going on with the 2 others (--allow-shrink)" in front and "host 2 is back" in front, front[-3000:]
+    print(f"\nhost 2 gone: served by 2 hosts after {shrunk_s} s; host 2 back: by 3 after {grew_s} s")
 
 
 @pytest.mark.slow
