@@ -362,7 +362,8 @@ class StopText:
                 piece = text[self.sent : cut] if cut > self.sent else ""
                 self.sent = max(self.sent, cut)
                 return piece
-        ready = len(text) - max(stop_strings_hold(text, self.stops), unfinished_chars(text))
+        settled = len(text) - unfinished_chars(text)  # a character still arriving may complete a stop string
+        ready = settled - stop_strings_hold(text[:settled], self.stops)
         if ready <= self.sent:
             return ""
         piece = text[self.sent : ready]
