@@ -298,6 +298,7 @@ def test_worker_killed_and_link_cut_across_hosts(tmp_path: Path, expected: dict[
         )
 
 
+@pytest.mark.slow  # 40-60 s: the suite's budget; run it with -m slow
 @pytest.mark.timeout(420)
 def test_a_host_that_stays_gone_is_left_out_then_taken_back(tmp_path: Path, expected: dict[str, str]) -> None:
     """``--allow-shrink`` on 3 namespace hosts: host 2 gone for good mid-stream (its restart loop killed): after
