@@ -94,27 +94,12 @@ def join_front(address: str, key: str, entry: int, memory: int, attempt_s: float
         print(f"pipemlx serve: worker {entry}: the front at {address} went away; joining again", file=sys.stderr)
 
 
-@dataclass(frozen=True)
-class RemoteJob:
-    """A request as the front hands it to rank 0: ``tokens`` is its prompt plus what it already generated."""
-
-    id: int
-    tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    penalties: Penalties
-    drawn: int = 0  # tokens it generated before (a resumed request): the sampler skips as many keys
-    draft: bool = True  # speculative decoding, when the server does it (False: the request opted out)
-
-
 class Inbox:
     """What the front sent, read by a thread of its own: jobs in order, cancelled ids, stop; and the heartbeat."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
-        self.jobs: queue.Queue[RemoteJob] = queue.Queue()
+        self.jobs: queue.Queue[Request] = queue.Queue()  # handle: the front's job id
         self.live: set[int] = set()  # jobs received and not yet ended: a cancel for another id is dropped
         self.cancelled: set[int] = set()
         self.stop = threading.Event()
@@ -135,7 +120,7 @@ class Inbox:
             if kind == "job":
                 job = _job(message)
                 with self.lock:
-                    self.live.add(job.id)
+                    self.live.add(job.handle)
                 self.jobs.put(job)
             elif kind == "cancel":
                 with self.lock:
@@ -170,10 +155,12 @@ class Inbox:
             self.cancelled.discard(job_id)
 
 
-def _job(message: dict[str, Any]) -> RemoteJob:
+def _job(message: dict[str, Any]) -> Request:
+    """A ``job`` message as rank 0's loop admits it: its handle is the front's job id; ``tokens`` is the prompt
+    plus what it already generated (``drawn`` tokens: a resumed request's sampler skips as many keys)."""
     seed = message.get("seed")
     penalties = cast(dict[str, Any], message.get("penalties") or {})
-    return RemoteJob(
+    return Request(
         int(message["id"]),
         [int(t) for t in message["tokens"]],
         int(message["max_tokens"]),
@@ -181,8 +168,8 @@ def _job(message: dict[str, Any]) -> RemoteJob:
         float(message["top_p"]),
         None if seed is None else int(seed),
         Penalties(**penalties),
-        int(message.get("drawn") or 0),
-        bool(message.get("draft", True)),
+        draft=bool(message.get("draft", True)),
+        drawn=int(message.get("drawn") or 0),
     )
 
 
@@ -223,20 +210,11 @@ class LinkRequests:
             except queue.Empty:
                 return None
             wait = 0.0
-            if not self.inbox.is_cancelled(job.id):
-                return Request(
-                    job.id,
-                    job.tokens,
-                    job.max_tokens,
-                    job.temperature,
-                    job.top_p,
-                    job.seed,
-                    job.penalties,
-                    draft=job.draft,
-                    drawn=job.drawn,
-                )
-            self.inbox.forget(job.id)
-            self.link.send({"t": "ended", "id": job.id, "outcome": "cancelled", "generated": 0})
+            job_id: int = job.handle
+            if not self.inbox.is_cancelled(job_id):
+                return job
+            self.inbox.forget(job_id)
+            self.link.send({"t": "ended", "id": job_id, "outcome": "cancelled", "generated": 0})
 
     def admitted(self, request: Request, seq: int, cached: int) -> None:
         job_id: int = request.handle
