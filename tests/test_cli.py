@@ -289,6 +289,7 @@ def test_generate_with_a_hostfile_gives_single_device_tokens(tmp_path: Path) -> 
     assert report["tokens"] == demo_reference_tokens(prompt, 4, 16)
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_bench_reports_both_sides_with_the_same_tokens(tmp_path: Path) -> None:
     """`pipemlx bench --json` (and `--png` where matplotlib is installed), with a head of rank 0's last layer on
     rank 1 (--lend 1, loaded by mlx-lm's loader) and the default auto step; no speed is asserted here."""

@@ -185,6 +185,7 @@ def needs_namespaces() -> None:
     skip_unless_available()
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 @pytest.mark.usefixtures("needs_namespaces")
 def test_doctor_across_namespace_hosts_names_the_host_on_another_version(tmp_path: Path) -> None:
     """Three hosts, the third on another pipemlx (simulated): links, memory and the end-to-end run all pass,

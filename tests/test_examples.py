@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
@@ -77,6 +78,7 @@ def test_pipeline_generate() -> None:
         assert r["tokens"] == expected
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_custom_split() -> None:
     reports = run_example("custom_split.py", "--split", "6,2", "--max-tokens", "16")
     assert [r["split"] for r in reports] == [[6, 2], [6, 2]]

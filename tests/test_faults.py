@@ -131,7 +131,7 @@ def test_a_killed_rank_surfaces_on_every_survivor(world_size: int, tmp_path: Pat
         )
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # S=2 with -m slow (time budget)
 def test_a_stalled_rank_times_out_on_every_survivor(world_size: int, tmp_path: Path) -> None:
     reports, stalled_at = fatal_run(world_size, "stall", tmp_path)
     victim = world_size // 2 if world_size > 2 else 1

@@ -201,6 +201,7 @@ def check_runs(reports: list[dict[str, Any]], what: str) -> list[str]:
     return lines
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_one_process_peaks_are_within_10_percent() -> None:
     wide = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2}  # head_dim 64: quantizable
     cases = [

@@ -83,7 +83,9 @@ def cut_on_request(request: Path, cut: Any, stop: threading.Event) -> None:
 
 
 @pytest.mark.usefixtures("needs_namespaces")
-@pytest.mark.parametrize("num_ranks,side", [(2, "switch"), (3, "host")])
+@pytest.mark.parametrize(
+    "num_ranks,side", [pytest.param(2, "switch", marks=pytest.mark.slow), (3, "host")]
+)  # -m slow: S=2
 def test_a_link_cut_mid_prefill_ends_in_an_error_on_every_rank(num_ranks: int, side: str, tmp_path: Path) -> None:
     victim, at = 1, 2
     request, cut_marker = tmp_path / "request", tmp_path / "cut"

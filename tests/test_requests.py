@@ -178,8 +178,13 @@ def test_rank_programs_that_simply_end_exit_cleanly(last: str) -> None:
 
 
 # At S=3 a middle rank faulty: the first rank loses the one it sends to, the last the one it receives from.
-FAULT_CASES = [(kind, num_ranks, 1) for kind in ("die", "stall") for num_ranks in (2, 3)]
-FAULT_CASES += [("die", 3, 0), ("die", 3, 2)]  # the first or the last rank dies
+# The default run keeps one case of each kind; the others run with -m slow (the suite's time budget).
+FAULT_CASES = [
+    ("die", 2, 1),
+    ("stall", 3, 1),
+    ("die", 3, 2),  # the last rank dies
+    *(pytest.param(*case, marks=pytest.mark.slow) for case in [("stall", 2, 1), ("die", 3, 1), ("die", 3, 0)]),
+]
 
 
 @pytest.mark.parametrize(("kind", "num_ranks", "faulty"), FAULT_CASES, ids=lambda case: str(case))

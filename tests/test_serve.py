@@ -584,7 +584,9 @@ def test_serve_refuses_an_unregistered_architecture_naming_the_flag(tmp_path: Pa
 # --- a rank that dies or stalls -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["killed", "stalled"])
+@pytest.mark.parametrize(
+    "fault", ["killed", pytest.param("stalled", marks=pytest.mark.slow)]
+)  # a stall: test_serve_batching
 def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
     """``--no-recover``: rank 1 dies (SIGKILL) or stalls (SIGSTOP) while a streamed request decodes and another waits."""
     grace = 3.0
@@ -646,6 +648,7 @@ def test_a_lost_rank_gives_503_and_the_server_exits(fault: str) -> None:
         process.close_after_fault(stalled=fault == "stalled")
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_serve_under_mpirun_answers_like_one_process(ref: Reference) -> None:
     """Every rank started by Open MPI's mpirun (MLX's MPI backend): the request broadcast is backend-neutral."""
     mpirun, extra_env = require_mpi()  # skips where MPI is missing, fails instead in CI (PIPEMLX_REQUIRE_HOSTS=1)

@@ -201,7 +201,7 @@ def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> 
     assert "argument --max-concurrency: must be at least 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fault", ["killed", "stalled"])
+@pytest.mark.parametrize("fault", [pytest.param("killed", marks=pytest.mark.slow), "stalled"])  # a kill: test_serve
 def test_a_lost_follower_fails_every_request_in_flight_and_the_server_exits(fault: str) -> None:
     """``--no-recover``: rank 1 dies (SIGKILL) or stalls (SIGSTOP) while three streams decode together and one waits: every client
     gets a 503, the server exits."""

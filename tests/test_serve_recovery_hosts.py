@@ -286,6 +286,7 @@ def faults_in_turn(server: HostsServer, expected: dict[str, str], faults: list[t
     print(f"\nrecovery across namespace hosts (s): {times}; first start {health['recovery']['start_s']} s")
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 @pytest.mark.timeout(300)
 def test_worker_killed_and_link_cut_across_hosts(tmp_path: Path, expected: dict[str, str]) -> None:
     """2 ranks on 2 namespace hosts, the front on a third: rank 1's worker killed (kill -9) mid-stream, then rank
