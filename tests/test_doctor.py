@@ -203,6 +203,7 @@ def test_doctor_across_namespace_hosts_names_the_host_on_another_version(tmp_pat
     assert all("version mismatch: rank 2" in err for _, _, err in runs)
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 @pytest.mark.usefixtures("needs_namespaces")
 def test_doctor_names_the_cut_link(tmp_path: Path) -> None:
     runs = run_on_hosts(3, tmp_path, cut=1)
