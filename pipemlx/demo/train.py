@@ -19,10 +19,13 @@ Reproduce the shipped model, then compare it with, or copy it over,
 Seeds are fixed; the weights match the shipped ones up to floating-point
 differences between BLAS libraries.
 
-The demo's draft model (``pipemlx/demo/draft``, for speculative decoding) is
-the same recipe with two layers and the demo's own tokenizer::
+The demo's draft model (``pipemlx/demo/draft``, for speculative decoding) has
+two layers and the demo's own tokenizer, and learns from the demo model rather
+than from the text alone (distillation): on windows of the book and of the demo
+model's own greedy continuations of it, it is trained towards the demo model's
+next-token distribution, which is what its guesses are checked against::
 
-    python -m pipemlx.demo.train --out demo-draft --layers 2 --tokenizer pipemlx/demo/model
+    python -m pipemlx.demo.train --out demo-draft --layers 2 --distill pipemlx/demo/model
 """
 
 from __future__ import annotations
@@ -104,6 +107,35 @@ def loss_of(model: nn.Module, inputs: mx.array, targets: mx.array) -> mx.array:
     return nn.losses.cross_entropy(logits, targets).mean()
 
 
+def distillation_loss(model: nn.Module, inputs: mx.array, teacher_logits: mx.array) -> mx.array:
+    """Mean KL divergence from the teacher's next-token distribution to the model's."""
+    teacher = nn.log_softmax(mx.stop_gradient(teacher_logits), axis=-1)
+    student = nn.log_softmax(model(inputs), axis=-1)
+    return (mx.exp(teacher) * (teacher - student)).sum(axis=-1).mean()
+
+
+def greedy_continuations(
+    teacher: nn.Module, tokens: np.ndarray[Any, np.dtype[np.int32]], *, count: int, prompt: int, length: int, seed: int
+) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """``count`` sequences of ``length`` tokens: a random ``prompt``-token window of the text, then the teacher's
+    greedy continuation of it (what a draft guesses against when the teacher decodes)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rng = np.random.default_rng(seed)
+    rows: list[np.ndarray[Any, np.dtype[np.int32]]] = []
+    for start in range(0, count, 64):
+        offsets = rng.integers(0, tokens.size - prompt, size=min(64, count - start))
+        out = [np.stack([tokens[o : o + prompt] for o in offsets])]
+        cache = make_prompt_cache(teacher)
+        logits = teacher(mx.array(out[0]), cache=cache)
+        for _ in range(length - prompt):
+            step = mx.argmax(logits[:, -1], axis=-1)
+            out.append(np.array(step, dtype=np.int32)[:, None])
+            logits = teacher(step[:, None], cache=cache)
+        rows.append(np.concatenate(out, axis=1))
+    return np.concatenate(rows)
+
+
 def train(
     model: nn.Module,
     tokens: np.ndarray[Any, np.dtype[np.int32]],
@@ -114,8 +146,13 @@ def train(
     learning_rate: float,
     seed: int,
     report: Callable[[int, float, float], None],
+    teacher: nn.Module | None = None,
+    generated: np.ndarray[Any, np.dtype[np.int32]] | None = None,
 ) -> None:
-    """AdamW with warm-up and cosine decay on random ``seq``-token windows of ``tokens``."""
+    """AdamW with warm-up and cosine decay on random ``seq``-token windows of ``tokens``.
+
+    With a ``teacher``: towards the teacher's next-token distribution (:func:`distillation_loss`) instead of the
+    text's next token, on batches half of windows of ``tokens``, half of rows of ``generated``."""
     warmup = max(1, steps // 20)
     schedule = optim.join_schedules(
         [
@@ -125,7 +162,7 @@ def train(
         [warmup],
     )
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
-    loss_and_grad = nn.value_and_grad(model, loss_of)
+    loss_and_grad = nn.value_and_grad(model, loss_of if teacher is None else distillation_loss)
     state = [model.state, optimizer.state]
 
     def step(inputs: mx.array, targets: mx.array) -> mx.array:
@@ -137,9 +174,15 @@ def train(
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
     for i in range(1, steps + 1):
-        offsets = rng.integers(0, tokens.size - seq - 1, size=batch)
-        window = np.stack([tokens[o : o + seq + 1] for o in offsets])
-        loss = compiled(mx.array(window[:, :-1]), mx.array(window[:, 1:]))
+        from_text = batch if generated is None else batch - batch // 2
+        offsets = rng.integers(0, tokens.size - seq - 1, size=from_text)
+        rows = [tokens[o : o + seq + 1] for o in offsets]
+        if generated is not None:
+            rows += [generated[j, : seq + 1] for j in rng.integers(0, generated.shape[0], size=batch - from_text)]
+        window = np.stack(rows)
+        inputs = mx.array(window[:, :-1])
+        targets = mx.array(window[:, 1:]) if teacher is None else teacher(inputs)
+        loss = compiled(inputs, targets)
         mx.eval(loss, state)
         if i % 50 == 0 or i == steps:
             report(i, loss.tolist(), time.perf_counter() - start)  # pyright: ignore[reportArgumentType]
@@ -156,7 +199,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=8, help="decoder layers (the demo's draft model: 2)")
     parser.add_argument("--tokenizer", type=Path, help="a model folder whose tokenizer to keep (a draft's target)")
+    parser.add_argument(
+        "--distill",
+        type=Path,
+        help="a model folder to learn from (a draft's target): its tokenizer, and its next-token distribution",
+    )
+    parser.add_argument("--continuations", type=int, default=512, help="with --distill: the target's greedy texts")
     args = parser.parse_args()
+    args.tokenizer = args.tokenizer or args.distill
 
     with gzip.open(TEXT, "rt", encoding="utf-8") as f:
         text = f.read()
@@ -176,9 +226,22 @@ def main() -> None:
     def report(step: int, loss: float, seconds: float) -> None:
         print(f"step {step:5d}  loss {loss:.3f}  ({math.exp(loss):.1f} ppl)  {seconds:.0f} s", flush=True)
 
+    teacher, generated = None, None
+    if args.distill:
+        from mlx_lm.utils import load_model
+
+        teacher = load_model(args.distill)[0]
+        teacher.freeze()
+        started = time.perf_counter()
+        generated = greedy_continuations(
+            teacher, tokens, count=args.continuations, prompt=32, length=args.seq + 1, seed=args.seed
+        )
+        print(f"{generated.shape[0]} greedy continuations of the target in {time.perf_counter() - started:.0f} s")
     train(
         model,
         tokens,
+        teacher=teacher,
+        generated=generated,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,

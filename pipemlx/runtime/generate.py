@@ -143,8 +143,10 @@ def generate_step(
     Speculative decoding: with a ``draft_model`` (a small whole model with the
     same tokenizer, passed on every rank) or ``prompt_lookup=n`` (guesses from
     the latest earlier match of the last ``n``-gram in the prompt and the
-    tokens so far), every rank guesses up to ``num_draft_tokens`` tokens alike
-    (``"auto"``: as many as maximise the measured tokens per second),
+    tokens so far), the last rank guesses up to ``num_draft_tokens`` tokens
+    (``"auto"``: as many as maximise the measured tokens per second; at most
+    16) while the ranks before it compute, the guesses reach every rank in the
+    step's message,
     one pass through the pipeline checks them all, and the last rank keeps the
     guesses up to the first one its own sampling disagrees with: the output is
     what decoding without guesses gives (greedy: the same tokens; a sampler: the
@@ -478,7 +480,7 @@ class _Request:
     shares_head: bool = False  # every rank said it may, in the first step: the later steps share the head
     proposer: Proposer | None = None
     draft_length: DraftLength = field(default_factory=lambda: DraftLength(2))
-    next_guesses: int = 0  # rank 0's word, in the last step's message: how many tokens the next step guesses
+    pending: list[int] = field(default_factory=list[int])  # the last step's message: the next step's guesses
     speculating: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
     tokens: list[int] = field(default_factory=list[int])  # generate_step's history, the prompt, every decided token
     decided: list[int] = field(default_factory=list[int])  # every decided token
@@ -571,12 +573,34 @@ class _Request:
                 raise stopped
 
     def _guess(self, n: int) -> list[int]:
-        """The proposer's guesses for the step after ``n`` tokens: none before every rank said it can speculate,
-        and never more than ``max_tokens`` leaves room for (the step's own token comes after them)."""
+        """The guesses for the step after ``n`` tokens, as the last step's message carried them: none before every
+        rank said it can speculate, and never more than ``max_tokens`` leaves room for (the step's own token comes
+        after them)."""
         if self.proposer is None or not self.speculating:
             return []
-        room = self.next_guesses if self.max_tokens == -1 else min(self.next_guesses, self.max_tokens - n - 1)
-        return self.proposer.propose(self.tokens, room) if room > 0 else []
+        return self.pending[: self._room(n, len(self.pending))]
+
+    def _room(self, n: int, wanted: int) -> int:
+        """How many of ``wanted`` guesses the step after ``n`` tokens may carry."""
+        return wanted if self.max_tokens == -1 else max(0, min(wanted, self.max_tokens - n - 1))
+
+    def _guess_ahead(self, guesses: list[int], n: int, wanted: int) -> list[int]:
+        """The last rank, while the ranks before it compute this step: the proposer's guesses for the next step if
+        this one confirms all of ``guesses`` (``n`` tokens before it), led by its guess of this step's own token."""
+        assert self.proposer is not None
+        room = self._room(n + len(guesses) + 1, wanted)
+        return self.proposer.propose([*self.tokens, *guesses], room + 1) if room > 0 else []
+
+    def _guess_next(self, guesses: list[int], n: int, wanted: int, part: _Part, ahead: list[int]) -> list[int]:
+        """The last rank, once this step's tokens are sampled: the guesses for the next step. ``ahead`` holds them
+        when this step confirmed every guess and sampled the token the proposer expected; else it proposes again."""
+        assert self.proposer is not None and part.accepted is not None and part.token is not None
+        count, token = cast(int, part.accepted.item()), cast(int, part.token.item())
+        decided = [*guesses[:count], token]
+        room = self._room(n + len(decided), wanted)
+        if count == len(guesses) and ahead[:1] == [token]:
+            return ahead[1 : 1 + room]
+        return self.proposer.propose([*self.tokens, *decided], room) if room > 0 else []
 
     def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
@@ -647,8 +671,16 @@ class _Request:
                     part = _Part(moved=sent)
                 payload = [self._shared_logprobs(part, inputs.size)] if self.share_logprobs else []
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
-                if stage.world_size > 1:
+                # The last rank proposes the next step's guesses: the likeliest ones while the ranks before it
+                # compute this step (it would wait for them), the right ones after it, unless those were the same.
+                proposes = (
+                    stage.is_last and self.proposer is not None and part.token is not None and status == Status.OK
+                )
+                wanted = self.draft_length.next() if proposes else 0
+                ahead = self._guess_ahead(guesses, index, wanted) if proposes else []
+                if stage.world_size > 1 or proposes:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
+                following = self._guess_next(guesses, index, wanted, part, ahead) if proposes else []
                 if self.shares_head:
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing token {index}'s output head"  # noqa: E731
@@ -664,7 +696,8 @@ class _Request:
                     "accepted": part.accepted if part.accepted is not None else 0,
                     "shares_head": int(self.may_share_head),
                     "can_speculate": int(self.proposer is not None and always_trimmable(self.cache)),
-                    "next_guesses": self.draft_length.next(),  # rank 0's is the one every rank follows
+                    "next_guesses": len(following),
+                    **{f"next_{i}": g for i, g in enumerate(following)},
                 }
                 gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -687,7 +720,7 @@ class _Request:
         if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
             self.shares_head = all(table["shares_head"])
             self.speculating = all(table["can_speculate"])
-        self.next_guesses = table["next_guesses"][0]
+        self.pending = [table.last(f"next_{i}") for i in range(table.last("next_guesses"))]
         confirmed = guesses[: table.last("accepted")] if guesses else []
         return [*confirmed, token], logprobs, table
 

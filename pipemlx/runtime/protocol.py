@@ -279,6 +279,9 @@ HANDSHAKE = Message(
 AGREE = Message(Kind.AGREE, (agreed("step"), Field("failed_chunk")), "an agreement point")
 """Closes a prefill step; ``failed_chunk``: the chunk the model raised on (-1: none)."""
 
+MAX_GUESSES = 16
+"""The most tokens one decode step of speculative decoding guesses (``num_draft_tokens``)."""
+
 DECODE = Message(
     Kind.DECODE,
     (
@@ -292,7 +295,8 @@ DECODE = Message(
         Field("accepted"),  # how many guesses the last rank's samples confirmed
         Field("shares_head"),  # this rank may share the output head (greedy, plain head)
         Field("can_speculate"),  # this rank's caches can be cut back at any length
-        Field("next_guesses"),  # rank 0's: how many tokens the next step guesses (num_draft_tokens="auto")
+        Field("next_guesses"),  # the last rank's: how many tokens the next step guesses, the next_i fields
+        *(Field(f"next_{i}") for i in range(MAX_GUESSES)),  # the last rank's guesses for the next step
     ),
     "a decode step",
 )

@@ -1,10 +1,9 @@
 """Speculative decoding's proposers: guesses of the next tokens that one pipeline pass then verifies.
 
-Every rank runs the same proposer on the same token history, so every rank
-holds the same guesses without a message: the last rank needs them to verify,
-the others to know how many positions the pass carries and to feed them to
-their layers. A proposer is deterministic for that reason (a draft model
-proposes greedily). What the guesses are never changes the output, only how
+Only the last rank runs the proposer: it guesses the next pass's tokens while
+the ranks before it compute the current pass (assuming the pass confirms every
+guess), and the guesses travel in the step's message to every rank. A proposer
+is deterministic (a draft model proposes greedily). What the guesses are never changes the output, only how
 many tokens one pass yields: the last rank samples every position as plain
 decoding would and keeps the guesses up to the first one it disagrees with.
 """
@@ -20,6 +19,7 @@ from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
+from .protocol import MAX_GUESSES
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
@@ -57,13 +57,20 @@ class DraftModel:
         pending = list(history[kept:])
         while len(pending) > DRAFT_PREFILL_STEP:
             self._read(pending[:DRAFT_PREFILL_STEP])
+            mx.eval([c.state for c in self.cache])  # pyright: ignore[reportUnknownMemberType]  # one chunk at a time
             pending = pending[DRAFT_PREFILL_STEP:]
-        guesses: list[int] = []
-        for _ in range(k):
-            logits = self._read(pending)
-            guess = cast(int, mx.argmax(logits[0, -1, :]).item())
-            guesses.append(guess)
-            pending = [guess]
+        # The k steps are one lazy chain (each guess feeds the next step unevaluated), evaluated as it is built:
+        # one wait for the last guess, not one round trip per guess.
+        logits = self._read(pending)
+        chain: list[mx.array] = []
+        for i in range(k):
+            guess = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.int32)
+            chain.append(guess)
+            mx.async_eval(guess)  # pyright: ignore[reportUnknownMemberType]
+            if i < k - 1:
+                logits = cast(mx.array, self.model(guess[None], cache=self.cache))
+        guesses = cast(list[int], mx.concatenate(chain).tolist())
+        self.tokens.extend(guesses[:-1])
         return guesses
 
     def _read(self, tokens: list[int]) -> mx.array:
@@ -160,13 +167,14 @@ class DraftLength:
     not pay (guesses that rarely hold, or a draft that costs more than it
     saves) it stops guessing, and tries one guess again every
     :data:`EXPLORE_EVERY` passes so that it notices when guessing pays again.
-    Rank 0 decides and its choice travels in the step's message, so every
-    rank guesses the same number.
+    The last rank decides, and proposes that many.
     """
 
     def __init__(self, setting: int | str) -> None:
         if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
             raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {setting!r}")
+        if isinstance(setting, int) and setting > MAX_GUESSES:
+            raise ValueError(f"num_draft_tokens must be at most {MAX_GUESSES} (guesses in one step), got {setting}")
         self.fixed = setting if isinstance(setting, int) else None
         self.confirmed = 1  # a prior of one confirmed and one wrong guess: p starts at one half
         self.tried = 2
