@@ -41,11 +41,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=3, help="guesses per pass (num_draft_tokens)")
     parser.add_argument("--lookup", type=int, default=3, help="prompt lookup's longest n-gram")
+    parser.add_argument("--draft", type=Path, default=DRAFT_DIR, help="the draft model folder (default: the demo's)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     openblas = openblas_available()
     spec: dict[str, Any] = {
-        "draft": str(DRAFT_DIR),
+        "draft": str(args.draft),
         "prompts": prompts(),
         "tokens": args.tokens,
         "repeats": args.repeats,

@@ -489,6 +489,7 @@ class _Request:
     accepted: int = 0
     offset: int = 0  # the caches' positions before the step running now
     history_length: int = 0  # the logits processors' history's length before it
+    proposing: float = 0.0  # the last rank, the step running now: seconds proposing its guesses again after it
 
     def __post_init__(self) -> None:
         self.stop_fingerprint = _fingerprint(self.stop_tokens)
@@ -534,8 +535,10 @@ class _Request:
             status = Status.END if done else self._poll(should_cancel)
             started = time.perf_counter()
             guesses = [] if done else self._guess(n)  # alike on every rank, whatever each one's status
+            self.proposing = 0.0
             decided, logprobs, table = self._step(last, guesses, n, status)
-            self.draft_length.record(len(guesses), len(decided) - 1, time.perf_counter() - started)
+            seconds = time.perf_counter() - started - self.proposing  # the guesses proposed again: apart
+            self.draft_length.record(len(guesses), len(decided) - 1, seconds)
             if n == 0 and progress is not None:
                 try:
                     progress(num_tokens, num_tokens)
@@ -600,7 +603,13 @@ class _Request:
         room = self._room(n + len(decided), wanted)
         if count == len(guesses) and ahead[:1] == [token]:
             return ahead[1 : 1 + room]
-        return self.proposer.propose([*self.tokens, *decided], room) if room > 0 else []
+        if room <= 0:
+            return []
+        started = time.perf_counter()
+        following = self.proposer.propose([*self.tokens, *decided], room)
+        self.proposing = time.perf_counter() - started
+        self.draft_length.record_proposal(len(following), self.proposing)
+        return following
 
     def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and

@@ -162,8 +162,10 @@ class DraftLength:
     ``(1 - p**(k + 1)) / (1 - p)`` tokens when each guess holds with
     probability ``p`` (measured: confirmed guesses over guesses up to and
     including the first wrong one), and costs ``t0 + t1*k`` seconds (a line
-    fitted to the passes measured so far, proposing included; until two
-    lengths were seen, a guess costs a tenth of a pass). Where guessing does
+    fitted to the passes measured so far, the guesses made ahead included;
+    until two lengths were seen, a guess costs a tenth of a pass) plus, when
+    the guesses made ahead do not stand (probability ``1 - p**(k + 1)``),
+    ``k`` guesses proposed again at ``d`` seconds each (measured). Where guessing does
     not pay (guesses that rarely hold, or a draft that costs more than it
     saves) it stops guessing, and tries one guess again every
     :data:`EXPLORE_EVERY` passes so that it notices when guessing pays again.
@@ -180,9 +182,15 @@ class DraftLength:
         self.tried = 2
         self.passes: dict[int, tuple[int, float]] = {}  # guesses -> (passes, seconds in all)
         self.plain_in_a_row = 0  # passes without guesses since the last one with some
+        self.proposals = (0, 0.0)  # guesses proposed again after a pass, and the seconds they took
+
+    def record_proposal(self, guesses: int, seconds: float) -> None:
+        """``guesses`` proposed again once a pass's tokens were known (the guesses made ahead did not stand)."""
+        self.proposals = (self.proposals[0] + guesses, self.proposals[1] + seconds)
 
     def record(self, guesses: int, accepted: int, seconds: float) -> None:
-        """One pass measured: ``guesses`` proposed, ``accepted`` of them confirmed, ``seconds`` on rank 0."""
+        """One pass measured: ``guesses`` proposed, ``accepted`` of them confirmed, ``seconds`` on the last rank
+        (less the guesses proposed again after it: :meth:`record_proposal`)."""
         count, total = self.passes.get(guesses, (0, 0.0))
         self.passes[guesses] = (count + 1, total + seconds)
         self.plain_in_a_row = self.plain_in_a_row + 1 if guesses == 0 else 0
@@ -198,9 +206,11 @@ class DraftLength:
             return 2  # no pass with guesses measured yet
         p = min(self.confirmed / self.tried, 0.99)
         t0, t1 = self._cost_line()
+        guesses, seconds = self.proposals
+        d = seconds / guesses if guesses else t1
 
         def rate(k: int) -> float:
-            return (1 - p ** (k + 1)) / (1 - p) / max(t0 + t1 * k, 1e-9)
+            return (1 - p ** (k + 1)) / (1 - p) / max(t0 + t1 * k + (1 - p ** (k + 1)) * k * d, 1e-9)
 
         best = max(range(AUTO_LIMIT + 1), key=rate)
         if best == 0 and self.plain_in_a_row >= EXPLORE_EVERY:
