@@ -23,6 +23,7 @@ CASES: list[dict[str, Any]] = [
     {"name": "rotating", "M": 6, "repeat": 4, "max_tokens": 12, "lookup": 2, "k": 3, "max_kv_size": 16},
     {"name": "sampled", "M": 6, "repeat": 3, "max_tokens": 12, "draft": "same", "k": 3, "temp": 1.0},
     {"name": "mismatch", "M": 5, "max_tokens": 4, "draft": "mismatch", "k": 2},
+    {"name": "draft-fails", "M": 9, "max_tokens": 12, "draft": "fails", "k": 2},
 ]
 
 
@@ -48,6 +49,12 @@ def test_speculative_decoding_matches_plain_mlx_lm(
         name = case["name"]
         if case.get("draft") == "mismatch":  # rank 0 guesses with another draft: every rank says so, at once
             assert all("ranks disagree on speculation" in r.get("error", "") for r in rows), rows
+            continue
+        if case.get("draft") == "fails":  # the last rank's draft raises mid-decode: every rank stops in that step
+            last = world_size - 1
+            assert rows[last]["error"] == "RuntimeError: the draft model failed", rows
+            assert all(r["stop"][0] == "failed" and r["stop_ranks"] == [last] for r in rows), rows
+            assert len({r["stop"][1] for r in rows}) == 1, rows
             continue
         # Every rank decided the same tokens, holds the same cache, and ended for the same reason.
         assert len({(r["offset"], str(r["stop"])) for r in rows}) == 1, (name, rows)

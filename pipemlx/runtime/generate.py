@@ -686,10 +686,18 @@ class _Request:
                     stage.is_last and self.proposer is not None and part.token is not None and status == Status.OK
                 )
                 wanted = self.draft_length.next() if proposes else 0
-                ahead = self._guess_ahead(guesses, index, wanted) if proposes else []
+                ahead: list[int] = []
+                following: list[int] = []
+                try:
+                    ahead = self._guess_ahead(guesses, index, wanted) if proposes else []
+                except Exception as exc:  # the proposer failed here: this step says so, every rank stops
+                    self.deferred, status, proposes = self.deferred or exc, Status.FAILED, False
                 if stage.world_size > 1 or proposes:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
-                following = self._guess_next(guesses, index, wanted, part, ahead) if proposes else []
+                try:
+                    following = self._guess_next(guesses, index, wanted, part, ahead) if proposes else []
+                except Exception as exc:
+                    self.deferred, status = self.deferred or exc, Status.FAILED
                 if self.shares_head:
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing token {index}'s output head"  # noqa: E731

@@ -1,6 +1,6 @@
 """Rank program: speculative decoding through the pipeline against mlx-lm's plain decoding.
 
-Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|null, "lookup": n|null,
+Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|"fails"|null, "lookup": n|null,
 "k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp"}]}. Every prompt repeats a
 random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
 reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -27,6 +28,26 @@ from pipemlx.testing import build_model, tiny_config
 def prompt_of(case: dict[str, Any], vocab: int) -> mx.array:
     piece = mx.random.randint(0, vocab, (case["M"],), key=mx.random.key(case["M"])).astype(mx.int32)
     return mx.concatenate([piece] * case.get("repeat", 1))
+
+
+class FailingDraft(nn.Module):
+    """The ``"same"`` draft, raising on its ``fail_at``-th call (its weights, so its fingerprint, are the model's)."""
+
+    def __init__(self, model: nn.Module, fail_at: int) -> None:
+        super().__init__()
+        self.model = model
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("the draft model failed")
+        return self.model(inputs, cache=cache)
+
+    @property
+    def layers(self) -> Any:  # mlx-lm's make_prompt_cache reads the model's layers
+        return self.model.layers
 
 
 def draft_of(case: dict[str, Any], rank: int) -> str:
@@ -43,6 +64,7 @@ def main() -> None:
     reference = build_model(config)
     model = pipemlx.shard_model(build_model(config), group)
     drafts = {"same": build_model(config), "other": build_model({**config, "num_hidden_layers": 1}, 7)}
+    drafts["fails"] = FailingDraft(drafts["same"], fail_at=4)
     mx.random.seed(100 + group.rank())  # deliberately different on every rank: only the last rank samples
     results: list[dict[str, Any]] = []
     for case in spec["cases"]:
@@ -83,8 +105,10 @@ def main() -> None:
                 if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
                     break
             stream.close()
-        except pipemlx.PipelineMismatchError as exc:
-            results.append({"name": case["name"], "error": str(exc)})
+        except (pipemlx.PipelineMismatchError, RuntimeError) as exc:
+            stop = getattr(stream, "stop", None)
+            ended = {} if stop is None else {"stop": [stop.reason, stop.tokens], "stop_ranks": list(stop.ranks)}
+            results.append({"name": case["name"], "error": f"{type(exc).__name__}: {exc}", **ended})
             continue
         stop = stream.stop
         results.append(
@@ -98,6 +122,7 @@ def main() -> None:
                 "decided": stream.decided,
                 "speculating": stream.speculating,
                 "stop": None if stop is None else [stop.reason, stop.tokens],
+                "stop_ranks": [] if stop is None else list(stop.ranks),
                 "stop_tokens": stops,
                 "rotating": any(isinstance(c, RotatingKVCache) for c in cache),
             }
