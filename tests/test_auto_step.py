@@ -10,7 +10,9 @@ from pipemlx.schedule.autostep import candidate_steps, choose_step
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # the suite's time budget: run with -m slow
 def test_auto_step_is_agreed_and_exact(world_size: int) -> None:
     spec = {"lengths": [1, 50, 700], "mismatch_rank": world_size - 1}
     reports = run_ranks(world_size, "auto_step.py", spec, timeout=240)

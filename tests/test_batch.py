@@ -569,6 +569,7 @@ def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> Non
     assert "PeerLostError" in [survivor["error"] for survivor in survivors], survivors
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_a_stalled_first_rank_fails_the_batch_on_every_other_rank_within_the_timeout() -> None:
     """Rank 0 alive but silent before tick 4: rank 1's next decode step starts with a receive that never
     comes. Issuing that forward pass (mx.async_eval of a graph of hundreds of operations) blocks behind the

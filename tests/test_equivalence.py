@@ -188,7 +188,9 @@ def case_reports() -> Callable[[int, str], list[dict[str, Any]]]:
 
 
 # Every architecture at S=2 and 3; at S=4 (middle ranks receiving and sending) llama only, for CI time.
-FULL_SCENARIOS = [(arch, n) for n in (2, 3) for arch in ARCHS] + [("llama", 4)]
+FULL_SCENARIOS = [(arch, n) for n in (2, 3) for arch in ARCHS] + [
+    pytest.param("llama", 4, marks=pytest.mark.slow)
+]  # S=4: -m slow
 
 
 @pytest.mark.parametrize("arch,num_ranks", FULL_SCENARIOS)

@@ -52,7 +52,9 @@ def assert_clean(outcome: dict[str, Any], where: str) -> None:
     assert outcome["mode"] == "immediate", where
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "world_size", [pytest.param(2, marks=pytest.mark.slow), 3]
+)  # the suite's time budget: run with -m slow
 def test_agreed_stops_leave_every_rank_consistent_and_the_next_request_exact(world_size: int, tmp_path: Path) -> None:
     requests = survivable_requests(world_size)
     spec = {"timeout": 30.0, "marker": str(tmp_path / "marker"), "requests": requests}

@@ -8,7 +8,9 @@ from conftest import run_ranks
 MAX_TOKENS = 8
 
 
-@pytest.mark.parametrize("arch,world_size", [("llama", 2), ("qwen3", 3)])
+@pytest.mark.parametrize(
+    "arch,world_size", [("llama", 2), pytest.param("qwen3", 3, marks=pytest.mark.slow)]
+)  # the suite's time budget: run with -m slow
 def test_lean_decode_matches_single_device(arch: str, world_size: int) -> None:
     spec = {"arch": arch, "lengths": [1, 9, 40], "max_tokens": MAX_TOKENS}
     reports = run_ranks(world_size, "lean_decode.py", spec, timeout=180)

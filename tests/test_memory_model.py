@@ -224,6 +224,7 @@ def test_demo_model_pipelined_peaks_are_within_10_percent() -> None:
     assert len(check_runs(reports, "demo S=2")) == 6
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_head_last_frees_the_middle_rank_and_decodes_alike() -> None:
     """3 ranks, an untied 8192-entry head: with head="last" the middle rank holds its layers only, and its
     measured peak is within 10% of its layers' bytes, its KV cache and one chunk's peak."""

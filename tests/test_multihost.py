@@ -62,7 +62,9 @@ def test_namespace_hosts_are_private_and_always_removed() -> None:
 
 
 @pytest.mark.usefixtures("needs_namespaces")
-@pytest.mark.parametrize("num_ranks,arch", [(2, "llama"), (3, "qwen3")])
+@pytest.mark.parametrize(
+    "num_ranks,arch", [(2, "llama"), pytest.param(3, "qwen3", marks=pytest.mark.slow)]
+)  # the suite's time budget: run with -m slow
 def test_pipeline_matches_single_device_across_namespace_hosts(num_ranks: int, arch: str) -> None:
     spec = {"arch": arch, "seed": 3, "max_tokens": 6, "steps": scenario()}
     with namespace_hosts(num_ranks) as hosts:

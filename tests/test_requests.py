@@ -303,7 +303,9 @@ def test_two_passes_evaluated_together_raise_a_clear_error_not_a_hang() -> None:
         assert report["tokens"] == report["reference"], report
 
 
-@pytest.mark.parametrize("num_ranks", [2, 3])
+@pytest.mark.parametrize(
+    "num_ranks", [2, pytest.param(3, marks=pytest.mark.slow)]
+)  # the suite's time budget: run with -m slow
 def test_stream_generate_matches_mlx_lm_on_the_demo_model(num_ranks: int) -> None:
     """Same text, tokens and finish reasons as mlx-lm's stream_generate, at max_tokens and at an EOS token."""
     from conftest import run_ranks

@@ -330,6 +330,7 @@ def test_a_batched_answer_is_kept_for_the_next_turn(
     assert second.choices[0].message.content == ref.answer(prompt2, 10)  # equals a cold run
 
 
+@pytest.mark.slow  # the suite's time budget: run with -m slow
 def test_a_prefill_cut_short_on_three_ranks_keeps_what_every_rank_prefilled(ref: Reference) -> None:
     """A client hangs up while its long prompt is prefilled through 3 ranks, whose caches then hold different
     lengths (rank 0 is chunks ahead of rank 2): every rank keeps only the agreed part, so the same prompt again
