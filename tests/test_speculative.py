@@ -22,6 +22,8 @@ CASES: list[dict[str, Any]] = [
     {"name": "stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
     {"name": "rotating", "M": 6, "repeat": 4, "max_tokens": 12, "lookup": 2, "k": 3, "max_kv_size": 16},
     {"name": "sampled", "M": 6, "repeat": 3, "max_tokens": 12, "draft": "same", "k": 3, "temp": 1.0},
+    {"name": "seeded", "M": 9, "max_tokens": 16, "draft": "same", "k": 3, "temp": 0.2, "seed": 11},
+    {"name": "seeded-end", "M": 7, "max_tokens": 13, "draft": "same", "k": 4, "temp": 0.5, "seed": 3},
     {"name": "mismatch", "M": 5, "max_tokens": 4, "draft": "mismatch", "k": 2},
     {"name": "draft-fails", "M": 9, "max_tokens": 12, "draft": "fails", "k": 2},
 ]
@@ -70,6 +72,17 @@ def test_speculative_decoding_matches_plain_mlx_lm(
                 assert row["tokens"] == row["reference"][: ended[1]], rows
             # What the caches hold after the prompt, the same on every rank, rank 0's unseen tokens included.
             assert all(r["decided"] == r["reference"][: ended[1]] for r in rows), rows
+            continue
+        if "seed" in case:
+            # Seeded sampling: the draws, tokens, log-probabilities and confirmed guesses of mlx-lm's
+            # speculative_generate_step with the same draft and seed (the last rank draws; every rank yields alike).
+            spec = rows[-1]["spec_tokens"]
+            assert 0 < sum(rows[-1]["spec_from_draft"]) < len(spec), (name, rows[-1])  # guesses held, and failed
+            for row in rows:
+                assert row["tokens"] == spec and row["from_draft"] == row["spec_from_draft"], (name, row)
+                assert row["stop"] == ["length", case["max_tokens"]], (name, row)
+                assert row["offset"] == row["prompt"] + case["max_tokens"], (name, row)
+            assert rows[-1]["drift"] < 1e-4, (name, rows[-1])
             continue
         if case.get("temp"):
             assert len({tuple(r["tokens"]) for r in rows}) == 1, (name, rows)

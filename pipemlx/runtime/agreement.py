@@ -28,6 +28,7 @@ def handshake(
     calibration: int = 0,
     cache_offset: int = 0,
     decode_settings: int = 0,
+    speculation: int = 0,
 ) -> Table:
     """Check that every rank is about to run the same plan over one contiguous layer split.
 
@@ -36,7 +37,8 @@ def handshake(
     value. ``cache_offset`` is how many positions the cache already holds (a
     reused prefix; :data:`~pipemlx.runtime.caches.UNCOUNTED` on a rank whose
     caches count none); ``decode_settings`` is what a decode after the prefill
-    will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`). Returns
+    will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`), ``speculation`` the fingerprint of its
+    speculative decoding's proposer (0: none). Returns
     the table: every rank's ``status`` and ``calibration`` (the fingerprint of the cost model it holds, 0: none) too.
     """
     values = {
@@ -51,6 +53,7 @@ def handshake(
         "lend_mlp": int(stage.info.lending.mlp),
         "lend_heads": stage.info.lending.heads,
         "cache_offset": cache_offset,
+        "speculation": speculation,
         "layer_start": stage.info.layers.start,
         "layer_stop": stage.info.layers.stop,
     }

@@ -41,7 +41,7 @@ from .prefill import (
     check_timeout,
     prefill_before_decode,
 )
-from .protocol import DECODE, Status, Table, gather
+from .protocol import DECODE, GUESSES, Status, Table, gather
 from .sampling import (
     LogitsProcessor,
     Sampler,
@@ -209,6 +209,7 @@ def generate_step(
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
         decode_settings=2 if share_logprobs else 1,  # protocol.DECODE_SETTINGS
+        speculation=request.speculation,
     )
     generator = request.run(tokens, prompt_cache, prefill)
     request.generator = weakref.ref(generator)
@@ -427,7 +428,7 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
 
     @property
     def speculating(self) -> bool:
-        """Whether the steps after the first guessed tokens (every rank could cut its caches back)."""
+        """Whether the steps guessed tokens (every rank could cut its caches back)."""
         return self._request.speculating
 
     @property
@@ -498,7 +499,8 @@ class _Request:
         self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.proposer is None
         fixed = self.draft_length.fixed or 0  # "auto": 0
-        self.speculation = 0 if self.proposer is None else self.proposer.fingerprint() ^ (fixed << 20)
+        # The handshake compares it: 0 without a proposer, else the proposer's fingerprint (+ 1) and k above it.
+        self.speculation = 0 if self.proposer is None else (self.proposer.fingerprint() + 1) | (fixed << 24)
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -526,6 +528,8 @@ class _Request:
             self.tokens += [int(t) for t in cast(list[int], prompt.tolist())]
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
+        if self.proposer is not None:  # every rank alike: the handshake compared the proposers
+            self._open()
         progress, should_cancel = prefill.prompt_progress_callback, prefill.should_cancel
         last = cast(int, prompt[-1].item())
         n = 0
@@ -551,7 +555,7 @@ class _Request:
                     raise self.deferred
                 return self.stop
             kept = self._keep(decided, guesses)
-            self.accepted += min(len(decided) - 1, len(guesses))
+            self.accepted += min(len(decided) - 1, kept)
             self.proposed += len(guesses)
             stopped: BaseException | None = None
             for i in range(kept):
@@ -576,37 +580,79 @@ class _Request:
                 raise stopped
 
     def _guess(self, n: int) -> list[int]:
-        """The guesses for the step after ``n`` tokens, as the last step's message carried them: none before every
-        rank said it can speculate, and never more than ``max_tokens`` leaves room for (the step's own token comes
-        after them)."""
+        """The guesses for the step after ``n`` tokens, as the last message carried them: none unless every rank
+        said it can speculate, and never more than ``max_tokens`` leaves room for."""
         if self.proposer is None or not self.speculating:
             return []
         return self.pending[: self._room(n, len(self.pending))]
 
     def _room(self, n: int, wanted: int) -> int:
-        """How many of ``wanted`` guesses the step after ``n`` tokens may carry."""
-        return wanted if self.max_tokens == -1 else max(0, min(wanted, self.max_tokens - n - 1))
+        """How many of ``wanted`` guesses the step after ``n`` tokens may carry: as many as tokens are left, as in
+        mlx-lm's ``speculative_generate_step`` (the step's own token may then be one too many: it is not yielded)."""
+        return wanted if self.max_tokens == -1 else max(0, min(wanted, self.max_tokens - n))
+
+    def _open(self) -> None:
+        """Before the first step of a speculative decode: every rank says whether its caches can be cut back at any
+        length, and the last rank proposes the first step's guesses (the draft reads the prompt, as mlx-lm's does).
+
+        A proposer that raises fails the first step on every rank (its error is acted on there).
+        """
+        assert self.proposer is not None
+        stage = self.stage
+        can = always_trimmable(self.cache)
+        guesses: list[int] = []
+        saved = _RandomKey() if stage.is_last and self.sampler is not None else None
+        if stage.is_last and can:
+            try:
+                guesses = self.proposer.propose(self.tokens, self._room(0, self.draft_length.next()), self.sampler)
+            except Exception as exc:  # acted on in the first step's agreement, by every rank
+                self.deferred = exc
+                guesses = []
+        values = {"can_speculate": int(can), "next_guesses": len(guesses), **_numbered(guesses)}
+        try:
+            table = GUESSES.exchange(
+                stage.group,
+                stage.compute_stream,
+                values,
+                timeout=self.timeout,
+                where="the first guesses",
+                who=stage.describe(),
+            )
+        except Exception as exc:
+            stage.mark_broken(exc)
+            raise
+        self.speculating = all(table["can_speculate"])
+        self.pending = _guesses_of(table) if self.speculating else []
+        if not self.speculating and saved is not None:
+            saved.restore()  # no guesses after all: the samples are plain decoding's
 
     def _guess_ahead(self, guesses: list[int], n: int, wanted: int) -> list[int]:
         """The last rank, while the ranks before it compute this step: the proposer's guesses for the next step if
         this one confirms all of ``guesses`` (``n`` tokens before it), led by its guess of this step's own token."""
         assert self.proposer is not None
         room = self._room(n + len(guesses) + 1, wanted)
-        return self.proposer.propose([*self.tokens, *guesses], room + 1) if room > 0 else []
+        if room <= 0:
+            return []
+        return self.proposer.propose([*self.tokens, *guesses], room + 1, self.sampler, greedy=1)
 
-    def _guess_next(self, guesses: list[int], n: int, wanted: int, part: _Part, ahead: list[int]) -> list[int]:
+    def _guess_next(
+        self, guesses: list[int], n: int, wanted: int, part: _Part, ahead: list[int], drawn: _RandomKey | None
+    ) -> list[int]:
         """The last rank, once this step's tokens are sampled: the guesses for the next step. ``ahead`` holds them
-        when this step confirmed every guess and sampled the token the proposer expected; else it proposes again."""
+        when this step confirmed every guess and sampled the token the proposer expected; else it proposes again,
+        drawing from where the random generator stood after this step's samples (``drawn``)."""
         assert self.proposer is not None and part.accepted is not None and part.token is not None
         count, token = cast(int, part.accepted.item()), cast(int, part.token.item())
         decided = [*guesses[:count], token]
         room = self._room(n + len(decided), wanted)
         if count == len(guesses) and ahead[:1] == [token]:
             return ahead[1 : 1 + room]
+        if drawn is not None:
+            drawn.restore()
         if room <= 0:
             return []
         started = time.perf_counter()
-        following = self.proposer.propose([*self.tokens, *decided], room)
+        following = self.proposer.propose([*self.tokens, *decided], room, self.sampler)
         self.proposing = time.perf_counter() - started
         self.draft_length.record_proposal(len(following), self.proposing)
         return following
@@ -621,6 +667,8 @@ class _Request:
                 if ends_a_sequence([*self.recent, *decided[: i + 1]], self.stop_tokens)
             )
             kept = next(ends, len(decided))
+            if self.max_tokens != -1:  # a step may decide one token more than max_tokens leaves room for
+                kept = min(kept, self.max_tokens - len(self.decided))
         if guesses:
             trim_to(self.cache, self.offset + kept)
             if self.history is not None:
@@ -682,12 +730,12 @@ class _Request:
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 # The last rank proposes the next step's guesses: the likeliest ones while the ranks before it
                 # compute this step (it would wait for them), the right ones after it, unless those were the same.
-                proposes = (
-                    stage.is_last and self.proposer is not None and part.token is not None and status == Status.OK
-                )
+                proposes = stage.is_last and self.speculating and part.token is not None and status == Status.OK
                 wanted = self.draft_length.next() if proposes else 0
                 ahead: list[int] = []
                 following: list[int] = []
+                # The samples of this step are drawn: the next step's guesses draw after them, as in mlx-lm.
+                drawn = _RandomKey() if proposes and self.sampler is not None else None
                 try:
                     ahead = self._guess_ahead(guesses, index, wanted) if proposes else []
                 except Exception as exc:  # the proposer failed here: this step says so, every rank stops
@@ -695,7 +743,7 @@ class _Request:
                 if stage.world_size > 1 or proposes:
                     wait_for(own, self.timeout, lambda: f"{stage.describe()} computing token {index}")
                 try:
-                    following = self._guess_next(guesses, index, wanted, part, ahead) if proposes else []
+                    following = self._guess_next(guesses, index, wanted, part, ahead, drawn) if proposes else []
                 except Exception as exc:
                     self.deferred, status = self.deferred or exc, Status.FAILED
                 if self.shares_head:
@@ -706,15 +754,13 @@ class _Request:
                     "index": index,
                     "max_tokens": self.max_tokens,
                     "stop_tokens": self.stop_fingerprint,
-                    "speculation": self.speculation,
                     "guesses": len(guesses),
                     "guessed": fingerprint(g + 1 for g in guesses),
                     "token": part.token if part.token is not None else 0,
                     "accepted": part.accepted if part.accepted is not None else 0,
                     "shares_head": int(self.may_share_head),
-                    "can_speculate": int(self.proposer is not None and always_trimmable(self.cache)),
                     "next_guesses": len(following),
-                    **{f"next_{i}": g for i, g in enumerate(following)},
+                    **_numbered(following),
                 }
                 gathered = gather(DECODE.row(values, status, payload), stage.group)
             # Greedy logprobs are left lazy (their logits are evaluated): computed when the caller reads them.
@@ -736,8 +782,7 @@ class _Request:
             token = table.last("token")
         if index == 0:  # every rank holds the same rows: the later steps share the head on every rank, or on none
             self.shares_head = all(table["shares_head"])
-            self.speculating = all(table["can_speculate"])
-        self.pending = [table.last(f"next_{i}") for i in range(table.last("next_guesses"))]
+        self.pending = _guesses_of(table)
         confirmed = guesses[: table.last("accepted")] if guesses else []
         return [*confirmed, token], logprobs, table
 
@@ -786,3 +831,25 @@ def _decode_stop(table: Table, n: int, *, stopped_at_token: bool) -> DecodeStop:
     if asked:
         return DecodeStop("cancelled", n, asked)
     return DecodeStop("stop" if stopped_at_token else "length", n)
+
+
+def _numbered(guesses: list[int]) -> dict[str, int]:
+    """The ``next_i`` fields of a message that carries ``guesses``."""
+    return {f"next_{i}": g for i, g in enumerate(guesses)}
+
+
+def _guesses_of(table: Table) -> list[int]:
+    """The guesses the last rank's ``next_i`` fields carry."""
+    return [table.last(f"next_{i}") for i in range(table.last("next_guesses"))]
+
+
+class _RandomKey:
+    """Where MLX's global random generator stands now, to come back to: guesses drawn ahead that do not stand are
+    drawn again from there, so the keys drawn are the ones one process drawing after the facts draws."""
+
+    def __init__(self) -> None:
+        self.key = cast(mx.array, cast(Any, mx.random.state)[0])  # (the stubs type the state as an object)
+
+    def restore(self) -> None:
+        high, low = cast(list[int], self.key.tolist())
+        mx.random.seed((high << 32) | low)  # a key is two 32-bit words: the seed that makes it

@@ -153,6 +153,7 @@ class PrefillOptions:
     agree_every: int | None = None
     max_chunk_seconds: float = DEFAULT_MAX_CHUNK_SECONDS
     decode_settings: int = 0
+    speculation: int = 0  # the decode's proposer's fingerprint (0: it does not speculate): the handshake compares it
 
 
 def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], options: PrefillOptions) -> int:
@@ -221,6 +222,7 @@ def _agree_on_auto_chunks(
         calibration=held_calibration(model, stage),
         cache_offset=prefix,
         decode_settings=options.decode_settings,
+        speculation=options.speculation,
     )
     if must_calibrate(table["calibration"]):
         stage.cost_model = calibrate(model, stage, timeout)
@@ -346,6 +348,7 @@ class _PlanRunner:
                         self.timeout,
                         cache_offset=self.prefix,
                         decode_settings=self.options.decode_settings,
+                        speculation=self.options.speculation,
                     )
                 self.prefix = agreed_offset(table)
                 self.stop_if_asked(table, step=None)

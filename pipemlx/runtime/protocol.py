@@ -48,6 +48,7 @@ class Kind(IntEnum):
     TOKENS = 0x7E06
     CALIBRATE = 0x7E07
     MEMORY = 0x7E08
+    GUESSES = 0x7E09
 
 
 class Status(IntEnum):
@@ -269,6 +270,7 @@ HANDSHAKE = Message(
         agreed("lend_mlp"),
         agreed("lend_heads"),
         agreed("cache_offset", unknown=UNCOUNTED, show=_offset),  # a reused prefix
+        agreed("speculation"),  # the decode after the prefill: a fingerprint of its proposer (0: none)
         Field("layer_start"),  # the layer ranges must split the model contiguously (checked by the handshake)
         Field("layer_stop"),
     ),
@@ -281,6 +283,10 @@ AGREE = Message(Kind.AGREE, (agreed("step"), Field("failed_chunk")), "an agreeme
 
 MAX_GUESSES = 16
 """The most tokens one decode step of speculative decoding guesses (``num_draft_tokens``)."""
+NEXT_GUESSES = (
+    Field("next_guesses"),  # the last rank's: how many tokens the next step guesses, the next_i fields
+    *(Field(f"next_{i}") for i in range(MAX_GUESSES)),  # the last rank's guesses for the next step
+)
 
 DECODE = Message(
     Kind.DECODE,
@@ -288,19 +294,20 @@ DECODE = Message(
         agreed("index"),  # the token's number in the request
         agreed("max_tokens"),
         agreed("stop_tokens"),  # a fingerprint of the set
-        agreed("speculation"),  # a fingerprint of the proposer (0: none), the same on every rank
         agreed("guesses"),  # how many proposed tokens follow the step's input (speculative decoding)
         agreed("guessed"),  # a fingerprint of them
         Field("token"),  # the last rank's sampled token (after the accepted guesses)
         Field("accepted"),  # how many guesses the last rank's samples confirmed
         Field("shares_head"),  # this rank may share the output head (greedy, plain head)
-        Field("can_speculate"),  # this rank's caches can be cut back at any length
-        Field("next_guesses"),  # the last rank's: how many tokens the next step guesses, the next_i fields
-        *(Field(f"next_{i}") for i in range(MAX_GUESSES)),  # the last rank's guesses for the next step
+        *NEXT_GUESSES,
     ),
     "a decode step",
 )
 """One token of :func:`pipemlx.generate_step`; payload: the shared head's best logits, or ``share_logprobs``."""
+
+GUESSES = Message(Kind.GUESSES, (Field("can_speculate"), *NEXT_GUESSES), "the first guesses")
+"""Opens a speculative decode, after its prefill: whether every rank's caches can be cut back at any length
+(``can_speculate``), and the last rank's guesses for the first step."""
 
 TICK = Message(
     Kind.TICK,

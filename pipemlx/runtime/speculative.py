@@ -2,10 +2,12 @@
 
 Only the last rank runs the proposer: it guesses the next pass's tokens while
 the ranks before it compute the current pass (assuming the pass confirms every
-guess), and the guesses travel in the step's message to every rank. A proposer
-is deterministic (a draft model proposes greedily). What the guesses are never changes the output, only how
-many tokens one pass yields: the last rank samples every position as plain
-decoding would and keeps the guesses up to the first one it disagrees with.
+guess), and the guesses travel in the step's message to every rank. A draft
+model draws its guesses with the decode's sampler, as mlx-lm's
+``speculative_generate_step`` does. What the guesses are never changes the
+output's distribution, only how many tokens one pass yields: the last rank
+samples every position as plain decoding would and keeps the guesses up to the
+first one its samples disagree with.
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # pyright:
 
 from ..schedule.batch_plan import fingerprint
 from .protocol import MAX_GUESSES
+from .sampling import Sampler
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
 
 
 class Proposer(Protocol):
-    """Guesses up to ``k`` tokens that follow ``history`` (the prompt and every token decided so far)."""
+    """Guesses up to ``k`` tokens that follow ``history`` (the prompt and every token decided so far).
 
-    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+    ``sampler`` is the decode's (``None``: greedy); a proposer that draws its
+    guesses uses it for all but the first ``greedy`` of them, which it takes greedily.
+    """
+
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]: ...
 
     def fingerprint(self) -> int:
         """The same on every rank exactly when the ranks' proposers give the same guesses."""
@@ -36,10 +43,15 @@ class Proposer(Protocol):
 
 
 class DraftModel:
-    """A small model with the target's tokenizer, whole on every rank, proposing greedily.
+    """A small model with the target's tokenizer, whole on every rank (only the last rank runs it).
 
-    Its cache follows the history: what it holds beyond the longest prefix it
-    shares with the history (the rejected guesses) is cut off before it reads on.
+    It reads and draws as mlx-lm's ``speculative_generate_step`` does: the
+    prompt but its last token in chunks of :data:`DRAFT_PREFILL_STEP`, then the
+    last token alone, and each guess drawn with the decode's sampler from the
+    log-probabilities of the step before, so that a seeded sampled decode draws
+    the same keys and guesses. Its cache follows the history: what it holds
+    beyond the longest prefix it shares with the history (the rejected guesses)
+    is cut off before it reads on.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -47,7 +59,7 @@ class DraftModel:
         self.cache: list[Any] = make_prompt_cache(model)
         self.tokens: list[int] = []  # what the cache holds, in order
 
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]:
         if k <= 0 or not history:
             return []
         kept = _common_prefix(self.tokens, history)
@@ -55,16 +67,22 @@ class DraftModel:
         trim_prompt_cache(self.cache, len(self.tokens) - kept)
         self.tokens = list(history[:kept])
         pending = list(history[kept:])
-        while len(pending) > DRAFT_PREFILL_STEP:
-            self._read(pending[:DRAFT_PREFILL_STEP])
-            mx.eval([c.state for c in self.cache])  # pyright: ignore[reportUnknownMemberType]  # one chunk at a time
-            pending = pending[DRAFT_PREFILL_STEP:]
+        if len(pending) > 2:  # a prompt: all but its last token first, one chunk at a time (its memory stays bounded)
+            for start in range(0, len(pending) - 1, DRAFT_PREFILL_STEP):
+                self._read(pending[start : min(start + DRAFT_PREFILL_STEP, len(pending) - 1)])
+                mx.eval([c.state for c in self.cache])  # pyright: ignore[reportUnknownMemberType]
+            pending = pending[-1:]
         # The k steps are one lazy chain (each guess feeds the next step unevaluated), evaluated as it is built:
         # one wait for the last guess, not one round trip per guess.
         logits = self._read(pending)
         chain: list[mx.array] = []
         for i in range(k):
-            guess = mx.argmax(logits[:, -1, :], axis=-1).astype(mx.int32)
+            last = logits[:, -1, :]
+            if sampler is None or i < greedy:
+                guess = mx.argmax(last, axis=-1)
+            else:
+                guess = sampler(last - mx.logsumexp(last, axis=-1, keepdims=True))  # mlx-lm's log-probabilities
+            guess = guess.astype(mx.int32)
             chain.append(guess)
             mx.async_eval(guess)  # pyright: ignore[reportUnknownMemberType]
             if i < k - 1:
@@ -97,7 +115,8 @@ class PromptLookup:
     def __init__(self, max_ngram: int) -> None:
         self.max_ngram = max_ngram
 
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
+    def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]:
+        del sampler, greedy  # it draws nothing: what followed the match, whatever the sampler
         if k <= 0:
             return []
         length = len(history)

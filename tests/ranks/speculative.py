@@ -1,10 +1,12 @@
 """Rank program: speculative decoding through the pipeline against mlx-lm's plain decoding.
 
 Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|"fails"|null, "lookup": n|null,
-"k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp"}]}. Every prompt repeats a
+"k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp", "seed"}]}. Every prompt repeats a
 random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
 reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
-tally and whether the steps speculated.
+tally and whether the steps speculated. A case with a ``seed`` also reports mlx-lm's
+``speculative_generate_step`` with the same draft, sampler and seed (tokens and log-probabilities), and every rank
+seeds its decode with it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import RotatingKVCache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -83,6 +85,22 @@ def main() -> None:
                 prompt, reference, logits_processors=processors, prefill_step_size=8, **ref_options
             )
         ]
+        seeded: dict[str, Any] = {}
+        if "seed" in case:  # mlx-lm's speculative decoding, seeded: the draws the pipeline must repeat
+            mx.random.seed(case["seed"])
+            pairs = list(
+                speculative_generate_step(
+                    prompt,
+                    reference,
+                    drafts[case["draft"]],
+                    num_draft_tokens=case["k"],
+                    prefill_step_size=8,
+                    **options,
+                )
+            )
+            seeded = {"spec_tokens": [int(t) for t, _, _ in pairs], "spec_logprobs": [lp for _, lp, _ in pairs]}
+            seeded["spec_from_draft"] = [bool(d) for _, _, d in pairs]
+            mx.random.seed(case["seed"])
         stops = [ref[case["stop_at"]]] if "stop_at" in case else []
         cache = stage_of(model).new_cache(model, case.get("max_kv_size"))
         stream = pipemlx.generate_step(
@@ -98,10 +116,16 @@ def main() -> None:
             **options,
         )
         tokens: list[int] = []
+        drift = 0.0  # the largest difference from mlx-lm's seeded log-probabilities (the last rank's)
+        from_draft: list[bool] = []
         brk = case.get("break_after")
         try:
-            for token, _ in stream:
+            for token, logprobs in stream:
                 tokens.append(token)
+                from_draft.append(stream.from_draft)
+                n = len(tokens) - 1
+                if seeded and logprobs is not None and n < len(seeded["spec_logprobs"]):
+                    drift = max(drift, float(mx.max(mx.abs(logprobs - seeded["spec_logprobs"][n])).item()))
                 if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
                     break
             stream.close()
@@ -125,6 +149,9 @@ def main() -> None:
                 "stop_ranks": [] if stop is None else list(stop.ranks),
                 "stop_tokens": stops,
                 "rotating": any(isinstance(c, RotatingKVCache) for c in cache),
+                "from_draft": from_draft,
+                **{k: v for k, v in seeded.items() if k != "spec_logprobs"},
+                "drift": drift,
             }
         )
     print(json.dumps({"rank": group.rank(), "results": results}), flush=True)
