@@ -11,6 +11,12 @@ For each shape (:data:`common.SHAPES`: ``light``, a head of 2% of the weights, a
 
 ``--sampled`` decodes with mlx-lm's sampler (temperature 0.7, top-p 0.9) and a repetition penalty instead.
 
+``--speculative`` measures speculative decoding instead (:mod:`speculative`, which also takes ``--k``,
+``--lookup`` and ``--draft``): on the demo model with its draft, tokens/s of pipemlx at S=2 with and without
+guesses (the draft, ``"auto"``, prompt lookup), of one-process mlx-lm with and without its
+``speculative_generate_step``, and the share of guesses confirmed, on the demo prompt and on one that prompt
+lookup suits.
+
 Each contender runs ``--repeats`` times after a warm-up; the figure is the median of its repeats. OpenBLAS is
 preloaded with one thread, every process on its own core (the launcher pins ranks); run it on an idle machine
 (``chrt -f 50`` keeps other work off the cores while it runs). Also prints the TCP bytes pipemlx's ranks sent
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +44,18 @@ def main() -> None:
     parser.add_argument(
         "--sampled", action="store_true", help="temperature 0.7, top-p 0.9 and a repetition penalty instead of greedy"
     )
+    parser.add_argument("--speculative", action="store_true", help="speculative decoding instead (speculative.py)")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+    args, rest = parser.parse_known_args()
+    if args.speculative:  # speculative.py's own options pass through
+        import speculative
+
+        saved = ["--json", str(args.json)] if args.json else []
+        sys.argv = [sys.argv[0], "--tokens", str(args.tokens), "--repeats", str(args.repeats), *saved, *rest]
+        speculative.main()
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     openblas = openblas_available()
     print(
         f"prompt {args.prompt_tokens} tokens, {args.tokens} decoded, {'sampled' if args.sampled else 'greedy'}; OpenBLAS {'on' if openblas else 'off'}"
