@@ -4,7 +4,8 @@ Spec: {"mode": "single" | "pipemlx", "draft": folder, "prompts": {name: text}, "
 "k", "lookup"}. "single": mlx-lm's generate_step and speculative_generate_step (the same draft) on one
 process; "pipemlx": pipemlx.generate_step on the sharded model, plain, with the draft, with
 num_draft_tokens="auto" and with prompt lookup. Prints one JSON line: per prompt and contender, the
-decode tokens/s of each repeat (first token to last) and the share of guesses confirmed.
+decode tokens/s of each repeat (first token to last) and the share of guesses confirmed. The repeats
+run round-robin over the contenders.
 """
 
 from __future__ import annotations
@@ -66,20 +67,18 @@ def main() -> None:
     report: dict[str, Any] = {"rank": rank}
     for name, text in spec["prompts"].items():
         prompt = mx.array(tokenizer.encode(text), dtype=mx.int32)
-        rows: dict[str, Any] = {}
-        for label, start in contenders.items():
-            rates: list[float] = []
-            tokens: list[int] = []
-            accepted = ""
-            for _ in range(spec["repeats"]):
+        rows: dict[str, Any] = {label: {"tok_s": [], "tokens": [], "accepted": ""} for label in contenders}
+        # Round-robin: each repeat runs every contender once, so a slow spell of a noisy machine slows them alike.
+        for _ in range(spec["repeats"]):
+            for label, start in contenders.items():
                 stream = start(prompt)
                 rate, tokens = timed(stream, count)
                 stream.close()
-                rates.append(rate)
+                rows[label]["tok_s"].append(rate)
+                rows[label]["tokens"] = tokens
                 guesses = getattr(stream, "guesses", None)
                 if guesses is not None and guesses[0]:
-                    accepted = f"{guesses[1] / guesses[0]:.2f}"
-            rows[label] = {"tok_s": rates, "tokens": tokens, "accepted": accepted}
+                    rows[label]["accepted"] = f"{guesses[1] / guesses[0]:.2f}"
         report[name] = rows
     print(json.dumps(report), flush=True)
 
