@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
+from .draft_step import FixedKVCache, compiled_forward, read
 from .protocol import MAX_GUESSES
 from .sampling import Sampler
 
@@ -51,12 +52,16 @@ class DraftModel:
     log-probabilities of the step before, so that a seeded sampled decode draws
     the same keys and guesses. Its cache follows the history: what it holds
     beyond the longest prefix it shares with the history (the rejected guesses)
-    is cut off before it reads on.
+    is cut off before it reads on. It reads one token at a time through a
+    compiled forward where the model allows (:func:`~.draft_step.compiled_forward`).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.forward = compiled_forward(model)
         self.cache: list[Any] = make_prompt_cache(model)
+        if self.forward is not None:
+            self.cache = [FixedKVCache() for _ in self.cache]
         self.tokens: list[int] = []  # what the cache holds, in order
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]:
@@ -86,15 +91,21 @@ class DraftModel:
             chain.append(guess)
             mx.async_eval(guess)  # pyright: ignore[reportUnknownMemberType]
             if i < k - 1:
-                logits = cast(mx.array, self.model(guess[None], cache=self.cache))
+                logits = self._forward(guess)
         guesses = cast(list[int], mx.concatenate(chain).tolist())
         self.tokens.extend(guesses[:-1])
         return guesses
 
     def _read(self, tokens: list[int]) -> mx.array:
-        logits = cast(mx.array, self.model(mx.array(tokens, dtype=mx.int32)[None], cache=self.cache))
+        """The logits over ``tokens`` (the history's), which the cache holds from then on."""
         self.tokens.extend(tokens)
-        return logits
+        return self._forward(mx.array(tokens, dtype=mx.int32))
+
+    def _forward(self, ids: mx.array) -> mx.array:
+        """The logits over ``ids``, read into the cache: one id through the compiled step where there is one."""
+        if ids.size == 1 and self.forward is not None:
+            return self.forward(ids, cast(list[FixedKVCache], self.cache))
+        return read(self.model, self.cache, ids)
 
     def fingerprint(self) -> int:
         """The draft's parameter shapes and a checksum of its weights (a different draft guesses differently)."""
