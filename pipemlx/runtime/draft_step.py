@@ -1,4 +1,4 @@
-"""A draft model's one-token forward, compiled.
+"""A draft model's forward over a few tokens, compiled.
 
 A small draft's forward on a CPU costs MLX's per-operation dispatch far more
 than arithmetic (measured: 1.0-1.7 ms for the demo's 2-layer draft, most of it
@@ -26,8 +26,12 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[re
 
 ROOM_STEP = 256
 """A :class:`FixedKVCache` holds a multiple of this many positions (it doubles when it grows)."""
-PROBE = (1, 2, 3, 4, 5)
-"""The token ids of the check in :func:`compiled_forward`: the first three read at once, then one at a time."""
+COMPILED_TOKENS = 4
+"""A draft reads at most this many tokens at once through its compiled forward (each count is traced once)."""
+PROBE = (1, 2, 3, 4, 5, 6)
+"""The token ids of the check in :func:`compiled_forward`."""
+PROBE_READS = (2, 3, 1)
+"""How the check reads :data:`PROBE`: as a prompt, then through the compiled forward (several tokens, then one)."""
 PROBE_TOLERANCE = 1e-3
 """How far the compiled step's logits may be from mlx-lm's, relative to the largest logit (rounding, not a bug)."""
 
@@ -95,11 +99,12 @@ class FixedKVCache:
 
 
 class CompiledForward:
-    """``model``'s one-token forward, compiled once, over the :class:`FixedKVCache` s of any of its drafts.
+    """``model``'s forward over up to :data:`COMPILED_TOKENS` tokens, compiled once per count, over the
+    :class:`FixedKVCache` s of any of its drafts.
 
     The trace runs the model over caches of its own, set to the arrays it is
-    given; a call then reads one token into the caller's caches and returns its
-    logits (shape ``(1, 1, vocabulary)``). A cache that grew is traced again.
+    given; a call then reads the tokens into the caller's caches and returns
+    their logits (shape ``(1, n, vocabulary)``). A cache that grew is traced again.
     """
 
     def __init__(self, model: nn.Module, layers: int) -> None:
@@ -107,25 +112,25 @@ class CompiledForward:
         self.traced = [FixedKVCache() for _ in range(layers)]
         self.compiled = mx.compile(self._forward)
 
-    def __call__(self, token: mx.array, caches: list[FixedKVCache]) -> mx.array:
-        length = caches[0].length
+    def __call__(self, tokens: mx.array, caches: list[FixedKVCache]) -> mx.array:
+        length, count = caches[0].length, tokens.size
         for cache in caches:
-            cache.make_room(length + 1)
+            cache.make_room(length + count)
         arrays = [a for cache in caches for a in (cache.keys, cache.values) if a is not None]
         if len(arrays) != 2 * len(caches):  # nothing read yet: the keys' shape is not known
-            return read(self.model, caches, token)
+            return read(self.model, caches, tokens)
         offset = caches[0].offset
-        logits, *updated = self.compiled(token, offset, *arrays)
+        logits, *updated = self.compiled(tokens, offset, *arrays)
         for i, cache in enumerate(caches):
             cache.keys, cache.values = updated[2 * i], updated[2 * i + 1]
-            cache.offset, cache.length = offset + 1, length + 1
+            cache.offset, cache.length = offset + count, length + count
         return logits
 
-    def _forward(self, token: mx.array, offset: mx.array, *arrays: mx.array) -> list[mx.array]:
+    def _forward(self, tokens: mx.array, offset: mx.array, *arrays: mx.array) -> list[mx.array]:
         for i, cache in enumerate(self.traced):
             cache.keys, cache.values, cache.offset = arrays[2 * i], arrays[2 * i + 1], offset
             cache.room = arrays[2 * i].shape[2]
-        logits = cast(mx.array, self.model(token[None], cache=self.traced))
+        logits = cast(mx.array, self.model(tokens[None], cache=self.traced))
         return [logits, *(a for cache in self.traced for a in (cache.keys, cache.values) if a is not None)]
 
 
@@ -136,8 +141,8 @@ def compiled_forward(model: nn.Module) -> CompiledForward | None:
     """``model``'s :class:`CompiledForward`, made and checked once per model; ``None`` where it may not have one.
 
     A model has one only if its every layer takes mlx-lm's plain ``KVCache`` and
-    the compiled forward's logits over :data:`PROBE` (read at once, then one token
-    at a time) agree with mlx-lm's forward. Else its drafts keep mlx-lm's cache and
+    the compiled forward's logits over :data:`PROBE` (several tokens at once, then
+    one) agree with mlx-lm's forward. Else its drafts keep mlx-lm's cache and
     forward: a model that reads the cache in another way (a window, its offset as
     an int) is never given a wrong one.
     """
@@ -161,19 +166,22 @@ def read(model: nn.Module, caches: list[Any], tokens: mx.array) -> mx.array:
 
 
 def _agrees(model: nn.Module, forward: CompiledForward) -> bool:
-    """Whether ``forward`` over :class:`FixedKVCache` s gives mlx-lm's logits over :data:`PROBE`."""
+    """Whether ``forward`` over :class:`FixedKVCache` s gives mlx-lm's logits over :data:`PROBE`, read in
+    :data:`PROBE_READS` (the first read as a prompt is, the others through ``forward``)."""
     vocabulary = _vocabulary(model)
     if vocabulary is None:
         return False
-    tokens = mx.array([t % vocabulary for t in PROBE], dtype=mx.int32)
     reference = make_prompt_cache(model)
     caches = [FixedKVCache() for _ in reference]
     try:
-        expected = [cast(mx.array, model(tokens[None, :3], cache=reference))[:, -1]]
-        got = [read(model, caches, tokens[:3])[:, -1]]
-        for i in range(3, len(PROBE)):
-            expected.append(cast(mx.array, model(tokens[None, i : i + 1], cache=reference))[:, -1])
-            got.append(forward(tokens[i : i + 1], caches)[:, -1])
+        expected: list[mx.array] = []
+        got: list[mx.array] = []
+        start = 0
+        for i, count in enumerate(PROBE_READS):
+            tokens = mx.array([t % vocabulary for t in PROBE[start : start + count]], dtype=mx.int32)
+            start += count
+            expected.append(cast(mx.array, model(tokens[None], cache=reference))[0])
+            got.append((read(model, caches, tokens) if i == 0 else forward(tokens, caches))[0])
         want, have = mx.concatenate(expected), mx.concatenate(got)
         scale = max(1.0, cast(float, mx.max(mx.abs(want)).item()))
         return cast(float, mx.max(mx.abs(want - have)).item()) <= PROBE_TOLERANCE * scale

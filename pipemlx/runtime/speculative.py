@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..schedule.batch_plan import fingerprint
-from .draft_step import FixedKVCache, compiled_forward, read
+from .draft_step import COMPILED_TOKENS, FixedKVCache, compiled_forward, read
 from .protocol import MAX_GUESSES
 from .sampling import Sampler
 
@@ -52,7 +52,7 @@ class DraftModel:
     log-probabilities of the step before, so that a seeded sampled decode draws
     the same keys and guesses. Its cache follows the history: what it holds
     beyond the longest prefix it shares with the history (the rejected guesses)
-    is cut off before it reads on. It reads one token at a time through a
+    is cut off before it reads on. It reads a few tokens at a time through a
     compiled forward where the model allows (:func:`~.draft_step.compiled_forward`).
     """
 
@@ -102,8 +102,8 @@ class DraftModel:
         return self._forward(mx.array(tokens, dtype=mx.int32))
 
     def _forward(self, ids: mx.array) -> mx.array:
-        """The logits over ``ids``, read into the cache: one id through the compiled step where there is one."""
-        if ids.size == 1 and self.forward is not None:
+        """The logits over ``ids``, read into the cache: a few ids through the compiled forward where there is one."""
+        if ids.size <= COMPILED_TOKENS and self.forward is not None:
             return self.forward(ids, cast(list[FixedKVCache], self.cache))
         return read(self.model, self.cache, ids)
 
