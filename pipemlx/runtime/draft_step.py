@@ -33,7 +33,7 @@ PROBE = (1, 2, 3, 4, 5, 6)
 PROBE_READS = (2, 3, 1)
 """How the check reads :data:`PROBE`: as a prompt, then through the compiled forward (several tokens, then one)."""
 PROBE_TOLERANCE = 1e-3
-"""How far the compiled step's logits may be from mlx-lm's, relative to the largest logit (rounding, not a bug)."""
+"""How far the compiled forward's logits may be from mlx-lm's, relative to the largest logit (rounding, not a bug)."""
 
 
 class FixedKVCache:
