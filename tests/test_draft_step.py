@@ -49,30 +49,29 @@ def test_compiled_draft_guesses_as_mlx_lm_forward(arch: str) -> None:
     assert compiled.tokens == reference.tokens
 
 
-class OffsetAsInt(nn.Module):
-    """A model that reads its cache's offset as a Python int: a compiled trace cannot, so it keeps mlx-lm's."""
+class Wrapped(nn.Module):
+    """A tiny llama behind a forward of the subclass's own, with the llama's caches."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
         self.args = getattr(inner, "args")
+
+    def make_cache(self) -> list[Any]:
+        return make_prompt_cache(self.inner)
+
+
+class OffsetAsInt(Wrapped):
+    """A model that reads its cache's offset as a Python int: a compiled trace cannot, so it keeps mlx-lm's."""
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         offset = cache[0].offset if cache else 0
         start = int(offset.item()) if isinstance(offset, mx.array) else int(offset)
         return self.inner(inputs, cache=cache) + 0.0 * start
 
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.inner)
 
-
-class WithoutMask(nn.Module):
+class WithoutMask(Wrapped):
     """A model that attends to every position the cache returns: the fixed cache's unused room would show."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.args = getattr(inner, "args")
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         inner: Any = self.inner
@@ -80,9 +79,6 @@ class WithoutMask(nn.Module):
         for layer, layer_cache in zip(inner.model.layers, cache or [None] * len(inner.model.layers)):
             h = layer(h, None if inputs.shape[1] == 1 else "causal", layer_cache)
         return inner.lm_head(inner.model.norm(h))
-
-    def make_cache(self) -> list[Any]:
-        return make_prompt_cache(self.inner)
 
 
 @pytest.mark.parametrize("wrapper", [OffsetAsInt, WithoutMask])
