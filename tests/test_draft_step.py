@@ -89,3 +89,15 @@ def test_a_model_the_fixed_cache_does_not_suit_keeps_mlx_lm_forward(wrapper: typ
     assert draft.forward is None and not any(isinstance(c, FixedKVCache) for c in draft.cache)
     history = list(range(1, 40))
     assert draft.propose(history, 3) == plain_draft(model).propose(history, 3)
+
+
+def test_a_draft_whose_weights_were_replaced_is_traced_again() -> None:
+    """A compiled trace holds the weights it saw: after ``model.update`` the guesses follow the new weights."""
+    model = build_model(tiny_config("llama"))
+    history = list(range(1, 40))
+    before = DraftModel(model)
+    before.propose(history, 3)
+    model.update(build_model(tiny_config("llama"), seed=5).parameters())
+    after = DraftModel(model)
+    assert after.forward is not None and after.forward is not before.forward
+    assert after.propose(history, 3) == plain_draft(model).propose(history, 3)

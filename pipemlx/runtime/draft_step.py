@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 ROOM_STEP = 256
@@ -109,8 +110,14 @@ class CompiledForward:
 
     def __init__(self, model: nn.Module, layers: int) -> None:
         self.model = model
+        self.weights = _weights(model)  # a trace holds the weights it saw: other weights need another one
         self.traced = [FixedKVCache() for _ in range(layers)]
         self.compiled = mx.compile(self._forward)
+
+    def holds_weights_of(self, model: nn.Module) -> bool:
+        """Whether ``model``'s parameters are still the arrays this forward was traced with."""
+        now = _weights(model)
+        return len(now) == len(self.weights) and all(a is b for a, b in zip(now, self.weights))
 
     def __call__(self, tokens: mx.array, caches: list[FixedKVCache]) -> mx.array:
         length, count = caches[0].length, tokens.size
@@ -144,10 +151,13 @@ def compiled_forward(model: nn.Module) -> CompiledForward | None:
     the compiled forward's logits over :data:`PROBE` (several tokens at once, then
     one) agree with mlx-lm's forward. Else its drafts keep mlx-lm's cache and
     forward: a model that reads the cache in another way (a window, its offset as
-    an int) is never given a wrong one.
+    an int) is never given a wrong one. A model whose weights were replaced since
+    (``model.update``, ``load_weights``) gets a new one.
     """
     if hasattr(model, _ATTRIBUTE):
-        return cast(CompiledForward | None, getattr(model, _ATTRIBUTE))
+        known = cast(CompiledForward | None, getattr(model, _ATTRIBUTE))
+        if known is None or known.holds_weights_of(model):
+            return known
     caches = make_prompt_cache(model)
     forward = CompiledForward(model, len(caches)) if all(type(c) is KVCache for c in caches) else None
     if forward is not None and not _agrees(model, forward):
@@ -187,6 +197,11 @@ def _agrees(model: nn.Module, forward: CompiledForward) -> bool:
         return cast(float, mx.max(mx.abs(want - have)).item()) <= PROBE_TOLERANCE * scale
     except Exception:  # a model that asks the cache what this one does not answer: mlx-lm's forward
         return False
+
+
+def _weights(model: nn.Module) -> list[mx.array]:
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return [array for _, array in leaves]
 
 
 def _vocabulary(model: nn.Module) -> int | None:
