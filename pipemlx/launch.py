@@ -21,15 +21,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeAlias
 
 import mlx.core as mx
 
 BACKEND_VARIABLE = "PIPEMLX_BACKEND"
 TAIL_CHARS = 4000
+STOP_GRACE_S = 15.0
+"""Seconds the other ranks of a server get to leave on their own once rank 0 stopped the group (or was told to)."""
+
+RankFile: TypeAlias = int | IO[Any] | None
+"""Where a rank's stdin, stdout or stderr goes, as :class:`subprocess.Popen` takes it (None: this process's)."""
 
 
 @dataclass(frozen=True)
@@ -122,51 +127,101 @@ def launch(
         raise ValueError(f"prefixes must hold one argument list per rank ({num_ranks}), got {len(prefixes)}")
     with tempfile.TemporaryDirectory(prefix="pipemlx-launch-") as tmp:
         directory = Path(tmp)
-        hostfile = write_hostfile(listen or [f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
-        outputs: list[tuple[IO[str], IO[str]] | None] = []
-        procs: list[subprocess.Popen[str]] = []
-        shares = cpu_shares(num_ranks) if pin_cpus else None
+        files: list[tuple[IO[str], IO[str]] | None] = []
+
+        def capture(rank: int) -> tuple[RankFile, RankFile]:
+            if rank == passthrough_rank:
+                files.append(None)
+                return None, None
+            out = open(directory / f"rank{rank}.out", "w+")
+            err = open(directory / f"rank{rank}.err", "w+")
+            files.append((out, err))
+            return out, err
+
+        procs: list[subprocess.Popen[bytes]] = []
         try:
-            for rank in range(num_ranks):
-                rank_env = {
-                    **os.environ,
-                    **(env or {}),
-                    "MLX_RANK": str(rank),
-                    "MLX_HOSTFILE": str(hostfile),
-                    BACKEND_VARIABLE: "ring",
-                    "PYTHONUNBUFFERED": "1",
-                }
-                if num_ranks == 1:  # the ring backend cannot form a ring of one: a singleton group instead
-                    del rank_env["MLX_RANK"], rank_env["MLX_HOSTFILE"]
-                    rank_env[BACKEND_VARIABLE] = "any"
-                if rank == passthrough_rank:
-                    files = None
-                    out, err = None, None
-                else:
-                    out = open(directory / f"rank{rank}.out", "w+")
-                    err = open(directory / f"rank{rank}.err", "w+")
-                    files = (out, err)
-                outputs.append(files)
-                procs.append(
-                    subprocess.Popen(
-                        [*(prefixes[rank] if prefixes is not None else ()), *command],
-                        env=rank_env,
-                        cwd=cwd,
-                        stdout=out,
-                        stderr=err,
-                        text=True,
-                        start_new_session=True,
-                    )
-                )
-                if shares is not None:
-                    pin(procs[-1].pid, shares[rank])
+            procs = spawn_ranks(
+                command,
+                num_ranks,
+                directory=directory,
+                env=env,
+                outputs=capture,
+                addresses=listen,
+                prefixes=prefixes,
+                cwd=cwd,
+                pin_cpus=pin_cpus,
+            )
             failure = _wait(procs, timeout, fail_fast)
         finally:
             kill_all(procs)
-        results = [_result(rank, proc, outputs[rank]) for rank, proc in enumerate(procs)]
+        results = [_result(rank, proc, files[rank]) for rank, proc in enumerate(procs)]
         if failure is not None:
             raise LaunchError(failure, results)
         return results
+
+
+def spawn_ranks(
+    command: Sequence[str],
+    num_ranks: int,
+    *,
+    directory: Path,
+    env: Mapping[str, str] | None = None,
+    outputs: Callable[[int], tuple[RankFile, RankFile]] | None = None,
+    stdin: RankFile = None,
+    addresses: Sequence[str] | None = None,
+    prefixes: Sequence[Sequence[str]] | None = None,
+    cwd: str | Path | None = None,
+    pin_cpus: bool = True,
+    cpus: Collection[int] | None = None,
+    on_start: Callable[[subprocess.Popen[bytes]], None] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``command`` as ranks ``0 .. num_ranks-1`` of a ring group on this machine; their processes, in rank order.
+
+    The ring hostfile goes in ``directory`` and lists ``addresses`` (one ``host:port`` per rank; default: free
+    loopback ports). Each rank's environment is this process's, then ``env``, then ``MLX_RANK``, ``MLX_HOSTFILE``,
+    ``PIPEMLX_BACKEND=ring`` and ``PYTHONUNBUFFERED=1`` (one rank alone: no ``MLX_RANK``/``MLX_HOSTFILE`` and
+    ``PIPEMLX_BACKEND=any``, as the ring backend cannot form a ring of one). ``outputs(rank)`` gives the rank's
+    ``(stdout, stderr)`` (default: this process's), ``stdin`` is every rank's, and ``prefixes[rank]`` (one argument
+    list per rank) goes before ``command``. Each rank starts in its own session (:func:`kill_all` ends its group)
+    and, with ``pin_cpus``, on its own share of ``cpus`` (default: this process's CPUs; :func:`cpu_shares`).
+    ``on_start`` sees each process as soon as it started (a signal handler can reach the ranks started so far).
+    When starting one fails, the ranks already started are killed.
+    """
+    hostfile = write_hostfile(addresses or [f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
+    shares = cpu_shares(num_ranks, cpus) if pin_cpus else None
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(num_ranks):
+            rank_env = {
+                **os.environ,
+                **(env or {}),
+                "MLX_RANK": str(rank),
+                "MLX_HOSTFILE": str(hostfile),
+                BACKEND_VARIABLE: "ring",
+                "PYTHONUNBUFFERED": "1",
+            }
+            if num_ranks == 1:  # the ring backend cannot form a ring of one: a singleton group instead
+                del rank_env["MLX_RANK"], rank_env["MLX_HOSTFILE"]
+                rank_env[BACKEND_VARIABLE] = "any"
+            out, err = outputs(rank) if outputs is not None else (None, None)
+            proc = subprocess.Popen(
+                [*(prefixes[rank] if prefixes is not None else ()), *command],
+                env=rank_env,
+                cwd=cwd,
+                stdin=stdin,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
+            procs.append(proc)
+            if on_start is not None:
+                on_start(proc)
+            if shares is not None:
+                pin(proc.pid, shares[rank])
+    except BaseException:
+        kill_all(procs)
+        raise
+    return procs
 
 
 def cpu_shares(num_ranks: int, cpus: Collection[int] | None = None) -> list[set[int]] | None:
@@ -241,7 +296,7 @@ def relaunch_as_ranks(num_ranks: int, *, timeout: float = 600.0) -> int:
     return 0
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float, fail_fast: bool) -> str | None:
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float, fail_fast: bool) -> str | None:
     """Poll until all exit (None), one fails under ``fail_fast``, or time runs out (a message)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -270,7 +325,7 @@ def kill_all(procs: Sequence[subprocess.Popen[Any]]) -> None:
         proc.wait()
 
 
-def _result(rank: int, proc: subprocess.Popen[str], files: tuple[IO[str], IO[str]] | None) -> RankResult:
+def _result(rank: int, proc: subprocess.Popen[bytes], files: tuple[IO[str], IO[str]] | None) -> RankResult:
     if files is None:
         return RankResult(rank, proc.returncode, "", "")
     texts: list[str] = []

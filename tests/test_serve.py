@@ -464,8 +464,22 @@ def test_disconnect_mid_decode_stops_every_rank_and_the_next_request_is_exact(
 # --- bad requests -------------------------------------------------------------------------------------------------
 
 
+def quiet_health(server: ServeProcess) -> dict[str, Any]:
+    """/health once nothing runs or waits and every rank finished the last request answered (a request of an
+    earlier test may still be ending on the ranks after its client got the answer)."""
+
+    def check() -> dict[str, Any] | None:
+        health = server.health()
+        last = max((r["seq"] for r in health["recent"]), default=None)
+        settled = last is None or all(r["last_request"] == last for r in health["rank_status"])
+        idle = not health["running"] and health["queue"]["waiting"] == 0
+        return health if settled and idle else None
+
+    return server.wait_for("the server to be idle", check)
+
+
 def test_bad_requests_get_openai_error_bodies_and_reach_no_rank(server: ServeProcess) -> None:
-    before = server.health()
+    before = quiet_health(server)
     url = server.url
     long_prompt = "word " * 3000
 

@@ -19,28 +19,28 @@ import pytest
 from pipemlx import cli
 from pipemlx.demo import MODEL_DIR
 from pipemlx.serve import front_tokenizer
+from pipemlx.serve.book import Book, Event, Ticket
 from pipemlx.serve.broadcast import Insert, Ops, decode_ops, encode_ops
-from pipemlx.serve.engines import request_sampler
-from pipemlx.serve.front import Event, Front, Job, Reply, ServeSettings
 from pipemlx.serve.link import FRONT_KEY_VARIABLE, Acceptor, connect
-from pipemlx.serve.penalties import Penalties
-from pipemlx.serve.recovery import GroupFront, RecoverOptions, Tracked
+from pipemlx.serve.relay import Relay
+from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_json, to_json
+from pipemlx.serve.settings import EngineSettings, ServeSettings
 
 
 @pytest.mark.parametrize("drawn", [1, 5, 17])
 def test_a_resumed_sampler_draws_what_the_undisturbed_one_draws_next(drawn: int) -> None:
     logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1]]), axis=-1))
-    whole = request_sampler(0.8, 1.0, 99)
-    resumed = request_sampler(0.8, 1.0, 99, drawn)
+    whole = SamplingParams(0.8).keyed_sampler(99)
+    resumed = SamplingParams(0.8).keyed_sampler(99, drawn)
     assert whole is not None and resumed is not None
     undisturbed = [int(whole(logprobs).item()) for _ in range(drawn + 20)]
     assert [int(resumed(logprobs).item()) for _ in range(20)] == undisturbed[drawn:]
 
 
 def test_an_insert_keeps_its_draws_through_the_broadcast() -> None:
-    insert = Insert(3, [1, 2, 3, 4], 9, 0.5, 0.75, 1234, drawn=11)  # float32-exact temperature and top_p
+    insert = Insert(Request(3, [1, 2, 3, 4], 9, SamplingParams(0.5, 0.75, 1234), drawn=11))  # float32-exact
     (back,) = decode_ops(encode_ops(Ops([], [insert]))).inserts
-    assert back == insert and back.drawn == 11
+    assert back == insert and back.request.drawn == 11
 
 
 class FakeLink:
@@ -54,7 +54,7 @@ class FakeLink:
         return True
 
 
-def events_of(loop: asyncio.AbstractEventLoop, job: Job) -> list[Event]:
+def events_of(loop: asyncio.AbstractEventLoop, job: Ticket) -> list[Event]:
     loop.run_until_complete(asyncio.sleep(0))  # deliver what emit scheduled
     out: list[Event] = []
     while not job.events.empty():
@@ -64,31 +64,29 @@ def events_of(loop: asyncio.AbstractEventLoop, job: Job) -> list[Event]:
 
 def test_the_front_resumes_with_the_tokens_sent_and_answers_once() -> None:
     tokenizer = front_tokenizer(MODEL_DIR)
-    front = Front(ServeSettings("pipemlx-demo", max_concurrency=4), [4, 4])
-    group = GroupFront(front, tokenizer, RecoverOptions(2, ["true"]))
+    book = Book(ServeSettings("pipemlx-demo", engine=EngineSettings(max_concurrency=4)), tokenizer, [4, 4])
+    relay = Relay(book, 1.0)
     loop = asyncio.new_event_loop()
     try:
         prompt = list(tokenizer.encode("Mr. Bingley"))
         answer = list(tokenizer.encode(" was a handsome young man"))[:6]
-        job = Job(
-            kind="completion", request_id="cmpl-1", created=0, tokens=prompt, max_tokens=len(answer),
-            temperature=0.8, top_p=1.0, seed=7, stop=(), stream=True, include_usage=False, penalties=Penalties(),
-            loop=loop, events=asyncio.Queue(),
-        )  # fmt: skip
-        tracked = Tracked(1, job, Reply(job, tokenizer))
-        group.tracked[1] = tracked
-        group._handle({"t": "admitted", "id": 1, "seq": 1, "cached": 0})  # pyright: ignore[reportPrivateUsage]
+        request = Request(1, prompt, len(answer), SamplingParams(0.8, seed=7))
+        job = Ticket(request, "completion", 0, loop, asyncio.Queue(), stream=True)
+        running = book.start(job)
+        relay._handle({"t": "admitted", "id": 1, "cached": 0})  # pyright: ignore[reportPrivateUsage]
         for token in answer[:2]:
-            group._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
+            relay._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
         link = FakeLink()
-        group._send_job(link, tracked)  # pyright: ignore[reportPrivateUsage, reportArgumentType]
-        (resume,) = link.sent
-        assert resume["tokens"] == prompt + answer[:2]
-        assert resume["max_tokens"] == len(answer) - 2 and resume["drawn"] == 2 and resume["seed"] == 7
+        relay._send(link, running)  # pyright: ignore[reportPrivateUsage, reportArgumentType]
+        (message,) = link.sent
+        resume = from_json(Request, message["request"])
+        assert resume.tokens == prompt + answer[:2] and resume.id == 1
+        assert resume.max_tokens == len(answer) - 2 and resume.drawn == 2 and resume.sampling.seed == 7
         for token in answer[2:]:  # the new group goes on; the last token answers the request (length)
-            group._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
-        group._handle({"t": "token", "id": 1, "token": answer[0]})  # pyright: ignore[reportPrivateUsage]
-        group._handle({"t": "ended", "id": 1, "outcome": "length", "generated": 4})  # pyright: ignore[reportPrivateUsage]
+            relay._handle({"t": "token", "id": 1, "token": token})  # pyright: ignore[reportPrivateUsage]
+        relay._handle({"t": "token", "id": 1, "token": answer[0]})  # pyright: ignore[reportPrivateUsage]
+        ended = {"t": "ended", "id": 1, "result": to_json(RequestResult("length", 0, 12, 4))}
+        relay._handle(ended)  # pyright: ignore[reportPrivateUsage]
         events = events_of(loop, job)
         assert [e.kind for e in events if e.kind != "text"] == ["done"]
         detokenizer = tokenizer.detokenizer  # what one stream of these tokens reads
@@ -96,11 +94,31 @@ def test_the_front_resumes_with_the_tokens_sent_and_answers_once() -> None:
             detokenizer.add_token(token)
         detokenizer.finalize()
         assert "".join(e.text for e in events if e.kind == "text") == detokenizer.text
-        assert events[-1].finish_reason == "length" and not group.tracked
-        assert front.counts["served"] == 1
+        assert events[-1].finish_reason == "length" and not book.running
+        assert book.counts["served"] == 1
+        relay._handle(ended)  # pyright: ignore[reportPrivateUsage]  # answered once, whatever comes after
+        assert book.counts["served"] == 1 and not events_of(loop, job)
     finally:
         loop.close()
-        group.close()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"t": "token", "id": "x", "token": 5},
+        {"t": "ended", "id": 1, "result": {"outcome": "won"}},
+        {"t": "admitted", "id": 1},
+        {"t": "slots", "slots": [{"pid": "a"}]},
+    ],
+)
+def test_a_malformed_message_from_rank_zero_is_a_fault(message: dict[str, Any]) -> None:
+    """The front counts a message it cannot read as a fault of the group (it restarts it), never an exception of
+    its own."""
+    from pipemlx.serve.relay import Fault
+
+    book = Book(ServeSettings("pipemlx-demo"), None, [4, 4])
+    with pytest.raises(Fault, match="malformed"):
+        Relay(book, 1.0)._handle(message)  # pyright: ignore[reportPrivateUsage]
 
 
 def test_the_link_needs_the_key_and_a_silent_peer_holds_nothing_up() -> None:

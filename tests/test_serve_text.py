@@ -27,8 +27,8 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetoke
 from mlx_lm.utils import load_tokenizer
 
 from pipemlx.demo import MODEL_DIR
-from pipemlx.serve.front import Event, Job, Reply
-from pipemlx.serve.penalties import Penalties
+from pipemlx.serve.book import Event, Reply, Ticket
+from pipemlx.serve.requests import Request
 
 
 @cache
@@ -72,11 +72,14 @@ class FakeTokenizer:
 def stream(tokens: list[int], stops: tuple[str, ...], detokenizer: Any) -> tuple[list[str], bool]:
     """Feed ``tokens`` to a Reply as rank 0's loop does; return the streamed pieces and whether a stop ended it."""
     pieces: list[str] = []
-    job = Job(
-        kind="completion", request_id="cmpl-test", created=0, tokens=[1], max_tokens=len(tokens), temperature=0.0,
-        top_p=1.0, seed=None, stop=stops, stream=True, include_usage=False, penalties=Penalties(),
-        loop=asyncio.new_event_loop(), events=asyncio.Queue(),
-    )  # fmt: skip
+    job = Ticket(
+        Request(1, [1], len(tokens), stop=stops),
+        "completion",
+        0,
+        asyncio.new_event_loop(),
+        asyncio.Queue(),
+        stream=True,
+    )
 
     def emit(event: Event) -> None:
         if event.kind == "text":

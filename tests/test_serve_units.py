@@ -14,24 +14,21 @@ from mlx_lm.sample_utils import make_sampler
 from pipemlx.errors import PipelineMismatchError
 from pipemlx.runtime.protocol import SERVE, TOKENS
 from pipemlx.serve.broadcast import (
-    INSERT_FIELDS,
     RANK_FIELDS,
     REQUEST,
     Channel,
     Insert,
     Ops,
-    bits_float,
     checksum,
     decode_ops,
     encode_ops,
-    float_bits,
     read_header,
 )
-from pipemlx.serve.engines import request_sampler
 from pipemlx.serve.loop import share_entries
 from pipemlx.serve.openai_api import ApiError, StopText, parse_chat, parse_completion
 from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse
+from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_ints, from_json, to_ints, to_json
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
@@ -85,8 +82,15 @@ def test_good_requests_are_read_fully() -> None:
         }
     )
     assert chat.messages == [{"role": "system", "content": "ab"}, {"role": "assistant", "content": ""}]
-    assert (chat.stream, chat.include_usage, chat.max_tokens, chat.temperature, chat.top_p) == (True, True, 7, 0.5, 0.9)
-    assert chat.seed == (1 << 31) - 1 and chat.stop == ("x",)
+    sampling = chat.sampling
+    assert (chat.stream, chat.include_usage, chat.max_tokens, sampling.temperature, sampling.top_p) == (
+        True,
+        True,
+        7,
+        0.5,
+        0.9,
+    )
+    assert sampling.seed == (1 << 31) - 1 and chat.stop == ("x",)
     assert parse_completion({"prompt": ["text"]}).prompt == "text"
     assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     for bad in ({"prompt": ""}, {"prompt": [1, "a"]}, {"prompt": ["a", "b"]}, {}):
@@ -110,10 +114,11 @@ def test_bad_penalties_are_refused_and_good_ones_read(body: dict[str, Any], para
         parse_chat({"messages": MESSAGES, **body})
     assert caught.value.status == 400 and caught.value.param == param and words in str(caught.value)
     read = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {}})
-    assert read.penalties == Penalties(presence_penalty=0.5, frequency_penalty=-1.0)
-    insert = Insert(1, [5], 4, 0.0, 1.0, -1, penalties=read.penalties)
-    assert decode_ops(encode_ops(Ops(inserts=[insert]))).inserts[0].penalties == read.penalties  # what every rank gets
-    assert parse_completion({"prompt": "x"}).penalties.processors() is None
+    assert read.sampling.penalties == Penalties(presence_penalty=0.5, frequency_penalty=-1.0)
+    insert = Insert(Request(1, [5], 4, read.sampling))
+    received = decode_ops(encode_ops(Ops(inserts=[insert]))).inserts[0].request.sampling
+    assert received.penalties == read.sampling.penalties  # what every rank gets
+    assert parse_completion({"prompt": "x"}).sampling.penalties.processors() is None
 
 
 @pytest.mark.parametrize(
@@ -132,9 +137,10 @@ def test_completion_options_that_change_the_answer_are_refused(body: dict[str, A
 
 def test_draft_is_a_boolean_that_defaults_to_true() -> None:
     """``draft: false`` opts a request out of speculative decoding; anything but a boolean is a 400 naming it."""
-    assert parse_completion({"prompt": "x"}).draft and parse_chat({"messages": MESSAGES, "draft": True}).draft
-    assert not parse_completion({"prompt": "x", "draft": False}).draft
-    assert parse_completion({"prompt": "x", "draft": None}).draft  # null: unset
+    assert parse_completion({"prompt": "x"}).sampling.draft
+    assert parse_chat({"messages": MESSAGES, "draft": True}).sampling.draft
+    assert not parse_completion({"prompt": "x", "draft": False}).sampling.draft
+    assert parse_completion({"prompt": "x", "draft": None}).sampling.draft  # null: unset
     for bad in (0, "false"):
         with pytest.raises(ApiError) as caught:
             parse_chat({"messages": MESSAGES, "draft": bad})
@@ -231,7 +237,7 @@ def test_a_missing_entry_starts_from_an_empty_cache() -> None:
 
 def test_the_broadcast_reads_rank_zeros_fields_and_every_ranks_own() -> None:
     for value in (0.0, 0.7, 1.0, 2.0, 1e-6):
-        assert bits_float(float_bits(value)) == pytest.approx(value, rel=1e-7)
+        assert from_ints(float, to_ints(SamplingParams(value))[:1])[0] == pytest.approx(value, rel=1e-7)
     assert checksum([1, 2, 3]) != checksum([1, 3, 2]) and checksum([]) == 0
     channel = Channel(mx.distributed.init())  # a group of one: the gathered rows are this rank's row
     header = channel.exchange({"op": REQUEST, "seq": 5, "pause_ms": 250}, {"pid": 42}, 5.0, "test")
@@ -267,26 +273,36 @@ def test_a_garbled_broadcast_raises_a_mismatch(garbled: list[mx.array]) -> None:
 
 # --- batching (--max-concurrency above 1) -------------------------------------------------------------------------
 
+sampling_strategy = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.75, 1.0, 1.875]),  # float32 values: sent as their bits
+    top_p=st.sampled_from([1.0, 0.5, 0.25]),
+    seed=st.none() | st.integers(0, (1 << 31) - 1),
+    penalties=st.builds(
+        Penalties,
+        st.sampled_from([0.0, 1.25, 1.5]),
+        st.integers(1, 64),
+        st.sampled_from([0.0, -0.5, 2.0]),
+        st.integers(1, 64),
+        st.sampled_from([0.0, 0.75, -2.0]),
+        st.integers(1, 64),
+    ),
+    draft=st.booleans(),
+)
+requests_strategy = st.builds(
+    Request,
+    id=st.integers(1, 10_000),
+    tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=20),
+    max_tokens=st.integers(1, 4096),
+    sampling=sampling_strategy,
+    stop=st.lists(st.text(min_size=1, max_size=5), max_size=4).map(tuple),
+    drawn=st.integers(0, 100),
+)
 inserts_strategy = st.lists(
     st.builds(
         Insert,
-        seq=st.integers(1, 10_000),
-        tokens=st.lists(st.integers(0, 50_000), min_size=1, max_size=20),
-        max_tokens=st.integers(1, 4096),
-        temperature=st.sampled_from([0.0, 0.75, 1.0, 1.875]),  # float32 values: sent as their bits
-        top_p=st.sampled_from([1.0, 0.5, 0.25]),
-        seed=st.integers(-1, (1 << 31) - 1),
+        request=requests_strategy,
         plan=st.builds(PrefixReuse, st.integers(-1, 50), st.integers(0, 30), st.booleans()),
-        draft=st.booleans(),
-        penalties=st.builds(
-            Penalties,
-            st.sampled_from([0.0, 1.25, 1.5]),
-            st.integers(1, 64),
-            st.sampled_from([0.0, -0.5, 2.0]),
-            st.integers(1, 64),
-            st.sampled_from([0.0, 0.75, -2.0]),
-            st.integers(1, 64),
-        ),
     ),
     max_size=5,
 )
@@ -299,26 +315,39 @@ def test_batch_operations_survive_the_broadcast(removes: list[int], inserts: lis
     values = encode_ops(ops)
     assert all(-(1 << 31) <= v < (1 << 31) for v in values)  # int32 on the wire
     assert decode_ops(values) == ops
-    assert len(values) == (2 + len(removes) + sum(len(INSERT_FIELDS) + len(i.tokens) for i in inserts) if values else 0)
     if values:
         with pytest.raises(PipelineMismatchError, match="arrived damaged"):
             decode_ops(values[:-1] if inserts else [*values, 7])
 
 
+@settings(max_examples=100, deadline=None)
+@given(request=requests_strategy, outcome=st.sampled_from(["stop", "length", "cancelled", "failed"]))
+def test_requests_and_results_survive_the_link(request: Request, outcome: str) -> None:
+    """The link's JSON form of a request and a result reads back equal; a field of the wrong type is refused."""
+    assert from_json(Request, to_json(request)) == request
+    result = RequestResult(outcome, 1, 2, 3, None if outcome != "failed" else "ValueError: x", 4, 5)  # pyright: ignore[reportArgumentType]
+    assert from_json(RequestResult, to_json(result)) == result
+    for field, bad in (("id", "x"), ("tokens", [1, "a"]), ("max_tokens", True), ("sampling", {"top_p": "1"})):
+        with pytest.raises(ValueError, match=field):
+            from_json(Request, {**to_json(request), field: bad})
+    with pytest.raises(ValueError, match="outcome"):
+        from_json(RequestResult, {**to_json(result), "outcome": "won"})
+
+
 def test_inserts_of_one_step_sharing_an_entry_copy_it() -> None:
-    def insert(seq: int, entry: int, copy: bool) -> Insert:
-        return Insert(seq, [1, 2, 3], 4, 0.0, 1.0, -1, PrefixReuse(entry, 2, copy))
+    def insert(request_id: int, entry: int, copy: bool) -> Insert:
+        return Insert(Request(request_id, [1, 2, 3], 4), PrefixReuse(entry, 2, copy))
 
     shared = share_entries([insert(1, 5, False), insert(2, 5, False), insert(3, 6, False), insert(4, -1, False)])
     assert [i.plan.copy for i in shared] == [True, True, False, False]
-    assert [i.plan.entry for i in shared] == [5, 5, 6, -1] and [i.seq for i in shared] == [1, 2, 3, 4]
+    assert [i.plan.entry for i in shared] == [5, 5, 6, -1] and [i.request.id for i in shared] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 def test_a_request_sampler_draws_what_a_seeded_solo_run_draws(top_p: float) -> None:
     logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1]]), axis=-1))
-    sampler = request_sampler(0.8, top_p, 1234)
-    assert sampler is not None and request_sampler(0.0, top_p, 1234) is None
+    sampler = SamplingParams(0.8, top_p).keyed_sampler(1234)
+    assert sampler is not None and SamplingParams(0.0, top_p).keyed_sampler(1234) is None
     ours = [int(sampler(logprobs).item()) for _ in range(40)]
     mx.random.seed(1234)
     solo = make_sampler(0.8, top_p=top_p)
@@ -344,11 +373,12 @@ def test_cors_headers_only_for_the_given_origins(origins: tuple[str, ...], origi
     from starlette.testclient import TestClient
 
     from pipemlx.serve.app import Api
-    from pipemlx.serve.front import Front, ServeSettings
+    from pipemlx.serve.book import Book
+    from pipemlx.serve.settings import HttpLimits, ServeSettings
 
-    settings = ServeSettings(model_id="m", api_key="key")
-    api = Api(Front(settings), None, settings, None)  # no request reaches a rank
-    client = TestClient(api.app(cors_origins=origins))
+    settings = ServeSettings(model_id="m", http=HttpLimits(api_key="key", cors_origins=origins))
+    api = Api(Book(settings, None), None, settings, None)  # no request reaches a rank
+    client = TestClient(api.app())
     preflight = client.options("/v1/chat/completions", headers={"Origin": origin, **PREFLIGHT})
     assert preflight.headers.get("access-control-allow-origin") == allowed
     assert preflight.status_code == (200 if allowed else 405 if not origins else 400)  # a preflight carries no key
@@ -376,7 +406,7 @@ def test_cors_origins_reach_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipemlx import cli
 
     seen: list[tuple[str, ...]] = []
-    monkeypatch.setattr(pipemlx.serve, "run_rank", lambda options: seen.append(options.cors_origins) or 0)
+    monkeypatch.setattr(pipemlx.serve, "run_rank", lambda options: seen.append(options.settings.http.cors_origins) or 0)
     assert cli.main(["serve", "--ranks", "1"]) == 0
     assert cli.main(["serve", "--ranks", "1", "--cors-origin", "*", "--cors-origin", "http://localhost:3000"]) == 0
     assert seen == [(), ("*", "http://localhost:3000")]

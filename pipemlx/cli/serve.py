@@ -1,7 +1,7 @@
 """``pipemlx serve``: the options, where the ranks come from, and the supervisor of local ranks.
 
 ``--ranks N`` (N >= 2, the default) makes this process a front that is no
-rank (:mod:`pipemlx.serve.recovery`): it serves HTTP, starts the N local ranks,
+rank (:mod:`pipemlx.serve.supervisor`): it serves HTTP, starts the N local ranks,
 and restarts them after a fault, resuming every request. Across hosts the same
 front waits on ``--front-listen`` for the ``--worker`` processes each host's
 supervisor runs (``--recover --hostfile``).
@@ -12,7 +12,7 @@ in ``pipemlx generate`` this process supervises the local ranks or is one rank,
 and a fault ends the server: rank 0 notices, answers 503 for a moment and exits
 with one clear line, and then the supervisor ends the rest. Ctrl-C or SIGTERM
 asks rank 0 to stop the group (every rank exits 0); what is still running
-after :data:`STOP_GRACE` seconds is killed.
+after :data:`pipemlx.launch.STOP_GRACE_S` seconds is killed.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..demo import MODEL_DIR
-from ..launch import BACKEND_VARIABLE, cpu_shares, free_ports, kill_all, pin, write_hostfile
+from ..launch import BACKEND_VARIABLE, STOP_GRACE_S, RankFile, kill_all, spawn_ranks
 from ..models.hub import is_repo_id
 from .common import (
     DEFAULT_MAX_TOKENS,
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
-STOP_GRACE = 15.0
-"""Seconds the other ranks get to leave on their own once rank 0 has stopped the group (or was asked to)."""
 FAULT_GRACE = 2.0  # seconds they get after rank 0 failed (a lost peer): a follower notices within about a second
 MALLOC_ARENAS = "2"
 """glibc's ``MALLOC_ARENA_MAX`` for local ranks unless set: with its default (8 per core) rank 0's threads
@@ -322,7 +320,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
-    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE)
+    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE_S)
 
 
 def check_serve_speculation(args: argparse.Namespace) -> None:
@@ -359,8 +357,7 @@ def _shared_key(flag: str) -> str:
 
 def _worker(args: argparse.Namespace) -> int:
     """``--worker``: this host's rank of a group whose rank 0 serves a front on another host (``--front``)."""
-    from ..serve.link import FRONT_ADDRESS_VARIABLE
-    from ..serve.worker import JOIN_VARIABLE
+    from ..serve.link import FRONT_ADDRESS_VARIABLE, JOIN_VARIABLE
 
     if args.recover:  # asked for (None: not said)
         raise UserError("--worker runs a rank for a front; the front is its own command (--recover --front-listen)")
@@ -452,7 +449,6 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
         [sys.executable, "-m", "pipemlx", *argv],
         host=args.host,
         port=args.port,
-        cors_origins=tuple(args.cors_origin),
         env={"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)},
         recover_timeout=args.recover_timeout,
         max_restarts=args.max_restarts,
@@ -467,33 +463,38 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _settings(args: argparse.Namespace) -> ServeSettings:
-    from ..serve import ServeSettings
+    """The settings the command line sets, by who reads them."""
+    from ..serve.settings import EngineSettings, HttpLimits, ProcessControl, RequestDefaults, ServeSettings
 
     parent = os.environ.get(PARENT_VARIABLE)
     return ServeSettings(
         model_id=model_id(args),
-        max_queue=args.max_queue,
-        max_concurrency=args.max_concurrency,
-        prefill_chunking=args.prefill_chunking,
-        prefix_cache_mb=args.prefix_cache,
-        prefill_step_size=args.prefill_step_size,
-        timeout=args.timeout,
-        default_max_tokens=args.max_tokens,
-        default_temperature=args.temp,
-        context=args.context,
-        fault_grace=max(0.0, args.fault_grace),
-        api_key=args.api_key or None,
-        parent_pid=int(parent) if parent else None,
-        max_body_bytes=args.max_body_bytes,
-        max_tokens_limit=args.max_tokens_limit,
-        max_streams=args.max_streams,
-        header_timeout=args.header_timeout,
-        idle_timeout=args.idle_timeout,
-        grace=args.grace,
-        metrics_public=args.metrics_public,
-        draft_model=args.draft_model,
-        num_draft_tokens=args.num_draft_tokens,
-        prompt_lookup=args.prompt_lookup,
+        http=HttpLimits(
+            api_key=args.api_key or None,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+            max_tokens_limit=args.max_tokens_limit,
+            max_streams=args.max_streams,
+            header_timeout=args.header_timeout,
+            idle_timeout=args.idle_timeout,
+            metrics_public=args.metrics_public,
+            cors_origins=tuple(args.cors_origin),
+        ),
+        engine=EngineSettings(
+            max_concurrency=args.max_concurrency,
+            prefill_chunking=args.prefill_chunking,
+            prefix_cache_mb=args.prefix_cache,
+            prefill_step_size=args.prefill_step_size,
+            timeout=args.timeout,
+            context=args.context,
+            draft_model=args.draft_model,
+            num_draft_tokens=args.num_draft_tokens,
+            prompt_lookup=args.prompt_lookup,
+        ),
+        defaults=RequestDefaults(max_tokens=args.max_tokens, temperature=args.temp),
+        process=ProcessControl(
+            grace=args.grace, fault_grace=max(0.0, args.fault_grace), parent_pid=int(parent) if parent else None
+        ),
     )
 
 
@@ -509,7 +510,6 @@ def _as_rank(args: argparse.Namespace) -> int:
         split=args.split,
         allow_unregistered=args.allow_unregistered,
         lend=args.lend,
-        cors_origins=tuple(args.cors_origin),
     )
     if args.ranks is not None and in_launched_rank():
         options.expected_ranks = args.ranks
@@ -527,16 +527,15 @@ def _check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE) -> int:
+def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE_S) -> int:
     """Start ``num_ranks`` local ranks of ``command`` and wait for them; returns rank 0's exit status.
 
     Rank 0's output is this process's. When rank 0 exits or is asked to stop, the others get
-    ``stop_grace`` seconds to follow (``--grace`` plus :data:`STOP_GRACE`), then are killed; a follower's stderr
-    tail is shown when it failed. Ctrl-C / SIGTERM forward SIGTERM to rank 0.
+    ``stop_grace`` seconds to follow (``--grace`` plus :data:`~pipemlx.launch.STOP_GRACE_S`), then are killed;
+    a follower's stderr tail is shown when it failed. Ctrl-C / SIGTERM forward SIGTERM to rank 0.
     """
     with tempfile.TemporaryDirectory(prefix="pipemlx-serve-") as tmp:
         directory = Path(tmp)
-        hostfile = write_hostfile([f"127.0.0.1:{p}" for p in free_ports(num_ranks)], directory)
         procs: list[subprocess.Popen[bytes]] = []
         logs: list[IO[bytes] | None] = []
         stopping: list[float] = []
@@ -548,25 +547,19 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
             if procs and procs[0].poll() is None:
                 procs[0].send_signal(signal.SIGTERM)
 
+        def outputs(rank: int) -> tuple[RankFile, RankFile]:
+            """Rank 0 writes to this terminal; the others' stdout is dropped and their stderr kept for the end."""
+            err = None if rank == 0 else open(directory / f"rank{rank}.err", "w+b")
+            logs.append(err)
+            return (None if rank == 0 else subprocess.DEVNULL), err
+
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            shares = cpu_shares(num_ranks)
-            for rank in range(num_ranks):
-                env = {
-                    **os.environ,
-                    "MLX_RANK": str(rank),
-                    "MLX_HOSTFILE": str(hostfile),
-                    BACKEND_VARIABLE: "ring",
-                    PARENT_VARIABLE: str(os.getpid()),
-                    "PYTHONUNBUFFERED": "1",
-                    "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS),
-                }
-                err = None if rank == 0 else open(directory / f"rank{rank}.err", "w+b")
-                logs.append(err)
-                out = None if rank == 0 else subprocess.DEVNULL
-                procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err, start_new_session=True))
-                if shares is not None:  # each rank on its own CPUs, as pipemlx.launch starts ranks
-                    pin(procs[-1].pid, shares[rank])
+            env = {
+                PARENT_VARIABLE: str(os.getpid()),
+                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS),
+            }
+            spawn_ranks(command, num_ranks, directory=directory, env=env, outputs=outputs, on_start=procs.append)
             return _wait(procs, logs, stopping, stop_grace)
         except KeyboardInterrupt:
             print("pipemlx serve: interrupted", file=sys.stderr)

@@ -1,17 +1,21 @@
 """``pipemlx serve``: an OpenAI-compatible HTTP server over a pipeline of ranks, built on pipemlx's public API.
 
-Every rank loads its share of the model (:func:`pipemlx.load_sharded`), warms
-the pipeline up and greets the others (:class:`.engines.Rank`); then rank 0
-serves HTTP (:mod:`.app`) over the request queue (:mod:`.front`) and leads the
-serving loop (:mod:`.loop`), which every other rank follows, each driving one
-scheduler (:mod:`.engines`). Requests reuse the KV caches of earlier ones
-(:mod:`.prefix_cache`). The OpenAI wire format is in :mod:`.openai_api`.
+A request's way, in one shape (:class:`.requests.Request`): the HTTP side
+(:mod:`.app`, the OpenAI wire format in :mod:`.openai_api`) checks it and
+queues it in the book (:mod:`.book`), which owns every running request's
+answer. Every rank loads its share of the model (:func:`pipemlx.load_sharded`),
+warms the pipeline up and greets the others (:class:`.rank.Rank`); rank 0 leads
+the serving loop (:mod:`.loop`), taking requests from the book (in its own
+process, or over the front's link: :mod:`.sources`), and every other rank
+follows it; each drives one scheduler (:mod:`.schedulers`). Requests reuse the
+KV caches of earlier ones (:mod:`.prefix_cache`). Settings, by who reads them:
+:mod:`.settings`.
 
-With ``--recover`` (:func:`run_front`) HTTP and the requests' state live in a
-front process that is not a rank (:mod:`.recovery`); it starts the ranks,
-rank 0 serves the requests it is sent over a local link (:mod:`.link`,
-:mod:`.worker`), and after a fault the front restarts the ranks and resumes
-every request.
+With the front (the default with ``--ranks N``, :func:`run_front`) HTTP and the
+book live in a process that is not a rank: its supervisor (:mod:`.supervisor`)
+starts the ranks and restarts them after a fault, and its relay (:mod:`.relay`)
+hands the requests to rank 0 over a link (:mod:`.link`) and resumes them on
+the new group.
 
 Needs the ``serve`` extra (``pip install 'pipemlx[serve]'``: Starlette,
 uvicorn and prometheus_client) on rank 0; :func:`missing_packages` says what is missing.
@@ -26,10 +30,9 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from multiprocessing import AuthenticationError
 from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 from ..errors import PipelineError
@@ -37,15 +40,16 @@ from ..launch import init_group
 from ..models.hub import locate_model
 from ..models.loading import load_draft, load_sharded
 from ..models.sharding import LendSpec
-from .engines import Rank, Scheduler, make_scheduler
-from .front import Front, ServeSettings, log
-from .link import FRONT_ADDRESS_VARIABLE, Link
-from .loop import Leader, LocalRequests, follow
-from .worker import JOIN_VARIABLE, LinkRequests
+from .book import Book, log
+from .link import CONNECT_EVERY_S, FRONT_ADDRESS_VARIABLE, JOIN_VARIABLE, Link
+from .loop import Leader, follow
+from .rank import Rank
+from .schedulers import Scheduler, make_scheduler
+from .settings import ServeSettings
+from .sources import LinkRequests, LocalRequests
+from .supervisor import FrontOptions
 
 SERVE_PACKAGES = ("starlette", "uvicorn", "prometheus_client")
-CONNECT_EVERY_S = 1.0
-"""Seconds between rank 0's attempts to reach a front that is not answering (``--worker``)."""
 HANDSHAKE_WAIT_S = 2.0
 """The longest one attempt to reach the front may take (less with a short ``--timeout``)."""
 INSTALL_HINT = "pip install 'pipemlx[serve]'  (or: pip install starlette uvicorn prometheus_client)"
@@ -96,8 +100,6 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend: LendSpec = "auto"
-    cors_origins: tuple[str, ...] = ()
-    """Origins (``"*"``: any) whose pages may call the HTTP API from a browser; none by default."""
 
 
 def run_rank(options: RankOptions) -> int:
@@ -106,6 +108,7 @@ def run_rank(options: RankOptions) -> int:
     group = init_group()
     rank, size = group.rank(), group.size()
     settings = options.settings
+    engine = settings.engine
     if options.expected_ranks is not None and options.expected_ranks != size:
         if rank == 0:
             print(
@@ -122,9 +125,9 @@ def run_rank(options: RankOptions) -> int:
             options.model_dir,
             group,
             split=options.split,
-            timeout=settings.timeout,
+            timeout=engine.timeout,
             allow_unregistered=options.allow_unregistered,
-            context=settings.context,
+            context=engine.context,
             lend=options.lend,
         )
     except (ValueError, OSError) as exc:
@@ -134,22 +137,22 @@ def run_rank(options: RankOptions) -> int:
         print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
         os._exit(1)
     try:  # speculative decoding: the draft is whole on every rank (mlx-lm's loader, a folder or a repo id)
-        draft = None if settings.draft_model is None else load_draft(settings.draft_model)
+        draft = None if engine.draft_model is None else load_draft(engine.draft_model)
     except Exception as exc:  # a folder without a model, a repo the Hub lacks: one line on every rank
-        print(f"pipemlx serve: error: cannot load the draft model {settings.draft_model}: {exc}", file=sys.stderr)
+        print(f"pipemlx serve: error: cannot load the draft model {engine.draft_model}: {exc}", file=sys.stderr)
         os._exit(2)
-    engine = Rank(model, tokenizer, group, settings, draft)
+    here = Rank(model, tokenizer, group, engine, draft)
     try:
-        engine.start()
+        here.start()
     except PipelineError as exc:
         print(
             f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
         )
         os._exit(1)
     try:
-        scheduler = make_scheduler(engine)
+        scheduler = make_scheduler(here)
     except TypeError as exc:  # the same model on every rank: every rank says so and exits
-        print(f"pipemlx serve: error: --max-concurrency {settings.max_concurrency}: {exc}", file=sys.stderr)
+        print(f"pipemlx serve: error: --max-concurrency {engine.max_concurrency}: {exc}", file=sys.stderr)
         os._exit(2)
     except PipelineError as exc:  # a peer lost or stalled while the batch scheduler calibrated
         print(
@@ -157,24 +160,23 @@ def run_rank(options: RankOptions) -> int:
         )
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block or abort
     if rank != 0:
-        return _follow(engine, scheduler)
+        return _follow(here, scheduler)
     if joined is not None:  # across hosts: the link rank 0 joined the front over
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
-        return Leader(engine, scheduler, LinkRequests(engine, joined)).serve()
+        return Leader(here, scheduler, LinkRequests(here, joined)).serve()
     if front_address is not None:
-        return _work(engine, scheduler, front_address)
-    return _lead(engine, scheduler, options)
+        return _work(here, scheduler, front_address)
+    return _lead(here, scheduler, options)
 
 
 def _join(options: RankOptions) -> Link | None:
     """A ``--worker``: join the front, then form the group it assigns (the hosts, this worker's rank among them, the
     split) from a hostfile of those hosts; rank 0 keeps the link, every other rank closes it."""
     from ..launch import available_memory
-    from .link import key_from_environment
-    from .worker import join_front
+    from .link import join_front, key_from_environment
 
     address = os.environ[FRONT_ADDRESS_VARIABLE]
-    attempt_s = min(HANDSHAKE_WAIT_S, options.settings.timeout / 4)
+    attempt_s = min(HANDSHAKE_WAIT_S, options.settings.engine.timeout / 4)
     entry = int(os.environ[JOIN_VARIABLE])
     assignment = join_front(address, key_from_environment() or "", entry, available_memory(), attempt_s)
     hostfile = Path(tempfile.gettempdir()) / f"pipemlx-serve-worker-{entry}-{os.getuid()}.json"  # assigned hosts
@@ -242,74 +244,28 @@ def _follow(engine: Rank, scheduler: Scheduler) -> int:
         os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
 
 
-def _lead(engine: Rank, scheduler: Scheduler, options: RankOptions) -> int:
+def _lead(rank: Rank, scheduler: Scheduler, options: RankOptions) -> int:
+    """Rank 0 serving HTTP itself: the book in this process, the HTTP thread, the loop."""
     from .app import Api, HttpThread  # Starlette and uvicorn: rank 0 only
 
     settings = options.settings
-    split = list(engine.stage.info.split)
-    front = Front(settings, split, engine.prefix, engine.slots)
-    leader = Leader(engine, scheduler, LocalRequests(front, engine.tokenizer, settings.parent_pid))
-    context = settings.context if settings.context is not None else model_context(options.model_dir)
-    api = Api(front, engine.tokenizer, settings, context)
-    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
+    book = Book(settings, rank.tokenizer, list(rank.stage.info.split), rank.prefix, rank.slots)
+    leader = Leader(rank, scheduler, LocalRequests(book, settings.process.parent_pid))
+    context = settings.engine.context if settings.engine.context is not None else model_context(options.model_dir)
+    api = Api(book, rank.tokenizer, settings, context)
+    http = HttpThread(api.app(), options.host, options.port, settings.http)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
-        front.stopping.set()
+        book.stopping.set()
         leader.serve()  # tells the other ranks to stop
         return 2
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        if front.stopping.is_set():  # a second signal: no more waiting
-            log(f"{signal.Signals(signum).name} again: exiting now")
-            os._exit(130)
-        log(
-            f"{signal.Signals(signum).name}: new requests get 503; the running ones get {settings.grace:g} s "
-            "(--grace) to finish, then every rank stops"
-        )
-        front.request_stop()
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    ranks = ", ".join(f"rank {r} layers {sum(split[:r])}-{sum(split[: r + 1]) - 1}" for r in range(len(split)))
-    log(
-        f"{settings.model_id}: {sum(split)} layers on {len(split)} rank{'s' if len(split) > 1 else ''} "
-        f"({ranks}); prefix cache {settings.prefix_cache_mb:g} MB ({engine.prefix.budget_tokens} tokens); "
-        f"context {context or 'unlimited'}; queue {settings.max_queue}"
-        + (f"; up to {settings.max_concurrency} requests batched" if settings.max_concurrency > 1 else "")
-        + (f"; speculative decoding: {settings.speculation}" if settings.speculation else "")
-    )
+    book.stop_on_signals()
+    book.log_start()
     log(f"listening on http://{options.host}:{options.port} (OpenAI API under /v1, status at /health)")
     status = leader.serve()  # a lost or stalled rank: 503 for --fault-grace seconds, then the process exits
     http.stop()
     log("stopped")
     return status
-
-
-@dataclass
-class FrontOptions:
-    """What the front process of ``pipemlx serve --recover`` needs: HTTP, the model's tokenizer, the ranks."""
-
-    model_dir: Path  # a folder, or a Hub repo id (the front fetches its tokenizer files, the ranks their weights)
-    settings: ServeSettings
-    ranks: int
-    command: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8080
-    cors_origins: tuple[str, ...] = ()
-    env: dict[str, str] = field(default_factory=dict[str, str])
-    recover_timeout: float = 60.0
-    max_restarts: int = 5
-    restart_window: float = 600.0
-    listen: tuple[str, int] | None = None
-    """Across hosts: the address rank 0 of the workers connects to (the front then starts no ranks)."""
-    key: str | None = None
-    """Across hosts: the link's shared key (``PIPEMLX_SERVE_FRONT_KEY``)."""
-    allow_shrink: bool = False
-    """Fewer ranks after a fault (``--allow-shrink``): local ranks, one fewer after a rank was killed in several
-    faults in a row; across hosts, the hosts that came back when the others stay gone for ``shrink_after`` s."""
-    shrink_after: float = 20.0
-    hosts: list[list[str]] = field(default_factory=list[list[str]])
-    """Across hosts: the hostfile's entries (the front tells each joining worker which of them form the group)."""
 
 
 def front_tokenizer(model_dir: Path) -> Any:
@@ -328,7 +284,7 @@ def front_tokenizer(model_dir: Path) -> Any:
 def run_front(options: FrontOptions) -> int:
     """Serve HTTP in this process and run the ranks as workers, restarting them after a fault (``--recover``)."""
     from .app import Api, HttpThread
-    from .recovery import GroupFront, RecoverOptions, stop_handler
+    from .supervisor import Supervisor
 
     settings = options.settings
     try:  # a Hub repo id: its config and tokenizer files fetched (or found in the cache), as every rank does
@@ -337,37 +293,21 @@ def run_front(options: FrontOptions) -> int:
     except (OSError, ValueError) as exc:  # ModelNotFoundError (one line) too
         print(f"pipemlx serve: error: cannot load the tokenizer of {options.model_dir}: {exc}", file=sys.stderr)
         return 2
-    front = Front(settings, [0] * options.ranks)
-    context = settings.context if settings.context is not None else model_context(model_dir)
-    api = Api(front, tokenizer, settings, context)
-    recover = RecoverOptions(
-        options.ranks,
-        options.command,
-        env=options.env,
-        recover_timeout=options.recover_timeout,
-        max_restarts=options.max_restarts,
-        restart_window=options.restart_window,
-        listen=options.listen,
-        key=options.key,
-        allow_shrink=options.allow_shrink,
-        shrink_after=options.shrink_after,
-        hosts=options.hosts,
-        model=model_dir,
-    )
+    book = Book(settings, tokenizer, [0] * options.ranks)
+    context = settings.engine.context if settings.engine.context is not None else model_context(model_dir)
+    api = Api(book, tokenizer, settings, context)
     try:
-        group = GroupFront(front, tokenizer, recover)
+        supervisor = Supervisor(book, replace(options, model=model_dir))
     except OSError as exc:
         where = "" if options.listen is None else f" {options.listen[0]}:{options.listen[1]} (--front-listen)"
         print(f"pipemlx serve: error: cannot listen on{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    http = HttpThread(api.app(cors_origins=options.cors_origins), options.host, options.port, settings)
+    http = HttpThread(api.app(), options.host, options.port, settings.http)
     if not http.start():
         print(f"pipemlx serve: error: cannot listen on {options.host}:{options.port}: {http.failure}", file=sys.stderr)
-        group.close()
+        supervisor.close()
         return 2
-    handler = stop_handler(front, group)
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    book.stop_on_signals(supervisor.kill)
     bounds = (
         f"--recover-timeout {options.recover_timeout:g} s, --max-restarts {options.max_restarts} in "
         f"{options.restart_window:g} s"
@@ -383,7 +323,7 @@ def run_front(options: FrontOptions) -> int:
             f"{settings.model_id}: the front serves http://{options.host}:{options.port} and waits for rank 0 of "
             f"{options.ranks} workers on {host}:{port}; after a fault their supervisors restart them ({bounds})"
         )
-    status = group.run()
+    status = supervisor.run()
     http.stop()
     log("stopped")
     return status

@@ -4,12 +4,12 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics``. A handler checks the request
 (4xx with an OpenAI-style error body; nothing reaches the ranks): its size (413 over ``--max-body-bytes``),
 its fields, ``max_tokens`` against ``--max-tokens-limit``; tokenizes it, and queues a
-:class:`~.front.Job` on the :class:`~.front.Front` (429 when the queue is full, or when
+:class:`~.book.Ticket` on the :class:`~.book.Book` (429 when the queue is full, or when
 ``--max-streams`` streams are open). Slow clients are cut off by uvicorn's settings
 (:class:`HttpThread`: ``--header-timeout``, ``--idle-timeout``). The answer is one JSON
 object, or server-sent events ending in ``data: [DONE]``. While a request
 waits or runs, its response also listens for the client going away
-(``http.disconnect``): then the job is cancelled, and rank 0's loop stops it on
+(``http.disconnect``): then the request is cancelled, and rank 0's loop stops it on
 every rank.
 """
 
@@ -20,7 +20,7 @@ import hmac
 import json
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import uvicorn
@@ -34,7 +34,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .front import Event, Front, Job, ServeSettings
+from . import requests
+from .book import Book, Event, Ticket
 from .metrics import CONTENT_TYPE, ServeMetrics, StatusCounter
 from .openai_api import (
     ApiError,
@@ -43,11 +44,11 @@ from .openai_api import (
     chunk_object,
     completion_object,
     models_object,
-    new_id,
     now,
     parse_chat,
     parse_completion,
 )
+from .settings import HttpLimits, ServeSettings
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -57,22 +58,23 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class Api:
-    """The endpoints, over the request queue (:class:`Front`) and the tokenizer."""
+    """The endpoints, over the book of requests (:class:`Book`) and the tokenizer."""
 
-    def __init__(self, front: Front, tokenizer: Any, settings: ServeSettings, context: int | None) -> None:
-        self.front = front
+    def __init__(self, book: Book, tokenizer: Any, settings: ServeSettings, context: int | None) -> None:
+        self.book = book
         self.tokenizer = tokenizer
         self.settings = settings
         self.context = context
         self.created = now()
-        self.metrics = ServeMetrics(front, len(front.split))
-        front.metrics = self.metrics
+        self.metrics = ServeMetrics(book, len(book.split))
+        book.metrics = self.metrics
 
-    def app(self, *, cors_origins: Sequence[str] = ()) -> Starlette:
+    def app(self) -> Starlette:
         """The ASGI app; with ``cors_origins`` (``"*"`` for any) browsers on those origins may call it (CORS).
 
         Without them no CORS header is sent, so browsers keep other origins' pages out.
         """
+        cors_origins = self.settings.http.cors_origins
         routes = [
             Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
             Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
@@ -118,7 +120,7 @@ class Api:
         return True
 
     def _check_key(self, request: Request) -> None:
-        key = self.settings.api_key
+        key = self.settings.http.api_key
         if key is None:
             return
         given = request.headers.get("authorization", "")
@@ -149,7 +151,7 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         """Ready or not for anyone (load balancers: 200 or 503); the detail only with the API key."""
-        report = self.front.health()
+        report = self.book.health()
         code = 200 if report["status"] == "ready" else 503
         headers = {"Retry-After": "2"} if report["status"] == "recovering" else None
         if not self._has_key(request):
@@ -158,7 +160,7 @@ class Api:
 
     async def scrape(self, request: Request) -> Response:
         """``GET /metrics``: Prometheus' text format; behind the API key unless ``--metrics-public``."""
-        if not self.settings.metrics_public:
+        if not self.settings.http.metrics_public:
             try:
                 self._check_key(request)
             except ApiError as error:
@@ -176,7 +178,7 @@ class Api:
         return JSONResponse(entry)
 
     async def chat(self, request: Request) -> Response:
-        parsed = parse_chat(await self._body(request))
+        parsed = parse_chat(await self._body(request), self.settings.defaults)
         self._check_model(parsed)
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
@@ -187,7 +189,7 @@ class Api:
         return await self._generate(request, parsed, tokens)
 
     async def completions(self, request: Request) -> Response:
-        parsed = parse_completion(await self._body(request))
+        parsed = parse_completion(await self._body(request), self.settings.defaults)
         self._check_model(parsed)
         prompt = parsed.prompt
         if isinstance(prompt, str):
@@ -204,7 +206,7 @@ class Api:
     # --- helpers -----------------------------------------------------------------------------------------------------
 
     async def _body(self, request: Request) -> Any:
-        raw = await read_capped(request, self.settings.max_body_bytes)
+        raw = await read_capped(request, self.settings.http.max_body_bytes)
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -234,14 +236,14 @@ class Api:
                 param="messages" if parsed.kind == "chat" else "prompt",
             )
         max_tokens = parsed.max_tokens
-        cap = self.settings.max_tokens_limit
+        cap = self.settings.http.max_tokens_limit
         if max_tokens is not None and max_tokens > cap:
             raise bad_request(
                 f"max_tokens is {max_tokens}; this server answers at most {cap} tokens (--max-tokens-limit)",
                 param="max_tokens",
             )
         if max_tokens is None:
-            max_tokens = min(self.settings.default_max_tokens, cap)
+            max_tokens = min(self.settings.defaults.max_tokens, cap)
             if context is not None:
                 max_tokens = min(max_tokens, context - len(tokens))
         elif context is not None and len(tokens) + max_tokens > context:
@@ -251,34 +253,26 @@ class Api:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        loop = asyncio.get_running_loop()
-        job = Job(
-            kind=parsed.kind,
-            request_id=new_id(parsed.kind),
-            created=now(),
-            tokens=tokens,
-            max_tokens=max_tokens,
-            temperature=parsed.temperature if parsed.temperature is not None else self.settings.default_temperature,
-            top_p=parsed.top_p,
-            seed=parsed.seed,
-            stop=parsed.stop,
-            penalties=parsed.penalties,
+        request_ = requests.Request(self.book.number(), tokens, max_tokens, parsed.sampling, parsed.stop)
+        ticket = Ticket(
+            request_,
+            parsed.kind,
+            now(),
+            asyncio.get_running_loop(),
+            asyncio.Queue(),
             stream=parsed.stream,
             include_usage=parsed.include_usage,
-            draft=parsed.draft,
-            loop=loop,
-            events=asyncio.Queue(),
         )
         if not parsed.stream:
-            self.front.submit(job)
-            return WholeAnswer(job, self.settings.model_id)
-        self.front.open_stream()
+            self.book.submit(ticket)
+            return WholeAnswer(ticket, self.settings.model_id)
+        self.book.open_stream()
         try:
-            self.front.submit(job)
+            self.book.submit(ticket)
         except ApiError:
-            self.front.close_stream()
+            self.book.close_stream()
             raise
-        return EventStream(job, self.settings.model_id, self.front.close_stream)
+        return EventStream(ticket, self.settings.model_id, self.book.close_stream)
 
 
 async def read_capped(request: Request, cap: int) -> bytes:
@@ -305,52 +299,52 @@ def too_large(cap: int) -> ApiError:
     )
 
 
-async def _watch_disconnect(receive: Receive, job: Job) -> None:
-    """Wait for the client to go away, then cancel ``job`` (rank 0 stops it on every rank)."""
+async def _watch_disconnect(receive: Receive, ticket: Ticket) -> None:
+    """Wait for the client to go away, then cancel ``ticket`` (rank 0 stops it on every rank)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            job.cancel()
+            ticket.cancel()
             return
 
 
 class WholeAnswer(Response):
     """A request's answer as one JSON object, sent when the request ends; the client leaving cancels it."""
 
-    def __init__(self, job: Job, model: str) -> None:
+    def __init__(self, ticket: Ticket, model: str) -> None:
         super().__init__()
-        self.job = job
+        self.ticket = ticket
         self.model = model
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        job = self.job
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
+        ticket = self.ticket
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, ticket))
         pieces: list[str] = []
         try:
             while True:
-                event = await job.events.get()
+                event = await ticket.events.get()
                 if event.kind == "text":
                     pieces.append(event.text)
                     continue
                 break
         finally:
             watcher.cancel()
-            if not job.finished:
-                job.cancel()
+            if not ticket.finished:
+                ticket.cancel()
         if event.kind == "error":
             assert event.error is not None
             response: Response = error_response(event.error)
-        elif job.cancelled.is_set():
+        elif ticket.cancelled.is_set():
             return  # nobody to answer
         else:
             body = completion_object(
-                job.kind,
-                job.request_id,
+                ticket.kind,
+                ticket.response_id,
                 self.model,
                 "".join(pieces),
                 event.finish_reason or "stop",
                 event.usage or {},
-                job.created,
+                ticket.created,
             )
             response = JSONResponse(body)
         await response(scope, receive, send)
@@ -360,12 +354,12 @@ class EventStream(Response):
     """Server-sent events: a first chunk, one chunk per piece of text, the finish, maybe usage, ``[DONE]``.
 
     An error after the stream began is an ``error`` event (OpenAI's error body)
-    followed by ``[DONE]``. The client leaving cancels the job.
+    followed by ``[DONE]``. The client leaving cancels the ticket.
     """
 
-    def __init__(self, job: Job, model: str, closed: Callable[[], None]) -> None:
+    def __init__(self, ticket: Ticket, model: str, closed: Callable[[], None]) -> None:
         super().__init__()
-        self.job = job
+        self.ticket = ticket
         self.model = model
         self.closed = closed  # gives the stream's slot back (--max-streams)
 
@@ -373,21 +367,21 @@ class EventStream(Response):
         return f"data: {json.dumps(obj)}\n\n".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        job = self.job
+        ticket = self.ticket
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         headers += [(k.lower().encode(), v.encode()) for k, v in SSE_HEADERS.items()]
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, job))
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, ticket))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
-            if job.kind == "chat":
-                first = chunk_object(job.kind, job.request_id, self.model, job.created, text="", first=True)
+            if ticket.kind == "chat":
+                first = chunk_object(ticket.kind, ticket.response_id, self.model, ticket.created, text="", first=True)
                 await self._send(send, self._event(first))
-            while not job.cancelled.is_set():
-                event = await self._next(job, watcher)
+            while not ticket.cancelled.is_set():
+                event = await self._next(ticket, watcher)
                 if event is None:
                     break
                 if event.kind == "text":
-                    chunk = chunk_object(job.kind, job.request_id, self.model, job.created, text=event.text)
+                    chunk = chunk_object(ticket.kind, ticket.response_id, self.model, ticket.created, text=event.text)
                     await self._send(send, self._event(chunk))
                     continue
                 if event.kind == "error":
@@ -395,28 +389,30 @@ class EventStream(Response):
                     await self._send(send, self._event(event.error.body()))
                 else:
                     last = chunk_object(
-                        job.kind, job.request_id, self.model, job.created, finish_reason=event.finish_reason
+                        ticket.kind, ticket.response_id, self.model, ticket.created, finish_reason=event.finish_reason
                     )
-                    if job.kind == "completion":
+                    if ticket.kind == "completion":
                         last["choices"][0]["text"] = ""
                     await self._send(send, self._event(last))
-                    if job.include_usage and event.usage is not None:
-                        tail = chunk_object(job.kind, job.request_id, self.model, job.created, usage_=event.usage)
+                    if ticket.include_usage and event.usage is not None:
+                        tail = chunk_object(
+                            ticket.kind, ticket.response_id, self.model, ticket.created, usage_=event.usage
+                        )
                         await self._send(send, self._event(tail))
                 await self._send(send, b"data: [DONE]\n\n")
                 break
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:
-            job.cancel()  # the client is gone
+            ticket.cancel()  # the client is gone
         finally:
             watcher.cancel()
             self.closed()
-            if not job.finished:
-                job.cancel()
+            if not ticket.finished:
+                ticket.cancel()
 
-    async def _next(self, job: Job, watcher: asyncio.Future[None]) -> Event | None:
-        """The job's next event, or ``None`` when the client leaves first."""
-        getter = asyncio.ensure_future(job.events.get())
+    async def _next(self, ticket: Ticket, watcher: asyncio.Future[None]) -> Event | None:
+        """The ticket's next event, or ``None`` when the client leaves first."""
+        getter = asyncio.ensure_future(ticket.events.get())
         done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if getter in done:
             return getter.result()
@@ -430,7 +426,7 @@ class EventStream(Response):
 class HttpThread:
     """uvicorn serving the app in a thread of its own (rank 0's main thread runs the pipeline)."""
 
-    def __init__(self, app: Starlette, host: str, port: int, settings: ServeSettings) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, limits: HttpLimits) -> None:
         config = uvicorn.Config(
             app,
             host=host,
@@ -438,8 +434,8 @@ class HttpThread:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http=header_deadline(settings.header_timeout),
-            timeout_keep_alive=settings.idle_timeout,
+            http=header_deadline(limits.header_timeout),
+            timeout_keep_alive=limits.idle_timeout,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="pipemlx-serve-http", daemon=True)

@@ -19,7 +19,6 @@ tick of the batch) and ``SHUTDOWN``.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,9 +27,8 @@ import mlx.core as mx
 from ..errors import PipelineMismatchError
 from ..runtime.protocol import SERVE, TOKENS, gather
 from ..runtime.waits import wait_for
-from .front import OUTCOMES as OUTCOMES  # what a rank's ``outcome`` field numbers
-from .penalties import Penalties
 from .prefix_cache import PrefixReuse
+from .requests import Request, from_ints, to_ints
 
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
 OPS = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
@@ -46,37 +44,7 @@ RANK_FIELDS = (
 )
 """The fields of ``SERVE`` that every rank fills for itself; the others are rank 0's."""
 LEADER_FIELDS = tuple(f.name for f in SERVE.fields if f.name not in RANK_FIELDS)
-PENALTY_FIELDS = (
-    "repetition_penalty",  # float32 bits; 0: none
-    "repetition_context_size",
-    "presence_penalty",  # float32 bits; 0: none
-    "presence_context_size",
-    "frequency_penalty",  # float32 bits; 0: none
-    "frequency_context_size",
-)
-PLAN_FIELDS = ("entry", "reuse", "copy")  # the prefix-cache plan: entry id (-1: none), tokens reused, copy or take
-INSERT_FIELDS: tuple[str, ...] = (
-    "seq",
-    "n_tokens",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "drawn",
-    *PLAN_FIELDS,
-    *PENALTY_FIELDS,
-    "draft",  # 1: speculate (when the server does), 0: the request opted out
-)
-"""One insert's record in the encoded operations, before its ``n_tokens`` token ids (floats as their bits)."""
 CHECKSUM_MODULUS = 2_147_483_629  # a prime below 2**31
-
-
-def float_bits(value: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", value))[0]
-
-
-def bits_float(value: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", value))[0]
 
 
 def checksum(tokens: Sequence[int]) -> int:
@@ -88,78 +56,29 @@ def checksum(tokens: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class Insert:
-    """A request joining the scheduler, as every rank receives it."""
+    """A request joining the scheduler, as every rank receives it: the request (its seed agreed) and how it
+    starts from the prefix cache."""
 
-    seq: int
-    tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int  # -1: none (greedy)
+    request: Request
     plan: PrefixReuse = field(default_factory=PrefixReuse)
-    penalties: Penalties = field(default_factory=Penalties)
-    draft: bool = True  # speculative decoding, when the server does it (False: the request opted out)
-    drawn: int = 0
-    """Samples this request drew before (a request resumed after a restart): its sampler skips as many keys,
-    so a seeded request draws what an undisturbed run draws at each position."""
 
 
 @dataclass(frozen=True)
 class Ops:
-    """One step's operations: remove ``removes`` (request numbers), then insert ``inserts``, then run."""
+    """One step's operations: remove ``removes`` (request ids), then insert ``inserts``, then run."""
 
     removes: list[int] = field(default_factory=list[int])
     inserts: list[Insert] = field(default_factory=list[Insert])
 
 
-def _record(i: Insert) -> dict[str, int]:
-    p = i.penalties
-    return {
-        "seq": i.seq,
-        "n_tokens": len(i.tokens),
-        "max_tokens": i.max_tokens,
-        "temperature": float_bits(i.temperature),
-        "top_p": float_bits(i.top_p),
-        "seed": i.seed,
-        "drawn": i.drawn,
-        "entry": i.plan.entry,
-        "reuse": i.plan.reuse,
-        "copy": int(i.plan.copy),
-        "repetition_penalty": float_bits(p.repetition_penalty),
-        "repetition_context_size": p.repetition_context_size,
-        "presence_penalty": float_bits(p.presence_penalty),
-        "presence_context_size": p.presence_context_size,
-        "frequency_penalty": float_bits(p.frequency_penalty),
-        "frequency_context_size": p.frequency_context_size,
-        "draft": int(i.draft),
-    }
-
-
-def _insert(r: Mapping[str, int], tokens: list[int]) -> Insert:
-    penalties = Penalties(
-        bits_float(r["repetition_penalty"]),
-        r["repetition_context_size"],
-        bits_float(r["presence_penalty"]),
-        r["presence_context_size"],
-        bits_float(r["frequency_penalty"]),
-        r["frequency_context_size"],
-    )
-    plan = PrefixReuse(r["entry"], r["reuse"], bool(r["copy"]))
-    temperature, top_p = bits_float(r["temperature"]), bits_float(r["top_p"])
-    return Insert(
-        r["seq"], tokens, r["max_tokens"], temperature, top_p, r["seed"], plan, penalties, bool(r["draft"]), r["drawn"]
-    )
-
-
 def encode_ops(ops: Ops) -> list[int]:
-    """``ops`` as int32 values for the broadcast (none for no operation); :func:`decode_ops` reverses it exactly."""
+    """``ops`` as int32 values for the broadcast (none for no operation); :func:`decode_ops` reverses it exactly
+    (floats as float32)."""
     if not ops.removes and not ops.inserts:
         return []
     values = [len(ops.removes), len(ops.inserts), *ops.removes]
-    for i in ops.inserts:
-        record = _record(i)
-        values += [record[name] for name in INSERT_FIELDS]
-        values += i.tokens
+    for insert in ops.inserts:
+        values += to_ints(insert)
     return values
 
 
@@ -169,24 +88,19 @@ def decode_ops(values: Sequence[int]) -> Ops:
         return Ops()
     try:
         removes_count, inserts_count = values[0], values[1]
+        if not 0 <= removes_count <= len(values) - 2 or inserts_count < 0:
+            raise ValueError("counts out of range")
         at = 2 + removes_count
         removes = list(values[2:at])
         inserts: list[Insert] = []
         for _ in range(inserts_count):
-            head = values[at : at + len(INSERT_FIELDS)]
-            if len(head) != len(INSERT_FIELDS):
-                raise ValueError("an insert is cut short")
-            record = dict(zip(INSERT_FIELDS, head))
-            at += len(INSERT_FIELDS)
-            length = record["n_tokens"]
-            tokens = list(values[at : at + length])
-            at += length
-            if len(tokens) != length or length < 1:
-                raise ValueError("a prompt is cut short")
-            inserts.append(_insert(record, tokens))
+            insert, at = from_ints(Insert, values, at)
+            if not insert.request.tokens:
+                raise ValueError("an empty prompt")
+            inserts.append(insert)
     except (ValueError, IndexError) as exc:
         raise PipelineMismatchError(f"a step's operations arrived damaged: {exc}") from exc
-    if at != len(values) or len(removes) != removes_count:
+    if at != len(values):
         raise PipelineMismatchError("a step's operations arrived damaged (wrong length)")
     return Ops(removes, inserts)
 

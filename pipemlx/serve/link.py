@@ -33,7 +33,10 @@ import os
 import queue
 import socket
 import struct
+import sys
 import threading
+import time
+from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, cast
@@ -52,6 +55,11 @@ FRONT_SILENCE_S = 10.0
 the front, which sees a fault first, restarts nothing when the ranks are only slow to hear it)."""
 HANDSHAKE_S = 10.0
 """Seconds the connection and its HMAC handshake may take, at either end."""
+JOIN_VARIABLE = "PIPEMLX_SERVE_JOIN"
+"""Set for a ``--worker`` (hosts): its entry in the hostfile. It joins the front before the group forms, and the
+front says which group to form (every host, or with ``--allow-shrink`` those still there)."""
+CONNECT_EVERY_S = 1.0
+"""Seconds between attempts to reach a front that is not answering (a worker joining, rank 0 connecting)."""
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -199,3 +207,56 @@ class Link:
             self.connection.close()
         except OSError:
             pass
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The group the front told a joined worker to form: the hostfile's entries of its hosts, in rank order,
+    this worker's rank among them, and the split (``None``: the worker's own ``--split`` or the default)."""
+
+    link: Link
+    hosts: list[list[str]]
+    rank: int
+    split: list[int] | None
+
+
+def join_front(address: str, key: str, entry: int, memory: int, attempt_s: float) -> Assignment:
+    """Reach the front at ``address``, say which hostfile ``entry`` this worker is and the ``memory`` it can give,
+    and wait for the group to form. Retries every :data:`CONNECT_EVERY_S` seconds while the front cannot be
+    reached, closes the link and starts over when the front goes away or falls silent for
+    :data:`FRONT_SILENCE_S` seconds: a worker waits for its front as long as it takes."""
+    said = False
+    while True:
+        try:
+            link = connect(address, key, timeout=attempt_s)
+        except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # AuthenticationError: a wrong key
+            if not said:
+                print(
+                    f"pipemlx serve: worker {entry}: cannot reach the front at {address} ({type(exc).__name__}: "
+                    f"{exc}); trying again every {CONNECT_EVERY_S:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = True
+            time.sleep(CONNECT_EVERY_S)
+            continue
+        link.send({"t": "join", "entry": entry, "memory": memory})
+        heard = time.monotonic()
+        while time.monotonic() - heard < FRONT_SILENCE_S:
+            if not link.poll(BEAT_S):
+                continue
+            message = link.recv()
+            if message is None:
+                break
+            heard = time.monotonic()
+            if message.get("t") == "group":
+                split = message.get("split")
+                return Assignment(
+                    link,
+                    [[str(a) for a in host] for host in message["hosts"]],
+                    int(message["rank"]),
+                    None if split is None else [int(n) for n in split],
+                )
+        link.close()
+        said = False
+        print(f"pipemlx serve: worker {entry}: the front at {address} went away; joining again", file=sys.stderr)

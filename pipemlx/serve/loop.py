@@ -10,8 +10,8 @@ the same step.
 
 Where the requests come from and where their tokens go is :class:`Requests`,
 the one thing that differs between the two ways rank 0 serves: the HTTP thread
-of its own process (:class:`LocalRequests`, over a :class:`~.front.Front`), or
-a front process over a link (:class:`.worker.LinkRequests`, ``pipemlx serve``
+of its own process (:class:`.sources.LocalRequests`, over a :class:`~.book.Book`), or
+a front process over a link (:class:`.sources.LinkRequests`, ``pipemlx serve``
 with local ranks and ``--worker``). The loop itself is the same.
 
 With nothing to run, rank 0 sends an ``IDLE`` message every :data:`IDLE_POLL_S`
@@ -27,37 +27,20 @@ the link's reader) runs in another thread.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any, NoReturn, Protocol
+from dataclasses import replace
+from typing import NoReturn, Protocol
 
 from ..errors import PipelineMismatchError
 from .broadcast import IDLE, OPS, SHUTDOWN, Insert, Ops, checksum, decode_ops, encode_ops
-from .engines import Rank, Scheduler, Sink
-from .front import Front, Job, Reply, RequestResult, log
-from .penalties import Penalties
 from .prefix_cache import PrefixReuse
+from .rank import Rank
+from .requests import Request, RequestResult
+from .schedulers import Scheduler, Sink
 
 IDLE_POLL_S = 0.05  # seconds between idle messages: the extra wait of a request that arrives while the server is idle
-
-
-@dataclass(frozen=True)
-class Request:
-    """A request as rank 0's loop admits it: ``tokens`` is its prompt (plus, when it is resumed after a restart,
-    the ``drawn`` tokens it generated before); ``handle`` is what its :class:`Requests` knows it by."""
-
-    handle: Any
-    tokens: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    penalties: Penalties
-    draft: bool = True
-    drawn: int = 0
 
 
 class Requests(Sink, Protocol):
@@ -71,12 +54,12 @@ class Requests(Sink, Protocol):
         """The oldest request waiting, waiting up to ``wait`` seconds for one."""
         ...
 
-    def admitted(self, request: Request, seq: int, cached: int) -> None:
-        """``request`` runs as number ``seq`` from the next step, ``cached`` prompt positions from the prefix cache."""
+    def admitted(self, request_id: int, cached: int) -> None:
+        """The request runs from the next step, ``cached`` prompt positions from the prefix cache."""
         ...
 
-    def ended(self, seq: int, result: RequestResult) -> None:
-        """Request ``seq`` left the scheduler (answered, cancelled or failed)."""
+    def ended(self, request_id: int, result: RequestResult) -> None:
+        """The request left the scheduler (answered, cancelled or failed)."""
         ...
 
     def slots(self, slots: Sequence[dict[str, int]]) -> None:
@@ -100,7 +83,6 @@ class Leader:
         self.scheduler = scheduler
         self.requests = requests
         self.settings = rank.settings
-        self.seq = 0  # requests handed out
         self.step = 0
         self.where = ""  # the step under way, for the fault's message
 
@@ -121,7 +103,7 @@ class Leader:
                 requests.shutting_down()
                 self._exchange({"op": SHUTDOWN}, "telling the ranks to stop")
                 return 0
-            removes = [seq for seq in active if requests.should_cancel(seq)]
+            removes = [i for i in active if requests.should_cancel(i)]
             room = 0 if stopping else scheduler.capacity - len(active) + len(removes)
             inserts = self._admit(room, IDLE_POLL_S if idle else 0.0)
             if not active and not inserts:
@@ -143,26 +125,11 @@ class Leader:
             wait = 0.0
             if request is None:
                 break
-            self.seq += 1
-            seed = request.seed
-            if seed is None:
-                seed = random.randrange(1 << 31) if request.temperature > 0 else -1
+            if request.sampling.seed is None and request.sampling.temperature > 0:
+                request = request.with_seed(random.randrange(1 << 31))  # every rank samples alike
             plan = prefix.plan(request.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
-            inserts.append(
-                Insert(
-                    self.seq,
-                    request.tokens,
-                    request.max_tokens,
-                    request.temperature,
-                    request.top_p,
-                    seed,
-                    plan,
-                    request.penalties,
-                    draft=request.draft,
-                    drawn=request.drawn,
-                )
-            )
-            self.requests.admitted(request, self.seq, plan.reuse)
+            inserts.append(Insert(request, plan))
+            self.requests.admitted(request.id, plan.reuse)
         return share_entries(inserts)
 
     def _step(self, ops: Ops) -> None:
@@ -177,91 +144,8 @@ class Leader:
             self.rank.channel.tokens(payload, len(payload), self.settings.timeout, f"sending {unit}")
         ended = self.scheduler.apply(decode_ops(payload), self.requests)  # what every other rank applies
         self.where = ""
-        for seq, result in ended:
-            self.requests.ended(seq, result)
-
-
-@dataclass
-class Running:
-    """A request handed out and not yet answered, as :class:`LocalRequests` holds it."""
-
-    job: Job
-    reply: Reply
-
-
-class LocalRequests:
-    """:class:`Requests` from the HTTP thread of rank 0's own process: the :class:`~.front.Front`'s queue; rank 0
-    detokenizes and answers."""
-
-    def __init__(self, front: Front, tokenizer: Any, parent_pid: int | None = None) -> None:
-        self.front = front
-        self.tokenizer = tokenizer
-        self.parent_pid = parent_pid  # local ranks: the supervising process; when it is gone, stop
-        self.running: dict[int, Running] = {}
-        front.status = "ready"
-
-    def stopping(self) -> bool:
-        front = self.front
-        if self.parent_pid is not None and os.getppid() != self.parent_pid and not front.stopping.is_set():
-            log("the launching process is gone; stopping")
-            front.request_stop()
-        if front.stopping.is_set():
-            front.begin_stop()  # the waiting requests get 503 (they never reach the ranks)
-            return True
-        return False
-
-    def next(self, wait: float) -> Request | None:
-        job = self.front.next_job(wait)
-        if job is None:
-            return None
-        return Request(
-            job, job.tokens, job.max_tokens, job.temperature, job.top_p, job.seed, job.penalties, draft=job.draft
-        )
-
-    def admitted(self, request: Request, seq: int, cached: int) -> None:
-        job: Job = request.handle
-        job.seq, job.phase, job.cached = seq, "prefill", cached
-        self.running[seq] = Running(job, Reply(job, self.tokenizer, self.front.metrics))
-        self._publish()
-
-    def ended(self, seq: int, result: RequestResult) -> None:
-        answered = self.running.pop(seq, None)
-        if answered is not None:
-            self.front.answer(answered.job, answered.reply, result)
-        self._publish()
-
-    def slots(self, slots: Sequence[dict[str, int]]) -> None:
-        self.front.slots = list(slots)
-
-    def shutting_down(self) -> None:
-        self.front.shut_down()
-        self.running.clear()
-
-    def fail(self, exc: BaseException, where: str) -> NoReturn:
-        self.front.fail(exc, [r.job for r in self.running.values()], where)
-        os._exit(1)  # not reached: fail exits
-
-    def _publish(self) -> None:
-        """Show the running requests to the HTTP thread."""
-        self.front.running = tuple(r.job for r in self.running.values())
-        self.front.peak_running = max(self.front.peak_running, len(self.running))
-
-    # --- the scheduler's sink ----------------------------------------------------------------------------------------
-
-    def progress(self, seq: int, processed: int, total: int) -> None:
-        running = self.running.get(seq)
-        if running is not None:
-            running.reply.progress(processed, total)
-
-    def should_cancel(self, seq: int) -> bool:
-        running = self.running.get(seq)
-        return running is None or running.job.cancelled.is_set() or self.front.stop_due()
-
-    def token(self, seq: int, token: int) -> bool:
-        running = self.running.get(seq)
-        if running is None or running.job.cancelled.is_set():  # removed at the next step
-            return False
-        return running.reply.token(token)
+        for request_id, result in ended:
+            self.requests.ended(request_id, result)
 
 
 def share_entries(inserts: list[Insert]) -> list[Insert]:

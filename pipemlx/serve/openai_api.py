@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from .penalties import Penalties, PenaltyError, parse_penalties
+from .penalties import PenaltyError, parse_penalties
+from .requests import SamplingParams
+from .settings import RequestDefaults
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = (1 << 31) - 1
@@ -23,6 +25,7 @@ REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished UT
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Kind = Literal["chat", "completion"]
+NO_DEFAULTS = RequestDefaults()
 
 
 class ApiError(Exception):
@@ -70,16 +73,12 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = field(default_factory=tuple[str, ...])
-    penalties: Penalties = field(default_factory=Penalties)
-    draft: bool = True  # pipemlx's own field: False opts this request out of speculative decoding
 
 
-def parse_chat(body: Any) -> ParsedRequest:
-    """``POST /v1/chat/completions``'s body, checked."""
+def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ParsedRequest:
+    """``POST /v1/chat/completions``'s body, checked; ``defaults`` for what it does not say."""
     obj = _object(body)
     messages = obj.get("messages")
     if messages is None:
@@ -88,11 +87,11 @@ def parse_chat(body: Any) -> ParsedRequest:
         raise bad_request("'messages' must be a non-empty list of messages", param="messages")
     checked = [_message(m, i) for i, m in enumerate(cast(list[Any], messages))]
     request = ParsedRequest("chat", _model(obj), messages=checked)
-    _common(obj, request)
+    _common(obj, request, defaults)
     return request
 
 
-def parse_completion(body: Any) -> ParsedRequest:
+def parse_completion(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ParsedRequest:
     """``POST /v1/completions``'s body, checked: ``prompt`` is text, a list of one text, or token ids."""
     obj = _object(body)
     prompt = obj.get("prompt")
@@ -109,7 +108,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     else:
         raise bad_request("'prompt' must be a non-empty string or a list of token ids (one prompt)", param="prompt")
     request = ParsedRequest("completion", _model(obj), prompt=text_or_ids)
-    _common(obj, request)
+    _common(obj, request, defaults)
     return request
 
 
@@ -152,7 +151,7 @@ def _message(message: Any, index: int) -> dict[str, str]:
     return {"role": cast(str, role), "content": content}
 
 
-def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
+def _common(obj: dict[str, Any], request: ParsedRequest, defaults: RequestDefaults) -> None:
     """The sampling and streaming fields both endpoints share."""
     stream = obj.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
@@ -170,31 +169,8 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
         if not _is_int(value) or value < 1:
             raise bad_request(f"'{name}' must be a whole number of at least 1, got {value!r}", param=name)
         request.max_tokens = int(value)
-    temperature = obj.get("temperature")
-    if temperature is not None:
-        if not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
-            raise bad_request(f"'temperature' must be a number from 0 to 2, got {temperature!r}", param="temperature")
-        request.temperature = float(temperature)
-    top_p = obj.get("top_p")
-    if top_p is not None:
-        if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-            raise bad_request(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-        request.top_p = float(top_p)
-    seed = obj.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
-        request.seed = int(seed) % (MAX_SEED + 1)
+    request.sampling = _sampling(obj, defaults)
     request.stop = _stop(obj.get("stop"))
-    draft = obj.get("draft")
-    draft = True if draft is None else draft  # null: unset, as for the other fields
-    if not isinstance(draft, bool):
-        raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
-    request.draft = draft
-    try:
-        request.penalties = parse_penalties(obj)
-    except PenaltyError as exc:
-        raise bad_request(str(exc), param=exc.param) from exc
     if obj.get("logit_bias"):
         raise bad_request("logit_bias is not supported by pipemlx serve", param="logit_bias")
     n = obj.get("n")
@@ -204,6 +180,34 @@ def _common(obj: dict[str, Any], request: ParsedRequest) -> None:
         raise bad_request("logprobs are not supported by pipemlx serve", param="logprobs")
     if request.kind == "completion" and obj.get("echo"):
         raise bad_request("echo is not supported by pipemlx serve", param="echo")
+
+
+def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
+    """The request's :class:`SamplingParams`, each field checked (``defaults``' temperature when it says none)."""
+    temperature = obj.get("temperature")
+    if temperature is None:
+        temperature = defaults.temperature
+    elif not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
+        raise bad_request(f"'temperature' must be a number from 0 to 2, got {temperature!r}", param="temperature")
+    top_p = obj.get("top_p")
+    if top_p is None:
+        top_p = 1.0
+    elif not _is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise bad_request(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
+    seed = obj.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
+        seed = int(seed) % (MAX_SEED + 1)
+    draft = obj.get("draft")
+    draft = True if draft is None else draft  # null: unset, as for the other fields
+    if not isinstance(draft, bool):
+        raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
+    try:
+        penalties = parse_penalties(obj)
+    except PenaltyError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc
+    return SamplingParams(float(temperature), float(top_p), seed, penalties, draft)
 
 
 def _asks_logprobs(obj: dict[str, Any], kind: Kind) -> bool:

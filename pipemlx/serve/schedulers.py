@@ -1,4 +1,4 @@
-"""What every rank runs: its share of the model (:class:`Rank`), and one of two schedulers behind one interface.
+"""How the ranks run the requests: two schedulers behind one interface, the same calls on every rank.
 
 A :class:`Scheduler` applies a step's operations (:class:`~.broadcast.Ops`), the
 same on every rank, runs the step, hands rank 0 each token through a
@@ -7,120 +7,45 @@ same on every rank, runs the step, hands rank 0 each token through a
 every token the request generated, so the next turn of a conversation reuses all
 of it. :class:`Batched` (above 1) runs a tick of the batch per step; a finished
 request hands back its cache holding all but its last token (never fed back).
+Both end a request at an end-of-sequence token in the step that yields it, on
+every rank alike.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.sample_utils import apply_top_p, make_sampler  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PipelineError, PipelineMismatchError, PrefillCancelled
 from ..runtime.batch import BatchGenerator, LogitsProcessor, Response, Sampler
-from ..runtime.caches import UNCOUNTED, always_trimmable, cache_offset, cache_parts, counted_offset, trim_to
+from ..runtime.caches import UNCOUNTED, counted_offset, trim_to
 from ..runtime.generate import generate_step
-from ..runtime.stage import stage_of
-from .broadcast import HELLO, REQUEST, STEP, Channel, Header, Insert, Ops
-from .front import OUTCOMES, Outcome, RequestResult, ServeSettings
+from .broadcast import REQUEST, STEP, Insert, Ops
 from .penalties import Penalties
-from .prefix_cache import PrefixCache, PrefixReuse
+from .rank import Rank
+from .requests import Outcome, Request, RequestResult, describe
 
-WARM_UP_TOKENS = 4
-MB = float(1 << 20)
 DEFAULT_STEP = 128
 """The batch's prefill chunk when ``--step-size`` is not a number: while others decode, each tick adds one chunk
 of this many tokens per rank."""
 
 
-class Rank:
-    """What every rank holds: the model, its end of the broadcast, its prefix cache, where it stands."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer: Any,
-        group: mx.distributed.Group,
-        settings: ServeSettings,
-        draft: nn.Module | None = None,
-    ) -> None:
-        self.model = model
-        self.draft = draft  # --draft-model, whole on every rank (speculative decoding, one request at a time)
-        self.tokenizer = tokenizer
-        self.rank = group.rank()
-        self.size = group.size()
-        self.settings = settings
-        self.stage = stage_of(model)
-        self.channel = Channel(group)
-        self.prefix = PrefixCache(0)
-        self.last_seq = 0
-        self.last_cache_tokens = 0
-        self.last_outcome = 0
-        self.bytes_per_token = 0
-        self.trimmable = 0
-        self.slots: list[dict[str, int]] = []  # every rank's slot, as of the last broadcast
-
-    def slot(self) -> dict[str, int]:
-        return {
-            "pid": os.getpid(),
-            "last_seq": self.last_seq,
-            "cache_tokens": self.last_cache_tokens,
-            "outcome": self.last_outcome,
-            "bytes_per_token": self.bytes_per_token,
-            "trimmable": self.trimmable,
-            "prefix_entries": len(self.prefix.entries),
-            "prefix_tokens": self.prefix.tokens,
-        }
-
-    def exchange(self, fields: Mapping[str, int] | None, timeout: float, what: str) -> Header:
-        """One broadcast: rank 0's ``fields`` (``None`` elsewhere) and this rank's slot."""
-        header = self.channel.exchange(fields, self.slot(), timeout, what)
-        self.slots = header.slots
-        return header
-
-    def start(self) -> None:
-        """Run one small request through the pipeline (every rank), measure the KV footprint, then greet."""
-        cache = make_prompt_cache(self.model)
-        prompt = mx.arange(1, WARM_UP_TOKENS + 1, dtype=mx.int32)
-        for _ in generate_step(prompt, self.model, prompt_cache=cache, max_tokens=1, timeout=self.settings.timeout):
-            pass
-        self.bytes_per_token = _bytes_per_token(cache)
-        self.trimmable = int(always_trimmable(make_prompt_cache(self.model)))
-        hello = {"op": HELLO} if self.rank == 0 else None
-        slots = self.exchange(hello, self.settings.timeout, "greeting the other ranks").slots
-        largest = max(s["bytes_per_token"] for s in slots)
-        # Entries are cut back only when every rank can cut its caches back.
-        budget = int(self.settings.prefix_cache_mb * MB) // largest
-        self.prefix = PrefixCache(budget, cut_back=all(s["trimmable"] for s in slots))
-
-    def checkout(self, plan: PrefixReuse) -> list[Any]:
-        """The cache a request starts from: its planned prefix-cache entry, or a new one."""
-        return self.prefix.checkout(plan, lambda: make_prompt_cache(self.model))
-
-    def ended(self, seq: int, cache_tokens: int, outcome: Outcome) -> None:
-        """Request ``seq`` left this rank's scheduler, its cache holding ``cache_tokens`` positions."""
-        self.last_seq, self.last_cache_tokens, self.last_outcome = seq, cache_tokens, OUTCOMES.index(outcome)
-
-
 class Sink(Protocol):
     """Rank 0's side of the running requests, which a scheduler reports to (the other ranks have none)."""
 
-    def progress(self, seq: int, processed: int, total: int) -> None:
-        """``processed`` of the ``total`` prompt positions request ``seq`` computes are in every rank's cache."""
+    def progress(self, request_id: int, processed: int, total: int) -> None:
+        """``processed`` of the ``total`` prompt positions the request computes are in every rank's cache."""
         ...
 
-    def should_cancel(self, seq: int) -> bool:
-        """Whether request ``seq`` is to stop now (its client left, the server is stopping)."""
+    def should_cancel(self, request_id: int) -> bool:
+        """Whether the request is to stop now (its client left, the server is stopping)."""
         ...
 
-    def token(self, seq: int, token: int) -> bool:
-        """Request ``seq`` generated ``token``; True when its answer is complete on rank 0 (a stop string)."""
+    def token(self, request_id: int, token: int) -> bool:
+        """The request generated ``token``; True when its answer is complete on rank 0 (a stop string)."""
         ...
 
 
@@ -160,22 +85,21 @@ class OneAtATime:
     def apply(self, ops: Ops, sink: Sink | None) -> list[tuple[int, RequestResult]]:
         if ops.removes or len(ops.inserts) > 1:
             raise PipelineMismatchError(f"{self.rank.stage.describe()}: a step of one request holds other operations")
-        return [(i.seq, self.run(i, sink)) for i in ops.inserts]
+        return [(i.request.id, self.run(i, sink)) for i in ops.inserts]
 
     def run(self, insert: Insert, sink: Sink | None) -> RequestResult:
         """Run ``insert`` on this rank, as every rank does; ``sink`` sees its progress and tokens (rank 0)."""
         rank, settings = self.rank, self.rank.settings
-        seq, tokens, plan = insert.seq, insert.tokens, insert.plan
+        request, plan = insert.request, insert.plan
+        request_id, tokens, sampling = request.id, request.tokens, request.sampling
         cache = rank.checkout(plan)
-        if insert.seed >= 0:
-            mx.random.seed(insert.seed)
-            if insert.drawn and insert.temperature > 0:  # a resumed request: skip the keys its tokens used
-                for _ in range(insert.drawn):
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+            if request.drawn and sampling.temperature > 0:  # a resumed request: skip the keys its tokens used
+                for _ in range(request.drawn):
                     mx.random.uniform(shape=())
                 # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this stream.
                 mx.eval(mx.random.state)  # pyright: ignore[reportUnknownMemberType]
-        # Greedy as no sampler: generate_step then takes the argmax of the logits (no log-softmax to wait for).
-        sampler = None if insert.temperature <= 0 else make_sampler(insert.temperature, top_p=insert.top_p)
         new = len(tokens) - plan.reuse
         step: int | Literal["auto"] = settings.prefill_step_size
         generated: list[int] = []
@@ -184,18 +108,21 @@ class OneAtATime:
         kept = tokens
         prefilled = new
         # Speculative decoding (--draft-model, --prompt-lookup) unless the request said "draft": false.
-        guess = insert.draft and (rank.draft is not None or settings.prompt_lookup is not None)
+        guess = sampling.draft and (rank.draft is not None or settings.prompt_lookup is not None)
         generator = generate_step(
             mx.array(tokens[plan.reuse :], dtype=mx.int32),
             rank.model,
             prompt_cache=cache,
-            max_tokens=insert.max_tokens,
-            sampler=sampler,
-            logits_processors=_seeing(tokens[: plan.reuse], insert.penalties),
+            max_tokens=request.max_tokens,
+            sampler=sampling.sampler(),  # greedy as None: the argmax of the logits (no log-softmax to wait for)
+            logits_processors=_seeing(tokens[: plan.reuse], sampling.penalties),
             prefill_step_size=step,
-            prompt_progress_callback=None if sink is None else lambda done, total: sink.progress(seq, done, total),
-            should_cancel=None if sink is None else lambda: sink.should_cancel(seq),
+            prompt_progress_callback=None
+            if sink is None
+            else lambda done, total: sink.progress(request_id, done, total),
+            should_cancel=None if sink is None else lambda: sink.should_cancel(request_id),
             timeout=settings.timeout,
+            stop_tokens=rank.eos,  # the end of sequence ends the request in the step that yields it, on every rank
             draft_model=rank.draft if guess else None,
             num_draft_tokens=settings.num_draft_tokens,
             prompt_lookup=settings.prompt_lookup if guess else None,
@@ -205,7 +132,7 @@ class OneAtATime:
             try:
                 for token, _ in generator:
                     generated.append(token)
-                    if sink is not None and sink.token(seq, token):
+                    if sink is not None and sink.token(request_id, token):
                         outcome = "stop"
                         break
             finally:
@@ -215,7 +142,7 @@ class OneAtATime:
             kept = tokens + generator.decided
             if outcome != "stop":
                 reason = generator.stop.reason if generator.stop is not None else "length"
-                outcome = "failed" if reason == "failed" else "cancelled" if reason == "cancelled" else "length"
+                outcome = reason if reason in ("failed", "cancelled", "stop") else "length"
         except PrefillCancelled as exc:
             outcome = "cancelled" if not exc.failed_ranks else "failed"
             # A rank that cannot cut its caches back keeps nothing: every rank must keep the same entries.
@@ -234,13 +161,15 @@ class OneAtATime:
             offset = len(kept)
         if outcome != "failed" and kept and offset == len(kept):
             rank.prefix.store(kept, cache)
-        rank.ended(seq, offset, outcome)
+        rank.ended(request_id, offset, outcome)
         proposed, accepted = generator.guesses
-        return RequestResult(outcome, generated, plan.reuse, offset, prefilled, error, proposed, accepted)
+        return RequestResult(
+            outcome, plan.reuse, offset, prefilled, describe(error), proposed, accepted, len(generated)
+        )
 
 
 @dataclass
-class _Request:
+class InBatch:
     """A request in the batch, on every rank."""
 
     insert: Insert
@@ -269,14 +198,14 @@ class Batched:
         step = settings.prefill_step_size
         self.generator = BatchGenerator(
             rank.model,
-            stop_tokens=[int(t) for t in getattr(rank.tokenizer, "eos_token_ids", ())],
+            stop_tokens=rank.eos,
             prefill_step_size=step,
             prefill_chunk_tokens=step if isinstance(step, int) else DEFAULT_STEP,
             prefill_chunking=settings.prefill_chunking,
             timeout=settings.timeout,
         )
-        self.requests: dict[int, _Request] = {}  # by request number
-        self.seqs: dict[int, int] = {}  # the generator's uid -> request number
+        self.requests: dict[int, InBatch] = {}  # by request id
+        self.ids: dict[int, int] = {}  # the generator's uid -> request id
 
     def active(self) -> Collection[int]:
         return self.requests.keys()
@@ -284,52 +213,53 @@ class Batched:
     def apply(self, ops: Ops, sink: Sink | None) -> list[tuple[int, RequestResult]]:
         caches = [self.rank.checkout(i.plan) for i in ops.inserts]
         ended: list[tuple[int, RequestResult]] = []
-        gone = [self.requests[seq] for seq in ops.removes if seq in self.requests]
+        gone = [self.requests[i] for i in ops.removes if i in self.requests]
         agreed = [self._agreed_prompt(r) for r in gone]  # asked before the generator forgets them
         self.generator.remove([r.uid for r in gone])
         for request, length in zip(gone, agreed):
             self._keep_prompt(request, length)
             ended.append(self._end(request, "cancelled", None if request.generated else length))
         if ops.inserts:
+            requests = [i.request for i in ops.inserts]
             uids = self.generator.insert(
-                [i.tokens[i.plan.reuse :] for i in ops.inserts],
-                max_tokens=[i.max_tokens for i in ops.inserts],
-                samplers=[request_sampler(i.temperature, i.top_p, i.seed, i.drawn) for i in ops.inserts],
+                [i.request.tokens[i.plan.reuse :] for i in ops.inserts],
+                max_tokens=[r.max_tokens for r in requests],
+                samplers=[_keyed_sampler(r) for r in requests],
                 caches=caches,
-                logits_processors=[i.penalties.processors() for i in ops.inserts],
-                all_tokens=[i.tokens[: i.plan.reuse] for i in ops.inserts],
+                logits_processors=[r.sampling.penalties.processors() for r in requests],
+                all_tokens=[i.request.tokens[: i.plan.reuse] for i in ops.inserts],
             )
             for insert, uid, cache in zip(ops.inserts, uids, caches):
-                self.requests[insert.seq] = _Request(insert, uid, cache)
-                self.seqs[uid] = insert.seq
+                self.requests[insert.request.id] = InBatch(insert, uid, cache)
+                self.ids[uid] = insert.request.id
         for response in self.generator.next():
-            seq = self.seqs[response.uid]
-            request = self.requests[seq]
+            request_id = self.ids[response.uid]
+            request = self.requests[request_id]
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 request.prompt_cache = None
                 ended.append(self._end(request, "failed", error=self.generator.last_error))
                 continue
             request.generated.append(response.token)
             self._keep_prompt(request, None)
-            complete = sink is not None and sink.token(seq, response.token)
+            complete = sink is not None and sink.token(request_id, response.token)
             if response.finish_reason is not None:
                 self._keep_answer(request, response)
                 ended.append(self._end(request, "stop" if complete else response.finish_reason))
             elif complete:  # rank 0 answers it now; every rank removes it at the next step
-                ended.append((seq, self._result(request, "stop")))
+                ended.append((request_id, self._result(request, "stop")))
         if sink is not None:
-            for seq, request in self.requests.items():
+            for request_id, request in self.requests.items():
                 if not request.generated:
-                    new = len(request.insert.tokens) - request.insert.plan.reuse
-                    sink.progress(seq, self.generator.prefilled(request.uid), new)
+                    new = len(request.insert.request.tokens) - request.insert.plan.reuse
+                    sink.progress(request_id, self.generator.prefilled(request.uid), new)
         return ended
 
-    def _agreed_prompt(self, request: _Request) -> int:
+    def _agreed_prompt(self, request: InBatch) -> int:
         """Positions of ``request``'s prompt that every rank holds (a rank ahead in the prefill holds more): its
         reused prefix and what all prefilled."""
         return request.insert.plan.reuse + self.generator.prefilled(request.uid)
 
-    def _keep_prompt(self, request: _Request, length: int | None) -> None:
+    def _keep_prompt(self, request: InBatch, length: int | None) -> None:
         """Keep the first ``length`` positions of ``request``'s prompt in the prefix cache (once, the first time).
 
         ``length`` is the same on every rank (``None``: the prompt but its last token, which a decoding request's
@@ -337,7 +267,7 @@ class Batched:
         """
         cache, request.prompt_cache = request.prompt_cache, None
         prefix = self.rank.prefix
-        tokens = request.insert.tokens
+        tokens = request.insert.request.tokens
         if cache is None or prefix.budget_tokens <= 0:
             return
         if length is None:  # the request decodes: its own cache holds exactly this on every rank, nothing to cut
@@ -347,62 +277,43 @@ class Batched:
             # (``cut_back``: every rank can cut back, so every rank keeps it or none does.)
             prefix.store(tokens[:length], cache)
 
-    def _keep_answer(self, request: _Request, response: Response) -> None:
+    def _keep_answer(self, request: InBatch, response: Response) -> None:
         """Keep a finished request's conversation: its prompt and every token but the last (never fed back)."""
-        tokens = request.insert.tokens + request.generated
+        tokens = request.insert.request.tokens + request.generated
         if response.prompt_cache is None or self.rank.prefix.budget_tokens <= 0 or len(tokens) < 2:
             return
         self.rank.prefix.store(tokens[:-1], response.prompt_cache)
 
     def _result(
-        self, request: _Request, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None
+        self, request: InBatch, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None
     ) -> RequestResult:
         """``agreed``: a request removed in its prefill, the prompt positions every rank holds."""
-        insert = request.insert
-        reuse = insert.plan.reuse
-        cache_tokens = len(insert.tokens) + len(request.generated) - 1 if agreed is None else agreed
-        prefilled = len(insert.tokens) - reuse if agreed is None else agreed - reuse
+        tokens, reuse = request.insert.request.tokens, request.insert.plan.reuse
+        cache_tokens = len(tokens) + len(request.generated) - 1 if agreed is None else agreed
+        prefilled = len(tokens) - reuse if agreed is None else agreed - reuse
         if outcome == "failed" and error is None:
             error = RuntimeError("the model raised on another rank")
-        return RequestResult(outcome, list(request.generated), reuse, max(cache_tokens, 0), prefilled, error)
+        return RequestResult(
+            outcome, reuse, max(cache_tokens, 0), prefilled, describe(error), generated=len(request.generated)
+        )
 
     def _end(
-        self, request: _Request, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None
+        self, request: InBatch, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None
     ) -> tuple[int, RequestResult]:
         """``request`` leaves the batch."""
-        seq = request.insert.seq
-        del self.requests[seq]
-        del self.seqs[request.uid]
+        request_id = request.insert.request.id
+        del self.requests[request_id]
+        del self.ids[request.uid]
         result = self._result(request, outcome, agreed, error)
-        self.rank.ended(seq, result.cache_tokens, outcome)
-        return seq, result
+        self.rank.ended(request_id, result.cache_tokens, outcome)
+        return request_id, result
 
 
-def request_sampler(temperature: float, top_p: float, seed: int, drawn: int = 0) -> Sampler | None:
-    """The sampler of one batched request: ``None`` (greedy) at temperature 0, else categorical with its own key.
-
-    Each call splits the request's key as MLX's global generator splits its
-    own, so the draws equal a solo run after ``mx.random.seed(seed)``: what
-    else is in the batch does not change a seeded request's text. ``drawn``
-    keys are skipped first (a request resumed after ``drawn`` tokens draws
-    what the undisturbed run draws next).
-    """
-    if temperature <= 0:
-        return None
-    state = [mx.random.key(seed)]
-    for _ in range(drawn):
-        state[0] = mx.random.split(state[0])[0]
-    # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this thread's stream.
-    mx.eval(state[0])  # pyright: ignore[reportUnknownMemberType]
-
-    def sample(logprobs: mx.array) -> mx.array:
-        if 0 < top_p < 1:
-            logprobs = apply_top_p(logprobs, top_p)
-        pair = mx.random.split(state[0])
-        state[0] = pair[0]
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=pair[1])
-
-    return sample
+def _keyed_sampler(request: Request) -> Sampler | None:
+    """A batched request's sampler: its own key, so what else is in the batch does not change a seeded request's
+    text (the seed is agreed at admission whenever the request samples)."""
+    seed = request.sampling.seed
+    return request.sampling.keyed_sampler(0 if seed is None else seed, request.drawn)
 
 
 def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | None:
@@ -422,16 +333,3 @@ def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | 
         return lambda tokens, logits: processor(mx.concatenate([before, tokens.astype(mx.int32)]), logits)
 
     return [seeing(p) for p in processors]
-
-
-def _bytes_per_token(cache: list[Any]) -> int:
-    """The KV bytes one cached position takes in ``cache`` (this rank's layers), from the arrays it holds."""
-    offset = max(1, cache_offset(cache))
-    total = 0.0
-    for c in cache_parts(cache):
-        leaves = cast(list[tuple[str, Any]], tree_flatten(c.state))
-        size = sum(a.nbytes for _, a in leaves if isinstance(a, mx.array))
-        keys = getattr(c, "keys", None)  # a KVCache allocates positions ahead: divide by what it holds room for
-        positions = keys.shape[-2] if isinstance(keys, mx.array) and keys.ndim >= 2 else offset
-        total += size / max(1, positions)
-    return max(1, round(total))

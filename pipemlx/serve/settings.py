@@ -1,0 +1,95 @@
+"""``pipemlx serve``'s settings, split by who reads them.
+
+- :class:`HttpLimits`: the HTTP side (rank 0, or the front process): what one client may make the server hold
+  or do, and who may call it.
+- :class:`EngineSettings`: every rank: how the requests run (schedulers, caches, speculation, waits).
+- :class:`RequestDefaults`: what a request that says nothing gets.
+- :class:`ProcessControl`: how the serving process stops and when it gives up.
+
+:class:`ServeSettings` holds one of each; it is made once from the command line (:mod:`pipemlx.cli.serve`) and
+passed on as a value (to the ranks a front process starts, as JSON through :data:`SETTINGS_VARIABLE`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+SETTINGS_VARIABLE = "PIPEMLX_SERVE_SETTINGS"
+"""The JSON form of the :class:`ServeSettings` a front process gives the ranks it starts."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may make the server hold or do (docs/serve.md, "Limits and timeouts")."""
+
+    api_key: str | None = None
+    max_queue: int = 64
+    """Requests that may wait; more get 429."""
+    max_body_bytes: int = 4 << 20
+    max_tokens_limit: int = 8192
+    max_streams: int = 64
+    header_timeout: float = 10.0
+    """Seconds a new connection may take to send its first request's headers."""
+    idle_timeout: int = 5
+    """Seconds a kept-alive connection may stay idle between requests."""
+    metrics_public: bool = False
+    cors_origins: tuple[str, ...] = ()
+    """Origins (``"*"``: any) whose pages may call the API from a browser; none by default."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How every rank runs the requests (the same on every rank)."""
+
+    max_concurrency: int = 1
+    """Requests decoded together; 1: one at a time (:class:`.schedulers.OneAtATime`)."""
+    prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
+    prefix_cache_mb: float = 1024.0
+    prefill_step_size: int | Literal["auto"] = "auto"
+    timeout: float = 120.0
+    context: int | None = None
+    draft_model: str | None = None
+    """Speculative decoding (docs/speculative.md): a folder or repo id, loaded whole on every rank."""
+    num_draft_tokens: int | Literal["auto"] = 3
+    prompt_lookup: int | None = None
+
+    @property
+    def speculation(self) -> str | None:
+        """How requests guess tokens, in words (``None``: they do not)."""
+        if self.draft_model is not None:
+            return f"draft model {self.draft_model}, {self.num_draft_tokens} tokens a pass"
+        if self.prompt_lookup is not None:
+            return f"prompt lookup of up to {self.prompt_lookup} tokens, {self.num_draft_tokens} tokens a pass"
+        return None
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a request gets for a field it does not send."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProcessControl:
+    """How the serving process stops."""
+
+    grace: float = 30.0
+    """On SIGTERM: seconds the running requests get to finish."""
+    fault_grace: float = 5.0
+    """After a fault it cannot recover from: seconds of 503 answers before the process exits."""
+    parent_pid: int | None = None
+    """Local ranks: the supervising process; rank 0 stops the group when it is gone."""
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything ``pipemlx serve``'s options set, by who reads it."""
+
+    model_id: str
+    http: HttpLimits = field(default_factory=HttpLimits)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    process: ProcessControl = field(default_factory=ProcessControl)
