@@ -28,7 +28,7 @@ from pipemlx.serve.loop import share_entries
 from pipemlx.serve.openai_api import ApiError, StopText, parse_chat, parse_completion
 from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse
-from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_ints, from_json, to_ints, to_json
+from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_json, to_json
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
 
@@ -236,8 +236,6 @@ def test_a_missing_entry_starts_from_an_empty_cache() -> None:
 
 
 def test_the_broadcast_reads_rank_zeros_fields_and_every_ranks_own() -> None:
-    for value in (0.0, 0.7, 1.0, 2.0, 1e-6):
-        assert from_ints(float, to_ints(SamplingParams(value))[:1])[0] == pytest.approx(value, rel=1e-7)
     assert checksum([1, 2, 3]) != checksum([1, 3, 2]) and checksum([]) == 0
     channel = Channel(mx.distributed.init())  # a group of one: the gathered rows are this rank's row
     header = channel.exchange({"op": REQUEST, "seq": 5, "pause_ms": 250}, {"pid": 42}, 5.0, "test")

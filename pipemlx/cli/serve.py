@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -55,7 +56,7 @@ from .common import (
 )
 
 if TYPE_CHECKING:
-    from ..serve import ServeSettings
+    from ..serve.settings import RankOptions, ServeSettings
 
 DEFAULT_RANKS = 2
 DEFAULT_PORT = 8080
@@ -64,8 +65,6 @@ MALLOC_ARENAS = "2"
 """glibc's ``MALLOC_ARENA_MAX`` for local ranks unless set: with its default (8 per core) rank 0's threads
 (HTTP, the waits' helpers) left memory fragmented across arenas, its resident size creeping by about 4 MiB a
 minute under load; with 2 it stayed flat (docs/serve.md, "Sustained load"). Other C libraries ignore it."""
-PARENT_VARIABLE = "PIPEMLX_SERVE_PARENT"
-"""Set for local ranks: rank 0 stops the group when the supervising process is gone."""
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:  # pyright: ignore[reportPrivateUsage]
@@ -320,7 +319,10 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
     _check_port(args.host, args.port)
-    return supervise(ranks, [sys.executable, "-m", "pipemlx", *argv], stop_grace=args.grace + STOP_GRACE_S)
+    from ..serve.settings import rank_process
+
+    command, env = rank_process(_rank_options(args, parent_pid=os.getpid()))
+    return supervise(ranks, command, env, stop_grace=args.grace + STOP_GRACE_S)
 
 
 def check_serve_speculation(args: argparse.Namespace) -> None:
@@ -443,10 +445,8 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if listen is not None:
         _check_port(*listen)
     options = FrontOptions(
-        Path(args.model),
-        _settings(args),
+        _rank_options(args),
         ranks,
-        [sys.executable, "-m", "pipemlx", *argv],
         host=args.host,
         port=args.port,
         env={"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)},
@@ -466,7 +466,6 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
     """The settings the command line sets, by who reads them."""
     from ..serve.settings import EngineSettings, HttpLimits, ProcessControl, RequestDefaults, ServeSettings
 
-    parent = os.environ.get(PARENT_VARIABLE)
     return ServeSettings(
         model_id=model_id(args),
         http=HttpLimits(
@@ -492,28 +491,35 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
             prompt_lookup=args.prompt_lookup,
         ),
         defaults=RequestDefaults(max_tokens=args.max_tokens, temperature=args.temp),
-        process=ProcessControl(
-            grace=args.grace, fault_grace=max(0.0, args.fault_grace), parent_pid=int(parent) if parent else None
-        ),
+        process=ProcessControl(grace=args.grace, fault_grace=max(0.0, args.fault_grace)),
     )
 
 
-def _as_rank(args: argparse.Namespace) -> int:
-    from ..serve import RankOptions, run_rank  # MLX and mlx-lm: imported only where a rank runs
+def _rank_options(args: argparse.Namespace, parent_pid: int | None = None) -> RankOptions:
+    """What each rank serves with; ``parent_pid``: the process that starts the ranks (rank 0 stops when it is
+    gone)."""
+    from ..serve.settings import RankOptions
 
     settings = _settings(args)
-    options = RankOptions(
-        args.model,
+    if parent_pid is not None:
+        settings = replace(settings, process=replace(settings.process, parent_pid=parent_pid))
+    expected = args.ranks if args.ranks is not None and in_launched_rank() else None
+    return RankOptions(
+        Path(args.model),
         settings,
         host=args.host,
         port=args.port,
         split=args.split,
+        expected_ranks=expected,
         allow_unregistered=args.allow_unregistered,
         lend=args.lend,
     )
-    if args.ranks is not None and in_launched_rank():
-        options.expected_ranks = args.ranks
-    return run_rank(options)
+
+
+def _as_rank(args: argparse.Namespace) -> int:
+    from ..serve import run_rank  # MLX and mlx-lm: imported only where a rank runs
+
+    return run_rank(_rank_options(args))
 
 
 def _check_port(host: str, port: int) -> None:
@@ -527,8 +533,11 @@ def _check_port(host: str, port: int) -> None:
             raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE_S) -> int:
-    """Start ``num_ranks`` local ranks of ``command`` and wait for them; returns rank 0's exit status.
+def supervise(
+    num_ranks: int, command: list[str], env: dict[str, str] | None = None, stop_grace: float = STOP_GRACE_S
+) -> int:
+    """Start ``num_ranks`` local ranks of ``command`` (with ``env`` added) and wait for them; returns rank 0's exit
+    status.
 
     Rank 0's output is this process's. When rank 0 exits or is asked to stop, the others get
     ``stop_grace`` seconds to follow (``--grace`` plus :data:`~pipemlx.launch.STOP_GRACE_S`), then are killed;
@@ -555,10 +564,7 @@ def supervise(num_ranks: int, command: list[str], stop_grace: float = STOP_GRACE
 
         previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            env = {
-                PARENT_VARIABLE: str(os.getpid()),
-                "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS),
-            }
+            env = {**(env or {}), "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", MALLOC_ARENAS)}
             spawn_ranks(command, num_ranks, directory=directory, env=env, outputs=outputs, on_start=procs.append)
             return _wait(procs, logs, stopping, stop_grace)
         except KeyboardInterrupt:

@@ -30,7 +30,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing import AuthenticationError
 from pathlib import Path
 from typing import Any, cast
@@ -39,13 +39,12 @@ from ..errors import PipelineError
 from ..launch import init_group
 from ..models.hub import locate_model
 from ..models.loading import load_draft, load_sharded
-from ..models.sharding import LendSpec
 from .book import Book, log
 from .link import CONNECT_EVERY_S, FRONT_ADDRESS_VARIABLE, JOIN_VARIABLE, Link
 from .loop import Leader, follow
 from .rank import Rank
 from .schedulers import Scheduler, make_scheduler
-from .settings import ServeSettings
+from .settings import RankOptions, ServeSettings
 from .sources import LinkRequests, LocalRequests
 from .supervisor import FrontOptions
 
@@ -88,23 +87,11 @@ def model_context(model_dir: Path) -> int | None:
     return None
 
 
-@dataclass
-class RankOptions:
-    """What one rank needs to start serving."""
-
-    model_dir: Path
-    settings: ServeSettings
-    host: str = "127.0.0.1"
-    port: int = 8080
-    split: list[int] | None = None
-    expected_ranks: int | None = None
-    allow_unregistered: bool = False
-    lend: LendSpec = "auto"
-
-
 def run_rank(options: RankOptions) -> int:
     """Serve as one rank of the group this process belongs to; returns the exit status (or exits after a fault)."""
-    joined = _join(options) if os.environ.get(JOIN_VARIABLE) is not None else None
+    joined: Link | None = None
+    if os.environ.get(JOIN_VARIABLE) is not None:
+        joined, options = _join(options)
     group = init_group()
     rank, size = group.rank(), group.size()
     settings = options.settings
@@ -169,9 +156,10 @@ def run_rank(options: RankOptions) -> int:
     return _lead(here, scheduler, options)
 
 
-def _join(options: RankOptions) -> Link | None:
+def _join(options: RankOptions) -> tuple[Link | None, RankOptions]:
     """A ``--worker``: join the front, then form the group it assigns (the hosts, this worker's rank among them, the
-    split) from a hostfile of those hosts; rank 0 keeps the link, every other rank closes it."""
+    split) from a hostfile of those hosts; rank 0 keeps the link, every other rank closes it. The options with the
+    assigned split."""
     from ..launch import available_memory
     from .link import join_front, key_from_environment
 
@@ -183,7 +171,7 @@ def _join(options: RankOptions) -> Link | None:
     hostfile.write_text(json.dumps(assignment.hosts), encoding="utf-8")
     os.environ.update({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(assignment.rank)})
     if assignment.split is not None:
-        options.split = assignment.split
+        options = replace(options, split=assignment.split)
     print(
         f"pipemlx serve: worker {entry}: forming a group of {len(assignment.hosts)} as rank {assignment.rank}"
         + (f", split {assignment.split}" if assignment.split is not None else ""),
@@ -191,9 +179,9 @@ def _join(options: RankOptions) -> Link | None:
         flush=True,
     )
     if assignment.rank == 0:
-        return assignment.link
+        return assignment.link, options
     assignment.link.close()
-    return None
+    return None, options
 
 
 def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
@@ -286,12 +274,12 @@ def run_front(options: FrontOptions) -> int:
     from .app import Api, HttpThread
     from .supervisor import Supervisor
 
-    settings = options.settings
+    settings = options.rank.settings
     try:  # a Hub repo id: its config and tokenizer files fetched (or found in the cache), as every rank does
-        model_dir = locate_model(options.model_dir).root
+        model_dir = locate_model(options.rank.model_dir).root
         tokenizer = front_tokenizer(model_dir)
     except (OSError, ValueError) as exc:  # ModelNotFoundError (one line) too
-        print(f"pipemlx serve: error: cannot load the tokenizer of {options.model_dir}: {exc}", file=sys.stderr)
+        print(f"pipemlx serve: error: cannot load the tokenizer of {options.rank.model_dir}: {exc}", file=sys.stderr)
         return 2
     book = Book(settings, tokenizer, [0] * options.ranks)
     context = settings.engine.context if settings.engine.context is not None else model_context(model_dir)

@@ -5,8 +5,9 @@ rank 0 fills the operation's fields (``op``, ``seq``, ...) and every rank fills
 its own (pid, the last request it finished, how many positions its cache held
 then, ...), so one collective both says what comes next and tells every rank
 where every other rank stands. A step with operations follows it with one
-``TOKENS`` message: rank 0's encoded :class:`Ops` as an ``int32`` payload (the
-other ranks send zeros of the same count), read from rank 0's row. Being plain
+``TOKENS`` message: rank 0's :class:`Ops` in their JSON form (the requests'
+one wire form, :mod:`.requests`) as an ``int32`` payload (the other ranks send
+zeros of the same count), read from rank 0's row. Being plain
 collectives with bounded waits, both run on any backend the group runs on, and
 a rank that dies or stalls becomes :class:`PeerLostError` /
 :class:`PipelineTimeoutError`, never a hang.
@@ -19,6 +20,8 @@ tick of the batch) and ``SHUTDOWN``.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,7 +31,7 @@ from ..errors import PipelineMismatchError
 from ..runtime.protocol import SERVE, TOKENS, gather
 from ..runtime.waits import wait_for
 from .prefix_cache import PrefixReuse
-from .requests import Request, from_ints, to_ints
+from .requests import Request, from_json, to_json
 
 HELLO, IDLE, REQUEST, SHUTDOWN, STEP = 1, 2, 3, 4, 5
 OPS = {HELLO: "hello", IDLE: "idle", REQUEST: "request", SHUTDOWN: "shutdown", STEP: "step"}
@@ -72,14 +75,13 @@ class Ops:
 
 
 def encode_ops(ops: Ops) -> list[int]:
-    """``ops`` as int32 values for the broadcast (none for no operation); :func:`decode_ops` reverses it exactly
-    (floats as float32)."""
+    """``ops`` as int32 values for the broadcast (none for no operation): the bytes of their JSON form, four to a
+    value; :func:`decode_ops` reverses it exactly."""
     if not ops.removes and not ops.inserts:
         return []
-    values = [len(ops.removes), len(ops.inserts), *ops.removes]
-    for insert in ops.inserts:
-        values += to_ints(insert)
-    return values
+    data = json.dumps(to_json(ops), separators=(",", ":")).encode()
+    data += b" " * (-len(data) % 4)
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
 def decode_ops(values: Sequence[int]) -> Ops:
@@ -87,22 +89,12 @@ def decode_ops(values: Sequence[int]) -> Ops:
     if not values:
         return Ops()
     try:
-        removes_count, inserts_count = values[0], values[1]
-        if not 0 <= removes_count <= len(values) - 2 or inserts_count < 0:
-            raise ValueError("counts out of range")
-        at = 2 + removes_count
-        removes = list(values[2:at])
-        inserts: list[Insert] = []
-        for _ in range(inserts_count):
-            insert, at = from_ints(Insert, values, at)
-            if not insert.request.tokens:
-                raise ValueError("an empty prompt")
-            inserts.append(insert)
-    except (ValueError, IndexError) as exc:
+        ops = from_json(Ops, json.loads(struct.pack(f"<{len(values)}i", *values)))
+        if any(not i.request.tokens for i in ops.inserts):
+            raise ValueError("an empty prompt")
+    except (ValueError, struct.error) as exc:  # JSON's and UTF-8's errors are ValueErrors too
         raise PipelineMismatchError(f"a step's operations arrived damaged: {exc}") from exc
-    if at != len(values):
-        raise PipelineMismatchError("a step's operations arrived damaged (wrong length)")
-    return Ops(removes, inserts)
+    return ops
 
 
 @dataclass(frozen=True)

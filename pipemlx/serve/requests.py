@@ -3,13 +3,13 @@ ended on the ranks (:class:`RequestResult`), and their wire forms, derived from 
 
 The HTTP parser (:mod:`.openai_api`) fills a :class:`SamplingParams`; the book
 (:mod:`.book`) numbers the request and makes it a :class:`Request`, which
-travels unchanged to every rank: as JSON over the front's link
-(:func:`to_json` / :func:`from_json`) and as ``int32`` values in rank 0's
-broadcast (:func:`to_ints` / :func:`from_ints`). Both forms are read off the
-dataclasses' fields, so a new field is a change to its type, the parser that
-fills it and the code that uses it (here: :meth:`SamplingParams.sampler`),
-and nothing in between. Reading either form checks every field's type and
-raises :class:`ValueError` naming the field.
+travels unchanged to every rank in one wire form, JSON (:func:`to_json` /
+:func:`from_json`): over the front's link, and as the bytes of rank 0's
+broadcast (:mod:`.broadcast`). The form is read off the dataclasses' fields,
+so a new field is a change to its type, the parser that fills it and the code
+that uses it (here: :meth:`SamplingParams.sampler`), and nothing in between.
+Reading it checks every field's type and raises :class:`ValueError` naming
+the field.
 
 The request's number (:attr:`Request.id`) is its one id from end to end: the
 front's book, the link, the broadcast, each rank's scheduler, ``/health``
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 import secrets
-import struct
 import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
 from .penalties import Penalties
@@ -153,6 +153,8 @@ def to_json(value: Any) -> Any:
     """``value`` (a dataclass of the types below) as JSON-ready values."""
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_json(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, Path):
+        return str(value)
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in cast(Sequence[Any], value)]
     return value
@@ -214,100 +216,12 @@ def _read(kind: Any, value: Any, where: str) -> Any:
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             raise ValueError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
-    if kind is str:
+    if kind in (str, Path):
         if not isinstance(value, str):
             raise ValueError(f"{where}: expected a string, got {type(value).__name__}")
-        return value
+        return value if kind is str else Path(value)
     raise TypeError(f"{where}: no wire form for {kind!r}")
 
 
 def _has_default(f: Any) -> bool:
-    from dataclasses import MISSING
-
     return f.default is not MISSING or f.default_factory is not MISSING
-
-
-def to_ints(value: Any) -> list[int]:
-    """``value`` (a dataclass of the types :func:`to_json` takes) as ``int32`` values: a float as its float32
-    bits, ``None`` or not as a flag before the value, a string or list as its length before its items."""
-    out: list[int] = []
-    _write(type(value), value, out)
-    return out
-
-
-def _write(kind: Any, value: Any, out: list[int]) -> None:
-    origin, args = get_origin(kind), get_args(kind)
-    if is_dataclass(kind):
-        hints = get_type_hints(kind)
-        for f in fields(kind):
-            _write(hints[f.name], getattr(value, f.name), out)
-    elif origin in (Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        out.append(0 if value is None else 1)
-        if value is not None:
-            _write(inner, value, out)
-    elif origin is Literal:
-        out.append(args.index(value))
-    elif origin in (list, tuple):
-        items = cast(Sequence[Any], value)
-        out.append(len(items))
-        for item in items:
-            _write(args[0], item, out)
-    elif kind is str:
-        out.append(len(value))
-        out.extend(ord(c) for c in value)
-    elif kind is float:
-        out.append(struct.unpack("<i", struct.pack("<f", value))[0])
-    elif kind in (int, bool):
-        out.append(int(value))
-    else:
-        raise TypeError(f"no int32 form for {kind!r}")
-
-
-def from_ints(cls: type[T], values: Sequence[int], at: int = 0) -> tuple[T, int]:
-    """The ``cls`` that :func:`to_ints` wrote at ``values[at:]``, and where it ends; :class:`ValueError` when the
-    values are not such (cut short, a flag or length out of range)."""
-    value, end = _take(cls, values, at, cls.__name__)
-    return cast(T, value), end
-
-
-def _take(kind: Any, values: Sequence[int], at: int, where: str) -> tuple[Any, int]:
-    origin, args = get_origin(kind), get_args(kind)
-    if is_dataclass(kind):
-        hints = get_type_hints(kind)
-        made: dict[str, Any] = {}
-        for f in fields(kind):
-            made[f.name], at = _take(hints[f.name], values, at, f"{where}.{f.name}")
-        return cast(Callable[..., Any], kind)(**made), at
-    if at >= len(values):
-        raise ValueError(f"{where} is cut short")
-    head = values[at]
-    if origin in (Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        if head not in (0, 1):
-            raise ValueError(f"{where}: a presence flag of {head}")
-        return (None, at + 1) if head == 0 else _take(inner, values, at + 1, where)
-    if origin is Literal:
-        if not 0 <= head < len(args):
-            raise ValueError(f"{where}: choice {head} of {len(args)}")
-        return args[head], at + 1
-    if origin in (list, tuple) or kind is str:
-        if not 0 <= head <= len(values) - at - 1:
-            raise ValueError(f"{where}: a length of {head} with {len(values) - at - 1} values left")
-        at += 1
-        if kind is str:
-            return "".join(chr(v) for v in values[at : at + head]), at + head
-        items: list[Any] = []
-        for i in range(head):
-            item, at = _take(args[0], values, at, f"{where}[{i}]")
-            items.append(item)
-        return (items if origin is list else tuple(items)), at
-    if kind is float:
-        return struct.unpack("<f", struct.pack("<i", head))[0], at + 1
-    if kind is bool:
-        if head not in (0, 1):
-            raise ValueError(f"{where}: a flag of {head}")
-        return bool(head), at + 1
-    if kind is int:
-        return head, at + 1
-    raise TypeError(f"{where}: no int32 form for {kind!r}")

@@ -7,16 +7,25 @@
 - :class:`ProcessControl`: how the serving process stops and when it gives up.
 
 :class:`ServeSettings` holds one of each; it is made once from the command line (:mod:`pipemlx.cli.serve`) and
-passed on as a value (to the ranks a front process starts, as JSON through :data:`SETTINGS_VARIABLE`).
+passed on as a value: a process that starts serving ranks (the front's supervisor, or ``pipemlx serve
+--no-recover``) gives each its :class:`RankOptions` as JSON (:func:`rank_process`), not a command line to parse
+again.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
-SETTINGS_VARIABLE = "PIPEMLX_SERVE_SETTINGS"
-"""The JSON form of the :class:`ServeSettings` a front process gives the ranks it starts."""
+from ..models.sharding import LendSpec
+from .requests import from_json, to_json
+
+RANK_VARIABLE = "PIPEMLX_SERVE_RANK"
+"""The JSON form of the :class:`RankOptions` of a process started as a serving rank (``python -m pipemlx.serve``)."""
 
 
 @dataclass(frozen=True)
@@ -93,3 +102,30 @@ class ServeSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
     process: ProcessControl = field(default_factory=ProcessControl)
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """What one rank needs to start serving."""
+
+    model_dir: Path
+    settings: ServeSettings
+    host: str = "127.0.0.1"
+    port: int = 8080
+    split: list[int] | None = None
+    expected_ranks: int | None = None
+    allow_unregistered: bool = False
+    lend: LendSpec = "auto"
+
+
+def rank_process(options: RankOptions) -> tuple[list[str], dict[str, str]]:
+    """The command and the environment variables that start a process serving as a rank with ``options``."""
+    return [sys.executable, "-m", "pipemlx.serve"], {RANK_VARIABLE: json.dumps(to_json(options))}
+
+
+def rank_options_from_environment() -> RankOptions:
+    """The :class:`RankOptions` that :func:`rank_process` gave this process; ValueError naming what is wrong."""
+    try:
+        return from_json(RankOptions, json.loads(os.environ[RANK_VARIABLE]))
+    except KeyError:
+        raise ValueError(f"${RANK_VARIABLE} is not set: start serving ranks with pipemlx serve") from None

@@ -40,7 +40,7 @@ import secrets
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from .book import Book, log
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, Acceptor, Link
 from .openai_api import ApiError, unavailable
 from .relay import Fault, Regroup, Relay
-from .settings import ServeSettings
+from .settings import RankOptions, ServeSettings, rank_process
 
 START_TIMEOUT_S = 300.0
 """The longest a group may take to load and greet the front before the start counts as failed."""
@@ -64,11 +64,10 @@ class FrontOptions:
     """What the front process needs: HTTP, the model's tokenizer, and how it starts the ranks (local), or where it
     waits for them (``listen``: hosts)."""
 
-    model_dir: Path  # a folder, or a Hub repo id (the front fetches its tokenizer files, the ranks their weights)
-    settings: ServeSettings
+    rank: RankOptions
+    """What each rank serves with (its ``model_dir``: a folder, or a Hub repo id: the front fetches its tokenizer
+    files, the ranks their weights)."""
     ranks: int
-    command: list[str]
-    """The rank program (``python -m pipemlx serve ...`` with the same flags); local ranks only."""
     host: str = "127.0.0.1"
     port: int = 8080
     env: dict[str, str] = field(default_factory=dict[str, str])
@@ -206,25 +205,12 @@ class Supervisor:
             "the split planned again"
         )
 
-    def _command(self) -> list[str]:
-        """The ranks' command for :attr:`ranks` ranks: ``--ranks`` set to it, ``--split`` dropped after a shrink."""
-        command = self.options.command
-        if self.ranks == self.options.ranks:
-            return command
-        out: list[str] = []
-        skip = False
-        for arg in command:
-            if skip:
-                skip = False
-            elif arg in ("--ranks", "--split"):
-                skip = True  # and its value
-                if arg == "--ranks":
-                    out += ["--ranks", str(self.ranks)]
-            elif arg.startswith("--ranks="):
-                out.append(f"--ranks={self.ranks}")
-            elif not arg.startswith("--split="):
-                out.append(arg)
-        return out
+    def _rank_process(self) -> tuple[list[str], dict[str, str]]:
+        """The ranks' command and environment for :attr:`ranks` ranks (``--split`` dropped after a shrink)."""
+        options = self.options.rank
+        if self.ranks != self.options.ranks:
+            options = replace(options, split=None)
+        return rank_process(replace(options, expected_ranks=self.ranks))
 
     def _note_fault(self, message: str) -> bool:  # a failed start counts too, the first one included
         """Record a fault; False when it is one too many in the window (--max-restarts)."""
@@ -268,12 +254,13 @@ class Supervisor:
         while not self.acceptor.accepted.empty():  # a link of the old group that came late
             self.acceptor.accepted.get_nowait().close()
         host, port = self.acceptor.address
+        command, env = self._rank_process()
         self.procs = []  # filled as each rank starts: a second signal meanwhile kills those started
         spawn_ranks(  # on new ports each time: the old group's may linger
-            self._command(),
+            command,
             self.ranks,
             directory=Path(self.workdir.name),
-            env={**self.options.env, FRONT_ADDRESS_VARIABLE: f"{host}:{port}", FRONT_KEY_VARIABLE: self.key},
+            env={**self.options.env, **env, FRONT_ADDRESS_VARIABLE: f"{host}:{port}", FRONT_KEY_VARIABLE: self.key},
             outputs=lambda rank: (None if rank == 0 else subprocess.DEVNULL, None),
             stdin=subprocess.DEVNULL,
             cpus=self.cpus,
