@@ -91,6 +91,12 @@ def test_good_requests_are_read_fully() -> None:
         0.9,
     )
     assert sampling.seed == (1 << 31) - 1 and chat.stop == ("x",)
+    read = parse_completion({"prompt": "x", "min_p": 0.1, "top_k": 5}).sampling
+    assert (read.min_p, read.top_k) == (0.1, 5)
+    for field, bad in (("min_p", 2), ("min_p", "a"), ("top_k", -1), ("top_k", 1.5)):
+        with pytest.raises(ApiError) as caught:
+            parse_completion({"prompt": "x", field: bad})
+        assert caught.value.status == 400 and caught.value.param == field
     assert parse_completion({"prompt": ["text"]}).prompt == "text"
     assert parse_completion({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     for bad in ({"prompt": ""}, {"prompt": [1, "a"]}, {"prompt": ["a", "b"]}, {}):
@@ -341,14 +347,17 @@ def test_inserts_of_one_step_sharing_an_entry_copy_it() -> None:
     assert [i.plan.entry for i in shared] == [5, 5, 6, -1] and [i.request.id for i in shared] == [1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_a_request_sampler_draws_what_a_seeded_solo_run_draws(top_p: float) -> None:
+@pytest.mark.parametrize("top_p,min_p,top_k", [(1.0, 0.0, 0), (0.8, 0.0, 0), (1.0, 0.3, 0), (1.0, 0.0, 3)])
+def test_a_request_sampler_draws_what_a_seeded_solo_run_draws(top_p: float, min_p: float, top_k: int) -> None:
     logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1]]), axis=-1))
-    sampler = SamplingParams(0.8, top_p).keyed_sampler(1234)
-    assert sampler is not None and SamplingParams(0.0, top_p).keyed_sampler(1234) is None
+    params = SamplingParams(0.8, top_p, min_p, top_k)
+    sampler = params.keyed_sampler(1234)
+    assert sampler is not None and SamplingParams(0.0, top_p, min_p, top_k).keyed_sampler(1234) is None
     ours = [int(sampler(logprobs).item()) for _ in range(40)]
     mx.random.seed(1234)
-    solo = make_sampler(0.8, top_p=top_p)
+    solo = make_sampler(0.8, top_p=top_p, min_p=min_p, top_k=top_k)
+    assert params.sampler() is not None
+    mx.random.seed(1234)
     assert ours == [int(solo(logprobs).item()) for _ in range(40)]
     assert len(set(ours)) > 1  # the draws are random, not one token
 

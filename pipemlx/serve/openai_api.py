@@ -194,6 +194,16 @@ def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
         top_p = 1.0
     elif not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
+    min_p = obj.get("min_p")
+    if min_p is None:
+        min_p = 0.0
+    elif not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
+        raise bad_request(f"'min_p' must be a number from 0 to 1, got {min_p!r}", param="min_p")
+    top_k = obj.get("top_k")
+    if top_k is None:
+        top_k = 0
+    elif not _is_int(top_k) or top_k < 0:
+        raise bad_request(f"'top_k' must be a whole number, 0 or more (0: all tokens), got {top_k!r}", param="top_k")
     seed = obj.get("seed")
     if seed is not None:
         if not _is_int(seed):
@@ -207,7 +217,7 @@ def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
         penalties = parse_penalties(obj)
     except PenaltyError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
-    return SamplingParams(float(temperature), float(top_p), seed, penalties, draft)
+    return SamplingParams(float(temperature), float(top_p), float(min_p), int(top_k), seed, penalties, draft)
 
 
 def _asks_logprobs(obj: dict[str, Any], kind: Kind) -> bool:

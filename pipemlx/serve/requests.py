@@ -50,6 +50,10 @@ class SamplingParams:
 
     temperature: float = 0.0
     top_p: float = 1.0
+    min_p: float = 0.0
+    """Tokens less likely than ``min_p`` times the likeliest are dropped (0: none), as mlx-lm's sampler does."""
+    top_k: int = 0
+    """Only the ``top_k`` likeliest tokens are drawn from (0: all)."""
     seed: int | None = None
     """``None``: rank 0 draws one at admission (temperature above 0), so every rank samples alike."""
     penalties: Penalties = field(default_factory=Penalties)
@@ -62,7 +66,7 @@ class SamplingParams:
             return None
         from mlx_lm.sample_utils import make_sampler  # pyright: ignore[reportUnknownVariableType]
 
-        made: Sampler = make_sampler(self.temperature, top_p=self.top_p)
+        made: Sampler = make_sampler(self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
         return made
 
     def keyed_sampler(self, seed: int, drawn: int = 0) -> Sampler | None:
@@ -71,18 +75,26 @@ class SamplingParams:
         if self.temperature <= 0:
             return None
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_top_p  # pyright: ignore[reportUnknownVariableType]
+        from mlx_lm.sample_utils import (  # pyright: ignore[reportUnknownVariableType]
+            apply_min_p,  # pyright: ignore[reportUnknownVariableType]
+            apply_top_k,  # pyright: ignore[reportUnknownVariableType]
+            apply_top_p,  # pyright: ignore[reportUnknownVariableType]
+        )
 
         state = [mx.random.key(seed)]
         for _ in range(drawn):
             state[0] = mx.random.split(state[0])[0]
         # Evaluated here: left lazy, the key would be computed on a helper thread that lacks this thread's stream.
         mx.eval(state[0])  # pyright: ignore[reportUnknownMemberType]
-        temperature, top_p = self.temperature, self.top_p
+        temperature, top_p, min_p, top_k = self.temperature, self.top_p, self.min_p, self.top_k
 
-        def sample(logprobs: mx.array) -> mx.array:
+        def sample(logprobs: mx.array) -> mx.array:  # mlx-lm's filters, in its order
             if 0 < top_p < 1:
                 logprobs = apply_top_p(logprobs, top_p)
+            if min_p != 0:
+                logprobs = apply_min_p(logprobs, min_p)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
             pair = mx.random.split(state[0])
             state[0] = pair[0]
             return mx.random.categorical(logprobs * (1.0 / temperature), key=pair[1])
