@@ -23,7 +23,7 @@ from hypothesis_profiles import live_settings
 from live_group import LiveGroup
 
 import pipemlx
-import pipemlx.runtime.generate as generate_module
+import pipemlx.runtime.decode as decode_module
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
@@ -323,7 +323,7 @@ def test_an_error_while_a_decode_step_evaluates_leaves_the_stage_refusing_furthe
     # An error raised while MLX evaluates a step (not while the model builds it) may leave the ranks one
     # collective apart: the stage must refuse the next request instead of exchanging garbage.
     model = pipemlx.shard_model(build_model(tiny_config("llama")), mx.distributed.init())  # one rank
-    real_wait = generate_module.wait_for
+    real_wait = decode_module.wait_for
     waits = 0
 
     def wait_then_fail(arrays: Any, timeout: float | None, what: Any) -> None:
@@ -333,7 +333,7 @@ def test_an_error_while_a_decode_step_evaluates_leaves_the_stage_refusing_furthe
             raise RuntimeError("[test] the evaluation failed")
         real_wait(arrays, timeout, what)
 
-    monkeypatch.setattr(generate_module, "wait_for", wait_then_fail)
+    monkeypatch.setattr(decode_module, "wait_for", wait_then_fail)
     produced: list[int] = []
     with pytest.raises(RuntimeError, match="the evaluation failed"):
         for token, _ in pipemlx.generate_step(tokens(10), model, max_tokens=8):
@@ -427,7 +427,7 @@ def test_stream_generate_cancelled_before_the_first_token_says_so(tmp_path: Any)
     )
     with pytest.raises(StopIteration) as ended:
         next(decoding)
-    assert ended.value.value == decoding.stop == pipemlx.runtime.generate.DecodeStop("cancelled", 0, (0,))
+    assert ended.value.value == decoding.stop == decode_module.DecodeStop("cancelled", 0, (0,))
     # Cancelled after 3 tokens: each token in one response (the closing one adds none), as a solo run's first 3.
     solo = [r.token for r in pipemlx.stream_generate(model, tokenizer, prompt, max_tokens=8, prefill_step_size=4)]
     polls = 0

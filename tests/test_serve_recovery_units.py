@@ -18,7 +18,7 @@ import pytest
 
 from pipemlx import cli
 from pipemlx.demo import MODEL_DIR
-from pipemlx.serve import front_tokenizer
+from pipemlx.models.loading import load_tokenizer_of
 from pipemlx.serve.book import Book, Event, Ticket
 from pipemlx.serve.broadcast import Insert, Ops, decode_ops, encode_ops
 from pipemlx.serve.link import FRONT_KEY_VARIABLE, Acceptor, connect
@@ -63,7 +63,7 @@ def events_of(loop: asyncio.AbstractEventLoop, job: Ticket) -> list[Event]:
 
 
 def test_the_front_resumes_with_the_tokens_sent_and_answers_once() -> None:
-    tokenizer = front_tokenizer(MODEL_DIR)
+    tokenizer = load_tokenizer_of(MODEL_DIR)
     book = Book(ServeSettings("pipemlx-demo", engine=EngineSettings(max_concurrency=4)), tokenizer, [4, 4])
     relay = Relay(book, 1.0)
     loop = asyncio.new_event_loop()

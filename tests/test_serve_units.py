@@ -26,7 +26,6 @@ from pipemlx.serve.broadcast import (
 )
 from pipemlx.serve.loop import share_entries
 from pipemlx.serve.openai_api import ApiError, StopText, parse_chat, parse_completion
-from pipemlx.serve.penalties import Penalties
 from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse
 from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_json, to_json
 
@@ -120,11 +119,11 @@ def test_bad_penalties_are_refused_and_good_ones_read(body: dict[str, Any], para
         parse_chat({"messages": MESSAGES, **body})
     assert caught.value.status == 400 and caught.value.param == param and words in str(caught.value)
     read = parse_completion({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {}})
-    assert read.sampling.penalties == Penalties(presence_penalty=0.5, frequency_penalty=-1.0)
+    assert (read.sampling.presence_penalty, read.sampling.frequency_penalty) == (0.5, -1.0)
     insert = Insert(Request(1, [5], 4, read.sampling))
     received = decode_ops(encode_ops(Ops(inserts=[insert]))).inserts[0].request.sampling
-    assert received.penalties == read.sampling.penalties  # what every rank gets
-    assert parse_completion({"prompt": "x"}).sampling.penalties.processors() is None
+    assert received == read.sampling  # what every rank gets
+    assert parse_completion({"prompt": "x"}).sampling.processors() is None
 
 
 @pytest.mark.parametrize(
@@ -282,15 +281,12 @@ sampling_strategy = st.builds(
     temperature=st.sampled_from([0.0, 0.75, 1.0, 1.875]),  # float32 values: sent as their bits
     top_p=st.sampled_from([1.0, 0.5, 0.25]),
     seed=st.none() | st.integers(0, (1 << 31) - 1),
-    penalties=st.builds(
-        Penalties,
-        st.sampled_from([0.0, 1.25, 1.5]),
-        st.integers(1, 64),
-        st.sampled_from([0.0, -0.5, 2.0]),
-        st.integers(1, 64),
-        st.sampled_from([0.0, 0.75, -2.0]),
-        st.integers(1, 64),
-    ),
+    repetition_penalty=st.sampled_from([0.0, 1.25, 1.5]),
+    repetition_context_size=st.integers(1, 64),
+    presence_penalty=st.sampled_from([0.0, -0.5, 2.0]),
+    presence_context_size=st.integers(1, 64),
+    frequency_penalty=st.sampled_from([0.0, 0.75, -2.0]),
+    frequency_context_size=st.integers(1, 64),
     draft=st.booleans(),
 )
 requests_strategy = st.builds(

@@ -2,8 +2,8 @@
 
 Spec: {"M", "tokens", "repeats", "config", "sampled"?}. Prefills an M-token prompt, then decodes ``tokens``
 tokens with ``pipemlx.generate_step``, ``repeats`` times after a warm-up. Each blocking wait of a step
-(``wait_for`` in pipemlx.runtime.generate and pipemlx.runtime.sampling, named by what it waits for) and the
-building of the rank's part of the graph (``_Request._build``) are timed by wrapping them; "python" is the rest
+(``wait_for`` in pipemlx.runtime.decode and pipemlx.runtime.sampling, named by what it waits for) and the
+building of the rank's part of the graph (``DecodeRun._build``) are timed by wrapping them; "python" is the rest
 of the step (the message's row, reading the table, bookkeeping), "between steps" the time from the end of one
 step to the start of the next (yielding the token, the consumer, polling). Prints one JSON line:
 {"rank", "tokens_per_s", "per_token_ms": {phase: ms}}.
@@ -23,7 +23,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.runtime import generate as decode_module
+from pipemlx.runtime import decode as decode_module
 from pipemlx.runtime import sampling as sampling_module
 from pipemlx.testing import build_model
 
@@ -51,7 +51,7 @@ def main() -> None:
                 label = next((name for marker, name in WAITS if marker in what), what)
                 totals[label] += time.perf_counter() - start
 
-    build, step = decode_module._Request._build, decode_module._Request._step  # pyright: ignore[reportPrivateUsage]
+    build, step = decode_module.DecodeRun._build, decode_module.DecodeRun._step  # pyright: ignore[reportPrivateUsage]
 
     def timed_build(self: Any, *args: Any) -> Any:
         start = time.perf_counter()
@@ -75,8 +75,8 @@ def main() -> None:
 
     decode_module.wait_for = timed_wait  # pyright: ignore[reportAttributeAccessIssue]
     sampling_module.wait_for = timed_wait  # pyright: ignore[reportAttributeAccessIssue]
-    decode_module._Request._build = timed_build  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]
-    decode_module._Request._step = timed_step  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]
+    decode_module.DecodeRun._build = timed_build  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]
+    decode_module.DecodeRun._step = timed_step  # pyright: ignore[reportPrivateUsage, reportAttributeAccessIssue]
 
     group = init_group()
     model = pipemlx.shard_model(build_model(spec["config"], seed=0), group)

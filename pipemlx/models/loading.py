@@ -244,3 +244,31 @@ def load_draft(path: str | os.PathLike[str]) -> nn.Module:
 
     loaded: Any = mlx_load(str(path))  # pyright: ignore[reportUnknownVariableType]
     return cast(nn.Module, loaded[0])
+
+
+def load_tokenizer_of(root: Path) -> Any:
+    """The tokenizer of the model folder ``root`` as :func:`load_sharded` loads it (its end-of-sequence ids from
+    ``config.json``), without any weights: for a process that tokenizes and joins no group (``pipemlx serve``'s
+    front)."""
+    try:
+        config = read_dir_config(root)
+    except (OSError, ValueError):
+        config = {}
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None  # pyright: ignore[reportUnnecessaryIsInstance]
+    return load_tokenizer(root, None, eos_token_ids=eos)
+
+
+def model_context(root: Path) -> int | None:
+    """The model's ``max_position_embeddings`` (from ``config.json``, or its ``text_config``), if it says."""
+    try:
+        config = read_dir_config(root)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):  # pyright: ignore[reportUnnecessaryIsInstance]
+        return None
+    text_config = config.get("text_config")
+    for where in (config, cast(dict[str, Any], text_config) if isinstance(text_config, dict) else {}):
+        value = where.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

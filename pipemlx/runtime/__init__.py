@@ -8,7 +8,9 @@
 - :mod:`.prefill`: ``pipeline_prefill``, the executor of :mod:`pipemlx.schedule.plan`'s plans.
 - :mod:`.agreement`: the prefill's handshake and agreement points, over :mod:`.protocol`.
 - :mod:`.waits`, :mod:`.caches`: bounded waits, cache bookkeeping.
-- :mod:`.generate`: ``generate_step`` and ``stream_generate``, a whole request; the ``DecodeStream`` says why it ended.
+- :mod:`.generate`: ``generate_step`` and ``stream_generate``, a whole request as mlx-lm's API.
+- :mod:`.decode`: one request's decode on one rank (speculation included); its ``DecodeStream`` says why it ended.
+- :mod:`.stops`: stop sequences, one matcher for ``generate_step`` and ``BatchGenerator``.
 - :mod:`.sampling`: greedy picking, samplers, logits processors, and the output head shared for greedy decodes.
 - :mod:`.batch`: ``BatchGenerator``, many requests decoded together
   as one batch through the pipeline, one tick at a time.

@@ -29,16 +29,14 @@ import os
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import replace
-from multiprocessing import AuthenticationError
 from pathlib import Path
-from typing import Any, cast
+from typing import NoReturn
 
 from ..errors import PipelineError
 from ..launch import init_group
 from ..models.hub import locate_model
-from ..models.loading import load_draft, load_sharded
+from ..models.loading import load_draft, load_sharded, load_tokenizer_of, model_context
 from .book import Book, log
 from .link import CONNECT_EVERY_S, FRONT_ADDRESS_VARIABLE, JOIN_VARIABLE, Link
 from .loop import Leader, follow
@@ -59,7 +57,6 @@ __all__ = [
     "RankOptions",
     "ServeSettings",
     "missing_packages",
-    "model_context",
     "run_front",
     "run_rank",
 ]
@@ -68,23 +65,6 @@ __all__ = [
 def missing_packages() -> list[str]:
     """The packages of the ``serve`` extra that cannot be imported here."""
     return [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
-
-
-def model_context(model_dir: Path) -> int | None:
-    """The model's ``max_position_embeddings`` (from ``config.json``, or its ``text_config``), if it says."""
-    try:
-        config: Any = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    top = cast(dict[str, Any], config)
-    text_config = top.get("text_config")
-    for where in (top, cast(dict[str, Any], text_config) if isinstance(text_config, dict) else {}):
-        value = where.get("max_position_embeddings")
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def run_rank(options: RankOptions) -> int:
@@ -105,8 +85,7 @@ def run_rank(options: RankOptions) -> int:
         return 2
     front_address = os.environ.get(FRONT_ADDRESS_VARIABLE)  # a front process serves HTTP (--recover)
     if rank == 0 and front_address is None and missing_packages():
-        print(f"pipemlx serve: error: rank 0 needs the serve extra: {INSTALL_HINT}", file=sys.stderr)
-        os._exit(2)  # the other ranks notice the lost peer and exit
+        _exit(2, f"error: rank 0 needs the serve extra: {INSTALL_HINT}")  # the other ranks notice the lost peer
     try:
         model, tokenizer = load_sharded(
             options.model_dir,
@@ -118,34 +97,21 @@ def run_rank(options: RankOptions) -> int:
             lend=options.lend,
         )
     except (ValueError, OSError) as exc:
-        print(f"pipemlx serve: error: cannot load the model in {options.model_dir}: {exc}", file=sys.stderr)
-        os._exit(2)
+        _exit(2, f"error: cannot load the model in {options.model_dir}: {exc}")
     except PipelineError as exc:  # an architecture it refuses, a group that fails while sharding: as generate says it
-        print(f"pipemlx serve: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        os._exit(1)
+        _exit(1, f"rank {rank}: {type(exc).__name__}: {exc}")
     try:  # speculative decoding: the draft is whole on every rank (mlx-lm's loader, a folder or a repo id)
         draft = None if engine.draft_model is None else load_draft(engine.draft_model)
     except Exception as exc:  # a folder without a model, a repo the Hub lacks: one line on every rank
-        print(f"pipemlx serve: error: cannot load the draft model {engine.draft_model}: {exc}", file=sys.stderr)
-        os._exit(2)
+        _exit(2, f"error: cannot load the draft model {engine.draft_model}: {exc}")
     here = Rank(model, tokenizer, group, engine, draft)
     try:
         here.start()
-    except PipelineError as exc:
-        print(
-            f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
-        )
-        os._exit(1)
-    try:
         scheduler = make_scheduler(here)
     except TypeError as exc:  # the same model on every rank: every rank says so and exits
-        print(f"pipemlx serve: error: --max-concurrency {engine.max_concurrency}: {exc}", file=sys.stderr)
-        os._exit(2)
-    except PipelineError as exc:  # a peer lost or stalled while the batch scheduler calibrated
-        print(
-            f"pipemlx serve: rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}", file=sys.stderr
-        )
-        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block or abort
+        _exit(2, f"error: --max-concurrency {engine.max_concurrency}: {exc}")
+    except PipelineError as exc:  # a peer lost or stalled while warming up or while the batch scheduler calibrated
+        _exit(1, f"rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}")
     if rank != 0:
         return _follow(here, scheduler)
     if joined is not None:  # across hosts: the link rank 0 joined the front over
@@ -154,6 +120,12 @@ def run_rank(options: RankOptions) -> int:
     if front_address is not None:
         return _work(here, scheduler, front_address)
     return _lead(here, scheduler, options)
+
+
+def _exit(status: int, line: str) -> NoReturn:
+    """Say ``line`` and exit now: after a lost or stalled peer, MLX's teardown can block or abort."""
+    print(f"pipemlx serve: {line}", file=sys.stderr, flush=True)
+    os._exit(status)
 
 
 def _join(options: RankOptions) -> tuple[Link | None, RankOptions]:
@@ -187,39 +159,23 @@ def _join(options: RankOptions) -> tuple[Link | None, RankOptions]:
 def _work(engine: Rank, scheduler: Scheduler, front_address: str) -> int:
     """Rank 0 under a front process: connect to it, greet it, serve what it sends.
 
-    Until the front answers (it may be down, restarting, or across a cut network) rank 0 tries again every
-    :data:`CONNECT_EVERY_S` seconds and keeps the other ranks waiting with idle broadcasts, so a group that is
-    up stays up; a lost or stalled peer meanwhile ends the worker (its supervisor starts it again)."""
+    Until the front answers rank 0 keeps the other ranks waiting with idle broadcasts, so a group that is up
+    stays up; a lost or stalled peer meanwhile ends the worker (its supervisor starts it again)."""
     from .broadcast import IDLE
-    from .link import connect, key_from_environment
+    from .link import connect_retrying, key_from_environment
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front decides when the group stops
-    key = key_from_environment() or ""
     timeout = engine.settings.timeout
-    attempt_s = min(HANDSHAKE_WAIT_S, timeout / 4)  # each attempt ends well before the followers' wait does
-    said = False
-    while True:
-        started = time.monotonic()
-        try:
-            link = connect(front_address, key, timeout=attempt_s)
-            break
-        except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # AuthenticationError: a wrong key
-            if not said:
-                print(
-                    f"pipemlx serve: rank 0: cannot reach the front at {front_address} ({type(exc).__name__}: "
-                    f"{exc}); trying again every {CONNECT_EVERY_S:g} s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                said = True
+
+    def keep_the_group() -> None:
         try:
             engine.exchange({"op": IDLE, "pause_ms": int(CONNECT_EVERY_S * 1000)}, timeout, "waiting for the front")
         except PipelineError as exc:
-            print(f"pipemlx serve: rank 0: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
-        time.sleep(max(0.0, CONNECT_EVERY_S - (time.monotonic() - started)))
-    if said:
-        print(f"pipemlx serve: rank 0: connected to the front at {front_address}", file=sys.stderr, flush=True)
+            _exit(1, f"rank 0: {type(exc).__name__}: {exc}")
+
+    # Each attempt ends well before the followers' wait does.
+    attempt_s = min(HANDSHAKE_WAIT_S, timeout / 4)
+    link = connect_retrying(front_address, key_from_environment() or "", attempt_s, "rank 0", keep_the_group)
     return Leader(engine, scheduler, LinkRequests(engine, link)).serve()
 
 
@@ -228,8 +184,7 @@ def _follow(engine: Rank, scheduler: Scheduler) -> int:
     try:
         return follow(engine, scheduler)
     except BaseException as exc:  # a lost or stalled peer, ranks out of step: the group cannot go on
-        print(f"pipemlx serve: rank {engine.rank}: exiting: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)  # after a lost or stalled peer, MLX's teardown can block
+        _exit(1, f"rank {engine.rank}: exiting: {type(exc).__name__}: {exc}")
 
 
 def _lead(rank: Rank, scheduler: Scheduler, options: RankOptions) -> int:
@@ -256,19 +211,6 @@ def _lead(rank: Rank, scheduler: Scheduler, options: RankOptions) -> int:
     return status
 
 
-def front_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer as every rank loads it (mlx-lm's ``load_tokenizer``): the front tokenizes and
-    detokenizes, and joins no group."""
-    from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
-
-    try:
-        config: Any = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        config = {}
-    eos = cast(dict[str, Any], config).get("eos_token_id") if isinstance(config, dict) else None
-    return load_tokenizer(model_dir, None, eos_token_ids=eos)
-
-
 def run_front(options: FrontOptions) -> int:
     """Serve HTTP in this process and run the ranks as workers, restarting them after a fault (``--recover``)."""
     from .app import Api, HttpThread
@@ -277,7 +219,7 @@ def run_front(options: FrontOptions) -> int:
     settings = options.rank.settings
     try:  # a Hub repo id: its config and tokenizer files fetched (or found in the cache), as every rank does
         model_dir = locate_model(options.rank.model_dir).root
-        tokenizer = front_tokenizer(model_dir)
+        tokenizer = load_tokenizer_of(model_dir)
     except (OSError, ValueError) as exc:  # ModelNotFoundError (one line) too
         print(f"pipemlx serve: error: cannot load the tokenizer of {options.rank.model_dir}: {exc}", file=sys.stderr)
         return 2

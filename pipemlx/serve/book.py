@@ -29,7 +29,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
-from .openai_api import ApiError, Kind, StopText, unavailable, usage
+from .openai_api import ApiError, Kind, StopText, shutting_down, unavailable, usage
 from .requests import OUTCOMES, Outcome, Request, RequestResult, response_id
 from .settings import ServeSettings
 
@@ -219,7 +219,7 @@ class Book:
         self.stop_deadline: float | None = None  # when a graceful stop cuts the running requests short
         self.metrics: ServeMetrics | None = None  # set by the app (/metrics)
 
-    # --- what /metrics reads (metrics.FrontView) ---------------------------------------------------------------------
+    # --- what /metrics reads (metrics.py) ------------------------------------------------------------------------------
 
     def waiting(self) -> int:
         return self.queue.qsize()
@@ -257,7 +257,7 @@ class Book:
         if self.status == "failed":
             raise unavailable(f"the pipeline failed and the server is exiting: {self.fault}")
         if self.status == "stopping" or self.stopping.is_set():
-            raise unavailable("the server is shutting down", code="shutting_down")
+            raise shutting_down()
         if self.status == "loading":
             raise unavailable("the model is still loading", code="loading")
         if self.status == "recovering" and self.recover_expired:
@@ -271,28 +271,20 @@ class Book:
         try:
             self.queue.put_nowait(ticket)
         except queue.Full:
-            self.count("rejected")
-            raise ApiError(
-                429,
-                f"the request queue is full ({self.settings.http.max_queue} waiting); retry later",
-                type="requests",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            ) from None
+            raise self._rejected(f"the request queue is full ({self.settings.http.max_queue} waiting)") from None
 
     def open_stream(self) -> None:
         """Count one more open stream, or raise 429 at ``--max-streams`` (HTTP thread only)."""
         cap = self.settings.http.max_streams
         if self.streams >= cap:
-            self.count("rejected")
-            raise ApiError(
-                429,
-                f"{cap} streamed answers are open, this server's cap (--max-streams); retry later",
-                type="requests",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
+            raise self._rejected(f"{cap} streamed answers are open, this server's cap (--max-streams)")
         self.streams += 1
+
+    def _rejected(self, why: str) -> ApiError:
+        """429 saying ``why``, counted."""
+        self.count("rejected")
+        message = f"{why}; retry later"
+        return ApiError(429, message, type="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
 
     def close_stream(self) -> None:
         self.streams -= 1
@@ -485,7 +477,7 @@ class Book:
     def begin_stop(self) -> None:
         """The serving side's part of a stop: the waiting requests get 503 (they never reach the ranks)."""
         self.request_stop()
-        self.reject_waiting(unavailable("the server is shutting down", code="shutting_down"))
+        self.reject_waiting(shutting_down())
 
     def stop_due(self) -> bool:
         """The grace is over (or no stop began and the server is stopping anyway): cut what still runs."""
@@ -518,7 +510,7 @@ class Book:
         elif finish == "cancelled":
             self.count("cancelled")
             if self.stopping.is_set() and not ticket.cancelled.is_set():
-                ticket.emit(Event("error", error=unavailable("the server is shutting down", code="shutting_down")))
+                ticket.emit(Event("error", error=shutting_down()))
             else:
                 ticket.emit(Event("done", finish_reason="cancelled", usage=counts))
         else:
@@ -593,7 +585,7 @@ class Book:
     def shut_down(self) -> None:
         """Stopping: the running and the waiting requests get 503 ``shutting_down``."""
         self.status = "stopping"
-        self.fail_running(unavailable("the server is shutting down", code="shutting_down"))
+        self.fail_running(shutting_down())
 
     def fail(self, exc: BaseException, where: str) -> None:
         """The pipeline is gone and this process exits: answer 503 to the running requests and to everyone for

@@ -36,6 +36,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -220,26 +221,39 @@ class Assignment:
     split: list[int] | None
 
 
-def join_front(address: str, key: str, entry: int, memory: int, attempt_s: float) -> Assignment:
-    """Reach the front at ``address``, say which hostfile ``entry`` this worker is and the ``memory`` it can give,
-    and wait for the group to form. Retries every :data:`CONNECT_EVERY_S` seconds while the front cannot be
-    reached, closes the link and starts over when the front goes away or falls silent for
-    :data:`FRONT_SILENCE_S` seconds: a worker waits for its front as long as it takes."""
+def connect_retrying(address: str, key: str, attempt_s: float, who: str, meanwhile: Callable[[], None]) -> Link:
+    """Connect to the front at ``address`` (each attempt bounded by ``attempt_s``), trying again every
+    :data:`CONNECT_EVERY_S` seconds while it cannot be reached (down, restarting, a cut network) and calling
+    ``meanwhile`` between attempts; ``who`` says once that it cannot reach it, and when it did."""
     said = False
     while True:
+        started = time.monotonic()
         try:
             link = connect(address, key, timeout=attempt_s)
         except (OSError, EOFError, ValueError, AuthenticationError) as exc:  # AuthenticationError: a wrong key
             if not said:
                 print(
-                    f"pipemlx serve: worker {entry}: cannot reach the front at {address} ({type(exc).__name__}: "
-                    f"{exc}); trying again every {CONNECT_EVERY_S:g} s",
+                    f"pipemlx serve: {who}: cannot reach the front at {address} ({type(exc).__name__}: {exc}); "
+                    f"trying again every {CONNECT_EVERY_S:g} s",
                     file=sys.stderr,
                     flush=True,
                 )
                 said = True
-            time.sleep(CONNECT_EVERY_S)
+            meanwhile()
+            time.sleep(max(0.0, CONNECT_EVERY_S - (time.monotonic() - started)))
             continue
+        if said:
+            print(f"pipemlx serve: {who}: connected to the front at {address}", file=sys.stderr, flush=True)
+        return link
+
+
+def join_front(address: str, key: str, entry: int, memory: int, attempt_s: float) -> Assignment:
+    """Reach the front at ``address``, say which hostfile ``entry`` this worker is and the ``memory`` it can give,
+    and wait for the group to form. Retries while the front cannot be reached, closes the link and starts over
+    when the front goes away or falls silent for :data:`FRONT_SILENCE_S` seconds: a worker waits for its front as
+    long as it takes."""
+    while True:
+        link = connect_retrying(address, key, attempt_s, f"worker {entry}", lambda: None)
         link.send({"t": "join", "entry": entry, "memory": memory})
         heard = time.monotonic()
         while time.monotonic() - heard < FRONT_SILENCE_S:
@@ -258,5 +272,4 @@ def join_front(address: str, key: str, entry: int, memory: int, attempt_s: float
                     None if split is None else [int(n) for n in split],
                 )
         link.close()
-        said = False
         print(f"pipemlx serve: worker {entry}: the front at {address} went away; joining again", file=sys.stderr)

@@ -5,19 +5,22 @@ One :class:`ServeMetrics` per app, with its own :class:`~prometheus_client.Colle
 tests) count apart. Nothing here touches MLX or the ranks: the counters are fed
 by the HTTP side (:class:`StatusCounter`, every answer's status) and by the
 answers (:meth:`ServeMetrics.request_done`, :meth:`ServeMetrics.token`), and
-the gauges read the :class:`~.front.Front`'s state when scraped, so the figures
-move with the front if it leaves rank 0's process.
+the gauges read the :class:`~.book.Book`'s state when scraped, so the figures
+move with the book if it leaves rank 0's process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from .book import Book
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -25,32 +28,15 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
-class FrontView(Protocol):
-    """What the gauges read from the :class:`~.front.Front` when scraped."""
-
-    @property
-    def status(self) -> str: ...
-
-    def waiting(self) -> int: ...
-
-    def running_count(self) -> int: ...
-
-    def open_streams(self) -> int: ...
-
-    def rank_slots(self) -> Sequence[dict[str, int]]: ...
-
-    def prefix_budget_tokens(self) -> int: ...
-
-
 class RankCollector(Collector):
     """Each rank's state as of the last broadcast: up, its last request, its cache and prefix-cache sizes."""
 
-    def __init__(self, front: FrontView, ranks: int) -> None:
-        self.front = front
+    def __init__(self, book: Book, ranks: int) -> None:
+        self.book = book
         self.ranks = ranks
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        slots = self.front.rank_slots()
+        slots = self.book.rank_slots()
         state = GaugeMetricFamily(
             "pipemlx_rank_state",
             "1 for the state each rank is in (ready, loading, stopping, failed)",
@@ -65,7 +51,7 @@ class RankCollector(Collector):
         )
         for r in range(self.ranks):
             slot = slots[r] if r < len(slots) else {}
-            state.add_metric([str(r), self.front.status], 1.0)
+            state.add_metric([str(r), self.book.status], 1.0)
             last.add_metric([str(r)], float(slot.get("last_seq", 0)))
             cache.add_metric([str(r)], float(slot.get("cache_tokens", 0)))
             entries.add_metric([str(r)], float(slot.get("prefix_entries", 0)))
@@ -78,7 +64,7 @@ class RankCollector(Collector):
 class ServeMetrics:
     """The counters, histograms and gauges of one server, in a registry of its own."""
 
-    def __init__(self, front: FrontView, ranks: int) -> None:
+    def __init__(self, book: Book, ranks: int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -111,14 +97,12 @@ class ServeMetrics:
             "pipemlx_inter_token_latency_seconds", "between consecutive tokens of a request",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        _gauge(r, "pipemlx_queue_waiting", "requests waiting in the queue", front.waiting)
-        _gauge(r, "pipemlx_requests_running", "requests running on the ranks", front.running_count)
-        _gauge(r, "pipemlx_open_streams", "streamed answers open", front.open_streams)
-        _gauge(r, "pipemlx_prefix_cache_tokens", "tokens held by the prefix cache", lambda: _prefix_tokens(front))
-        _gauge(
-            r, "pipemlx_prefix_cache_budget_tokens", "the prefix cache's bound in tokens", front.prefix_budget_tokens
-        )
-        r.register(RankCollector(front, ranks))
+        _gauge(r, "pipemlx_queue_waiting", "requests waiting in the queue", book.waiting)
+        _gauge(r, "pipemlx_requests_running", "requests running on the ranks", book.running_count)
+        _gauge(r, "pipemlx_open_streams", "streamed answers open", book.open_streams)
+        _gauge(r, "pipemlx_prefix_cache_tokens", "tokens held by the prefix cache", lambda: _prefix_tokens(book))
+        _gauge(r, "pipemlx_prefix_cache_budget_tokens", "the prefix cache's bound in tokens", book.prefix_budget_tokens)
+        r.register(RankCollector(book, ranks))
 
     def request_done(self, finish_reason: str, prompt: int, generated: int, cached: int) -> None:
         """Count one ended generation request."""
@@ -142,8 +126,8 @@ def _gauge(registry: CollectorRegistry, name: str, doc: str, read: Callable[[], 
     Gauge(name, doc, registry=registry).set_function(read)
 
 
-def _prefix_tokens(front: FrontView) -> float:
-    slots = front.rank_slots()
+def _prefix_tokens(book: Book) -> float:
+    slots = book.rank_slots()
     return float(slots[0].get("prefix_tokens", 0)) if slots else 0.0
 
 
@@ -173,10 +157,3 @@ class StatusCounter:
             await send(message)
 
         await self.app(scope, receive, counting)
-
-
-def parse_families(text: str) -> dict[str, Any]:
-    """Parse an exposition into ``{family name: family}`` with prometheus_client's own parser (tests, tools)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {family.name: family for family in text_string_to_metric_families(text)}

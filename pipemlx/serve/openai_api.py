@@ -10,12 +10,10 @@ the same fields, types and ``object`` names as OpenAI's API, so that the
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-from .penalties import PenaltyError, parse_penalties
 from .requests import SamplingParams
 from .settings import RequestDefaults
 
@@ -55,6 +53,11 @@ class ApiError(Exception):
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def shutting_down() -> ApiError:
+    """503: the server is stopping."""
+    return unavailable("the server is shutting down", code="shutting_down")
 
 
 def unavailable(message: str, *, code: str = "pipeline_unavailable") -> ApiError:
@@ -213,11 +216,20 @@ def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
     draft = True if draft is None else draft  # null: unset, as for the other fields
     if not isinstance(draft, bool):
         raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
-    try:
-        penalties = parse_penalties(obj)
-    except PenaltyError as exc:
-        raise bad_request(str(exc), param=exc.param) from exc
-    return SamplingParams(float(temperature), float(top_p), float(min_p), int(top_k), seed, penalties, draft)
+    penalties: dict[str, Any] = {}
+    for name, low, high in (("repetition", 0.0, 10.0), ("presence", -2.0, 2.0), ("frequency", -2.0, 2.0)):
+        value, size = obj.get(f"{name}_penalty"), obj.get(f"{name}_context_size")
+        if value is not None:
+            if not _is_number(value) or not low <= value <= high:
+                message = f"'{name}_penalty' must be a number from {low:g} to {high:g}, got {value!r}"
+                raise bad_request(message, param=f"{name}_penalty")
+            penalties[f"{name}_penalty"] = float(value)
+        if size is not None:
+            if not _is_int(size) or not 1 <= size <= 1 << 20:
+                message = f"'{name}_context_size' must be a whole number of at least 1, got {size!r}"
+                raise bad_request(message, param=f"{name}_context_size")
+            penalties[f"{name}_context_size"] = size
+    return SamplingParams(float(temperature), float(top_p), float(min_p), int(top_k), seed, draft=draft, **penalties)
 
 
 def _asks_logprobs(obj: dict[str, Any], kind: Kind) -> bool:
@@ -251,10 +263,6 @@ def _is_number(value: Any) -> bool:
 
 
 # --- responses ---------------------------------------------------------------------------------------------------
-
-
-def new_id(kind: Kind) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

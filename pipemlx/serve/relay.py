@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from .book import Book, Running
 from .link import BEAT_S, SILENCE_S, Link
-from .openai_api import unavailable
+from .openai_api import shutting_down
 from .requests import RequestResult, from_json, to_json
 
 
@@ -91,7 +91,7 @@ class Relay:
             if stop_sent:
                 if group.gone(closed) or time.monotonic() - stop_sent_at > self.stop_grace:
                     group.kill()
-                    book.fail_running(unavailable("the server is shutting down", code="shutting_down"))
+                    book.fail_running(shutting_down())
                     return 0
                 continue
             group.check()

@@ -28,18 +28,20 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, cast, get_args, get_origin, get_type_hints
 
-from .penalties import Penalties
-
 if TYPE_CHECKING:
     import mlx.core as mx
 
     Sampler = Callable[[mx.array], mx.array]
+    LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 Outcome = Literal["stop", "length", "cancelled", "failed"]
 OUTCOMES = ("none", "stop", "length", "cancelled", "failed")
 """How a rank's last request ended, as its ``outcome`` field numbers it."""
 INSTANCE = secrets.token_hex(6)
 """This process's part of the OpenAI response ids (request numbers start at 1 in every server process)."""
+
+PENALTY_CONTEXT = 20
+"""The tokens a penalty looks back over unless the request says (mlx-lm's server's default)."""
 
 T = TypeVar("T")
 
@@ -56,7 +58,14 @@ class SamplingParams:
     """Only the ``top_k`` likeliest tokens are drawn from (0: all)."""
     seed: int | None = None
     """``None``: rank 0 draws one at admission (temperature above 0), so every rank samples alike."""
-    penalties: Penalties = field(default_factory=Penalties)
+    # Penalties over the last ``*_context_size`` tokens (0: none), as mlx-lm's make_logits_processors applies them:
+    # OpenAI's presence and frequency penalties and mlx-lm's server's multiplicative repetition penalty.
+    repetition_penalty: float = 0.0
+    repetition_context_size: int = PENALTY_CONTEXT
+    presence_penalty: float = 0.0
+    presence_context_size: int = PENALTY_CONTEXT
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = PENALTY_CONTEXT
     draft: bool = True
     """Speculative decoding when the server does it; False: this request opted out."""
 
@@ -68,6 +77,17 @@ class SamplingParams:
 
         made: Sampler = make_sampler(self.temperature, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
         return made
+
+    def processors(self) -> list[LogitsProcessor] | None:
+        """mlx-lm's logits processors for the penalties (``None``: none); only the last rank runs them."""
+        from mlx_lm.sample_utils import make_logits_processors  # pyright: ignore[reportUnknownVariableType]
+
+        names = ("repetition", "presence", "frequency")
+        made: list[LogitsProcessor] = make_logits_processors(
+            **{f"{n}_penalty": getattr(self, f"{n}_penalty") for n in names},
+            **{f"{n}_context_size": getattr(self, f"{n}_context_size") for n in names},
+        )
+        return made or None
 
     def keyed_sampler(self, seed: int, drawn: int = 0) -> Sampler | None:
         """The draws of :meth:`sampler` after ``mx.random.seed(seed)``, from a key of the request's own (a batch

@@ -24,9 +24,8 @@ from ..runtime.batch import BatchGenerator, LogitsProcessor, Response, Sampler
 from ..runtime.caches import UNCOUNTED, counted_offset, trim_to
 from ..runtime.generate import generate_step
 from .broadcast import REQUEST, STEP, Insert, Ops
-from .penalties import Penalties
 from .rank import Rank
-from .requests import Outcome, Request, RequestResult, describe
+from .requests import Outcome, Request, RequestResult, SamplingParams, describe
 
 DEFAULT_STEP = 128
 """The batch's prefill chunk when ``--step-size`` is not a number: while others decode, each tick adds one chunk
@@ -115,7 +114,7 @@ class OneAtATime:
             prompt_cache=cache,
             max_tokens=request.max_tokens,
             sampler=sampling.sampler(),  # greedy as None: the argmax of the logits (no log-softmax to wait for)
-            logits_processors=_seeing(tokens[: plan.reuse], sampling.penalties),
+            logits_processors=_seeing(tokens[: plan.reuse], sampling),
             prefill_step_size=step,
             prompt_progress_callback=None
             if sink is None
@@ -226,7 +225,7 @@ class Batched:
                 max_tokens=[r.max_tokens for r in requests],
                 samplers=[_keyed_sampler(r) for r in requests],
                 caches=caches,
-                logits_processors=[r.sampling.penalties.processors() for r in requests],
+                logits_processors=[r.sampling.processors() for r in requests],
                 all_tokens=[i.request.tokens[: i.plan.reuse] for i in ops.inserts],
             )
             for insert, uid, cache in zip(ops.inserts, uids, caches):
@@ -316,15 +315,15 @@ def _keyed_sampler(request: Request) -> Sampler | None:
     return request.sampling.keyed_sampler(0 if seed is None else seed, request.drawn)
 
 
-def _seeing(reused: list[int], penalties: Penalties) -> list[LogitsProcessor] | None:
-    """``penalties``' processors, shown the ``reused`` prompt tokens (in the cache, not passed) before the rest.
+def _seeing(reused: list[int], sampling: SamplingParams) -> list[LogitsProcessor] | None:
+    """The penalties' processors, shown the ``reused`` prompt tokens (in the cache, not passed) before the rest.
 
     ``generate_step`` hands its processors the prompt it was given and the
     tokens generated since; a request continuing a cached prefix was given
     only the rest of its prompt. Its answer equals a single process's on the
     whole prompt only if the processors see all of it.
     """
-    processors = penalties.processors()
+    processors = sampling.processors()
     if processors is None or not reused:
         return processors
     before = mx.array(reused, dtype=mx.int32)

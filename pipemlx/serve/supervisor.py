@@ -1,35 +1,15 @@
-"""The front process's supervisor: it brings the group of ranks up, blames and counts faults, restarts the
-group (or waits for the hosts' supervisors to), shrinks it, and hands each group to the relay (:mod:`.relay`).
+"""The front process's supervisor (:class:`Supervisor`): it brings the group of ranks up, blames and counts
+faults, restarts the group, shrinks it, and hands each group to the relay (:mod:`.relay`).
 
-:class:`Supervisor` runs in the process the user started, which serves HTTP
-(:mod:`.app`) over its :class:`~.book.Book`. With local ranks (``--ranks N``)
-it starts them itself (:func:`pipemlx.launch.spawn_ranks`) and rank 0 connects
-over loopback; across hosts (``--hostfile`` with ``--front-listen``) it starts
-nothing: each host runs ``pipemlx serve --worker`` under a supervisor of its
-own that restarts it, each worker joins the front, and the front tells them
-which group to form; rank 0 of that group connects.
-
-1. A fault: a rank process exits, rank 0 reports a typed pipeline error
-   (``fault``: a lost or stalled peer), or rank 0 is silent for
-   :data:`.link.SILENCE_S` seconds (stalled itself). ``/health`` says
-   ``recovering`` (503, ``Retry-After``); new requests still queue.
-2. Every local rank is killed and a new group started (new ports); across
-   hosts every worker exits (rank 0 after its fault, the others on the lost
-   peer, or when the front closes the link) and the supervisors start them
-   again. Both are bounded by ``--recover-timeout``: past it, every waiting
-   client gets 503 with ``Retry-After`` (a stream: an ``error`` event), and new
-   requests get it at once until the group is back.
-3. When rank 0 greets the front again, the relay resumes every unfinished
-   request where its client's stream stopped.
-
-With ``--allow-shrink`` (local ranks), a rank that is killed by a signal (the
-OOM killer, ``kill -9``) in :data:`SHRINK_AFTER` faults in a row makes the
-front start one rank fewer from then on (never fewer than 2), the split planned
-again for them (``--split`` dropped).
-
-More than ``--max-restarts`` faults within ``--restart-window`` seconds: the
-front stops restarting, answers 503 saying why for ``--fault-grace`` seconds
-and exits with status 1.
+With local ranks (``--ranks N``) it starts them (:func:`pipemlx.launch.spawn_ranks`) and rank 0 connects over
+loopback; across hosts (``--hostfile`` with ``--front-listen``) each host runs ``pipemlx serve --worker`` under
+a supervisor of its own, the workers join the front, and the front tells them which group to form. A fault (a
+rank exits, rank 0 reports a pipeline error or falls silent) makes ``/health`` say ``recovering``; the local
+group is killed and started again on new ports (across hosts the workers exit and their supervisors start
+them), bounded by ``--recover-timeout`` (then the waiting clients get 503 with ``Retry-After``), and the relay
+resumes every request. ``--allow-shrink`` goes on with fewer ranks; more than ``--max-restarts`` faults within
+``--restart-window`` seconds end the front (503 saying why for ``--fault-grace`` seconds, then status 1).
+docs/serve.md, "Recovery", tells it whole.
 """
 
 from __future__ import annotations
@@ -47,7 +27,7 @@ from typing import Any
 from ..launch import STOP_GRACE_S, cpu_shares, kill_all, pin, spawn_ranks
 from .book import Book, log
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, Acceptor, Link
-from .openai_api import ApiError, unavailable
+from .openai_api import ApiError, shutting_down
 from .relay import Fault, Regroup, Relay
 from .settings import RankOptions, ServeSettings, rank_process
 
@@ -64,14 +44,11 @@ class FrontOptions:
     """What the front process needs: HTTP, the model's tokenizer, and how it starts the ranks (local), or where it
     waits for them (``listen``: hosts)."""
 
-    rank: RankOptions
-    """What each rank serves with (its ``model_dir``: a folder, or a Hub repo id: the front fetches its tokenizer
-    files, the ranks their weights)."""
+    rank: RankOptions  # what each rank serves with (model_dir: a folder or a Hub repo id)
     ranks: int
     host: str = "127.0.0.1"
     port: int = 8080
-    env: dict[str, str] = field(default_factory=dict[str, str])
-    """Added to each local rank's environment."""
+    env: dict[str, str] = field(default_factory=dict[str, str])  # added to each local rank's environment
     recover_timeout: float = 60.0
     max_restarts: int = 5
     restart_window: float = 600.0
@@ -279,13 +256,10 @@ class Supervisor:
             self._spawn()
             started = time.monotonic()
             while True:
-                if self.book.stopping.is_set():
+                if not self._waiting(recover_deadline):
                     kill_all(self.procs)
-                    self.book.fail_running(unavailable("the server is shutting down", code="shutting_down"))
                     return 0
                 now = time.monotonic()
-                if recover_deadline is not None and now >= recover_deadline and not self.book.recover_expired:
-                    self._recovery_expired()
                 codes = [p.poll() for p in self.procs]
                 exited = [(r, c) for r, c in enumerate(codes) if c is not None]
                 failure: str | None = None
@@ -307,6 +281,16 @@ class Supervisor:
                     return self._give_up()
                 break  # start again
 
+    def _waiting(self, recover_deadline: float | None) -> bool:
+        """Go on waiting for a group: False when the front is stopping (every request is told so); past
+        ``recover_deadline`` the waiting clients get 503 (once)."""
+        if self.book.stopping.is_set():
+            self.book.fail_running(shutting_down())
+            return False
+        if recover_deadline is not None and time.monotonic() >= recover_deadline and not self.book.recover_expired:
+            self._recovery_expired()
+        return True
+
     def _await_workers(self, recover_deadline: float | None) -> Link | int:
         """Across hosts: wait for the workers to join, tell them which group to form, and wait for its rank 0 to
         greet; the link, or 0 when the front is stopped.
@@ -319,13 +303,10 @@ class Supervisor:
         waiting_since = time.monotonic()
         beat_sent = 0.0
         while True:
-            if self.book.stopping.is_set():
+            if not self._waiting(recover_deadline):
                 self._drop_joined()
-                self.book.fail_running(unavailable("the server is shutting down", code="shutting_down"))
                 return 0
             now = time.monotonic()
-            if recover_deadline is not None and now >= recover_deadline and not self.book.recover_expired:
-                self._recovery_expired()
             self._take_joins(0.1)
             if now - beat_sent >= BEAT_S:  # a joined worker starts over when the front falls silent
                 beat_sent = now

@@ -37,8 +37,9 @@ from ..caches import UNCOUNTED, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage, stage_of
+from ..stops import Stops
 from .memory import exchange_admission
-from .requests import FinishReason, Options, Request, Stops, check_settings, checked_requests, fresh_window
+from .requests import BatchRequest, FinishReason, Options, check_settings, checked_requests, fresh_window
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
 from .stats import Counters
@@ -171,7 +172,7 @@ class BatchGenerator:
         self._fresh_kept = fresh_window(self._new_cache(), self.stage)
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
-        self._requests: dict[int, Request] = {}  # every request inserted and not yet finished
+        self._requests: dict[int, BatchRequest] = {}  # every request inserted and not yet finished
         self._rows = Rows(self.stage.compute_stream)
         self._runner = TickRunner(model, self.stage, self.timeout)
         self.admission: Admission | None = (
@@ -336,7 +337,7 @@ class BatchGenerator:
         self._rows.settle([c for c, _ in found.values() if c is not None])
         return found
 
-    def _handed_back(self, request: Request) -> tuple[list[Any] | None, list[int]]:
+    def _handed_back(self, request: BatchRequest) -> tuple[list[Any] | None, list[int]]:
         """A request's caches and the tokens they hold, for :meth:`remove` (before it forgets the request)."""
         if self._rows.row_of(request) is not None:
             return self.extract_cache([request.uid])[request.uid]

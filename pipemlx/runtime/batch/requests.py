@@ -10,7 +10,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
-from mlx_lm.generate import StopSequences
 from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ...schedule.batch_plan import Admission, QueuedPrompt
@@ -18,21 +17,20 @@ from ..caches import cache_parts, counted_offset
 from ..prefill import check_timeout
 from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage
+from ..stops import StopMatcher, Stops, StopSet
 
 FinishReason = Literal["length", "stop", "error"]
-Stops = StopSequences | Iterable[int | Sequence[int]]
-"""mlx-lm's ``StopSequences``, or token ids and sequences of them (an int is a sequence of one)."""
 
 
 @dataclass
-class Request:
+class BatchRequest:
     """One request inserted and not yet finished: what it asked for (checked) and how far it got."""
 
     uid: int
     prompt: list[int]  # the tokens not in the cache at insert
     max_tokens: int
     sampler: Sampler | None
-    stop: StopSequences.Matcher  # where the request's generated tokens stand in its stop sequences
+    stop: StopMatcher  # where the request's generated tokens stand in its stop sequences
     processors: tuple[LogitsProcessor, ...]
     before: list[int]  # all_tokens at insert: what a reused cache holds
     cache: list[Any] | None  # its per-layer caches until it joins the batch: the caller's, or made for its prefill
@@ -83,7 +81,7 @@ class GeneratorSettings(Protocol):
 
     stage: PipelineStage
     max_tokens: int
-    stop_sequences: StopSequences
+    stop_sequences: StopSet
     logits_processors: tuple[LogitsProcessor, ...]
     admission: Admission | None
 
@@ -100,8 +98,8 @@ def check_settings(
     sizes: dict[str, int | None],
     chunking: str,
     stop_tokens: Iterable[int | Sequence[int]],
-) -> StopSequences:
-    """The generator's ``stop_tokens`` as mlx-lm's matcher; raise ``ValueError`` for a bad setting of the generator:
+) -> StopSet:
+    """The generator's ``stop_tokens`` as a :class:`StopSet`; raise ``ValueError`` for a bad setting of the generator:
     ``sizes`` must be positive ints (those named in :data:`OPTIONAL` may be ``None``), ``stream`` on the stage's device.
     """
     check_max_tokens(max_tokens)
@@ -112,7 +110,7 @@ def check_settings(
     stage.check_stream(stream, not_a_stream=ValueError)  # ValueError: the generator's bad values
     if chunking not in ("fixed", "equal-cost"):
         raise ValueError(f"prefill_chunking must be 'fixed' or 'equal-cost', got {chunking!r}")
-    return stop_sequences_of(stop_tokens, "stop_tokens")
+    return StopSet.of(stop_tokens, "stop_tokens")
 
 
 def fresh_window(cache: list[Any], stage: PipelineStage) -> tuple[int, int] | None:
@@ -144,7 +142,7 @@ def checked_requests(
     prompts: Sequence[Sequence[Sequence[int]]],
     segmented: bool,
     options: Options,
-) -> list[Request]:
+) -> list[BatchRequest]:
     """The requests of an ``insert`` (uids from ``first_uid``); raise ``ValueError`` for a bad one.
 
     ``prompts[i]`` is request ``i``'s prompt in segments (``insert_segments`` when ``segmented``).
@@ -161,7 +159,7 @@ def checked_requests(
         processors = [tuple(p or ()) for p in options.logits_processors]
     earlier = [[] if t is None else [int(x) for x in t] for t in options.all_tokens or [None] * count]
     stops = [
-        settings.stop_sequences if s is None else s if isinstance(s, StopSequences) else stop_sequences_of(s)
+        settings.stop_sequences if s is None else StopSet.given(s, "stop_sequences")
         for s in (options.stop_sequences or [None] * count)
     ]
     lengths = {
@@ -184,7 +182,7 @@ def checked_requests(
         if cache is not None:
             _check_cache(i, cache, settings.stage)
     requests = [
-        Request(uid, prompt, limit, sampler, stop.matcher(), chain, before, cache, _boundaries(parts))
+        BatchRequest(uid, prompt, limit, sampler, stop.matcher(), chain, before, cache, _boundaries(parts))
         for uid, (prompt, limit, sampler, cache, chain, before, stop, parts) in enumerate(
             zip(tokens, limits, chosen, given, processors, earlier, stops, segments), first_uid
         )
@@ -194,17 +192,6 @@ def checked_requests(
     if settings.admission is not None:
         _check_admission(requests, settings.admission)
     return requests
-
-
-def stop_sequences_of(entries: Iterable[int | Sequence[int]], name: str = "stop_sequences") -> StopSequences:
-    """Token ids and sequences of them (an int is a sequence of one) as mlx-lm's matcher; an empty one refused."""
-    sequences: list[list[int]] = []
-    for entry in entries:
-        sequence = [int(entry)] if isinstance(entry, int) else [int(t) for t in entry]
-        if not sequence:
-            raise ValueError(f"{name} holds an empty sequence; every stop sequence needs at least one token")
-        sequences.append(sequence)
-    return StopSequences(sequences)
 
 
 def check_positive(name: str, value: object) -> None:
@@ -242,7 +229,7 @@ def _check_cache(index: int, cache: object, stage: PipelineStage) -> None:
         raise ValueError(f"caches[{index}] holds caches mlx-lm cannot batch: {kinds}")
 
 
-def _check_window(index: int, request: Request, kept: tuple[int, int] | None) -> None:
+def _check_window(index: int, request: BatchRequest, kept: tuple[int, int] | None) -> None:
     """Refuse a request that could outgrow a ``RotatingKVCache`` keeping its first positions: mlx-lm's batch of
     them keeps none, so its tokens would differ from a solo run."""
     if kept is None or (request.max_tokens != -1 and request.reserve - 1 <= kept[0]):
@@ -257,7 +244,7 @@ def _check_window(index: int, request: Request, kept: tuple[int, int] | None) ->
     )
 
 
-def _check_admission(requests: list[Request], admission: Admission) -> None:
+def _check_admission(requests: list[BatchRequest], admission: Admission) -> None:
     """Refuse requests the memory budget could never admit, or reused caches some rank cannot reserve alike."""
     blind = [r for r, b in enumerate(admission.bytes_per_position) if b == 0]
     if blind and any(r.cache is not None for r in requests):  # their caches count no positions

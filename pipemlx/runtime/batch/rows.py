@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache  # pyright: ignore[reportU
 
 from ...schedule.batch_plan import fingerprint
 from ..caches import UNCOUNTED, cache_parts, cache_state
-from .requests import Request
+from .requests import BatchRequest
 
 COMPACT_DEAD_FRACTION = 0.5
 """Dead rows (finished or removed requests) are filtered out of the batch caches once they are this share of
@@ -34,7 +34,7 @@ class Rows:
 
     def __init__(self, stream: mx.Stream) -> None:
         self.stream = stream
-        self.requests: list[Request] = []  # per row, in order
+        self.requests: list[BatchRequest] = []  # per row, in order
         self.inputs: list[int] = []  # per row: the token its next step feeds
         self.caches: list[Any] = []  # one batch cache per local layer; empty while there is no row
 
@@ -42,7 +42,7 @@ class Rows:
         return len(self.requests)
 
     @property
-    def active(self) -> list[Request]:
+    def active(self) -> list[BatchRequest]:
         """The live rows' requests, in row order."""
         return [r for r in self.requests if not r.done]
 
@@ -50,10 +50,10 @@ class Rows:
     def dead(self) -> int:
         return sum(1 for r in self.requests if r.done)
 
-    def row_of(self, request: Request) -> int | None:
+    def row_of(self, request: BatchRequest) -> int | None:
         return next((i for i, r in enumerate(self.requests) if r is request), None)
 
-    def join(self, joining: list[Request], caches: list[list[Any]]) -> None:
+    def join(self, joining: list[BatchRequest], caches: list[list[Any]]) -> None:
         """Put requests whose prefill every rank completed, with their per-layer ``caches``, into the batch.
 
         They take the first dead rows' places when there are enough of them (:func:`fill_rows`); otherwise the

@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..sampling import Sampler, greedy, log_probabilities, processed, sample_rows
-from .requests import Request
+from .requests import BatchRequest
 
 
-def sample(logits: mx.array, rows: list[Request], default: Sampler | None) -> tuple[mx.array, mx.array]:
+def sample(logits: mx.array, rows: list[BatchRequest], default: Sampler | None) -> tuple[mx.array, mx.array]:
     """Every row's token (``[rows]``) and the log-probabilities it was sampled from (lazy, for the responses).
 
     Samplers get log-probabilities, as mlx-lm's do; one batched call when every live row has the same
@@ -32,13 +32,13 @@ def sample(logits: mx.array, rows: list[Request], default: Sampler | None) -> tu
     return tokens, logprobs
 
 
-def all_greedy(rows: list[Request], default: Sampler | None) -> bool:
+def all_greedy(rows: list[BatchRequest], default: Sampler | None) -> bool:
     """Whether there are rows and every live one samples greedily, with no logits processors (the output head may
     then be shared)."""
     return bool(rows) and all((r.sampler or default) is None and not r.processors for r in rows if not r.done)
 
 
-def _processed(logits: mx.array, rows: list[Request]) -> mx.array:
+def _processed(logits: mx.array, rows: list[BatchRequest]) -> mx.array:
     """``logits`` with each live row's processors applied to its row, one row at a time as mlx-lm's
     ``BatchGenerator`` does (the rows without any: as they are)."""
     if not any(r.processors and not r.done for r in rows):
