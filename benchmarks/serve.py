@@ -5,10 +5,10 @@ request (greedy) and measures, at the client, the time to the first token and
 the decode speed (tokens after the first, over the time from the first to the
 last). Then a second turn (the first turn's prompt and answer plus a few new
 tokens) measures the time to first token that the prefix cache saves:
-pipemlx serve with its prefix cache and with ``--prefix-cache 0``.
+pipemlx serve with its prefix cache and with ``--prompt-cache-bytes 0``.
 
 Servers: ``pipemlx serve --ranks 2`` (one request at a time, and with
-``--max-concurrency 4``: the same request through the batch scheduler; both
+``--decode-concurrency 4``: the same request through the batch scheduler; both
 behind the front process, the default, and once with ``--no-recover``, rank 0
 serving HTTP itself);
 ``mlx_lm.server`` (one process); and
@@ -22,8 +22,8 @@ The prompt is *Pride and Prejudice* cut to ``--prompt-tokens`` tokens (or
 ``--prompt-file``).
 OpenBLAS is preloaded in every server process when it is installed.
 
-Concurrency: ``pipemlx serve`` with ``--max-concurrency 1`` (one request at a
-time) and ``--max-concurrency 4`` (continuous batching), each sent 4 and then 8
+Concurrency: ``pipemlx serve`` with ``--decode-concurrency 1`` (one request at a
+time) and ``--decode-concurrency 4`` (continuous batching), each sent 4 and then 8
 clients at once (``--clients``), each a different short greedy prompt streaming
 ``--concurrent-tokens`` tokens; the figure is the aggregate decode speed, all
 the clients' completion tokens over the wall time from the first request sent to
@@ -253,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     if "long-prompt" not in args.skip:
         runners.append(("pipemlx serve S=2", lambda: pipemlx_server(model, env, [])))
         runners.append(
-            ("pipemlx serve S=2, --prefix-cache 0", lambda: pipemlx_server(model, env, ["--prefix-cache", "0"]))
+            (
+                "pipemlx serve S=2, --prompt-cache-bytes 0",
+                lambda: pipemlx_server(model, env, ["--prompt-cache-bytes", "0"]),
+            )
         )
         if "no-front" not in args.skip:  # rank 0 serving HTTP itself: what the front's extra hop costs
             runners.append(("pipemlx serve S=2, --no-recover", lambda: pipemlx_server(model, env, ["--no-recover"])))
         if "batched" not in args.skip:
-            batched = ["--max-concurrency", "4"]
-            runners.append(("pipemlx serve S=2, --max-concurrency 4", lambda: pipemlx_server(model, env, batched)))
+            batched = ["--decode-concurrency", "4"]
+            runners.append(("pipemlx serve S=2, --decode-concurrency 4", lambda: pipemlx_server(model, env, batched)))
         if "mlx-lm" not in args.skip:
             runners.append(("mlx_lm.server (1 process)", lambda: mlx_lm_server(model, env, 1)))
         if "mlx-lm-pipeline" not in args.skip:
@@ -316,10 +319,10 @@ def measure_concurrency(
     figures: list[Concurrency] = []
     setups = [(1, []), (4, [])] + ([] if "no-front" in args.skip else [(4, ["--no-recover"])])
     for n, extra in setups:
-        name = " ".join([f"pipemlx serve S=2 --max-concurrency {n}", *extra])
+        name = " ".join([f"pipemlx serve S=2 --decode-concurrency {n}", *extra])
         server: Server | None = None
         try:
-            server = pipemlx_server(model, env, ["--max-concurrency", str(n), "--max-queue", "64", *extra])
+            server = pipemlx_server(model, env, ["--decode-concurrency", str(n), "--max-queue", "64", *extra])
             server.wait_ready("/health")
             stream(server.url, "It is a truth universally acknowledged", 4)  # warm-up, not timed
             for clients in args.clients:

@@ -5,7 +5,7 @@ Each round starts one server of each kind in turn (the order alternates between
 rounds) and measures, at the client: one streamed greedy request of
 ``--prompt-tokens`` tokens decoding ``--max-tokens`` (time to first token, decode
 tokens/s), then ``--clients`` short greedy streams at once with
-``--max-concurrency 4`` servers (aggregate tokens/s). The figures are the
+``--decode-concurrency 4`` servers (aggregate tokens/s). The figures are the
 medians over the rounds, and each contender's ratio to ``--no-recover``.
 
 Usage: python benchmarks/serve_front.py [--rounds 3] [--prompt-tokens 512] [--max-tokens 128] [--clients 8]
@@ -40,7 +40,7 @@ def one_round(model: object, env: dict[str, str], name: str, prompt: str, args: 
             server.stop()
     server = None
     try:
-        server = pipemlx_server(model, env, ["--max-concurrency", "4", "--max-queue", "64", *extra])  # pyright: ignore[reportArgumentType]
+        server = pipemlx_server(model, env, ["--decode-concurrency", "4", "--max-queue", "64", *extra])  # pyright: ignore[reportArgumentType]
         server.wait_ready("/health")
         stream(server.url, "It is a truth universally acknowledged", 4)
         tokens, wall = run_clients(server.url, args.prompts, args.concurrent_tokens)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds[name].append(one_round(model, env, name, prompt, args))
     base = {k: statistics.median(f[k] for f in rounds["--no-recover"]) for k in rounds["--no-recover"][0]}
     print(f"\n{args.rounds} rounds, medians; prompt {args.prompt_tokens} tokens, {args.max_tokens} decoded; "
-          f"{args.clients} clients x {args.concurrent_tokens} tokens at --max-concurrency 4")  # fmt: skip
+          f"{args.clients} clients x {args.concurrent_tokens} tokens at --decode-concurrency 4")  # fmt: skip
     print(f"{'server':<18} {'TTFT s':>8} {'decode tok/s':>13} {'batch tok/s':>12}  vs --no-recover (decode, batch)")
     for name, figures in rounds.items():
         med = {k: statistics.median(f[k] for f in figures) for k in figures[0]}

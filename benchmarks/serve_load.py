@@ -10,11 +10,11 @@ token and inter-token latency at the client (p50, p99), and rank 0's resident
 memory (``/proc``, Linux) after a warm-up under the same load, every 10 s, and at the end.
 
 Usage:
-    python benchmarks/serve_load.py [--clients 8] [--seconds 60] [--warm-up 20] [--hang-up 0.25] [--max-concurrency 4]
+    python benchmarks/serve_load.py [--clients 8] [--seconds 60] [--warm-up 20] [--hang-up 0.25] [--decode-concurrency 4]
     python benchmarks/serve_load.py --url http://127.0.0.1:8080 --api-key KEY   # a server already running
 
 Without ``--url`` it starts ``pipemlx serve --ranks 2`` on the demo model (OpenBLAS
-preloaded when installed) and stops it at the end. Its prefix cache is small (``--prefix-cache 1``):
+preloaded when installed) and stops it at the end. Its prefix cache is small (``--prompt-cache-bytes 1M``):
 full after the warm-up, so that memory growth during the run means a leak, not the cache filling
 (at the default 1024 MB the cache grows by every request's tokens, by design). ``drive`` is what the test
 suite's short version (``tests/test_serve_limits.py``) runs.
@@ -215,7 +215,7 @@ def main() -> int:
     parser.add_argument("--warm-up", type=float, default=20.0, help="seconds of the same load before measuring")
     parser.add_argument("--hang-up", type=float, default=0.25, help="fraction of requests that hang up early")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--decode-concurrency", type=int, default=4)
     parser.add_argument("--max-queue", type=int, default=4, help="small, so that the 429 path is exercised")
     parser.add_argument(
         "--prefix-cache", default="1", metavar="MB",
@@ -256,7 +256,7 @@ def _start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_ports(1)[0]
     command = [
         sys.executable, "-m", "pipemlx", "serve", "--ranks", "2", "--port", str(port), "--api-key", args.api_key,
-        "--max-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue), "--grace", "5", "--prefix-cache", args.prefix_cache,
+        "--decode-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue), "--grace", "5", "--prompt-cache-bytes", f"{args.prefix_cache}M",
     ]  # fmt: skip
     server = subprocess.Popen(command, env={**os.environ, **bench_env(True)})
     url = f"http://127.0.0.1:{port}"

@@ -192,8 +192,22 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
     return prepared
 
 
+def demo_prompt_tokens(prompt: str) -> list[int]:
+    """``prompt`` as ``mlx_lm.generate`` encodes it for the demo model: in the model's chat template (it ships one)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from pipemlx.demo import MODEL_DIR
+
+    tokenizer = load_tokenizer(MODEL_DIR)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def demo_reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: float = 0.0, seed: int = 0) -> list[int]:
-    """Single-process mlx-lm on the demo model: the tokens stream_generate yields (up to end of text)."""
+    """Single-process mlx-lm on the demo model, the prompt built as ``mlx_lm.generate`` builds it: the tokens
+    stream_generate yields (up to end of text)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -205,7 +219,12 @@ def demo_reference_tokens(prompt: str, step_size: int, max_tokens: int, temp: fl
     tokens: list[int] = []
     mx.random.seed(seed)
     for response in stream_generate(
-        model, tokenizer, prompt, max_tokens=max_tokens, prefill_step_size=step_size, sampler=make_sampler(temp)
+        model,
+        tokenizer,
+        demo_prompt_tokens(prompt),
+        max_tokens=max_tokens,
+        prefill_step_size=step_size,
+        sampler=make_sampler(temp),
     ):
         if response.finish_reason != "stop":
             tokens.append(response.token)
@@ -220,7 +239,7 @@ def check_demo_run(run: DemoRun) -> None:
 
     assert run.returncode == 0, f"{run.source} ({run.why}): {run.stderr[-4000:]}"
     _, tokenizer = load(str(MODEL_DIR))
-    prompt_tokens = len(tokenizer.encode(default_prompt()))
+    prompt_tokens = len(demo_prompt_tokens(default_prompt()))
     expected = demo_reference_tokens(default_prompt(), 512, DEMO_MAX_TOKENS)  # greedy, as pipemlx generate's default
     assert len(set(expected)) > 2, expected
     assert run.stdout == tokenizer.decode(expected) + "\n"

@@ -109,7 +109,7 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY, "--cors-origin", BROWSER_ORIGIN) as process:
+    with serving("--max-queue", str(MAX_QUEUE), "--api-key", KEY, "--allowed-origins", BROWSER_ORIGIN) as process:
         yield process
 
 
@@ -351,6 +351,25 @@ def test_penalties_equal_one_process_with_mlx_lm_processors_also_on_a_reused_pre
     assert again.choices[0].text == expected
 
 
+def test_top_k_one_samples_the_greedy_answer_and_unsupported_fields_are_named(
+    client: openai.OpenAI, server: ServeProcess, ref: Reference
+) -> None:
+    """mlx_lm.server's request fields: ``top_k: 1`` at temperature 1 leaves one token to draw, the greedy one; a
+    field pipemlx cannot honour is a 400 naming it, never ignored."""
+    prompt_text = "Elizabeth looked at him"
+    expected = ref.answer(ref.text_tokens(prompt_text), 24)
+    sampled = client.completions.create(
+        model=MODEL, prompt=prompt_text, max_tokens=24, temperature=1.0, extra_body={"top_k": 1, "min_p": 0.0}
+    )
+    assert sampled.choices[0].text == expected
+    wide = client.completions.create(model=MODEL, prompt=prompt_text, max_tokens=24, temperature=1.0, seed=3)
+    assert wide.choices[0].text != expected, "temperature 1 gives the greedy answer anyway: the test loses its power"
+    for field, value in (("xtc_probability", 0.5), ("tools", [{"type": "function"}]), ("adapters", "x")):
+        body = {"model": MODEL, "prompt": prompt_text, field: value}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
+
+
 def test_second_turn_prefills_only_its_new_tokens(server: ServeProcess, client: openai.OpenAI, ref: Reference) -> None:
     turn1 = [
         {"role": "system", "content": "Netherfield Park is let at last."},
@@ -529,7 +548,7 @@ def test_bad_requests_get_openai_error_bodies_and_reach_no_rank(server: ServePro
 
 
 def test_a_page_of_the_cors_origin_may_call_the_api(server: ServeProcess) -> None:
-    """--cors-origin reaches rank 0's app: a browser's preflight passes (it carries no key), answers carry the
+    """--allowed-origins reaches rank 0's app: a browser's preflight passes (it carries no key), answers carry the
     origin; a page of another origin gets no CORS header, so its browser withholds the answer."""
     preflight = {
         "Access-Control-Request-Method": "POST",

@@ -1,4 +1,4 @@
-"""`pipemlx serve --ranks 2 --max-concurrency 4`: requests decoded together, each answer equal to one process.
+"""`pipemlx serve --ranks 2 --decode-concurrency 4`: requests decoded together, each answer equal to one process.
 
 One batching server serves most tests (module fixture); the fault test starts its own. Every answer is
 compared with one process running mlx-lm on the whole model with the same prompt tokens (greedy, or the same
@@ -43,7 +43,7 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving("--max-concurrency", str(CONCURRENCY), "--max-queue", "32", "--api-key", KEY) as process:
+    with serving("--decode-concurrency", str(CONCURRENCY), "--max-queue", "32", "--api-key", KEY) as process:
         yield process
 
 
@@ -177,7 +177,7 @@ def test_a_client_hanging_up_mid_stream_leaves_the_others_exact(
 def test_a_server_sharded_with_lent_heads_batches_answers_equal_to_one_process(ref: Reference) -> None:
     """--lend 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; four
     clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers."""
-    with serving("--max-concurrency", str(CONCURRENCY), "--lend", "1") as process:
+    with serving("--decode-concurrency", str(CONCURRENCY), "--lend", "1") as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
 
         def ask(i: int) -> str:
@@ -196,9 +196,9 @@ def test_a_server_sharded_with_lent_heads_batches_answers_equal_to_one_process(r
 
 def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
-        cli.main(["serve", "--max-concurrency", "0"])
+        cli.main(["serve", "--decode-concurrency", "0"])
     assert caught.value.code == 2
-    assert "argument --max-concurrency: must be at least 1, got 0" in capsys.readouterr().err
+    assert "argument --decode-concurrency: must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", [pytest.param("killed", marks=pytest.mark.slow), "stalled"])  # a kill: test_serve
@@ -206,7 +206,7 @@ def test_a_lost_follower_fails_every_request_in_flight_and_the_server_exits(faul
     """``--no-recover``: rank 1 dies (SIGKILL) or stalls (SIGSTOP) while three streams decode together and one waits: every client
     gets a 503, the server exits."""
     grace = 2.0
-    process = ServeProcess("--no-recover", "--max-concurrency", "3", "--fault-grace", str(grace), "--timeout", "4")
+    process = ServeProcess("--no-recover", "--decode-concurrency", "3", "--fault-grace", str(grace), "--timeout", "4")
     try:
         process.wait_ready()
         url = process.url
@@ -338,7 +338,7 @@ def test_a_prefill_cut_short_on_three_ranks_keeps_what_every_rank_prefilled(ref:
     next request failed the whole pipeline with PipelineMismatchError)."""
     messages = [{"role": "user", "content": book_text()[:1200]}]
     prompt = ref.chat_tokens(messages)
-    with serving("--max-concurrency", "2", "--prefill-step-size", "16", ranks=3) as process:
+    with serving("--decode-concurrency", "2", "--prefill-step-size", "16", ranks=3) as process:
         body = {"messages": messages, "max_tokens": 4, "temperature": 0, "stream": True}
         with httpx.stream("POST", process.url + "/v1/chat/completions", json=body, timeout=60.0):
 

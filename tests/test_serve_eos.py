@@ -48,7 +48,7 @@ def comma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(request: pytest.FixtureRequest, comma_model: Path) -> Iterator[ServeProcess]:
     """The front process (the default) and rank 0 serving HTTP itself (``--no-recover``)."""
     extra = () if request.param == "front" else ("--no-recover",)
-    process = ServeProcess("--model", str(comma_model), "--prefix-cache", "64", *extra)
+    process = ServeProcess("--model", str(comma_model), "--prompt-cache-bytes", "64M", *extra)
     try:
         process.wait_ready()
         yield process

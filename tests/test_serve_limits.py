@@ -1,6 +1,6 @@
 """`pipemlx serve` under hostile input and load: limits, /health and /metrics, a JSON fuzz, bad commands.
 
-One server (``--max-concurrency 4``, small limits) serves every test here but the bad-command ones, which
+One server (``--decode-concurrency 4``, small limits) serves every test here but the bad-command ones, which
 start no rank: the limits (413 over the body cap, 400 over the ``max_tokens`` cap, 429 with ``Retry-After``
 for a full queue and for too many open streams, connections closed that send no headers or sit idle), the
 API key on every endpoint, ``/health`` without the key (ready or not, nothing else) and with it,
@@ -59,7 +59,7 @@ def ref() -> Reference:
 def server() -> Iterator[ServeProcess]:
     """The module's server; its last test stops it with two signals (so no clean-exit check here)."""
     process = ServeProcess(
-        "--api-key", KEY, "--max-concurrency", str(CONCURRENCY), "--max-queue", str(MAX_QUEUE),
+        "--api-key", KEY, "--decode-concurrency", str(CONCURRENCY), "--max-queue", str(MAX_QUEUE),
         "--max-streams", str(MAX_STREAMS), "--header-timeout", "1", "--idle-timeout", "1", "--max-tokens", "8",
         *LIMIT_ARGS,
     )  # fmt: skip

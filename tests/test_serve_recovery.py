@@ -1,6 +1,6 @@
 """`pipemlx serve --recover`: a rank killed or stalled mid-stream, the ranks restarted, every stream continued.
 
-One front process serves HTTP and starts 2 ranks (``--max-concurrency 4``). It serves the demo model by a Hub
+One front process serves HTTP and starts 2 ranks (``--decode-concurrency 4``). It serves the demo model by a Hub
 repo id from a stand-in Hub (``hub_server.StandInHub``): the front loads the tokenizer from the repo's fetched
 files and every restarted group loads the weights again from the Hub cache. Each fault test sends 8
 clients (6 greedy, 2 sampled with a seed; one asks for its answer unstreamed), kills (SIGKILL) or stalls (SIGSTOP) one rank once the streams are under way,
@@ -148,8 +148,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     with StandInHub({REPO: MODEL_DIR}) as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path_factory.mktemp("hf")), "HF_HUB_DISABLE_TELEMETRY": "1"}
         process = ServeProcess(
-            "--recover", "--model", REPO, "--model-name", "pipemlx-demo", "--max-concurrency", "4", "--timeout",
-            str(TIMEOUT), "--recover-timeout", "90", "--max-restarts", "10", "--prefix-cache", "16", env=env,
+            "--recover", "--model", REPO, "--model-name", "pipemlx-demo", "--decode-concurrency", "4", "--timeout",
+            str(TIMEOUT), "--recover-timeout", "90", "--max-restarts", "10", "--prompt-cache-bytes", "16M", env=env,
         )  # fmt: skip
         try:
             process.wait_ready()
@@ -247,7 +247,7 @@ def test_rank0_worker_stalled_mid_stream(server: ServeProcess, expected: dict[st
 def test_three_ranks_middle_rank_killed(expected: dict[str, str]) -> None:
     """3 ranks: the middle one killed mid-stream; every stream continues and equals one process."""
     server = ServeProcess(
-        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--prefix-cache", "16", ranks=3
+        "--recover", "--decode-concurrency", "4", "--timeout", str(TIMEOUT), "--prompt-cache-bytes", "16M", ranks=3
     )
     try:
         server.wait_ready()
@@ -266,7 +266,7 @@ def test_allow_shrink_goes_on_with_one_rank_fewer(expected: dict[str, str]) -> N
     """3 ranks with --allow-shrink: rank 2 killed in 3 faults in a row (the last mid-stream); the front goes on
     with 2 ranks, the split planned again, and every stream resumed there equals one process."""
     server = ServeProcess(
-        "--recover", "--allow-shrink", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--prefix-cache", "16",
+        "--recover", "--allow-shrink", "--decode-concurrency", "4", "--timeout", str(TIMEOUT), "--prompt-cache-bytes", "16M",
         "--max-restarts", "10", ranks=3,
     )  # fmt: skip
     try:
@@ -300,7 +300,7 @@ def test_group_that_cannot_come_back_errors_within_the_bound(tmp_path: Path) -> 
     shutil.copytree(MODEL_DIR, model)
     bound = 4.0
     server = ServeProcess(
-        "--recover", "--model", str(model), "--model-name", "pipemlx-demo", "--max-concurrency", "4",
+        "--recover", "--model", str(model), "--model-name", "pipemlx-demo", "--decode-concurrency", "4",
         "--timeout", str(TIMEOUT), "--recover-timeout", str(bound), "--max-restarts", "20", "--fault-grace", "1",
     )  # fmt: skip
     killed: list[float] = []
@@ -349,8 +349,8 @@ def test_ten_kills_at_random_moments(expected: dict[str, str]) -> None:
 
     chooser = random.Random(34)
     server = ServeProcess(
-        "--recover", "--max-concurrency", "4", "--timeout", str(TIMEOUT), "--max-restarts", "30",
-        "--prefix-cache", "16",
+        "--recover", "--decode-concurrency", "4", "--timeout", str(TIMEOUT), "--max-restarts", "30",
+        "--prompt-cache-bytes", "16M",
     )  # fmt: skip
     try:
         server.wait_ready()

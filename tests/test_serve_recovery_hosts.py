@@ -78,12 +78,12 @@ class HostsServer:
         self.procs: list[subprocess.Popen[bytes]] = []
         env = {**os.environ, "PIPEMLX_SERVE_FRONT_KEY": KEY, "MALLOC_ARENA_MAX": "2", "PYTHONUNBUFFERED": "1"}
         serving = [
-            "--max-concurrency",
+            "--decode-concurrency",
             "4",
             "--timeout",
             str(TIMEOUT),
-            "--prefix-cache",
-            "16",
+            "--prompt-cache-bytes",
+            "16M",
             "--prefill-chunking",
             "fixed",
             *extra,

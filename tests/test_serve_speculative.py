@@ -212,7 +212,7 @@ def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     cases: dict[str, tuple[list[str], str]] = {
         "missing draft": ([*serve, "--draft-model", str(tmp_path / "nowhere")], "cannot load the draft model"),
         "both proposers": ([*serve, "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"], "not both"),
-        "batched": ([*serve, "--prompt-lookup", "2", "--max-concurrency", "2"], "needs --max-concurrency 1"),
+        "batched": ([*serve, "--prompt-lookup", "2", "--decode-concurrency", "2"], "needs --decode-concurrency 1"),
         "zero guesses": ([*serve, "--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
         "bad n-gram": ([*serve, "--prompt-lookup", "0"], "--prompt-lookup: must be at least 1"),
     }

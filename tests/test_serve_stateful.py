@@ -8,7 +8,7 @@ malformed and oversized bodies; wrong keys. After every step: every greedy answe
 process running mlx-lm on the same tokens (text, finish reason, token count), no answer was a 5xx, nothing
 runs or waits once the clients are gone, and the prefix cache holds no more than its budget. It is not
 derandomized (the default profile draws new sequences each run). This file runs it at
-``--max-concurrency 1``; ``tests/test_serve_limits.py`` runs it at 4.
+``--decode-concurrency 1``; ``tests/test_serve_limits.py`` runs it at 4.
 
 The graceful stop test then sends SIGTERM to the same server while a request streams.
 """
@@ -41,12 +41,12 @@ pytestmark = pytest.mark.timeout(240)
 
 KEY = "sk-pipemlx-stateful"
 BODY_CAP = 65536
-PREFIX_MB = "0.25"  # about 128 tokens: entries are evicted during the run
+PREFIX_BYTES = "0.25M"  # about 128 tokens: entries are evicted during the run
 LONG = 200  # max_tokens of a request that occupies a slot until its client leaves
 THOROUGH = PROFILE == "thorough"  # HYPOTHESIS_PROFILE=thorough: longer runs by hand; the default keeps the suite fast
 STEPS = 15 if THOROUGH else 6
 EXAMPLES = 25 if THOROUGH else 3
-LIMIT_ARGS = ("--max-body-bytes", str(BODY_CAP), "--max-tokens-limit", "256", "--prefix-cache", PREFIX_MB)
+LIMIT_ARGS = ("--max-body-bytes", str(BODY_CAP), "--max-tokens-limit", "256", "--prompt-cache-bytes", PREFIX_BYTES)
 BASES = ["It is a truth universally acknowledged", "Elizabeth walked on, and", "Mr. Darcy said", "Café ñandú 😀"]
 EXTENSIONS = ["", " that a single man", ", and Jane", " in possession of a good fortune", " — naïve"]
 
@@ -288,7 +288,7 @@ def ref() -> Reference:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServeProcess]:
-    with serving("--api-key", KEY, "--max-concurrency", "1", "--max-queue", "4", *LIMIT_ARGS) as process:
+    with serving("--api-key", KEY, "--decode-concurrency", "1", "--max-queue", "4", *LIMIT_ARGS) as process:
         yield process
 
 

@@ -274,7 +274,7 @@ def test_a_garbled_broadcast_raises_a_mismatch(garbled: list[mx.array]) -> None:
         read_header(mx.concatenate(garbled), 2)
 
 
-# --- batching (--max-concurrency above 1) -------------------------------------------------------------------------
+# --- batching (--decode-concurrency above 1) -------------------------------------------------------------------------
 
 sampling_strategy = st.builds(
     SamplingParams,
@@ -398,9 +398,9 @@ def test_a_cors_origin_that_no_browser_sends_is_refused(capsys: pytest.CaptureFi
     from pipemlx import cli
 
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["serve", "--cors-origin", origin])
+        cli.main(["serve", "--allowed-origins", origin])
     assert exit_.value.code == 2
-    assert "--cors-origin: expected * or an origin as browsers send it" in capsys.readouterr().err
+    assert "--allowed-origins: expected * or an origin as browsers send it" in capsys.readouterr().err
 
 
 def test_cors_origins_reach_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -411,5 +411,5 @@ def test_cors_origins_reach_rank_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, ...]] = []
     monkeypatch.setattr(pipemlx.serve, "run_rank", lambda options: seen.append(options.settings.http.cors_origins) or 0)
     assert cli.main(["serve", "--ranks", "1"]) == 0
-    assert cli.main(["serve", "--ranks", "1", "--cors-origin", "*", "--cors-origin", "http://localhost:3000"]) == 0
+    assert cli.main(["serve", "--ranks", "1", "--allowed-origins", "*,http://localhost:3000"]) == 0
     assert seen == [(), ("*", "http://localhost:3000")]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,7 +51,9 @@ from .common import (
     positive_float,
     positive_int,
     read_prompt,
+    token_limit,
 )
+from .parity import GENERATE_MAX_TOKENS, REFUSED_GENERATE, add_generate_flags, check_refused, template_config
 
 DEFAULT_RANKS = 2
 LAUNCH_TIMEOUT = 7 * 24 * 3600.0
@@ -76,18 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     generate.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     prompt = generate.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", help="prompt text (default: the opening of Pride and Prejudice)")
+    prompt.add_argument(
+        "--prompt", "-p", help="prompt text; - reads standard input (default: the opening of Pride and Prejudice)"
+    )
     prompt.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     generate.add_argument(
-        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="the most tokens to generate"
+        "--max-tokens",
+        "-m",
+        type=token_limit,
+        default=GENERATE_MAX_TOKENS,
+        help="the most tokens to generate (-1: no limit), as mlx_lm.generate",
     )
     generate.add_argument(
         "--temp", type=float, default=0.0, help="sampling temperature (0: greedy decoding, as mlx-lm)"
     )
-    generate.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
+    generate.add_argument("--seed", type=int, help="sampling seed (default: none, as mlx-lm)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
     add_sharding_flags(generate)
     add_speculation_flags(generate)
+    add_generate_flags(generate)
 
     serve_command.add_parser(commands)
 
@@ -134,6 +144,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Check the input, then run as a rank here or start the local ranks."""
+    check_refused(args, REFUSED_GENERATE)
+    template_config(args.chat_template_config)
     prompt = read_prompt(args)
     if args.rank is not None and args.hostfile is None:
         raise UserError("--rank only goes with --hostfile")
@@ -147,7 +159,28 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return generate_rank(args, prompt, expected_ranks=args.ranks)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
-    command = [sys.executable, "-m", "pipemlx", *argv]
+    with tempfile.TemporaryDirectory(prefix="pipemlx-generate-") as tmp:
+        if args.prompt == "-":  # read here, once: the ranks get it in a file
+            argv = _prompt_from_file(argv, prompt, Path(tmp) / "prompt.txt")
+        return _launch(ranks, [sys.executable, "-m", "pipemlx", *argv])
+
+
+def _prompt_from_file(argv: Sequence[str], prompt: str, path: Path) -> list[str]:
+    """``argv`` with ``--prompt -`` (standard input) replaced by ``--prompt-file`` holding ``prompt``."""
+    path.write_text(prompt, encoding="utf-8")
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--prompt", "-p"):
+            skip = True
+        elif arg not in ("--prompt=-", "-p-"):
+            out.append(arg)
+    return [*out, "--prompt-file", str(path)]
+
+
+def _launch(ranks: int, command: list[str]) -> int:
     try:
         launch(ranks, command, timeout=LAUNCH_TIMEOUT, passthrough_rank=0)
     except LaunchError as exc:

@@ -38,6 +38,14 @@ def positive_int(text: str) -> int:
     return whole_number(text, 1)
 
 
+def token_limit(text: str) -> int:
+    """argparse type: at least 1 token, or -1 for no limit (mlx-lm's ``max_tokens=-1``)."""
+    value = whole_number(text, -1)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1, or -1 for no limit, got 0")
+    return value
+
+
 def layer_counts(text: str) -> list[int]:
     """argparse type: layers per rank, comma-separated (``6,2``)."""
     try:
@@ -86,11 +94,15 @@ SHARDING_FLAGS = {
     "mlp: the feed-forward half only; K: the feed-forward half and K key-value heads",
 }
 RENAMED_FLAGS = {
-    "--step-size": "--prefill-step-size",
-    "--lend-mlp": "--lend",
-    "--lend-heads": "--lend",
+    "--step-size": ("--prefill-step-size", "in pipemlx 0.2.0"),
+    "--lend-mlp": ("--lend", "in pipemlx 0.2.0"),
+    "--lend-heads": ("--lend", "in pipemlx 0.2.0"),
+    "--max-concurrency": ("--decode-concurrency", "as mlx_lm.server names it"),
+    "--prefix-cache": ("--prompt-cache-bytes", "as mlx_lm.server names it (in bytes, or 500M, 2G)"),
+    "--cors-origin": ("--allowed-origins", "as mlx_lm.server names it (origins separated by commas)"),
 }
-"""Flags of pipemlx 0.1 and the flags that replace them: each old one is refused with an error naming the new one."""
+"""Flags of earlier pipemlx versions and the flags that replace them: each old one is refused with an error naming
+the new one."""
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -114,7 +126,8 @@ class RenamedFlag(argparse.Action):
     def __call__(
         self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option: str | None = None
     ) -> None:
-        parser.error(f"{option} was renamed {RENAMED_FLAGS.get(option or '', '?')} in pipemlx 0.2.0")
+        new, when = RENAMED_FLAGS.get(option or "", ("?", ""))
+        parser.error(f"{option} was renamed {new} {when}")
 
 
 def add_renamed_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = tuple(RENAMED_FLAGS)) -> None:
@@ -262,7 +275,9 @@ def check_ranks(ranks: int, model_dir: Path, split: list[int] | None = None) -> 
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt text from ``--prompt``, ``--prompt-file`` or the demo prompt."""
     if args.prompt is not None:
-        text: str = args.prompt
+        from .parity import read_prompt_text
+
+        text: str = read_prompt_text(args.prompt)
     elif args.prompt_file is not None:
         try:
             text = Path(args.prompt_file).read_text(encoding="utf-8")

@@ -27,6 +27,7 @@ from ..runtime.generate import stream_generate
 from ..runtime.prefill import pipeline_prefill
 from ..runtime.stage import stage_of
 from .common import check_ranks, model_name
+from .parity import prompt_tokens
 
 PROMPT_TAIL_CHARS = 300
 MB = float(1 << 20)
@@ -60,7 +61,7 @@ def generate_rank(
     """Run ``pipemlx generate`` as one rank of the group this process belongs to; returns the exit status."""
     group = init_group()
     rank, size = group.rank(), group.size()
-    err = Console(stderr=True, quiet=rank != 0 or args.json)
+    err = Console(stderr=True, quiet=rank != 0 or args.json or not args.verbose)
     if expected_ranks is not None and expected_ranks != size:
         if rank == 0:
             print(f"pipemlx generate: error: --ranks {expected_ranks} but the group has {size} ranks", file=sys.stderr)
@@ -75,13 +76,18 @@ def generate_rank(
 
 def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
     rank, size = group.rank(), group.size()
+    tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
     try:  # the tokenizer first: the prompt's real length is the context the model is sharded for (lend=auto)
-        tokenizer: Any = load_tokenizer(locate_model(args.model, rank=rank).root)  # a repo: its metadata fetched
+        root = locate_model(args.model, rank=rank).root  # a repo: its metadata fetched
+        tokenizer: Any = load_tokenizer(root, tokenizer_config)
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the tokenizer in {args.model}: {exc}", file=sys.stderr)
         return 2
-    add_special = tokenizer.bos_token is None or not prompt_text.startswith(tokenizer.bos_token)
-    prompt = mx.array(tokenizer.encode(prompt_text, add_special_tokens=add_special), dtype=mx.int32)
+    try:  # as mlx_lm.generate builds it: the chat template by default
+        prompt = mx.array(prompt_tokens(tokenizer, prompt_text, args), dtype=mx.int32)
+    except Exception as exc:  # a template that refuses the messages: the same on every rank
+        print(f"pipemlx generate: error: the chat template cannot render the prompt: {exc}", file=sys.stderr)
+        return 2
     if prompt.size == 0:  # every rank encodes the same text: every rank stops here, before anything is sent
         print(f"pipemlx generate: error: the prompt {prompt_text!r} encodes to no tokens", file=sys.stderr)
         return 2
@@ -92,8 +98,9 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             split=args.split,
             timeout=args.timeout,
             allow_unregistered=args.allow_unregistered,
-            context=prompt.size + args.max_tokens,
+            context=prompt.size + args.max_tokens if args.max_tokens >= 0 else None,
             lend=args.lend,
+            tokenizer_config=tokenizer_config,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)
@@ -141,8 +148,11 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         )
     prefill_s = time.perf_counter() - start
 
+    for eos in args.extra_eos_token:
+        tokenizer.add_eos_token(eos)
     err.print(Text(_prompt_tail(prompt_text), style="dim"), end="")
-    mx.random.seed(args.seed)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
     tokens: list[int] = []
     pieces: list[str] = []
     generated, first_token, last_token, confirmed = 0, 0.0, 0.0, 0
@@ -152,7 +162,10 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         prompt[-1:],
         max_tokens=args.max_tokens,
         prompt_cache=cache,
-        sampler=make_sampler(args.temp) if args.temp > 0 else None,  # greedy: the ranks share the head
+        sampler=_sampler(args, tokenizer),
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
         prefill_step_size=step,
         draft_model=draft,
         num_draft_tokens=args.num_draft_tokens,
@@ -167,7 +180,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         generated += 1
         if generated == 1:
             first_token = last_token
-        if rank == 0 and not args.json:
+        if rank == 0 and not args.json and args.verbose:
             sys.stdout.write(response.text)
             sys.stdout.flush()
     figures = _gather_figures(group, stage.info.layers, rank)
@@ -195,12 +208,31 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         }
         print(json.dumps(report), flush=True)
         return 0
+    if not args.verbose:  # mlx-lm's --verbose false: the text alone
+        print("".join(pieces), flush=True)
+        return 0
     sys.stdout.write("\n")
     sys.stdout.flush()
     speculating = draft is not None or args.prompt_lookup is not None
     guessed = (confirmed, *responses.guesses) if speculating else None
     err.print(_summary(prompt.size, step, prefill_s, prefill_tps, len(tokens), decode_tps, figures, guessed))
     return 0
+
+
+def _sampler(args: argparse.Namespace, tokenizer: Any) -> Any:
+    """mlx_lm.generate's sampler (``None`` when greedy: the ranks then share the head's work)."""
+    if args.temp <= 0:
+        return None
+    return make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
 
 
 def _prompt_tail(text: str) -> str:

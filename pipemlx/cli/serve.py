@@ -37,7 +37,6 @@ from ..demo import MODEL_DIR
 from ..launch import BACKEND_VARIABLE, STOP_GRACE_S, RankFile, kill_all, spawn_ranks
 from ..models.hub import is_repo_id
 from .common import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_TIMEOUT,
     DefaultsFormatter,
     UserError,
@@ -54,6 +53,7 @@ from .common import (
     positive_int,
     read_hostfile,
 )
+from .parity import REFUSED_SERVE, SERVE_MAX_TOKENS, add_refused, check_refused
 
 if TYPE_CHECKING:
     from ..serve.settings import RankOptions, ServeSettings
@@ -102,41 +102,47 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="require 'Authorization: Bearer KEY' (default: $PIPEMLX_API_KEY, else no key)",
     )
     serve.add_argument(
-        "--cors-origin",
-        type=cors_origin,
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="let pages from ORIGIN (like https://app.example.com, or * for any) call the API from a browser; "
-        "repeat for more (default: none, no CORS headers)",
+        "--allowed-origins",
+        type=cors_origins,
+        default=(),
+        metavar="ORIGIN[,ORIGIN...]",
+        help="let pages from these origins (like https://app.example.com, or * for any) call the API from a "
+        "browser (default: none, no CORS headers; mlx_lm.server allows any: pipemlx does not unless told)",
     )
     serve.add_argument("--max-queue", type=positive_int, default=64, help="requests that may wait; more get 429")
     serve.add_argument(
-        "--max-concurrency",
+        "--decode-concurrency",
+        dest="max_concurrency",
         type=positive_int,
         default=1,
         metavar="N",
-        help="requests decoded together in one batch; more wait in the queue (default 1: one at a time)",
+        help="requests decoded together in one batch; more wait in the queue (default 1: one at a time, which "
+        "speculative decoding needs; mlx_lm.server's is 32)",
     )
     serve.add_argument(
         "--prefill-chunking",
         choices=("equal-cost", "fixed"),
         default="equal-cost",
-        help="with --max-concurrency above 1, a prompt prefilled while others decode comes in chunks that "
+        help="with --decode-concurrency above 1, a prompt prefilled while others decode comes in chunks that "
         "shrink as positions grow, each costing what the first does (equal-cost: the default; calibrates at "
         "start-up, once: the calibration cache), or in chunks of one size (fixed)",
     )
     serve.add_argument(
-        "--prefix-cache",
-        type=float,
-        default=1024.0,
-        metavar="MB",
-        help="KV caches of recent requests kept for reuse, in MB (default 1024; 0: off)",
+        "--prompt-cache-bytes",
+        type=size_in_bytes,
+        default=1 << 30,
+        metavar="SIZE",
+        help="KV caches of recent requests kept for reuse, in bytes, or 500M, 2G (mlx_lm.server's sizes) "
+        "(default 1073741824: 1 GiB; 0: off)",
     )
     add_prefill_step_flag(serve)
-    add_renamed_flags(serve, ["--step-size"])
+    add_renamed_flags(serve, ["--step-size", "--max-concurrency", "--prefix-cache", "--cors-origin"])
+    add_server_flags(serve)
     serve.add_argument(
-        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="tokens per answer when a request says none"
+        "--max-tokens",
+        type=positive_int,
+        default=SERVE_MAX_TOKENS,
+        help="tokens per answer when a request says none, as mlx_lm.server",
     )
     serve.add_argument(
         "--temp", type=float, default=0.0, help="temperature when a request says none (default 0: greedy)"
@@ -254,6 +260,66 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def cors_origins(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated origins (mlx_lm.server's ``--allowed-origins``), each :func:`cors_origin`."""
+    return tuple(cors_origin(part.strip()) for part in text.split(",") if part.strip())
+
+
+def size_in_bytes(text: str) -> int:
+    """argparse type: bytes, or mlx_lm.server's sizes (``500M``, ``2G``, ``1.5GB``: powers of ten)."""
+    units = {"": 1, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
+    number = text.strip().rstrip("MGBmgb")
+    unit = text.strip()[len(number) :].upper()
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"expected bytes or a size like 500M or 2G, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more bytes, got {text!r}")
+    return int(value)
+
+
+def add_server_flags(serve: argparse.ArgumentParser) -> None:
+    """mlx_lm.server's flags that pipemlx serve honours beyond those it shares with generate, and those it refuses."""
+    server = serve.add_argument_group("as mlx_lm.server")
+    server.add_argument("--top-p", type=float, default=1.0, help="top_p when a request says none")
+    server.add_argument("--top-k", type=int, default=0, help="top_k when a request says none (0: off)")
+    server.add_argument("--min-p", type=float, default=0.0, help="min_p when a request says none (0: off)")
+    server.add_argument("--chat-template", default="", help="a chat template for the tokenizer (default: the model's)")
+    server.add_argument(
+        "--use-default-chat-template", action="store_true", help="the tokenizer's default template when it has none"
+    )
+    server.add_argument(
+        "--chat-template-args", type=json_object, default={}, help="JSON of arguments for the chat template"
+    )
+    server.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the model's code")
+    server.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="WARNING and above: no line per request and no start-up lines, only warnings and errors",
+    )
+    server.add_argument(
+        "--prompt-concurrency",
+        type=positive_int,
+        default=8,
+        help="accepted as mlx_lm.server's; pipemlx prefills one chunk of one waiting prompt per batch step",
+    )
+    server.add_argument("--pipeline", action="store_true", help="accepted: pipemlx always pipelines")
+    add_refused(serve, REFUSED_SERVE)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type: a JSON object."""
+    try:
+        value: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, like '{\"enable_thinking\": false}'")
+    return cast(dict[str, Any], value)
+
+
 def cors_origin(text: str) -> str:
     """argparse type: ``*`` or an origin as browsers send it: lower-case ``scheme://host[:port]``, nothing after."""
     if text == "*":
@@ -302,8 +368,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         raise UserError("--rank only goes with --hostfile")
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
-    if args.prefix_cache < 0:
-        raise UserError(f"--prefix-cache must be 0 or more MB, got {args.prefix_cache:g}")
+    check_refused(args, REFUSED_SERVE)
     if args.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
@@ -326,7 +391,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def check_serve_speculation(args: argparse.Namespace) -> None:
-    """``pipemlx generate``'s checks of the speculation flags, and their refusal with ``--max-concurrency`` above 1:
+    """``pipemlx generate``'s checks of the speculation flags, and their refusal with ``--decode-concurrency`` above 1:
     the batch decodes without guesses (docs/serve.md, "Speculative decoding"), so asking for both is a mistake
     worth naming rather than a draft model loaded for nothing."""
     check_speculation(args)
@@ -334,7 +399,7 @@ def check_serve_speculation(args: argparse.Namespace) -> None:
     guessing = [flag for flag, value in flags.items() if value is not None]
     if guessing and args.max_concurrency > 1:
         raise UserError(
-            f"{guessing[0]} needs --max-concurrency 1: batched requests (--max-concurrency {args.max_concurrency}) "
+            f"{guessing[0]} needs --decode-concurrency 1: batched requests (--decode-concurrency {args.max_concurrency}) "
             "are decoded without speculation"
         )
 
@@ -477,12 +542,12 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
             header_timeout=args.header_timeout,
             idle_timeout=args.idle_timeout,
             metrics_public=args.metrics_public,
-            cors_origins=tuple(args.cors_origin),
+            cors_origins=tuple(args.allowed_origins),
         ),
         engine=EngineSettings(
             max_concurrency=args.max_concurrency,
             prefill_chunking=args.prefill_chunking,
-            prefix_cache_mb=args.prefix_cache,
+            prefix_cache_mb=args.prompt_cache_bytes / float(1 << 20),
             prefill_step_size=args.prefill_step_size,
             timeout=args.timeout,
             context=args.context,
@@ -490,8 +555,17 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
             num_draft_tokens=args.num_draft_tokens,
             prompt_lookup=args.prompt_lookup,
         ),
-        defaults=RequestDefaults(max_tokens=args.max_tokens, temperature=args.temp),
-        process=ProcessControl(grace=args.grace, fault_grace=max(0.0, args.fault_grace)),
+        defaults=RequestDefaults(
+            max_tokens=args.max_tokens,
+            temperature=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            chat_template=args.chat_template,
+            chat_template_args=json.dumps(args.chat_template_args),
+            use_default_chat_template=args.use_default_chat_template,
+        ),
+        process=ProcessControl(grace=args.grace, fault_grace=max(0.0, args.fault_grace), log_level=args.log_level),
     )
 
 
@@ -513,6 +587,7 @@ def _rank_options(args: argparse.Namespace, parent_pid: int | None = None) -> Ra
         expected_ranks=expected,
         allow_unregistered=args.allow_unregistered,
         lend=args.lend,
+        trust_remote_code=args.trust_remote_code,
     )
 
 

@@ -146,6 +146,8 @@ def load_sharded(
         allow_unregistered=allow_unregistered,
         lend=lend,
     )
+    if trust_remote_code:  # the tokenizer's code too, as mlx_lm.generate asks for it
+        tokenizer_config = {**(tokenizer_config or {}), "trust_remote_code": True}
     tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
 
@@ -246,7 +248,7 @@ def load_draft(path: str | os.PathLike[str]) -> nn.Module:
     return cast(nn.Module, loaded[0])
 
 
-def load_tokenizer_of(root: Path) -> Any:
+def load_tokenizer_of(root: Path, trust_remote_code: bool = False) -> Any:
     """The tokenizer of the model folder ``root`` as :func:`load_sharded` loads it (its end-of-sequence ids from
     ``config.json``), without any weights: for a process that tokenizes and joins no group (``pipemlx serve``'s
     front)."""
@@ -255,7 +257,7 @@ def load_tokenizer_of(root: Path) -> Any:
     except (OSError, ValueError):
         config = {}
     eos = config.get("eos_token_id") if isinstance(config, dict) else None  # pyright: ignore[reportUnnecessaryIsInstance]
-    return load_tokenizer(root, None, eos_token_ids=eos)
+    return load_tokenizer(root, {"trust_remote_code": trust_remote_code}, eos_token_ids=eos)
 
 
 def model_context(root: Path) -> int | None:

@@ -37,7 +37,7 @@ from ..errors import PipelineError
 from ..launch import init_group
 from ..models.hub import locate_model
 from ..models.loading import load_draft, load_sharded, load_tokenizer_of, model_context
-from .book import Book, log
+from .book import Book, configure_logging, log
 from .link import CONNECT_EVERY_S, FRONT_ADDRESS_VARIABLE, JOIN_VARIABLE, Link
 from .loop import Leader, follow
 from .rank import Rank
@@ -69,6 +69,7 @@ def missing_packages() -> list[str]:
 
 def run_rank(options: RankOptions) -> int:
     """Serve as one rank of the group this process belongs to; returns the exit status (or exits after a fault)."""
+    configure_logging(options.settings.process.log_level)
     joined: Link | None = None
     if os.environ.get(JOIN_VARIABLE) is not None:
         joined, options = _join(options)
@@ -95,6 +96,7 @@ def run_rank(options: RankOptions) -> int:
             allow_unregistered=options.allow_unregistered,
             context=engine.context,
             lend=options.lend,
+            trust_remote_code=options.trust_remote_code,
         )
     except (ValueError, OSError) as exc:
         _exit(2, f"error: cannot load the model in {options.model_dir}: {exc}")
@@ -109,7 +111,7 @@ def run_rank(options: RankOptions) -> int:
         here.start()
         scheduler = make_scheduler(here)
     except TypeError as exc:  # the same model on every rank: every rank says so and exits
-        _exit(2, f"error: --max-concurrency {engine.max_concurrency}: {exc}")
+        _exit(2, f"error: --decode-concurrency {engine.max_concurrency}: {exc}")
     except PipelineError as exc:  # a peer lost or stalled while warming up or while the batch scheduler calibrated
         _exit(1, f"rank {rank}: the pipeline failed at start-up: {type(exc).__name__}: {exc}")
     if rank != 0:
@@ -217,9 +219,10 @@ def run_front(options: FrontOptions) -> int:
     from .supervisor import Supervisor
 
     settings = options.rank.settings
+    configure_logging(settings.process.log_level)
     try:  # a Hub repo id: its config and tokenizer files fetched (or found in the cache), as every rank does
         model_dir = locate_model(options.rank.model_dir).root
-        tokenizer = load_tokenizer_of(model_dir)
+        tokenizer = load_tokenizer_of(model_dir, options.rank.trust_remote_code)
     except (OSError, ValueError) as exc:  # ModelNotFoundError (one line) too
         print(f"pipemlx serve: error: cannot load the tokenizer of {options.rank.model_dir}: {exc}", file=sys.stderr)
         return 2

@@ -66,6 +66,12 @@ class Api:
         self.settings = settings
         self.context = context
         self.created = now()
+        defaults = settings.defaults
+        self.template_args: dict[str, Any] = json.loads(defaults.chat_template_args)  # --chat-template-args
+        if tokenizer is not None and defaults.chat_template:  # --chat-template
+            tokenizer.chat_template = defaults.chat_template
+        if tokenizer is not None and defaults.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
         self.metrics = ServeMetrics(book, len(book.split))
         book.metrics = self.metrics
 
@@ -183,7 +189,9 @@ class Api:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise bad_request("this model has no chat template; use /v1/completions", code="no_chat_template")
         try:
-            tokens = list(self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True))
+            template_args = {**self.template_args, **parsed.template_args}
+            rendered = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, **template_args)
+            tokens = list(rendered)
         except Exception as exc:  # the template rejected the conversation (roles out of order, ...)
             raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from None
         return await self._generate(request, parsed, tokens)

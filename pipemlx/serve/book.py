@@ -17,6 +17,7 @@ nothing here uses MLX or the ranks.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import signal
@@ -41,8 +42,26 @@ PROGRESS_LOG_S = 2.0  # a prefill longer than this logs its progress every this 
 RECENT = 16  # requests whose figures /health keeps
 
 
+LOGGER = logging.getLogger("pipemlx.serve")
+
+
 def log(message: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} pipemlx serve: {message}", file=sys.stderr, flush=True)
+    """One line of the server's log (``--log-level INFO``: requests, start-up, stops)."""
+    LOGGER.info(message)
+
+
+def warn(message: str) -> None:
+    """A fault or a failure: shown at every ``--log-level`` but ERROR and CRITICAL."""
+    LOGGER.warning(message)
+
+
+def configure_logging(level: str) -> None:
+    """The server's lines on stderr, ``HH:MM:SS pipemlx serve: ...``, from ``level`` up (``--log-level``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s pipemlx serve: %(message)s", "%H:%M:%S"))
+    LOGGER.handlers[:] = [handler]
+    LOGGER.setLevel(level)
+    LOGGER.propagate = False
 
 
 @dataclass
@@ -595,7 +614,7 @@ class Book:
         error = unavailable(f"the pipeline failed: {self.fault}")
         self.fail_running(error)
         grace = self.settings.process.fault_grace
-        log(f"the pipeline failed ({self.fault}); answering 503 for {grace:g} s, then exiting")
+        warn(f"the pipeline failed ({self.fault}); answering 503 for {grace:g} s, then exiting")
         self.stopping.wait(grace)
         self.reject_waiting(error)
         time.sleep(0.2)  # let the HTTP thread deliver the last 503s

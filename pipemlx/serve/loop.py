@@ -183,5 +183,5 @@ def follow(rank: Rank, scheduler: Scheduler) -> int:
         else:
             raise PipelineMismatchError(
                 f"rank {rank.rank}: rank 0 sent a {OPS[op]} where this rank runs a {scheduler.unit}: "
-                "the ranks were started with different --max-concurrency"
+                "the ranks were started with different --decode-concurrency"
             )

@@ -23,6 +23,15 @@ REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished UT
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 Kind = Literal["chat", "completion"]
+UNSUPPORTED = {
+    "draft_model": "the draft model is the server's (--draft-model); 'draft': false opts a request out",
+    "num_draft_tokens": "guesses per pass are the server's setting (--num-draft-tokens)",
+    "adapters": "LoRA adapters are not loaded by pipemlx",
+    "xtc_probability": "XTC sampling draws from a random generator the ranks do not share per request",
+    "tools": "tool calls are not parsed from the answers",
+    "role_mapping": "the chat template renders the roles",
+}
+"""Request fields of mlx_lm.server that pipemlx serve refuses (a 400 naming the field), with the reason."""
 NO_DEFAULTS = RequestDefaults()
 
 
@@ -72,6 +81,8 @@ class ParsedRequest:
     kind: Kind
     model: str | None
     messages: list[dict[str, str]] | None = None
+    template_args: dict[str, Any] = field(default_factory=dict[str, Any])
+    """``chat_template_kwargs``: arguments for the chat template (mlx_lm.server's field)."""
     prompt: str | list[int] | None = None
     stream: bool = False
     include_usage: bool = False
@@ -176,6 +187,14 @@ def _common(obj: dict[str, Any], request: ParsedRequest, defaults: RequestDefaul
     request.stop = _stop(obj.get("stop"))
     if obj.get("logit_bias"):
         raise bad_request("logit_bias is not supported by pipemlx serve", param="logit_bias")
+    for name, why in UNSUPPORTED.items():
+        if obj.get(name) not in (None, 0, [], {}):
+            raise bad_request(f"{name} is not supported by pipemlx serve: {why}", param=name)
+    template_args = obj.get("chat_template_kwargs")
+    if template_args is not None:
+        if not isinstance(template_args, dict):
+            raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+        request.template_args = cast(dict[str, Any], template_args)
     n = obj.get("n")
     if n is not None and n != 1:
         raise bad_request("only n=1 is supported", param="n")
@@ -194,17 +213,17 @@ def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
         raise bad_request(f"'temperature' must be a number from 0 to 2, got {temperature!r}", param="temperature")
     top_p = obj.get("top_p")
     if top_p is None:
-        top_p = 1.0
+        top_p = defaults.top_p
     elif not _is_number(top_p) or not 0.0 < top_p <= 1.0:
         raise bad_request(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
     min_p = obj.get("min_p")
     if min_p is None:
-        min_p = 0.0
+        min_p = defaults.min_p
     elif not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
         raise bad_request(f"'min_p' must be a number from 0 to 1, got {min_p!r}", param="min_p")
     top_k = obj.get("top_k")
     if top_k is None:
-        top_k = 0
+        top_k = defaults.top_k
     elif not _is_int(top_k) or top_k < 0:
         raise bad_request(f"'top_k' must be a whole number, 0 or more (0: all tokens), got {top_k!r}", param="top_k")
     seed = obj.get("seed")

@@ -3,7 +3,7 @@
 A :class:`Scheduler` applies a step's operations (:class:`~.broadcast.Ops`), the
 same on every rank, runs the step, hands rank 0 each token through a
 :class:`Sink` and returns the requests that ended. :class:`OneAtATime`
-(``--max-concurrency 1``) runs a whole request per step; its cache ends holding
+(``--decode-concurrency 1``) runs a whole request per step; its cache ends holding
 every token the request generated, so the next turn of a conversation reuses all
 of it. :class:`Batched` (above 1) runs a tick of the batch per step; a finished
 request hands back its cache holding all but its last token (never fed back).
@@ -65,7 +65,7 @@ class Scheduler(Protocol):
 
 
 def make_scheduler(rank: Rank) -> Scheduler:
-    """The scheduler of ``--max-concurrency``; ``TypeError`` (on every rank alike) when the model cannot batch."""
+    """The scheduler of ``--decode-concurrency``; ``TypeError`` (on every rank alike) when the model cannot batch."""
     return Batched(rank) if rank.settings.max_concurrency > 1 else OneAtATime(rank)
 
 

@@ -77,8 +77,16 @@ class EngineSettings:
 class RequestDefaults:
     """What a request gets for a field it does not send."""
 
-    max_tokens: int = 256
+    max_tokens: int = 512
     temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    chat_template: str = ""
+    """A chat template of the server's own (``--chat-template``; empty: the model's)."""
+    chat_template_args: str = "{}"
+    """A JSON object of arguments for the chat template (``--chat-template-args``)."""
+    use_default_chat_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class ProcessControl:
     """After a fault it cannot recover from: seconds of 503 answers before the process exits."""
     parent_pid: int | None = None
     """Local ranks: the supervising process; rank 0 stops the group when it is gone."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,7 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend: LendSpec = "auto"
+    trust_remote_code: bool = False
 
 
 def rank_process(options: RankOptions) -> tuple[list[str], dict[str, str]]:

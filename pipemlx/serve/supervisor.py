@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..launch import STOP_GRACE_S, cpu_shares, kill_all, pin, spawn_ranks
-from .book import Book, log
+from .book import Book, log, warn
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, Acceptor, Link
 from .openai_api import ApiError, shutting_down
 from .relay import Fault, Regroup, Relay
@@ -203,9 +203,9 @@ class Supervisor:
         self.recovery["restarts"] += 1
         self.book.status = "recovering"
         if self.hosts:
-            log(f"the pipeline failed ({message}); waiting for the workers' supervisors to restart them")
+            warn(f"the pipeline failed ({message}); waiting for the workers' supervisors to restart them")
         else:
-            log(f"the pipeline failed ({message}); restarting the ranks")
+            warn(f"the pipeline failed ({message}); restarting the ranks")
         return True
 
     def _give_up(self) -> int:
@@ -218,7 +218,7 @@ class Supervisor:
         self.book.status = "failed"
         self.book.fault = why
         self.book.fail_running(ApiError(503, why, type="server_error", code="pipeline_unavailable"))
-        log(f"{why}; answering 503 for {self.settings.process.fault_grace:g} s, then exiting")
+        warn(f"{why}; answering 503 for {self.settings.process.fault_grace:g} s, then exiting")
         self.book.stopping.wait(self.settings.process.fault_grace)
         self.book.fail_running(ApiError(503, why, type="server_error", code="pipeline_unavailable"))
         time.sleep(0.2)  # let the HTTP thread deliver the last answers
@@ -373,7 +373,7 @@ class Supervisor:
             why = f"{len(entries)} hosts cannot hold the model: {exc}"
             if why != self.cannot_shrink:
                 self.cannot_shrink = why
-                log(f"not going on without the missing hosts: {why}")
+                warn(f"not going on without the missing hosts: {why}")
             return None
         missing = [e for e in range(len(self.options.hosts)) if e not in self.joined]
         log(
@@ -419,7 +419,7 @@ class Supervisor:
                 self._greeted(message)
                 return link
         link.close()
-        log(f"the group of hosts {entries} did not come up; waiting for the workers to join again")
+        warn(f"the group of hosts {entries} did not come up; waiting for the workers to join again")
         return None
 
     def _hello(self, wait: float) -> Link | None:
@@ -452,7 +452,7 @@ class Supervisor:
             f"the pipeline is recovering from a fault and did not come back within {self.options.recover_timeout:g} s "
             f"(--recover-timeout): {self.recovery['last_fault']}"
         )
-        log(f"{message}; answering 503 to the waiting requests")
+        warn(f"{message}; answering 503 to the waiting requests")
         self.book.fail_running(recovering_error(message))
 
     # --- what the relay asks (relay.Group) -------------------------------------------------------------------------
