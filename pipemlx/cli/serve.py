@@ -529,6 +529,7 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def _settings(args: argparse.Namespace) -> ServeSettings:
     """The settings the command line sets, by who reads them."""
+    from ..serve.requests import SamplingParams
     from ..serve.settings import EngineSettings, HttpLimits, ProcessControl, RequestDefaults, ServeSettings
 
     return ServeSettings(
@@ -557,10 +558,7 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
         ),
         defaults=RequestDefaults(
             max_tokens=args.max_tokens,
-            temperature=args.temp,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
+            sampling=SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p),
             chat_template=args.chat_template,
             chat_template_args=json.dumps(args.chat_template_args),
             use_default_chat_template=args.use_default_chat_template,

@@ -10,8 +10,8 @@ the same fields, types and ``object`` names as OpenAI's API, so that the
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from .requests import SamplingParams
@@ -19,6 +19,7 @@ from .settings import RequestDefaults
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = (1 << 31) - 1
+CONTEXT_CAP = 1 << 20  # the most tokens a count in a request may name
 REPLACEMENT = "\ufffd"  # what a decoder shows for the bytes of an unfinished UTF-8 character
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -205,50 +206,53 @@ def _common(obj: dict[str, Any], request: ParsedRequest, defaults: RequestDefaul
 
 
 def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
-    """The request's :class:`SamplingParams`, each field checked (``defaults``' temperature when it says none)."""
-    temperature = obj.get("temperature")
-    if temperature is None:
-        temperature = defaults.temperature
-    elif not _is_number(temperature) or not 0.0 <= temperature <= 2.0:
-        raise bad_request(f"'temperature' must be a number from 0 to 2, got {temperature!r}", param="temperature")
-    top_p = obj.get("top_p")
-    if top_p is None:
-        top_p = defaults.top_p
-    elif not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise bad_request(f"'top_p' must be a number in (0, 1], got {top_p!r}", param="top_p")
-    min_p = obj.get("min_p")
-    if min_p is None:
-        min_p = defaults.min_p
-    elif not _is_number(min_p) or not 0.0 <= min_p <= 1.0:
-        raise bad_request(f"'min_p' must be a number from 0 to 1, got {min_p!r}", param="min_p")
-    top_k = obj.get("top_k")
-    if top_k is None:
-        top_k = defaults.top_k
-    elif not _is_int(top_k) or top_k < 0:
-        raise bad_request(f"'top_k' must be a whole number, 0 or more (0: all tokens), got {top_k!r}", param="top_k")
-    seed = obj.get("seed")
-    if seed is not None:
-        if not _is_int(seed):
-            raise bad_request(f"'seed' must be a whole number, got {seed!r}", param="seed")
-        seed = int(seed) % (MAX_SEED + 1)
-    draft = obj.get("draft")
-    draft = True if draft is None else draft  # null: unset, as for the other fields
-    if not isinstance(draft, bool):
-        raise bad_request(f"'draft' must be true or false, got {draft!r}", param="draft")
-    penalties: dict[str, Any] = {}
-    for name, low, high in (("repetition", 0.0, 10.0), ("presence", -2.0, 2.0), ("frequency", -2.0, 2.0)):
-        value, size = obj.get(f"{name}_penalty"), obj.get(f"{name}_context_size")
-        if value is not None:
-            if not _is_number(value) or not low <= value <= high:
-                message = f"'{name}_penalty' must be a number from {low:g} to {high:g}, got {value!r}"
-                raise bad_request(message, param=f"{name}_penalty")
-            penalties[f"{name}_penalty"] = float(value)
-        if size is not None:
-            if not _is_int(size) or not 1 <= size <= 1 << 20:
-                message = f"'{name}_context_size' must be a whole number of at least 1, got {size!r}"
-                raise bad_request(message, param=f"{name}_context_size")
-            penalties[f"{name}_context_size"] = size
-    return SamplingParams(float(temperature), float(top_p), float(min_p), int(top_k), seed, draft=draft, **penalties)
+    """The request's :class:`SamplingParams`: the server's defaults (``--temp``, ``--top-p``, ...), with each field
+    the request sends checked and taken (null: not sent)."""
+    sent = {name: check(name, obj[name]) for name, check in SAMPLING_FIELDS.items() if obj.get(name) is not None}
+    return replace(defaults.sampling, **sent)
+
+
+def _within(low: float, high: float, *, whole: bool = False, above_low: bool = False) -> Callable[[str, Any], Any]:
+    """A check of a number (a whole one: ``whole``) from ``low`` (or above it) to ``high``."""
+    span = f"in ({low:g}, {high:g}]" if above_low else f"from {low:g} to {high:g}"
+
+    def check(name: str, value: Any) -> float | int:
+        if (
+            not (_is_int if whole else _is_number)(value)
+            or value > high
+            or (value <= low if above_low else value < low)
+        ):
+            raise bad_request(f"'{name}' must be a {'whole ' * whole}number {span}, got {value!r}", param=name)
+        return int(value) if whole else float(value)
+
+    return check
+
+
+def _seed(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise bad_request(f"'{name}' must be a whole number, got {value!r}", param=name)
+    return int(value) % (MAX_SEED + 1)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+SAMPLING_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "temperature": _within(0, 2),
+    "top_p": _within(0, 1, above_low=True),
+    "min_p": _within(0, 1),
+    "top_k": _within(0, CONTEXT_CAP, whole=True),  # 0: all tokens
+    "seed": _seed,
+    "repetition_penalty": _within(0, 10),
+    "presence_penalty": _within(-2, 2),
+    "frequency_penalty": _within(-2, 2),
+    **{f"{kind}_context_size": _within(1, CONTEXT_CAP, whole=True) for kind in ("repetition", "presence", "frequency")},
+    "draft": _flag,  # pipemlx's own: False opts the request out of speculative decoding
+}
+"""Each :class:`SamplingParams` field a request may send, and its check (OpenAI's and mlx_lm.server's names)."""
 
 
 def _asks_logprobs(obj: dict[str, Any], kind: Kind) -> bool:

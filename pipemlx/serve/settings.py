@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..models.sharding import LendSpec
-from .requests import from_json, to_json
+from .requests import SamplingParams, from_json, to_json
 
 RANK_VARIABLE = "PIPEMLX_SERVE_RANK"
 """The JSON form of the :class:`RankOptions` of a process started as a serving rank (``python -m pipemlx.serve``)."""
@@ -78,10 +78,8 @@ class RequestDefaults:
     """What a request gets for a field it does not send."""
 
     max_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """The server's ``--temp``, ``--top-p``, ``--top-k`` and ``--min-p``; a request's fields replace them."""
     chat_template: str = ""
     """A chat template of the server's own (``--chat-template``; empty: the model's)."""
     chat_template_args: str = "{}"
