@@ -256,7 +256,7 @@ def _start(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     port = free_ports(1)[0]
     command = [
         sys.executable, "-m", "pipemlx", "serve", "--ranks", "2", "--port", str(port), "--api-key", args.api_key,
-        "--decode-concurrency", str(args.max_concurrency), "--max-queue", str(args.max_queue), "--grace", "5", "--prompt-cache-bytes", f"{args.prefix_cache}M",
+        "--decode-concurrency", str(args.decode_concurrency), "--max-queue", str(args.max_queue), "--grace", "5", "--prompt-cache-bytes", f"{args.prefix_cache}M",
     ]  # fmt: skip
     server = subprocess.Popen(command, env={**os.environ, **bench_env(True)})
     url = f"http://127.0.0.1:{port}"

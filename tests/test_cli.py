@@ -79,8 +79,14 @@ def test_argument_types_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
     "content,words",
     [
         ("not json", "cannot read hostfile"),
-        ('{"a": 1}', 'must be a JSON list with one list of "ip:port" strings per rank'),
+        ("[1, 2]", 'must be a JSON list with one list of "ip:port" strings per rank'),
         ('[["127.0.0.1:1"], ["127.0.0.1:2"]]', "ranks [0, 1] of"),
+        # mlx.distributed_config's form
+        ('{"a": 1}', "'hosts' must be a non-empty list"),
+        ('{"backend": "jaccl", "hosts": [{"ssh": "a"}]}', "mlx.launch --hostfile"),
+        ('{"backend": "ring", "hosts": [{"ssh": "a", "ips": []}]}', "host 0 ('a') has no 'ips'"),
+        ('{"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}], "envs": ["NOEQUALS"]}', "'envs' must be a list"),
+        ('{"hosts": [{"ssh": "a", "ips": ["127.0.0.1"]}, {"ssh": "b", "ips": ["127.0.0.1"]}]}', "ranks [0, 1] of"),
     ],
 )
 def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str, words: str) -> None:
@@ -88,6 +94,14 @@ def test_bad_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path, conten
     hostfile.write_text(content)
     code, err = run_cli(capsys, "generate", "--hostfile", str(hostfile))
     assert code == 2 and words in err, err
+
+
+def test_hostfile_of_distributed_config_gets_mlx_launch_ports(tmp_path: Path) -> None:
+    """Ports as mlx.launch counts them: from 32323, one per rank and IP."""
+    hostfile = tmp_path / "hosts.json"
+    hosts = [{"ssh": "a", "ips": ["10.0.0.1", "10.1.0.1"], "rdma": []}, {"ssh": "b", "ips": ["10.0.0.2"]}]
+    hostfile.write_text(json.dumps({"backend": "", "envs": [], "hosts": hosts}))
+    assert common.read_hostfile(str(hostfile)) == [["10.0.0.1:32323", "10.1.0.1:32324"], ["10.0.0.2:32325"]]
 
 
 def test_hostfile_without_this_host(

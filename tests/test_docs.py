@@ -30,6 +30,7 @@ import pipemlx
 from pipemlx.cli import build_parser
 from pipemlx.cli.common import RenamedFlag
 from pipemlx.runtime.lean_decode import lean_generate_step
+from pipemlx.runtime.stage import stage_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -322,3 +323,88 @@ def test_links_to_docs_resolve() -> None:
             elif anchor and page.suffix == ".md" and anchor not in anchors(page.read_text(encoding="utf-8")):
                 problems.append(f"{path.relative_to(ROOT)}: no heading #{anchor} in {target or path.name}")
     assert not problems, "\n".join(problems)
+
+
+def documented_signatures() -> list[tuple[str, str, str]]:
+    """Each signature docs/api.md writes out for a public function: (where, name, parameter text), from its
+    headings and from the python blocks that open with a call of the function."""
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    found: list[tuple[str, str, str]] = []
+    for heading in re.findall(r"^#+ `(\w+)\((.*)\)(?: -> [^`]*)?`", text, flags=re.M):
+        found.append(("heading", *heading))
+    for language, body in fences(text):
+        match = re.match(r"(\w+)\(", body)
+        if language == "python" and match:
+            found.append(("block", match.group(1), arguments(body, match.end() - 1)))
+    return [(where, name, args) for where, name, args in found if name in SIGNATURES]
+
+
+SIGNATURES = {name: getattr(pipemlx, name) for name in ("shard_model", "load_sharded", "pipeline_prefill")}
+SIGNATURES |= {name: getattr(pipemlx, name) for name in ("generate_step", "stream_generate", "BatchGenerator")}
+SIGNATURES |= {"send_mode": pipemlx.send_mode, "stage_of": stage_of, "lean_generate_step": lean_generate_step}
+
+
+@pytest.mark.parametrize("where,name,args", documented_signatures())
+def test_documented_signatures_match_the_code(where: str, name: str, args: str) -> None:
+    """Every parameter a signature in api.md shows exists, in the code's order, with the code's default and
+    kind (positional or keyword-only); a signature without ``...`` shows every parameter."""
+    import ast
+
+    partial = "..." in args
+    shown = ast.parse(f"def f({args.replace('...', '__rest__=None')}): pass").body[0]
+    assert isinstance(shown, ast.FunctionDef)
+    spec = shown.args
+    defaults = [None] * (len(spec.args) - len(spec.defaults)) + list(spec.defaults)
+    documented = [(a.arg, "positional", d) for a, d in zip(spec.args, defaults)]
+    documented += [(a.arg, "keyword", d) for a, d in zip(spec.kwonlyargs, spec.kw_defaults)]
+    documented += [(a.arg, "var", None) for a in (spec.vararg, spec.kwarg) if a is not None]
+    documented = [entry for entry in documented if entry[0] != "__rest__"]
+    actual = inspect.signature(SIGNATURES[name]).parameters
+    if name == "BatchGenerator":
+        actual = inspect.signature(pipemlx.BatchGenerator.__init__).parameters
+        actual = {k: v for k, v in actual.items() if k != "self"}
+    kinds = {
+        inspect.Parameter.KEYWORD_ONLY: "keyword",
+        inspect.Parameter.VAR_POSITIONAL: "var",
+        inspect.Parameter.VAR_KEYWORD: "var",
+    }
+    order = list(actual)
+    problems: list[str] = []
+    for parameter, kind, default in documented:
+        if parameter not in actual:
+            problems.append(f"{parameter}: no such parameter")
+            continue
+        real = actual[parameter]
+        if kinds.get(real.kind, "positional") != kind:
+            problems.append(f"{parameter}: documented {kind}, is {real.kind.description}")
+        if default is not None:
+            try:
+                value = ast.literal_eval(default)
+            except ValueError:
+                value = ast.unparse(default)  # a name: compare its spelling
+                if real.default is inspect.Parameter.empty or value not in (repr(real.default), str(real.default)):
+                    problems.append(f"{parameter}={value}: the code's default is {real.default!r}")
+                continue
+            if real.default is inspect.Parameter.empty or real.default != value:
+                problems.append(f"{parameter}={value!r}: the code's default is {real.default!r}")
+    names = [p for p, _, _ in documented if p in actual]
+    if names != sorted(names, key=order.index):
+        problems.append(f"the order differs from the code's: {order}")
+    if not partial:
+        missing = [p for p in order if p not in names]
+        if missing:
+            problems.append(f"missing (or write '...'): {missing}")
+    assert not problems, f"docs/api.md {where} {name}(...): " + "; ".join(problems)
+
+
+def test_design_names_every_module() -> None:
+    """docs/design.md's map (or its prose, for the server's modules) names every module of pipemlx/."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    words = set(re.findall(r"[a-z_]+", text))
+    skip = {"__init__", "__main__", "_version"}
+    missing = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "pipemlx").rglob("*.py"))
+        if path.stem not in skip and "demo" not in path.parts and path.stem not in words
+    ]
+    assert not missing, f"docs/design.md does not name: {missing}"

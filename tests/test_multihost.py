@@ -202,9 +202,12 @@ def test_launch_rejects_bad_addresses_and_prefixes(options: dict[str, Any], prob
         launch(2, [sys.executable, "-c", "pass"], timeout=10, **options)
 
 
-def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["ring", "distributed_config"])
+def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None, tmp_path: Path, form: str) -> None:
     """`pipemlx generate --hostfile FILE`, the same command on each host: each rank finds its rank by its own
-    address (no --rank), and rank 0 reports the tokens single-device mlx-lm gives."""
+    address (no --rank), and rank 0 reports the tokens single-device mlx-lm gives. The hostfile in the ring
+    backend's form, or as ``mlx.distributed_config`` writes it (hosts by IP, ports as ``mlx.launch`` counts them,
+    ``envs`` set on every rank)."""
     import subprocess
 
     from conftest import demo_reference_tokens as reference_tokens
@@ -213,7 +216,15 @@ def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None,
     prompt = "It is a truth universally acknowledged, that a single man in possession"
     with namespace_hosts(2) as hosts:
         hostfile = tmp_path / "hosts.json"
-        hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
+        if form == "ring":
+            hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
+        else:  # mlx.distributed_config's Hostfile.to_json()
+            config = {
+                "backend": "ring",
+                "envs": ["PIPEMLX_TEST_FROM_HOSTFILE=1"],
+                "hosts": [{"ssh": f"host{r}", "ips": [ip], "rdma": []} for r, ip in enumerate(hosts.ips)],
+            }
+            hostfile.write_text(json.dumps(config))
         argv = [
             sys.executable,
             "-m",

@@ -22,7 +22,6 @@ input (named in one line on stderr, without a traceback), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -45,8 +44,8 @@ from .common import (
     add_speculation_flags,
     check_ranks,
     check_speculation,
-    hostfile_rank,
     in_launched_rank,
+    join_by_hostfile,
     layer_counts,
     positive_float,
     positive_int,
@@ -152,8 +151,7 @@ def run_generate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     check_speculation(args)  # every rank checks: each one exits 2 with the same line
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
-            rank = hostfile_rank(args.hostfile, args.rank)
-            os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), "PIPEMLX_BACKEND": "ring"})
+            join_by_hostfile(args.hostfile, args.rank)
         from .generate import generate_rank  # MLX and mlx-lm: imported only where a rank runs
 
         return generate_rank(args, prompt, expected_ranks=args.ranks)

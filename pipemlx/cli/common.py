@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import socket
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -290,23 +291,48 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+RING_STARTING_PORT = 32323
+"""The first port of a hostfile that names hosts by IP (``mlx.launch``'s ``--starting-port`` default): one port per
+rank and IP, counting up, as ``mlx.launch`` assigns them."""
+
+
 def read_hostfile(path: str) -> list[list[str]]:
-    """MLX's ring hostfile at ``path``: each rank's ``"ip:port"`` addresses; :class:`UserError` when it is not one."""
-    try:
-        entries: Any = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot read hostfile {path!r}: {exc}") from None
+    """Each rank's ``"ip:port"`` addresses from the hostfile at ``path``, in either of MLX's forms: the ring
+    backend's list of lists, or what ``mlx.distributed_config`` writes (``{"backend", "envs", "hosts": [{"ssh",
+    "ips", "rdma"}]}``, ports given as ``mlx.launch`` gives them); :class:`UserError` when it is neither."""
+    entries = _hostfile_json(path)
+    if isinstance(entries, dict) or (isinstance(entries, list) and entries and isinstance(entries[0], dict)):
+        return _ring_of_config(path, cast(Any, entries))
     if not _is_hostfile(entries):
         raise UserError(
             f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
-            'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]]'
+            'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]], or what mlx.distributed_config writes'
         )
     return cast("list[list[str]]", entries)
 
 
-def hostfile_rank(path: str, rank: int | None) -> int:
-    """Check MLX's ring hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+def join_by_hostfile(path: str, rank: int | None) -> int:
+    """Make this process rank ``rank`` (``None``: found by its address) of the ring the hostfile at ``path``
+    describes, through MLX's environment variables (and the hostfile's ``envs``, as ``mlx.launch`` sets them);
+    returns the rank. A hostfile in ``mlx.distributed_config``'s form is handed to MLX as a ring
+    hostfile written to a private temporary file."""
     hosts = read_hostfile(path)
+    rank = hostfile_rank(path, rank, hosts)
+    entries = _hostfile_json(path)
+    ring_file = path
+    if isinstance(entries, (dict, list)) and not _is_hostfile(entries):
+        descriptor, ring_file = tempfile.mkstemp(prefix="pipemlx-ring-", suffix=".json")  # mode 0600
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            json.dump(hosts, out)
+        if isinstance(entries, dict):
+            os.environ.update(_config_envs(path, cast("dict[str, Any]", entries)))
+    os.environ.update({"MLX_HOSTFILE": ring_file, "MLX_RANK": str(rank), "PIPEMLX_BACKEND": "ring"})
+    return rank
+
+
+def hostfile_rank(path: str, rank: int | None, hosts: list[list[str]] | None = None) -> int:
+    """Check the hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
+    hosts = read_hostfile(path) if hosts is None else hosts
     if rank is not None:
         if not 0 <= rank < len(hosts):
             raise UserError(f"--rank {rank} is not a rank of {path!r}, which has {len(hosts)} ranks")
@@ -317,6 +343,53 @@ def hostfile_rank(path: str, rank: int | None) -> int:
     if not local:
         raise UserError(f"no address in {path!r} belongs to this host; pass --rank R to choose this process's rank")
     raise UserError(f"ranks {local} of {path!r} all have addresses of this host; pass --rank R to choose one")
+
+
+def _hostfile_json(path: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read hostfile {path!r}: {exc}") from None
+
+
+def _ring_of_config(path: str, config: dict[str, Any] | list[Any]) -> list[list[str]]:
+    """The ring addresses of ``mlx.distributed_config``'s hostfile form, the ports counted as ``mlx.launch``
+    counts them."""
+    if isinstance(config, dict):
+        backend = config.get("backend") or "ring"
+        if backend != "ring":
+            raise UserError(
+                f"hostfile {path!r} is for MLX's {backend!r} backend: start the ranks with "
+                f"mlx.launch --hostfile {path} --backend {backend} -- pipemlx ... (--hostfile runs the ring backend)"
+            )
+        hosts: Any = config.get("hosts")
+    else:
+        hosts = config
+    if not isinstance(hosts, list) or not hosts or not all(isinstance(h, dict) for h in cast("list[Any]", hosts)):
+        raise UserError(f'hostfile {path!r}: \'hosts\' must be a non-empty list of {{"ssh", "ips"}} objects')
+    ring: list[list[str]] = []
+    port = RING_STARTING_PORT
+    for number, host in enumerate(cast("list[dict[str, Any]]", hosts)):
+        ips: Any = host.get("ips")
+        if not isinstance(ips, list) or not ips or not all(isinstance(ip, str) for ip in cast("list[Any]", ips)):
+            raise UserError(
+                f"hostfile {path!r}: host {number} ({host.get('ssh')!r}) has no 'ips'; the ring backend needs each "
+                "host's IP addresses (mlx.distributed_config --backend ring writes them)"
+            )
+        ring.append([f"{ip}:{port + i}" for i, ip in enumerate(cast("list[str]", ips))])
+        port += len(ring[-1])
+    return ring
+
+
+def _config_envs(path: str, config: dict[str, Any]) -> dict[str, str]:
+    """The hostfile's ``envs`` (``["NAME=value", ...]``), set in every rank as ``mlx.launch`` sets them."""
+    envs: Any = config.get("envs") or []
+    if not isinstance(envs, list):
+        envs = [None]
+    pairs = [e.partition("=") for e in cast("list[Any]", envs) if isinstance(e, str)]
+    if len(pairs) != len(cast("list[Any]", envs)) or any(not name or not eq for name, eq, _ in pairs):
+        raise UserError(f"hostfile {path!r}: 'envs' must be a list of \"NAME=value\" strings")
+    return {name: value for name, _, value in pairs}
 
 
 def _is_hostfile(entries: Any) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..launch import LaunchError, launch
-from .common import UserError, check_ranks, hostfile_rank, in_launched_rank
+from .common import UserError, check_ranks, in_launched_rank, join_by_hostfile
 
 DEFAULT_RANKS = 2
 EXIT_FAILED = 1
@@ -77,8 +77,7 @@ def run_doctor(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return run_rank(args)
     if in_launched_rank() or args.hostfile is not None:
         if args.hostfile is not None:
-            rank = hostfile_rank(args.hostfile, args.rank)
-            os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), "PIPEMLX_BACKEND": "ring"})
+            join_by_hostfile(args.hostfile, args.rank)
         return supervise(args, argv)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)

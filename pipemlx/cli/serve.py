@@ -34,7 +34,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..demo import MODEL_DIR
-from ..launch import BACKEND_VARIABLE, STOP_GRACE_S, RankFile, kill_all, spawn_ranks
+from ..launch import STOP_GRACE_S, RankFile, kill_all, spawn_ranks
 from ..models.hub import is_repo_id
 from .common import (
     DEFAULT_TIMEOUT,
@@ -46,8 +46,8 @@ from .common import (
     add_speculation_flags,
     check_ranks,
     check_speculation,
-    hostfile_rank,
     in_launched_rank,
+    join_by_hostfile,
     layer_counts,
     positive_float,
     positive_int,
@@ -377,9 +377,8 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _front(args, argv)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
-            rank = hostfile_rank(args.hostfile, args.rank)
-            check_ranks(hostfile_size(args.hostfile), args.model, args.split)
-            os.environ.update({"MLX_HOSTFILE": args.hostfile, "MLX_RANK": str(rank), BACKEND_VARIABLE: "ring"})
+            check_ranks(len(read_hostfile(args.hostfile)), args.model, args.split)
+            join_by_hostfile(args.hostfile, args.rank)
         return _as_rank(args)
     ranks: int = args.ranks or DEFAULT_RANKS
     check_ranks(ranks, args.model, args.split)
@@ -402,11 +401,6 @@ def check_serve_speculation(args: argparse.Namespace) -> None:
             f"{guessing[0]} needs --decode-concurrency 1: batched requests (--decode-concurrency {args.max_concurrency}) "
             "are decoded without speculation"
         )
-
-
-def hostfile_size(path: str) -> int:
-    """The ranks an MLX ring hostfile lists (already checked by :func:`hostfile_rank`)."""
-    return len(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 def _shared_key(flag: str) -> str:
@@ -433,18 +427,11 @@ def _worker(args: argparse.Namespace) -> int:
     if args.front is None:
         raise UserError("--worker needs --front HOST:PORT: the address the front listens on (--front-listen)")
     _shared_key("--worker")
-    rank = hostfile_rank(args.hostfile, args.rank)
     check_weights(Path(args.model))
-    check_ranks(hostfile_size(args.hostfile), args.model, args.split)
-    os.environ.update(
-        {
-            "MLX_HOSTFILE": args.hostfile,
-            "MLX_RANK": str(rank),
-            BACKEND_VARIABLE: "ring",
-            FRONT_ADDRESS_VARIABLE: args.front,
-            JOIN_VARIABLE: str(rank),  # the front says which group to form (without a lost host: --allow-shrink)
-        }
-    )
+    check_ranks(len(read_hostfile(args.hostfile)), args.model, args.split)
+    rank = join_by_hostfile(args.hostfile, args.rank)
+    # the front says which group to form (without a lost host: --allow-shrink)
+    os.environ.update({FRONT_ADDRESS_VARIABLE: args.front, JOIN_VARIABLE: str(rank)})
     return _as_rank(args)
 
 
