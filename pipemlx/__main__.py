@@ -1,5 +1,5 @@
 """``python -m pipemlx``: the ``pipemlx`` command (see :mod:`pipemlx.cli`)."""
 
-from .cli import main
+from .cli import run
 
-raise SystemExit(main())
+run()

@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -34,6 +35,8 @@ class Request:
     path: str
     agent: str
     range: str | None
+    at: float = 0.0
+    """When it arrived (``time.monotonic()``)."""
 
     def rank(self) -> str | None:
         """The rank named in the user agent (``rank/1``), or None (a launcher, a single process)."""
@@ -49,9 +52,11 @@ class Request:
 class StandInHub:
     """An HTTP server on 127.0.0.1 serving ``repos`` (repo id -> folder); use as a context manager."""
 
-    def __init__(self, repos: dict[str, Path], hidden: dict[str, set[str]] | None = None) -> None:
+    def __init__(self, repos: dict[str, Path], hidden: dict[str, set[str]] | None = None, delay: float = 0.0) -> None:
         self.repos = repos
         self.hidden = hidden or {}
+        self.delay = delay
+        """Seconds every answer waits before it is sent (a slow link to the Hub); may be changed while serving."""
         self.log: list[Request] = []
         self._lock = threading.Lock()
         hub = self
@@ -101,10 +106,11 @@ class StandInHub:
 
     def _answer(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlsplit(handler.path).path)
+        agent, wanted_range = handler.headers.get("User-Agent", ""), handler.headers.get("Range")
         with self._lock:
-            self.log.append(
-                Request(handler.command, path, handler.headers.get("User-Agent", ""), handler.headers.get("Range"))
-            )
+            self.log.append(Request(handler.command, path, agent, wanted_range, time.monotonic()))
+        if self.delay:
+            time.sleep(self.delay)
         api = re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?$", path)
         resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
         repo = api.group(1) if api else resolve.group(1) if resolve else None

@@ -46,6 +46,16 @@ RANK_FILES = {"0": {FILES[0], FILES[1], FILES[3]}, "1": {FILES[2], FILES[3]}}
 RANK_FILES_LENDING = {"0": RANK_FILES["0"], "1": RANK_FILES["1"] | {FILES[1]}}
 
 
+@pytest.fixture(autouse=True)
+def _fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_sharded on a FakeGroup (this process alone) skips the ranks' progress exchange (tests/test_load_wait.py)."""
+    from fakes import load_without_exchange
+
+    from pipemlx.models import loading
+
+    monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
+
+
 def _file_of(name: str) -> str:
     """Which of the 4 files holds tensor ``name``: embedding, layers 0-1, layers 2-3, norm and head."""
     if "embed_tokens" in name:
@@ -297,3 +307,91 @@ def test_a_planned_split_is_planned_from_the_headers_before_fetching(
         assert stage_of(remote).info.split == split and split != (2, 2), split
         assert fetched[-1] == set(needed_files(source, split, rank))
     assert fetched[0] != fetched[1]
+
+
+def _hostfile_ranks(
+    tmp_path: Path, hubs: list[StandInHub], argv: list[str]
+) -> tuple[list[subprocess.Popen[str]], list[dict[str, str]]]:
+    """``pipemlx generate --hostfile`` as 2 processes on loopback, each with its own Hub and its own cache (two
+    hosts that download apart); returns the processes."""
+    from pipemlx.launch import free_ports
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    envs = [
+        {
+            **os.environ,
+            "HF_ENDPOINT": hubs[r].url,
+            "HF_HOME": str(tmp_path / f"hf{r}"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        }
+        for r in range(2)
+    ]
+    command = [sys.executable, "-m", "pipemlx", "generate", "--hostfile", str(hostfile), *argv]
+    procs = [
+        subprocess.Popen(
+            [*command, "--rank", str(r)],
+            cwd=ROOT,
+            env=envs[r],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    return procs, envs
+
+
+def _finish(procs: list[subprocess.Popen[str]], deadline: float) -> list[tuple[int | None, str, str]]:
+    """Every rank's status, stdout and stderr, killing any still running after ``deadline`` seconds."""
+    import time
+
+    end = time.monotonic() + deadline
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        p.kill()
+    return [(p.returncode, *p.communicate()) for p in procs]
+
+
+def test_a_download_slower_than_the_timeout_is_waited_for_while_it_progresses(model_dir: Path, tmp_path: Path) -> None:
+    """Rank 1's Hub answers every request a second late: its files arrive over more than twice ``--timeout``;
+    rank 0, with a fast Hub, waits for it (no timeout in the first collective) and both give mlx-lm's tokens."""
+    timeout, argv = 3.0, ["--model", REPO, "--temp", "0", "--json", "--max-tokens", "6", "--prompt", PROMPT]
+    with StandInHub({REPO: model_dir}) as fast, StandInHub({REPO: model_dir}, delay=1.0) as slow:
+        procs, _ = _hostfile_ranks(tmp_path, [fast, slow], [*argv, "--timeout", str(timeout)])
+        results = _finish(procs, TIMEOUT)
+        log = slow.requests()
+    stderr = "\n".join(f"--- rank {r} (status {code}):\n{err[-3000:]}" for r, (code, _, err) in enumerate(results))
+    assert [code for code, _, _ in results] == [0, 0], stderr
+    span = log[-1].at - log[0].at
+    assert span > 2 * timeout, f"rank 1's downloads took {span:.1f} s, not more than twice the timeout"
+    report = json.loads(results[0][1].strip().splitlines()[-1])
+    assert report["tokens"] == reference_tokens(model_dir, report["largest_chunk"], 6)
+    assert "waits for rank 1" in results[0][2], results[0][2]  # rank 0 said whom it waited for
+
+
+def test_a_rank_killed_while_downloading_ends_every_rank_with_a_clear_error(model_dir: Path, tmp_path: Path) -> None:
+    import time
+
+    argv = ["--model", REPO, "--temp", "0", "--max-tokens", "4", "--prompt", PROMPT, "--timeout", "5"]
+    with StandInHub({REPO: model_dir}) as fast, StandInHub({REPO: model_dir}) as slow:
+        procs, _ = _hostfile_ranks(tmp_path, [fast, slow], argv)
+        deadline = time.monotonic() + 60
+        while not any(r.file() in FILES for r in slow.requests()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        slow.delay = 30.0  # rank 1 fetches its weights: from now on every answer of its Hub hangs
+        time.sleep(1.5)
+        procs[1].kill()  # rank 1 dies while it downloads its weights
+        killed = time.monotonic()
+        results = _finish(procs[:1], 60)
+        took = time.monotonic() - killed
+        slow.delay = 0.0
+    code, _, err = results[0]
+    assert code == 1, f"status {code}:\n{err}"  # a clean exit after the error, not an abort in MLX teardown
+    assert "rank 0" in err and ("PeerLostError" in err or "rank 1" in err), f"status {code}:\n{err}"
+    assert took < 30, f"rank 0 took {took:.0f} s to notice"

@@ -36,6 +36,16 @@ BIG = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_sharded on a FakeGroup (this process alone) skips the ranks' progress exchange (tests/test_load_wait.py)."""
+    from fakes import load_without_exchange
+
+    from pipemlx.models import loading
+
+    monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
+
+
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = tiny_config("llama", **BIG)

@@ -22,10 +22,12 @@ input (named in one line on stderr, without a traceback), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .._version import __version__
 from ..demo import MODEL_DIR
@@ -189,6 +191,17 @@ def _launch(ranks: int, command: list[str]) -> int:
                 print(f"--- rank {result.rank} (status {result.returncode}):\n{tail}", file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def run() -> NoReturn:
+    """The ``pipemlx`` program: :func:`main`, then exit. After a failure (status 1: a lost or stalled peer among
+    them) the process exits at once, as MLX's teardown of a broken group can abort it or block."""
+    code = main()
+    if code == 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -106,6 +106,15 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
+def cache_folder(name: str | os.PathLike[str]) -> Path | None:
+    """The Hub cache folder where the repo ``name``'s files arrive (``None``: ``name`` is a local folder)."""
+    if not is_repo_id(name):
+        return None
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE) / ("models--" + os.fspath(name).replace("/", "--"))
+
+
 def locate_model(name: str | os.PathLike[str], *, revision: str | None = None, rank: int | None = None) -> ModelSource:
     """Where the model ``name`` is: a local folder as is, or a Hub repo with its metadata fetched.
 

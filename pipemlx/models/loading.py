@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -15,7 +16,8 @@ from ..errors import renamed
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import plan_split, resolve_budgets
 from ..schedule.split import layer_range, resolve_split
-from .hub import ModelSource, embedding_files, fetch_files, locate_model, needed_files, remote_headers
+from .hub import ModelSource, cache_folder, embedding_files, fetch_files, locate_model, needed_files, remote_headers
+from .load_wait import LoadProgress, while_ranks_load
 from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
 from .safetensors import read_dir_config
@@ -96,7 +98,66 @@ def load_sharded(
     :func:`pipemlx.shard_model` raises for a bad split or a model it cannot
     pipeline.
     """
+    asked = ShardArguments(split, memory, speeds, context, kv_bits, prefill_step_size, head, lend)
+    # Every rank fetches and builds its part while the ranks tell each other how far they are: a slow download
+    # is waited for as long as it makes progress, before the first collective with a deadline (shard_model's).
+    model, config, root, planned = while_ranks_load(
+        group,
+        timeout,
+        lambda progress: _fetch_and_build(path, group, revision, progress, asked, model_config, trust_remote_code),
+    )
+    shard_model(
+        model,
+        group,
+        split=planned.split,
+        memory=planned.memory,
+        timeout=timeout,
+        speeds=planned.speeds,
+        context=planned.context,
+        kv_bits=planned.kv_bits,
+        prefill_step_size=planned.prefill_step_size,
+        head=planned.head,
+        allow_unregistered=allow_unregistered,
+        lend=planned.lend,
+    )
+    if trust_remote_code:  # the tokenizer's code too, as mlx_lm.generate asks for it
+        tokenizer_config = {**(tokenizer_config or {}), "trust_remote_code": True}
+    tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer
+
+
+@dataclass(frozen=True)
+class ShardArguments:
+    """:func:`shard_model`'s planning arguments, as :func:`load_sharded` passes them on (a split planned before
+    fetching replaces the others)."""
+
+    split: SplitSpec
+    memory: MemorySpec
+    speeds: Sequence[float] | None
+    context: int | None
+    kv_bits: int | None
+    prefill_step_size: int | Literal["auto"]
+    head: HeadPolicy
+    lend: LendSpec
+
+
+def _fetch_and_build(
+    path: str | os.PathLike[str],
+    group: Any,
+    revision: str | None,
+    progress: LoadProgress,
+    arguments: ShardArguments,
+    model_config: dict[str, Any] | None,
+    trust_remote_code: bool,
+) -> tuple[nn.Module, dict[str, Any], Path, ShardArguments]:
+    """This rank's files fetched (a repo) and the model built from them lazily: no collective, no evaluation."""
+    progress.cache = cache_folder(path)
+    split, memory, speeds, context, lend = (
+        getattr(arguments, f) for f in ("split", "memory", "speeds", "context", "lend")
+    )
+    step_size = arguments.prefill_step_size
     source = locate_model(path, revision=revision, rank=group.rank())
+    progress.steps += 1
     planned: tuple[list[int], tuple[str, ...]] | None = None
     if source.repo is None:
         root = check_model_dir(path)
@@ -108,12 +169,12 @@ def load_sharded(
             memory,
             speeds,
             context=context,
-            kv_bits=kv_bits,
-            step_size=AUTO_PLANNED_STEP if prefill_step_size == "auto" else prefill_step_size,
+            kv_bits=arguments.kv_bits,
+            step_size=AUTO_PLANNED_STEP if step_size == "auto" else step_size,
             model_config=model_config,
             trust_remote_code=trust_remote_code,
             lend_mlp=lend != "none",  # "auto" may cut inside a layer: fetch the layer before the cut too
-            head=head,
+            head=arguments.head,
         )
         root = source.root
         if planned is not None:  # decided before fetching: shard_model takes it as given
@@ -132,24 +193,13 @@ def load_sharded(
     config: dict[str, Any] = loaded[1]
     if planned is not None and not embedding_files(source) <= set(planned[1]):
         _unfetched_embedding_dtype(model, layer_range(planned[0], group.rank()))
-    shard_model(
+    progress.steps += 1
+    return (
         model,
-        group,
-        split=split,
-        memory=memory,
-        timeout=timeout,
-        speeds=speeds,
-        context=context,
-        kv_bits=kv_bits,
-        prefill_step_size=prefill_step_size,
-        head=head,
-        allow_unregistered=allow_unregistered,
-        lend=lend,
+        config,
+        root,
+        replace(arguments, split=split, memory=memory, speeds=speeds, context=context, lend=lend),
     )
-    if trust_remote_code:  # the tokenizer's code too, as mlx_lm.generate asks for it
-        tokenizer_config = {**(tokenizer_config or {}), "trust_remote_code": True}
-    tokenizer: Any = load_tokenizer(root, tokenizer_config, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer
 
 
 def _fetch_rank_weights(
