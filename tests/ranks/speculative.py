@@ -113,6 +113,7 @@ def main() -> None:
             num_draft_tokens=case.get("k", 3),
             stop_tokens=stops,
             prefill_step_size=8,
+            timeout=case.get("timeout"),  # a rank that misses the stop then fails the test in seconds, not hangs
             **options,
         )
         tokens: list[int] = []
