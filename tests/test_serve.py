@@ -68,8 +68,10 @@ class Reference:
         temp: float = 0.0,
         seed: int | None = None,
         penalties: dict[str, float] | None = None,
+        **sampling: float,
     ) -> list[int]:
-        """The tokens generated (up to and including an end-of-sequence token); ``penalties``: make_logits_processors'."""
+        """The tokens generated (up to and including an end-of-sequence token); ``penalties``: make_logits_processors';
+        ``sampling``: make_sampler's ``top_p``, ``min_p``, ``top_k``."""
         if seed is not None:
             mx.random.seed(seed)
         out: list[int] = []
@@ -77,7 +79,7 @@ class Reference:
             mx.array(prompt),
             self.model,
             max_tokens=max_tokens,
-            sampler=make_sampler(temp),
+            sampler=make_sampler(temp, **sampling),  # pyright: ignore[reportArgumentType]
             logits_processors=make_logits_processors(**penalties) if penalties else None,
             prefill_step_size=default_step_size(len(prompt), 2),
         ):
@@ -229,6 +231,17 @@ def test_seeded_sampling_repeats_and_equals_one_process(client: openai.OpenAI, r
     assert first == again
     assert first == ref.answer(prompt, 24, temp=1.0, seed=1234)
     assert other == ref.answer(prompt, 24, temp=1.0, seed=4321) and other != first
+
+
+def test_top_p_samples_as_mlx_lm_does(client: openai.OpenAI, ref: Reference) -> None:
+    """``top_p`` below 1 at a temperature where it changes the answer: the tokens of mlx-lm's make_sampler with the
+    same seed (a sampler that drops top_p, or applies it after the temperature, gives other tokens)."""
+    prompt_text = "Elizabeth walked on, and"
+    prompt = ref.text_tokens(prompt_text)
+    kwargs: dict[str, Any] = {"model": MODEL, "prompt": prompt_text, "max_tokens": 24, "temperature": 0.5, "seed": 7}
+    expected = ref.answer(prompt, 24, temp=0.5, seed=7, top_p=0.5)
+    assert expected != ref.answer(prompt, 24, temp=0.5, seed=7), "top_p does not matter at this pair: pick another"
+    assert client.completions.create(top_p=0.5, **kwargs).choices[0].text == expected
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
