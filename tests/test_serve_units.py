@@ -234,6 +234,17 @@ def test_prefix_cache_takes_extends_copies_and_evicts() -> None:
     assert PrefixCache(0).store([1], kv(1)) is False
 
 
+def test_an_entry_one_token_longer_than_the_reuse_is_cut_by_that_token() -> None:
+    """The same prompt again: the entry holds it whole, the request reuses all but its last token (one to compute)."""
+    cache = PrefixCache(budget_tokens=20)
+    assert cache.store([1, 2, 3, 4, 5], kv(5))
+    plan = cache.plan([1, 2, 3, 4, 5])
+    assert plan == PrefixReuse(entry=1, reuse=4, copy=True)
+    copied = cache.checkout(plan, lambda: kv(0))
+    assert [c.offset for c in copied] == [4, 4] and cache.entries[1].cache[0].offset == 5
+    assert copied[1].state[0][..., :4, :].reshape(-1).tolist() == [1000, 1001, 1002, 1003]
+
+
 def test_a_missing_entry_starts_from_an_empty_cache() -> None:
     cache = PrefixCache(10)
     fresh = cache.checkout(PrefixReuse(entry=99, reuse=3, copy=False), lambda: kv(0))
