@@ -255,6 +255,12 @@ def test_rank_files_follow_what_each_rank_keeps(model_dir: Path) -> None:
     tied = ModelSource(model_dir, REPO, "0" * 40, untied, tuple(FILES))
     assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=True)) == {FILES[0], FILES[2], FILES[3]}
     assert set(rank_files(tied, range(2, 4), keep_embedding=False, keep_head=False)) == {FILES[2], FILES[3]}
+    # The output head in a file of its own: head="last" gives it to the last rank alone, "all" to every rank.
+    own = {k: "head.safetensors" if k.startswith("lm_head.") else v for k, v in weight_map.items()}
+    apart = ModelSource(model_dir, REPO, "0" * 40, own, (*FILES, "head.safetensors"))
+    assert "head.safetensors" in needed_files(apart, (2, 2), 1, head="last")
+    assert "head.safetensors" not in needed_files(apart, (2, 2), 0, head="last")
+    assert all("head.safetensors" in needed_files(apart, (2, 2), r) for r in (0, 1))
 
 
 def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
