@@ -215,6 +215,8 @@ def _sampling(obj: dict[str, Any], defaults: RequestDefaults) -> SamplingParams:
 def _within(low: float, high: float, *, whole: bool = False, above_low: bool = False) -> Callable[[str, Any], Any]:
     """A check of a number (a whole one: ``whole``) from ``low`` (or above it) to ``high``."""
     span = f"in ({low:g}, {high:g}]" if above_low else f"from {low:g} to {high:g}"
+    if whole:
+        span = f"of at least {int(low)} and at most {int(high)}"
 
     def check(name: str, value: Any) -> float | int:
         if (
