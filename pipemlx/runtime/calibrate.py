@@ -277,6 +277,7 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     LOGGER.info("%s: calibrating its layers, expected to take about %.1f s", stage.describe(), expected)
     began = time.perf_counter()
     at_start, attention_chunk_s, far_timed = time_local_layers(model, stage, timeout)
+    stage.calibration_s += time.perf_counter() - began
     LOGGER.info("%s: calibrated in %.1f s", stage.describe(), time.perf_counter() - began)
     measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
     missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
@@ -592,6 +593,21 @@ def refine(
     n = len(CALIBRATION_LENGTHS)
     if len(costs.layer.at_start) != n:
         return
+    began = time.perf_counter()
+    try:
+        _refine(model, stage, costs, observed, timeout)
+    finally:
+        stage.calibration_s += time.perf_counter() - began
+
+
+def _refine(
+    model: nn.Module,
+    stage: PipelineStage,
+    costs: CostModel,
+    observed: Sequence[tuple[int, int, float]],
+    timeout: float | None,
+) -> None:
+    n = len(CALIBRATION_LENGTHS)
     mine = refined_figures(costs, stage.rank, observed) or [-1.0] * (n + 1)
     slowest, fastest = over_ranks(
         stage.group, stage.compute_stream, mine, timeout, stage.describe(), "the timings of the prefill's chunks"
