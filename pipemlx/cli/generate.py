@@ -299,6 +299,7 @@ def _summary(
     for f in figures:
         table.add_row(
             f"rank {f.rank}",
-            f"layers {f.layer_start}-{f.layer_stop - 1}, peak memory {f.peak_memory_mb:,.1f} MB",
+            f"layers {f.layer_start}-{f.layer_stop - 1}, peak memory {f.peak_memory_mb:,.1f} MB, "
+            f"load {f.load_s:.1f} s, calibration {f.calibration_s:.2f} s",
         )
     return table
