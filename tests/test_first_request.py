@@ -3,6 +3,8 @@ the chunks a prefill ran, and the agreement when ranks hold different priors (pu
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import pytest
 
@@ -10,7 +12,7 @@ import pipemlx
 from pipemlx.runtime import calibrate
 from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.autostep import choose_chunks
-from pipemlx.schedule.costmodel import CostModel, arithmetic_layer_costs
+from pipemlx.schedule.costmodel import CostModel, arithmetic_layer_costs, cache_only_share
 from pipemlx.schedule.plan import Chunk
 from pipemlx.testing import build_model, tiny_config
 
@@ -22,7 +24,7 @@ LLAMA_1B = (2048, 2048, 512, 8192)
 def prior_model(shapes: tuple[int, int, int, int], layers: tuple[int, ...]) -> CostModel:
     seconds, per_pair = arithmetic_layer_costs(*shapes, LENGTHS)
     layer = calibrate.layer_costs(LENGTHS, seconds, per_pair)
-    share = calibrate.cache_only_share(shapes[0], shapes[2], shapes[3])
+    share = cache_only_share(shapes[0], shapes[2], shapes[3])
     return CostModel(layer, layers, shapes[0], last_layer_share=share)
 
 
@@ -82,12 +84,26 @@ def test_ranks_whose_priors_differ_all_take_the_arithmetic_one() -> None:
     assert calibrate.arithmetic_figures(build_model(tiny_config("llama"), seed=2), info) == arithmetic  # shapes only
 
 
-def test_a_calibration_says_how_long_it_is_expected_to_take(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_calibration_says_how_long_it_is_expected_to_take(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The explicit calibration (no request runs it) logs its expected duration, each pass, and what it took (the
+    passes themselves stand-ins here: what is checked is what it says, not what it measures)."""
     model = pipemlx.shard_model(build_model(tiny_config("llama"), seed=1), mx.distributed.init())
     stage = stage_of(model)
     expected = calibrate.expected_calibration_s(model, stage)
     assert expected > 0
+    passes = 1 + calibrate.CALIBRATION_PASSES
+
+    def stand_in(timed: Any, fresh: Any, far: Any, progress: Any = None) -> calibrate.Timings:
+        for done in range(1, passes + 1):
+            progress(done, passes)
+        return [(n, 1e-4 * n) for n in LENGTHS], 0.02, []
+
+    monkeypatch.setattr(calibrate, "fastest_timings", stand_in)
     with caplog.at_level("INFO", logger="pipemlx.calibrate"):
         calibrate.calibrate(model, stage, None)
     messages = [r.getMessage() for r in caplog.records]
-    assert any("expected to take about" in m for m in messages) and any("calibrated in" in m for m in messages)
+    assert any(f"expected to take about {expected:.1f} s" in m for m in messages), messages
+    assert [m for m in messages if "calibration pass" in m][-1].endswith(f"pass {passes} of {passes} done")
+    assert any("calibrated in" in m for m in messages) and stage.calibration_s > 0

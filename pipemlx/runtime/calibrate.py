@@ -154,10 +154,12 @@ def fastest_timings(
     timed: Callable[[list[Any], int, int], float],
     fresh: Callable[[], list[Any]],
     far: Callable[[], list[Any] | None],
+    progress: Callable[[int, int], None] | None = None,
 ) -> Timings:
     """:data:`Timings`, each the fastest of :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least
     disturbed by other work). ``timed(cache, start, stop)`` runs positions ``start:stop`` on ``cache``;
-    ``fresh()`` makes empty caches; ``far()`` caches holding :data:`FAR_POSITION` positions, or ``None``."""
+    ``fresh()`` makes empty caches; ``far()`` caches holding :data:`FAR_POSITION` positions, or ``None``;
+    ``progress(done, passes)``, when given, is called after each pass (the warm-up included)."""
     longest = CALIBRATION_LENGTHS[-1]
     best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
     far_best = [math.inf] * len(FAR_LENGTHS)
@@ -176,6 +178,8 @@ def fastest_timings(
                 break
             far_best[i] = min(far_best[i], timed(filled, 0, length))
             trim_prompt_cache(filled, length)
+        if progress is not None:
+            progress(attempt + 1, 1 + CALIBRATION_PASSES)
     at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
     far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
     return at_start, best[-1], far_timed
@@ -192,9 +196,12 @@ def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | N
         wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
         return time.perf_counter() - began
 
+    def progress(done: int, passes: int) -> None:
+        LOGGER.info("%s: calibration pass %d of %d done", stage.describe(), done, passes)
+
     with stage.detached():
         return fastest_timings(
-            timed, lambda: make_prompt_cache(model), lambda: far_cache(model, stage, FAR_POSITION, timeout)
+            timed, lambda: make_prompt_cache(model), lambda: far_cache(model, stage, FAR_POSITION, timeout), progress
         )
 
 
