@@ -6,6 +6,10 @@ Two ranks (OpenBLAS preloaded, one core per rank). Each run starts two processes
 cache (``$PIPEMLX_CACHE_DIR`` in a temporary folder), then two more with the cache the first pair wrote: each
 shards the model with the defaults and prefills the prompt twice. The calibration's cost is the cold start's
 ``shard_model`` and first prefill minus the warm start's. Run by hand on an otherwise idle machine.
+
+Since issue #47 no request calibrates (the first plans with the untimed prior and refines it from its own
+chunks): the difference is then the prior's plan against the refined one, plus the refinement's one all-gather,
+and should be near zero (``benchmarks/first_run.py`` measures the same on realistic shapes).
 """
 
 from __future__ import annotations

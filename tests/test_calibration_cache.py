@@ -1,5 +1,7 @@
-"""The calibration cache: "auto" calibrates once, the next model (and process) reads it, a new key or a bad file
-calibrates again (counted by the calls of the timing functions, not by time)."""
+"""The calibration cache and the first request: "auto" times nothing before a request (the timing functions are
+counted, not timed), plans with the prior, refines it from the chunks the prefill ran and stores the result; the
+next model (and process) reads it, a new key or a bad file refines again, and a model with the same layer shapes
+plans with the stored layer figures."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 import pipemlx
-from pipemlx.runtime import calibrate, calibration_cache
+from pipemlx.runtime import calibrate, calibration_cache, prefill
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
 
@@ -40,6 +42,13 @@ def counted(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, int]:
 
     monkeypatch.setattr(calibrate, "time_local_layers", stage)
     monkeypatch.setattr(calibrate, "time_layer", layer)
+    real_refine = prefill.refine
+
+    def refine(*args: Any) -> None:
+        counts["refine"] = counts.get("refine", 0) + 1
+        real_refine(*args)
+
+    monkeypatch.setattr(prefill, "refine", refine)
     return counts
 
 
@@ -47,23 +56,46 @@ def prefill_auto(config: dict[str, Any]) -> int:
     """Shard a fresh model on one rank and prefill with the default (auto) step; the step it took."""
     model = pipemlx.shard_model(build_model(config, seed=1), mx.distributed.init())
     cache = stage_of(model).new_cache(model, None)
-    return pipemlx.pipeline_prefill(model, mx.arange(40, dtype=mx.int32), cache)
+    return pipemlx.pipeline_prefill(model, mx.arange(PROMPT, dtype=mx.int32) % 200, cache)
+
+
+PROMPT = 160  # tokens: more than REFINE_MIN_TOKENS, so that the first prefill refines
 
 
 def files(folder: Path, kind: str) -> list[Path]:
     return sorted(folder.glob(f"calibration-{kind}-*.json"))
 
 
-def test_auto_step_calibrates_once_and_again_for_a_new_key(counted: dict[str, int], tmp_path: Path) -> None:
+def test_auto_step_times_nothing_refines_once_and_again_for_a_new_key(counted: dict[str, int], tmp_path: Path) -> None:
     config = tiny_config("llama")
-    first = prefill_auto(config)
-    assert counted["stage"] == 1 and len(files(tmp_path, "stage")) == 1
-    assert prefill_auto(config) == first  # a new model and stage: the same figures, read from the file
-    assert counted["stage"] == 1
+    prefill_auto(config)  # planned with the prior; its chunks refine it
+    assert counted["stage"] == 0 and counted["layer"] == 0, "a request timed a calibration"
+    assert counted["refine"] == 1 and len(files(tmp_path, "stage")) == 1 and len(files(tmp_path, "shape")) == 1
+    (path,) = files(tmp_path, "stage")
+    stored = json.loads(path.read_text())
+    assert len(stored["value"]) == len(calibrate.CALIBRATION_LENGTHS) + 2
+    prefill_auto(config)  # a new model and stage: the same figures, read from the file, not refined again
+    assert counted["refine"] == 1 and json.loads(path.read_text()) == stored
     prefill_auto({**config, "intermediate_size": config["intermediate_size"] * 2})  # another model: another key
-    assert counted["stage"] == 2 and len(files(tmp_path, "stage")) == 2
+    assert counted["refine"] == 2 and len(files(tmp_path, "stage")) == 2 and len(files(tmp_path, "shape")) == 2
     prefill_auto(config)
-    assert counted["stage"] == 2
+    assert counted["refine"] == 2 and counted["stage"] == 0 and counted["layer"] == 0
+
+
+def test_a_model_with_the_same_layer_shapes_plans_with_their_stored_figures(counted: dict[str, int]) -> None:
+    config = tiny_config("llama")
+    prefill_auto(config)
+    deeper = pipemlx.shard_model(
+        build_model({**config, "num_hidden_layers": config["num_hidden_layers"] + 2}, seed=1), mx.distributed.init()
+    )
+    stage = stage_of(deeper)
+    assert calibrate.cached_cost_model(deeper, stage) is None  # another model: no figures of its own
+    n = len(calibrate.CALIBRATION_LENGTHS)
+    stored = stage_of(pipemlx.shard_model(build_model(config, seed=1), mx.distributed.init()))
+    shape_figures = calibrate.prior_figures(deeper, stage.info)
+    assert shape_figures != calibrate.arithmetic_figures(deeper, stage.info)
+    assert shape_figures == calibrate.prior_figures(deeper, stored.info)[: n + 1]
+    assert counted["stage"] == 0
 
 
 @pytest.mark.parametrize("damage", ["not json", "wrong key", "bad figures", "unreadable"])
@@ -82,11 +114,11 @@ def test_a_bad_cache_file_is_ignored_and_rewritten(counted: dict[str, int], tmp_
         path.unlink()
         path.mkdir()  # a folder where the file should be: reading fails, writing fails, nothing raises
     prefill_auto(config)
-    assert counted["stage"] == 2
+    assert counted["refine"] == 2 and counted["stage"] == 0
     if damage != "unreadable":
         assert json.loads(path.read_text()) == {**stored, "value": json.loads(path.read_text())["value"]}
         prefill_auto(config)  # rewritten: read again
-        assert counted["stage"] == 2
+        assert counted["refine"] == 2
 
 
 def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -115,14 +147,18 @@ def test_hosts_ignore_the_ports_of_local_ranks(monkeypatch: pytest.MonkeyPatch, 
     assert calibration_cache.environment() != keys[0]
 
 
-def test_the_layer_costs_of_lend_auto_are_cached(counted: dict[str, int]) -> None:
-    """lend="auto"'s timing of one layer (a group of one here): measured once, then read."""
+def test_lend_auto_times_nothing_then_reads_what_a_prefill_refined(counted: dict[str, int]) -> None:
+    """lend="auto"'s layer costs (a group of one here): the prior before any prefill, the refined figures after."""
     model = build_model(tiny_config("llama"), seed=1)
     info = stage_of(pipemlx.shard_model(build_model(tiny_config("llama"), seed=1), mx.distributed.init())).info
     layer = model.layers[0]
+    n = len(calibrate.CALIBRATION_LENGTHS)
     first = calibrate.group_layer_costs(model, layer, info, mx.distributed.init())
+    prior = calibrate.arithmetic_figures(model, info)
+    assert first == calibrate.layer_costs(calibrate.CALIBRATION_LENGTHS, prior[:n], prior[n])
+    prefill_auto(tiny_config("llama"))
     second = calibrate.group_layer_costs(model, layer, info, mx.distributed.init())
-    assert counted["layer"] == 1 and first == second
+    assert second != first and counted["layer"] == 0 and counted["stage"] == 0
 
 
 def test_ranks_holding_different_figures_calibrate_again() -> None:

@@ -90,7 +90,9 @@ def test_speculative_decoding_matches_plain_mlx_lm(
         if case.get("temp"):
             assert len({tuple(r["tokens"]) for r in rows}) == 1, (name, rows)
             continue
-        if "stop_at" in case:  # the stop token (among a pass's confirmed guesses, or plain): nothing after it is yielded
+        if (
+            "stop_at" in case
+        ):  # the stop token (among a pass's confirmed guesses, or plain): nothing after it is yielded
             assert all("error" not in r for r in rows), (name, rows)
             expected = row0 = rows[0]["reference"]
             expected = row0[: row0.index(rows[0]["stop_tokens"][0]) + 1]

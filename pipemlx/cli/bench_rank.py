@@ -29,7 +29,7 @@ from ..runtime.generate import generate_step as pipemlx_generate_step
 from ..runtime.prefill import pipeline_prefill
 
 WARMUP_TOKENS = 3
-WARMUP_STEP = 256  # with prefill_step_size="auto": the warm-up prompt is 2 such chunks (and calibrates the group)
+WARMUP_STEP = 256  # with prefill_step_size="auto": the warm-up prompt is 2 such chunks (its chunks refine the prior)
 MLX_LM_STEP = 2048
 """One process's step when the pipeline's is "auto": mlx-lm's default ``prefill_step_size``, what its users get."""
 

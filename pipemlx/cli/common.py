@@ -144,8 +144,9 @@ def add_prefill_step_flag(parser: argparse.ArgumentParser) -> None:
         type=prefill_step,
         default="auto",
         metavar="{auto,N}",
-        help="prompt tokens per prefill chunk (mlx-lm's prefill_step_size); auto: the ranks time their layers once "
-        "(kept in the calibration cache) and choose the chunks predicted fastest for the prompt",
+        help="prompt tokens per prefill chunk (mlx-lm's prefill_step_size); auto: the ranks plan from the layers' "
+        "shapes, refine it from the chunks the prefills run (kept in the calibration cache) and choose the chunks "
+        "predicted fastest for the prompt",
     )
 
 

@@ -41,6 +41,8 @@ class RankFigures:
     layer_start: int
     layer_stop: int
     peak_memory_mb: float
+    load_s: float = 0.0  # loading and sharding the model on this rank (lend="auto" and the split included)
+    calibration_s: float = 0.0  # timing costs and agreeing on them on this rank (stage.calibration_s)
 
 
 class TokenRate(ProgressColumn):
@@ -91,6 +93,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     if prompt.size == 0:  # every rank encodes the same text: every rank stops here, before anything is sent
         print(f"pipemlx generate: error: the prompt {prompt_text!r} encodes to no tokens", file=sys.stderr)
         return 2
+    loading = time.perf_counter()
     try:  # mlx-lm's own loader, lazily: this rank reads only the weights it keeps
         model, tokenizer = load_sharded(
             args.model,
@@ -110,6 +113,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
     except Exception as exc:  # a missing folder, a repo the Hub lacks, weights mlx-lm refuses: one line on every rank
         print(f"pipemlx generate: error: cannot load the draft model {args.draft_model}: {exc}", file=sys.stderr)
         return 2
+    load_s = time.perf_counter() - loading
     stage = stage_of(model)
     step_size: int | str = args.prefill_step_size
     name = model_name(args.model)
@@ -183,7 +187,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
         if rank == 0 and not args.json and args.verbose:
             sys.stdout.write(response.text)
             sys.stdout.flush()
-    figures = _gather_figures(group, stage.info.layers, rank)
+    figures = _gather_figures(group, stage.info.layers, load_s, stage.calibration_s)
     if rank != 0:
         return 0
     prefill_tps = prefill_tokens_per_s(prompt.size, prefill_s)
@@ -245,12 +249,22 @@ def _prompt_tail(text: str) -> str:
     return "…\n" + tail[tail.find("\n") + 1 :].lstrip("\n")
 
 
-def _gather_figures(group: mx.distributed.Group, layers: range, rank: int) -> list[RankFigures]:
-    """Every rank's layers and peak memory, by rank (a small all-gather)."""
-    mine = mx.array([layers.start, layers.stop, mx.get_peak_memory() / MB], dtype=mx.float32)
+def _gather_figures(
+    group: mx.distributed.Group, layers: range, load_s: float, calibration_s: float
+) -> list[RankFigures]:
+    """Every rank's layers, peak memory, load and calibration seconds, by rank (a small all-gather)."""
+    mine = mx.array([layers.start, layers.stop, mx.get_peak_memory() / MB, load_s, calibration_s], dtype=mx.float32)
     gathered: list[float] = mx.distributed.all_gather(mine, group=group).tolist()  # pyright: ignore[reportAssignmentType]
+    n = mine.size
     return [
-        RankFigures(r, int(gathered[3 * r]), int(gathered[3 * r + 1]), round(gathered[3 * r + 2], 1))
+        RankFigures(
+            r,
+            int(gathered[n * r]),
+            int(gathered[n * r + 1]),
+            round(gathered[n * r + 2], 1),
+            round(gathered[n * r + 3], 3),
+            round(gathered[n * r + 4], 3),
+        )
         for r in range(group.size())
     ]
 
@@ -285,6 +299,7 @@ def _summary(
     for f in figures:
         table.add_row(
             f"rank {f.rank}",
-            f"layers {f.layer_start}-{f.layer_stop - 1}, peak memory {f.peak_memory_mb:,.1f} MB",
+            f"layers {f.layer_start}-{f.layer_stop - 1}, peak memory {f.peak_memory_mb:,.1f} MB, "
+            f"load {f.load_s:.1f} s, calibration {f.calibration_s:.2f} s",
         )
     return table

@@ -27,6 +27,7 @@ def handshake(
     timeout: float | None,
     calibration: int = 0,
     cache_offset: int = 0,
+    prior: int = 0,
     decode_settings: int = 0,
     speculation: int = 0,
 ) -> Table:
@@ -39,10 +40,12 @@ def handshake(
     caches count none); ``decode_settings`` is what a decode after the prefill
     will exchange (:class:`~pipemlx.runtime.prefill.PrefillOptions`), ``speculation`` the fingerprint of its
     speculative decoding's proposer (0: none). Returns
-    the table: every rank's ``status`` and ``calibration`` (the fingerprint of the cost model it holds, 0: none) too.
+    the table: every rank's ``status``, ``calibration`` (the fingerprint of the cost model it holds, 0: none) and
+    ``prior`` (the fingerprint of the untimed cost model it would plan with otherwise) too.
     """
     values = {
         "calibration": calibration,
+        "prior": prior,
         "num_tokens": plan.num_tokens,
         "prefill_step_size": plan.step_size,
         "plan_fingerprint": plan.fingerprint(),

@@ -1,6 +1,17 @@
-"""Calibrating ``prefill_step_size="auto"`` on the group: the MLX side of :mod:`pipemlx.schedule.autostep`.
+"""Costs for ``prefill_step_size="auto"`` and ``lend="auto"``: the MLX side of :mod:`pipemlx.schedule.autostep`.
 
-The first auto request calibrates: every rank times its own layers on a chunk
+**Nothing is timed on a request's critical path.** Until the group agrees on measured costs (in memory or in the
+calibration cache), an auto request plans with the *prior* (:func:`prior_figures`): the per-layer costs the
+calibration cache holds for any model with the same layer shapes on these machines, else the arithmetic of the
+layer's shapes (:func:`pipemlx.schedule.costmodel.arithmetic_layer_costs`), which needs no timing at all. The ranks
+compare the prior's fingerprint in the handshake that was there already; where they differ, every rank takes the
+arithmetic one (the same on every rank: it comes from the model's shapes). While that prefill runs, each rank
+times the chunks it computes anyway; after it, one small all-gather turns those timings into measured costs
+(:func:`refine`: the prior rescaled to what the chunks took, the slowest rank's figures kept), which every rank
+then holds and the calibration cache keeps for the next run.
+
+:func:`calibrate`, the explicit calibration below, is no longer run by a request: it stays for benchmarks and
+tools, and logs its progress and the time it expects to take. It works as follows: every rank times its own layers on a chunk
 of each of :data:`CALIBRATION_LENGTHS` at position 0 and on one chunk after the
 longest (no communication: the edges are detached), turns the timings into the
 per-layer costs of :class:`pipemlx.schedule.costmodel.LayerCosts` (a cost per
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import os
 import statistics
@@ -33,6 +45,7 @@ from ..errors import PeerLostError, PipelineTimeoutError
 from ..schedule.costmodel import (
     CostModel,
     LayerCosts,
+    arithmetic_layer_costs,
     cache_only_share,
     feed_forward_share_of,
     fit_layer_costs,
@@ -57,6 +70,9 @@ beyond the same chunk at position 0 is attention, :attr:`LayerCosts.far_pairs`. 
 ones do per pair, so timing them would only add noise."""
 CALIBRATION_PASSES = 2
 COLLECTIVE_SAMPLES = 5
+PRIOR_COLLECTIVE_S = 2e-4
+"""Seconds of a small collective the prior assumes (a refinement keeps it: the chunks time no collective)."""
+LOGGER = logging.getLogger("pipemlx.calibrate")
 
 
 def layer_shapes(model: nn.Module) -> tuple[int, int, int] | None:
@@ -138,10 +154,12 @@ def fastest_timings(
     timed: Callable[[list[Any], int, int], float],
     fresh: Callable[[], list[Any]],
     far: Callable[[], list[Any] | None],
+    progress: Callable[[int, int], None] | None = None,
 ) -> Timings:
     """:data:`Timings`, each the fastest of :data:`CALIBRATION_PASSES` passes after a warm-up pass (the least
     disturbed by other work). ``timed(cache, start, stop)`` runs positions ``start:stop`` on ``cache``;
-    ``fresh()`` makes empty caches; ``far()`` caches holding :data:`FAR_POSITION` positions, or ``None``."""
+    ``fresh()`` makes empty caches; ``far()`` caches holding :data:`FAR_POSITION` positions, or ``None``;
+    ``progress(done, passes)``, when given, is called after each pass (the warm-up included)."""
     longest = CALIBRATION_LENGTHS[-1]
     best = [math.inf] * (len(CALIBRATION_LENGTHS) + 1)
     far_best = [math.inf] * len(FAR_LENGTHS)
@@ -160,6 +178,8 @@ def fastest_timings(
                 break
             far_best[i] = min(far_best[i], timed(filled, 0, length))
             trim_prompt_cache(filled, length)
+        if progress is not None:
+            progress(attempt + 1, 1 + CALIBRATION_PASSES)
     at_start: list[tuple[int, float]] = list(zip(CALIBRATION_LENGTHS, best))
     far_timed = [(n, s) for n, s in zip(FAR_LENGTHS, far_best) if s < math.inf]
     return at_start, best[-1], far_timed
@@ -176,9 +196,12 @@ def time_local_layers(model: nn.Module, stage: PipelineStage, timeout: float | N
         wait_for(cache_state(cache), timeout, lambda: f"{stage.describe()} calibrating its layers")
         return time.perf_counter() - began
 
+    def progress(done: int, passes: int) -> None:
+        LOGGER.info("%s: calibration pass %d of %d done", stage.describe(), done, passes)
+
     with stage.detached():
         return fastest_timings(
-            timed, lambda: make_prompt_cache(model), lambda: far_cache(model, stage, FAR_POSITION, timeout)
+            timed, lambda: make_prompt_cache(model), lambda: far_cache(model, stage, FAR_POSITION, timeout), progress
         )
 
 
@@ -257,7 +280,12 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     halves = lent_halves(stage.rank, stage.world_size)
     token_layers = local_layers + halves * stage.info.lending.share
     attention_layers = local_layers + halves * stage.info.lending.pair_share
+    expected = expected_calibration_s(model, stage)
+    LOGGER.info("%s: calibrating its layers, expected to take about %.1f s", stage.describe(), expected)
+    began = time.perf_counter()
     at_start, attention_chunk_s, far_timed = time_local_layers(model, stage, timeout)
+    stage.calibration_s += time.perf_counter() - began
+    LOGGER.info("%s: calibrated in %.1f s", stage.describe(), time.perf_counter() - began)
     measured = per_layer(at_start, attention_chunk_s, token_layers, attention_layers, far_timed)
     missing = [-1.0] * (len(CALIBRATION_LENGTHS) + 1 + len(FAR_LENGTHS) - len(measured))  # no far timings here
     figures = [*measured, *missing, time_collective(stage, timeout)]
@@ -267,6 +295,7 @@ def calibrate(model: nn.Module, stage: PipelineStage, timeout: float | None) -> 
     if min(fastest) < 0:  # some rank timed no far chunks: none are used
         slowest = [*slowest[: len(CALIBRATION_LENGTHS) + 1], *slowest[-1:]]
     calibration_cache.store("stage", stage_key(model, stage), slowest)
+    calibration_cache.store("shape", shape_key(model, stage.info), slowest[: len(CALIBRATION_LENGTHS) + 1])
     return stage_cost_model(model, stage, slowest)
 
 
@@ -381,56 +410,223 @@ def time_layer(layer: nn.Module, hidden_size: int, dtype: mx.Dtype) -> Timings:
 
 
 def group_layer_costs(model: nn.Module, layer: nn.Module, info: StageInfo, group: mx.distributed.Group) -> LayerCosts:
-    """One decoder layer's costs as the slowest rank measures them (:func:`time_layer` on each rank's own
-    ``layer``, then an all-gather: the same costs on every rank; a collective, all ranks call it).
+    """One decoder layer's costs for ``lend="auto"``, the same on every rank, timed on none (a collective: all ranks
+    call it; ``layer`` is kept for callers that time it themselves with :func:`time_layer`).
 
-    Read from the calibration cache when every rank holds the same figures there (one small all-gather compares
-    their fingerprints); measured, and stored, otherwise.
+    The figures the calibration cache holds for this model and split (written by :func:`refine` after a prefill)
+    when every rank holds the same; else the prior (:func:`prior_figures`), agreed the same way. One small
+    all-gather compares the fingerprints; nothing is measured before the model is cut.
     """
     n = len(CALIBRATION_LENGTHS)
     key = group_key(model, info)
     stored = calibration_cache.figures(calibration_cache.load("layer", key), n + 1 + len(FAR_LENGTHS))
-    stream = mx.new_thread_unsafe_stream(mx.default_device())
+    prior = prior_figures(model, info)
     held = 0 if stored is None else calibration_cache.fingerprint(stored)
+    priors = [calibration_cache.fingerprint(prior)]
     if group.size() > 1:
+        stream = mx.new_thread_unsafe_stream(mx.default_device())
         where = "asking whether the ranks hold the same layer costs (lend='auto')"
-        table = CALIBRATE.exchange(
-            group, stream, {"calibration": held}, timeout=info.timeout, where=where, who=info.describe()
-        )
+        values = {"calibration": held, "prior": priors[0]}
+        table = CALIBRATE.exchange(group, stream, values, timeout=info.timeout, where=where, who=info.describe())
         if must_calibrate(table["calibration"]):
             stored = None
+        priors = table["prior"]
     if stored is None:
-        at_start, attention_chunk_s, far_timed = time_layer(layer, info.hidden_size, info.dtype or mx.float32)
-        measured = per_layer(at_start, attention_chunk_s, 1.0, 1.0, far_timed)
-        what = "a layer's costs (lend='auto')"
-        stored, _ = over_ranks(group, stream, measured, info.timeout, info.describe(), what)
-        calibration_cache.store("layer", key, stored)
+        figures = agreed_prior_figures(model, info, prior, priors)
+        return layer_costs(CALIBRATION_LENGTHS, figures[:n], figures[n])
     far_pairs = tuple(zip(FAR_LENGTHS, stored[n + 1 :]))
     return layer_costs(CALIBRATION_LENGTHS, stored[:n], stored[n], far_pairs)
 
 
 def calibrated(model: nn.Module, stage: PipelineStage, timeout: float | None) -> CostModel:
-    """The group's agreed cost model, calibrated first unless every rank holds the same one (a collective: all ranks
-    call it).
+    """The group's agreed cost model, timed on no rank (a collective: all ranks call it).
 
-    Each rank takes its cost model from memory (a rank may have calibrated for ``prefill_step_size="auto"``
-    already) or the calibration cache; one small all-gather compares what they hold; then every rank calibrates
-    together or none does, so the ranks keep the same model.
+    Each rank takes its measured cost model from memory (an earlier auto prefill may have refined one) or the
+    calibration cache; one small all-gather compares those and the priors' fingerprints. When every rank holds
+    the same measured model, that one; else the agreed prior (:func:`agreed_prior_figures`), which nothing timed.
     """
     held = held_calibration(model, stage)
+    prior = prior_figures(model, stage.info)
     try:
-        needs = held == 0
+        holds, priors = [held], [calibration_cache.fingerprint(prior)]
         if stage.world_size > 1:
-            where, who = "asking whether the group has calibrated", stage.describe()
-            values = {"calibration": held}
+            where, who = "asking whether the group holds measured costs", stage.describe()
+            values = {"calibration": held, "prior": priors[0]}
             table = CALIBRATE.exchange(stage.group, stage.compute_stream, values, timeout=timeout, where=where, who=who)
-            needs = must_calibrate(table["calibration"])
-        if needs:
-            stage.cost_model = calibrate(model, stage, timeout)
+            holds, priors = table["calibration"], table["prior"]
+        if must_calibrate(holds):
+            return prior_cost_model(model, stage, agreed_prior_figures(model, stage.info, prior, priors))
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
     return stage.cost_model
+
+
+def query_size(model: nn.Module) -> int:
+    """Query heads x head size of ``model``'s decoder layers from its ``args``; 0 if unknown."""
+    args: Any = getattr(model, "args", None)
+    hidden, heads = getattr(args, "hidden_size", 0), getattr(args, "num_attention_heads", 0)
+    head_dim = getattr(args, "head_dim", None)
+    if not (isinstance(hidden, int) and isinstance(heads, int) and heads > 0):
+        return 0
+    return heads * (head_dim if isinstance(head_dim, int) and head_dim > 0 else hidden // heads)
+
+
+def prior_shapes(model: nn.Module, info: StageInfo) -> tuple[int, int, int, int]:
+    """``(hidden, query, key-value, intermediate)`` widths of a decoder layer for the prior: from the model's
+    ``args``, else a plain layer of the stage's hidden size (query and key-value as wide as it, a 4x MLP)."""
+    shapes = layer_shapes(model)
+    query = query_size(model)
+    if shapes is None or not query:
+        hidden = max(1, info.hidden_size)
+        return hidden, hidden, hidden, 4 * hidden
+    hidden, kv, intermediate = shapes
+    return hidden, query, kv, intermediate
+
+
+def shape_key(model: nn.Module, info: StageInfo) -> dict[str, Any]:
+    """The calibration cache key of one layer's measured figures by its shapes alone: any model with the same layer
+    shapes, quantization and dtype on the same kind of machine and software reads them, whatever its depth,
+    vocabulary, split or world size (the hosts are left out too: a layer's compute does not depend on them)."""
+    environment = {k: v for k, v in calibration_cache.environment().items() if k != "hosts"}
+    return {
+        **environment,
+        "shapes": list(prior_shapes(model, info)),
+        "quantization": quantization(model),
+        "dtype": str(info.dtype),
+        "settings": CALIBRATION_SETTINGS,
+    }
+
+
+def arithmetic_figures(model: nn.Module, info: StageInfo) -> list[float]:
+    """One layer's seconds at each of :data:`CALIBRATION_LENGTHS` and per pair, from its arithmetic alone
+    (:func:`~pipemlx.schedule.costmodel.arithmetic_layer_costs`): the same on every rank, nothing timed."""
+    device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+    pairs = quantization(model)
+    bits, group_size = pairs[0] if pairs else (0, 0)  # a quantized weight: its bits, a 16-bit scale and bias a group
+    size = bits / 8 + 4 / group_size if bits and group_size else float((info.dtype or mx.float32).size)
+    seconds, per_pair = arithmetic_layer_costs(*prior_shapes(model, info), CALIBRATION_LENGTHS, device, size)
+    return [*seconds, per_pair]
+
+
+def prior_figures(model: nn.Module, info: StageInfo) -> list[float]:
+    """The figures this rank would plan with before the group holds measured ones: one layer's seconds at each of
+    :data:`CALIBRATION_LENGTHS` and per pair, as the calibration cache holds them for the same layer shapes
+    (:func:`shape_key`), else :func:`arithmetic_figures`."""
+    stored = calibration_cache.figures(
+        calibration_cache.load("shape", shape_key(model, info)), len(CALIBRATION_LENGTHS) + 1
+    )
+    return stored if stored is not None else arithmetic_figures(model, info)
+
+
+def agreed_prior_figures(model: nn.Module, info: StageInfo, prior: list[float], priors: Sequence[int]) -> list[float]:
+    """``prior`` (this rank's :func:`prior_figures`) when every rank's fingerprint in ``priors`` is the same, else
+    :func:`arithmetic_figures`: either way the very same figures on every rank."""
+    return prior if len(set(priors)) == 1 else arithmetic_figures(model, info)
+
+
+def prior_cost_model(model: nn.Module, stage: PipelineStage, figures: Sequence[float]) -> CostModel:
+    """The cost model of a prior's per-layer ``figures`` (no far pairs; :data:`PRIOR_COLLECTIVE_S`)."""
+    return stage_cost_model(model, stage, [*figures, PRIOR_COLLECTIVE_S])
+
+
+def expected_calibration_s(model: nn.Module, stage: PipelineStage) -> float:
+    """What :func:`calibrate` is expected to take on this rank, by its cost model if it holds one, else the prior's:
+    every pass (and the warm-up) times each chunk of :data:`CALIBRATION_LENGTHS`, one after the longest, and the
+    far chunks."""
+    costs = stage.cost_model if isinstance(stage.cost_model, CostModel) else None
+    costs = costs or prior_cost_model(model, stage, prior_figures(model, stage.info))
+    longest = CALIBRATION_LENGTHS[-1]
+    chunks = [Chunk(0, 0, n) for n in CALIBRATION_LENGTHS] + [Chunk(0, longest, longest + ATTENTION_CHUNK)]
+    far = [Chunk(0, FAR_POSITION, FAR_POSITION + n) for n in FAR_LENGTHS]
+    once = sum(costs.compute(stage.rank, c) for c in chunks)
+    return (1 + CALIBRATION_PASSES) * once + CALIBRATION_PASSES * sum(costs.compute(stage.rank, c) for c in far)
+
+
+REFINE_MIN_TOKENS = 64
+"""The fewest tokens a refinement's chunks must hold together: a shorter prompt's chunks mostly time fixed costs,
+which would rescale the whole curve wrongly (the group then keeps the prior until a longer prompt)."""
+
+
+def refined_figures(costs: CostModel, rank: int, observed: Sequence[tuple[int, int, float]]) -> list[float] | None:
+    """``costs``' per-layer figures (seconds at each of :data:`CALIBRATION_LENGTHS`, per pair) rescaled to the
+    chunks this rank computed: ``observed`` holds ``(start, length, seconds)``; the first is left out when there
+    are more (a process's first chunk also warms up what it touches).
+
+    Each chunk's time is fitted as ``a * at_start + b * earlier``, where ``at_start`` is what ``costs`` predict for a
+    chunk of its length at position 0 on this rank and ``earlier`` the rest (its attention to earlier positions):
+    least squares, both factors non-negative (with no chunk past position 0, ``b = a``). ``None`` when the chunks
+    hold fewer than :data:`REFINE_MIN_TOKENS` tokens or the fit says nothing (``a <= 0``)."""
+    usable = observed[1:] if len(observed) > 1 else observed
+    if sum(length for _, length, _ in usable) < REFINE_MIN_TOKENS:
+        return None
+    rows: list[tuple[float, float, float]] = []
+    for start, length, seconds in usable:
+        at_start = costs.compute(rank, Chunk(0, 0, length))
+        rows.append((at_start, costs.compute(rank, Chunk(0, start, start + length)) - at_start, seconds))
+    if not rows:
+        return None
+    sxx = sum(x * x for x, _, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    determinant = sxx * syy - sxy * sxy
+    a = b = -1.0
+    if syy > 0 and determinant > 1e-12 * sxx * syy:
+        a, b = (sxt * syy - syt * sxy) / determinant, (syt * sxx - sxt * sxy) / determinant
+    if a <= 0 or b < 0:  # one factor for both parts
+        a = b = (sxt + syt) / (sxx + 2 * sxy + syy) if sxx + syy > 0 else -1.0
+    if not (a > 0 and math.isfinite(a) and math.isfinite(b)):
+        return None
+    return [a * s for _, s in costs.layer.at_start] + [b * costs.layer.attention_s]
+
+
+def refine(
+    model: nn.Module,
+    stage: PipelineStage,
+    costs: CostModel,
+    observed: Sequence[tuple[int, int, float]],
+    timeout: float | None,
+) -> None:
+    """After a prefill planned with the prior ``costs``: agree on measured costs from the chunks it ran (a
+    collective: every rank calls it after the same prefill; one small all-gather, nothing else is timed).
+
+    Each rank rescales ``costs`` to its own chunks (:func:`refined_figures`); the slowest rank's figures are kept,
+    so every rank holds the same :class:`~pipemlx.schedule.costmodel.CostModel`, set as ``stage.cost_model`` and
+    stored in the calibration cache (for this model and split, for ``lend="auto"``, and for any model with the same
+    layer shapes). When some rank has nothing to offer (a prompt of one chunk), nothing changes on any rank.
+    """
+    n = len(CALIBRATION_LENGTHS)
+    if len(costs.layer.at_start) != n:
+        return
+    began = time.perf_counter()
+    try:
+        _refine(model, stage, costs, observed, timeout)
+    finally:
+        stage.calibration_s += time.perf_counter() - began
+
+
+def _refine(
+    model: nn.Module,
+    stage: PipelineStage,
+    costs: CostModel,
+    observed: Sequence[tuple[int, int, float]],
+    timeout: float | None,
+) -> None:
+    n = len(CALIBRATION_LENGTHS)
+    mine = refined_figures(costs, stage.rank, observed) or [-1.0] * (n + 1)
+    slowest, fastest = over_ranks(
+        stage.group, stage.compute_stream, mine, timeout, stage.describe(), "the timings of the prefill's chunks"
+    )
+    if min(fastest) < 0:
+        return
+    figures = [*slowest, costs.collective_s]
+    stage.cost_model = stage_cost_model(model, stage, figures)
+    calibration_cache.store("stage", stage_key(model, stage), figures)
+    calibration_cache.store("shape", shape_key(model, stage.info), slowest)
+    calibration_cache.store("layer", group_key(model, stage.info), [*slowest, *[slowest[n]] * len(FAR_LENGTHS)])
+    LOGGER.debug("%s: refined its cost model from %d chunks", stage.describe(), len(observed))
 
 
 SPEED_TOKENS = 128

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -14,6 +15,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnk
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled, renamed
 from ..observe.trace import Tracer, tracer_for
 from ..schedule.autostep import DEFAULT_MAX_CHUNK_SECONDS, AutoRequest, choose_chunks
+from ..schedule.costmodel import CostModel
 from ..schedule.plan import (
     Agree,
     Compute,
@@ -28,7 +30,15 @@ from ..schedule.plan import (
 )
 from .agreement import agree_on_step, agreed_offset, handshake
 from .caches import cache_state, cannot_quantize, counted_offset, trim_to
-from .calibrate import calibrate, held_calibration, must_calibrate
+from .calibrate import (
+    agreed_prior_figures,
+    held_calibration,
+    must_calibrate,
+    prior_cost_model,
+    prior_figures,
+    refine,
+)
+from .calibration_cache import fingerprint
 from .failure import stand_in
 from .protocol import Status, Table
 from .send_mode import send_mode
@@ -92,11 +102,13 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
-    ``prefill_step_size="auto"`` (the default) lets the ranks cut the prompt together: the first
-    such call on a sharded model calibrates the group (each rank times its layers on a few
-    chunks), or reads what an earlier run measured from the calibration cache
-    (:mod:`pipemlx.runtime.calibration_cache`: keyed by the model, the split and the machines; every rank must
-    hold the same figures, or the group calibrates again), and every call then takes the cut the cost model predicts to be
+    ``prefill_step_size="auto"`` (the default) lets the ranks cut the prompt together, with nothing timed
+    before it: the first such call on a sharded model plans with what an earlier run measured (the
+    calibration cache, :mod:`pipemlx.runtime.calibration_cache`: keyed by the model, the split and the
+    machines; every rank must hold the same figures), else with the prior (the cache's figures for any model
+    with the same layer shapes, else the arithmetic of the layers' shapes), and times the chunks it runs
+    anyway: after it, one small all-gather turns them into measured costs for the next calls and runs
+    (:func:`pipemlx.runtime.calibrate.refine`). Every call takes the cut the cost model predicts to be
     fastest for M tokens: chunks of one size, or of one size with smaller
     chunks at both ends where the pipeline fills and drains, never a chunk
     predicted to take longer than ``max_chunk_seconds`` on any rank (see
@@ -179,9 +191,12 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
+    prior: CostModel | None = None
     try:
-        lengths = (
-            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, options) if step_size == "auto" else None
+        lengths, prior = (
+            _agree_on_auto_chunks(model, stage, tokens.size, timeout, prefix, options)
+            if step_size == "auto"
+            else (None, None)
         )
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
@@ -193,13 +208,18 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     plan = build_plan(tokens.size, step, stage.world_size, stage.rank, spacing, lengths)
     tracer = tracer_for(stage.rank, options.trace_dir)
     runner = _PlanRunner(model, stage, plan, tokens, cache, options, timeout, tracer, prefix, deferred=refused)
+    stage.observed = [] if prior is not None else None  # the chunks of a prior's plan are timed: see refine
     try:
         with send_mode(model, "queue"), stage.executing_plan():
             runner.run()
+        observed, stage.observed = stage.observed, None
+        if prior is not None and observed is not None:  # the same on every rank: the prefill ended on all of them
+            refine(model, stage, prior, observed, timeout)
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
     finally:
+        stage.observed = None
         runner.tracer.save()
     return step
 
@@ -211,22 +231,27 @@ def _agree_on_auto_chunks(
     timeout: float | None,
     prefix: int,
     options: PrefillOptions,
-) -> tuple[int, ...]:
-    """Handshake on an auto request, calibrate the group unless every rank holds the same cost model (in memory or
-    in the calibration cache), and choose the chunks."""
+) -> tuple[tuple[int, ...], CostModel | None]:
+    """Handshake on an auto request and choose the chunks, timing nothing: with the measured cost model every rank
+    holds (in memory or in the calibration cache), else with the agreed prior, which is then returned too (the
+    prefill times its chunks to refine it)."""
+    held = held_calibration(model, stage)
+    prior = prior_figures(model, stage.info)
     table = handshake(
         stage,
         AutoRequest(num_tokens),
         Status.OK,
         timeout,
-        calibration=held_calibration(model, stage),
+        calibration=held,
+        prior=fingerprint(prior),
         cache_offset=prefix,
         decode_settings=options.decode_settings,
         speculation=options.speculation,
     )
-    if must_calibrate(table["calibration"]):
-        stage.cost_model = calibrate(model, stage, timeout)
-    return choose_chunks(num_tokens, stage.cost_model, options.max_chunk_seconds)
+    if not must_calibrate(table["calibration"]):
+        return choose_chunks(num_tokens, stage.cost_model, options.max_chunk_seconds), None
+    costs = prior_cost_model(model, stage, agreed_prior_figures(model, stage.info, prior, table["prior"]))
+    return choose_chunks(num_tokens, costs, options.max_chunk_seconds), costs
 
 
 def check_timeout(timeout: Any) -> None:
@@ -461,12 +486,15 @@ class _PlanRunner:
             stage.received.clear()
             self.expected_receives = 0
         queued = [p.array for p in stage.send_queue.pending]
+        began = time.perf_counter()
         with self.tracer.span("compute", chunk.index, tokens=chunk.length):
             wait_for(
                 [cache_state(self.cache), queued],
                 self.timeout,
                 lambda: f"{stage.describe()} computing chunk {chunk.index}",
             )
+        if stage.observed is not None:  # its input has arrived: this is the chunk's compute on this rank
+            stage.observed.append((self.prefix + chunk.start, chunk.length, time.perf_counter() - began))
 
     def agree(self, action: Agree) -> None:
         stage, queue = self.stage, self.stage.send_queue

@@ -260,6 +260,7 @@ HANDSHAKE = Message(
     Kind.HANDSHAKE,
     (
         Field("calibration"),  # prefill_step_size="auto": the fingerprint of this rank's cost model (0: none)
+        Field("prior"),  # prefill_step_size="auto": the fingerprint of the untimed cost model this rank would plan with
         agreed("num_tokens"),
         agreed("prefill_step_size", show=_step_size),  # 0: "auto"
         agreed("plan_fingerprint"),
@@ -353,9 +354,9 @@ SERVE = Message(
 TOKENS = Message(Kind.TOKENS, (agreed("count"),), "a token broadcast")
 """Rank 0's token ids (a prompt, a batch step's operations) as an ``int32`` payload; the other ranks send zeros."""
 
-CALIBRATE = Message(Kind.CALIBRATE, (Field("calibration"),), "the calibration")
-"""The fingerprint of the figures each rank holds (0: none; :mod:`.calibration_cache`); with a payload, each rank's
-timings."""
+CALIBRATE = Message(Kind.CALIBRATE, (Field("calibration"), Field("prior")), "the calibration")
+"""The fingerprint of the figures each rank holds (0: none; :mod:`.calibration_cache`) and of the untimed figures it
+would plan with otherwise (:func:`pipemlx.runtime.calibrate.prior_figures`); with a payload, each rank's timings."""
 
 MEMORY = Message(Kind.MEMORY, (Field("bytes_per_position"), Field("budget_kib")), "the memory exchange")
 """Each rank's KV bytes per cached position and its memory budget (:class:`pipemlx.BatchGenerator`)."""

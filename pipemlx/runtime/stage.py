@@ -116,7 +116,11 @@ class PipelineStage:
         self._executing_plan = False
         self.outstanding: deque[mx.array] = deque(maxlen=OUTSTANDING_OUTPUTS)
         self.open_request: OpenRequest | None = None
-        self.cost_model: Any = None  # set by pipemlx.runtime.calibrate once the group has calibrated
+        self.cost_model: Any = None  # set by pipemlx.runtime.calibrate once the group has agreed measured costs
+        # (start, length, seconds) of the chunks a prefill planned without measured costs computed on this rank:
+        # pipemlx.runtime.calibrate.refine turns them into measured costs after it (None: not observing)
+        self.observed: list[tuple[int, int, float]] | None = None
+        self.calibration_s = 0.0  # seconds this rank spent timing costs and agreeing on them (calibrate, refine)
         if self.world_size > 1:
             _LIVE_STAGES.add(self)
             _finish_at_exit(self)

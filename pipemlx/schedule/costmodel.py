@@ -310,3 +310,43 @@ def _least_squares(rows: list[list[float]], values: list[float]) -> list[float] 
                 f = a[k][col] / a[col][col]
                 a[k] = [u - f * w for u, w in zip(a[k], a[col])]
     return [a[i][n] / a[i][i] / scale[i] for i in range(n)]
+
+
+ASSUMED_FLOPS = {"cpu": 5e10, "gpu": 3e12}
+"""Floating-point operations per second the arithmetic cost model (:func:`arithmetic_layer_costs`) assumes, by kind
+of device: the planning of a first request, before anything is timed, only needs the shape of the costs (fixed
+versus per token versus per pair, and compute against messages); the real prefill's chunks rescale them."""
+ASSUMED_BANDWIDTH = {"cpu": 1e10, "gpu": 2e11}
+"""Bytes per second a layer's weights are assumed to be read at: every chunk reads them all once, whatever its
+length, which is what makes short chunks dear per token (a matrix product of few rows is bound by its weights)."""
+ASSUMED_CHUNK_OVERHEAD_S = {"cpu": 3e-5, "gpu": 5e-5}
+"""Seconds a decoder layer is assumed to spend on a chunk besides that (dispatching its operations)."""
+
+
+def arithmetic_layer_costs(
+    hidden_size: int,
+    query_size: int,
+    kv_size: int,
+    intermediate_size: int,
+    lengths: Sequence[int],
+    device: str = "cpu",
+    bytes_per_weight: float = 4.0,
+) -> tuple[list[float], float]:
+    """One decoder layer's seconds at each of ``lengths`` (a chunk at position 0) and per query-key pair, from its
+    arithmetic alone: nothing is timed, so every rank derives the very same figures from the model's shapes.
+
+    The layer holds ``W = 2 * hidden * query + 2 * hidden * kv + 3 * hidden * intermediate`` weights (the q, o, k,
+    v projections and a gated MLP; ``query_size`` is heads x head size) of ``bytes_per_weight`` bytes each. A chunk
+    reads them once (at :data:`ASSUMED_BANDWIDTH`), then each token costs ``2 * W`` operations and each query-key
+    pair ``4 * query`` (scores and the weighted sum), at :data:`ASSUMED_FLOPS`; plus
+    :data:`ASSUMED_CHUNK_OVERHEAD_S`. ``device`` is ``"cpu"`` or ``"gpu"``. A chunk of ``L`` tokens at position 0
+    holds ``L*(L+1)/2`` pairs.
+    """
+    kind = "gpu" if device == "gpu" else "cpu"
+    rate = ASSUMED_FLOPS[kind]
+    weights = 2 * hidden_size * query_size + 2 * hidden_size * kv_size + 3 * hidden_size * intermediate_size
+    fixed = ASSUMED_CHUNK_OVERHEAD_S[kind] + weights * bytes_per_weight / ASSUMED_BANDWIDTH[kind]
+    per_token = 2.0 * weights / rate
+    per_pair = 4.0 * query_size / rate
+    seconds = [fixed + per_token * n + per_pair * n * (n + 1) / 2 for n in lengths]
+    return seconds, per_pair
