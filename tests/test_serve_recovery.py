@@ -233,6 +233,28 @@ def test_rank0_worker_killed_mid_stream(server: ServeProcess, expected: dict[str
     fault_test(server, expected, "kill rank 0", lambda pids: os.kill(pids[0], signal.SIGKILL))
 
 
+def test_a_sampled_stream_resumed_one_request_at_a_time_draws_as_one_process(expected: dict[str, str]) -> None:
+    """The default ``--decode-concurrency 1``: a seeded sampled stream whose follower is killed mid-stream goes on
+    with the draws of an undisturbed run (the resumed request skips exactly the random keys its tokens used)."""
+    process = ServeProcess(
+        "--recover", "--timeout", str(TIMEOUT), "--recover-timeout", "90", "--prompt-cache-bytes", "16M"
+    )
+    try:
+        process.wait_ready()
+        pids = rank_pids(process)
+        client = Client("Mr. Darcy looked")  # sampled, seed 1234
+        thread = threading.Thread(target=stream, args=(process.url, client, MAX_TOKENS), daemon=True)
+        thread.start()
+        process.wait_for("the stream to be under way", lambda: client.chunks >= 3, 60.0, 0.01)
+        os.kill(pids[1], signal.SIGKILL)
+        thread.join(120.0)
+        check_continued(process, [client], expected)
+        assert process.health()["recovery"]["restarts"] >= 1
+    finally:
+        process.stop()
+        process.close()
+
+
 @pytest.mark.slow  # the default run's namespace-host test cuts a link: the same bounded wait on rank 0 sees it
 def test_follower_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
     fault_test(server, expected, "stall rank 1", lambda pids: os.kill(pids[1], signal.SIGSTOP), stalled=1)

@@ -147,13 +147,14 @@ def test_streamed_text_never_ends_inside_a_character_and_equals_mlx_lm(
     wrapper = tokenizer()
     tokens = list(wrapper.encode(text, add_special_tokens=False))
     pieces, stopped = stream(tokens, stops, DETOKENIZERS[kind](wrapper))
+    expected = expected_text(tokens, stops, lambda: DETOKENIZERS[kind](wrapper))  # mlx-lm's detokenizer, whole
     so_far = ""
-    whole = "".join(pieces)
     for piece in pieces:
         so_far += piece
-        assert whole.startswith(so_far)  # nothing streamed is taken back
+        # Nothing streamed is taken back: each prefix sent is a prefix of what mlx-lm's detokenizer gives in the end.
+        assert expected.startswith(so_far), (so_far, expected, text, stops)
         assert "\ufffd" not in piece, (pieces, text)  # the text holds none: a piece ended inside a character
-    expected = expected_text(tokens, stops, lambda: DETOKENIZERS[kind](wrapper))
+    whole = "".join(pieces)
     assert whole == expected, (whole, expected, text, stops)
     assert not stopped or any(s in text for s in stops)  # only a stop string in the text ends it early
 
