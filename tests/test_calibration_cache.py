@@ -165,3 +165,16 @@ def test_ranks_holding_different_figures_calibrate_again() -> None:
     assert calibrate.must_calibrate([0, 5])
     assert calibrate.must_calibrate([5, 6])
     assert not calibrate.must_calibrate([5, 5])
+
+
+def test_the_stage_key_holds_what_each_cut_lends() -> None:
+    """Two shardings alike but for what the cut lends (a feed-forward half, key-value heads) time differently: their
+    figures are kept apart (#51: a key without the lent heads reused a wrong step)."""
+    from fakes import FakeGroup
+
+    config = tiny_config("llama", num_hidden_layers=4)
+    keys: list[dict[str, Any]] = []
+    for lend in ("none", "mlp", 1):  # (a 4-head model: 1 of its 2 key-value heads)
+        model = pipemlx.shard_model(build_model(config, seed=1), FakeGroup(1, 2), lend=lend)  # type: ignore[arg-type]
+        keys.append(calibrate.stage_key(model, stage_of(model)))
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3, keys
