@@ -158,3 +158,47 @@ def test_generate_prompt_tokens_follow_the_chat_template() -> None:
     assert prompt_tokens(tokenizer, "Q", args) == list(tokenizer.encode(expected, add_special_tokens=False))
     raw = subcommand("generate").parse_args(["--ignore-chat-template"])
     assert prompt_tokens(tokenizer, "Q", raw) == list(tokenizer.encode("Q", add_special_tokens=True))
+
+
+KEYWORD_DIFFERENCES = {
+    ("generate_step", "stream"): "None: each rank computes on its stage's stream (mlx-lm's stream is accepted)",
+    ("generate_step", "prefill_step_size"): '"auto": the chunk the cost model predicts fastest (mlx-lm: 2048)',
+    ("BatchGenerator", "prefill_step_size"): '"auto", as generate_step',
+    (
+        "BatchGenerator",
+        "max_tokens",
+    ): "256, pipemlx's one max_tokens default (generate_step's; mlx-lm's batch says 128)",
+    ("BatchGenerator", "stop_tokens"): "() and mlx-lm's None both mean none",
+    ("BatchGenerator", "completion_batch_size"): "None: as many rows as the memory budget admits",
+    ("BatchGenerator", "prefill_batch_size"): "None: as many prompts as the ticks' plan takes",
+}
+"""Where a pipemlx function's keyword default differs from mlx-lm's on purpose, and why."""
+
+
+@pytest.mark.parametrize("name", ["generate_step", "stream_generate", "BatchGenerator", "BatchGenerator.insert"])
+def test_public_functions_take_every_mlx_lm_keyword_with_its_default(name: str) -> None:
+    """Read at test time: each keyword of mlx-lm's function is one of pipemlx's (``stream_generate`` passes its
+    ``**kwargs`` to ``generate_step``), with mlx-lm's default unless KEYWORD_DIFFERENCES says why not."""
+    import pipemlx
+
+    generate = importlib.import_module("mlx_lm.generate")
+    owner, _, method = name.partition(".")
+    theirs_fn, ours_fn = getattr(generate, owner), getattr(pipemlx, owner)
+    if method or owner == "BatchGenerator":
+        theirs_fn, ours_fn = getattr(theirs_fn, method or "__init__"), getattr(ours_fn, method or "__init__")
+    theirs = inspect.signature(theirs_fn).parameters
+    ours = dict(inspect.signature(ours_fn).parameters)
+    if name == "stream_generate":
+        ours |= {k: v for k, v in inspect.signature(pipemlx.generate_step).parameters.items() if k not in ours}
+    problems: list[str] = []
+    for keyword, parameter in theirs.items():
+        if keyword == "self" or parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            continue
+        if keyword not in ours:
+            problems.append(f"{keyword}: mlx-lm's, not pipemlx's")
+        elif repr(ours[keyword].default) != repr(parameter.default) and not {
+            (owner, keyword),
+            ("generate_step", keyword),
+        } & set(KEYWORD_DIFFERENCES):
+            problems.append(f"{keyword}: default {ours[keyword].default!r}, mlx-lm's {parameter.default!r}")
+    assert not problems, f"{name}: " + "; ".join(problems)
