@@ -71,7 +71,7 @@ class StandInHub:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
@@ -140,6 +140,16 @@ class StandInHub:
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{len(data)}"
             return _send(handler, 206, data[start:stop], headers, body)
         return _send(handler, 200, data, headers, body)
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """A client that went away mid-answer (a rank killed while it downloads) is no error of the stand-in's."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
 
 
 def _oid(path: Path) -> str:
