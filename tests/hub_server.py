@@ -57,6 +57,8 @@ class StandInHub:
         self.hidden = hidden or {}
         self.delay = delay
         """Seconds every answer waits before it is sent (a slow link to the Hub); may be changed while serving."""
+        self.weight_delay = 0.0
+        """Seconds more that a whole weight file (``*.safetensors``, no range) waits before it is sent."""
         self.log: list[Request] = []
         self._lock = threading.Lock()
         hub = self
@@ -111,6 +113,8 @@ class StandInHub:
             self.log.append(Request(handler.command, path, agent, wanted_range, time.monotonic()))
         if self.delay:
             time.sleep(self.delay)
+        if self.weight_delay and path.endswith(".safetensors") and wanted_range is None and handler.command == "GET":
+            time.sleep(self.weight_delay)
         api = re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?$", path)
         resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
         repo = api.group(1) if api else resolve.group(1) if resolve else None

@@ -386,17 +386,17 @@ def test_a_rank_killed_while_downloading_ends_every_rank_with_a_clear_error(mode
 
     argv = ["--model", REPO, "--temp", "0", "--max-tokens", "4", "--prompt", PROMPT, "--timeout", "5"]
     with StandInHub({REPO: model_dir}) as fast, StandInHub({REPO: model_dir}) as slow:
+        slow.weight_delay = 30.0  # rank 1's weight files hang: it is still downloading when it is killed
         procs, _ = _hostfile_ranks(tmp_path, [fast, slow], argv)
         deadline = time.monotonic() + 60
-        while not any(r.file() in FILES for r in slow.requests()) and time.monotonic() < deadline:
+        while not any(r.file() in FILES and r.method == "GET" for r in slow.requests()) and time.monotonic() < deadline:
             time.sleep(0.02)
-        slow.delay = 30.0  # rank 1 fetches its weights: from now on every answer of its Hub hangs
         time.sleep(1.5)
         procs[1].kill()  # rank 1 dies while it downloads its weights
         killed = time.monotonic()
         results = _finish(procs[:1], 60)
         took = time.monotonic() - killed
-        slow.delay = 0.0
+        slow.weight_delay = 0.0
     code, _, err = results[0]
     assert code == 1, f"status {code}:\n{err}"  # a clean exit after the error, not an abort in MLX teardown
     assert "rank 0" in err and ("PeerLostError" in err or "rank 1" in err), f"status {code}:\n{err}"
