@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from conftest import run_ranks
 from fakes import HELIUM_TIED, FakeGroup
@@ -178,3 +179,76 @@ def test_every_tiny_config_saves_a_directory_mlx_lm_loads_a_tokenizer_from(tmp_p
     tokenizer = load_tokenizer(tmp_path, eos_token_ids=config.get("eos_token_id"))
     if arch != "qwen2":  # transformers 5 swaps in its byte-level Qwen2Tokenizer for model_type qwen2
         assert tokenizer.encode("t5 t7", add_special_tokens=False) == [5, 7]
+
+
+def make_adapters(model_dir: Path, folder: Path, num_layers: int, seed: int = 5) -> Path:
+    """LoRA adapters for the last ``num_layers`` layers as mlx-lm's trainer saves them, with weights that change
+    the output (a fresh adapter's lora_b is zero)."""
+    import json
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    from mlx_lm.utils import load
+
+    loaded: Any = load(str(model_dir))
+    model = loaded[0]
+    parameters = {"rank": 4, "scale": 8.0, "dropout": 0.0}
+    linear_to_lora_layers(model, num_layers, parameters)
+    mx.random.seed(seed)
+    adapters = {
+        name: mx.random.normal(value.shape) * 0.2
+        for name, value in tree_flatten(model.parameters())
+        if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "adapters.safetensors"), adapters)
+    config = {"fine_tune_type": "lora", "num_layers": num_layers, "lora_parameters": parameters}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_each_rank_holds_mlx_lm_s_adapters_of_its_layers(small_models: dict[str, Path], tmp_path: Path) -> None:
+    """``adapter_path``: mlx-lm's load_adapters on the whole model, then each rank keeps its layers' adapters."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    adapters = make_adapters(small_models["llama"], tmp_path / "adapters", num_layers=3)
+    whole: Any = load(str(small_models["llama"]), adapter_path=str(adapters))
+    reference = dict(tree_flatten(whole[0].model.layers[-1].parameters()))
+    assert any(name.endswith("lora_b") for name in reference)
+    model, _ = pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 2), adapter_path=adapters)
+    assert stage_of(model).info.lending.mlp is False  # whole layers: LoRA wraps what lending cuts
+    mine = dict(tree_flatten(model.layers[-1].parameters()))
+    assert mine.keys() == reference.keys()
+    for name, value in mine.items():
+        assert mx.array_equal(value, reference[name]).item(), name
+    with pytest.raises(ValueError, match="LoRA adapters need whole layers"):
+        pipemlx.load_sharded(small_models["llama"], FakeGroup(1, 2), adapter_path=adapters, lend="mlp")
+
+
+def test_generate_with_adapters_gives_mlx_lm_s_tokens(small_models: dict[str, Path], tmp_path: Path) -> None:
+    """``pipemlx generate --ranks 2 --adapter-path`` gives the greedy tokens of mlx-lm loading the same adapters
+    in one process, and other tokens than without them."""
+    import subprocess
+    import sys
+
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.utils import load
+
+    adapters = make_adapters(small_models["llama"], tmp_path / "adapters", num_layers=4)
+    prompt = "t5 t17 t3 t99 t42 t8 t61 t23"
+    argv = [sys.executable, "-m", "pipemlx", "generate", "--ranks", "2", "--model", str(small_models["llama"])]
+    argv += ["--prompt", prompt, "--max-tokens", "8", "--json", "--ignore-chat-template", "--timeout", "60"]
+    done = subprocess.run([*argv, "--adapter-path", str(adapters)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+
+    def reference(adapter_path: str | None) -> list[int]:
+        loaded: Any = load(str(small_models["llama"]), adapter_path=adapter_path)
+        responses = stream_generate(
+            loaded[0], loaded[1], prompt, max_tokens=8, prefill_step_size=report["largest_chunk"]
+        )
+        return [r.token for r in responses if r.finish_reason != "stop"]
+
+    assert report["tokens"] == reference(str(adapters))
+    assert report["tokens"] != reference(None), "the adapters change nothing: the test could not fail"

@@ -54,7 +54,14 @@ from .common import (
     read_prompt,
     token_limit,
 )
-from .parity import GENERATE_MAX_TOKENS, REFUSED_GENERATE, add_generate_flags, check_refused, template_config
+from .parity import (
+    GENERATE_MAX_TOKENS,
+    REFUSED_GENERATE,
+    add_adapter_flag,
+    add_generate_flags,
+    check_refused,
+    template_config,
+)
 
 DEFAULT_RANKS = 2
 LAUNCH_TIMEOUT = 7 * 24 * 3600.0
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sharding_flags(generate)
     add_speculation_flags(generate)
     add_generate_flags(generate)
+    add_adapter_flag(generate)
 
     serve_command.add_parser(commands)
 

@@ -22,14 +22,12 @@ SERVE_MAX_TOKENS = 512
 """``mlx_lm.server``'s ``--max-tokens``."""
 
 REFUSED_GENERATE = {
-    "--adapter-path": "LoRA adapters are not loaded by pipemlx yet (fuse them into the model with mlx_lm.fuse)",
     "--image": "pipemlx shards text models only: images are not taken",
     "--prompt-cache-file": "a saved prompt cache holds every layer; pipemlx's ranks hold their own layers' caches",
     "--quantize-activations": "activation quantization is not applied across the ranks",
     "--max-kv-size": "rotating caches of a bounded size are not yet prefilled across the ranks",
 }
 REFUSED_SERVE = {
-    "--adapter-path": REFUSED_GENERATE["--adapter-path"],
     "--kv-bits": "quantized KV caches are not kept in pipemlx serve's prefix cache",
     "--kv-group-size": "quantized KV caches are not kept in pipemlx serve's prefix cache",
     "--quantized-kv-start": "quantized KV caches are not kept in pipemlx serve's prefix cache",
@@ -58,6 +56,15 @@ def check_refused(args: argparse.Namespace, refused: dict[str, str]) -> None:
     for flag, why in refused.items():
         if getattr(args, flag.lstrip("-").replace("-", "_")) is not None:
             raise UserError(f"{flag}: {why}")
+
+
+def add_adapter_flag(parser: argparse.ArgumentParser) -> None:
+    """``--adapter-path``, as mlx-lm's commands take it."""
+    parser.add_argument(
+        "--adapter-path",
+        help="a folder of LoRA adapters (adapters.safetensors, adapter_config.json) as mlx-lm's trainer saves them; "
+        "each rank keeps its own layers' (whole layers: no lending)",
+    )
 
 
 def add_generate_flags(parser: argparse.ArgumentParser) -> None:

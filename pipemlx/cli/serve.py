@@ -53,7 +53,7 @@ from .common import (
     positive_int,
     read_hostfile,
 )
-from .parity import REFUSED_SERVE, SERVE_MAX_TOKENS, add_refused, check_refused
+from .parity import REFUSED_SERVE, SERVE_MAX_TOKENS, add_adapter_flag, add_refused, check_refused
 
 if TYPE_CHECKING:
     from ..serve.settings import RankOptions, ServeSettings
@@ -138,6 +138,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_prefill_step_flag(serve)
     add_renamed_flags(serve, ["--step-size", "--max-concurrency", "--prefix-cache", "--cors-origin"])
     add_server_flags(serve)
+    add_adapter_flag(serve)
     serve.add_argument(
         "--max-tokens",
         type=positive_int,
@@ -573,6 +574,7 @@ def _rank_options(args: argparse.Namespace, parent_pid: int | None = None) -> Ra
         allow_unregistered=args.allow_unregistered,
         lend=args.lend,
         trust_remote_code=args.trust_remote_code,
+        adapter_path=args.adapter_path,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.utils import load_adapters, load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import renamed
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
@@ -67,6 +67,7 @@ def load_sharded(
     allow_unregistered: bool = False,
     lend: LendSpec = "auto",
     revision: str | None = None,
+    adapter_path: str | os.PathLike[str] | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
@@ -98,13 +99,19 @@ def load_sharded(
     :func:`pipemlx.shard_model` raises for a bad split or a model it cannot
     pipeline.
     """
+    if adapter_path is not None:  # LoRA wraps the projections that lending would cut: whole layers
+        if lend not in ("auto", "none"):
+            raise ValueError(f"adapter_path: LoRA adapters need whole layers (lend='none'), not lend={lend!r}")
+        lend = "none"
     asked = ShardArguments(split, memory, speeds, context, kv_bits, prefill_step_size, head, lend)
     # Every rank fetches and builds its part while the ranks tell each other how far they are: a slow download
     # is waited for as long as it makes progress, before the first collective with a deadline (shard_model's).
     model, config, root, planned = while_ranks_load(
         group,
         timeout,
-        lambda progress: _fetch_and_build(path, group, revision, progress, asked, model_config, trust_remote_code),
+        lambda progress: _fetch_and_build(
+            path, group, revision, progress, asked, model_config, trust_remote_code, adapter_path
+        ),
     )
     shard_model(
         model,
@@ -149,6 +156,7 @@ def _fetch_and_build(
     arguments: ShardArguments,
     model_config: dict[str, Any] | None,
     trust_remote_code: bool,
+    adapter_path: str | os.PathLike[str] | None = None,
 ) -> tuple[nn.Module, dict[str, Any], Path, ShardArguments]:
     """This rank's files fetched (a repo) and the model built from them lazily: no collective, no evaluation."""
     progress.cache = cache_folder(path)
@@ -191,6 +199,8 @@ def _fetch_and_build(
     )
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
+    if adapter_path is not None:  # mlx-lm's own, on the whole model (global layer numbers): shard_model then
+        load_adapters(model, str(adapter_path))  # keeps the adapters of this rank's layers and drops the others
     if planned is not None and not embedding_files(source) <= set(planned[1]):
         _unfetched_embedding_dtype(model, layer_range(planned[0], group.rank()))
     progress.steps += 1

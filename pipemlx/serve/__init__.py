@@ -97,6 +97,7 @@ def run_rank(options: RankOptions) -> int:
             context=engine.context,
             lend=options.lend,
             trust_remote_code=options.trust_remote_code,
+            adapter_path=options.adapter_path,
         )
     except (ValueError, OSError) as exc:
         _exit(2, f"error: cannot load the model in {options.model_dir}: {exc}")

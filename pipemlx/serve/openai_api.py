@@ -27,7 +27,7 @@ Kind = Literal["chat", "completion"]
 UNSUPPORTED = {
     "draft_model": "the draft model is the server's (--draft-model); 'draft': false opts a request out",
     "num_draft_tokens": "guesses per pass are the server's setting (--num-draft-tokens)",
-    "adapters": "LoRA adapters are not loaded by pipemlx",
+    "adapters": "the adapters are the server's (--adapter-path), not a request's",
     "xtc_probability": "XTC sampling draws from a random generator the ranks do not share per request",
     "tools": "tool calls are not parsed from the answers",
     "role_mapping": "the chat template renders the roles",

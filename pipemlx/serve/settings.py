@@ -124,6 +124,8 @@ class RankOptions:
     allow_unregistered: bool = False
     lend: LendSpec = "auto"
     trust_remote_code: bool = False
+    adapter_path: str | None = None
+    """LoRA adapters (``--adapter-path``): each rank keeps its own layers'."""
 
 
 def rank_process(options: RankOptions) -> tuple[list[str], dict[str, str]]:
