@@ -7,6 +7,7 @@ sampling (:mod:`.sample`), counting (:mod:`.stats`), and the tick itself (:mod:`
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -137,10 +138,12 @@ class BatchGenerator:
     def __new__(cls, model: nn.Module, **kwargs: Any) -> BatchGenerator:
         if is_sharded(model):
             return super().__new__(cls)
+        if "prefill_budget" in kwargs:  # as @renamed says it for a sharded model
+            raise TypeError(
+                "BatchGenerator() got the keyword argument 'prefill_budget', renamed 'prefill_chunk_tokens' in pipemlx 0.2.0"
+            )
         pipemlx_only = sorted(
-            name
-            for name in ("prefill_chunk_tokens", "prefill_budget", "prefill_chunking", "timeout", "memory_budget")
-            if name in kwargs
+            name for name in ("prefill_chunk_tokens", "prefill_chunking", "timeout", "memory_budget") if name in kwargs
         )
         if pipemlx_only:
             raise ValueError(
@@ -527,3 +530,13 @@ class BatchGenerator:
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
         self._rows.settle(extracted)
         return responses
+
+
+# inspect.signature(BatchGenerator) reads __new__ (model, **kwargs) first: name __init__'s parameters instead.
+setattr(  # noqa: B010
+    BatchGenerator,
+    "__signature__",
+    inspect.signature(BatchGenerator.__init__).replace(
+        parameters=list(inspect.signature(BatchGenerator.__init__).parameters.values())[1:]
+    ),
+)
