@@ -1,6 +1,6 @@
 """The one-machine path (issue #46): pipemlx's generate_step / stream_generate / BatchGenerator on a model that was never
 sharded run as mlx-lm's own do, and bad arguments give mlx-lm's errors. Single process: the reference is mlx-lm itself
-on the same weights, called the same way. ``probe`` counts the behaviours that hold (see the final assertion)."""
+on the same weights, called the same way. tests/probe_issue46.py counts the behaviours that hold."""
 
 from __future__ import annotations
 
