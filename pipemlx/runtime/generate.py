@@ -18,6 +18,8 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.generate import generate_step as mlx_generate_step  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.generate import stream_generate as mlx_stream_generate  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.tokenizer_utils import TokenizerWrapper  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import renamed
@@ -34,7 +36,7 @@ from .prefill import (
 )
 from .sampling import LogitsProcessor, Sampler
 from .speculative import DraftLength, proposer_of
-from .stage import stage_of
+from .stage import is_sharded, stage_of
 from .stops import StopSet
 
 NO_TOKEN = -1
@@ -133,7 +135,43 @@ def generate_step(
     when the model was sharded): a stream or device on that device (or
     ``None``) is accepted; one on another device raises ``ValueError``,
     anything else ``TypeError``, before anything is sent.
+
+    A model that is not sharded (an engine's one-machine path) runs as mlx-lm runs it: this returns
+    ``mlx_lm.generate.generate_step``'s own generator (tokens and logprobs as ``mx.array``, processors and sampler
+    called in this process) with mlx-lm's arguments; ``prefill_step_size="auto"`` is mlx-lm's default there. The
+    arguments only pipemlx has (``should_cancel``, ``timeout``, ``share_logprobs``, ``stop_tokens``,
+    ``draft_model``, ``prompt_lookup``, ``history``) raise ``ValueError`` there unless left at their defaults.
     """
+    if not is_sharded(model):
+        _refuse_pipemlx_only(
+            "generate_step",
+            should_cancel=should_cancel is not None,
+            timeout=timeout is not None,
+            share_logprobs=share_logprobs,
+            stop_tokens=bool(list(stop_tokens)),
+            draft_model=draft_model is not None,
+            num_draft_tokens=num_draft_tokens != 2,
+            prompt_lookup=prompt_lookup is not None,
+            history=len(history) > 0,
+        )
+        options: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "sampler": sampler,
+            "logits_processors": None if logits_processors is None else list(logits_processors),
+            "max_kv_size": max_kv_size,
+            "prompt_cache": prompt_cache,
+            "kv_bits": kv_bits,
+            "kv_group_size": kv_group_size,
+            "quantized_kv_start": quantized_kv_start,
+            "prompt_progress_callback": prompt_progress_callback,
+            "input_embeddings": input_embeddings,
+        }
+        if prefill_step_size != "auto":
+            options["prefill_step_size"] = prefill_step_size
+        if stream is not None:
+            options["stream"] = stream
+        # mlx-lm's own generator, not a DecodeStream: the one-machine path is mlx-lm's, attributes and all.
+        return cast(DecodeStream, mlx_generate_step(prompt, model, **options))  # pyright: ignore[reportUnknownMemberType]
     stage = stage_of(model)
     stage.check_usable()
     stage.check_stream(stream)
@@ -199,7 +237,7 @@ def stream_generate(
     :func:`generate_step`'s. Every rank stops at the tokenizer's end-of-sequence
     tokens and at ``stop_tokens`` alike (token ids or sequences of them; the
     token that ends one, like an end-of-sequence token, is not added to the
-    text). ``max_tokens=0`` prefills the prompt and yields nothing, as in mlx-lm. The last response has ``finish_reason``
+    text). The last response has ``finish_reason``
     ``"stop"`` (end of sequence or a stop token), ``"length"`` (``max_tokens``)
     or ``"cancelled"`` (a rank's consumer or ``should_cancel`` stopped the
     request). Each token is in one response only: a ``"cancelled"`` response
@@ -213,7 +251,23 @@ def stream_generate(
     speculate as in :func:`generate_step` (each response's ``from_draft`` says
     whether its token was a confirmed guess; the returned generator's
     ``guesses`` is the tally of guessed and confirmed tokens, the acceptance rate).
+
+    ``max_tokens=0`` raises mlx-lm's ``ValueError`` ("Maximum number of tokens must be non-zero"), on every rank
+    before anything is sent. A model that is not sharded runs as mlx-lm runs it: this returns
+    ``mlx_lm.stream_generate``'s own generator (``prefill_step_size="auto"`` is mlx-lm's default there; the
+    arguments only pipemlx has raise ``ValueError`` unless left at their defaults, as in :func:`generate_step`).
     """
+    if max_tokens == 0:  # mlx-lm 0.32.2's stream_generate: the same error, not an empty stream
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    if not is_sharded(model):
+        _refuse_pipemlx_only(
+            "stream_generate",
+            **{name: name in kwargs for name in _PIPEMLX_ONLY if name != "draft_model" and name != "num_draft_tokens"},
+        )
+        if kwargs.get("prefill_step_size") == "auto":
+            del kwargs["prefill_step_size"]
+        responses = mlx_stream_generate(model, tokenizer, prompt, max_tokens, draft_model, **kwargs)  # pyright: ignore[reportUnknownMemberType]
+        return cast(ResponseStream, responses)
     if draft_model is None and kwargs.get("prompt_lookup") is None:
         kwargs.pop("num_draft_tokens", None)  # mlx-lm drops it too when there is no draft model
     extra_stops = cast(Iterable[int | Sequence[int]], kwargs.pop("stop_tokens", ()))
@@ -261,11 +315,6 @@ def _responses(
     eos: StopSet,
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` loop over a pipemlx token generator."""
-    if max_tokens == 0:  # as mlx-lm: the prompt is prefilled, nothing is yielded
-        with closing(generator):
-            for _ in generator:
-                pass
-        return
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
     tic = time.perf_counter()
@@ -334,6 +383,29 @@ def _response(
         peak_memory=mx.get_peak_memory() / 1e9,
         finish_reason=finish,
     )
+
+
+_PIPEMLX_ONLY = (
+    "should_cancel",
+    "timeout",
+    "share_logprobs",
+    "stop_tokens",
+    "draft_model",
+    "num_draft_tokens",
+    "prompt_lookup",
+    "history",
+)
+"""generate_step's arguments that mlx-lm's has not: refused (unless at their defaults) on a model that is not sharded."""
+
+
+def _refuse_pipemlx_only(function: str, **given: bool) -> None:
+    """Name the pipemlx-only arguments ``given`` (True: set) that a model that is not sharded cannot take."""
+    named = sorted(name for name, was_set in given.items() if was_set)
+    if named:
+        raise ValueError(
+            f"{function} on a model that is not sharded is mlx-lm's; {', '.join(named)} "
+            "exist only on a sharded model (pipemlx.shard_model / load_sharded): leave them out or shard the model"
+        )
 
 
 def _positive_or_none(value: object) -> bool:

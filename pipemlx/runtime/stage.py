@@ -380,6 +380,11 @@ def stage_of(model: nn.Module) -> PipelineStage:
     return stage
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether :func:`pipemlx.shard_model` attached a stage to ``model`` (else the API runs mlx-lm's own functions)."""
+    return isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage)
+
+
 def ensure_unsharded(model: nn.Module) -> None:
     if isinstance(getattr(model, STAGE_ATTRIBUTE, None), PipelineStage):
         raise PipelineError(f"{type(model).__name__} is already sharded; shard a fresh model")

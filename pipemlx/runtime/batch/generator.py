@@ -7,14 +7,16 @@ sampling (:mod:`.sample`), counting (:mod:`.stats`), and the tick itself (:mod:`
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
 from mlx_lm.generate_utils import BatchStats
 
 from ...errors import renamed
@@ -36,7 +38,7 @@ from ...schedule.memory_split import parse_size
 from ..caches import UNCOUNTED, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler
-from ..stage import PipelineStage, stage_of
+from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from .memory import exchange_admission
 from .requests import BatchRequest, FinishReason, Options, check_settings, checked_requests, fresh_window
@@ -126,7 +128,39 @@ class BatchGenerator:
     the ranks compute on (``ValueError`` otherwise).
 
     Raises ``ValueError`` for a bad value of any of these before anything is sent.
+
+    A model that is not sharded (an engine's one-machine path) gets mlx-lm's own ``BatchGenerator``, built with the
+    arguments given and mlx-lm's defaults for the others (``prefill_step_size="auto"`` and ``None`` batch sizes are
+    mlx-lm's defaults there); the arguments only pipemlx has (``prefill_chunk_tokens``, ``prefill_chunking``,
+    ``timeout``, ``memory_budget``) raise ``ValueError`` there.
     """
+
+    def __new__(cls, model: nn.Module, **kwargs: Any) -> BatchGenerator:
+        if is_sharded(model):
+            return super().__new__(cls)
+        if "prefill_budget" in kwargs:  # as @renamed says it for a sharded model
+            raise TypeError(
+                "BatchGenerator() got the keyword argument 'prefill_budget', renamed 'prefill_chunk_tokens' in pipemlx 0.2.0"
+            )
+        pipemlx_only = sorted(
+            name for name in ("prefill_chunk_tokens", "prefill_chunking", "timeout", "memory_budget") if name in kwargs
+        )
+        if pipemlx_only:
+            raise ValueError(
+                f"BatchGenerator on a model that is not sharded is mlx-lm's; {', '.join(pipemlx_only)} exist only on a "
+                "sharded model (pipemlx.shard_model / load_sharded): leave them out or shard the model"
+            )
+        options: dict[str, Any] = {
+            name: value
+            for name, value in kwargs.items()
+            if not (value == "auto" and name == "prefill_step_size")
+            and not (value is None and name in ("completion_batch_size", "prefill_batch_size"))
+        }
+        if "stop_tokens" in options:  # pipemlx takes a bare id as a sequence of one; mlx-lm takes sequences only
+            options["stop_tokens"] = [[s] if isinstance(s, int) else list(s) for s in options["stop_tokens"]]
+        # mlx-lm's own generator, not an instance of this class: Python then skips __init__ and the caller holds
+        # exactly what mlx-lm's BatchGenerator(model, ...) gives.
+        return cast(BatchGenerator, MlxBatchGenerator(model, **options))
 
     @renamed(prefill_budget="prefill_chunk_tokens")
     def __init__(
@@ -496,3 +530,13 @@ class BatchGenerator:
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
         self._rows.settle(extracted)
         return responses
+
+
+# inspect.signature(BatchGenerator) reads __new__ (model, **kwargs) first: name __init__'s parameters instead.
+setattr(  # noqa: B010
+    BatchGenerator,
+    "__signature__",
+    inspect.signature(BatchGenerator.__init__).replace(
+        parameters=list(inspect.signature(BatchGenerator.__init__).parameters.values())[1:]
+    ),
+)
