@@ -301,3 +301,15 @@ def test_lend_auto_keeps_whole_layers_where_the_model_cannot_be_cut() -> None:
     assert not stage_of(model).info.lending.mlp
     sliding = pipemlx.shard_model(build_model(tiny_config("llama_swa")), FakeGroup(0, 2), split=[2, 4])  # type: ignore[arg-type]
     assert stage_of(sliding).info.lending.mlp and stage_of(sliding).info.lending.heads == 0  # no heads: rotating caches
+
+
+@pytest.mark.parametrize("lend", [1, "auto"])
+def test_a_callers_rotating_make_cache_with_lent_heads_gives_mlx_lm_s_tokens(lend: int | str) -> None:
+    """A model whose ``make_cache`` the caller replaced (rotating caches, a sliding window) and that lends heads: the
+    rank that borrows them pairs its first cache for them, and every rank gives mlx-lm's tokens (#46)."""
+    from conftest import run_ranks
+
+    spec = {"arch": "llama", "lend": lend, "M": 40, "max_tokens": 10, "window": 24}
+    reports = run_ranks(2, "own_caches.py", spec, timeout=120)
+    for report in reports:
+        assert report["tokens"] == report["reference"], report

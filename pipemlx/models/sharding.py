@@ -21,7 +21,14 @@ from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_bal
 from ..schedule.memory_split import resolve_budgets
 from ..schedule.split import SPLIT_NAMES, check_world, even_split, layer_range, resolve_split
 from .architectures import apply_fixups, check_architecture, check_lendable
-from .lending import LentHeadsCache, auto_lent_heads, lend_feed_forwards, lendable_heads, message_width
+from .lending import (
+    HeadBorrowingBlock,
+    LentHeadsCache,
+    auto_lent_heads,
+    lend_feed_forwards,
+    lendable_heads,
+    message_width,
+)
 from .memory import memory_model_from_config, text_config
 from .parameters import (
     activation_dtype,
@@ -291,6 +298,7 @@ def shard_model(
         unquantizable_bounded=unquantizable_bounded,
         vocab_shard=vocab_shard(model, info) if head == "all" and info.world_size > 1 else None,
         bounded_caches=bounded_caches,
+        pair_caches=pair_lent_cache if lending and isinstance(layers[local.start], HeadBorrowingBlock) else None,
     )
     stage = PipelineStage(info, group)
 
@@ -403,6 +411,21 @@ def with_lent_heads_cache(
 def _default_caches(count: int, max_kv_size: int | None = None) -> list[Any]:
     """What mlx-lm's ``make_prompt_cache`` makes for ``count`` layers of a model without ``make_cache``."""
     return make_prompt_cache(cast(Any, SimpleNamespace(layers=[None] * count)), max_kv_size=max_kv_size)
+
+
+def pair_lent_cache(caches: list[Any]) -> None:
+    """A cache list made without the borrowing rank's ``make_cache`` (a caller's own ``make_cache``, rotating caches
+    for a sliding window): its first cache, still empty, paired in place with a fresh one of its kind for the lent
+    heads, as :func:`with_lent_heads_cache` makes it. A filled one cannot be: the lent heads' positions are not in it."""
+    first = caches[0] if caches else None
+    if first is None or isinstance(first, LentHeadsCache):
+        return
+    if getattr(first, "offset", 0):
+        raise ValueError(
+            "the first cache of this rank serves the heads the previous rank lends (lend), but it was filled without "
+            "them: make the caches with pipemlx's stage_of(model).new_cache(model), or shard with lend='mlp' or 'none'"
+        )
+    caches[0] = LentHeadsCache(first, copy.deepcopy(first))
 
 
 def _lent_first(caches: list[Any]) -> list[Any]:

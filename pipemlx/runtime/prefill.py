@@ -180,6 +180,8 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     check_timeout(options.timeout)
     check_kv_quantization(kv_bits, kv_group_size, stage.info.kv_dims)
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
+    if isinstance(cache, list) and cache and stage.info.pair_caches is not None:  # pyright: ignore[reportUnnecessaryIsInstance]
+        stage.info.pair_caches(cache)  # caches the caller made itself, on the rank that borrows heads
     if not isinstance(cache, list) or len(cache) != len(stage.info.layers):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(
             f"cache must be a list with one entry per local layer ({len(stage.info.layers)} on "

@@ -70,6 +70,9 @@ class StageInfo:
     vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes that share it
     bounded_caches: Callable[[int], list[Any]] | None = None
     """``lend_heads``, the rank after a cut: its caches bounded by ``max_kv_size`` (see :meth:`PipelineStage.new_cache`)."""
+    pair_caches: Callable[[list[Any]], None] | None = None
+    """``lend_heads``, the rank after a cut: pairs the first cache of a list made without this rank's ``make_cache``
+    (a caller's own, such as rotating caches) with a fresh one of its kind for the lent heads."""
 
     @property
     def is_first(self) -> bool:
