@@ -34,7 +34,9 @@ def main() -> None:
     rotating(model, spec["window"])
     prompt = mx.random.randint(0, 256, (spec["M"],), key=mx.random.key(7)).astype(mx.int32)
     ref = [int(t) for t, _ in generate_step(prompt, reference, prefill_step_size=8, max_tokens=spec["max_tokens"])]
-    tokens = [int(t) for t, _ in pipemlx.generate_step(prompt, model, prefill_step_size=8, max_tokens=spec["max_tokens"])]
+    tokens = [
+        int(t) for t, _ in pipemlx.generate_step(prompt, model, prefill_step_size=8, max_tokens=spec["max_tokens"])
+    ]
     print(json.dumps({"rank": group.rank(), "tokens": tokens, "reference": ref}), flush=True)
 
 
