@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from fakes import FakeGroup  # tests/fakes.py: this script runs from tests/
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
 from mlx_lm.generate import batch_generate, generate_step, stream_generate
@@ -23,17 +24,6 @@ from pipemlx.models.sharding import shard_model
 from pipemlx.testing import build_model, tiny_config
 
 DEMO = Path(pipemlx.__file__).parent / "demo" / "model"
-
-
-class _Group:
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 def main() -> int:
@@ -74,7 +64,7 @@ def main() -> int:
         finally:
             module.BatchGenerator = MlxBatchGenerator
 
-    sharded = shard_model(build_model(tiny_config("llama")), _Group(0, 2), lend="none")  # type: ignore[arg-type]
+    sharded = shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     want_zero = error_of(lambda: next(stream_generate(model, tokenizer, "It", max_tokens=0)))
     checks: dict[str, Callable[[], bool]] = {
         "unsharded generate_step: mlx-lm's tokens and processor inputs": lambda: (
