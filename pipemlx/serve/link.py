@@ -55,10 +55,18 @@ FRONT_SILENCE_S = 10.0
 """Seconds without a word from the front after which rank 0 stops the group (longer than :data:`SILENCE_S`:
 the front, which sees a fault first, restarts nothing when the ranks are only slow to hear it)."""
 HANDSHAKE_S = 10.0
-"""Seconds the connection and its HMAC handshake may take, at either end."""
+"""Seconds the connection and its whole HMAC handshake may take, at either end (not per read: a peer trickling a
+byte now and then is cut off at the deadline all the same)."""
+MAX_HANDSHAKES = 64
+"""Connections the front's listener handshakes at once; more are closed at once (each holds a thread and a
+descriptor until its deadline, so a flood of silent peers cannot exhaust either)."""
+MIN_KEY_BYTES = 16
+"""The shortest shared key accepted (128 bits): a short one could be guessed against the challenge."""
 JOIN_VARIABLE = "PIPEMLX_SERVE_JOIN"
 """Set for a ``--worker`` (hosts): its entry in the hostfile. It joins the front before the group forms, and the
 front says which group to form (every host, or with ``--allow-shrink`` those still there)."""
+MAX_MESSAGE_BYTES = 64 << 20
+"""The longest message read; a longer one breaks the link (a peer cannot make the front allocate without bound)."""
 CONNECT_EVERY_S = 1.0
 """Seconds between attempts to reach a front that is not answering (a worker joining, rank 0 connecting)."""
 
@@ -75,6 +83,15 @@ def parse_address(text: str) -> tuple[str, int]:
 def key_from_environment() -> str | None:
     """The shared key in :data:`FRONT_KEY_VARIABLE`, or None when it is unset or empty."""
     return os.environ.get(FRONT_KEY_VARIABLE) or None
+
+
+def check_key(key: str) -> None:
+    """ValueError unless ``key`` has at least :data:`MIN_KEY_BYTES` bytes (UTF-8)."""
+    if len(key.encode()) < MIN_KEY_BYTES:
+        raise ValueError(
+            f"the shared key in ${FRONT_KEY_VARIABLE} has {len(key.encode())} bytes; it needs {MIN_KEY_BYTES} at "
+            "least (128 bits; e.g. from: openssl rand -hex 32)"
+        )
 
 
 def _timeval(seconds: float) -> bytes:
@@ -114,46 +131,113 @@ def connect(address: str, key: str, timeout: float = HANDSHAKE_S, send_timeout: 
 
 
 class Acceptor:
-    """The front's listener: every connection that passes the HMAC handshake (bounded by :data:`HANDSHAKE_S`, in
-    a thread of its own, so a silent peer holds nothing up) becomes a :class:`Link` in :attr:`accepted`."""
+    """The front's listener: every connection that passes the HMAC handshake becomes a :class:`Link` in
+    :attr:`accepted`.
 
-    def __init__(self, host: str, port: int, key: str, send_timeout: float = SILENCE_S) -> None:
+    Each handshake runs in a thread of its own, so a silent peer holds nothing up; the whole handshake has
+    ``handshake_s`` seconds (the accept thread shuts down the sockets past their deadline), at most
+    ``max_handshakes`` run at once (more connections are closed as they come), and the accept thread outlives
+    any error (too many open files: it says so once per burst, waits, and accepts again)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        key: str,
+        send_timeout: float = SILENCE_S,
+        handshake_s: float = HANDSHAKE_S,
+        max_handshakes: int = MAX_HANDSHAKES,
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.sock.listen(16)
+        self.sock.listen(128)
+        self.sock.settimeout(0.1)  # the accept thread wakes up to enforce the handshakes' deadlines
         self.address: tuple[str, int] = cast(tuple[str, int], self.sock.getsockname()[:2])
         self.key = key.encode()
         self.send_timeout = send_timeout
+        self.handshake_s = handshake_s
+        self.max_handshakes = max_handshakes
         self.accepted: queue.Queue[Link] = queue.Queue()
         self.closed = threading.Event()
+        self.lock = threading.Lock()
+        self.pending: dict[socket.socket, float] = {}  # handshaking sockets and their deadlines
+        self.refused = 0  # connections closed unheard: over the cap (reported with the next burst's line)
         threading.Thread(target=self._accept, name="pipemlx-serve-accept", daemon=True).start()
 
     def _accept(self) -> None:
+        said_at = -BURST_S
         while not self.closed.is_set():
+            self._expire()
             try:
                 sock, _ = self.sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._handshake, args=(sock,), name="pipemlx-serve-handshake", daemon=True).start()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self.closed.is_set():
+                    return
+                now = time.monotonic()
+                if now - said_at >= BURST_S:  # once per burst, not per accept
+                    said_at = now
+                    print(
+                        f"pipemlx serve: the link's listener cannot accept ({exc}); trying again",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                time.sleep(0.1)
+                continue
+            with self.lock:
+                full = len(self.pending) >= self.max_handshakes
+                if not full:
+                    self.pending[sock] = time.monotonic() + self.handshake_s
+            if full:
+                self.refused += 1
+                sock.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._handshake, args=(sock,), name="pipemlx-serve-handshake", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had
+                self._done(sock)
+                sock.close()
+
+    def _expire(self) -> None:
+        """Cut the handshakes past their deadline (their threads then fail and end)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [sock for sock, due in self.pending.items() if due <= now]
+        for sock in late:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _done(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.pending.pop(sock, None)
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(None)
-            set_timeouts(sock.fileno(), HANDSHAKE_S, HANDSHAKE_S)
+            set_timeouts(sock.fileno(), self.handshake_s, self.handshake_s)
+            connection: Connection[Any, Any] = Connection(os.dup(sock.fileno()))
         except OSError:
+            self._done(sock)
             sock.close()
             return
-        connection: Connection[Any, Any] = Connection(sock.detach())
         try:
             deliver_challenge(connection, self.key)
             answer_challenge(connection, self.key)
             set_timeouts(connection.fileno(), 0, self.send_timeout)
-        except (OSError, EOFError, AuthenticationError):  # not our rank 0, a wrong key, or a silent peer
-            connection.close()
-            return
-        if self.closed.is_set():
+            ok = not self.closed.is_set()
+        except (OSError, EOFError, ValueError, AuthenticationError):  # not our rank 0, a wrong key, a silent peer
+            ok = False
+        finally:
+            self._done(sock)  # no deadline from here on: the accept thread no longer touches it
+            sock.close()  # the connection keeps its own descriptor
+        if not ok:
             connection.close()
             return
         self.accepted.put(Link(connection))
@@ -166,6 +250,10 @@ class Acceptor:
             pass
 
 
+BURST_S = 10.0
+"""Seconds during which repeated accept failures are reported once."""
+
+
 class Link:
     """One end of the link: JSON objects over a :class:`Connection`; :meth:`send` is safe from any thread."""
 
@@ -173,6 +261,7 @@ class Link:
         self.connection = connection
         self.lock = threading.Lock()
         self.broken = False  # a send failed, perhaps halfway through a message: nothing more goes out
+        self.malformed: str | None = None  # what was wrong with the message that broke the link
 
     def send(self, message: dict[str, Any]) -> bool:
         """Send ``message``; False when the other end is gone (or a send timed out: the link is then broken)."""
@@ -195,13 +284,22 @@ class Link:
             return True  # recv will say the link is gone
 
     def recv(self) -> dict[str, Any] | None:
-        """The next message; ``None`` when the other end is gone."""
+        """The next message; ``None`` when the other end is gone, or sent something that is not a JSON object (then
+        :attr:`malformed` says what, and the link is broken: the front counts it as a fault of that link)."""
         try:
-            data = self.connection.recv_bytes()
+            data = self.connection.recv_bytes(MAX_MESSAGE_BYTES)
         except (EOFError, OSError, ValueError):
             return None
-        value: Any = json.loads(data)
-        return cast(dict[str, Any], value) if isinstance(value, dict) else None
+        try:
+            value: Any = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            value = exc
+        if not isinstance(value, dict):
+            what = f"{type(value).__name__}: {value}" if isinstance(value, Exception) else type(value).__name__
+            self.malformed = f"a message that is not a JSON object ({what[:200]})"
+            self.broken = True
+            return None
+        return cast(dict[str, Any], value)
 
     def close(self) -> None:
         try:

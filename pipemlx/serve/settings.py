@@ -39,7 +39,12 @@ class HttpLimits:
     max_tokens_limit: int = 8192
     max_streams: int = 64
     header_timeout: float = 10.0
-    """Seconds a new connection may take to send its first request's headers."""
+    """Seconds a connection may take to send a request's headers: its first one after it opened, each next one
+    after the previous answer ended (a kept-alive connection trickling bytes holds nothing for longer)."""
+    body_timeout: float = 30.0
+    """Seconds a request's body may take to arrive once its headers did; then 408."""
+    max_connections: int = 1024
+    """Open HTTP connections; one more is answered 503 and closed (the descriptors stay for those with work)."""
     idle_timeout: int = 5
     """Seconds a kept-alive connection may stay idle between requests."""
     metrics_public: bool = False

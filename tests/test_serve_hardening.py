@@ -1,0 +1,298 @@
+"""The server under slow and hostile clients (issue 48): every wait bounded, every cap answered, the front's link
+and HTTP listeners outliving floods and malformed input. All in one process, over loopback, in a few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import http.client
+import json
+import resource
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from pipemlx.serve.app import HttpThread, OncePerBurst, raise_descriptor_limit, read_capped
+from pipemlx.serve.link import Acceptor, Link, check_key, connect
+from pipemlx.serve.openai_api import ApiError
+from pipemlx.serve.settings import HttpLimits
+
+KEY = "a key of 128 bits at least"
+FLOOD = 2100  # more than mlx-lm's descriptor limit of 2,048
+
+
+# --- the link ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_weak_key_is_refused_with_the_reason() -> None:
+    for weak in ["", "a", "x" * 15]:
+        with pytest.raises(ValueError, match="needs 16 at least"):
+            check_key(weak)
+    check_key("x" * 16)
+
+
+def test_a_malformed_message_breaks_that_link_and_says_why() -> None:
+    """Not JSON, not an object, nested deeper than the parser goes, too long: the link's fault (the relay turns
+    it into a group fault), never an exception in the front."""
+    for data in [b"not json", b"[1, 2]", b"\xff\xfe", b"[" * 200_000, b'{"t": 1' + b"0" * 10]:
+        ours, theirs = socket.socketpair()
+        sender: Connection[Any, Any] = Connection(theirs.detach())
+        link = Link(Connection(ours.detach()))
+        sender.send_bytes(data)
+        assert link.recv() is None
+        assert link.broken and link.malformed is not None and "not a JSON object" in link.malformed
+        sender.close()
+        link.close()
+
+
+async def _trickle(address: tuple[str, int], count: int, first: bytes, every: float, hold: float) -> list[float]:
+    """``count`` connections that send ``first`` and then a byte every ``every`` seconds, for ``hold`` seconds at
+    most; how long each stayed open (the server cut it, or ``hold``)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def one() -> float:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), 5.0)
+        except (OSError, TimeoutError):
+            return 0.0
+        try:
+            writer.write(first)
+            while loop.time() - started < hold:
+                try:
+                    await writer.drain()
+                    if await asyncio.wait_for(reader.read(4096), every) == b"":
+                        break  # closed on us
+                except TimeoutError:
+                    writer.write(b"x")
+                except OSError:
+                    break
+            return loop.time() - started
+        finally:
+            writer.close()
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+@pytest.fixture
+def flood_client() -> Iterator[list[Any]]:
+    """Run :func:`_trickle` in a thread of its own (one event loop holding every raw socket); the result list."""
+    results: list[Any] = []
+    threads: list[threading.Thread] = []
+    results.append(threads)
+    yield results
+    for thread in threads:
+        thread.join(30.0)
+
+
+def _start_flood(results: list[Any], *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(asyncio.run(_trickle(*args))), daemon=True)
+    thread.start()
+    results[0].append(thread)
+    return thread
+
+
+def test_the_link_outlives_a_flood_of_trickling_peers(flood_client: list[Any]) -> None:
+    """2,100 peers each send a frame header and then a byte now and then: each is cut at the whole handshake's
+    deadline (not per read), at most the cap handshake at once, and rank 0 with the key connects meanwhile."""
+    raise_descriptor_limit()
+    acceptor = Acceptor("127.0.0.1", 0, KEY, handshake_s=1.0, max_handshakes=32)
+    address = f"{acceptor.address[0]}:{acceptor.address[1]}"
+    try:
+        flood = _start_flood(flood_client, acceptor.address, FLOOD, struct.pack("!i", 1000), 0.3, 8.0)
+        time.sleep(0.5)
+        peak = 0
+        link: Link | None = None
+        deadline = time.monotonic() + 8.0
+        while link is None and time.monotonic() < deadline:
+            with acceptor.lock:
+                peak = max(peak, len(acceptor.pending))
+            try:
+                link = connect(address, KEY, timeout=2.0)
+            except (OSError, EOFError):
+                time.sleep(0.1)  # the cap was full: rank 0 tries again (connect_retrying)
+        assert link is not None, "rank 0 could not connect during the flood"
+        front_end = acceptor.accepted.get(timeout=5.0)
+        assert link.send({"t": "beat"}) and front_end.poll(5.0) and front_end.recv() == {"t": "beat"}
+        flood.join(20.0)
+        held = flood_client[1]
+        assert len(held) == FLOOD
+        assert max(held) < 3.0, f"a trickling peer stayed {max(held):.1f} s (the handshake's deadline is 1 s)"
+        assert peak <= 32
+        assert acceptor.accepted.empty()  # none of them became a link
+        link.close()
+    finally:
+        acceptor.close()
+
+
+def test_the_link_keeps_accepting_after_too_many_open_files(capfd: pytest.CaptureFixture[str]) -> None:
+    acceptor = Acceptor("127.0.0.1", 0, KEY)
+    real = acceptor.sock
+    failures = [0]
+
+    class Exhausted:
+        """The listener while the process has no descriptor left: accept fails, 20 times."""
+
+        def accept(self) -> tuple[socket.socket, Any]:
+            if failures[0] < 20:
+                failures[0] += 1
+                time.sleep(0.005)
+                raise OSError(errno.EMFILE, "Too many open files")
+            acceptor.sock = real
+            return real.accept()
+
+        def close(self) -> None:
+            real.close()
+
+    acceptor.sock = Exhausted()  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        while failures[0] == 0:  # the accept thread is past its last accept on the real listener
+            time.sleep(0.01)
+        link = connect(f"{acceptor.address[0]}:{acceptor.address[1]}", KEY, timeout=10.0)
+        assert acceptor.accepted.get(timeout=5.0) is not None and failures[0] == 20
+        link.close()
+    finally:
+        acceptor.close()
+    err = capfd.readouterr().err
+    assert err.count("cannot accept") == 1, err  # once per burst
+
+
+# --- HTTP -------------------------------------------------------------------------------------------------------------
+
+
+def _app(body_timeout: float) -> Starlette:
+    async def echo(request: Request) -> Response:
+        try:
+            raw = await read_capped(request, 1 << 20, body_timeout)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return JSONResponse({"got": len(raw)})
+
+    return Starlette(routes=[Route("/echo", echo, methods=["POST"])])
+
+
+@pytest.fixture
+def server() -> Iterator[HttpThread]:
+    limits = HttpLimits(header_timeout=1.0, body_timeout=1.0, idle_timeout=30, max_connections=1000)
+    thread = HttpThread(_app(limits.body_timeout), "127.0.0.1", 0, limits)
+    assert thread.start()
+    yield thread
+    thread.stop()
+
+
+def _post(port: int, body: bytes = b"{}") -> tuple[int, bytes]:
+    client = http.client.HTTPConnection("127.0.0.1", port, timeout=10.0)
+    try:
+        client.request("POST", "/echo", body=body)
+        response = client.getresponse()
+        return response.status, response.read()
+    finally:
+        client.close()
+
+
+def _cut_after(sock: socket.socket, trickle: bytes, every: float, limit: float) -> float:
+    """Send ``trickle`` a byte every ``every`` seconds; seconds until the server closed the connection."""
+    started = time.monotonic()
+    sock.settimeout(every)
+    for byte in trickle * 100:
+        if time.monotonic() - started > limit:
+            break
+        try:
+            if sock.recv(4096) == b"":
+                return time.monotonic() - started
+        except TimeoutError:
+            pass
+        except OSError:
+            return time.monotonic() - started
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            return time.monotonic() - started
+    return time.monotonic() - started
+
+
+def test_the_header_deadline_holds_for_every_request_on_a_kept_alive_connection(server: HttpThread) -> None:
+    """uvicorn's keep-alive timeout stops at the first byte: a second request trickling its headers held the
+    connection for good. Now it is closed ``--header-timeout`` after the first answer."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5.0)
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    first = sock.recv(4096)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    took = _cut_after(sock, b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Slow: ", 0.2, 6.0)
+    assert took < 2.5, f"the second request's headers were trickled for {took:.1f} s"
+    sock.close()
+
+
+def test_a_body_that_trickles_gets_408(server: HttpThread) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5.0)
+    sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+    started = time.monotonic()
+    answer = b""
+    sock.settimeout(0.2)
+    while time.monotonic() - started < 5.0 and b"\r\n\r\n" not in answer:
+        try:
+            answer += sock.recv(4096)
+        except TimeoutError:
+            sock.sendall(b" ")
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert time.monotonic() - started < 2.5
+    sock.close()
+
+
+def test_connections_past_the_cap_get_503_and_the_flood_passes(server: HttpThread, flood_client: list[Any]) -> None:
+    """2,100 connections trickling their headers: the first 1,000 are held until the header deadline, the rest are
+    answered 503 at once; a client meanwhile gets its answers (trying again after a 503), and once the flood's
+    deadlines passed every connection is gone."""
+    raise_descriptor_limit()
+    flood = _start_flood(flood_client, ("127.0.0.1", server.port), FLOOD, b"POST /echo HTTP/1.1\r\n", 0.3, 8.0)
+    time.sleep(0.3)
+    statuses: list[int] = []
+    deadline = time.monotonic() + 8.0
+    answered = 0
+    while answered < 3 and time.monotonic() < deadline:
+        status, body = _post(server.port, b'{"n": 1}')
+        statuses.append(status)
+        if status == 200:
+            assert json.loads(body) == {"got": 8}
+            answered += 1
+        else:
+            assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections"
+            time.sleep(0.1)
+    assert answered == 3, statuses
+    flood.join(20.0)
+    held = flood_client[1]
+    assert len(held) == FLOOD and max(held) < 3.0, max(held)
+    assert sum(1 for h in held if h < 0.9) >= FLOOD - 1000  # past the cap: answered and closed at once
+    assert _post(server.port) == (200, b'{"got":2}')
+
+
+def test_repeated_loop_errors_are_logged_once_per_burst(capsys: pytest.CaptureFixture[str]) -> None:
+    handler = OncePerBurst(60.0)
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(1000):
+            handler(loop, {"message": "socket.accept() out of system resource", "exception": OSError(24, "EMFILE")})
+    finally:
+        loop.close()
+    err = capsys.readouterr().err
+    assert err.count("socket.accept()") == 1, err
+
+
+def test_the_descriptor_limit_is_raised_to_the_hard_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))  # what mlx-lm sets on import
+        assert raise_descriptor_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(hard, soft)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), hard))
