@@ -55,29 +55,36 @@ def test_a_malformed_message_breaks_that_link_and_says_why() -> None:
         link.close()
 
 
-async def _trickle(address: tuple[str, int], count: int, first: bytes, every: float, hold: float) -> list[float]:
+async def _trickle(
+    address: tuple[str, int], count: int, first: bytes, every: float, hold: float
+) -> list[tuple[float, bytes]]:
     """``count`` connections that send ``first`` and then a byte every ``every`` seconds, for ``hold`` seconds at
-    most; how long each stayed open (the server cut it, or ``hold``)."""
+    most; for each, how long it stayed open after it connected (until the server cut it, or ``hold``) and what
+    the server sent it."""
     loop = asyncio.get_running_loop()
     started = loop.time()
 
-    async def one() -> float:
+    async def one() -> tuple[float, bytes]:
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), 5.0)
         except (OSError, TimeoutError):
-            return 0.0
+            return 0.0, b"(no connection)"
+        connected = loop.time()
+        heard = b""
         try:
             writer.write(first)
             while loop.time() - started < hold:
                 try:
                     await writer.drain()
-                    if await asyncio.wait_for(reader.read(4096), every) == b"":
+                    data = await asyncio.wait_for(reader.read(4096), every)
+                    if data == b"":
                         break  # closed on us
+                    heard += data
                 except TimeoutError:
                     writer.write(b"x")
                 except OSError:
                     break
-            return loop.time() - started
+            return loop.time() - connected, heard
         finally:
             writer.close()
 
@@ -109,7 +116,7 @@ def test_the_link_outlives_a_flood_of_trickling_peers(flood_client: list[Any]) -
     acceptor = Acceptor("127.0.0.1", 0, KEY, handshake_s=1.0, max_handshakes=32)
     address = f"{acceptor.address[0]}:{acceptor.address[1]}"
     try:
-        flood = _start_flood(flood_client, acceptor.address, FLOOD, struct.pack("!i", 1000), 0.3, 8.0)
+        flood = _start_flood(flood_client, acceptor.address, FLOOD, struct.pack("!i", 1000), 0.3, 12.0)
         time.sleep(0.5)
         peak = 0
         link: Link | None = None
@@ -125,9 +132,11 @@ def test_the_link_outlives_a_flood_of_trickling_peers(flood_client: list[Any]) -
         front_end = acceptor.accepted.get(timeout=5.0)
         assert link.send({"t": "beat"}) and front_end.poll(5.0) and front_end.recv() == {"t": "beat"}
         flood.join(20.0)
-        held = flood_client[1]
+        held = [h for h, _ in flood_client[1]]
         assert len(held) == FLOOD
-        assert max(held) < 3.0, f"a trickling peer stayed {max(held):.1f} s (the handshake's deadline is 1 s)"
+        # The handshake's deadline is 1 s from the accept (a loaded machine may leave a peer in the backlog a while);
+        # without it each would stay the flood's whole 12 s.
+        assert max(held) < 6.0, f"a trickling peer stayed {max(held):.1f} s"
         assert peak <= 32
         assert acceptor.accepted.empty()  # none of them became a link
         link.close()
@@ -254,25 +263,30 @@ def test_connections_past_the_cap_get_503_and_the_flood_passes(server: HttpThrea
     answered 503 at once; a client meanwhile gets its answers (trying again after a 503), and once the flood's
     deadlines passed every connection is gone."""
     raise_descriptor_limit()
-    flood = _start_flood(flood_client, ("127.0.0.1", server.port), FLOOD, b"POST /echo HTTP/1.1\r\n", 0.3, 8.0)
+    flood = _start_flood(flood_client, ("127.0.0.1", server.port), FLOOD, b"POST /echo HTTP/1.1\r\n", 0.3, 12.0)
     time.sleep(0.3)
     statuses: list[int] = []
     deadline = time.monotonic() + 8.0
     answered = 0
     while answered < 3 and time.monotonic() < deadline:
-        status, body = _post(server.port, b'{"n": 1}')
+        try:
+            status, body = _post(server.port, b'{"n": 1}')
+        except OSError:  # refused before the request was all sent (the 503 and the close came first)
+            status, body = 0, b""
         statuses.append(status)
         if status == 200:
             assert json.loads(body) == {"got": 8}
             answered += 1
         else:
-            assert status == 503 and json.loads(body)["error"]["code"] == "too_many_connections"
+            assert status == 0 or (status == 503 and json.loads(body)["error"]["code"] == "too_many_connections")
             time.sleep(0.1)
     assert answered == 3, statuses
     flood.join(20.0)
-    held = flood_client[1]
-    assert len(held) == FLOOD and max(held) < 3.0, max(held)
-    assert sum(1 for h in held if h < 0.9) >= FLOOD - 1000  # past the cap: answered and closed at once
+    held = [h for h, _ in flood_client[1]]
+    assert len(held) == FLOOD and max(held) < 6.0, max(held)  # the header deadline is 1 s (else: 12 s)
+    refused = [heard for _, heard in flood_client[1] if heard.startswith(b"HTTP/1.1 503")]
+    assert len(refused) >= FLOOD - 1000 - 10, len(refused)  # past the cap: answered 503 (some rechecked in time)
+    assert b"too_many_connections" in refused[0]
     assert _post(server.port) == (200, b'{"got":2}')
 
 
@@ -296,3 +310,37 @@ def test_the_descriptor_limit_is_raised_to_the_hard_limit() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= min(hard, soft)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), hard))
+
+
+# --- what clients share -----------------------------------------------------------------------------------------------
+
+
+def test_json_nested_too_deep_or_a_huge_number_gets_400() -> None:
+    from starlette.testclient import TestClient
+
+    from pipemlx.serve.app import Api
+    from pipemlx.serve.book import Book
+    from pipemlx.serve.settings import ServeSettings
+
+    settings = ServeSettings(model_id="m", http=HttpLimits(api_key="key-a,key-b"))
+    client = TestClient(Api(Book(settings, None), None, settings, None).app(), raise_server_exceptions=False)
+    for body in [b"[" * 100_000 + b"]" * 100_000, b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}"]:
+        for key in ["key-a", "key-b"]:  # either of the server's keys is let in
+            reply = client.post("/v1/completions", content=body, headers={"Authorization": f"Bearer {key}"})
+            assert reply.status_code == 400, reply.text
+            assert "not valid JSON" in reply.json()["error"]["message"]
+    assert client.post("/v1/completions", content=b"{}", headers={"Authorization": "Bearer key"}).status_code == 401
+
+
+def test_the_prefix_cache_reuses_only_its_own_partition() -> None:
+    from pipemlx.serve.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1000, cut_back=False)
+    prompt = list(range(10))
+    assert cache.store(prompt, [], "alice")
+    assert cache.plan([*prompt, 99], "alice").reuse == 10
+    assert cache.plan([*prompt, 99], "").reuse == 0 and cache.plan([*prompt, 99], "bob").reuse == 0
+    assert cache.store(prompt, [], "bob")  # the same tokens in another partition: kept apart, not merged
+    assert len(cache.entries) == 2
+    assert cache.store([*prompt, 5], [], "alice")  # extends alice's own entry only
+    assert sorted(e.partition for e in cache.entries.values()) == ["alice", "bob"]

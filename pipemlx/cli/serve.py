@@ -99,7 +99,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--api-key",
         default=os.environ.get("PIPEMLX_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $PIPEMLX_API_KEY, else no key); prefer the variable or "
+        help="require 'Authorization: Bearer KEY' (several keys: comma-separated, each client's prompts cached "
+        "apart; default: $PIPEMLX_API_KEY, else no key); prefer the variable or "
         "--api-key-file: a key on the command line is visible to every user of the machine (ps)",
     )
     serve.add_argument(
@@ -271,6 +272,11 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--metrics-public", action="store_true",
         help="serve /metrics without the API key (default: /metrics needs it when --api-key is set)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--no-cached-tokens", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens as 0 (the count tells how much of a prompt some "
+        "earlier request shared; see docs/serve.md, 'What clients share')",
     )  # fmt: skip
 
 
@@ -578,6 +584,7 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
             max_connections=args.max_connections,
             idle_timeout=args.idle_timeout,
             metrics_public=args.metrics_public,
+            report_cached_tokens=not args.no_cached_tokens,
             cors_origins=tuple(args.allowed_origins),
         ),
         engine=EngineSettings(

@@ -16,6 +16,7 @@ every rank.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import resource
@@ -51,7 +52,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
 )
-from .settings import HttpLimits, ServeSettings
+from .settings import HttpLimits, ServeSettings, api_keys
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -128,20 +129,24 @@ class Api:
             return False
         return True
 
-    def _check_key(self, request: Request) -> None:
-        key = self.settings.http.api_key
-        if key is None:
-            return
+    def _check_key(self, request: Request) -> int | None:
+        """Which of the API keys the request sent (None: the server needs none); 401 for none of them."""
+        keys = api_keys(self.settings.http.api_key)
+        if not keys:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'"
-                if given
-                else "no API key given: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+        sent = token.strip().encode()
+        matches = [hmac.compare_digest(sent, key.encode()) for key in keys]  # each compared: no early exit
+        if scheme.lower() == "bearer" and any(matches):
+            return matches.index(True)
+        raise ApiError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            if given
+            else "no API key given: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         http = cast(HTTPException, exc)
@@ -221,8 +226,9 @@ class Api:
         raw = await read_capped(request, http.max_body_bytes, http.body_timeout)
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a number over 4,300 digits, deep nesting
+            why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+            raise bad_request(f"the request body is not valid JSON: {why}") from None
 
     def _check_model(self, parsed: ParsedRequest) -> None:
         if parsed.model is not None:
@@ -236,6 +242,14 @@ class Api:
                 param="model",
                 code="model_not_found",
             )
+
+    def _partition(self, request: Request, salt: str | None) -> str:
+        """The request's prefix-cache partition: shared ("") without a salt when the server has one key or none;
+        else a digest of which key it sent and its salt (neither is sent to the ranks as it is)."""
+        key = self._check_key(request) if len(api_keys(self.settings.http.api_key)) > 1 else None
+        if key is None and salt is None:
+            return ""
+        return hashlib.sha256(json.dumps([key, salt]).encode()).hexdigest()[:32]
 
     async def _generate(self, request: Request, parsed: ParsedRequest, tokens: list[int]) -> Response:
         if not tokens:
@@ -265,7 +279,10 @@ class Api:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        request_ = requests.Request(self.book.number(), tokens, max_tokens, parsed.sampling, parsed.stop)
+        partition = self._partition(request, parsed.cache_salt)
+        request_ = requests.Request(
+            self.book.number(), tokens, max_tokens, parsed.sampling, parsed.stop, partition=partition
+        )
         ticket = Ticket(
             request_,
             parsed.kind,

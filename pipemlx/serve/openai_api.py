@@ -90,6 +90,11 @@ class ParsedRequest:
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = field(default_factory=tuple[str, ...])
+    cache_salt: str | None = None
+    """vLLM's field: requests reuse cached prompt prefixes only with requests of the same salt (and API key)."""
+
+
+MAX_SALT_CHARS = 1024
 
 
 def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ParsedRequest:
@@ -186,6 +191,13 @@ def _common(obj: dict[str, Any], request: ParsedRequest, defaults: RequestDefaul
         request.max_tokens = int(value)
     request.sampling = _sampling(obj, defaults)
     request.stop = _stop(obj.get("stop"))
+    salt = obj.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS:
+            raise bad_request(
+                f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", param="cache_salt"
+            )
+        request.cache_salt = salt
     if obj.get("logit_bias"):
         raise bad_request("logit_bias is not supported by pipemlx serve", param="logit_bias")
     for name, why in UNSUPPORTED.items():
