@@ -7,6 +7,7 @@ import asyncio
 import errno
 import http.client
 import json
+import os
 import resource
 import socket
 import struct
@@ -46,9 +47,9 @@ def test_a_malformed_message_breaks_that_link_and_says_why() -> None:
     it into a group fault), never an exception in the front."""
     for data in [b"not json", b"[1, 2]", b"\xff\xfe", b"[" * 200_000, b'{"t": 1' + b"0" * 10]:
         ours, theirs = socket.socketpair()
-        sender: Connection[Any, Any] = Connection(theirs.detach())
-        link = Link(Connection(ours.detach()))
-        sender.send_bytes(data)
+        sender = Link(Connection(theirs.detach()), b"k" * 32, b"j" * 32)
+        link = Link(Connection(ours.detach()), b"j" * 32, b"k" * 32)
+        assert sender.send_bytes(data)
         assert link.recv() is None
         assert link.broken and link.malformed is not None and "not a JSON object" in link.malformed
         sender.close()
@@ -174,6 +175,72 @@ def test_the_link_keeps_accepting_after_too_many_open_files(capfd: pytest.Captur
         acceptor.close()
     err = capfd.readouterr().err
     assert err.count("cannot accept") == 1, err  # once per burst
+
+
+class Relay:
+    """A host in the path between rank 0 and the front: forwards the bytes both ways, keeps what it saw, and
+    (``tamper``) flips one bit of the first long enough rank-0-to-front frame after the handshake."""
+
+    def __init__(self, target: tuple[str, int], tamper: bool) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.target, self.tamper = target, tamper
+        self.seen = bytearray()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        inside, _ = self.listener.accept()
+        outside = socket.create_connection(self.target)
+        threading.Thread(target=self._pipe, args=(outside, inside, False), daemon=True).start()
+        self._pipe(inside, outside, self.tamper)
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, tamper: bool) -> None:
+        while data := source.recv(65536):
+            self.seen += data
+            if tamper and len(data) > 100:  # a job-sized message, well past the handshake's short frames
+                data = data[:50] + bytes([data[50] ^ 1]) + data[51:]
+                tamper = False
+            sink.sendall(data)
+        sink.close()
+
+
+@pytest.mark.parametrize("tamper", [False, True])
+def test_a_relay_in_the_path_can_neither_read_nor_change_a_message(tamper: bool) -> None:
+    acceptor = Acceptor("127.0.0.1", 0, KEY)
+    relay = Relay(acceptor.address, tamper)
+    try:
+        link = connect(f"{relay.address[0]}:{relay.address[1]}", KEY, timeout=5.0)
+        front_end = acceptor.accepted.get(timeout=5.0)
+        secret = {"t": "token", "id": 1, "token": 4242, "text": "the prompt's secret words " * 4}
+        assert link.send(secret) and front_end.poll(5.0)
+        received = front_end.recv()
+        assert b"secret words" not in relay.seen and b"4242" not in relay.seen  # sealed on the wire
+        if tamper:  # changed undetected: never; the front counts the link as broken (a fault)
+            assert received is None and front_end.broken
+            assert front_end.malformed is not None and "fails authentication" in front_end.malformed
+        else:
+            assert received == secret
+            assert front_end.send({"t": "beat"}) and link.poll(5.0) and link.recv() == {"t": "beat"}
+        link.close()
+    finally:
+        acceptor.close()
+
+
+def test_a_replayed_or_reordered_message_is_refused() -> None:
+    ours, theirs = socket.socketpair()
+    wire: Connection[Any, Any] = Connection(theirs.detach())
+    sender = Link(Connection(os.dup(wire.fileno())), b"k" * 32, b"j" * 32)
+    receiver = Link(Connection(ours.detach()), b"j" * 32, b"k" * 32)
+    assert sender.send({"t": "beat", "n": 0}) and sender.send({"t": "beat", "n": 1})
+    first = receiver.connection.recv_bytes()
+    second = receiver.connection.recv_bytes()
+    wire.send_bytes(second)  # out of order: the second message where the first is due
+    assert receiver.recv() is None and receiver.broken
+    fresh = Link(Connection(os.dup(receiver.connection.fileno())), b"j" * 32, b"k" * 32)
+    wire.send_bytes(first)
+    assert fresh.recv() == {"t": "beat", "n": 0}
+    wire.send_bytes(first)  # the same message again
+    assert fresh.recv() is None and fresh.malformed is not None
 
 
 # --- HTTP -------------------------------------------------------------------------------------------------------------

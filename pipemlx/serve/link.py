@@ -23,6 +23,12 @@ the user gives every host. :func:`connect` and :class:`Acceptor` bound every
 wait of the connection and its handshake, so a peer that connects and says
 nothing (or a cut network) cannot hold either end.
 
+Every message is encrypted and authenticated (ChaCha20-Poly1305 from ``cryptography``) with keys of that
+connection: after the HMAC challenge each end sends 16 random bytes, and HKDF-SHA256 derives one key per
+direction from the shared key and both ends' bytes. Each message's nonce is its number in its direction, so a
+host in the path can neither read the requests nor change, drop, replay or reorder a message undetected:
+the receiving end finds the link broken (:attr:`Link.malformed`), which the front counts as a fault.
+
 No MLX here: the front imports it without joining any group.
 """
 
@@ -41,6 +47,11 @@ from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, cast
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 FRONT_ADDRESS_VARIABLE = "PIPEMLX_SERVE_FRONT"
 """``host:port`` of the front's listener, set for the ranks the front starts (rank 0 connects to it)."""
@@ -111,6 +122,26 @@ def set_timeouts(fd: int, receive: float, send: float) -> None:
         sock.close()
 
 
+SESSION_NONCE_BYTES = 16
+
+
+def _session(connection: Connection[Any, Any], key: bytes, front: bool) -> tuple[bytes, bytes]:
+    """The connection's keys, (to send, to receive), from ``key`` and a random nonce from each end (exchanged
+    here, after the HMAC challenge): new keys for every connection, so no message of one fits another."""
+    ours = os.urandom(SESSION_NONCE_BYTES)
+    connection.send_bytes(ours)
+    theirs = connection.recv_bytes(64)
+    if len(theirs) != SESSION_NONCE_BYTES:
+        raise AuthenticationError("the peer's session nonce is malformed")
+    nonces = ours + theirs if front else theirs + ours  # the front's first
+
+    def derive(direction: bytes) -> bytes:
+        return HKDF(hashes.SHA256(), 32, salt=nonces, info=b"pipemlx serve link " + direction).derive(key)
+
+    to_rank, to_front = derive(b"front to rank 0"), derive(b"rank 0 to front")
+    return (to_rank, to_front) if front else (to_front, to_rank)
+
+
 def connect(address: str, key: str, timeout: float = HANDSHAKE_S, send_timeout: float = FRONT_SILENCE_S) -> Link:
     """Rank 0's end of the link to the front at ``address`` (``host:port``): connected and authenticated within
     ``timeout`` seconds, else OSError or EOFError (:class:`AuthenticationError` for a wrong key). A send that
@@ -123,11 +154,12 @@ def connect(address: str, key: str, timeout: float = HANDSHAKE_S, send_timeout: 
     try:
         answer_challenge(connection, key.encode())
         deliver_challenge(connection, key.encode())
+        keys = _session(connection, key.encode(), front=False)
         set_timeouts(connection.fileno(), 0, send_timeout)
     except BaseException:
         connection.close()
         raise
-    return Link(connection)
+    return Link(connection, *keys)
 
 
 class Acceptor:
@@ -230,17 +262,18 @@ class Acceptor:
         try:
             deliver_challenge(connection, self.key)
             answer_challenge(connection, self.key)
+            keys = _session(connection, self.key, front=True)
             set_timeouts(connection.fileno(), 0, self.send_timeout)
             ok = not self.closed.is_set()
         except (OSError, EOFError, ValueError, AuthenticationError):  # not our rank 0, a wrong key, a silent peer
-            ok = False
+            ok, keys = False, (b"", b"")
         finally:
             self._done(sock)  # no deadline from here on: the accept thread no longer touches it
             sock.close()  # the connection keeps its own descriptor
         if not ok:
             connection.close()
             return
-        self.accepted.put(Link(connection))
+        self.accepted.put(Link(connection, *keys))
 
     def close(self) -> None:
         self.closed.set()
@@ -255,22 +288,33 @@ BURST_S = 10.0
 
 
 class Link:
-    """One end of the link: JSON objects over a :class:`Connection`; :meth:`send` is safe from any thread."""
+    """One end of the link: JSON objects over a :class:`Connection`, each sealed with ``send_key`` and opened with
+    ``recv_key`` (ChaCha20-Poly1305, the message's number in its direction as nonce); :meth:`send` is safe from
+    any thread, :meth:`recv` is for one thread."""
 
-    def __init__(self, connection: Connection[Any, Any]) -> None:
+    def __init__(self, connection: Connection[Any, Any], send_key: bytes, recv_key: bytes) -> None:
         self.connection = connection
+        self.sealer = ChaCha20Poly1305(send_key)
+        self.opener = ChaCha20Poly1305(recv_key)
+        self.sent = 0  # messages sent (the next one's nonce)
+        self.received = 0  # messages received (the next one's expected nonce)
         self.lock = threading.Lock()
         self.broken = False  # a send failed, perhaps halfway through a message: nothing more goes out
         self.malformed: str | None = None  # what was wrong with the message that broke the link
 
     def send(self, message: dict[str, Any]) -> bool:
         """Send ``message``; False when the other end is gone (or a send timed out: the link is then broken)."""
-        data = json.dumps(message, separators=(",", ":")).encode()
+        return self.send_bytes(json.dumps(message, separators=(",", ":")).encode())
+
+    def send_bytes(self, data: bytes) -> bool:
+        """Seal and send ``data`` (one message); False when the link is gone."""
         with self.lock:
             if self.broken:
                 return False
+            sealed = self.sealer.encrypt(_nonce(self.sent), data, None)
+            self.sent += 1
             try:
-                self.connection.send_bytes(data)
+                self.connection.send_bytes(sealed)
             except (OSError, ValueError):
                 self.broken = True
                 return False
@@ -287,9 +331,16 @@ class Link:
         """The next message; ``None`` when the other end is gone, or sent something that is not a JSON object (then
         :attr:`malformed` says what, and the link is broken: the front counts it as a fault of that link)."""
         try:
-            data = self.connection.recv_bytes(MAX_MESSAGE_BYTES)
+            sealed = self.connection.recv_bytes(MAX_MESSAGE_BYTES)
         except (EOFError, OSError, ValueError):
             return None
+        try:
+            data = self.opener.decrypt(_nonce(self.received), sealed, None)
+        except InvalidTag:
+            self.malformed = "a message that fails authentication (changed, forged, replayed or out of order)"
+            self.broken = True
+            return None
+        self.received += 1
         try:
             value: Any = json.loads(data)
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -306,6 +357,11 @@ class Link:
             self.connection.close()
         except OSError:
             pass
+
+
+def _nonce(number: int) -> bytes:
+    """The 12-byte nonce of a direction's message ``number``."""
+    return struct.pack("<4xQ", number)
 
 
 @dataclass(frozen=True)
