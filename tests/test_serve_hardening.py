@@ -56,7 +56,7 @@ def test_a_malformed_message_breaks_that_link_and_says_why() -> None:
         link.close()
 
 
-async def _trickle(
+async def trickle(
     address: tuple[str, int], count: int, first: bytes, every: float, hold: float
 ) -> list[tuple[float, bytes]]:
     """``count`` connections that send ``first`` and then a byte every ``every`` seconds, for ``hold`` seconds at
@@ -94,7 +94,7 @@ async def _trickle(
 
 @pytest.fixture
 def flood_client() -> Iterator[list[Any]]:
-    """Run :func:`_trickle` in a thread of its own (one event loop holding every raw socket); the result list."""
+    """Run :func:`trickle` in a thread of its own (one event loop holding every raw socket); the result list."""
     results: list[Any] = []
     threads: list[threading.Thread] = []
     results.append(threads)
@@ -104,7 +104,7 @@ def flood_client() -> Iterator[list[Any]]:
 
 
 def _start_flood(results: list[Any], *args: Any) -> threading.Thread:
-    thread = threading.Thread(target=lambda: results.append(asyncio.run(_trickle(*args))), daemon=True)
+    thread = threading.Thread(target=lambda: results.append(asyncio.run(trickle(*args))), daemon=True)
     thread.start()
     results[0].append(thread)
     return thread
