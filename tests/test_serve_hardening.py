@@ -411,3 +411,52 @@ def test_the_prefix_cache_reuses_only_its_own_partition() -> None:
     assert len(cache.entries) == 2
     assert cache.store([*prompt, 5], [], "alice")  # extends alice's own entry only
     assert sorted(e.partition for e in cache.entries.values()) == ["alice", "bob"]
+
+
+def test_the_api_key_comes_from_a_file_not_the_command_line(tmp_path: Any) -> None:
+    import argparse
+
+    from pipemlx.cli.serve import api_key
+
+    path = tmp_path / "key"
+    path.write_text("sk-from-file,sk-second\nignored\n")
+    assert api_key(argparse.Namespace(api_key=None, api_key_file=path)) == "sk-from-file,sk-second"
+    assert api_key(argparse.Namespace(api_key="sk-arg", api_key_file=None)) == "sk-arg"
+    (tmp_path / "empty").write_text("\n")
+    for bad, words in [(tmp_path / "empty", "holds no key"), (tmp_path / "none", "cannot read")]:
+        with pytest.raises(SystemExit, match=words):
+            api_key(argparse.Namespace(api_key=None, api_key_file=bad))
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_no_cached_tokens_reports_zero(report: bool) -> None:
+    """``--no-cached-tokens``: the usage says 0 cached tokens whatever the ranks reused (else what they said)."""
+    from pipemlx.demo import MODEL_DIR
+    from pipemlx.models.loading import load_tokenizer_of
+    from pipemlx.serve.book import Book, Event, Ticket
+    from pipemlx.serve.relay import Relay
+    from pipemlx.serve.requests import Request, RequestResult, to_json
+    from pipemlx.serve.settings import ServeSettings
+
+    tokenizer = load_tokenizer_of(MODEL_DIR)
+    book = Book(ServeSettings("pipemlx-demo", http=HttpLimits(report_cached_tokens=report)), tokenizer, [4, 4])
+    relay = Relay(book, 1.0)
+    loop = asyncio.new_event_loop()
+    try:
+        prompt = list(tokenizer.encode("Mr. Bingley was"))
+        job = Ticket(Request(1, prompt, 1), "completion", 0, loop, asyncio.Queue(), stream=False)
+        book.start(job)
+        relay._handle({"t": "admitted", "id": 1, "cached": len(prompt) - 1})  # pyright: ignore[reportPrivateUsage]
+        relay._handle({"t": "token", "id": 1, "token": prompt[0]})  # pyright: ignore[reportPrivateUsage]
+        ended = {"t": "ended", "id": 1, "result": to_json(RequestResult("length", len(prompt) - 1, 1, 1))}
+        relay._handle(ended)  # pyright: ignore[reportPrivateUsage]
+        loop.run_until_complete(asyncio.sleep(0))
+        events: list[Event] = []
+        while not job.events.empty():
+            events.append(job.events.get_nowait())
+        (last,) = [e for e in events if e.kind == "done"]
+        assert last.usage is not None
+        cached = last.usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached == (len(prompt) - 1 if report else 0)
+    finally:
+        loop.close()
