@@ -151,10 +151,10 @@ def test_the_link_keeps_accepting_after_too_many_open_files(capfd: pytest.Captur
     failures = [0]
 
     class Exhausted:
-        """The listener while the process has no descriptor left: accept fails, 20 times."""
+        """The listener while the process has no descriptor left: accept fails, 10 times."""
 
         def accept(self) -> tuple[socket.socket, Any]:
-            if failures[0] < 20:
+            if failures[0] < 10:
                 failures[0] += 1
                 time.sleep(0.005)
                 raise OSError(errno.EMFILE, "Too many open files")
@@ -169,7 +169,7 @@ def test_the_link_keeps_accepting_after_too_many_open_files(capfd: pytest.Captur
         while failures[0] == 0:  # the accept thread is past its last accept on the real listener
             time.sleep(0.01)
         link = connect(f"{acceptor.address[0]}:{acceptor.address[1]}", KEY, timeout=10.0)
-        assert acceptor.accepted.get(timeout=5.0) is not None and failures[0] == 20
+        assert acceptor.accepted.get(timeout=5.0) is not None and failures[0] == 10
         link.close()
     finally:
         acceptor.close()
