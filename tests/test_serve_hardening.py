@@ -460,3 +460,29 @@ def test_no_cached_tokens_reports_zero(report: bool) -> None:
         assert cached == (len(prompt) - 1 if report else 0)
     finally:
         loop.close()
+
+
+def test_ranks_that_cannot_be_started_are_faults_counted_and_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ports (``free_ports`` raising under a flood of connections), no processes: each start that fails is a
+    fault, retried after a pause; past ``--max-restarts`` the front gives up with status 1 (answering 503 with
+    why), never an exception out of the front."""
+    from pathlib import Path
+
+    from pipemlx.serve import supervisor
+    from pipemlx.serve.book import Book
+    from pipemlx.serve.settings import ProcessControl, RankOptions, ServeSettings
+
+    attempts: list[float] = []
+
+    def no_ports(*args: Any, **kwargs: Any) -> None:
+        attempts.append(time.monotonic())
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(supervisor, "spawn_ranks", no_ports)
+    monkeypatch.setattr(supervisor, "RESPAWN_PAUSE_S", 0.05)
+    settings = ServeSettings("m", process=ProcessControl(fault_grace=0.1))
+    book = Book(settings, None)
+    options = supervisor.FrontOptions(RankOptions(Path("/nowhere"), settings), ranks=2, max_restarts=3)
+    assert supervisor.Supervisor(book, options).run() == 1
+    assert len(attempts) == 4  # the first start and 3 restarts, each a fault
+    assert book.status == "failed" and "could not be started" in str(book.fault)
