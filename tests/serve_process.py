@@ -44,7 +44,8 @@ class ServeProcess:
         self._err: IO[bytes] = open(Path(self._dir.name) / "stderr.txt", "w+b")  # noqa: SIM115 (closed in stop())
         if "--grace" not in args:  # a stop that waits for running requests stays within STOP_TIMEOUT
             args = (*args, "--grace", str(GRACE))
-        self.key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        # The first key of --api-key (several are comma-separated).
+        self.key = args[args.index("--api-key") + 1].split(",")[0] if "--api-key" in args else None
         self.headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         serve = [sys.executable, "-m", "pipemlx", "serve", "--port", str(self.port), *args]
         # Local ranks (pipemlx's supervisor), or every rank started by a launcher such as mpirun.

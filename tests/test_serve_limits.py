@@ -42,6 +42,7 @@ pytest.importorskip("uvicorn", reason="pipemlx serve needs the serve extra (pip 
 pytestmark = pytest.mark.timeout(240)
 
 KEY = "sk-pipemlx-limits"
+OTHER_KEY = "sk-pipemlx-limits-other"  # a second client's key: its prompts are cached apart from KEY's
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CONCURRENCY = 4
 MAX_QUEUE = 2
@@ -59,7 +60,7 @@ def ref() -> Reference:
 def server() -> Iterator[ServeProcess]:
     """The module's server; its last test stops it with two signals (so no clean-exit check here)."""
     process = ServeProcess(
-        "--api-key", KEY, "--decode-concurrency", str(CONCURRENCY), "--max-queue", str(MAX_QUEUE),
+        "--api-key", f"{KEY},{OTHER_KEY}", "--decode-concurrency", str(CONCURRENCY), "--max-queue", str(MAX_QUEUE),
         "--max-streams", str(MAX_STREAMS), "--header-timeout", "1", "--idle-timeout", "1", "--max-tokens", "8",
         *LIMIT_ARGS,
     )  # fmt: skip
@@ -344,6 +345,32 @@ def broken_models(tmp: Path) -> dict[str, Path]:
     index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     return {"truncated": truncated, "sharded": sharded}
+
+
+def test_a_client_without_the_salt_or_the_key_gets_no_cached_tokens_of_another(server: ServeProcess) -> None:
+    """The prefix cache is partitioned by API key (the server has two) and by ``cache_salt``: the count of cached
+    tokens, which a client could watch grow to read another's prompt a token at a time, is 0 across partitions
+    and the full shared prefix within one (issue 48; vLLM's CVE-2025-46570)."""
+    prompt = [500 + (7 * i) % 500 for i in range(40)]  # token ids no other test sends
+
+    def cached(key: str, salt: str | None) -> int:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+        if salt is not None:
+            body["cache_salt"] = salt
+        reply = httpx.post(
+            server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60.0
+        )
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(KEY, "alice") == 0  # the first time: nothing cached
+    assert cached(KEY, "alice") == len(prompt) - 1  # the same key and salt: the prefix is reused
+    assert cached(KEY, None) == 0  # no salt
+    assert cached(KEY, "mallory") == 0  # another salt
+    assert cached(OTHER_KEY, "alice") == 0  # the salt, but another key
+    assert cached(OTHER_KEY, "alice") == len(prompt) - 1  # that key's own partition now holds it
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "cache_salt": 5}, headers=AUTH)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
 
 
 def test_bad_commands_say_one_line_and_exit_2_on_every_rank(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ its stderr shown when a test fails.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -149,7 +150,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
         env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path_factory.mktemp("hf")), "HF_HUB_DISABLE_TELEMETRY": "1"}
         process = ServeProcess(
             "--recover", "--model", REPO, "--model-name", "pipemlx-demo", "--decode-concurrency", "4", "--timeout",
-            str(TIMEOUT), "--recover-timeout", "90", "--max-restarts", "10", "--prompt-cache-bytes", "16M", env=env,
+            str(TIMEOUT), "--recover-timeout", "90", "--max-restarts", "10", "--prompt-cache-bytes", "16M", "--header-timeout", "2",
+            env=env,
         )  # fmt: skip
         try:
             process.wait_ready()
@@ -263,6 +265,51 @@ def test_follower_stalled_mid_stream(server: ServeProcess, expected: dict[str, s
 def test_rank0_worker_stalled_mid_stream(server: ServeProcess, expected: dict[str, str]) -> None:
     """Rank 0 stopped: its heartbeat stops, the front counts it stalled after 5 s of silence."""
     fault_test(server, expected, "stall rank 0", lambda pids: os.kill(pids[0], signal.SIGSTOP), stalled=0)
+
+
+def test_a_flood_of_slow_connections_while_a_rank_is_killed(server: ServeProcess, expected: dict[str, str]) -> None:
+    """2,100 connections trickle their request heads (past mlx-lm's descriptor limit of 2,048 and the
+    1,024-connection cap) while rank 1 is killed: the front stays up, restarts the group, and a client (trying
+    again after a 503) gets the exact answer within the recovery time (issue 48)."""
+    from test_serve_hardening import FLOOD, trickle
+
+    from pipemlx.serve.app import raise_descriptor_limit
+
+    raise_descriptor_limit()  # the test's own end of the connections
+    pids = rank_pids(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    results: list[Any] = []
+    head = b"POST /v1/completions HTTP/1.1\r\n"
+    flood = threading.Thread(
+        target=lambda: results.append(asyncio.run(trickle(("127.0.0.1", port), FLOOD, head, 0.5, 8.0))), daemon=True
+    )
+    flood.start()
+    time.sleep(0.5)
+    os.kill(pids[1], signal.SIGKILL)
+    prompt = "Jane smiled and"
+    statuses: list[Any] = []
+    deadline = time.monotonic() + 90.0
+    while True:
+        try:
+            response = httpx.post(
+                server.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+                timeout=90.0,
+            )
+            statuses.append(response.status_code)
+            if response.status_code == 200:
+                break
+        except httpx.HTTPError as exc:  # refused at once under the cap
+            statuses.append(type(exc).__name__)
+        if time.monotonic() > deadline:
+            server.fail(f"no answer during the flood within 90 s: {statuses[-8:]}")
+        time.sleep(0.3)
+    assert response.json()["choices"][0]["text"] == expected[prompt], statuses
+    flood.join(30.0)
+    assert results and len(results[0]) == FLOOD
+    assert max(held for held, _ in results[0]) < 6.0  # --header-timeout 2 (without it: the flood's 8 s)
+    server.wait_for("ready again", lambda: server.health()["status"] == "ready")
+    assert server.proc.poll() is None and set(rank_pids(server)).isdisjoint(pids)
 
 
 @pytest.mark.slow  # a server of its own: about 20 s (35 s on a busy machine)

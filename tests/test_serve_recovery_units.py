@@ -149,26 +149,31 @@ def hostfile(tmp_path: Path) -> str:
     return str(path)
 
 
+KEY = "k" * 16  # the shortest key accepted (128 bits)
+
+
 @pytest.mark.parametrize(
     "argv,key,words",
     [
-        (["--worker", "--front", "127.0.0.1:7000"], "k", "--worker needs --hostfile"),
-        (["--worker", "--hostfile", "{hostfile}"], "k", "--worker needs --front HOST:PORT"),
+        (["--worker", "--front", "127.0.0.1:7000"], KEY, "--worker needs --hostfile"),
+        (["--worker", "--hostfile", "{hostfile}"], KEY, "--worker needs --front HOST:PORT"),
         (["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], None, "--worker needs a shared key"),
-        (["--worker", "--recover", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], "k", "the front is its"),
-        (["--front", "127.0.0.1:7000"], "k", "--front goes with --worker"),
-        (["--recover", "--front-listen", "127.0.0.1:7000"], "k", "--front-listen goes with --recover --hostfile"),
-        (["--recover", "--hostfile", "{hostfile}"], "k", "--recover --hostfile needs --front-listen HOST:PORT"),
-        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], "k", "a port in 1..65535"),
+        (["--worker", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], "a", "it needs 16 at least"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], "a" * 15, "needs 16"),
+        (["--worker", "--recover", "--hostfile", "{hostfile}", "--front", "127.0.0.1:7000"], KEY, "the front is its"),
+        (["--front", "127.0.0.1:7000"], KEY, "--front goes with --worker"),
+        (["--recover", "--front-listen", "127.0.0.1:7000"], KEY, "--front-listen goes with --recover --hostfile"),
+        (["--recover", "--hostfile", "{hostfile}"], KEY, "--recover --hostfile needs --front-listen HOST:PORT"),
+        (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:0"], KEY, "a port in 1..65535"),
         (["--recover", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"], None, "needs a shared key"),
-        (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], "k", "cannot read hostfile"),
-        (["--allow-shrink", "--no-recover", "--ranks", "3"], "k", "--allow-shrink needs the front"),
-        (["--allow-shrink", "--ranks", "1"], "k", "--allow-shrink needs the front"),
-        (["--recover", "--ranks", "1"], "k", "--recover needs at least 2 ranks"),
-        (["--allow-shrink", "--ranks", "2"], "k", "--allow-shrink needs 3 ranks or more"),
+        (["--worker", "--hostfile", "/no/such/hosts.json", "--front", "127.0.0.1:7000"], KEY, "cannot read hostfile"),
+        (["--allow-shrink", "--no-recover", "--ranks", "3"], KEY, "--allow-shrink needs the front"),
+        (["--allow-shrink", "--ranks", "1"], KEY, "--allow-shrink needs the front"),
+        (["--recover", "--ranks", "1"], KEY, "--recover needs at least 2 ranks"),
+        (["--allow-shrink", "--ranks", "2"], KEY, "--allow-shrink needs 3 ranks or more"),
         (
             ["--recover", "--allow-shrink", "--hostfile", "{hostfile}", "--front-listen", "127.0.0.1:7000"],
-            "k",
+            KEY,
             "--allow-shrink needs 3 ranks or more",
         ),
     ],

@@ -99,8 +99,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--api-key",
         default=os.environ.get("PIPEMLX_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $PIPEMLX_API_KEY, else no key)",
+        help="require 'Authorization: Bearer KEY' (several keys: comma-separated, each client's prompts cached "
+        "apart; default: $PIPEMLX_API_KEY, else no key); prefer the variable or "
+        "--api-key-file: a key on the command line is visible to every user of the machine (ps)",
     )
+    serve.add_argument(
+        "--api-key-file", type=Path, metavar="PATH",
+        help="read the API key from the first line of PATH (instead of --api-key)",
+    )  # fmt: skip
     serve.add_argument(
         "--allowed-origins",
         type=cors_origins,
@@ -245,7 +251,16 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     limits.add_argument(
         "--header-timeout", type=positive_float, default=10.0, metavar="S",
-        help="seconds a new connection may take to send its request's headers before it is closed (default 10)",
+        help="seconds a connection may take to send a request's headers (after it opened, or after the previous "
+        "answer ended) before it is closed (default 10)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--body-timeout", type=positive_float, default=30.0, metavar="S",
+        help="seconds a request's body may take to arrive after its headers; then 408 (default 30)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-connections", type=positive_int, default=1024, metavar="N",
+        help="open HTTP connections; one more is answered 503 and closed (default 1024)",
     )  # fmt: skip
     limits.add_argument(
         "--idle-timeout", type=positive_int, default=5, metavar="S",
@@ -258,6 +273,11 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--metrics-public", action="store_true",
         help="serve /metrics without the API key (default: /metrics needs it when --api-key is set)",
+    )  # fmt: skip
+    limits.add_argument(
+        "--no-cached-tokens", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens as 0 (the count tells how much of a prompt some "
+        "earlier request shared; see docs/serve.md, 'What clients share')",
     )  # fmt: skip
 
 
@@ -406,7 +426,7 @@ def check_serve_speculation(args: argparse.Namespace) -> None:
 
 def _shared_key(flag: str) -> str:
     """The front's key from the environment; :class:`UserError` naming ``flag`` when it is not set."""
-    from ..serve.link import FRONT_KEY_VARIABLE, key_from_environment
+    from ..serve.link import FRONT_KEY_VARIABLE, check_key, key_from_environment
 
     key = key_from_environment()
     if key is None:
@@ -414,6 +434,10 @@ def _shared_key(flag: str) -> str:
             f"{flag} needs a shared key in ${FRONT_KEY_VARIABLE}, the same on the front and every worker "
             "(e.g. from: openssl rand -hex 32)"
         )
+    try:
+        check_key(key)
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}") from None
     return key
 
 
@@ -515,6 +539,21 @@ def _front(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return run_front(options)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The API key: ``--api-key-file``'s first line, else ``--api-key`` (or ``$PIPEMLX_API_KEY``); None for none."""
+    path: Path | None = args.api_key_file
+    if path is None:
+        return args.api_key or None
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"pipemlx serve: --api-key-file: cannot read {path}: {exc}") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise SystemExit(f"pipemlx serve: --api-key-file: {path} holds no key on its first line")
+    return key
+
+
 def _settings(args: argparse.Namespace) -> ServeSettings:
     """The settings the command line sets, by who reads them."""
     from ..serve.requests import SamplingParams
@@ -523,14 +562,17 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
     return ServeSettings(
         model_id=model_id(args),
         http=HttpLimits(
-            api_key=args.api_key or None,
+            api_key=api_key(args),
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
             max_tokens_limit=args.max_tokens_limit,
             max_streams=args.max_streams,
             header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            max_connections=args.max_connections,
             idle_timeout=args.idle_timeout,
             metrics_public=args.metrics_public,
+            report_cached_tokens=not args.no_cached_tokens,
             cors_origins=tuple(args.allowed_origins),
         ),
         engine=EngineSettings(

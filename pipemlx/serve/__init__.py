@@ -136,14 +136,22 @@ def _join(options: RankOptions) -> tuple[Link | None, RankOptions]:
     split) from a hostfile of those hosts; rank 0 keeps the link, every other rank closes it. The options with the
     assigned split."""
     from ..launch import available_memory
-    from .link import join_front, key_from_environment
+    from .link import check_key, join_front, key_from_environment
 
     address = os.environ[FRONT_ADDRESS_VARIABLE]
     attempt_s = min(HANDSHAKE_WAIT_S, options.settings.engine.timeout / 4)
     entry = int(os.environ[JOIN_VARIABLE])
-    assignment = join_front(address, key_from_environment() or "", entry, available_memory(), attempt_s)
-    hostfile = Path(tempfile.gettempdir()) / f"pipemlx-serve-worker-{entry}-{os.getuid()}.json"  # assigned hosts
-    hostfile.write_text(json.dumps(assignment.hosts), encoding="utf-8")
+    key = key_from_environment() or ""
+    try:
+        check_key(key)
+    except ValueError as exc:
+        _exit(2, f"worker {entry}: {exc}")
+    assignment = join_front(address, key, entry, available_memory(), attempt_s)
+    # The assigned hosts, at a path no other user can guess or reach (mkstemp: random name, mode 0600).
+    fd, name = tempfile.mkstemp(prefix=f"pipemlx-serve-worker-{entry}-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(json.dumps(assignment.hosts))
+    hostfile = Path(name)
     os.environ.update({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(assignment.rank)})
     if assignment.split is not None:
         options = replace(options, split=assignment.split)

@@ -16,8 +16,12 @@ every rank.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
+import resource
+import socket
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -48,7 +52,7 @@ from .openai_api import (
     parse_chat,
     parse_completion,
 )
-from .settings import HttpLimits, ServeSettings
+from .settings import HttpLimits, ServeSettings, api_keys
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -125,20 +129,24 @@ class Api:
             return False
         return True
 
-    def _check_key(self, request: Request) -> None:
-        key = self.settings.http.api_key
-        if key is None:
-            return
+    def _check_key(self, request: Request) -> int | None:
+        """Which of the API keys the request sent (None: the server needs none); 401 for none of them."""
+        keys = api_keys(self.settings.http.api_key)
+        if not keys:
+            return None
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send 'Authorization: Bearer <key>'"
-                if given
-                else "no API key given: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+        sent = token.strip().encode()
+        matches = [hmac.compare_digest(sent, key.encode()) for key in keys]  # each compared: no early exit
+        if scheme.lower() == "bearer" and any(matches):
+            return matches.index(True)
+        raise ApiError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            if given
+            else "no API key given: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
         http = cast(HTTPException, exc)
@@ -214,11 +222,13 @@ class Api:
     # --- helpers -----------------------------------------------------------------------------------------------------
 
     async def _body(self, request: Request) -> Any:
-        raw = await read_capped(request, self.settings.http.max_body_bytes)
+        http = self.settings.http
+        raw = await read_capped(request, http.max_body_bytes, http.body_timeout)
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, a number over 4,300 digits, deep nesting
+            why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+            raise bad_request(f"the request body is not valid JSON: {why}") from None
 
     def _check_model(self, parsed: ParsedRequest) -> None:
         if parsed.model is not None:
@@ -232,6 +242,14 @@ class Api:
                 param="model",
                 code="model_not_found",
             )
+
+    def _partition(self, request: Request, salt: str | None) -> str:
+        """The request's prefix-cache partition: shared ("") without a salt when the server has one key or none;
+        else a digest of which key it sent and its salt (neither is sent to the ranks as it is)."""
+        key = self._check_key(request) if len(api_keys(self.settings.http.api_key)) > 1 else None
+        if key is None and salt is None:
+            return ""
+        return hashlib.sha256(json.dumps([key, salt]).encode()).hexdigest()[:32]
 
     async def _generate(self, request: Request, parsed: ParsedRequest, tokens: list[int]) -> Response:
         if not tokens:
@@ -261,7 +279,10 @@ class Api:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        request_ = requests.Request(self.book.number(), tokens, max_tokens, parsed.sampling, parsed.stop)
+        partition = self._partition(request, parsed.cache_salt)
+        request_ = requests.Request(
+            self.book.number(), tokens, max_tokens, parsed.sampling, parsed.stop, partition=partition
+        )
         ticket = Ticket(
             request_,
             parsed.kind,
@@ -283,18 +304,33 @@ class Api:
         return EventStream(ticket, self.settings.model_id, self.book.close_stream)
 
 
-async def read_capped(request: Request, cap: int) -> bytes:
-    """The request's body, or 413 as soon as it (or its ``Content-Length``) is over ``cap`` bytes."""
+async def read_capped(request: Request, cap: int, timeout: float = 30.0) -> bytes:
+    """The request's body, or 413 as soon as it (or its ``Content-Length``) is over ``cap`` bytes, or 408 when it
+    has not all arrived within ``timeout`` seconds (a client trickling its body holds no connection for long)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > cap:
         raise too_large(cap)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise too_large(cap)
-        chunks.append(chunk)
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise too_large(cap)
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout:g} s (--body-timeout)",
+            param=None,
+            code="request_timeout",
+            headers={"Connection": "close"},
+        ) from None
     return b"".join(chunks)
 
 
@@ -431,10 +467,20 @@ class EventStream(Response):
         await send({"type": "http.response.body", "body": data, "more_body": True})
 
 
+class QuietServer(uvicorn.Server):
+    """uvicorn's server whose event loop reports its errors :class:`OncePerBurst` (asyncio's accept loop logs a
+    traceback per refused accept when descriptors run out: a flood of connections would fill the disk)."""
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(OncePerBurst(BURST_S))
+        await super().serve(sockets)
+
+
 class HttpThread:
     """uvicorn serving the app in a thread of its own (rank 0's main thread runs the pipeline)."""
 
     def __init__(self, app: Starlette, host: str, port: int, limits: HttpLimits) -> None:
+        raise_descriptor_limit()
         config = uvicorn.Config(
             app,
             host=host,
@@ -442,10 +488,10 @@ class HttpThread:
             log_level="warning",
             access_log=False,
             lifespan="off",
-            http=header_deadline(limits.header_timeout),
+            http=bounded_protocol(limits.header_timeout, limits.max_connections),
             timeout_keep_alive=limits.idle_timeout,
         )
-        self.server = uvicorn.Server(config)
+        self.server = QuietServer(config)
         self.thread = threading.Thread(target=self._run, name="pipemlx-serve-http", daemon=True)
         self.failure: BaseException | None = None
 
@@ -454,6 +500,11 @@ class HttpThread:
             self.server.run()
         except BaseException as exc:  # uvicorn exits (SystemExit) when it cannot bind
             self.failure = exc
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the one chosen when 0 was asked), once started."""
+        return int(self.server.servers[0].sockets[0].getsockname()[1])
 
     def start(self, timeout: float = 30.0) -> bool:
         """Start listening; False when uvicorn could not (the port is taken, the host is not ours)."""
@@ -472,17 +523,82 @@ class HttpThread:
         self.thread.join(timeout)
 
 
-def header_deadline(seconds: float) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol, closing a connection that has not sent a request's headers ``seconds``
-    after it opened (uvicorn's own keep-alive timeout only starts after a first answer)."""
+BURST_S = 10.0
+"""Seconds during which the event loop's repeated errors (asyncio's accept loop failing with "too many open
+files", once per attempt) are logged once."""
 
-    class HeaderDeadline(H11Protocol):
+
+class OncePerBurst:
+    """An event loop's exception handler that logs an error once per ``burst_s`` seconds per kind of error, then
+    how many it left out: a flood of refused accepts is one line, not a traceback per attempt. asyncio's accept
+    loop itself keeps going (it retries after a pause)."""
+
+    def __init__(self, burst_s: float) -> None:
+        self.burst_s = burst_s
+        self.last: dict[str, float] = {}
+        self.left_out: dict[str, int] = {}
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        kind = f"{context.get('message', '')}: {type(exc).__name__}" if exc is not None else str(context.get("message"))
+        now_ = time.monotonic()
+        if now_ - self.last.get(kind, -self.burst_s) < self.burst_s:
+            self.left_out[kind] = self.left_out.get(kind, 0) + 1
+            return
+        self.last[kind] = now_
+        skipped = self.left_out.pop(kind, 0)
+        more = f" ({skipped} more like it in the last {self.burst_s:g} s not shown)" if skipped else ""
+        print(f"pipemlx serve: http: {kind}: {exc}{more}", file=sys.stderr, flush=True)
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's open-descriptor limit to its hard limit (mlx-lm lowers it to 2,048 on import), so that
+    the connection caps, not the descriptors, bound what clients can hold; the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # some systems cap it below the hard limit (macOS: OPEN_MAX)
+            pass
+    return soft
+
+
+TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+    b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s"
+)
+
+
+def bounded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with two bounds: a connection must send each request's headers within
+    ``header_timeout`` seconds (after it opened, then after each answer ended: uvicorn's keep-alive timeout stops
+    at the first byte, so a connection trickling a request's headers would hold forever), and past
+    ``max_connections`` open connections a new one is answered 503 and closed."""
+    body = json.dumps(
+        ApiError(503, "too many open connections; try again", type="server_error", code="too_many_connections").body()
+    ).encode()
+    refusal = TOO_MANY % (len(body), body)
+
+    class Bounded(H11Protocol):
         def connection_made(self, transport: asyncio.BaseTransport) -> None:  # pyright: ignore[reportIncompatibleMethodOverride]
             super().connection_made(transport)  # pyright: ignore[reportArgumentType]
-            self.loop.call_later(seconds, self._headers_due)
+            if len(self.connections) > max_connections:
+                self.transport.write(refusal)
+                self.transport.close()
+                return
+            self._arm(None)
 
-        def _headers_due(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # pyright: ignore[reportUnnecessaryComparison]
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm(self.cycle)
+
+        def _arm(self, cycle: object) -> None:
+            self.loop.call_later(header_timeout, self._headers_due, cycle)
+
+        def _headers_due(self, cycle: object) -> None:
+            """Close the connection when no request's headers came since ``cycle`` (None: since it opened)."""
+            if self.cycle is cycle and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderDeadline
+    return Bounded

@@ -518,7 +518,8 @@ class Book:
         prompt = len(ticket.request.tokens)
         generated = len(running.generated)
         cached = running.cached if running.cached is not None else result.cached
-        counts = usage(prompt, generated, cached)
+        # --no-cached-tokens: the count a client could watch grow to read another's prompt is not told.
+        counts = usage(prompt, generated, cached if self.settings.http.report_cached_tokens else 0)
         finish = result.outcome
         if finish != "failed" and ticket.cancelled.is_set():
             finish = "cancelled"

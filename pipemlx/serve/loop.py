@@ -127,7 +127,7 @@ class Leader:
                 break
             if request.sampling.seed is None and request.sampling.temperature > 0:
                 request = request.with_seed(random.randrange(1 << 31))  # every rank samples alike
-            plan = prefix.plan(request.tokens) if prefix.budget_tokens > 0 else PrefixReuse()
+            plan = prefix.plan(request.tokens, request.partition) if prefix.budget_tokens > 0 else PrefixReuse()
             inserts.append(Insert(request, plan))
             self.requests.admitted(request.id, plan.reuse)
         return share_entries(inserts)

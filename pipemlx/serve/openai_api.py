@@ -90,6 +90,11 @@ class ParsedRequest:
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = field(default_factory=tuple[str, ...])
+    cache_salt: str | None = None
+    """vLLM's field: requests reuse cached prompt prefixes only with requests of the same salt (and API key)."""
+
+
+MAX_SALT_CHARS = 1024
 
 
 def parse_chat(body: Any, defaults: RequestDefaults = NO_DEFAULTS) -> ParsedRequest:
@@ -186,6 +191,13 @@ def _common(obj: dict[str, Any], request: ParsedRequest, defaults: RequestDefaul
         request.max_tokens = int(value)
     request.sampling = _sampling(obj, defaults)
     request.stop = _stop(obj.get("stop"))
+    salt = obj.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > MAX_SALT_CHARS:
+            raise bad_request(
+                f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters", param="cache_salt"
+            )
+        request.cache_salt = salt
     if obj.get("logit_bias"):
         raise bad_request("logit_bias is not supported by pipemlx serve", param="logit_bias")
     for name, why in UNSUPPORTED.items():
@@ -369,12 +381,15 @@ def now() -> int:
     return int(time.time())
 
 
-def stop_strings_hold(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string (held back while streaming)."""
+def stop_strings_hold(text: str, stops: Sequence[str], start: int = 0, end: int | None = None) -> int:
+    """How many characters at the end of ``text[start:end]`` could be the start of a stop string (held back while
+    streaming). Only the characters from ``start`` are looked at: the work is quadratic in how many those are
+    (those not sent yet: a few), never in the answer's or a stop string's length."""
+    end = len(text) if end is None else end
     longest = 0
     for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
+        for size in range(min(len(stop) - 1, end - start), longest, -1):
+            if text.startswith(stop[:size], end - size, end):
                 longest = size
                 break
     return longest
@@ -400,8 +415,9 @@ class StopText:
         if self.stopped:
             return ""
         if self.stops:
-            start = max(0, self.sent - max(len(s) for s in self.stops) + 1)
-            found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+            # A stop string cannot begin before ``sent``: its start would have been held back (linear work per
+            # token, where searching from ``sent`` less the longest stop's length was quadratic for long stops).
+            found = [i for i in (text.find(s, self.sent) for s in self.stops) if i >= 0]
             if found:
                 cut = min(found)
                 self.stopped = True
@@ -410,7 +426,7 @@ class StopText:
                 self.sent = max(self.sent, cut)
                 return piece
         settled = len(text) - unfinished_chars(text)  # a character still arriving may complete a stop string
-        ready = settled - stop_strings_hold(text[:settled], self.stops)
+        ready = settled - stop_strings_hold(text, self.stops, min(self.sent, settled), settled)
         if ready <= self.sent:
             return ""
         piece = text[self.sent : ready]

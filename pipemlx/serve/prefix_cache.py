@@ -9,6 +9,11 @@ the agreed generated tokens). Sizes are counted in tokens, never in local bytes,
 so that ranks holding different numbers of layers still evict the same entries;
 the byte budget becomes a token budget once, at start-up, from the largest
 per-token footprint among the ranks.
+
+Entries belong to a partition (the request's :attr:`~.requests.Request.partition`: its API key and
+``cache_salt``): a request reuses and extends only its own partition's entries, so that how much of a prompt
+was cached (``cached_tokens``, the time to the first token) says nothing about other partitions' prompts.
+The budget is shared by all.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Entry:
     id: int
     tokens: tuple[int, ...]
     cache: list[Any]
+    partition: str = ""
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -70,11 +76,14 @@ class PrefixCache:
     def tokens(self) -> int:
         return sum(len(e.tokens) for e in self.entries.values())
 
-    def plan(self, tokens: Sequence[int]) -> PrefixReuse:
-        """The entry sharing the longest prefix with ``tokens`` (at least one token is left to compute)."""
+    def plan(self, tokens: Sequence[int], partition: str = "") -> PrefixReuse:
+        """The entry of ``partition`` sharing the longest prefix with ``tokens`` (at least one token is left to
+        compute)."""
         best, best_reuse = None, 0
         limit = len(tokens) - 1
         for entry in self.entries.values():
+            if entry.partition != partition:
+                continue
             reuse = min(common_prefix(entry.tokens, tokens), limit)
             if reuse < len(entry.tokens) and not (self.cut_back and can_trim_prompt_cache(entry.cache)):
                 continue  # an entry some rank cannot cut back (a full window, a recurrent state): exact extensions
@@ -104,12 +113,15 @@ class PrefixCache:
             trim_prompt_cache(cache, excess)
         return cache
 
-    def store(self, tokens: Sequence[int], cache: list[Any]) -> bool:
-        """Keep ``cache`` (holding exactly ``tokens``) as the most recent entry; False when it is not kept."""
+    def store(self, tokens: Sequence[int], cache: list[Any], partition: str = "") -> bool:
+        """Keep ``cache`` (holding exactly ``tokens``) as the most recent entry of ``partition``; False when it is
+        not kept."""
         kept = tuple(tokens)
         if not kept or len(kept) > self.budget_tokens:
             return False
         for entry in list(self.entries.values()):
+            if entry.partition != partition:
+                continue
             shared = common_prefix(entry.tokens, kept)
             if shared == len(kept):  # an entry already holds these tokens (and maybe more): keep that one
                 self.entries.move_to_end(entry.id)
@@ -118,7 +130,7 @@ class PrefixCache:
                 del self.entries[entry.id]
         while self.entries and self.tokens + len(kept) > self.budget_tokens:
             self.entries.popitem(last=False)
-        self.entries[self.next_id] = Entry(self.next_id, kept, cache)
+        self.entries[self.next_id] = Entry(self.next_id, kept, cache, partition)
         self.next_id += 1
         return True
 

@@ -75,6 +75,8 @@ class Relay:
                             closed = True
                             break
                         group.check()
+                        if link.malformed is not None:
+                            raise Fault(f"rank 0 sent {link.malformed}")
                         raise Fault("rank 0 closed the link")
                     last_heard = time.monotonic()
                     self._handle(message)
@@ -139,5 +141,5 @@ class Relay:
                 book.token(from_json(int, message.get("id")), from_json(int, message.get("token")))
             elif kind == "ended":
                 book.ended(from_json(int, message.get("id")), from_json(RequestResult, message.get("result")))
-        except ValueError as exc:
-            raise Fault(f"a malformed {kind!r} message from rank 0: {exc}") from None
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
+            raise Fault(f"a malformed {kind!r} message from rank 0: {type(exc).__name__}: {exc}") from None

@@ -133,6 +133,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     drawn: int = 0
+    partition: str = ""
+    """The prefix cache's partition this request may reuse and extend (:mod:`.prefix_cache`): a digest of its API
+    key and ``cache_salt`` (empty: the shared one); the salt itself never leaves the front."""
 
     def resumed(self, generated: Sequence[int]) -> Request:
         """The request that continues this one after ``generated`` tokens: they join the prompt and count against

@@ -159,7 +159,7 @@ class OneAtATime:
         if offset == UNCOUNTED:  # recurrent layers only: the agreed stop left the same positions as on the others
             offset = len(kept)
         if outcome != "failed" and kept and offset == len(kept):
-            rank.prefix.store(kept, cache)
+            rank.prefix.store(kept, cache, request.partition)
         rank.ended(request_id, offset, outcome)
         proposed, accepted = generator.guesses
         return RequestResult(
@@ -267,21 +267,22 @@ class Batched:
         cache, request.prompt_cache = request.prompt_cache, None
         prefix = self.rank.prefix
         tokens = request.insert.request.tokens
+        partition = request.insert.request.partition
         if cache is None or prefix.budget_tokens <= 0:
             return
         if length is None:  # the request decodes: its own cache holds exactly this on every rank, nothing to cut
             if len(tokens) > 1:
-                prefix.store(tokens[:-1], cache)
+                prefix.store(tokens[:-1], cache, partition)
         elif 0 < length < len(tokens) and prefix.cut_back and trim_to(cache, length):
             # (``cut_back``: every rank can cut back, so every rank keeps it or none does.)
-            prefix.store(tokens[:length], cache)
+            prefix.store(tokens[:length], cache, partition)
 
     def _keep_answer(self, request: InBatch, response: Response) -> None:
         """Keep a finished request's conversation: its prompt and every token but the last (never fed back)."""
         tokens = request.insert.request.tokens + request.generated
         if response.prompt_cache is None or self.rank.prefix.budget_tokens <= 0 or len(tokens) < 2:
             return
-        self.rank.prefix.store(tokens[:-1], response.prompt_cache)
+        self.rank.prefix.store(tokens[:-1], response.prompt_cache, request.insert.request.partition)
 
     def _result(
         self, request: InBatch, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None

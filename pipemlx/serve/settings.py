@@ -33,18 +33,31 @@ class HttpLimits:
     """What one client may make the server hold or do (docs/serve.md, "Limits and timeouts")."""
 
     api_key: str | None = None
+    """The API key, or several separated by commas (each client's own: the prefix cache keeps them apart)."""
     max_queue: int = 64
     """Requests that may wait; more get 429."""
     max_body_bytes: int = 4 << 20
     max_tokens_limit: int = 8192
     max_streams: int = 64
     header_timeout: float = 10.0
-    """Seconds a new connection may take to send its first request's headers."""
+    """Seconds a connection may take to send a request's headers: its first one after it opened, each next one
+    after the previous answer ended (a kept-alive connection trickling bytes holds nothing for longer)."""
+    body_timeout: float = 30.0
+    """Seconds a request's body may take to arrive once its headers did; then 408."""
+    max_connections: int = 1024
+    """Open HTTP connections; one more is answered 503 and closed (the descriptors stay for those with work)."""
     idle_timeout: int = 5
     """Seconds a kept-alive connection may stay idle between requests."""
     metrics_public: bool = False
+    report_cached_tokens: bool = True
+    """``usage.prompt_tokens_details.cached_tokens`` as counted (False: always 0, ``--no-cached-tokens``)."""
     cors_origins: tuple[str, ...] = ()
     """Origins (``"*"``: any) whose pages may call the API from a browser; none by default."""
+
+
+def api_keys(text: str | None) -> tuple[str, ...]:
+    """The keys of :attr:`HttpLimits.api_key`: the text split at commas, blanks dropped (none: no key needed)."""
+    return tuple(k.strip() for k in (text or "").split(",") if k.strip())
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from .book import Book, log, warn
 from .link import BEAT_S, FRONT_ADDRESS_VARIABLE, FRONT_KEY_VARIABLE, HANDSHAKE_S, Acceptor, Link
 from .openai_api import ApiError, shutting_down
 from .relay import Fault, Regroup, Relay
+from .requests import from_json
 from .settings import RankOptions, ServeSettings, rank_process
 
 START_TIMEOUT_S = 300.0
@@ -72,6 +73,10 @@ class Joined:
 
     link: Link
     memory: int  # bytes it can give (0: unknown)
+
+
+RESPAWN_PAUSE_S = 1.0
+"""Seconds the front waits before trying again to start ranks that could not be started."""
 
 
 class Supervisor:
@@ -253,7 +258,15 @@ class Supervisor:
         if self.hosts:
             return self._await_workers(recover_deadline)
         while True:
-            self._spawn()
+            try:
+                self._spawn()
+            except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as exc:
+                # No ports, no descriptors, no processes to be had (a flood of connections, a full machine): a
+                # fault like any other, counted and tried again, never the front's end.
+                if not self._note_fault(f"the ranks could not be started ({type(exc).__name__}: {exc})"):
+                    return self._give_up()
+                time.sleep(RESPAWN_PAUSE_S)
+                continue
             started = time.monotonic()
             while True:
                 if not self._waiting(recover_deadline):
@@ -338,12 +351,18 @@ class Supervisor:
                     link.close()
                 continue
             message = link.recv()
-            entry = -1 if message is None or message.get("t") != "join" else int(message.get("entry", -1))
+            try:
+                if message is None or message.get("t") != "join":
+                    raise ValueError("not a join")
+                entry = from_json(int, message.get("entry", -1))
+                memory = from_json(int, message.get("memory") or 0)
+            except ValueError:  # a malformed join: that link's fault, not the front's
+                entry, memory = -1, 0
             if not 0 <= entry < len(self.options.hosts):
                 link.close()  # not a worker of this hostfile (or one from an older pipemlx)
                 continue
             self._drop(entry)  # a worker that joins again replaces its older self
-            self.joined[entry] = Joined(link, int(message.get("memory") or 0) if message else 0)
+            self.joined[entry] = Joined(link, memory)
         self.unheard = still
         for entry, joined in list(self.joined.items()):
             while joined.link.poll(0):
@@ -415,8 +434,7 @@ class Supervisor:
             message = link.recv()
             if message is None:
                 break
-            if message.get("t") == "hello":
-                self._greeted(message)
+            if message.get("t") == "hello" and self._greeted(message):
                 return link
         link.close()
         warn(f"the group of hosts {entries} did not come up; waiting for the workers to join again")
@@ -432,18 +450,26 @@ class Supervisor:
             link.close()
             return None
         message = link.recv()
-        if message is None or message.get("t") != "hello":
+        if message is None or message.get("t") != "hello" or not self._greeted(message):
             link.close()
             return None
-        self._greeted(message)
         return link
 
-    def _greeted(self, message: dict[str, Any]) -> None:
-        """Rank 0's ``hello``: the split and the ranks' slots, the prefix cache's budget."""
-        self.book.split = [int(n) for n in message["split"]]
-        self.book.slots = list(message["slots"])
+    def _greeted(self, message: dict[str, Any]) -> bool:
+        """Rank 0's ``hello``: the split and the ranks' slots, the prefix cache's budget; False (said once) when the
+        message is malformed: that link is no group, and the front waits for another."""
+        try:
+            split = from_json(list[int], message.get("split"))
+            slots = from_json(list[dict[str, int]], message.get("slots"))
+            budget = from_json(int, message.get("prefix_budget") or 0)
+        except ValueError as exc:
+            warn(f"a malformed hello from rank 0 ({exc}); waiting for another")
+            return False
+        self.book.split = split
+        self.book.slots = slots
         counts = self.book.remote_prefix or {"hits": 0, "misses": 0}  # the counts go on across restarts
-        self.book.remote_prefix = {**counts, "budget_tokens": int(message.get("prefix_budget") or 0)}
+        self.book.remote_prefix = {**counts, "budget_tokens": budget}
+        return True
 
     def _recovery_expired(self) -> None:
         """``--recover-timeout`` passed without a group: every waiting client gets 503 with ``Retry-After``."""
