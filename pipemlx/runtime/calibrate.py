@@ -602,31 +602,20 @@ def refine(
         return
     began = time.perf_counter()
     try:
-        _refine(model, stage, costs, observed, timeout)
+        mine = refined_figures(costs, stage.rank, observed) or [-1.0] * (n + 1)
+        slowest, fastest = over_ranks(
+            stage.group, stage.compute_stream, mine, timeout, stage.describe(), "the timings of the prefill's chunks"
+        )
+        if min(fastest) < 0:
+            return
+        figures = [*slowest, costs.collective_s]
+        stage.cost_model = stage_cost_model(model, stage, figures)
+        calibration_cache.store("stage", stage_key(model, stage), figures)
+        calibration_cache.store("shape", shape_key(model, stage.info), slowest)
+        calibration_cache.store("layer", group_key(model, stage.info), [*slowest, *[slowest[n]] * len(FAR_LENGTHS)])
+        LOGGER.debug("%s: refined its cost model from %d chunks", stage.describe(), len(observed))
     finally:
         stage.calibration_s += time.perf_counter() - began
-
-
-def _refine(
-    model: nn.Module,
-    stage: PipelineStage,
-    costs: CostModel,
-    observed: Sequence[tuple[int, int, float]],
-    timeout: float | None,
-) -> None:
-    n = len(CALIBRATION_LENGTHS)
-    mine = refined_figures(costs, stage.rank, observed) or [-1.0] * (n + 1)
-    slowest, fastest = over_ranks(
-        stage.group, stage.compute_stream, mine, timeout, stage.describe(), "the timings of the prefill's chunks"
-    )
-    if min(fastest) < 0:
-        return
-    figures = [*slowest, costs.collective_s]
-    stage.cost_model = stage_cost_model(model, stage, figures)
-    calibration_cache.store("stage", stage_key(model, stage), figures)
-    calibration_cache.store("shape", shape_key(model, stage.info), slowest)
-    calibration_cache.store("layer", group_key(model, stage.info), [*slowest, *[slowest[n]] * len(FAR_LENGTHS)])
-    LOGGER.debug("%s: refined its cost model from %d chunks", stage.describe(), len(observed))
 
 
 SPEED_TOKENS = 128
