@@ -408,3 +408,9 @@ def test_design_names_every_module() -> None:
         if path.stem not in skip and "demo" not in path.parts and path.stem not in words
     ]
     assert not missing, f"docs/design.md does not name: {missing}"
+
+
+def test_the_readme_stays_short() -> None:
+    """The README is read first: under 1,200 words (the rest is in docs/)."""
+    words = len((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert words < 1200, f"README.md has {words} words"
