@@ -248,3 +248,14 @@ def check_demo_run(run: DemoRun) -> None:
     assert f"{prompt_tokens - 1}/{prompt_tokens - 1}" in err and "tok/s" in err  # the progress bar's last state
     assert "layers 0-3" in err and "layers 4-7" in err and "peak memory" in err
     assert "Traceback" not in err
+
+
+@pytest.fixture
+def fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_sharded on a FakeGroup (this process alone) skips the ranks' progress exchange, which needs a real group
+    (the exchange itself: tests/test_hub.py's two-host download tests)."""
+    from fakes import load_without_exchange
+
+    from pipemlx.models import loading
+
+    monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)

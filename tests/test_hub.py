@@ -46,14 +46,7 @@ RANK_FILES = {"0": {FILES[0], FILES[1], FILES[3]}, "1": {FILES[2], FILES[3]}}
 RANK_FILES_LENDING = {"0": RANK_FILES["0"], "1": RANK_FILES["1"] | {FILES[1]}}
 
 
-@pytest.fixture(autouse=True)
-def _fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """load_sharded on a FakeGroup (this process alone) skips the ranks' progress exchange (tests/test_load_wait.py)."""
-    from fakes import load_without_exchange
-
-    from pipemlx.models import loading
-
-    monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
+pytestmark = pytest.mark.usefixtures("fake_groups_load_alone")  # conftest.py: FakeGroup loads skip the exchange
 
 
 def _file_of(name: str) -> str:

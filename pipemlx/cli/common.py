@@ -301,15 +301,7 @@ def read_hostfile(path: str) -> list[list[str]]:
     """Each rank's ``"ip:port"`` addresses from the hostfile at ``path``, in either of MLX's forms: the ring
     backend's list of lists, or what ``mlx.distributed_config`` writes (``{"backend", "envs", "hosts": [{"ssh",
     "ips", "rdma"}]}``, ports given as ``mlx.launch`` gives them); :class:`UserError` when it is neither."""
-    entries = _hostfile_json(path)
-    if isinstance(entries, dict) or (isinstance(entries, list) and entries and isinstance(entries[0], dict)):
-        return _ring_of_config(path, cast(Any, entries))
-    if not _is_hostfile(entries):
-        raise UserError(
-            f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
-            'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]], or what mlx.distributed_config writes'
-        )
-    return cast("list[list[str]]", entries)
+    return _ring_of(path, _hostfile_json(path))
 
 
 def join_by_hostfile(path: str, rank: int | None) -> int:
@@ -317,11 +309,11 @@ def join_by_hostfile(path: str, rank: int | None) -> int:
     describes, through MLX's environment variables (and the hostfile's ``envs``, as ``mlx.launch`` sets them);
     returns the rank. A hostfile in ``mlx.distributed_config``'s form is handed to MLX as a ring
     hostfile written to a private temporary file."""
-    hosts = read_hostfile(path)
-    rank = hostfile_rank(path, rank, hosts)
     entries = _hostfile_json(path)
+    hosts = _ring_of(path, entries)
+    rank = hostfile_rank(path, rank, hosts)
     ring_file = path
-    if isinstance(entries, (dict, list)) and not _is_hostfile(entries):
+    if not _is_hostfile(entries):  # mlx.distributed_config's form
         descriptor, ring_file = tempfile.mkstemp(prefix="pipemlx-ring-", suffix=".json")  # mode 0600
         with os.fdopen(descriptor, "w", encoding="utf-8") as out:
             json.dump(hosts, out)
@@ -331,9 +323,8 @@ def join_by_hostfile(path: str, rank: int | None) -> int:
     return rank
 
 
-def hostfile_rank(path: str, rank: int | None, hosts: list[list[str]] | None = None) -> int:
-    """Check the hostfile at ``path``; return this host's rank in it (``rank`` if given)."""
-    hosts = read_hostfile(path) if hosts is None else hosts
+def hostfile_rank(path: str, rank: int | None, hosts: list[list[str]]) -> int:
+    """This host's rank among the ``hosts`` of the hostfile at ``path`` (``rank`` if given, when it is one)."""
     if rank is not None:
         if not 0 <= rank < len(hosts):
             raise UserError(f"--rank {rank} is not a rank of {path!r}, which has {len(hosts)} ranks")
@@ -344,6 +335,18 @@ def hostfile_rank(path: str, rank: int | None, hosts: list[list[str]] | None = N
     if not local:
         raise UserError(f"no address in {path!r} belongs to this host; pass --rank R to choose this process's rank")
     raise UserError(f"ranks {local} of {path!r} all have addresses of this host; pass --rank R to choose one")
+
+
+def _ring_of(path: str, entries: Any) -> list[list[str]]:
+    """The ring addresses of a hostfile's JSON, in either form (see :func:`read_hostfile`)."""
+    if isinstance(entries, dict) or (isinstance(entries, list) and entries and isinstance(entries[0], dict)):
+        return _ring_of_config(path, cast(Any, entries))
+    if not _is_hostfile(entries):
+        raise UserError(
+            f'hostfile {path!r} must be a JSON list with one list of "ip:port" strings per rank, '
+            'like [["10.0.0.1:5000"], ["10.0.0.2:5000"]], or what mlx.distributed_config writes'
+        )
+    return cast("list[list[str]]", entries)
 
 
 def _hostfile_json(path: str) -> Any:
