@@ -34,6 +34,7 @@ from .prefill import (
     check_rotating_caches,
     check_timeout,
 )
+from .protocol import decode_settings
 from .sampling import LogitsProcessor, Sampler
 from .speculative import DraftLength, proposer_of
 from .stage import is_sharded, stage_of
@@ -215,7 +216,7 @@ def generate_step(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
-        decode_settings=2 if share_logprobs else 1,  # protocol.DECODE_SETTINGS
+        decode_settings=decode_settings(share_logprobs, run.processing),
         speculation=speculation.handshake,
     )
     generator = run.run(tokens, prompt_cache, prefill)
