@@ -227,6 +227,48 @@ def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario
     assert report["finish"] == ["length"] * 4 and report["left"] == 0
 
 
+# An engine's loop written once for mlx-lm's BatchGenerator, on pipemlx's and on mlx-lm's (tests/ranks/batch.py
+# run_engine), then mlx-lm's own batch_generate() on both: at S=2 and S=3.
+SCENARIOS[2]["engine"] = SCENARIOS[3]["engine"] = {"engine": True}
+
+
+def close(got: list[list[float]], want: list[list[float]]) -> bool:
+    return len(got) == len(want) and all(
+        len(g) == len(w) and all(abs(x - y) <= 1e-4 for x, y in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_rank(
+    scenario_reports: Reports, world_size: int
+) -> None:
+    """Per-request samplers (request 1 takes the second likeliest token: ignoring it would show), processors and
+    stop sequences, ``logprobs[token]`` of every response, the caches handed back, ``max_kv_size``, and mlx-lm's
+    ``batch_generate`` (token ids, texts, logprobs) on pipemlx's generator: mlx-lm's results on every rank; each
+    rank's processors and samplers saw what mlx-lm's saw, once per token."""
+    for report in scenario_reports(world_size, "engine"):
+        rank = report["rank"]
+        for size in ("max_kv_size=None", "max_kv_size=16"):
+            ours, mlx = report[size]["pipemlx"], report[size]["mlx"]
+            assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])
+            assert [f[0] for f in ours["finished"]] == [f[0] for f in mlx["finished"]] == ["length", "length", "stop"]
+            assert close(ours["logprobs"], mlx["logprobs"]), (rank, size)
+            for i, tokens in enumerate(ours["tokens"]):
+                calls = len(tokens)  # once per token (mlx-lm also calls them for the step after the last token)
+                assert ours["histories"][i] == mlx["histories"][i][:calls], (rank, size, i)
+                assert close(ours["logits"][i], mlx["logits"][i][:calls]), (rank, size, i)
+                assert close(ours["draws"][i], mlx["draws"][i][:calls] if i == 1 else []), (rank, size, i)
+            # The caches handed back hold the prompt and every token but the last: mlx-lm 0.32.2's hold the last one
+            # too (it computed the step after it). Documented in docs/api.md.
+            assert [f[2][0] + 1 for f in ours["finished"]] == [f[2][0] for f in mlx["finished"]], (rank, size)
+            assert [f[3] + 1 for f in ours["finished"]] == [f[3] for f in mlx["finished"]], (rank, size)
+        ours, mlx = report["batch_generate"]["pipemlx"], report["batch_generate"]["mlx"]
+        assert ours["token_ids"] == mlx["token_ids"] and ours["texts"] == mlx["texts"], (rank, ours, mlx)
+        assert close(ours["logprobs"], mlx["logprobs"]) and ours["generation_tokens"] == mlx["generation_tokens"]
+        assert [c[0] + 1 for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
+
+
 # mlx-lm's BatchGenerator API on the pipeline (tests/ranks/batch.py run_parity): insert's positional order with
 # per-request stop sequences, completion_batch_size, logprobs, all_tokens, extract_cache, next_generated, stats,
 # prompt_cache_nbytes and close.

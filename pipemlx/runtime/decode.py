@@ -41,6 +41,7 @@ from .sampling import (
     pick_tokens,
     processed,
     shared_head,
+    vocab_size_of,
 )
 from .speculative import DraftLength, Proposer, accepted
 from .stage import PipelineStage
@@ -165,7 +166,7 @@ class DecodeRun:
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.speculation.proposer is None
         # A sampler or processors: every rank runs them on the last rank's logits, as one process would call them.
         self.processing = self.stage.world_size > 1 and (self.sampler is not None or bool(self.logits_processors))
-        self.vocab_size = _vocab_size(self.model)
+        self.vocab_size = vocab_size_of(self.model)
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -566,15 +567,6 @@ def _decode_stop(table: Table, n: int, *, stopped_at_token: bool) -> DecodeStop:
     if asked:
         return DecodeStop("cancelled", n, asked)
     return DecodeStop("stop" if stopped_at_token else "length", n)
-
-
-def _vocab_size(model: nn.Module) -> int:
-    """The model's vocabulary size from its arguments (0: not found; the first step's logits tell it then)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        size = getattr(getattr(owner, "args", None), "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return 0
 
 
 def _numbered(guesses: list[int]) -> dict[str, int]:

@@ -76,6 +76,15 @@ class VocabShard:
         return mx.stack([top, index], axis=-1)
 
 
+def vocab_size_of(model: nn.Module) -> int:
+    """The model's vocabulary size from its arguments (0: not found; the first step's logits tell it then)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        size = getattr(getattr(owner, "args", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return 0
+
+
 def pick_tokens(best: list[list[float]]) -> list[int]:
     """Each row's token from every rank's ``[largest logit, its id]`` pairs (one list per rank, rows flattened).
 
