@@ -464,7 +464,7 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         }
 
     report: dict[str, Any] = {"rank": group.rank()}
-    for size in (None, 16):
+    for size in (None, spec.get("max_kv_size", 32)):
         name = f"max_kv_size={size}"
         report[name] = {
             "pipemlx": engine(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw), size),
@@ -482,7 +482,7 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             return_token_ids=True,
             return_logprobs=True,
             return_prompt_caches=True,
-            max_kv_size=16,
+            max_kv_size=32,
             prefill_step_size=8,
             **sampled,
         )

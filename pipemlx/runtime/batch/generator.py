@@ -432,7 +432,8 @@ class BatchGenerator:
             chunk_cache=self._chunk_cache,
             sample=self._sample,
             greedy=self.stage.info.vocab_shard is not None and all_greedy(self._rows.requests, self.sampler),
-            processing=self.share_logprobs or not all_greedy(self._rows.requests, self.sampler),
+            processing=self.stage.world_size > 1
+            and (self.share_logprobs or not all_greedy(self._rows.requests, self.sampler)),
         )
         self._logprobs = None
         outcome = self._runner.run(work)
