@@ -116,14 +116,11 @@ def test_engine_loop_cancels_on_every_rank_and_serves_the_next_request() -> None
 
 
 def test_one_engine_runs_unchanged_on_one_machine_and_on_two_ranks() -> None:
-    """examples/one_engine.py: the engine's code on ``mlx_lm.load`` (one process: mlx-lm's own functions) and on
-    ``pipemlx.load_sharded`` (2 ranks): every rank's text, tokens, logprobs, processor calls and batch answers are
-    the one process's."""
-    one = subprocess.run(
-        [sys.executable, str(EXAMPLES / "one_engine.py"), "--json"], capture_output=True, text=True, timeout=RUN_TIMEOUT
-    )
-    assert one.returncode == 0, one.stderr
-    (alone,) = [json.loads(line) for line in one.stdout.splitlines() if line.startswith("{")]
+    """examples/one_engine.py: the engine's code on ``mlx_lm.load`` (one process, here: mlx-lm's own functions) and
+    on ``pipemlx.load_sharded`` (2 ranks, as written): every rank's text, tokens, logprobs, processor calls and batch
+    answers are the one process's."""
+    example = load_example("one_engine.py")
+    alone = example.engine(*load(str(MODEL_DIR))[:2])
     assert alone["chat"]["processor_calls"] == len(alone["chat"]["tokens"]) + 1  # mlx-lm's, the step after too
     for report in run_example("one_engine.py"):
         assert report["chat"] == alone["chat"], report
