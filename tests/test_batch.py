@@ -249,8 +249,18 @@ def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_r
     stop sequences, ``logprobs[token]`` of every response, the caches handed back, ``max_kv_size``, and mlx-lm's
     ``batch_generate`` (token ids, texts, logprobs) on pipemlx's generator: mlx-lm's results on every rank; each
     rank's processors and samplers saw what mlx-lm's saw, once per token."""
-    for report in scenario_reports(world_size, "engine"):
+    reports = scenario_reports(world_size, "engine")
+    for report in reports:
         check_engine_report(report)
+    # Rank 0's processor raised in some tick: every rank failed that tick's rows alike, and served the next request.
+    raising = [r["raising"] for r in reports]
+    assert all(r["responses"] == raising[0]["responses"] for r in raising), raising
+    ends = {uid: reason for uid, _, reason in raising[0]["responses"] if reason is not None}
+    assert ends[0] == "error" and ends[1] in ("error", "length"), raising  # 1 failed too if it was in that tick
+    assert [t for u, t, _ in raising[0]["responses"] if u == 0][-1] == -1 and len(ends) == 2
+    assert all(r["after"] == r["solo"] for r in raising), raising
+    assert "the processor raised on rank 0" in raising[0]["error"]
+    assert [r["error"] for r in raising[1:]] == ["None"] * (world_size - 1)
 
 
 def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:

@@ -494,6 +494,29 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             "generation_tokens": result.stats.generation_tokens,
         }
 
+    # A processor that raises on rank 0 only, at its 3rd call: the tick's decode fails on every rank alike ("error"
+    # for every row in it), and the generator serves the next request.
+    calls = {"n": 0}
+
+    def raising(tokens: mx.array, logits: mx.array) -> mx.array:
+        calls["n"] += 1
+        if group.rank() == 0 and calls["n"] == 3:
+            raise ValueError("the processor raised on rank 0")
+        return logits
+
+    generator = pipemlx.BatchGenerator(sharded, prefill_step_size=8)
+    generator.insert(prompts[:2], [6, 6], logits_processors=[[raising], None])
+    responses: list[list[Any]] = []
+    while answered := generator.next_generated():
+        responses += [[r.uid, r.token, r.finish_reason] for r in answered]
+    (uid,) = generator.insert([prompts[2]], [4])
+    after = [r.token for _ in range(12) for r in generator.next() if r.uid == uid]
+    report["raising"] = {
+        "responses": responses,
+        "after": after,
+        "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
+        "error": repr(generator.last_error),
+    }
     report["batch_generate"] = {"mlx": batch(whole)}
     original = mlx_generate.BatchGenerator
     mlx_generate.BatchGenerator = pipemlx.BatchGenerator  # pyright: ignore[reportAttributeAccessIssue]
