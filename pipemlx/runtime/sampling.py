@@ -50,7 +50,16 @@ class VocabShard:
     dtype: mx.Dtype
     hidden: Callable[[nn.Module, mx.array, list[Any]], mx.array]
     project: Callable[[mx.array], mx.array]
-    full: Callable[[mx.array], mx.array]
+    full: Callable[[mx.array], mx.array] | None
+    prepare: Callable[[mx.array, mx.distributed.Group], mx.array] | None = None
+    """``head="split"`` (each rank holds only these rows of the head and of the embedding): the embeddings of
+    the tokens given, a collective that leaves them with rank 0's embedding (``None``: the head is whole)."""
+    vocab: int = 0  # the whole vocabulary (head="split"), which the ranks' rows cover
+
+    @property
+    def split(self) -> bool:
+        """Whether each rank holds only its rows (``head="split"``): no rank can apply the whole head."""
+        return self.prepare is not None
 
     def pairs(
         self, hidden: mx.array, group: mx.distributed.Group, timeout: float | None, describe: Callable[[], str]
@@ -67,6 +76,44 @@ class VocabShard:
         last = gathered[-hidden.shape[0] :]
         wait_for(last, timeout, describe)
         return self.best(last)
+
+    def embed(
+        self, tokens: mx.array, group: mx.distributed.Group, timeout: float | None, describe: Callable[[], str]
+    ) -> None:
+        """``head="split"``: every rank's rows of ``tokens``' embeddings summed, left with rank 0's embedding for its
+        next forward passes over them; a collective, waited for here (bounded)."""
+        assert self.prepare is not None
+        wait_for(self.prepare(tokens, group), timeout, describe)
+
+    def logits(
+        self,
+        hidden: mx.array,
+        group: mx.distributed.Group,
+        timeout: float | None,
+        describe: Callable[[], str],
+    ) -> mx.array:
+        """``[rows, vocabulary]``: the whole head's logits for the last rank's final hidden states ``hidden``.
+
+        ``head="split"``: the hidden states reach every rank (an all-gather), each projects its rows, and a second
+        all-gather of the slices (padded to one width) gives every rank the whole logits, in the head's dtype:
+        each logit is computed from the same row and hidden state as one process computes it.
+        """
+        world = group.size()
+        gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
+        last = gathered[-hidden.shape[0] :]
+        wait_for(last, timeout, describe)
+        local = self.project(last.astype(self.dtype))
+        dtype = local.dtype
+        width = -(-self.vocab // world)
+        padded = mx.pad(local.astype(mx.float32), [(0, 0), (0, width - local.shape[-1])])
+        everyone = mx.distributed.all_gather(padded, group=group)
+        wait_for(everyone, timeout, describe)
+        rows = hidden.shape[0]
+        pieces = [
+            everyone[r * rows : (r + 1) * rows, : self.vocab * (r + 1) // world - self.vocab * r // world]
+            for r in range(world)
+        ]
+        return mx.concatenate(pieces, axis=-1).astype(dtype)
 
     def best(self, last: mx.array) -> mx.array:
         """``[rows, 2]``: per row, this rank's largest logit and its vocabulary id, for the final hidden states ``last``."""
