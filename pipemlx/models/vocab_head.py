@@ -13,6 +13,7 @@ from ..errors import PipelineError
 from ..runtime.sampling import VocabShard
 from ..runtime.stage import StageInfo
 from .architectures import architecture_of
+from .vocab_rows import PREREAD_ATTRIBUTE
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
@@ -66,16 +67,21 @@ def row_range(vocab: int, rank: int, world_size: int) -> range:
     return range(vocab * rank // world_size, vocab * (rank + 1) // world_size)
 
 
-def rows_of(module: nn.Module, rows: range) -> nn.Module:
+def rows_of(module: nn.Module, rows: range, preread: dict[str, mx.array] | None = None, path: str = "") -> nn.Module:
     """A copy of ``module`` (a head or an embedding, plain or quantized) holding only ``rows`` of its vocabulary.
 
     The rows are copied (``mx.array`` of the slice), not viewed: the whole matrix's buffer is freed once the
-    caller drops the module it came from.
+    caller drops the module it came from. A parameter whose rows were read from the weight files already
+    (``preread[f"{path}.{name}"]``, :func:`pipemlx.models.vocab_rows.preread_vocabulary`) is taken from there: the
+    lazily loaded whole matrix is then never read.
     """
     part = cast(Any, copy.copy(module))
     for name in ROW_PARAMETERS:
         if name in module:
-            part[name] = mx.array(cast(Any, module)[name][rows.start : rows.stop])
+            whole = cast(Any, module)[name]
+            read = (preread or {}).get(f"{path}.{name}")
+            fits = read is not None and read.shape == (len(rows), *whole.shape[1:]) and read.dtype == whole.dtype
+            part[name] = read if fits else mx.array(whole[rows.start : rows.stop])
     if isinstance(module, nn.QuantizedEmbedding):
         part.num_embeddings = len(rows)
     return cast(nn.Module, part)
@@ -214,7 +220,9 @@ def split_vocabulary(model: nn.Module, info: StageInfo) -> VocabShard:
     rows = row_range(vocab, info.rank, info.world_size)
     weights = embedding.scales if isinstance(embedding, nn.QuantizedEmbedding) else embedding.weight
     dims = int(embedding.dims) if isinstance(embedding, nn.QuantizedEmbedding) else int(embedding.weight.shape[-1])
-    split_embedding = SplitEmbedding(rows_of(embedding, rows), rows, vocab, dims, weights.dtype, info.is_first)
+    preread = cast(dict[str, mx.array], getattr(model, PREREAD_ATTRIBUTE, {}))
+    kept = rows_of(embedding, rows, preread, "model.embed_tokens")
+    split_embedding = SplitEmbedding(kept, rows, vocab, dims, weights.dtype, info.is_first)
     projected: Callable[[mx.array], mx.array]
     if head is None:
         projected = cast(Any, split_embedding.part).as_linear
@@ -222,11 +230,14 @@ def split_vocabulary(model: nn.Module, info: StageInfo) -> VocabShard:
         head_rows = row_range(int(cast(Any, head).weight.shape[0]), info.rank, info.world_size)
         head_weights = cast(Any, head)
         head_dtype = head_weights.scales.dtype if "scales" in head_weights else head_weights.weight.dtype
-        split_head = SplitHead(rows_of(head, head_rows), int(head_weights.weight.shape[0]), head_dtype)
+        kept_head = rows_of(head, head_rows, preread, "lm_head")
+        split_head = SplitHead(kept_head, int(head_weights.weight.shape[0]), head_dtype)
         cast(Any, model).lm_head = split_head
         projected = cast(Callable[[mx.array], mx.array], split_head.part)
         rows = head_rows
     setattr(owner, name, split_embedding)
+    if hasattr(model, PREREAD_ATTRIBUTE):
+        object.__delattr__(model, PREREAD_ATTRIBUTE)
     return VocabShard(
         rows=rows,
         hidden_size=info.hidden_size,

@@ -87,9 +87,13 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
         entry: dict[str, Any] = {**s, "tokens": [], "ref_tokens": [], "logprob_diff": None, "compared": 0}
         for turn in turns:
             mx.random.seed(11)
-            ref = decode(generate_step(turn, reference, prompt_cache=ref_cache, max_tokens=s["max_tokens"], **options(s)))
+            ref = decode(
+                generate_step(turn, reference, prompt_cache=ref_cache, max_tokens=s["max_tokens"], **options(s))
+            )
             mx.random.seed(11)
-            ours = decode(pipemlx.generate_step(turn, model, prompt_cache=cache, max_tokens=s["max_tokens"], **options(s)))
+            ours = decode(
+                pipemlx.generate_step(turn, model, prompt_cache=cache, max_tokens=s["max_tokens"], **options(s))
+            )
             entry["tokens"] += ours[0]
             entry["ref_tokens"] += ref[0]
             diff = largest_difference(ours[1], ref[1])

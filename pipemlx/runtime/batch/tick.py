@@ -200,7 +200,9 @@ class TickRunner:
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
             hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
-            sampled = work.sample(cast(Callable[[mx.array], mx.array], shard.full)(hidden))  # lazy: read only for a row that is not greedy (see run)
+            sampled = work.sample(
+                cast(Callable[[mx.array], mx.array], shard.full)(hidden)
+            )  # lazy: read only for a row that is not greedy (see run)
             if work.greedy:  # the tokens come from every rank's share of the head: nothing sampled here
                 return mx.zeros((work.rows,), dtype=mx.float32), hidden
             return sampled.astype(mx.float32), hidden
