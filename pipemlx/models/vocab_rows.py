@@ -22,15 +22,14 @@ from .safetensors import read_safetensors_header
 
 PREREAD_ATTRIBUTE = "_pipemlx_vocab_rows"
 """The model attribute holding ``{parameter path: rows read}`` (with ``"rows"``: the range) for split_vocabulary."""
-BUFFER_FORMATS: dict[str, tuple[Any, int, mx.Dtype | None]] = {
-    # safetensors dtype: (the buffer format its items are read as, item bytes, the MLX dtype they are viewed as)
-    "F32": ("f", 4, None),
-    "F16": ("H", 2, mx.float16),  # half floats as their bits (a buffer has no half format)
-    "BF16": ("H", 2, mx.bfloat16),
-    "U32": ("I", 4, None),
-    "I32": ("i", 4, None),
-    "U8": ("B", 1, None),
-    "I8": ("b", 1, None),
+MLX_TYPES: dict[str, mx.Dtype] = {
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U8": mx.uint8,
+    "I8": mx.int8,
 }
 VOCAB_MODULES = ("model.embed_tokens", "lm_head")
 
@@ -44,25 +43,28 @@ def read_rows(path: str | Path, name: str, rows: range) -> mx.array:
     header = read_safetensors_header(path)
     entry = header[name]
     dtype = str(entry["dtype"])
-    if dtype not in BUFFER_FORMATS:
+    if dtype not in MLX_TYPES:
         raise ValueError(f"{path}: {name} is {dtype}, which pipemlx cannot read by rows")
     shape = [int(d) for d in entry["shape"]]
     if not shape or rows.start < 0 or rows.stop > shape[0] or rows.step != 1:
         raise ValueError(f"{path}: rows {rows.start}..{rows.stop} are outside {name} of shape {shape}")
-    per_row = 1
+    per_row = MLX_TYPES[dtype].size
     for d in shape[1:]:
         per_row *= d
-    form, item, view = BUFFER_FORMATS[dtype]
+    # Read straight into an MLX buffer (its memory, through the buffer protocol): no second copy of the rows.
+    buffer = mx.zeros((len(rows) * per_row,), dtype=mx.uint8)
+    mx.eval(buffer)  # pyright: ignore[reportUnknownMemberType]
+    target = memoryview(cast(Any, buffer)).cast("B")
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        begin = 8 + length + int(entry["data_offsets"][0])
-        f.seek(begin + rows.start * per_row * item)
-        data = f.read(len(rows) * per_row * item)
-    if len(data) != len(rows) * per_row * item:
-        raise ValueError(f"{path}: {name} ends before row {rows.stop}")
-    items = cast(Any, memoryview(data).cast(form))
-    array = mx.reshape(mx.array(items), (len(rows), *shape[1:]))
-    return array if view is None else array.view(view)
+        f.seek(8 + length + int(entry["data_offsets"][0]) + rows.start * per_row)
+        filled = 0
+        while filled < len(target):
+            got = f.readinto(target[filled:])
+            if not got:
+                raise ValueError(f"{path}: {name} ends before row {rows.stop}")
+            filled += got
+    return mx.reshape(buffer.view(MLX_TYPES[dtype]), (len(rows), *shape[1:]))
 
 
 def tensor_files(root: Path) -> dict[str, Path]:

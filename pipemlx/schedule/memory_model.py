@@ -221,11 +221,14 @@ class RankMemory:
 
 def fixed_bytes(model: ModelBytes, rank: int, world_size: int, head: HeadPolicy) -> int:
     """Bytes ``rank`` holds besides its layers; with ``head="last"`` only the last rank holds the head, with
-    ``head="split"`` every rank its share of the vocabulary's rows (1/S) of the embedding and of the head."""
+    ``head="split"`` every rank its share of the vocabulary's rows (1/S) of the embedding and of the head (the
+    rest, a final norm, counted with the head: whole where the head is the embedding, else by the same share)."""
     if head == "all" or world_size == 1:
         return model.fixed(rank, world_size)
-    if head == "split":
-        return share(model.embedding, rank, world_size) + share(model.head, rank, world_size)
+    if head == "split":  # tied: "head" is the final norm (whole on every rank); else mostly the lm_head's rows
+        return share(model.embedding, rank, world_size) + (
+            model.head if model.tied else share(model.head, rank, world_size)
+        )
     last = rank == world_size - 1
     if model.tied:  # rank 0 keeps the embedding, the last rank the head (the same weights)
         return (model.embedding if rank == 0 or last else 0) + (model.head if last else 0)
