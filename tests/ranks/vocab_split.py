@@ -4,9 +4,10 @@ single-process mlx-lm, in one process per rank.
 Reads a JSON spec from argv[1]: {"cases": {name: {"arch", "config"?, "seed", "quantize"?, "steps": [...]}}} where
 a step is {"M", "max_tokens", "temp"?, "processor"?, "follow"?} ("follow": a second prompt of that many tokens
 decoded on the same cache, the conversation's next turn). Every rank runs the reference itself and reports, per
-step, its tokens and the reference's, and on the last rank the largest logprob difference; per case, the
-parameter bytes it holds (whole model: "whole_bytes"), and the errors that mlx-lm's own generate_step,
-BatchGenerator and a draft model raise on the split model.
+step, its tokens and the reference's, and on the last rank the largest logprob difference; per case, the bytes of
+the embedding and head it holds ("vocab_bytes"; the whole model's: "whole_vocab_bytes") and of every parameter
+outside the layers ("outside_layers"), and the errors that mlx-lm's own generate_step, BatchGenerator and a draft
+model raise on the split model.
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
     return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
 
 
-def parameter_bytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()) if isinstance(v, mx.array))
+def parameter_bytes(model: nn.Module, prefix: str = "") -> int:
+    return sum(
+        v.nbytes for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array) and k.startswith(prefix)
+    )
+
+
+def vocab_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the embedding's and the separate head's parameters (0 where tied)."""
+    return {"embedding": parameter_bytes(model, "model.embed_tokens."), "head": parameter_bytes(model, "lm_head.")}
 
 
 def built(spec: dict[str, Any]) -> nn.Module:
@@ -79,7 +87,12 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
     reference = built(spec)
     vocab = tiny_config(spec["arch"], **spec.get("config", {}))["vocab_size"]
     model = pipemlx.shard_model(built(spec), group, head="split")
-    result: dict[str, Any] = {"bytes": parameter_bytes(model), "whole_bytes": parameter_bytes(reference), "steps": []}
+    result: dict[str, Any] = {
+        "vocab_bytes": vocab_bytes(model),
+        "whole_vocab_bytes": vocab_bytes(reference),
+        "outside_layers": parameter_bytes(model) - parameter_bytes(model, "model.layers."),
+        "steps": [],
+    }
     for s in spec["steps"]:
         prompt = prompt_of(s["M"], vocab, spec["seed"])
         ref_cache, cache = make_prompt_cache(reference), stage_of(model).new_cache(model)
