@@ -31,12 +31,13 @@ STEPS: dict[str, list[dict[str, Any]]] = {
         {"M": 12, "max_tokens": 4, "processor": True},
     ],
     "greedy": [GREEDY],
+    "sampled": [GREEDY, {"M": 21, "max_tokens": 4, "temp": 0.8, "follow": 5}],
 }
 # name: (world size, arch, config overrides, quantized, steps)
 CASES: dict[str, tuple[int, str, dict[str, Any], bool, str]] = {
     "S=2 qwen2 tied": (2, "qwen2", {}, False, "all"),
     "S=2 llama untied 4-bit": (2, "llama", {}, True, "greedy"),
-    "S=3 llama untied": (3, "llama", {}, False, "all"),
+    "S=3 llama untied": (3, "llama", {}, False, "sampled"),
     "S=3 qwen3 tied 4-bit": (3, "qwen3", {}, True, "greedy"),
 }
 

@@ -90,9 +90,9 @@ def rows_of(module: nn.Module, rows: range, preread: dict[str, mx.array] | None 
 class SplitEmbedding(nn.Module):
     """An input embedding (tied: also the output head) of which this rank holds only its rows (``head="split"``).
 
-    Each rank looks up the tokens it holds (zeros for the others) in :meth:`prepare`, a collective every rank calls
+    Each rank looks up the tokens it holds (zeros for the others) in :meth:`sum_rows`, a collective every rank calls
     with the same tokens before rank 0's forward pass reads them; the sum across the group is the embeddings, which
-    rank 0 keeps. Called in the forward pass, rank 0 returns the prepared rows; the other ranks (whose first layer
+    rank 0 keeps (:meth:`keep`). Called in the forward pass, rank 0 returns the prepared rows; the other ranks (whose first layer
     replaces its input with the hidden state it receives) zeros. As a linear map (a tied head) it returns zeros
     where pipemlx never reads them: :attr:`part` projects this rank's rows (:class:`VocabShard.project`).
     """
@@ -108,22 +108,25 @@ class SplitEmbedding(nn.Module):
         object.__setattr__(self, "_prepared", None)
         object.__setattr__(self, "_stage", None)
 
-    def prepare(self, tokens: mx.array, group: mx.distributed.Group) -> mx.array:
-        """The embeddings of ``tokens`` (1-D), lazily: this rank's rows summed across ``group`` (a collective).
-
-        Rank 0 keeps them for its forward passes over these tokens (any order, any repeats) until the next call.
-        """
+    def sum_rows(self, tokens: mx.array, group: mx.distributed.Group) -> mx.array:
+        """The embeddings of ``tokens`` (1-D), lazily: this rank's rows (zeros for the tokens it does not hold)
+        summed across ``group``, a collective every rank calls with the same tokens."""
         rows: range = cast(Any, self)._rows
         ids = mx.reshape(tokens, (-1,)).astype(mx.int32)
         local = ids - rows.start
         inside = (local >= 0) & (local < len(rows))
         found = cast(mx.array, self.part(mx.where(inside, local, 0)))
-        summed = mx.distributed.all_sum(mx.where(inside[:, None], found, 0).astype(found.dtype), group=group)
-        if cast(Any, self)._first:
-            table = mx.full((cast(int, cast(Any, self)._vocab),), -1, dtype=mx.int32)
-            table[ids] = mx.arange(ids.size, dtype=mx.int32)
-            object.__setattr__(self, "_prepared", (table, summed))
-        return summed
+        return mx.distributed.all_sum(mx.where(inside[:, None], found, 0).astype(found.dtype), group=group)
+
+    def keep(self, tokens: mx.array, embeddings: mx.array) -> None:
+        """Rank 0: look ``tokens`` up in ``embeddings`` (their rows, in order) in the forward passes until the next
+        call, in any order and with any repeats. The other ranks keep nothing (their output is never used)."""
+        if not cast(Any, self)._first:
+            return
+        ids = mx.reshape(tokens, (-1,)).astype(mx.int32)
+        table = mx.full((cast(int, cast(Any, self)._vocab),), -1, dtype=mx.int32)
+        table[ids] = mx.arange(ids.size, dtype=mx.int32)
+        object.__setattr__(self, "_prepared", (table, embeddings))
 
     def __call__(self, x: mx.array) -> mx.array:
         me = cast(Any, self)
@@ -206,7 +209,7 @@ def split_vocabulary(model: nn.Module, info: StageInfo) -> VocabShard:
     """``head="split"``: keep only ``info``'s rank's rows of ``model``'s embedding and output head, in place.
 
     The embedding becomes a :class:`SplitEmbedding`, a separate ``lm_head`` a :class:`SplitHead`; the returned
-    shard projects this rank's rows and prepares the embeddings of tokens (:attr:`VocabShard.prepare`). Call
+    shard projects this rank's rows and sums the embeddings of tokens (:meth:`VocabShard.embed`). Call
     :func:`attach_stage` once the stage exists. Raises :class:`PipelineError` where the model cannot be split.
     """
     check_splittable(model)
@@ -245,7 +248,8 @@ def split_vocabulary(model: nn.Module, info: StageInfo) -> VocabShard:
         hidden=_final_hidden,
         project=projected,
         full=None,
-        prepare=split_embedding.prepare,
+        sum_rows=split_embedding.sum_rows,
+        keep=split_embedding.keep,
         vocab=vocab if head is None else int(cast(Any, head).weight.shape[0]),
     )
 

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 import pipemlx
+import pipemlx.runtime.sampling as sampling
 from pipemlx.launch import init_group
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, tiny_config
@@ -125,6 +126,7 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    sampling.EMBED_BLOCK = 4  # a prompt's embeddings summed in several blocks, as a long prompt's are
     group = init_group()
     cases = {name: run_case(case, group) for name, case in spec["cases"].items()}
     print(json.dumps({"rank": group.rank(), "size": group.size(), "cases": cases}), flush=True)
