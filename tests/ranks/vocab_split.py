@@ -87,7 +87,7 @@ def refusal(call: Any) -> str:
 def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
     reference = built(spec)
     vocab = tiny_config(spec["arch"], **spec.get("config", {}))["vocab_size"]
-    model = pipemlx.shard_model(built(spec), group, head="split")
+    model = pipemlx.shard_model(built(spec), group, head="split", lend="mlp")  # a cut inside a layer, untimed
     result: dict[str, Any] = {
         "vocab_bytes": vocab_bytes(model),
         "whole_vocab_bytes": vocab_bytes(reference),
@@ -102,11 +102,20 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
         for turn in turns:
             mx.random.seed(11)
             ref = decode(
-                generate_step(turn, reference, prompt_cache=ref_cache, max_tokens=s["max_tokens"], **options(s))
+                generate_step(
+                    turn,
+                    reference,
+                    prompt_cache=ref_cache,
+                    max_tokens=s["max_tokens"],
+                    prefill_step_size=4,
+                    **options(s),
+                )
             )
             mx.random.seed(11)
             ours = decode(
-                pipemlx.generate_step(turn, model, prompt_cache=cache, max_tokens=s["max_tokens"], **options(s))
+                pipemlx.generate_step(
+                    turn, model, prompt_cache=cache, max_tokens=s["max_tokens"], prefill_step_size=4, **options(s)
+                )
             )
             entry["tokens"] += ours[0]
             entry["ref_tokens"] += ref[0]
