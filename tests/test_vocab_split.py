@@ -3,7 +3,9 @@
 One launch per world size (2 and 3) runs every case of that size on the same group; each rank computes
 single-process mlx-lm itself and reports both, so every rank's tokens are compared with mlx-lm's, and the last
 rank's log-probabilities too. The cases: tied and untied heads, plain and 4-bit; greedy, sampled (same seed), with
-a logits processor, a one-token prompt, and a second turn on the same cache (a reused prefix). Per rank the bytes of
+a logits processor, a one-token prompt, a second turn on the same cache (a reused prefix), ``share_logprobs`` (every
+rank's logprobs compared); a cut inside a layer (``lend="mlp"``) on every case, and the prompt's embeddings summed in
+blocks of 4 tokens. Per rank the bytes of
 the vocabulary-sized matrices it holds are its rows' share, to the byte; mlx-lm's own ``generate_step``,
 ``BatchGenerator`` and a draft model are refused with errors that name ``head='split'``.
 """
@@ -29,6 +31,7 @@ STEPS: dict[str, list[dict[str, Any]]] = {
         {"M": 1, "max_tokens": 3},
         {"M": 21, "max_tokens": 4, "temp": 0.8, "follow": 5},
         {"M": 12, "max_tokens": 4, "processor": True},
+        {"M": 6, "max_tokens": 3, "share": True},  # share_logprobs: every rank's logprobs
     ],
     "greedy": [GREEDY],
     "sampled": [GREEDY, {"M": 21, "max_tokens": 4, "temp": 0.8, "follow": 5}],
@@ -69,7 +72,7 @@ def test_tokens_and_logprobs_equal_mlx_lm(reports: Callable[[str], list[dict[str
         for step in case["steps"]:
             where = f"{name}, rank {rank}: {step}"
             assert step["tokens"] == step["ref_tokens"] and step["tokens"], where
-            if rank == size - 1:  # every token's log-probabilities, on the last rank
+            if rank == size - 1 or step.get("share"):  # every token's log-probabilities, on the last rank
                 assert step["compared"] == len(step["tokens"]), where
                 assert step["logprob_diff"] <= 1e-5, where
             else:

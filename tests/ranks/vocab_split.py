@@ -2,8 +2,8 @@
 single-process mlx-lm, in one process per rank.
 
 Reads a JSON spec from argv[1]: {"cases": {name: {"arch", "config"?, "seed", "quantize"?, "steps": [...]}}} where
-a step is {"M", "max_tokens", "temp"?, "processor"?, "follow"?} ("follow": a second prompt of that many tokens
-decoded on the same cache, the conversation's next turn). Every rank runs the reference itself and reports, per
+a step is {"M", "max_tokens", "temp"?, "processor"?, "follow"?, "share"?} ("follow": a second prompt of that many
+tokens decoded on the same cache, the conversation's next turn; "share": share_logprobs, every rank's logprobs). Every rank runs the reference itself and reports, per
 step, its tokens and the reference's, and on the last rank the largest logprob difference; per case, the bytes of
 the embedding and head it holds ("vocab_bytes"; the whole model's: "whole_vocab_bytes") and of every parameter
 outside the layers ("outside_layers"), and the errors that mlx-lm's own generate_step, BatchGenerator and a draft
@@ -114,7 +114,13 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
             mx.random.seed(11)
             ours = decode(
                 pipemlx.generate_step(
-                    turn, model, prompt_cache=cache, max_tokens=s["max_tokens"], prefill_step_size=4, **options(s)
+                    turn,
+                    model,
+                    prompt_cache=cache,
+                    max_tokens=s["max_tokens"],
+                    prefill_step_size=4,
+                    share_logprobs=bool(s.get("share")),
+                    **options(s),
                 )
             )
             entry["tokens"] += ours[0]
