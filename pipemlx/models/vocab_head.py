@@ -200,8 +200,6 @@ def _split_parts(model: nn.Module) -> tuple[nn.Module, str, nn.Module | None] | 
         return None
     if head is not None and not isinstance(head, (nn.Linear, nn.QuantizedLinear)):
         return None
-    if isinstance(head, nn.Linear) and "bias" in head:
-        return None
     return inner, "embed_tokens", cast(nn.Module | None, head)
 
 
