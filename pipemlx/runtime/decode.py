@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -162,7 +162,15 @@ class DecodeRun:
         self.stops: StopMatcher = self.stop_tokens.matcher()  # where the tokens yielded stand in the stop sequences
         # Greedy, no processors, logprobs kept on the last rank, no guesses: this rank may share the head.
         shard = self.stage.info.vocab_shard
-        self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
+        # head="split": no rank holds the whole head; every step gathers the logits (see _split_head).
+        self.splits_head = shard is not None and shard.split
+        if self.splits_head and self.speculation.proposer is not None:
+            raise ValueError(
+                "speculative decoding (draft_model / prompt_lookup) does not work on a model sharded with "
+                "head='split' (each rank holds only its rows of the head): shard with head='all' to speculate"
+            )
+        self.may_share_head = shard is not None and not self.splits_head
+        self.may_share_head = self.may_share_head and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.speculation.proposer is None
         # A sampler or processors: every rank runs them on the last rank's logits, as one process would call them.
         self.processing = self.stage.world_size > 1 and (self.sampler is not None or bool(self.logits_processors))
@@ -305,6 +313,11 @@ class DecodeRun:
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
                 stage.received.clear()
+                if self.splits_head:  # rank 0's embedding of the step's inputs, from every rank's rows
+                    shard = cast(VocabShard, stage.info.vocab_shard)
+                    shard.embed(
+                        inputs, stage.group, self.timeout, lambda: f"{stage.describe()} embedding token {index}"
+                    )
                 try:
                     part = self._build(inputs, len(guesses))
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
@@ -316,6 +329,10 @@ class DecodeRun:
                         [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
                     )
                     part = _Part(moved=sent)
+                if self.splits_head:
+                    part, failed = self._split_head(part, inputs, index)
+                    if failed is not None:
+                        self.deferred, status = self.deferred or failed, Status.FAILED
                 if self.processing:
                     payload = [self._shared_logits(part, inputs.size)]
                 else:
@@ -423,14 +440,42 @@ class DecodeRun:
             return mx.reshape(part.logprobs, (-1,))
         return mx.zeros((positions * self.vocab_size,), dtype=mx.float32)
 
+    def _split_head(self, part: _Part, inputs: mx.array, index: int) -> tuple[_Part, Exception | None]:
+        """``head="split"``: once this rank's part is computed, the whole logits from every rank's rows (two
+        all-gathers, every rank), and the last rank's tokens chosen from them as :meth:`_build` chooses them.
+
+        Returns the part and the error the logits processors or the sampler raised (``None``: none)."""
+        stage = self.stage
+        shard = cast(VocabShard, stage.info.vocab_shard)
+        wait_for(
+            [*part.moved, *(a for a in (part.hidden,) if a is not None)],
+            self.timeout,
+            lambda: f"{stage.describe()} computing token {index}",
+        )
+        hidden = part.hidden if part.hidden is not None else mx.zeros((inputs.size, shard.hidden_size), mx.float32)
+        describe = lambda: f"{stage.describe()} gathering token {index}'s logits"  # noqa: E731
+        logits = shard.logits(hidden, stage.group, self.timeout, describe)
+        self.vocab_size = logits.shape[-1]
+        if not stage.is_last or part.hidden is None:
+            return part, None
+        try:
+            return replace(self._decide(inputs, logits), moved=part.moved), None
+        except Exception as exc:
+            return part, exc
+
     def _build(self, inputs: mx.array, guesses: int) -> _Part:
         """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
+        if self.splits_head and stage.is_last:  # the logits are gathered from every rank's rows: _split_head
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            hidden = shard.hidden(self.model, inputs[None], self.cache)[0]
+            self.quantize(self.cache)
+            return _Part(moved=[], hidden=hidden)
         if self.shares_head and stage.is_last:
             shard = cast(VocabShard, stage.info.vocab_shard)
             hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
             self.quantize(self.cache)
-            logits = shard.full(hidden)  # read only with the logprobs
+            logits = cast(Callable[[mx.array], mx.array], shard.full)(hidden)  # read only with the logprobs
             return _Part(moved=[], logprobs=log_probabilities(logits), hidden=hidden)
         output = cast(mx.array, self.model(inputs[None], cache=self.cache))
         self.quantize(self.cache)
@@ -439,7 +484,10 @@ class DecodeRun:
             # This rank's send is tied to its cache: evaluating the cache sends.
             leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
             return _Part(moved=[a for _, a in leaves if isinstance(a, mx.array)])
-        logits = output[0]  # one row per position: the input's, then each guess's
+        return self._decide(inputs, output[0])  # one row per position: the input's, then each guess's
+
+    def _decide(self, inputs: mx.array, logits: mx.array) -> _Part:
+        """The last rank: the step's tokens and log-probabilities from its ``logits`` (one row per position)."""
         tokens, logprobs = self._choose(logits, inputs)
         count = accepted(inputs[1:], tokens)
         return _Part(

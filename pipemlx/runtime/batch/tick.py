@@ -248,7 +248,7 @@ class TickRunner:
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
             hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
-            full = shard.full(hidden)
+            full = cast(Callable[[mx.array], mx.array], shard.full)(hidden)
             self.vocab_size, self.logits_dtype = full.shape[-1], full.dtype
             sampled = work.sample(full)  # lazy: read only for a row that is not greedy (see run)
             if work.greedy:  # the tokens come from every rank's share of the head: nothing sampled here
