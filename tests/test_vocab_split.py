@@ -2,7 +2,7 @@
 
 One launch per world size (2 and 3) runs every case of that size on the same group; each rank computes
 single-process mlx-lm itself and reports both, so every rank's tokens are compared with mlx-lm's, and the last
-rank's log-probabilities too. The cases: tied and untied heads, plain and 4-bit; greedy, sampled (same seed), with
+rank's log-probabilities too (every rank's where a sampler or a processor runs there). The cases: tied and untied heads, plain and 4-bit; greedy, sampled (same seed), with
 a logits processor, a one-token prompt, a second turn on the same cache (a reused prefix), ``share_logprobs`` (every
 rank's logprobs compared); a cut inside a layer (``lend="mlp"``) on every case, and the prompt's embeddings summed in
 blocks of 4 tokens. Per rank the bytes of
@@ -72,7 +72,9 @@ def test_tokens_and_logprobs_equal_mlx_lm(reports: Callable[[str], list[dict[str
         for step in case["steps"]:
             where = f"{name}, rank {rank}: {step}"
             assert step["tokens"] == step["ref_tokens"] and step["tokens"], where
-            if rank == size - 1 or step.get("share"):  # every token's log-probabilities, on the last rank
+            # Every token's log-probabilities on the last rank; on every rank with share_logprobs, a sampler or a
+            # processor (each rank's sampler and processors run on the gathered logits, as mlx-lm's would).
+            if rank == size - 1 or step.get("share") or step.get("temp") or step.get("processor"):
                 assert step["compared"] == len(step["tokens"]), where
                 assert step["logprob_diff"] <= 1e-5, where
             else:
