@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import sys
@@ -259,3 +261,5 @@ def fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipemlx.models import loading
 
     monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
+    # ... and the all-gather of who has the model (pipemlx/models/peer.py): every FakeGroup rank has it or none does
+    monkeypatch.setattr(loading, "share_model", lambda *a, **k: contextlib.nullcontext(None))  # pyright: ignore[reportUnknownLambdaType]

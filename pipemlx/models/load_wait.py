@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from ..errors import PipelineError, PipelineTimeoutError
 from ..runtime.waits import wait_for
+from .weights import FetchCount
 
 T = TypeVar("T")
 
@@ -48,6 +49,8 @@ class LoadProgress:
     """The Hub cache folder of the repo being fetched (``None``: a local folder, nothing to download)."""
     steps: int = 0
     """Stages finished (the repo located, the files fetched, the model built): progress without bytes."""
+    fetched: FetchCount = field(default_factory=FetchCount)
+    """Tensor bytes fetched so far into this rank's weight folder (from the Hub or a peer)."""
     state: int = RUNNING
     failure: str = ""
     """This rank's error when its loading raised (repeated by the others)."""
@@ -55,8 +58,8 @@ class LoadProgress:
     """Set when ``state`` leaves ``RUNNING``: the exchange reports at once."""
 
     def figure(self) -> int:
-        """A number that grows while the loading makes progress: KiB in the repo's cache, and the stages."""
-        return _cached_kib(self.cache) + self.steps
+        """A number that grows while the loading makes progress: KiB in the repo's cache and fetched, the stages."""
+        return _cached_kib(self.cache) + (self.fetched.fetched >> 10) + self.steps
 
     def end(self, failure: BaseException | None) -> None:
         self.failure = "" if failure is None else f"{type(failure).__name__}: {failure}"

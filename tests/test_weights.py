@@ -1,0 +1,243 @@
+"""A rank's own tensors fetched by byte ranges, from a peer that has the model or from the (stand-in) Hub.
+
+In one process, no ranks: a :class:`PeerServer` serving a tiny llama folder on loopback, and ``StandInHub``
+serving it as a repo. Each fetch writes rank 1 of 2's weight folder (its two layers, the norm and the head, no
+embedding); the bytes the server sent are counted and compared with the bytes of the tensors kept, the folder's
+tensors with the model's own, and a second fetch must send nothing. A proxy between the rank and the server
+changes one byte, or cuts the connection, and the fetch must fail with a clear error and leave no weight folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hub_server import StandInHub
+
+from pipemlx.models.hub import HubSource, ModelSource, locate_model, resolve_source
+from pipemlx.models.peer import PeerServer, PeerSource, fingerprint
+from pipemlx.models.weights import (
+    DONE_FILE,
+    FolderSource,
+    TensorPart,
+    TransferError,
+    fetch_rank_folder,
+    header_bytes,
+    rank_tensors,
+    weights_root,
+)
+from pipemlx.runtime.calibration_cache import CACHE_DIR_VARIABLE
+from pipemlx.testing import build_model, save_model_dir, tiny_config
+
+REPO = "some-org/peer-model"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = tiny_config("llama", num_hidden_layers=4)
+    return save_model_dir(build_model(config, seed=5), config, tmp_path_factory.mktemp("peer") / "model", index=False)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def rank1_parts(source: FolderSource) -> tuple[TensorPart, ...]:
+    """Rank 1 of a (2, 2) split: layers 2-3, the final norm and the untied head; no embedding."""
+    headers = source.headers()
+    return rank_tensors(headers, json.loads((source.root / "config.json").read_text()), (2, 2), 1)
+
+
+def kept_bytes(source: FolderSource, parts: tuple[TensorPart, ...]) -> int:
+    headers = source.headers()
+    return sum(headers[p.name].stop - headers[p.name].start for p in parts)
+
+
+def check_folder(folder: Path, model_dir: Path, parts: tuple[TensorPart, ...]) -> None:
+    """The folder's tensors are exactly ``parts``, byte-equal to the model's; its config and tokenizer beside."""
+    whole = mx.load(str(model_dir / "model.safetensors"))
+    got = mx.load(str(folder / "model.safetensors"))
+    assert set(got) == {p.name for p in parts}
+    for name, value in got.items():  # pyright: ignore[reportUnknownVariableType]
+        assert mx.array_equal(value, whole[name]).item(), name  # pyright: ignore[reportUnknownArgumentType]
+    assert (folder / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
+    assert (folder / "tokenizer.json").is_file() and (folder / DONE_FILE).is_file()
+
+
+def peer_of(server: PeerServer, address: tuple[str, int] | None = None, token: bytes | None = None) -> PeerSource:
+    held = server.source
+    return PeerSource(str(held.root), address or server.address, token or server.token, fingerprint(held), 0)
+
+
+def test_a_peer_sends_only_the_ranges_of_the_tensors_kept_and_a_second_fetch_sends_nothing(model_dir: Path) -> None:
+    held = FolderSource(model_dir)
+    parts = rank1_parts(held)
+    assert not any("embed_tokens" in p.name for p in parts) and any("lm_head" in p.name for p in parts)
+    with PeerServer(held, "127.0.0.1", b"k" * 32) as server:
+        peer = peer_of(server)
+        folder = fetch_rank_folder(peer, parts)
+        first = server.served
+        peer.close()
+        again = fetch_rank_folder(peer_of(server), parts)
+        assert server.served == first and again == folder  # from the cache: nothing sent
+    check_folder(folder, model_dir, parts)
+    kept = kept_bytes(held, parts)
+    assert kept <= first <= 1.1 * kept + header_bytes(held.headers()), (first, kept)
+    assert first < 0.8 * (model_dir / "model.safetensors").stat().st_size  # not the whole file
+
+
+def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path) -> None:
+    held = FolderSource(model_dir)
+    parts = rank1_parts(held)
+    with StandInHub({REPO: model_dir}) as hub, pytest.MonkeyPatch.context() as patch:
+        from huggingface_hub import constants
+
+        patch.setattr(constants, "ENDPOINT", hub.url)
+        patch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+        patch.setenv("HF_HUB_CACHE", str(weights_root().parent / "hf"))
+        patch.setattr(constants, "HF_HUB_CACHE", str(weights_root().parent / "hf"))
+        source = resolve_source(REPO)
+        assert isinstance(source, HubSource)
+        hub.clear()
+        folder = fetch_rank_folder(source, parts)
+        sent = _range_bytes(hub)
+        hub.clear()
+        assert fetch_rank_folder(resolve_source(REPO), parts) == folder
+        assert _range_bytes(hub) == 0
+    check_folder(folder, model_dir, parts)
+    kept = kept_bytes(held, parts)
+    assert kept <= sent <= 1.1 * kept + header_bytes(held.headers()), (sent, kept)
+
+
+def _range_bytes(hub: StandInHub) -> int:
+    """Bytes of the weight file the hub sent for range requests (``bytes=a-b``: b - a + 1 each)."""
+    total = 0
+    for request in hub.requests():
+        if request.file() == "model.safetensors" and request.method == "GET":
+            assert request.range is not None, "a whole weight file was requested"
+            match = re.fullmatch(r"bytes=(\d+)-(\d+)", request.range)
+            assert match is not None
+            total += int(match.group(2)) - int(match.group(1)) + 1
+    return total
+
+
+class Proxy:
+    """A TCP proxy to ``target`` that changes byte ``flip`` of what the server sends (counted from the start of
+    the connection), or closes both sides after ``cut`` bytes from the server."""
+
+    def __init__(self, target: tuple[str, int], *, flip: int | None = None, cut: int | None = None) -> None:
+        self.target, self.flip, self.cut = target, flip, cut
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = ("127.0.0.1", self.sock.getsockname()[1])
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.sock.accept()
+        server = socket.create_connection(self.target)
+        threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+        self._pump(server, client, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
+        seen = 0
+        try:
+            while data := src.recv(65536):
+                if tamper and self.flip is not None and seen <= self.flip < seen + len(data):
+                    changed = bytearray(data)
+                    changed[self.flip - seen] ^= 0x01
+                    data = bytes(changed)
+                if tamper and self.cut is not None and seen + len(data) > self.cut:
+                    dst.sendall(data[: self.cut - seen])
+                    break
+                dst.sendall(data)
+                seen += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def served(model_dir: Path) -> Iterator[PeerServer]:
+    with PeerServer(FolderSource(model_dir), "127.0.0.1", b"t" * 32) as server:
+        yield server
+
+
+def _no_folder_left() -> None:
+    left = [p.name for p in weights_root().glob("*") if not p.name.startswith("meta-")]
+    assert left == [], f"a weight folder was left: {left}"
+
+
+def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(served: PeerServer, model_dir: Path) -> None:
+    parts = rank1_parts(served.source)
+    fetch_rank_folder(peer_of(served), ())  # the metadata (headers, config) through a clean link first
+    for folder in weights_root().glob("*"):
+        if not folder.name.startswith("meta-"):
+            import shutil
+
+            shutil.rmtree(folder)
+    proxy = Proxy(served.address, flip=16 + 41 + 1000)  # the challenge, one answer's head, then its body
+    with pytest.raises(TransferError, match="fail their check"):
+        fetch_rank_folder(peer_of(served, proxy.address), parts)
+    proxy.close()
+    _no_folder_left()
+
+
+def test_a_cut_transfer_fails_with_a_clear_error_and_leaves_no_folder(served: PeerServer) -> None:
+    parts = rank1_parts(served.source)
+    fetch_rank_folder(peer_of(served), ())
+    for folder in weights_root().glob("*"):
+        if not folder.name.startswith("meta-"):
+            import shutil
+
+            shutil.rmtree(folder)
+    proxy = Proxy(served.address, cut=16 + 41 + 5000)
+    with pytest.raises(TransferError, match=r"was cut after \d+ bytes"):
+        fetch_rank_folder(peer_of(served, proxy.address), parts)
+    proxy.close()
+    _no_folder_left()
+
+
+def test_the_server_answers_only_the_token_and_only_the_models_files(served: PeerServer, tmp_path: Path) -> None:
+    with pytest.raises(TransferError, match="was cut|cannot reach"):  # a wrong token: the server hangs up
+        peer_of(served, token=b"x" * 32).headers()
+    peer = peer_of(served)
+    for request, refusal in (
+        ({"op": "file", "name": "../../etc/passwd"}, "not a config or tokenizer file"),
+        ({"op": "file", "name": "model.safetensors"}, "not a config or tokenizer file"),
+        ({"op": "range", "file": "config.json", "start": 0, "stop": 10}, "not a weight file"),
+        ({"op": "range", "file": "model.safetensors", "start": 0, "stop": 10**12}, "not a range"),
+        ({"op": "write", "file": "model.safetensors"}, "unknown request"),
+    ):
+        with pytest.raises(TransferError, match=refusal):
+            peer._request(request)  # pyright: ignore[reportPrivateUsage]
+
+
+def test_rank_tensors_match_the_files_each_rank_fetched_from_the_index(model_dir: Path) -> None:
+    """The tensor view and the file view agree: every tensor a rank keeps is in a file it would fetch."""
+    held = FolderSource(model_dir)
+    headers = held.headers()
+    config = json.loads((model_dir / "config.json").read_text())
+    weight_map = {name: f"file-{name.split('.')[2] if '.layers.' in name else name}" for name in headers}
+    from pipemlx.models.hub import needed_files
+
+    model = ModelSource(model_dir, REPO, "0" * 40, weight_map, tuple(sorted(set(weight_map.values()))))
+    for split in ((2, 2), (1, 3), (3, 1)):
+        for rank in (0, 1):
+            parts = rank_tensors(headers, config, split, rank)
+            assert {weight_map[p.name] for p in parts} == set(needed_files(model, split, rank))
+    assert locate_model(model_dir).repo is None
