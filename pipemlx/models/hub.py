@@ -51,6 +51,7 @@ from .safetensors import (
     read_safetensors_header,
 )
 from .weights import (
+    FetchCount,
     FolderSource,
     TensorInfo,
     TransferError,
@@ -240,6 +241,8 @@ def check_cached(source: ModelSource, files: Iterable[str] | None = None) -> Non
     """
     if source.repo is None:
         return
+    if headers_path(f"hub:{source.repo}@{source.commit}").is_file():
+        return  # loaded once by range requests: the ranks' weight folders are in pipemlx's cache (each rank checks)
     wanted = sorted(set(source.weight_files if files is None else files))
     absent = [f for f in wanted if not (source.root / f).is_file()]
     if absent:
@@ -347,6 +350,11 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def headers_path(identity: str) -> Path:
+    """Where pipemlx's cache keeps the safetensors headers of the model ``identity`` (a repo at a commit)."""
+    return weights_root() / f"headers-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
 @dataclass(frozen=True)
 class HubSource:
     """A Hub repo at one commit, its weights read by HTTP range requests on the files' URLs.
@@ -356,6 +364,8 @@ class HubSource:
     later run, online or offline, plans and finds its weight folder without asking the Hub again."""
 
     model: ModelSource
+    count: FetchCount = field(default_factory=FetchCount)
+    """Requests answered so far (the ranks' progress exchange counts them)."""
 
     @property
     def name(self) -> str:
@@ -377,7 +387,7 @@ class HubSource:
         return f"the Hub ({constants.ENDPOINT})"
 
     def headers(self) -> dict[str, TensorInfo]:
-        kept = weights_root() / f"headers-{hashlib.sha256(self.identity().encode()).hexdigest()[:32]}.json"
+        kept = headers_path(self.identity())
         try:
             return {k: TensorInfo.from_json(v) for k, v in json.loads(kept.read_text()).items()}
         except (OSError, ValueError, KeyError, TypeError, IndexError):
@@ -431,6 +441,7 @@ class HubSource:
                 f"the range {start}-{stop - 1} of {file} of {self.name!r} from the Hub was cut after {got} of "
                 f"{stop - start} bytes: {_first_line(exc)}"
             ) from None
+        self.count.requests += 1
         if got != stop - start:
             raise TransferError(
                 f"the Hub sent {got} bytes for the range {start}-{stop - 1} of {file} of {self.name!r}, "
@@ -442,7 +453,11 @@ class HubSource:
 
 
 def resolve_source(
-    name: str | os.PathLike[str], *, revision: str | None = None, rank: int | None = None
+    name: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    rank: int | None = None,
+    count: FetchCount | None = None,
 ) -> FolderSource | HubSource:
     """The model ``name`` as a weight source: a local folder, a Hub snapshot already holding every weight file
     (both read in place), or a Hub repo read by range requests. Raises :class:`ModelNotFoundError` as
@@ -452,7 +467,7 @@ def resolve_source(
         return FolderSource(model.root)
     if all((model.root / f).is_file() for f in model.weight_files):
         return FolderSource(model.root, model.repo, model.weight_files)
-    return HubSource(model)
+    return HubSource(model, count if count is not None else FetchCount())
 
 
 def cached_snapshot(name: str | os.PathLike[str], revision: str | None = None) -> FolderSource | None:

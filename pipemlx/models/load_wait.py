@@ -59,7 +59,7 @@ class LoadProgress:
 
     def figure(self) -> int:
         """A number that grows while the loading makes progress: KiB in the repo's cache and fetched, the stages."""
-        return _cached_kib(self.cache) + (self.fetched.fetched >> 10) + self.steps
+        return _cached_kib(self.cache) + (self.fetched.fetched >> 10) + self.fetched.requests + self.steps
 
     def end(self, failure: BaseException | None) -> None:
         self.failure = "" if failure is None else f"{type(failure).__name__}: {failure}"
@@ -147,8 +147,13 @@ class _Exchange:
                 return
             if time.monotonic() - shown >= SHOW_AFTER_S:
                 shown = time.monotonic()
-                waiting = [f"rank {r} ({_amount(rows[r][1])} so far)" for r in range(size) if states[r] == RUNNING]
-                LOGGER.warning("pipemlx: rank %d/%d waits for %s to load %s", rank, size, ", ".join(waiting), what)
+                waiting = [
+                    f"rank {r} ({_amount(rows[r][1])} so far)"
+                    for r in range(size)
+                    if states[r] == RUNNING and r != rank
+                ]
+                if waiting:
+                    LOGGER.warning("pipemlx: rank %d/%d waits for %s to load %s", rank, size, ", ".join(waiting), what)
 
 
 def _exchange(

@@ -168,7 +168,11 @@ def _fetch_and_build(
     peer), the split planned from it, this rank's tensors fetched (unless the source is local), the model built.
     No collective, no evaluation."""
     progress.cache = cache_folder(path)
-    source: WeightSource = peer if peer is not None else resolve_source(path, revision=revision, rank=group.rank())
+    if peer is not None:
+        peer.count = progress.fetched
+    source: WeightSource = (
+        peer if peer is not None else resolve_source(path, revision=revision, rank=group.rank(), count=progress.fetched)
+    )
     progress.steps += 1
     planned: tuple[list[int] | None, tuple[TensorPart, ...]] | None = None
     root = source.metadata_root()

@@ -41,6 +41,7 @@ from .load_wait import FIRST_MEETING_TIMEOUTS, LOGGER
 from .weights import (
     CHUNK_BYTES,
     DONE_FILE,
+    FetchCount,
     FolderSource,
     TensorInfo,
     TransferError,
@@ -205,6 +206,8 @@ class PeerSource:
     print_: bytes
     """The holder's :func:`fingerprint` of the model: the cache key of what is fetched from it."""
     holder: int
+    count: FetchCount = field(default_factory=FetchCount)
+    """Requests answered so far (the ranks' progress exchange counts them)."""
     _conn: socket.socket | None = field(default=None, repr=False)
     _key: bytes = field(default=b"", repr=False)
 
@@ -309,6 +312,7 @@ class PeerSource:
                 f"{length} bytes of {what} from {self.describe()} fail their check (changed in transit); "
                 "no weight folder was kept"
             )
+        self.count.requests += 1
         if status != 0:
             raise TransferError(f"{self.describe()} refused {what}: {bytes(body).decode(errors='replace')}")
         return bytes(body)

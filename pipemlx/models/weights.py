@@ -302,6 +302,8 @@ class FetchCount:
 
     fetched: int = 0
     total: int = 0
+    requests: int = 0
+    """Requests answered (headers and metadata too): progress while nothing large arrives."""
 
 
 def fetch_rank_folder(
