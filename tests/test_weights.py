@@ -325,3 +325,69 @@ def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_n
         assert line and "rank 0" in line[0], shown
         left = [p.name for p in (tmp_path / f"cache{r}" / "weights").glob("*") if not p.name.startswith("meta-")]
         assert left == [], f"rank {r} left {left}"
+
+
+def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, tmp_path: Path) -> None:
+    """`pipemlx generate --hostfile FILE --model model` on 3 network-namespace hosts, each in its own folder with
+    its own cache: only host 0's folder has ``model``. The others read their tensors from it over the hostfile's
+    addresses, and every rank gives single-process mlx-lm's tokens."""
+    import os
+    import subprocess
+    import sys
+
+    from netns import namespace_hosts, skip_unless_available
+
+    skip_unless_available()
+    root = Path(__file__).resolve().parent.parent
+    cwds = [tmp_path / f"host{r}" for r in range(3)]
+    for cwd in cwds:
+        cwd.mkdir()
+    import shutil
+
+    shutil.copytree(model_dir, cwds[0] / "model")
+    with namespace_hosts(3) as hosts:
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
+        argv = [sys.executable, "-m", "pipemlx", "generate", "--hostfile", str(hostfile), "--model", "model"]
+        argv += ["--prompt", "t5 t17 t3 t99 t42 t8 t61 t23", "--prefill-step-size", "4", "--max-tokens", "6"]
+        argv += ["--temp", "0", "--json", "--lend", "none", "--timeout", "20"]
+        python_path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+        procs = [
+            subprocess.Popen(
+                [*hosts.prefix(r), *argv],
+                cwd=cwds[r],
+                env={**os.environ, "PYTHONPATH": python_path, CACHE_DIR_VARIABLE: str(tmp_path / f"cache{r}")},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(3)
+        ]
+        try:
+            for p in procs:
+                p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                p.kill()
+        outputs = [p.communicate() for p in procs]
+    stderr = "\n".join(
+        f"--- rank {r} ({p.returncode}):\n{e[-2000:]}" for r, (p, (_, e)) in enumerate(zip(procs, outputs))
+    )
+    assert [p.returncode for p in procs] == [0, 0, 0], stderr
+    report = json.loads(outputs[0][0].strip().splitlines()[-1])
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.utils import load
+
+    loaded: object = load(str(model_dir))
+    model, tokenizer = loaded[0], loaded[1]  # type: ignore[index]
+    expected = [
+        r.token
+        for r in stream_generate(model, tokenizer, "t5 t17 t3 t99 t42 t8 t61 t23", max_tokens=6, prefill_step_size=4)
+        if r.finish_reason != "stop"
+    ]
+    assert report["tokens"] == expected, stderr
+    for r in (1, 2):
+        assert f"from rank 0 ({hosts.ips[0]}:" in outputs[r][1], stderr
+    assert "served" in outputs[0][1], stderr

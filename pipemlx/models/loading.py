@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -20,7 +21,7 @@ from .hub import cache_folder, resolve_source
 from .load_wait import LoadProgress, while_ranks_load
 from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
-from .peer import PeerSource, share_model
+from .peer import PeerSource, Sharing, share_model
 from .safetensors import decoder_prefix, read_dir_config
 from .sharding import (
     AUTO_PLANNED_STEP,
@@ -70,16 +71,24 @@ def load_sharded(
     lend: LendSpec = "auto",
     revision: str | None = None,
     adapter_path: str | os.PathLike[str] | None = None,
+    sharing: Sharing | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
     ``path`` is a model folder or, as in mlx-lm, a Hugging Face repo id
-    (``mlx-community/...``, at ``revision``; default the main branch): then this
-    rank fetches the config, the tokenizer files and the safetensors index, and
-    of the weights only the files holding the tensors it keeps, read from the
-    index (:mod:`pipemlx.models.hub`; ``split="memory"`` is planned from the
-    safetensors headers, read remotely, as is ``"balanced"`` with ``speeds``;
-    a ``"balanced"`` split that times the ranks makes every rank fetch every file).
+    (``mlx-community/...``, at ``revision``; default the main branch), and it
+    need only be on one rank's machine: loading is one pass over one source
+    (:mod:`pipemlx.models.weights`). First the ranks agree in one all-gather
+    who has the model (:mod:`pipemlx.models.peer`; ``sharing`` passes that
+    agreement in when the caller made it already, to read the tokenizer
+    first); a rank with it reads it in place and serves it to the group until
+    every rank has loaded. A rank without it reads, from a rank that has it or
+    else from the Hub (HTTP range requests), the config, the tokenizer files,
+    the safetensors headers, and the byte ranges of the tensors it keeps only,
+    into a weight folder of its own in pipemlx's cache (a second run fetches
+    nothing). The split is planned before fetching (``split="memory"`` and
+    ``"balanced"`` with ``speeds`` from the headers; a ``"balanced"`` split that
+    times the ranks makes every rank fetch every tensor).
 
     A collective, like :func:`pipemlx.shard_model`: call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
@@ -110,12 +119,12 @@ def load_sharded(
     # is waited for as long as it makes progress, before the first collective with a deadline (shard_model's).
     # A rank without the model reads it from one that has it (pipemlx/models/peer.py): agreed in one all-gather,
     # served until every rank has loaded.
-    with share_model(group, path, revision, timeout) as peer:
+    with share_model(group, path, revision, timeout) if sharing is None else nullcontext(sharing) as agreed:
         model, config, root, planned = while_ranks_load(
             group,
             timeout,
             lambda progress: _fetch_and_build(
-                path, group, revision, progress, asked, model_config, trust_remote_code, adapter_path, peer
+                path, group, revision, progress, asked, model_config, trust_remote_code, adapter_path, agreed.peer
             ),
         )
     shard_model(

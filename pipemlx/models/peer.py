@@ -328,15 +328,24 @@ def _read_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """What :func:`share_model` agreed for this rank: the peer to fetch the model from (``None``: not from a peer)
+    and whether this rank has the model itself (and serves it)."""
+
+    peer: PeerSource | None
+    holds: bool
+
+
 @contextmanager
 def share_model(
     group: Any, path: str | os.PathLike[str], revision: str | None, timeout: float | None
-) -> Generator[PeerSource | None]:
+) -> Generator[Sharing]:
     """Agree who has the model ``path`` (one all-gather over ``group``); serve it while the body runs where this
-    rank has it; give the body the :class:`PeerSource` to fetch from where this rank lacks it and another has it
-    (``None``: this rank has it, or no rank does)."""
+    rank has it; give the body a :class:`Sharing` whose ``peer`` is the :class:`PeerSource` to fetch from where
+    this rank lacks the model and another has it (``None``: this rank has it, or no rank does)."""
     if group.size() == 1:
-        yield None
+        yield Sharing(None, False)
         return
     rank: int = group.rank()
     size: int = group.size()
@@ -356,7 +365,7 @@ def share_model(
         rows: list[list[int]] = [flat[r * len(row) : (r + 1) * len(row)] for r in range(size)]
         holders = [r for r in range(size) if rows[r][0] == 1]
         if held is not None or not holders:
-            yield None
+            yield Sharing(None, held is not None)
             return
         chosen = holders[rank % len(holders)]
         line = rows[chosen]
@@ -366,7 +375,7 @@ def share_model(
         peer_host = bytes(line[start + 2 * TOKEN_BYTES :]).rstrip(b"\0").decode()
         source = PeerSource(os.fspath(path), (peer_host, line[1]), peer_token, print_, chosen)
         try:
-            yield source
+            yield Sharing(source, False)
         finally:
             source.close()
     finally:

@@ -59,7 +59,9 @@ def main() -> None:
     tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])]
     mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
-    folders = sorted(p.name for p in (Path(spec["caches"][rank]) / "weights").glob("*") if (p / weights.DONE_FILE).is_file())
+    folders = sorted(
+        p.name for p in (Path(spec["caches"][rank]) / "weights").glob("*") if (p / weights.DONE_FILE).is_file()
+    )
     report = {"rank": rank, "split": list(stage_of(model).info.split), "tokens": tokens, "folders": folders}
     print(json.dumps(report), flush=True)
 
