@@ -391,3 +391,16 @@ def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Pat
     for r in (1, 2):
         assert f"from rank 0 ({hosts.ips[0]}:" in outputs[r][1], stderr
     assert "served" in outputs[0][1], stderr
+
+
+def test_the_doctor_says_which_hosts_have_the_model(model_dir: Path, tmp_path: Path) -> None:
+    from pipemlx.cli.doctor_rank import model_here, render
+
+    assert model_here(model_dir) == "has it" and model_here(tmp_path / "model") == "fetches"
+    ranks = [
+        {"rank": r, "host": f"h{r}", "address": "", "mlx": "1", "mlx-lm": "2", "pipemlx": "3", "available": 10**9}
+        for r in range(2)
+    ]
+    ranks = [{**ranks[0], "model": "has it"}, {**ranks[1], "model": "fetches"}]
+    lines = render({"backend": "ring", "ranks": ranks, "links": [], "ok": True, "problems": []}).splitlines()
+    assert "model" in lines[1].split() and "has it" in lines[2] and "fetches" in lines[3], lines
