@@ -261,4 +261,6 @@ def fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
     # ... and the all-gather of who has the model (pipemlx/models/peer.py): every FakeGroup rank has it or none does
-    monkeypatch.setattr(loading, "share_model", lambda *a, **k: contextlib.nullcontext(None))  # pyright: ignore[reportUnknownLambdaType]
+    from pipemlx.models.peer import Sharing
+
+    monkeypatch.setattr(loading, "share_model", lambda *a, **k: contextlib.nullcontext(Sharing(None, True)))  # pyright: ignore[reportUnknownLambdaType]
