@@ -249,21 +249,22 @@ PROMPT_IDS = [5, 17, 3, 99, 42, 8, 61, 23, 7, 11]
 
 
 def _peer_ranks(tmp_path: Path, model_dir: Path, **extra: object) -> list[tuple[int, str, str]]:
-    """``tests/ranks/peer_load.py`` on 3 ranks: rank 0's folder holds ``model`` (a copy), the others' do not;
-    each rank its own pipemlx cache. Returns each rank's status, stdout and stderr."""
+    """``tests/ranks/peer_load.py`` on 2 ranks: rank 0's folder holds ``model`` (a copy), rank 1's does not;
+    each rank its own pipemlx cache. Returns each rank's status, stdout and stderr. (Three ranks, each but the
+    first fetching: the namespace-host test below.)"""
     import shutil
     import sys
 
     from pipemlx.launch import launch
 
-    cwds = [tmp_path / f"host{r}" for r in range(3)]
+    cwds = [tmp_path / f"host{r}" for r in range(2)]
     for cwd in cwds:
         cwd.mkdir(exist_ok=True)
     if not (cwds[0] / "model").exists():
         shutil.copytree(model_dir, cwds[0] / "model")
     spec = {
         "cwds": [str(c) for c in cwds],
-        "caches": [str(tmp_path / f"cache{r}") for r in range(3)],
+        "caches": [str(tmp_path / f"cache{r}") for r in range(2)],
         "model": "model",
         "prompt": PROMPT_IDS,
         "step": 4,
@@ -271,7 +272,7 @@ def _peer_ranks(tmp_path: Path, model_dir: Path, **extra: object) -> list[tuple[
         **extra,
     }
     program = Path(__file__).parent / "ranks" / "peer_load.py"
-    results = launch(3, [sys.executable, str(program), json.dumps(spec)], timeout=120, fail_fast=False)
+    results = launch(2, [sys.executable, str(program), json.dumps(spec)], timeout=120, fail_fast=False)
     return [(r.returncode, r.stdout, r.stderr) for r in results]
 
 
@@ -284,32 +285,26 @@ def _reference(model_dir: Path) -> list[int]:
     return [int(t) for t, _ in generate_step(prompt, model, prefill_step_size=4, max_tokens=6)]  # type: ignore[arg-type]
 
 
-def test_ranks_without_the_model_fetch_their_tensors_from_rank_0_then_nothing_the_second_time(
+def test_a_rank_without_the_model_fetches_its_tensors_from_rank_0_then_nothing_the_second_time(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    first = _peer_ranks(tmp_path, model_dir)
+    first = _peer_ranks(tmp_path, model_dir, loads=2)  # the second load_sharded must fetch nothing
     shown = "\n".join(f"--- rank {r} ({code}):\n{err[-2500:]}" for r, (code, _, err) in enumerate(first))
-    assert [code for code, _, _ in first] == [0, 0, 0], shown
+    assert [code for code, _, _ in first] == [0, 0], shown
     reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in first]
     expected = _reference(model_dir)
     assert all(r["tokens"] == expected for r in reports), (reports, expected)
-    assert reports[0]["folders"] == [] and all(len(r["folders"]) == 2 for r in reports[1:])  # meta-* and its own
+    assert reports[0]["folders"] == [] and len(reports[1]["folders"]) == 2, reports  # meta-* and its own
     served = [int(m) for m in re.findall(r"served (\d+) bytes", first[0][2])]
-    assert len(served) == 1, first[0][2]
-    held = FolderSource(model_dir)
-    headers = held.headers()
-    kept = 0
-    for r in (1, 2):
-        folder = next(p for p in (tmp_path / f"cache{r}" / "weights").glob("*") if not p.name.startswith("meta-"))
-        got = mx.load(str(folder / "model.safetensors"))
-        kept += sum(headers[n].stop - headers[n].start for n in got)
-        assert "model.embed_tokens.weight" not in got and "lm_head.weight" in got
-        assert f"rank {r}/3 fetched" in first[r][2] and "from rank 0 (127.0.0.1:" in first[r][2], first[r][2]
+    assert len(served) == 1, first[0][2]  # one "served" line: the second load served nothing
+    assert len(re.findall(r"rank 1/2 fetched", first[1][2])) == 1, first[1][2]
+    headers = FolderSource(model_dir).headers()
+    folder = next(p for p in (tmp_path / "cache1" / "weights").glob("*") if not p.name.startswith("meta-"))
+    got = mx.load(str(folder / "model.safetensors"))
+    kept = sum(headers[n].stop - headers[n].start for n in got)
+    assert "model.embed_tokens.weight" not in got and "lm_head.weight" in got and len(got) < len(headers)
+    assert "rank 1/2 fetched" in first[1][2] and "from rank 0 (127.0.0.1:" in first[1][2], first[1][2]
     assert kept <= served[0] <= 1.1 * kept, (served, kept)
-    second = _peer_ranks(tmp_path, model_dir)
-    assert [code for code, _, _ in second] == [0, 0, 0], second
-    assert [json.loads(out.strip().splitlines()[-1])["tokens"] for _, out, _ in second] == [expected] * 3
-    assert "served" not in second[0][2] and not any("fetch" in err for _, _, err in second), second
 
 
 def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_no_folder(
@@ -318,7 +313,7 @@ def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_n
     results = _peer_ranks(tmp_path, model_dir, chunk=8192, die_after=3, timeout=5.0)
     shown = "\n".join(f"--- rank {r} ({code}):\n{err[-2500:]}" for r, (code, _, err) in enumerate(results))
     assert results[0][0] == 9, shown
-    for r in (1, 2):
+    for r in (1,):
         code, _, err = results[r]
         assert code == 3, shown
         line = [x for x in err.splitlines() if x.startswith(f"rank {r}:")]

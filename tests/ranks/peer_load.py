@@ -1,7 +1,7 @@
 """Rank program: load_sharded a model folder that only rank 0 has; the others read their tensors from it.
 
 Spec: {"cwds": [...], "caches": [...], "model": "model", "prompt": [ids], "step", "max_tokens",
-"chunk"?: bytes per request, "die_after"?: ranges rank 0 serves before it dies}
+"chunk"?: bytes per request, "die_after"?: ranges rank 0 serves before it dies, "loads"?: times to load}
 Each rank works in its own folder (``cwds[rank]``; only rank 0's holds ``model``) with its own pipemlx cache
 (``caches[rank]``), as separate hosts would. It prints one JSON line: the split, the greedy tokens, and the
 complete weight folders in its cache. With ``die_after``, rank 0 serves that many ranges (slowly) and then
@@ -48,11 +48,12 @@ def main() -> None:
             return answer(self, request)
 
         peer.PeerServer._answer = dying  # type: ignore[method-assign]
-    try:
-        model, _ = pipemlx.load_sharded(spec["model"], group, lend="none", timeout=spec.get("timeout", 30.0))
-    except Exception as exc:
-        print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        os._exit(3)
+    for _ in range(spec.get("loads", 1)):  # a second load in the same run finds its weight folder: fetches nothing
+        try:
+            model, _ = pipemlx.load_sharded(spec["model"], group, lend="none", timeout=spec.get("timeout", 30.0))
+        except Exception as exc:
+            print(f"rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            os._exit(3)
     prompt = mx.array(spec["prompt"], dtype=mx.int32)
     cache = make_prompt_cache(model)
     pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
