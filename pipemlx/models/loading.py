@@ -33,7 +33,16 @@ from .sharding import (
     shard_model,
     split_kind,
 )
-from .weights import TensorInfo, TensorPart, WeightSource, config_of, fetch_rank_folder, is_embedding, rank_tensors
+from .weights import (
+    FolderSource,
+    TensorInfo,
+    TensorPart,
+    WeightSource,
+    config_of,
+    fetch_rank_folder,
+    is_embedding,
+    rank_tensors,
+)
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -186,7 +195,7 @@ def _fetch_and_build(
     planned: tuple[list[int] | None, tuple[TensorPart, ...]] | None = None
     root = source.metadata_root()
     if source.local:
-        if not is_repo_id_source(source):
+        if isinstance(source, FolderSource) and not source.label:  # the folder the user named (not a snapshot)
             root = check_model_dir(root)
     else:
         planned, root = _fetch_rank_weights(source, group, arguments, progress, model_config, trust_remote_code)
@@ -218,11 +227,6 @@ def _fetch_and_build(
         root,
         replace(arguments, split=split, memory=memory, speeds=speeds, context=context, lend=lend),
     )
-
-
-def is_repo_id_source(source: WeightSource) -> bool:
-    """Whether a local source is a Hub snapshot (named by its repo id) rather than the folder the user gave."""
-    return source.name != str(source.metadata_root())
 
 
 def _holds_embedding(source: WeightSource, parts: tuple[TensorPart, ...]) -> bool:

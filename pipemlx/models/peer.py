@@ -24,6 +24,7 @@ import hmac
 import json
 import os
 import secrets
+import shutil
 import socket
 import struct
 import threading
@@ -247,8 +248,6 @@ class PeerSource:
                     raise
         finally:
             if temporary.exists():
-                import shutil
-
                 shutil.rmtree(temporary, ignore_errors=True)
         return final
 
