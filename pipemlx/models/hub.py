@@ -1,30 +1,29 @@
-"""Models by name: a Hugging Face repo id in place of a model folder, each rank fetching only its files.
+"""Models by name: a Hugging Face repo id in place of a model folder, each rank fetching only its tensors.
 
 ``load_sharded`` and the ``pipemlx`` commands take ``--model org/name`` as
 mlx-lm does: a path that exists is a local folder, anything else that looks
 like a repo id is fetched from the Hub (``HF_ENDPOINT``, ``HF_HOME``,
 ``HF_HUB_OFFLINE`` and the login token work as for every huggingface_hub
-client). What a rank fetches:
+client). What a rank fetches when no rank of its group has the model (else
+:mod:`pipemlx.models.peer`):
 
 1. :func:`locate_model`: ``config.json``, the tokenizer files and
    ``model.safetensors.index.json`` (the patterns mlx-lm's ``sharded_load`` uses
    for everything but the weights), and the repo's file list, to check that
-   every weight file the index names exists. Every rank does this before any
-   collective, so every rank stops with the same :class:`ModelNotFoundError`
-   for a missing repo, revision or file.
-2. :func:`rank_files`: from the index, the weight files holding this rank's
-   tensors: its decoder layers (and with ``lend_mlp`` the previous rank's last
-   layer, whose feed-forward half it runs), the tensors outside the layers
-   (final norm, output head, ...), the input embedding only where the rank keeps
-   it (rank 0; every rank when it is the tied head), the output head only where
-   the rank keeps it (``head="last"``: the last rank).
-3. :func:`fetch_files`: those files, from the commit step 1 resolved, into the
-   Hub cache; the other ranks' files are never requested.
+   every weight file the index names exists. Every rank does this before it
+   fetches anything, so every rank stops with the same
+   :class:`ModelNotFoundError` for a missing repo, revision or file.
+2. :class:`HubSource` (:func:`resolve_source`): the safetensors headers, by two
+   HTTP range requests per file (kept in pipemlx's cache), and then the byte
+   ranges of the tensors the rank keeps
+   (:func:`pipemlx.models.weights.rank_tensors`), written into its weight folder
+   (:func:`pipemlx.models.weights.fetch_rank_folder`). A snapshot in the Hub
+   cache that holds every weight file is read in place.
 
-``pipemlx split`` sizes a repo from its index and the safetensors headers read
-with HTTP range requests (:func:`model_bytes_of`, :func:`memory_model_of`),
-without downloading the weights. Offline, every file a rank needs must be in
-the cache already; headers are then read from the cached files.
+:func:`rank_files` tells the weight files holding a rank's tensors from the
+index alone. ``pipemlx split`` sizes a repo from its index and the safetensors
+headers read with HTTP range requests (:func:`model_bytes_of`,
+:func:`memory_model_of`), without downloading the weights.
 """
 
 from __future__ import annotations

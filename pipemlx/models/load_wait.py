@@ -2,7 +2,7 @@
 
 A rank that resolves, downloads or reads its weights more slowly than the others (a slower link to the Hub, a
 colder disk) must not make the first collective with a deadline fail on the fast ones: while this rank loads,
-:func:`while_ranks_load` has a thread tell the others, once a second, how far it is (bytes in its Hub cache,
+:func:`while_ranks_load` has a thread tell the others, once a second, how far it is (bytes in its Hub cache and fetched,
 stages, whether it is done). The ranks leave the exchange together, in the same round,
 once every rank is done; they fail together, each with a line naming the rank, when one made no progress for
 ``timeout`` seconds, or its loading raised (that rank raises its own error, the others name it), or it died
@@ -142,7 +142,7 @@ class _Exchange:
             if stalled:
                 self.error = PipelineTimeoutError(
                     f"rank {rank}/{size}: rank {stalled[0]} made no progress loading {what} for {timeout:g} s "
-                    f"({_amount(rows[stalled[0]][1])} in its cache)"
+                    f"({_amount(rows[stalled[0]][1])} fetched or cached)"
                 )
                 return
             if time.monotonic() - shown >= SHOW_AFTER_S:
