@@ -399,3 +399,22 @@ def test_the_doctor_says_which_hosts_have_the_model(model_dir: Path, tmp_path: P
     ranks = [{**ranks[0], "model": "has it"}, {**ranks[1], "model": "fetches"}]
     lines = render({"backend": "ring", "ranks": ranks, "links": [], "ok": True, "problems": []}).splitlines()
     assert "model" in lines[1].split() and "has it" in lines[2] and "fetches" in lines[3], lines
+
+
+def test_a_row_range_of_a_tensor_is_fetched_as_a_tensor_of_those_rows(served: PeerServer, model_dir: Path) -> None:
+    """A tensor set entry may be rows of a tensor (the vocabulary rows a rank keeps of the embedding or head):
+    one byte range, written as a tensor of that many rows; other rows, other cache key."""
+    whole = mx.load(str(model_dir / "model.safetensors"))
+    parts = (TensorPart("model.embed_tokens.weight", (64, 192)), TensorPart("model.norm.weight"))
+    before = served.served
+    folder = fetch_rank_folder(peer_of(served), parts)
+    got = mx.load(str(folder / "model.safetensors"))
+    embedding = whole["model.embed_tokens.weight"]
+    assert got["model.embed_tokens.weight"].shape == (128, embedding.shape[1])
+    assert mx.array_equal(got["model.embed_tokens.weight"], embedding[64:192]).item()
+    assert mx.array_equal(got["model.norm.weight"], whole["model.norm.weight"]).item()
+    assert served.served - before == 128 * embedding.shape[1] * embedding.itemsize + whole["model.norm.weight"].nbytes
+    other = fetch_rank_folder(peer_of(served), (TensorPart("model.embed_tokens.weight", (0, 64)),))
+    assert other != folder
+    with pytest.raises(ValueError, match="out of range"):
+        fetch_rank_folder(peer_of(served), (TensorPart("model.embed_tokens.weight", (0, 10**6)),))
