@@ -322,6 +322,9 @@ def fetch_rank_folder(
     if (final / DONE_FILE).is_file():
         return final
     headers = headers if headers is not None else source.headers()
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor set names a tensor twice (one entry per tensor: its rows as one range)")
     missing = [p.name for p in parts if p.name not in headers]
     if missing:
         raise ValueError(f"{source.name} has no tensor {missing[0]}")
