@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -259,3 +260,7 @@ def fake_groups_load_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from pipemlx.models import loading
 
     monkeypatch.setattr(loading, "while_ranks_load", load_without_exchange)
+    # ... and the all-gather of who has the model (pipemlx/models/peer.py): every FakeGroup rank has it or none does
+    from pipemlx.models.peer import Sharing
+
+    monkeypatch.setattr(loading, "share_model", lambda *a, **k: contextlib.nullcontext(Sharing(None, True)))  # pyright: ignore[reportUnknownLambdaType]

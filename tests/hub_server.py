@@ -58,7 +58,7 @@ class StandInHub:
         self.delay = delay
         """Seconds every answer waits before it is sent (a slow link to the Hub); may be changed while serving."""
         self.weight_delay = 0.0
-        """Seconds more that a whole weight file (``*.safetensors``, no range) waits before it is sent."""
+        """Seconds more that a weight file's tensors (``*.safetensors``, whole or a range past the header) wait."""
         self.log: list[Request] = []
         self._lock = threading.Lock()
         hub = self
@@ -113,7 +113,8 @@ class StandInHub:
             self.log.append(Request(handler.command, path, agent, wanted_range, time.monotonic()))
         if self.delay:
             time.sleep(self.delay)
-        if self.weight_delay and path.endswith(".safetensors") and wanted_range is None and handler.command == "GET":
+        tensors = wanted_range is None or not re.match(r"bytes=(0|8)-", wanted_range)  # not a header's bytes
+        if self.weight_delay and path.endswith(".safetensors") and tensors and handler.command == "GET":
             time.sleep(self.weight_delay)
         api = re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/.*)?$", path)
         resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)

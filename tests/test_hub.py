@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ from pipemlx.launch import launch
 from pipemlx.models import loading
 from pipemlx.models.hub import ModelSource, needed_files, rank_files
 from pipemlx.models.sharding import EmbeddingStandIn
+from pipemlx.models.weights import FolderSource, rank_tensors
+from pipemlx.runtime.calibration_cache import CACHE_DIR_VARIABLE
 from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model, save_model_dir, tiny_config
 
@@ -102,6 +104,7 @@ def env(hub: StandInHub, tmp_path: Path) -> dict[str, str]:
         **os.environ,
         "HF_ENDPOINT": hub.url,
         "HF_HOME": str(tmp_path / "hf"),
+        CACHE_DIR_VARIABLE: str(tmp_path / "pipemlx"),  # the ranks' weight folders and the headers read
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
@@ -143,6 +146,12 @@ def weight_requests(hub: StandInHub) -> dict[str | None, dict[str, set[str]]]:
     return seen
 
 
+def _span(text: str | None) -> tuple[int, int]:
+    """``bytes=a-b`` as the byte range ``(a, b + 1)``."""
+    first, _, last = (text or "").removeprefix("bytes=").partition("-")
+    return int(first), int(last) + 1
+
+
 def reference_tokens(model_dir: Path, step: int, max_tokens: int) -> list[int]:
     """Single-process mlx-lm on the same model folder, greedy."""
     loaded: Any = load(str(model_dir))
@@ -165,12 +174,19 @@ def test_generate_by_repo_id_fetches_only_each_ranks_files_then_runs_offline(
     assert report["tokens"] == reference_tokens(model_dir, report["largest_chunk"], 8)
     fetched = weight_requests(hub)
     assert None not in fetched, f"the launcher fetched weights: {fetched}"
+    assert all(set(kinds) == {"RANGE"} for kinds in fetched.values()), f"whole files were requested: {fetched}"
+    # Each rank's tensor bytes (headers aside): its own tensors, by range requests, within 1.1x of what it keeps.
+    held = FolderSource(model_dir)
+    headers = held.headers()
+    config = json.loads((model_dir / "config.json").read_text())
     for rank, files in RANK_FILES_LENDING.items():
-        asked = set().union(*fetched[rank].values())
-        assert asked <= files, f"rank {rank} asked for {sorted(asked - files)}, other ranks' files"
-    # Both ranks need the last file and share one cache: one of them fetches it, the other may find it there.
-    assert fetched["0"]["GET"] >= {FILES[0]} and fetched["1"]["GET"] >= {FILES[2]}
-    assert fetched["0"]["GET"] | fetched["1"]["GET"] == set(FILES)  # layers 0-1: rank 0's, or rank 1's (lending)
+        parts = rank_tensors(headers, config, (2, 2), int(rank), lend_mlp=int(rank) > 0)
+        kept = sum(headers[p.name].stop - headers[p.name].start for p in parts)
+        asked = [(r.file(), *_span(r.range)) for r in hub.requests() if r.rank() == rank and r.file() in FILES]
+        data = [(f, a, b) for f, a, b in asked if a not in (0, 8)]  # 0-7 and 8-...: a file's header
+        assert {f for f, _, _ in data} <= files, f"rank {rank} asked for other ranks' tensors: {data}"
+        sent = sum(b - a for _, a, b in data)
+        assert kept <= sent <= 1.1 * kept, (rank, sent, kept)
 
     hub.clear()
     offline = pipemlx({**env, "HF_HUB_OFFLINE": "1"}, *argv, "--prompt", PROMPT)
@@ -261,22 +277,33 @@ def test_rank_files_follow_what_each_rank_keeps(model_dir: Path) -> None:
     assert embedding_file not in needed_files(apart, (2, 2), 1)  # without the split, rank 1 needs no embedding
 
 
-def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
+@dataclass(frozen=True)
+class RemoteFolder(FolderSource):
+    """A model folder read as a remote source is: by byte ranges into a rank's weight folder."""
+
+    @property
+    def local(self) -> bool:
+        return False
+
+
+def test_a_rank_loads_from_its_tensors_alone_in_the_checkpoints_dtype(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rank 1 of 2 with only its files (no embedding): its stand-in embedding has the checkpoint's dtype."""
-    snapshot = tmp_path / "snapshot"
-    snapshot.mkdir()
-    for file in model_dir.iterdir():
-        if file.suffix != ".safetensors" or file.name in RANK_FILES["1"]:
-            shutil.copy(file, snapshot / file.name)
-    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    source = ModelSource(snapshot, REPO, "0" * 40, weight_map, tuple(FILES))
+    """Rank 1 of 2 with only its tensors (no embedding): its stand-in embedding has the checkpoint's dtype."""
+    monkeypatch.setenv(CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    source = RemoteFolder(model_dir, REPO, tuple(FILES))
     fetched: list[set[str]] = []
-    monkeypatch.setattr(loading, "locate_model", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
-    monkeypatch.setattr(loading, "fetch_files", lambda s, files: fetched.append(set(files)))  # pyright: ignore[reportUnknownLambdaType]
+    fetch = loading.fetch_rank_folder
+
+    def counted(s: Any, parts: Any, **k: Any) -> Path:
+        fetched.append({p.name for p in parts})
+        return fetch(s, parts, **k)
+
+    monkeypatch.setattr(loading, "resolve_source", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
+    monkeypatch.setattr(loading, "fetch_rank_folder", counted)
     model, _ = loading.load_sharded(REPO, FakeGroup(1, 2), lend="none")
-    assert fetched == [RANK_FILES["1"]]
+    assert len(fetched) == 1 and {_file_of(n) for n in fetched[0]} == RANK_FILES["1"]
+    assert not any("embed_tokens" in n for n in fetched[0]) and any(".layers.3." in n for n in fetched[0])
     stand_in = getattr(model, "model").embed_tokens
     assert isinstance(stand_in, EmbeddingStandIn) and stand_in(mx.array([1])).dtype == mx.bfloat16
     whole: Any = load(str(model_dir))
@@ -294,22 +321,29 @@ def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(
     ],
 )
 def test_a_planned_split_is_planned_from_the_headers_before_fetching(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[str, Any]
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[str, Any]
 ) -> None:
-    """A memory split (or a balanced one with given speeds) of a repo: the split a whole-folder load plans,
-    decided from the headers, then only the files it needs."""
-    weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    source = ModelSource(model_dir, REPO, "0" * 40, weight_map, tuple(FILES))
+    """A memory split (or a balanced one with given speeds) of a remote model: the split a whole-folder load
+    plans, decided from the headers, then only the tensors it needs."""
+    monkeypatch.setenv(CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    source = RemoteFolder(model_dir, REPO, tuple(FILES))
+    config = json.loads((model_dir / "config.json").read_text())
     fetched: list[set[str]] = []
-    monkeypatch.setattr(loading, "fetch_files", lambda s, files: fetched.append(set(files)))  # pyright: ignore[reportUnknownLambdaType]
+    fetch = loading.fetch_rank_folder
+
+    def counted(s: Any, parts: Any, **k: Any) -> Path:
+        fetched.append({p.name for p in parts})
+        return fetch(s, parts, **k)
+
+    monkeypatch.setattr(loading, "fetch_rank_folder", counted)
     for rank in range(2):
         local, _ = loading.load_sharded(model_dir, FakeGroup(rank, 2), lend="none", **plan)
         with monkeypatch.context() as patched:
-            patched.setattr(loading, "locate_model", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
+            patched.setattr(loading, "resolve_source", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
             remote, _ = loading.load_sharded(REPO, FakeGroup(rank, 2), lend="none", **plan)
         split = stage_of(local).info.split
         assert stage_of(remote).info.split == split and split != (2, 2), split
-        assert fetched[-1] == set(needed_files(source, split, rank))
+        assert fetched[-1] == {p.name for p in rank_tensors(source.headers(), config, split, rank)}
     assert fetched[0] != fetched[1]
 
 
@@ -327,6 +361,7 @@ def _hostfile_ranks(
             **os.environ,
             "HF_ENDPOINT": hubs[r].url,
             "HF_HOME": str(tmp_path / f"hf{r}"),
+            CACHE_DIR_VARIABLE: str(tmp_path / f"pipemlx{r}"),
             "HF_HUB_DISABLE_TELEMETRY": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         }

@@ -135,6 +135,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         "address": addresses[rank] if rank < len(addresses) else "",
         "backend": backend,
         "available": available_memory(),
+        "model": model_here(args.model),
         **versions(),
     }
     report: dict[str, Any] = {"rank": rank, "size": size, "joined": True, "backend": backend}
@@ -190,6 +191,14 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def model_here(model: Any) -> str:
+    """``"has it"`` when this machine has the model (a folder, or every weight file in the Hub cache), else
+    ``"fetches"``: its ranks read their tensors from a rank that has it, or from the Hub."""
+    from ..models.hub import cached_snapshot
+
+    return "has it" if cached_snapshot(model) is not None else "fetches"
+
+
 def planned_memory(args: argparse.Namespace, size: int) -> dict[str, Any] | None:
     from ..models.hub import memory_model_of
     from ..schedule.memory_model import Settings, plan_context
@@ -243,7 +252,7 @@ def render(report: dict[str, Any]) -> str:
     if ranks:
         memory = report.get("memory")
         lines.append(f"pipemlx doctor: {len(ranks)} ranks, backend {report.get('backend')}")
-        header = ("rank", "host", "address", "mlx", "mlx-lm", "pipemlx", "available", "needs")
+        header = ("rank", "host", "address", "mlx", "mlx-lm", "pipemlx", "model", "available", "needs")
         rows: list[tuple[str, ...]] = [header]
         for r in ranks:
             need = memory["needs"][r["rank"]] if memory else None
@@ -255,6 +264,7 @@ def render(report: dict[str, Any]) -> str:
                     r["mlx"],
                     r["mlx-lm"],
                     r["pipemlx"],
+                    str(r.get("model", "-")),
                     format_bytes(r["available"]),
                     "-" if need is None else format_bytes(need),
                 )

@@ -22,6 +22,7 @@ from ..errors import PipelineError
 from ..launch import init_group
 from ..models.hub import locate_model
 from ..models.loading import load_draft, load_sharded
+from ..models.peer import Sharing, share_model
 from ..observe.metrics import decode_tokens_per_s, prefill_tokens_per_s
 from ..runtime.generate import stream_generate
 from ..runtime.prefill import pipeline_prefill
@@ -68,19 +69,26 @@ def generate_rank(
         if rank == 0:
             print(f"pipemlx generate: error: --ranks {expected_ranks} but the group has {size} ranks", file=sys.stderr)
         return 2
-    check_ranks(size, args.model, args.split)
-    try:
-        return _generate(args, prompt_text, group, err)
-    except PipelineError as exc:
-        print(f"pipemlx generate: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    # Who has the model (one all-gather): a rank without it reads it from one that has it, which serves it
+    # until the run ends (pipemlx/models/peer.py).
+    with share_model(group, args.model, None, args.timeout) as sharing:
+        if sharing.peer is None:
+            check_ranks(size, args.model, args.split)
+        try:
+            return _generate(args, prompt_text, group, err, sharing)
+        except PipelineError as exc:
+            print(f"pipemlx generate: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
 
 
-def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console) -> int:
+def _generate(
+    args: argparse.Namespace, prompt_text: str, group: mx.distributed.Group, err: Console, sharing: Sharing
+) -> int:
     rank, size = group.rank(), group.size()
     tokenizer_config = {"trust_remote_code": True} if args.trust_remote_code else None
     try:  # the tokenizer first: the prompt's real length is the context the model is sharded for (lend=auto)
-        root = locate_model(args.model, rank=rank).root  # a repo: its metadata fetched
+        # a repo: its metadata fetched; from a peer: its config and tokenizer files
+        root = sharing.peer.metadata_root() if sharing.peer else locate_model(args.model, rank=rank).root
         tokenizer: Any = load_tokenizer(root, tokenizer_config)
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the tokenizer in {args.model}: {exc}", file=sys.stderr)
@@ -106,6 +114,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             head=args.head,
             adapter_path=args.adapter_path,
             tokenizer_config=tokenizer_config,
+            sharing=sharing,
         )
     except (ValueError, OSError) as exc:
         print(f"pipemlx generate: error: cannot load the model in {args.model}: {exc}", file=sys.stderr)

@@ -1,40 +1,40 @@
-"""Models by name: a Hugging Face repo id in place of a model folder, each rank fetching only its files.
+"""Models by name: a Hugging Face repo id in place of a model folder, each rank fetching only its tensors.
 
 ``load_sharded`` and the ``pipemlx`` commands take ``--model org/name`` as
 mlx-lm does: a path that exists is a local folder, anything else that looks
 like a repo id is fetched from the Hub (``HF_ENDPOINT``, ``HF_HOME``,
 ``HF_HUB_OFFLINE`` and the login token work as for every huggingface_hub
-client). What a rank fetches:
+client). What a rank fetches when no rank of its group has the model (else
+:mod:`pipemlx.models.peer`):
 
 1. :func:`locate_model`: ``config.json``, the tokenizer files and
    ``model.safetensors.index.json`` (the patterns mlx-lm's ``sharded_load`` uses
    for everything but the weights), and the repo's file list, to check that
-   every weight file the index names exists. Every rank does this before any
-   collective, so every rank stops with the same :class:`ModelNotFoundError`
-   for a missing repo, revision or file.
-2. :func:`rank_files`: from the index, the weight files holding this rank's
-   tensors: its decoder layers (and with ``lend_mlp`` the previous rank's last
-   layer, whose feed-forward half it runs), the tensors outside the layers
-   (final norm, output head, ...), the input embedding only where the rank keeps
-   it (rank 0; every rank when it is the tied head), the output head only where
-   the rank keeps it (``head="last"``: the last rank).
-3. :func:`fetch_files`: those files, from the commit step 1 resolved, into the
-   Hub cache; the other ranks' files are never requested.
+   every weight file the index names exists. Every rank does this before it
+   fetches anything, so every rank stops with the same
+   :class:`ModelNotFoundError` for a missing repo, revision or file.
+2. :class:`HubSource` (:func:`resolve_source`): the safetensors headers, by two
+   HTTP range requests per file (kept in pipemlx's cache), and then the byte
+   ranges of the tensors the rank keeps
+   (:func:`pipemlx.models.weights.rank_tensors`), written into its weight folder
+   (:func:`pipemlx.models.weights.fetch_rank_folder`). A snapshot in the Hub
+   cache that holds every weight file is read in place.
 
-``pipemlx split`` sizes a repo from its index and the safetensors headers read
-with HTTP range requests (:func:`model_bytes_of`, :func:`memory_model_of`),
-without downloading the weights. Offline, every file a rank needs must be in
-the cache already; headers are then read from the cached files.
+:func:`rank_files` tells the weight files holding a rank's tensors from the
+index alone. ``pipemlx split`` sizes a repo from its index and the safetensors
+headers read with HTTP range requests (:func:`model_bytes_of`,
+:func:`memory_model_of`), without downloading the weights.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import glob
+import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -43,12 +43,22 @@ from ..schedule.memory_model import HeadPolicy, MemoryModel
 from ..schedule.memory_split import ModelBytes
 from .memory import memory_model_from_dir, memory_model_from_headers
 from .safetensors import (
-    LAYER_NAME,
     decoder_prefix,
     model_bytes_from_dir,
     model_bytes_from_headers,
     read_dir_config,
     read_safetensors_header,
+)
+from .weights import (
+    FetchCount,
+    FolderSource,
+    TensorInfo,
+    TransferError,
+    is_tied,
+    parse_header,
+    rank_layers,
+    tensor_wanted,
+    weights_root,
 )
 
 METADATA_PATTERNS = ("*.json", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt", "*.jsonl", "*.jinja")
@@ -57,8 +67,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 WEIGHT_PATTERN = "model*.safetensors"
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
-HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
 
 T = TypeVar("T")
 
@@ -190,11 +198,8 @@ def rank_files(
     ``layers`` are the decoder layers whose weights the rank needs;
     ``keep_embedding`` whether it keeps the input embedding when the model has
     a separate output head (``lm_head``), ``keep_head`` whether it keeps that
-    head. A tied model's embedding is its head: it is needed where either is
-    kept. ``tied`` (default: read from the index and config) says which. Every
-    other tensor outside the decoder layers (final norm, a vision tower, ...)
-    is needed on every rank. Layers are matched by number, as mlx-lm's
-    ``sharded_load`` does, since a model's ``sanitize`` may rename tensors.
+    head (see :func:`pipemlx.models.weights.tensor_wanted`; ``tied``, default
+    read from the index and config, says whether the embedding is the head).
     Without an index, every weight file (one ``model.safetensors``, usually).
     """
     if not source.weight_map:
@@ -202,37 +207,16 @@ def rank_files(
     names = list(source.weight_map)
     prefix = decoder_prefix(names)
     if tied is None:
-        config = read_dir_config(source.root)
-        flagged = any(bool(c.get("tie_word_embeddings")) for c in (config, config.get("text_config") or {}))
-        tied = flagged or not any(HEAD_SEGMENT.search(n) for n in names)
-    wanted: set[str] = set()
-    for name, file in source.weight_map.items():
-        match = LAYER_NAME.match(name)
-        if match is not None and match.group(1) == prefix:
-            needed = int(match.group(2)) in layers
-        elif prefix is not None and _is_embedding(name, prefix):
-            needed = keep_embedding or (tied and keep_head)
-        elif HEAD_SEGMENT.search(name):
-            needed = keep_head
-        else:
-            needed = True
-        if needed:
-            wanted.add(file)
-    return tuple(sorted(wanted))
-
-
-def embedding_files(source: ModelSource) -> set[str]:
-    """The weight files holding the input embedding (the tensors beside the decoder layers, ``*.embed_tokens.*``)."""
-    prefix = decoder_prefix(source.weight_map)
-    if prefix is None:
-        return set()
-    return {file for name, file in source.weight_map.items() if _is_embedding(name, prefix)}
-
-
-def _is_embedding(name: str, prefix: str) -> bool:
-    """Whether tensor ``name`` is the input embedding held beside the decoder layers (``model.embed_tokens.*``)."""
-    rest = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else ("" if prefix else name)
-    return EMBEDDING_SEGMENT.fullmatch(rest) is not None
+        tied = is_tied(names, read_dir_config(source.root))
+    return tuple(
+        sorted(
+            {
+                file
+                for name, file in source.weight_map.items()
+                if tensor_wanted(name, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied)
+            }
+        )
+    )
 
 
 def needed_files(
@@ -244,44 +228,10 @@ def needed_files(
     head: HeadPolicy = "all",
 ) -> tuple[str, ...]:
     """The weight files rank ``rank`` of a pipeline with layers per rank ``split`` needs (see :func:`rank_files`)."""
-    start = sum(split[:rank])
-    stop = start + split[rank]
-    last = rank == len(split) - 1
-    if lend_mlp and rank > 0:  # the previous rank's last layer: its feed-forward half runs here
-        start -= 1
+    layers = rank_layers(split, rank, lend_mlp=lend_mlp)
     # head="split": every rank holds its rows of the embedding and of the head.
-    return rank_files(
-        source, range(start, stop), keep_embedding=rank == 0 or head == "split", keep_head=head != "last" or last
-    )
-
-
-def fetch_files(source: ModelSource, files: Iterable[str]) -> Path:
-    """Fetch ``files`` of ``source``'s repo at its commit into the Hub cache (offline: check they are cached).
-
-    Returns the snapshot folder, where the files then are. Raises
-    :class:`ModelNotFoundError` for a file the Hub or the offline cache does
-    not have. A local folder is returned as is.
-    """
-    wanted = sorted(set(files))
-    if source.repo is None or not wanted:
-        return source.root
-    repo = source.repo
-    if offline():
-        check_cached(source, wanted)
-        return source.root
-    from huggingface_hub import snapshot_download  # pyright: ignore[reportUnknownVariableType]
-
-    patterns = [glob.escape(f) for f in wanted]
-    _hub_call(
-        lambda: snapshot_download(repo, revision=source.commit, allow_patterns=patterns, user_agent=source.user_agent),
-        repo,
-        source.commit,
-        f"{len(wanted)} weight files of {repo!r}",
-    )
-    absent = [f for f in wanted if not (source.root / f).is_file()]
-    if absent:
-        raise ModelNotFoundError(f"the Hub repo {repo!r} has no file {absent[0]}")
-    return source.root
+    last = rank == len(split) - 1
+    return rank_files(source, layers, keep_embedding=rank == 0 or head == "split", keep_head=head != "last" or last)
 
 
 def check_cached(source: ModelSource, files: Iterable[str] | None = None) -> None:
@@ -292,6 +242,8 @@ def check_cached(source: ModelSource, files: Iterable[str] | None = None) -> Non
     """
     if source.repo is None:
         return
+    if headers_path(f"hub:{source.repo}@{source.commit}").is_file():
+        return  # loaded once by range requests: the ranks' weight folders are in pipemlx's cache (each rank checks)
     wanted = sorted(set(source.weight_files if files is None else files))
     absent = [f for f in wanted if not (source.root / f).is_file()]
     if absent:
@@ -397,3 +349,152 @@ def _raise_not_cached(repo: str, what: str) -> NoReturn:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def headers_path(identity: str) -> Path:
+    """Where pipemlx's cache keeps the safetensors headers of the model ``identity`` (a repo at a commit)."""
+    return weights_root() / f"headers-{hashlib.sha256(identity.encode()).hexdigest()[:32]}.json"
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """A Hub repo at one commit, its weights read by HTTP range requests on the files' URLs.
+
+    The config and tokenizer files are in the Hub cache (:func:`locate_model` fetched them); the safetensors
+    headers are read with two range requests per file and kept in pipemlx's cache (``weights/``), so that a
+    later run, online or offline, plans and finds its weight folder without asking the Hub again."""
+
+    model: ModelSource
+    count: FetchCount = field(default_factory=FetchCount)
+    """Requests answered so far (the ranks' progress exchange counts them)."""
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def local(self) -> bool:
+        return False
+
+    def identity(self) -> str:
+        return f"hub:{self.model.repo}@{self.model.commit}"
+
+    def metadata_root(self) -> Path:
+        return self.model.root
+
+    def describe(self) -> str:
+        from huggingface_hub import constants
+
+        return f"the Hub ({constants.ENDPOINT})"
+
+    def headers(self) -> dict[str, TensorInfo]:
+        kept = headers_path(self.identity())
+        try:
+            return {k: TensorInfo.from_json(v) for k, v in json.loads(kept.read_text()).items()}
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            pass
+        if offline():
+            raise ModelNotFoundError(
+                f"the safetensors headers of {self.name!r} are not in pipemlx's cache and HF_HUB_OFFLINE is set: "
+                "load it once online (or unset HF_HUB_OFFLINE)"
+            )
+        out: dict[str, TensorInfo] = {}
+        for file in self.model.weight_files:
+            (length,) = struct.unpack("<Q", self._get(file, 0, 8))
+            if length > 100 * 2**20:
+                raise ValueError(f"{file} of {self.name!r} is not a safetensors file: header length {length}")
+            out.update(parse_header(self._get(file, 8, 8 + length), length, file, repr(self.name)))
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        temporary = kept.with_name(f"{kept.name}.{os.getpid()}")
+        temporary.write_text(json.dumps({k: v.to_json() for k, v in out.items()}))
+        os.replace(temporary, kept)
+        return out
+
+    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+        if offline():
+            raise ModelNotFoundError(
+                f"{file} of {self.name!r} is not in pipemlx's cache for this rank's tensors and HF_HUB_OFFLINE is "
+                "set: load it once online (or unset HF_HUB_OFFLINE)"
+            )
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, get_session  # pyright: ignore[reportUnknownVariableType]
+
+        url = hf_hub_url(self.model.repo or "", file, revision=self.model.commit)
+        headers = build_hf_headers(user_agent=self.model.user_agent)
+        headers["Range"] = f"bytes={start}-{stop - 1}"
+        got = 0
+        try:
+            with get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+                if response.status_code != 206:
+                    raise TransferError(
+                        f"the Hub answered {response.status_code} to a range request for bytes {start}-{stop - 1} "
+                        f"of {file} of {self.name!r} (206 expected)"
+                    )
+                for piece in response.iter_bytes():
+                    got += len(piece)
+                    if got > stop - start:
+                        break
+                    yield piece
+        except TransferError:
+            raise
+        except Exception as exc:  # the HTTP client's errors: a cut or refused connection
+            raise TransferError(
+                f"the range {start}-{stop - 1} of {file} of {self.name!r} from the Hub was cut after {got} of "
+                f"{stop - start} bytes: {_first_line(exc)}"
+            ) from None
+        self.count.requests += 1
+        if got != stop - start:
+            raise TransferError(
+                f"the Hub sent {got} bytes for the range {start}-{stop - 1} of {file} of {self.name!r}, "
+                f"not {stop - start}"
+            )
+
+    def _get(self, file: str, start: int, stop: int) -> bytes:
+        return b"".join(self.read(file, start, stop))
+
+
+def resolve_source(
+    name: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    rank: int | None = None,
+    count: FetchCount | None = None,
+) -> FolderSource | HubSource:
+    """The model ``name`` as a weight source: a local folder, a Hub snapshot already holding every weight file
+    (both read in place), or a Hub repo read by range requests. Raises :class:`ModelNotFoundError` as
+    :func:`locate_model` does."""
+    model = locate_model(name, revision=revision, rank=rank)
+    if model.repo is None:
+        return FolderSource(model.root)
+    if all((model.root / f).is_file() for f in model.weight_files):
+        return FolderSource(model.root, model.repo, model.weight_files)
+    return HubSource(model, count if count is not None else FetchCount())
+
+
+def cached_snapshot(name: str | os.PathLike[str], revision: str | None = None) -> FolderSource | None:
+    """The model ``name`` where this machine has all of it without asking anyone: a model folder, or a Hub repo
+    whose snapshot in the cache holds the config and every weight file. ``None`` otherwise (never raises)."""
+    try:
+        if not is_repo_id(name):
+            root = Path(name)
+            if (root / "config.json").is_file() and any(root.glob(WEIGHT_PATTERN)):
+                return FolderSource(root)
+            return None
+        from huggingface_hub import snapshot_download  # pyright: ignore[reportUnknownVariableType]
+
+        repo = os.fspath(name)
+        root = Path(
+            snapshot_download(repo, revision=revision, allow_patterns=list(METADATA_PATTERNS), local_files_only=True)
+        )
+        if not (root / "config.json").is_file():
+            return None
+        files: tuple[str, ...] = ()
+        if (root / INDEX_FILE).is_file():
+            files = tuple(sorted(set(json.loads((root / INDEX_FILE).read_text())["weight_map"].values())))
+        else:
+            files = tuple(sorted(p.name for p in root.glob(WEIGHT_PATTERN)))
+        if files and all((root / f).is_file() for f in files):
+            return FolderSource(root, repo, files)
+    except Exception:  # not cached, unreadable: this machine does not hold it
+        return None
+    return None

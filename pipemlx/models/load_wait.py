@@ -2,7 +2,7 @@
 
 A rank that resolves, downloads or reads its weights more slowly than the others (a slower link to the Hub, a
 colder disk) must not make the first collective with a deadline fail on the fast ones: while this rank loads,
-:func:`while_ranks_load` has a thread tell the others, once a second, how far it is (bytes in its Hub cache,
+:func:`while_ranks_load` has a thread tell the others, once a second, how far it is (bytes in its Hub cache and fetched,
 stages, whether it is done). The ranks leave the exchange together, in the same round,
 once every rank is done; they fail together, each with a line naming the rank, when one made no progress for
 ``timeout`` seconds, or its loading raised (that rank raises its own error, the others name it), or it died
@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from ..errors import PipelineError, PipelineTimeoutError
 from ..runtime.waits import wait_for
+from .weights import FetchCount
 
 T = TypeVar("T")
 
@@ -48,6 +49,8 @@ class LoadProgress:
     """The Hub cache folder of the repo being fetched (``None``: a local folder, nothing to download)."""
     steps: int = 0
     """Stages finished (the repo located, the files fetched, the model built): progress without bytes."""
+    fetched: FetchCount = field(default_factory=FetchCount)
+    """Tensor bytes fetched so far into this rank's weight folder (from the Hub or a peer)."""
     state: int = RUNNING
     failure: str = ""
     """This rank's error when its loading raised (repeated by the others)."""
@@ -55,8 +58,8 @@ class LoadProgress:
     """Set when ``state`` leaves ``RUNNING``: the exchange reports at once."""
 
     def figure(self) -> int:
-        """A number that grows while the loading makes progress: KiB in the repo's cache, and the stages."""
-        return _cached_kib(self.cache) + self.steps
+        """A number that grows while the loading makes progress: KiB in the repo's cache and fetched, the stages."""
+        return _cached_kib(self.cache) + (self.fetched.fetched >> 10) + self.fetched.requests + self.steps
 
     def end(self, failure: BaseException | None) -> None:
         self.failure = "" if failure is None else f"{type(failure).__name__}: {failure}"
@@ -139,13 +142,18 @@ class _Exchange:
             if stalled:
                 self.error = PipelineTimeoutError(
                     f"rank {rank}/{size}: rank {stalled[0]} made no progress loading {what} for {timeout:g} s "
-                    f"({_amount(rows[stalled[0]][1])} in its cache)"
+                    f"({_amount(rows[stalled[0]][1])} fetched or cached)"
                 )
                 return
             if time.monotonic() - shown >= SHOW_AFTER_S:
                 shown = time.monotonic()
-                waiting = [f"rank {r} ({_amount(rows[r][1])} so far)" for r in range(size) if states[r] == RUNNING]
-                LOGGER.warning("pipemlx: rank %d/%d waits for %s to load %s", rank, size, ", ".join(waiting), what)
+                waiting = [
+                    f"rank {r} ({_amount(rows[r][1])} so far)"
+                    for r in range(size)
+                    if states[r] == RUNNING and r != rank
+                ]
+                if waiting:
+                    LOGGER.warning("pipemlx: rank %d/%d waits for %s to load %s", rank, size, ", ".join(waiting), what)
 
 
 def _exchange(

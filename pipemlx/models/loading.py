@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -16,11 +17,12 @@ from ..errors import renamed
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
 from ..schedule.memory_split import plan_split, resolve_budgets
 from ..schedule.split import layer_range, resolve_split
-from .hub import ModelSource, cache_folder, embedding_files, fetch_files, locate_model, needed_files, remote_headers
+from .hub import cache_folder, resolve_source
 from .load_wait import LoadProgress, while_ranks_load
 from .memory import memory_model_from_headers
 from .parameters import activation_dtype, embedding_modules
-from .safetensors import read_dir_config
+from .peer import PeerSource, Sharing, share_model
+from .safetensors import decoder_prefix, read_dir_config
 from .sharding import (
     AUTO_PLANNED_STEP,
     DEFAULT_TIMEOUT,
@@ -32,6 +34,16 @@ from .sharding import (
     split_kind,
 )
 from .vocab_rows import preread_vocabulary
+from .weights import (
+    FolderSource,
+    TensorInfo,
+    TensorPart,
+    WeightSource,
+    config_of,
+    fetch_rank_folder,
+    is_embedding,
+    rank_tensors,
+)
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -69,16 +81,24 @@ def load_sharded(
     lend: LendSpec = "auto",
     revision: str | None = None,
     adapter_path: str | os.PathLike[str] | None = None,
+    sharing: Sharing | None = None,
 ) -> tuple[nn.Module, Any]:
     """Load the mlx-lm model ``path`` as this rank's pipeline stage; return ``(model, tokenizer)``.
 
     ``path`` is a model folder or, as in mlx-lm, a Hugging Face repo id
-    (``mlx-community/...``, at ``revision``; default the main branch): then this
-    rank fetches the config, the tokenizer files and the safetensors index, and
-    of the weights only the files holding the tensors it keeps, read from the
-    index (:mod:`pipemlx.models.hub`; ``split="memory"`` is planned from the
-    safetensors headers, read remotely, as is ``"balanced"`` with ``speeds``;
-    a ``"balanced"`` split that times the ranks makes every rank fetch every file).
+    (``mlx-community/...``, at ``revision``; default the main branch), and it
+    need only be on one rank's machine: loading is one pass over one source
+    (:mod:`pipemlx.models.weights`). First the ranks agree in one all-gather
+    who has the model (:mod:`pipemlx.models.peer`; ``sharing`` passes that
+    agreement in when the caller made it already, to read the tokenizer
+    first); a rank with it reads it in place and serves it to the group until
+    every rank has loaded. A rank without it reads, from a rank that has it or
+    else from the Hub (HTTP range requests), the config, the tokenizer files,
+    the safetensors headers, and the byte ranges of the tensors it keeps only,
+    into a weight folder of its own in pipemlx's cache (a second run fetches
+    nothing). The split is planned before fetching (``split="memory"`` and
+    ``"balanced"`` with ``speeds`` from the headers; a ``"balanced"`` split that
+    times the ranks makes every rank fetch every tensor).
 
     A collective, like :func:`pipemlx.shard_model`: call it on every rank of ``group`` with the same arguments. The model is
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
@@ -107,13 +127,16 @@ def load_sharded(
     asked = ShardArguments(split, memory, speeds, context, kv_bits, prefill_step_size, head, lend)
     # Every rank fetches and builds its part while the ranks tell each other how far they are: a slow download
     # is waited for as long as it makes progress, before the first collective with a deadline (shard_model's).
-    model, config, root, planned = while_ranks_load(
-        group,
-        timeout,
-        lambda progress: _fetch_and_build(
-            path, group, revision, progress, asked, model_config, trust_remote_code, adapter_path
-        ),
-    )
+    # A rank without the model reads it from one that has it (pipemlx/models/peer.py): agreed in one all-gather,
+    # served until every rank has loaded.
+    with share_model(group, path, revision, timeout) if sharing is None else nullcontext(sharing) as agreed:
+        model, config, root, planned = while_ranks_load(
+            group,
+            timeout,
+            lambda progress: _fetch_and_build(
+                path, group, revision, progress, asked, model_config, trust_remote_code, adapter_path, agreed.peer
+            ),
+        )
     shard_model(
         model,
         group,
@@ -158,43 +181,37 @@ def _fetch_and_build(
     model_config: dict[str, Any] | None,
     trust_remote_code: bool,
     adapter_path: str | os.PathLike[str] | None = None,
+    peer: PeerSource | None = None,
 ) -> tuple[nn.Module, dict[str, Any], Path, ShardArguments]:
-    """This rank's files fetched (a repo) and the model built from them lazily: no collective, no evaluation."""
+    """This rank's model built lazily from its source, in one pass: the source resolved (a folder, the Hub, a
+    peer), the split planned from it, this rank's tensors fetched (unless the source is local), the model built.
+    No collective, no evaluation."""
     progress.cache = cache_folder(path)
+    if peer is not None:
+        peer.count = progress.fetched
+    source: WeightSource = (
+        peer if peer is not None else resolve_source(path, revision=revision, rank=group.rank(), count=progress.fetched)
+    )
+    progress.steps += 1
+    planned: tuple[list[int] | None, tuple[TensorPart, ...]] | None = None
+    root = source.metadata_root()
+    if source.local:
+        if isinstance(source, FolderSource) and not source.label:  # the folder the user named (not a snapshot)
+            root = check_model_dir(root)
+    else:
+        planned, root = _fetch_rank_weights(source, group, arguments, progress, model_config, trust_remote_code)
     split, memory, speeds, context, lend = (
         getattr(arguments, f) for f in ("split", "memory", "speeds", "context", "lend")
     )
-    step_size = arguments.prefill_step_size
-    source = locate_model(path, revision=revision, rank=group.rank())
-    progress.steps += 1
-    planned: tuple[list[int], tuple[str, ...]] | None = None
-    if source.repo is None:
-        root = check_model_dir(path)
-    else:
-        planned = _fetch_rank_weights(
-            source,
-            group,
-            split,
-            memory,
-            speeds,
-            context=context,
-            kv_bits=arguments.kv_bits,
-            step_size=AUTO_PLANNED_STEP if step_size == "auto" else step_size,
-            model_config=model_config,
-            trust_remote_code=trust_remote_code,
-            lend_mlp=lend != "none",  # "auto" may cut inside a layer: fetch the layer before the cut too
-            head=arguments.head,
-        )
-        root = source.root
-        if planned is not None:  # decided before fetching: shard_model takes it as given
-            if split in ("memory", "balanced") or memory is not None or speeds is not None:
-                context = None  # it planned the split, from memory budgets that count whole layers
-                lend = "none" if lend == "auto" else lend  # as shard_model's own memory plans keep them
-            split, memory, speeds = planned[0], None, None
+    if planned is not None and planned[0] is not None:  # decided before fetching: shard_model takes it as given
+        if split in ("memory", "balanced") or memory is not None or speeds is not None:
+            context = None  # it planned the split, from memory budgets that count whole layers
+            lend = "none" if lend == "auto" else lend  # as shard_model's own memory plans keep them
+        split, memory, speeds = planned[0], None, None
     loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
         root,
         lazy=True,
-        strict=planned is None,  # a repo's snapshot may hold only this rank's weight files
+        strict=planned is None or planned[0] is None,  # a rank's folder holds only its tensors
         model_config=model_config,
         trust_remote_code=trust_remote_code,
     )
@@ -204,7 +221,7 @@ def _fetch_and_build(
         preread_vocabulary(model, root, group.rank(), group.size())
     if adapter_path is not None:  # mlx-lm's own, on the whole model (global layer numbers): shard_model then
         load_adapters(model, str(adapter_path))  # keeps the adapters of this rank's layers and drops the others
-    if planned is not None and not embedding_files(source) <= set(planned[1]):
+    if planned is not None and planned[0] is not None and not _holds_embedding(source, planned[1]):
         _unfetched_embedding_dtype(model, layer_range(planned[0], group.rank()))
     progress.steps += 1
     return (
@@ -215,53 +232,76 @@ def _fetch_and_build(
     )
 
 
+def _holds_embedding(source: WeightSource, parts: tuple[TensorPart, ...]) -> bool:
+    names = [p.name for p in parts]
+    prefix = decoder_prefix(source.headers())
+    if prefix is None:
+        return True
+    wanted = {n for n in source.headers() if is_embedding(n, prefix)}
+    return wanted <= set(names)
+
+
 def _fetch_rank_weights(
-    source: ModelSource,
+    source: WeightSource,
     group: Any,
-    split: SplitSpec,
-    memory: MemorySpec,
-    speeds: Sequence[float] | None,
-    *,
-    context: int | None,
-    kv_bits: int | None,
-    step_size: int,
+    arguments: ShardArguments,
+    progress: LoadProgress,
     model_config: dict[str, Any] | None,
     trust_remote_code: bool,
-    lend_mlp: bool,
-    head: HeadPolicy,
-) -> tuple[list[int], tuple[str, ...]] | None:
-    """Fetch the weight files of a Hub repo that this rank needs; return the split and files if decided here.
+) -> tuple[tuple[list[int] | None, tuple[TensorPart, ...]], Path]:
+    """Plan the split from ``source`` and fetch this rank's tensors into its weight folder; return the split
+    (``None``: left to :func:`shard_model`) with the tensor set, and the folder.
 
     The split is decided before fetching and passed on to :func:`shard_model`,
-    so the files match the layers the rank keeps. An even or given split needs
+    so the tensors match the layers the rank keeps. An even or given split needs
     the layer count, from the model as mlx-lm builds it from the config alone
     (lazily, nothing evaluated). ``split="memory"`` and a ``"balanced"`` split
     with given ``speeds`` are planned as :func:`shard_model` plans them, from
-    the parameter bytes in the safetensors headers (read remotely,
-    :func:`pipemlx.models.hub.remote_headers`) rather than from the weights as
-    built. A ``"balanced"`` split without ``speeds`` is left to
-    :func:`shard_model`, which times the ranks on the model: every file is
-    fetched (``None`` returned).
+    the parameter bytes in the safetensors headers rather than from the weights
+    as built. A ``"balanced"`` split without ``speeds`` is left to
+    :func:`shard_model`, which times the ranks on the model: every tensor is
+    fetched.
     """
+    split, memory, speeds, context, step_size = (
+        arguments.split,
+        arguments.memory,
+        arguments.speeds,
+        arguments.context,
+        arguments.prefill_step_size,
+    )
+    headers = source.headers()
+    config = config_of(source)
     kind = split_kind(split, memory, speeds)  # as shard_model reads them
+    who = f"rank {group.rank()}/{group.size()}"
     if kind == "balanced" and speeds is None:
-        fetch_files(source, source.weight_files)
-        return None
+        parts = tuple(TensorPart(n) for n in sorted(headers))
+        root = fetch_rank_folder(source, parts, who=who, count=progress.fetched, headers=headers)
+        return (None, parts), root
     if kind == "memory" or kind == "balanced":
-        sizes = _planned_split(source, group.size(), memory, speeds, context, kv_bits, step_size, head)
+        step = AUTO_PLANNED_STEP if step_size == "auto" else step_size
+        sizes = _planned_split(
+            headers, config, source.name, group.size(), memory, speeds, context, arguments.kv_bits, step, arguments.head
+        )
     else:
         loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
-            source.root, lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
+            source.metadata_root(),
+            lazy=True,
+            strict=False,
+            model_config=model_config,
+            trust_remote_code=trust_remote_code,
         )
         owner, attribute = find_layer_list(loaded[0])
         sizes = resolve_split(kind, len(cast(list[Any], owner[attribute])), group.size())
-    files = needed_files(source, sizes, group.rank(), lend_mlp=lend_mlp, head=head)
-    fetch_files(source, files)
-    return list(sizes), files
+    lend_mlp = arguments.lend != "none"  # "auto" may cut inside a layer: fetch the layer before the cut too
+    parts = rank_tensors(headers, config, sizes, group.rank(), lend_mlp=lend_mlp, head=arguments.head)
+    root = fetch_rank_folder(source, parts, who=who, count=progress.fetched, headers=headers)
+    return (list(sizes), parts), root
 
 
 def _planned_split(
-    source: ModelSource,
+    headers: dict[str, TensorInfo],
+    config: dict[str, Any],
+    name: str,
     world: int,
     memory: MemorySpec,
     speeds: Sequence[float] | None,
@@ -270,9 +310,12 @@ def _planned_split(
     step_size: int,
     head: HeadPolicy,
 ) -> tuple[int, ...]:
-    """A ``"memory"`` split (``speeds`` None) or a ``"balanced"`` one with given speeds, of a Hub repo, from its
-    config and safetensors headers: what :func:`shard_model` plans from the weights as built."""
-    model = memory_model_from_headers(remote_headers(source), read_dir_config(source.root), source.name)
+    """A ``"memory"`` split (``speeds`` None) or a ``"balanced"`` one with given speeds, from a model's config and
+    safetensors headers: what :func:`shard_model` plans from the weights as built."""
+    entries = {
+        k: {"dtype": v.dtype, "shape": list(v.shape), "data_offsets": [v.start, v.stop]} for k, v in headers.items()
+    }
+    model = memory_model_from_headers(entries, config, name)
     budgets = resolve_budgets(memory, world)
     settings = None if context is None else Settings(context, step_size, kv_bits=kv_bits, head=head)
     if speeds is not None:

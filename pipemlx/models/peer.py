@@ -1,0 +1,382 @@
+"""Weights from a peer: a rank that has the model serves its files to the ranks of its group that do not.
+
+At the start of :func:`pipemlx.models.loading.load_sharded`, every rank says in one all-gather over the group
+(:func:`share_model`) whether this machine has the model (a folder, or a Hub snapshot with every weight file:
+:func:`pipemlx.models.hub.cached_snapshot`); a rank that has it listens on its own address in the group (its
+hostfile entry's IP, loopback without a hostfile) and adds its port, a fingerprint of the model and a random
+32-byte token to its row. A rank without the model then reads it from one that has it
+(:class:`PeerSource`): the headers, the config and tokenizer files, and the byte ranges of its own tensors,
+into its weight folder (:func:`pipemlx.models.weights.fetch_rank_folder`).
+
+The server (:class:`PeerServer`) is read-only and answers only three requests: the model's headers and
+file list, one of its config or tokenizer files, and a byte range (at most
+:data:`~pipemlx.models.weights.CHUNK_BYTES`) inside one of its weight files. A connection first proves it holds
+the token (an HMAC of a fresh challenge); every answer carries an HMAC-SHA256, under a key derived from the
+token and that challenge, of the request and the answer's bytes, which the fetching rank checks before writing
+anything: a byte changed in transit, a short or cut answer fails the fetch with a :class:`TransferError`. The
+server stops once every rank has loaded (the exchange of :mod:`.load_wait` ended), or with the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import socket
+import struct
+import threading
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..runtime.waits import wait_for
+from .hub import cached_snapshot
+from .load_wait import FIRST_MEETING_TIMEOUTS, LOGGER
+from .weights import (
+    CHUNK_BYTES,
+    DONE_FILE,
+    FetchCount,
+    FolderSource,
+    TensorInfo,
+    TransferError,
+    weights_root,
+)
+
+TOKEN_BYTES = 32
+HOST_BYTES = 64
+"""The most bytes of a holder's address in the all-gathered row."""
+PEER_TIMEOUT_S = 60.0
+"""Seconds a fetching rank waits for any one read or write on its connection to the holder."""
+MAX_CONNECTIONS = 64
+"""Connections a server handles at once; more are closed at once."""
+MAX_REQUEST_BYTES = 4096
+MAX_FILE_BYTES = 256 << 20
+"""The largest config or tokenizer file served."""
+HELLO, SESSION = b"pipemlx-peer-hello", b"pipemlx-peer-session"
+HOSTFILE_VARIABLE = "MLX_HOSTFILE"
+
+
+def own_host(rank: int) -> str:
+    """This rank's IP in the group: its entry of the ring hostfile MLX was given, else loopback."""
+    path = os.environ.get(HOSTFILE_VARIABLE)
+    if path:
+        try:
+            hosts: Any = json.loads(Path(path).read_text())
+            entry = str(hosts[rank][0] if isinstance(hosts[rank], list) else hosts[rank])
+            host = entry.rpartition(":")[0].strip("[]")
+            if host:
+                return host
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
+            pass
+    return "127.0.0.1"
+
+
+def fingerprint(source: FolderSource) -> bytes:
+    """32 bytes naming the held model's bytes (its folder, files, sizes and modification times)."""
+    return hashlib.sha256(source.identity().encode()).digest()
+
+
+class PeerServer:
+    """Serves one model folder, read-only, to connections that hold ``token`` (see the module)."""
+
+    def __init__(self, source: FolderSource, host: str, token: bytes) -> None:
+        self.source = source
+        self.token = token
+        self.served = 0
+        """Bytes of weight ranges sent so far (tests count them)."""
+        self._lock = threading.Lock()
+        self._open = 0
+        self._files = set(source.weight_files())
+        self._metadata = set(source.metadata_files())
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, 0))
+        self._socket.listen(16)
+        self.address: tuple[str, int] = (host, int(self._socket.getsockname()[1]))
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="pipemlx-peer-server", daemon=True)
+
+    def start(self) -> PeerServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self.served and not self._stopped.is_set():
+            LOGGER.warning("pipemlx: served %d bytes of %s's tensors to the group", self.served, self.source.name)
+        self._stopped.set()
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._socket.close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> PeerServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._socket.accept()
+            except OSError:
+                return
+            with self._lock:
+                full = self._open >= MAX_CONNECTIONS
+                self._open += 0 if full else 1
+            if full:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(PEER_TIMEOUT_S)
+            nonce = secrets.token_bytes(16)
+            conn.sendall(nonce)
+            proof = _read_exact(conn, 32)
+            if not hmac.compare_digest(proof, hmac.new(self.token, HELLO + nonce, "sha256").digest()):
+                return
+            key = hmac.new(self.token, SESSION + nonce, "sha256").digest()
+            while not self._stopped.is_set():
+                try:
+                    (length,) = struct.unpack(">I", _read_exact(conn, 4))
+                except EOFError:
+                    return
+                if length > MAX_REQUEST_BYTES:
+                    return
+                request = _read_exact(conn, length)
+                try:
+                    body, ok = self._answer(json.loads(request)), True
+                except (ValueError, KeyError, TypeError, OSError) as exc:
+                    body, ok = str(exc).encode(), False
+                tag = hmac.new(key, request + body, "sha256").digest()
+                conn.sendall(bytes([0 if ok else 1]) + struct.pack(">Q", len(body)) + tag + body)
+        except (OSError, EOFError):
+            return
+        finally:
+            conn.close()
+            with self._lock:
+                self._open -= 1
+
+    def _answer(self, request: dict[str, Any]) -> bytes:
+        op = request["op"]
+        if op == "meta":
+            headers = {k: v.to_json() for k, v in self.source.headers().items()}
+            meta = {"headers": headers, "files": sorted(self._metadata)}
+            return json.dumps(meta).encode()
+        if op == "file":
+            name = str(request["name"])
+            if name not in self._metadata:
+                raise ValueError(f"{name!r} is not a config or tokenizer file of the model served")
+            path = self.source.root / name
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise ValueError(f"{name} is larger than {MAX_FILE_BYTES} bytes")
+            return path.read_bytes()
+        if op == "range":
+            file, start, stop = str(request["file"]), int(request["start"]), int(request["stop"])
+            if file not in self._files:
+                raise ValueError(f"{file!r} is not a weight file of the model served")
+            size = (self.source.root / file).stat().st_size
+            if not 0 <= start < stop <= size or stop - start > CHUNK_BYTES:
+                raise ValueError(f"bytes {start}:{stop} are not a range of at most {CHUNK_BYTES} bytes in {file}")
+            body = b"".join(self.source.read(file, start, stop))
+            with self._lock:
+                self.served += len(body)
+            return body
+        raise ValueError(f"unknown request {op!r}")
+
+
+@dataclass
+class PeerSource:
+    """The model as a rank of the group that has it serves it (a :class:`~pipemlx.models.weights.WeightSource`)."""
+
+    label: str
+    address: tuple[str, int]
+    token: bytes
+    print_: bytes
+    """The holder's :func:`fingerprint` of the model: the cache key of what is fetched from it."""
+    holder: int
+    count: FetchCount = field(default_factory=FetchCount)
+    """Requests answered so far (the ranks' progress exchange counts them)."""
+    _conn: socket.socket | None = field(default=None, repr=False)
+    _key: bytes = field(default=b"", repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    @property
+    def local(self) -> bool:
+        return False
+
+    def identity(self) -> str:
+        return "peer:" + self.print_.hex()
+
+    def describe(self) -> str:
+        return f"rank {self.holder} ({self.address[0]}:{self.address[1]})"
+
+    def metadata_root(self) -> Path:
+        """The holder's config, tokenizer files and headers, fetched once into the cache (``meta-*``)."""
+        final = weights_root() / f"meta-{self.print_.hex()[:32]}"
+        if (final / DONE_FILE).is_file():
+            return final
+        temporary = final.with_name(f"{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+        temporary.mkdir(parents=True)
+        try:
+            meta = json.loads(self._request({"op": "meta"}))
+            for name in meta["files"]:
+                if "/" in name or name.startswith("."):
+                    raise TransferError(f"{self.describe()} named a file {name!r} outside the model folder")
+                (temporary / name).write_bytes(self._request({"op": "file", "name": name}))
+            (temporary / "pipemlx-headers.json").write_text(json.dumps(meta["headers"]))
+            (temporary / DONE_FILE).write_text(json.dumps({"source": self.identity()}))
+            try:
+                os.rename(temporary, final)
+            except OSError:
+                if not (final / DONE_FILE).is_file():
+                    raise
+        finally:
+            if temporary.exists():
+                shutil.rmtree(temporary, ignore_errors=True)
+        return final
+
+    def headers(self) -> dict[str, TensorInfo]:
+        rows = json.loads((self.metadata_root() / "pipemlx-headers.json").read_text())
+        return {k: TensorInfo.from_json(v) for k, v in rows.items()}
+
+    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+        for begin in range(start, stop, CHUNK_BYTES):
+            end = min(stop, begin + CHUNK_BYTES)
+            body = self._request({"op": "range", "file": file, "start": begin, "stop": end})
+            if len(body) != end - begin:
+                raise TransferError(f"{self.describe()} sent {len(body)} bytes of {file} for {end - begin} asked")
+            yield body
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connect(self) -> socket.socket:
+        if self._conn is not None:
+            return self._conn
+        try:
+            conn = socket.create_connection(self.address, timeout=PEER_TIMEOUT_S)
+            nonce = _read_exact(conn, 16)
+            conn.sendall(hmac.new(self.token, HELLO + nonce, "sha256").digest())
+        except (OSError, EOFError) as exc:
+            raise TransferError(f"cannot reach {self.describe()}, which has {self.label}: {exc}") from None
+        self._conn, self._key = conn, hmac.new(self.token, SESSION + nonce, "sha256").digest()
+        return conn
+
+    def _request(self, request: dict[str, Any]) -> bytes:
+        raw = json.dumps(request, separators=(",", ":")).encode()
+        conn = self._connect()
+        what = f"{request.get('file') or request.get('name') or 'the headers'}"
+        got = 0
+        try:
+            conn.sendall(struct.pack(">I", len(raw)) + raw)
+            head = _read_exact(conn, 1 + 8 + 32)
+            status, (length,), tag = head[0], struct.unpack(">Q", head[1:9]), head[9:]
+            if length > CHUNK_BYTES + MAX_FILE_BYTES:
+                raise TransferError(f"{self.describe()} announced {length} bytes for {what}")
+            body = bytearray(length)
+            view = memoryview(body)
+            while got < length:
+                n = conn.recv_into(view[got:], min(length - got, 1 << 20))
+                if n == 0:
+                    raise EOFError
+                got += n
+        except (OSError, EOFError) as exc:
+            self.close()
+            cause = "the connection closed" if isinstance(exc, EOFError) else str(exc) or type(exc).__name__
+            raise TransferError(
+                f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause}); "
+                "no weight folder was kept"
+            ) from None
+        if not hmac.compare_digest(tag, hmac.new(self._key, raw + bytes(body), "sha256").digest()):
+            self.close()
+            raise TransferError(
+                f"{length} bytes of {what} from {self.describe()} fail their check (changed in transit); "
+                "no weight folder was kept"
+            )
+        self.count.requests += 1
+        if status != 0:
+            raise TransferError(f"{self.describe()} refused {what}: {bytes(body).decode(errors='replace')}")
+        return bytes(body)
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        piece = conn.recv(n - len(data))
+        if not piece:
+            raise EOFError
+        data += piece
+    return bytes(data)
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What :func:`share_model` agreed for this rank: the peer to fetch the model from (``None``: not from a peer)
+    and whether this rank has the model itself (and serves it)."""
+
+    peer: PeerSource | None
+    holds: bool
+
+
+@contextmanager
+def share_model(
+    group: Any, path: str | os.PathLike[str], revision: str | None, timeout: float | None
+) -> Generator[Sharing]:
+    """Agree who has the model ``path`` (one all-gather over ``group``); serve it while the body runs where this
+    rank has it; give the body a :class:`Sharing` whose ``peer`` is the :class:`PeerSource` to fetch from where
+    this rank lacks the model and another has it (``None``: this rank has it, or no rank does)."""
+    if group.size() == 1:
+        yield Sharing(None, False)
+        return
+    rank: int = group.rank()
+    size: int = group.size()
+    held = cached_snapshot(path, revision)
+    token = secrets.token_bytes(TOKEN_BYTES)
+    server = PeerServer(held, own_host(rank), token).start() if held is not None else None
+    try:
+        host = (server.address[0] if server else "").encode()[:HOST_BYTES].ljust(HOST_BYTES, b"\0")
+        row = [1 if server else 0, server.address[1] if server else 0, *token]
+        row += [*(fingerprint(held) if held is not None else bytes(32)), *host]
+        stream = mx.new_thread_unsafe_stream(mx.default_device())
+        with mx.stream(stream):
+            gathered = mx.distributed.all_gather(mx.array(row, dtype=mx.int32), group=group)
+        wait = None if timeout is None else timeout * FIRST_MEETING_TIMEOUTS
+        wait_for(gathered, wait, lambda: f"rank {rank}/{size} telling the others whether it has {os.fspath(path)}")
+        flat: list[int] = gathered.tolist()  # pyright: ignore[reportAssignmentType]
+        rows: list[list[int]] = [flat[r * len(row) : (r + 1) * len(row)] for r in range(size)]
+        holders = [r for r in range(size) if rows[r][0] == 1]
+        if held is not None or not holders:
+            yield Sharing(None, held is not None)
+            return
+        chosen = holders[rank % len(holders)]
+        line = rows[chosen]
+        start = 2
+        peer_token = bytes(line[start : start + TOKEN_BYTES])
+        print_ = bytes(line[start + TOKEN_BYTES : start + 2 * TOKEN_BYTES])
+        peer_host = bytes(line[start + 2 * TOKEN_BYTES :]).rstrip(b"\0").decode()
+        source = PeerSource(os.fspath(path), (peer_host, line[1]), peer_token, print_, chosen)
+        try:
+            yield Sharing(source, False)
+        finally:
+            source.close()
+    finally:
+        if server is not None:
+            server.stop()

@@ -1,0 +1,446 @@
+"""Where a rank's weights come from: one source (a folder, the Hub, a peer rank), and its tensors fetched once.
+
+Loading is one pass: :func:`pipemlx.models.loading.load_sharded` resolves the
+model it is given into one :class:`WeightSource` (a local folder or a fully
+cached Hub snapshot: :class:`FolderSource`; a Hub repo read by HTTP range
+requests: :class:`HubSource`; a rank that has the model:
+:class:`pipemlx.models.peer.PeerSource`), plans the split from what the source
+answers (its config, its safetensors headers), and, when the source is not a
+local folder, fetches the byte ranges of the tensors this rank keeps
+(:func:`rank_tensors`) into a weight folder of its own in the cache
+(:func:`fetch_rank_folder`). A second run finds that folder and fetches
+nothing.
+
+A rank's tensor set is a tuple of :class:`TensorPart`: a whole tensor, or a
+range of its rows (rows of the first axis are consecutive bytes in a
+safetensors file, so a row range is one byte range); the cache key covers the
+set, rows included.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..runtime.calibration_cache import cache_dir
+from .safetensors import LAYER_NAME, MAX_HEADER_BYTES, decoder_prefix, read_dir_config
+
+LOGGER = logging.getLogger("pipemlx")
+CHUNK_BYTES = 16 << 20
+"""The most bytes one request asks for (a peer reads, authenticates and sends one chunk at a time)."""
+MERGE_GAP_BYTES = 4 << 10
+"""Two ranges of one file closer than this are fetched as one (the bytes between them are dropped)."""
+DONE_FILE = "pipemlx-weights.json"
+"""Written last into a rank's weight folder, before the folder is renamed into place: what it holds."""
+WEIGHTS_FILE = "model.safetensors"
+METADATA_FILE = re.compile(
+    r"^(?!model.*\.safetensors$)(?!model\.safetensors\.index\.json$).*"
+    r"(\.json|\.py|\.tiktoken|\.txt|\.jsonl|\.jinja|tokenizer\.model|tiktoken\.model)$"
+)
+"""Files a rank's folder copies besides its weights: config, tokenizer files, chat template (no weight index)."""
+EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
+HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
+PROGRESS_EVERY_S = 5.0
+"""How often a rank that fetches says how far it is."""
+
+
+class TransferError(OSError):
+    """A fetch that failed: a cut or refused transfer, a range of the wrong length, or bytes that fail their check.
+
+    Its message is one line naming the tensor's file, what came and from whom."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file: its dtype, shape and absolute byte range in ``file``."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    def to_json(self) -> list[Any]:
+        return [self.file, self.dtype, list(self.shape), self.start, self.stop]
+
+    @staticmethod
+    def from_json(row: list[Any]) -> TensorInfo:
+        return TensorInfo(str(row[0]), str(row[1]), tuple(int(d) for d in row[2]), int(row[3]), int(row[4]))
+
+
+@dataclass(frozen=True, order=True)
+class TensorPart:
+    """An entry of a rank's tensor set: tensor ``name`` whole (``rows`` None) or its rows ``rows[0]:rows[1]``.
+
+    A row range is what a rank keeps of a matrix it shares by rows (the embedding or the output head split by
+    vocabulary): the rows are consecutive in the file, so the part is one byte range and is written as a tensor
+    of that many rows under the same name."""
+
+    name: str
+    rows: tuple[int, int] | None = None
+
+    def byte_range(self, info: TensorInfo) -> tuple[int, int]:
+        """The absolute byte range of this part in its file."""
+        if self.rows is None:
+            return info.start, info.stop
+        first, last = self.rows
+        if not info.shape or not 0 <= first < last <= info.shape[0]:
+            raise ValueError(f"rows {first}:{last} of {self.name} (shape {list(info.shape)}) are out of range")
+        row = (info.stop - info.start) // info.shape[0]
+        return info.start + first * row, info.start + last * row
+
+    def shape(self, info: TensorInfo) -> tuple[int, ...]:
+        if self.rows is None:
+            return info.shape
+        return (self.rows[1] - self.rows[0], *info.shape[1:])
+
+
+class WeightSource(Protocol):
+    """What loading asks of a model's source: its metadata, its headers, byte ranges of its weight files."""
+
+    @property
+    def name(self) -> str:
+        """The model as the user named it (a folder, a repo id), for messages."""
+        ...
+
+    @property
+    def local(self) -> bool:
+        """Whether :meth:`metadata_root` holds every weight file too (then the rank loads from it directly)."""
+        ...
+
+    def identity(self) -> str:
+        """What identifies the model's bytes (a folder's path and files, a repo's commit): the cache key's part."""
+        ...
+
+    def metadata_root(self) -> Path:
+        """A local folder with the model's ``config.json`` and tokenizer files."""
+        ...
+
+    def headers(self) -> dict[str, TensorInfo]:
+        """Every tensor of the model's weight files (name -> file, dtype, shape, absolute byte range)."""
+        ...
+
+    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+        """Bytes ``start:stop`` of weight file ``file``, in pieces, each checked; raises :class:`TransferError`."""
+        ...
+
+    def describe(self) -> str:
+        """Whom the bytes come from, for progress lines (``the Hub``, ``rank 0 (10.0.0.1:5123)``)."""
+        ...
+
+
+def parse_header(raw: bytes, length: int, file: str, where: str) -> dict[str, TensorInfo]:
+    """The tensors of a safetensors header (``raw``, the JSON after the 8-byte length ``length``) of ``file``."""
+    try:
+        entries: dict[str, Any] = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{file} of {where} is not a safetensors file: its header is not JSON") from None
+    entries.pop("__metadata__", None)
+    base = 8 + length
+    out: dict[str, TensorInfo] = {}
+    for name, entry in entries.items():
+        begin, end = (int(x) for x in entry["data_offsets"])
+        out[name] = TensorInfo(
+            file, str(entry["dtype"]), tuple(int(d) for d in entry["shape"]), base + begin, base + end
+        )
+    return out
+
+
+def read_file_headers(path: Path, file: str) -> dict[str, TensorInfo]:
+    """The tensors of the local safetensors file ``path`` (named ``file`` in the model)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file: shorter than its 8-byte header length")
+        (length,) = struct.unpack("<Q", raw)
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"{path} is not a safetensors file: header length {length} is implausible")
+        return parse_header(f.read(length), length, file, str(path.parent))
+
+
+@dataclass(frozen=True)
+class FolderSource:
+    """A local model folder (or a Hub snapshot holding every weight file): nothing to fetch."""
+
+    root: Path
+    label: str = ""
+    files: tuple[str, ...] = ()
+    """The weight files (default: every ``model*.safetensors`` in ``root``)."""
+
+    @property
+    def name(self) -> str:
+        return self.label or str(self.root)
+
+    @property
+    def local(self) -> bool:
+        return True
+
+    def weight_files(self) -> tuple[str, ...]:
+        return self.files or tuple(sorted(p.name for p in self.root.glob("model*.safetensors")))
+
+    def identity(self) -> str:
+        """The folder's path and each weight file's name, size and modification time: rewritten files, new key."""
+        parts = [str(self.root.resolve())]
+        for file in self.weight_files():
+            stat = (self.root / file).stat()
+            parts.append(f"{file}:{stat.st_size}:{stat.st_mtime_ns}")
+        return "folder:" + "|".join(parts)
+
+    def metadata_root(self) -> Path:
+        return self.root
+
+    def headers(self) -> dict[str, TensorInfo]:
+        out: dict[str, TensorInfo] = {}
+        for file in self.weight_files():
+            out.update(read_file_headers(self.root / file, file))
+        return out
+
+    def metadata_files(self) -> tuple[str, ...]:
+        """The config and tokenizer files a peer may ask for (see :data:`METADATA_FILE`)."""
+        return tuple(sorted(p.name for p in self.root.iterdir() if p.is_file() and METADATA_FILE.match(p.name)))
+
+    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+        with open(self.root / file, "rb") as f:
+            f.seek(start)
+            left = stop - start
+            while left > 0:
+                piece = f.read(min(left, CHUNK_BYTES))
+                if not piece:
+                    raise TransferError(f"{file} of {self.name} ends before byte {stop}")
+                left -= len(piece)
+                yield piece
+
+    def describe(self) -> str:
+        return str(self.root)
+
+
+def tensor_wanted(
+    name: str, prefix: str | None, layers: range, *, keep_embedding: bool, keep_head: bool, tied: bool
+) -> bool:
+    """Whether a rank keeps tensor ``name``: its decoder ``layers`` (under ``prefix``), the input embedding where
+    kept (or where the tied head is kept), the output head where kept, and every other tensor (final norm, a
+    vision tower). Layers are matched by number, as mlx-lm's ``sharded_load`` does."""
+    match = LAYER_NAME.match(name)
+    if match is not None and match.group(1) == prefix:
+        return int(match.group(2)) in layers
+    if prefix is not None and is_embedding(name, prefix):
+        return keep_embedding or (tied and keep_head)
+    if HEAD_SEGMENT.search(name):
+        return keep_head
+    return True
+
+
+def is_embedding(name: str, prefix: str) -> bool:
+    """Whether tensor ``name`` is the input embedding held beside the decoder layers (``model.embed_tokens.*``)."""
+    rest = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else ("" if prefix else name)
+    return EMBEDDING_SEGMENT.fullmatch(rest) is not None
+
+
+def is_tied(names: Iterable[str], config: dict[str, Any]) -> bool:
+    """Whether the output head is the embedding: the config says so, or no ``lm_head`` tensor exists."""
+    flagged = any(bool(c.get("tie_word_embeddings")) for c in (config, config.get("text_config") or {}))
+    return flagged or not any(HEAD_SEGMENT.search(n) for n in names)
+
+
+def rank_layers(split: tuple[int, ...], rank: int, *, lend_mlp: bool) -> range:
+    """The decoder layers whose weights rank ``rank`` needs: its own, and with ``lend_mlp`` the previous rank's
+    last (whose feed-forward half it runs)."""
+    start = sum(split[:rank])
+    stop = start + split[rank]
+    return range(start - 1 if lend_mlp and rank > 0 else start, stop)
+
+
+def rank_tensors(
+    names: Iterable[str],
+    config: dict[str, Any],
+    split: tuple[int, ...],
+    rank: int,
+    *,
+    lend_mlp: bool = False,
+    head: str = "all",
+) -> tuple[TensorPart, ...]:
+    """The tensor set of rank ``rank`` of a pipeline with layers per rank ``split`` (whole tensors, sorted)."""
+    listed = list(names)
+    prefix = decoder_prefix(listed)
+    tied = is_tied(listed, config)
+    layers = rank_layers(split, rank, lend_mlp=lend_mlp)
+    keep_head = head != "last" or rank == len(split) - 1
+    keep_embedding = rank == 0 or head == "split"  # head="split": every rank reads its rows of it (vocab_rows)
+    return tuple(
+        TensorPart(n)
+        for n in sorted(listed)
+        if tensor_wanted(n, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied)
+    )
+
+
+def weights_root() -> Path:
+    """Where the ranks' weight folders are: ``weights/`` in pipemlx's cache folder (``$PIPEMLX_CACHE_DIR``)."""
+    return cache_dir() / "weights"
+
+
+def folder_key(identity: str, parts: Iterable[TensorPart]) -> str:
+    """The cache key of a rank's weight folder: the source's identity and the tensor set, rows included."""
+    digest = hashlib.sha256(identity.encode())
+    for part in sorted(parts):
+        digest.update(f"\n{part.name}:{part.rows}".encode())
+    return digest.hexdigest()[:32]
+
+
+@dataclass
+class FetchCount:
+    """Bytes fetched so far (tensor bytes, as they arrive), for progress lines and the load exchange."""
+
+    fetched: int = 0
+    total: int = 0
+    requests: int = 0
+    """Requests answered (headers and metadata too): progress while nothing large arrives."""
+
+
+def fetch_rank_folder(
+    source: WeightSource,
+    parts: tuple[TensorPart, ...],
+    *,
+    who: str = "",
+    count: FetchCount | None = None,
+    headers: dict[str, TensorInfo] | None = None,
+) -> Path:
+    """A weight folder holding ``parts`` of ``source`` (config and tokenizer files beside): from the cache, else
+    fetched by byte ranges into a temporary folder renamed into place once every range arrived and passed its
+    check. A failed fetch removes its temporary folder and raises; no folder that looks complete is left."""
+    count = count if count is not None else FetchCount()
+    final = weights_root() / folder_key(source.identity(), parts)
+    if (final / DONE_FILE).is_file():
+        return final
+    headers = headers if headers is not None else source.headers()
+    names = [p.name for p in parts]
+    if len(set(names)) != len(names):
+        raise ValueError("a tensor set names a tensor twice (one entry per tensor: its rows as one range)")
+    missing = [p.name for p in parts if p.name not in headers]
+    if missing:
+        raise ValueError(f"{source.name} has no tensor {missing[0]}")
+    spans = [(p, headers[p.name], *p.byte_range(headers[p.name])) for p in parts]
+    count.total = sum(stop - start for _, _, start, stop in spans)
+    temporary = final.with_name(f"{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    temporary.mkdir(parents=True)
+    try:
+        meta = source.metadata_root()
+        for path in meta.iterdir():
+            if path.is_file() and METADATA_FILE.match(path.name):
+                shutil.copyfile(path, temporary / path.name)
+        layout: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
+        offset = 0
+        for part, info, start, stop in spans:
+            layout[part.name] = {
+                "dtype": info.dtype,
+                "shape": list(part.shape(info)),
+                "data_offsets": [offset, offset + stop - start],
+            }
+            offset += stop - start
+        text = json.dumps(layout, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        with open(temporary / WEIGHTS_FILE, "wb") as out:
+            out.write(struct.pack("<Q", len(text)) + text)
+            body = out.tell()
+            reporter = _Reporter(source, who, count)
+            for file, start, stop, members in _merged(spans):
+                position = start
+                for piece in _pieces(source, file, start, stop):
+                    # write the bytes of the members this piece covers, each at its place in the new file
+                    piece_end = position + len(piece)
+                    for part, _, begin, end in members:
+                        lo, hi = max(begin, position), min(end, piece_end)
+                        if lo < hi:
+                            layout_offset = layout[part.name]["data_offsets"][0] + (lo - begin)
+                            out.seek(body + layout_offset)
+                            out.write(piece[lo - position : hi - position])
+                            count.fetched += hi - lo
+                    position = piece_end
+                    reporter.maybe_show()
+                if position != stop:
+                    raise TransferError(f"{file} of {source.name}: {position - start} of {stop - start} bytes arrived")
+            out.flush()
+            os.fsync(out.fileno())
+        record = {"source": source.identity(), "tensors": [[p.name, p.rows] for p in parts], "bytes": count.total}
+        (temporary / DONE_FILE).write_text(json.dumps(record))
+        reporter.show(final=True)
+        try:
+            os.rename(temporary, final)
+        except OSError:  # another process of this machine finished the same folder first
+            if not (final / DONE_FILE).is_file():
+                raise
+            shutil.rmtree(temporary, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return final
+
+
+def _merged(
+    spans: list[tuple[TensorPart, TensorInfo, int, int]],
+) -> Iterator[tuple[str, int, int, list[tuple[TensorPart, TensorInfo, int, int]]]]:
+    """The spans grouped into ranges to request: per file, sorted, neighbours closer than the gap merged."""
+    ordered = sorted(spans, key=lambda s: (s[1].file, s[2]))
+    group: list[tuple[TensorPart, TensorInfo, int, int]] = []
+    for span in ordered:
+        if group and (span[1].file != group[-1][1].file or span[2] - max(g[3] for g in group) > MERGE_GAP_BYTES):
+            yield group[0][1].file, group[0][2], max(g[3] for g in group), group
+            group = []
+        group.append(span)
+    if group:
+        yield group[0][1].file, group[0][2], max(g[3] for g in group), group
+
+
+def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[bytes]:
+    """``source.read`` in requests of at most :data:`CHUNK_BYTES`."""
+    for begin in range(start, stop, CHUNK_BYTES):
+        yield from source.read(file, begin, min(stop, begin + CHUNK_BYTES))
+
+
+class _Reporter:
+    """Progress lines of a fetch: bytes, rate and from whom, every :data:`PROGRESS_EVERY_S` seconds."""
+
+    def __init__(self, source: WeightSource, who: str, count: FetchCount) -> None:
+        self.source, self.who, self.count = source, who, count
+        self.began = self.shown = time.monotonic()
+
+    def maybe_show(self) -> None:
+        if time.monotonic() - self.shown >= PROGRESS_EVERY_S:
+            self.show()
+
+    def show(self, final: bool = False) -> None:
+        self.shown = time.monotonic()
+        took = max(self.shown - self.began, 1e-9)
+        what = "fetched" if final else "fetching"
+        LOGGER.warning(
+            "pipemlx: %s%s %.1f of %.1f MB of its tensors from %s (%.1f MB/s)",
+            f"{self.who} " if self.who else "",
+            what,
+            self.count.fetched / 1e6,
+            self.count.total / 1e6,
+            self.source.describe(),
+            self.count.fetched / 1e6 / took,
+        )
+
+
+def config_of(source: WeightSource) -> dict[str, Any]:
+    """The source's ``config.json``."""
+    return read_dir_config(source.metadata_root())
+
+
+def header_bytes(headers: dict[str, TensorInfo]) -> int:
+    """Bytes of the safetensors headers of the files ``headers`` spans (8-byte length and JSON each)."""
+    firsts: dict[str, int] = {}
+    for info in headers.values():
+        firsts[info.file] = min(firsts.get(info.file, info.start), info.start)
+    return sum(firsts.values())
