@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Mutation testing (not in CI): mutmut mutates the modules that pyproject.toml's [tool.mutmut] names (the step
+# protocol and agreement, stops, speculation, the prefill plan, sampling, the prefix cache, the calibration key,
+# the split planners, the Hub file selection) and runs, for each mutant, the one-process tests that execute the
+# mutated function. tests/README.md holds the score per module and the accepted survivors.
+#
+#   bash tests/mutate.sh                              # every module (hours on a 2-core machine)
+#   bash tests/mutate.sh 'pipemlx.runtime.stops.*'    # one module (mutant names are module.function__mutmut_N)
+#   MUTATE_CHILDREN=2 bash tests/mutate.sh ...        # more workers (default 1: it runs niced beside other work)
+#
+# Afterwards: `mutmut show NAME` prints a mutant's diff, `mutmut results` lists the survivors; the score per
+# module is printed at the end. The mutants/ folder caches results: delete it after changing the tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8,<4"
+export PYTHONPATH="$PWD" HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-mutate}"
+nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "$@" || true
+python tests/mutation_score.py "$@"
