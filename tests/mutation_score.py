@@ -25,7 +25,9 @@ def main(patterns: list[str]) -> None:
         checked = {k: v for k, v in codes.items() if v not in UNCHECKED}
         if not checked:
             continue
-        counts = Counter("killed" if v in KILLED else "no tests" if v in (5, 33) else "survived" for v in checked.values())
+        counts = Counter(
+            "killed" if v in KILLED else "no tests" if v in (5, 33) else "survived" for v in checked.values()
+        )
         total = len(checked)
         print(
             f"{module}: {counts['killed']}/{total} killed ({100 * counts['killed'] / total:.0f}%), "
