@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipemlx.schedule.plan import (
+    AGREEMENTS_PER_PREFILL,
+    CHUNKS_PER_RANK,
+    MAX_STEP_SIZE,
     Agree,
     Compute,
     Handshake,
@@ -14,6 +17,8 @@ from pipemlx.schedule.plan import (
     build_plan,
     build_plans,
     chunk_prompt,
+    default_agreement_spacing,
+    default_step_size,
 )
 
 
@@ -91,3 +96,63 @@ def test_fingerprint_is_shared_by_ranks_and_tells_plans_apart() -> None:
 def test_bad_plan_arguments(args: tuple[int, int, int, int], error: type[Exception], words: str) -> None:
     with pytest.raises(error, match=words):
         build_plan(*args)
+
+
+def agreement_points(num_tokens: int, step: int, world_size: int, every: int, lengths: list[int] | None) -> int:
+    """Agreement points within the steps of rank 0's plan (the closing one left out)."""
+    plan = build_plan(num_tokens, step, world_size, 0, every, lengths)
+    steps = len(plan.chunks) + world_size - 1 if plan.chunks else 0
+    return sum(1 for a in plan.actions if isinstance(a, Agree) and a.step < steps)
+
+
+@pytest.mark.parametrize("lengths", [None, [5, 3, 2, 2, 1], [4] * 30 + [1], [2] * 17])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_the_default_agreement_spacing_is_the_smallest_with_at_most_the_documented_count(
+    world_size: int, lengths: list[int] | None
+) -> None:
+    # About AGREEMENTS_PER_PREFILL agreement points: the smallest spacing whose plan has at most that many (a
+    # larger one lets a cancellation wait longer; a smaller one stops the ranks together more often).
+    cases = [(m, s) for m in range(2, 140) for s in (1, 3, 8)] if lengths is None else [(sum(lengths) + 1, 0)]
+    for num_tokens, step in cases:
+        step = step or max(lengths or [1])
+        spacing = default_agreement_spacing(num_tokens, step, world_size, lengths)
+        assert agreement_points(num_tokens, step, world_size, spacing, lengths) <= AGREEMENTS_PER_PREFILL
+        if spacing > 1:
+            fewer = agreement_points(num_tokens, step, world_size, spacing - 1, lengths)
+            assert fewer > AGREEMENTS_PER_PREFILL, (num_tokens, step, world_size, spacing)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_the_default_step_size_is_the_smallest_cutting_at_most_the_chunks_per_rank(world_size: int) -> None:
+    # 512 tokens, or less for a short prompt: the smallest step that cuts it into at most CHUNKS_PER_RANK chunks
+    # per rank (as many as it has positions, up to that), never above 512.
+    wanted = CHUNKS_PER_RANK * world_size
+    for num_tokens in [*range(2, 300), 4000, 4097, 20000, 100_000]:
+        step = default_step_size(num_tokens, world_size)
+        assert 1 <= step <= MAX_STEP_SIZE
+        if step < MAX_STEP_SIZE:
+            assert len(chunk_prompt(num_tokens, step)) <= wanted, (num_tokens, step)
+        if step > 1:
+            assert len(chunk_prompt(num_tokens, step - 1)) > wanted, (num_tokens, step)
+    assert default_step_size(1, world_size) == 1  # nothing to prefill
+
+
+@pytest.mark.parametrize("num_tokens,step,world_size", [(2, 4, 1), (30, 4, 2), (31, 7, 3), (100, 9, 4), (9, 1, 5)])
+def test_completed_after_is_the_progress_reported_by_each_agreement_point(
+    num_tokens: int, step: int, world_size: int
+) -> None:
+    # What a cancellation at step t says was prefilled: the last progress every rank reported after Agree(t).
+    plan = build_plan(num_tokens, step, world_size, world_size - 1)
+    reported: dict[int, int] = {}
+    at, processed = None, 0
+    for action in plan.actions:
+        if isinstance(action, Progress):
+            processed = action.processed
+        if isinstance(action, Agree):
+            if at is not None:
+                reported[at] = processed
+            at = action.step
+    reported[at if at is not None else 0] = processed
+    for t, expected in reported.items():
+        assert plan.completed_after(t) == expected, (t, reported)
+    assert plan.completed_after(10_000) == num_tokens - 1 and plan.completed_after(-1) == 0
