@@ -17,6 +17,7 @@ from pipemlx.schedule.plan import (
     build_plan,
     build_plans,
     chunk_prompt,
+    chunks_of_lengths,
     default_agreement_spacing,
     default_step_size,
 )
@@ -156,3 +157,13 @@ def test_completed_after_is_the_progress_reported_by_each_agreement_point(
     for t, expected in reported.items():
         assert plan.completed_after(t) == expected, (t, reported)
     assert plan.completed_after(10_000) == num_tokens - 1 and plan.completed_after(-1) == 0
+
+
+def test_chunks_of_given_lengths_are_numbered_in_order_and_only_positive_ints_are_taken() -> None:
+    chunks = chunks_of_lengths(8, [3, 1, 3])
+    assert [(c.index, c.start, c.stop) for c in chunks] == [(0, 0, 3), (1, 3, 4), (2, 4, 7)]
+    for bad in ([True, 2], [1.5, 1.5], [0, 3], [4, -1]):
+        with pytest.raises(ValueError, match="chunk lengths must be positive ints"):
+            chunks_of_lengths(4, bad)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="add up to 2, but a 4-token prompt prefills 3"):
+        chunks_of_lengths(4, [1, 1])
