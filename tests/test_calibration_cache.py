@@ -5,6 +5,7 @@ plans with the stored layer figures."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,28 @@ def test_the_stage_key_holds_what_each_cut_lends() -> None:
         model = pipemlx.shard_model(build_model(config, seed=1), FakeGroup(1, 2), lend=lend)  # type: ignore[arg-type]
         keys.append(calibrate.stage_key(model, stage_of(model)))
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3, keys
+
+
+def test_the_fingerprint_tells_different_figures_apart_and_ignores_key_order() -> None:
+    # What the ranks compare before trusting the figures each read: equal holdings agree, different ones do not.
+    figures = {"stage": [1.0, 2.5e-6, 3e-9], "layers": [4, 5]}
+    same = calibration_cache.fingerprint({"layers": [4, 5], "stage": [1.0, 2.5e-6, 3e-9]})
+    assert calibration_cache.fingerprint(figures) == same
+    others = [{**figures, "stage": [1.0, 2.5e-6, 4e-9]}, {**figures, "layers": [5, 4]}, None, [], {"stage": None}]
+    prints = {calibration_cache.fingerprint(v) for v in [figures, *others]}
+    assert len(prints) == 1 + len(others), prints
+    assert all(0 < p < 2**31 for p in prints)
+    assert calibration_cache.fingerprint({"dtype": mx.float16}) != calibration_cache.fingerprint({"dtype": mx.float32})
+
+
+def test_a_keys_file_name_is_the_compact_sorted_json_of_the_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The name is the file format: a release that spelled the key otherwise would miss every file users hold.
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    key = {"world": 2, "split": [3, 3], "dtype": mx.bfloat16, "model": {"b": 1, "a": "x"}}
+    text = '{"dtype":"mlx.core.bfloat16","model":{"a":"x","b":1},"split":[3,3],"world":2}'
+    digest = hashlib.sha256(text.encode()).hexdigest()[:24]
+    assert calibration_cache.cache_path("stage", key) == tmp_path / f"calibration-stage-{digest}.json"
+    calibration_cache.store("stage", key, [1.0, 2.0])
+    assert calibration_cache.load("stage", dict(reversed(list(key.items())))) == [1.0, 2.0]
