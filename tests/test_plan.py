@@ -167,3 +167,16 @@ def test_chunks_of_given_lengths_are_numbered_in_order_and_only_positive_ints_ar
             chunks_of_lengths(4, bad)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="add up to 2, but a 4-token prompt prefills 3"):
         chunks_of_lengths(4, [1, 1])
+
+
+def test_the_fingerprint_tells_spacing_and_cuts_apart_and_uses_31_bits() -> None:
+    # Ranks agreeing every 2 steps and every 3, or cutting the same prompt differently, exchange other messages.
+    base = build_plan(40, 8, 3, 0)
+    assert base == build_plan(40, 8, 3, 0, 1)  # by default every step is an agreement point
+    assert [a.step for a in base.actions if isinstance(a, Agree)] == list(range(len(base.chunks) + 3))
+    spaced = {build_plan(40, 8, 3, 0, every).fingerprint() for every in (1, 2, 3, 4)}
+    assert len(spaced) == 4, spaced
+    cuts = [[8, 8, 8, 8, 7], [8, 7, 8, 8, 8], [7, 8, 8, 8, 8]]
+    assert len({build_plan(40, 8, 3, 0, 1, c).fingerprint() for c in cuts}) == 3
+    prints = [build_plan(m, 4, 2, 0).fingerprint() for m in range(2, 66)]
+    assert all(0 <= p < 2**31 for p in prints) and max(prints) >= 2**30  # 64 plans all below 2**30: 2**-64
