@@ -12,7 +12,7 @@
 # module is printed at the end. The mutants/ folder caches results: delete it after changing the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8,<4"
+python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8,<4"  # pipemlx[mutate]
 export PYTHONPATH="$PWD" HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-mutate}"
 nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "$@" || true
 python tests/mutation_score.py "$@"
