@@ -7,6 +7,7 @@
 #   bash tests/mutate.sh                              # every module (hours on a 2-core machine)
 #   bash tests/mutate.sh 'pipemlx.runtime.stops.*'    # one module (mutant names are module.function__mutmut_N)
 #   MUTATE_CHILDREN=2 bash tests/mutate.sh ...        # more workers (default 1: it runs niced beside other work)
+#   bash tests/mutate.sh --survivors 'pipemlx.runtime.stops.*'   # after adding tests: check the survivors again
 #
 # Afterwards: `mutmut show NAME` prints a mutant's diff, `mutmut results` lists the survivors; the score per
 # module is printed at the end. The mutants/ folder caches results: delete it after changing the tests.
@@ -14,5 +15,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import mutmut" 2>/dev/null || python -m pip install -q "mutmut>=3.8,<4"  # pipemlx[mutate]
 export PYTHONPATH="$PWD" HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-mutate}"
-nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "$@" || true
+if [ "${1:-}" = "--survivors" ]; then
+    shift
+    mapfile -t again < <(python tests/mutation_score.py --names "$@")
+    rm -f mutants/mutmut-stats.json  # the tests changed: which test runs which function is collected again
+    [ "${#again[@]}" -eq 0 ] || nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${again[@]}" || true
+else
+    nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "$@" || true
+fi
 python tests/mutation_score.py "$@"

@@ -2,6 +2,8 @@
 
 ``python tests/mutation_score.py ['pipemlx.runtime.stops.*' ...]``: for each module (only those the patterns
 match, if given), mutants killed / checked, then every survivor's name (``mutmut show NAME`` prints its diff).
+With ``--names`` first: only the names of the mutants not killed (survived or run by no test), one a line, for
+``tests/mutate.sh --survivors`` to check again after tests were added.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ KILLED = {1, 3, 36, 24, -24, 152, 255, 37}  # test failures, pytest internal err
 UNCHECKED = {None, 2}  # not run yet, or interrupted
 
 
-def main(patterns: list[str]) -> None:
+def main(patterns: list[str], names_only: bool = False) -> None:
     for meta in sorted(Path("mutants").rglob("*.py.meta")):
         module = str(meta.relative_to("mutants"))[: -len(".py.meta")].replace("/", ".")
         codes: dict[str, int | None] = json.loads(meta.read_text())["exit_code_by_key"]
         if patterns:
             codes = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in patterns)}
         checked = {k: v for k, v in codes.items() if v not in UNCHECKED}
+        if names_only:
+            print("\n".join(k for k, v in sorted(checked.items()) if v not in KILLED))
+            continue
         if not checked:
             continue
         counts = Counter(
@@ -40,4 +45,6 @@ def main(patterns: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    arguments = sys.argv[1:]
+    names = arguments[:1] == ["--names"]
+    main(arguments[names:], names)
