@@ -26,7 +26,8 @@ def main(patterns: list[str], names_only: bool = False) -> None:
             codes = {k: v for k, v in codes.items() if any(fnmatch.fnmatch(k, p) for p in patterns)}
         checked = {k: v for k, v in codes.items() if v not in UNCHECKED}
         if names_only:
-            print("\n".join(k for k, v in sorted(checked.items()) if v not in KILLED))
+            for name in (k for k, v in sorted(checked.items()) if v not in KILLED):
+                print(name)
             continue
         if not checked:
             continue
