@@ -180,3 +180,10 @@ def test_the_fingerprint_tells_spacing_and_cuts_apart_and_uses_31_bits() -> None
     assert len({build_plan(40, 8, 3, 0, 1, c).fingerprint() for c in cuts}) == 3
     prints = [build_plan(m, 4, 2, 0).fingerprint() for m in range(2, 66)]
     assert all(0 <= p < 2**31 for p in prints) and max(prints) >= 2**30  # 64 plans all below 2**30: 2**-64
+
+
+def test_agree_every_must_be_a_positive_int_and_is_kept_in_the_plan() -> None:
+    assert build_plan(20, 4, 2, 1, 3).agree_every == 3
+    for bad in (0, -2, True, 2.0, 1.5, "2"):
+        with pytest.raises(ValueError, match=f"^agree_every must be a positive int, got {bad!r}$"):
+            build_plan(20, 4, 2, 0, bad)  # pyright: ignore[reportArgumentType]
