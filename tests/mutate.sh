@@ -7,7 +7,8 @@
 #   bash tests/mutate.sh                              # every module (hours on a 2-core machine)
 #   bash tests/mutate.sh 'pipemlx.runtime.stops.*'    # one module (mutant names are module.function__mutmut_N)
 #   MUTATE_CHILDREN=2 bash tests/mutate.sh ...        # more workers (default 1: it runs niced beside other work)
-#   bash tests/mutate.sh --survivors 'pipemlx.runtime.stops.*'   # after adding tests: check the survivors again
+#   MUTATE_TESTS="tests/test_stops.py" bash tests/mutate.sh --survivors 'pipemlx.runtime.stops.*'
+#                                                     # after adding tests: the survivors again, one pytest each
 #
 # Afterwards: `mutmut show NAME` prints a mutant's diff, `mutmut results` lists the survivors; the score per
 # module is printed at the end. The mutants/ folder caches results: delete it after changing the tests.
@@ -18,8 +19,10 @@ export PYTHONPATH="$PWD" HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-mutate}"
 if [ "${1:-}" = "--survivors" ]; then
     shift
     mapfile -t again < <(python tests/mutation_score.py --names "$@")
-    rm -f mutants/mutmut-stats.json  # the tests changed: which test runs which function is collected again
-    [ "${#again[@]}" -eq 0 ] || nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "${again[@]}" || true
+    # One plain pytest run per mutant, the current tests copied in (mutmut's own rerun would need its test map
+    # collected again). MUTATE_TESTS: the test files to run (default: [tool.mutmut]'s selection).
+    read -r -a tests <<< "${MUTATE_TESTS:-$(python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]))')}"
+    [ "${#again[@]}" -eq 0 ] || nice -n 19 python tests/mutation_recheck.py "${tests[@]}" -- "${again[@]}"
 else
     nice -n 19 mutmut run --max-children "${MUTATE_CHILDREN:-1}" "$@" || true
 fi
