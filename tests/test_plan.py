@@ -184,6 +184,13 @@ def test_the_fingerprint_tells_spacing_and_cuts_apart_and_uses_31_bits() -> None
 
 def test_agree_every_must_be_a_positive_int_and_is_kept_in_the_plan() -> None:
     assert build_plan(20, 4, 2, 1, 3).agree_every == 3
+    for args, name in (
+        ((2.5, 4, 2, 0), "num_tokens"),
+        ((20, 4, 2.0, 0), "world_size"),
+        ((20, True, 2, 0), "prefill_step_size"),
+    ):
+        with pytest.raises(TypeError, match=f"^{name} must be an int or 'auto'"):
+            build_plan(*args)  # pyright: ignore[reportArgumentType]
     for bad in (0, -2, True, 2.0, 1.5, "2"):
         with pytest.raises(ValueError, match=f"^agree_every must be a positive int, got {bad!r}$"):
             build_plan(20, 4, 2, 0, bad)  # pyright: ignore[reportArgumentType]
