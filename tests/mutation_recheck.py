@@ -19,12 +19,9 @@ from pathlib import Path
 
 def main(tests: list[str], names: list[str]) -> None:
     shutil.copytree("tests", "mutants/tests", dirs_exist_ok=True)
-    metas: dict[Path, dict[str, object]] = {}
     for name in names:
         module = name.split(".x", 1)[0] if ".x_" in name else name.rsplit(".x\u01c1", 1)[0]
         meta = Path("mutants") / (module.replace(".", "/") + ".py.meta")
-        if meta not in metas:
-            metas[meta] = json.loads(meta.read_text())
         environment = {
             **os.environ,
             "MUTANT_UNDER_TEST": name,
@@ -34,10 +31,9 @@ def main(tests: list[str], names: list[str]) -> None:
         command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *tests]
         done = subprocess.run(command, cwd="mutants", env=environment, capture_output=True, timeout=600)
         code = 0 if done.returncode == 0 else 1
-        results = metas[meta]["exit_code_by_key"]
-        assert isinstance(results, dict)
-        results[name] = code
-        meta.write_text(json.dumps(metas[meta]))
+        data = json.loads(meta.read_text())  # read again: other rechecks may write the same file meanwhile
+        data["exit_code_by_key"][name] = code
+        meta.write_text(json.dumps(data))
         print(("survived " if code == 0 else "killed   ") + name, flush=True)
 
 
