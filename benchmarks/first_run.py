@@ -1,7 +1,8 @@
 """The first run, as a new user meets it, on models shaped like published small LLMs (issue #47).
 
     python benchmarks/first_run.py [--shapes qwen2.5-0.5b,llama-3.2-1b] [--precisions fp32,4bit] [--ranks 2,3]
-                                   [--prompt-tokens 818] [--max-tokens 32] [--models-dir DIR] [--out FILE]
+                                   [--prompt-tokens 818] [--max-tokens 32] [--head {all,last,split}]
+                                   [--models-dir DIR] [--out FILE]
                                    [--no-openblas] [--smoke]
 
 For each shape and precision it builds a model with the published configuration (random weights, drawn by
@@ -189,14 +190,22 @@ def run_mlx_lm(model: Path, prompt: str, max_tokens: int, openblas: bool) -> dic
 
 
 def run_pipemlx(
-    model: Path, prompt: str, max_tokens: int, ranks: int, cache_dir: Path, openblas: bool, which: str
+    model: Path,
+    prompt: str,
+    max_tokens: int,
+    ranks: int,
+    cache_dir: Path,
+    openblas: bool,
+    which: str,
+    head: str = "all",
 ) -> dict[str, Any]:
-    """``pipemlx generate --ranks S`` with the calibration cache in ``cache_dir``."""
+    """``pipemlx generate --ranks S [--head H]`` with the calibration cache in ``cache_dir``."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as file:
         file.write(prompt)
     try:
         command = [sys.executable, "-m", "pipemlx", "generate", "--ranks", str(ranks), "--model", str(model)]
         command += ["--prompt-file", file.name, "--max-tokens", str(max_tokens), "--ignore-chat-template", "--json"]
+        command += ["--head", head] if head != "all" else []
         wall, output = timed(command, env_for(openblas, cache_dir))
     finally:
         os.unlink(file.name)
@@ -205,7 +214,7 @@ def run_pipemlx(
         raise RuntimeError(f"pipemlx generate printed no report:\n{output[-2000:]}")
     report = json.loads(lines[-1])
     return {
-        "run": f"pipemlx generate --ranks {ranks}, {which}",
+        "run": f"pipemlx generate --ranks {ranks}{'' if head == 'all' else f' --head {head}'}, {which}",
         "wall_s": wall,
         "prefill_s": report["prefill_s"],
         "prefill_tokens_per_s": report["prefill_tokens_per_s"],
@@ -243,6 +252,7 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,3")
     parser.add_argument("--prompt-tokens", type=int, default=818)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--head", default="all", choices=("all", "last", "split"), help="pipemlx generate --head")
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="where the models are built (kept); default: a temporary folder"
     )
@@ -269,7 +279,9 @@ def main() -> None:
                 for ranks in (int(r) for r in args.ranks.split(",")):
                     cache_dir = work / f"cache-{shape}-{precision}-{ranks}"  # empty: the first run
                     for which in ("first run", "second run"):
-                        runs.append(run_pipemlx(model, prompt, args.max_tokens, ranks, cache_dir, openblas, which))
+                        runs.append(
+                            run_pipemlx(model, prompt, args.max_tokens, ranks, cache_dir, openblas, which, args.head)
+                        )
                 for result in runs:
                     result["same_text_as_mlx_lm"] = result["text"] == runs[0]["text"]
                     print(row(shape, precision, result), flush=True)

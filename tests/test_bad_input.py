@@ -146,11 +146,13 @@ def test_bad_input_fails_alike_on_every_real_rank() -> None:
     """On 2 real ranks each bad call raises the same error on both, and a good call still works after."""
     reports = run_ranks(2, "bad_input.py", {}, timeout=60)
     assert reports[0]["errors"] == reports[1]["errors"]
-    kinds = ["ValueError", "ValueError", "TypeError", "ValueError", "PipelineMismatchError", "PipelineMismatchError"]
+    kinds = ["ValueError", "ValueError", "TypeError", "ValueError", *["PipelineMismatchError"] * 3]
     assert [e.split(":")[0] for e in reports[0]["errors"]] == kinds
     assert "kv_group_size must divide the model's head dimension (16)" in reports[0]["errors"][3]
     assert "ranks disagree on lend_mlp: rank 0: 1, rank 1: 0" in reports[0]["errors"][4]
     assert "ranks disagree on lend_heads: rank 0: 1, rank 1: 0" in reports[0]["errors"][5]
+    sampler_on_one = "ranks disagree on decode_settings: rank 0: share_logprobs=False, rank 1: share_logprobs=False "
+    assert sampler_on_one + "with a sampler or logits processors" in reports[0]["errors"][6], reports[0]["errors"]
     assert reports[0]["tokens_after"] == reports[1]["tokens_after"] == reports[0]["reference"]
     # kv_bits with a sliding-window layer on rank 1 only: pipeline_prefill, generate_step and stream_generate
     # raise the same ValueError on both ranks before anything is sent, and the next request works.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -25,6 +26,7 @@ from pipemlx.schedule.batch_plan import Admission, EqualCostChunks
 from pipemlx.schedule.costmodel import LayerCosts
 from pipemlx.testing import build_model, tiny_config
 
+RANKS = Path(__file__).parent / "ranks"
 REQUESTS: list[dict[str, Any]] = [
     {"M": 7, "max_tokens": 12, "insert_at": 0},
     {"M": 23, "max_tokens": 10, "insert_at": 2},
@@ -225,6 +227,104 @@ def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario
     assert report["tokens"] == report["solo"], report
     assert report["shared_head_ticks"] == 0  # rows with processors: the last rank applies the head
     assert report["finish"] == ["length"] * 4 and report["left"] == 0
+
+
+# An engine's loop written once for mlx-lm's BatchGenerator, on pipemlx's and on mlx-lm's (tests/ranks/batch.py
+# run_engine), then mlx-lm's own batch_generate() on both: at S=2 and S=3.
+SCENARIOS[2]["engine"] = SCENARIOS[3]["engine"] = {"engine": True, "arch": "qwen3", "max_kv_size": 32}
+
+
+def close(got: list[list[float]], want: list[list[float]]) -> bool:
+    return len(got) == len(want) and all(
+        len(g) == len(w) and all(abs(x - y) <= 1e-4 for x, y in zip(g, w, strict=True))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_rank(
+    scenario_reports: Reports, world_size: int
+) -> None:
+    """Per-request samplers (request 1 takes the second likeliest token: ignoring it would show), processors and
+    stop sequences, ``logprobs[token]`` of every response, the caches handed back, ``max_kv_size``, and mlx-lm's
+    ``batch_generate`` (token ids, texts, logprobs) on pipemlx's generator: mlx-lm's results on every rank; each
+    rank's processors and samplers saw what mlx-lm's saw, once per token."""
+    reports = scenario_reports(world_size, "engine")
+    for report in reports:
+        check_engine_report(report)
+    # Rank 0's processor raised in some tick: every rank failed that tick's rows alike, and served the next request.
+    raising = [r["raising"] for r in reports]
+    assert all(r["responses"] == raising[0]["responses"] for r in raising), raising
+    ends = {uid: reason for uid, _, reason in raising[0]["responses"] if reason is not None}
+    assert ends[0] == "error" and ends[1] in ("error", "length"), raising  # 1 failed too if it was in that tick
+    assert [t for u, t, _ in raising[0]["responses"] if u == 0][-1] == -1 and len(ends) == 2
+    assert all(r["after"] == r["solo"] for r in raising), raising
+    assert "the processor raised on rank 0" in raising[0]["error"]
+    assert [r["error"] for r in raising[1:]] == ["None"] * (world_size - 1)
+
+
+def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:
+    """A group of one (``shard_model(model, mx.distributed.init())`` without a launcher): the same engine loop and
+    batch_generate, in this process, with the same results as at S=2 and S=3; and generate_step's tokens, logprobs
+    and processor inputs are mlx-lm's."""
+    import importlib.util
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    spec = importlib.util.spec_from_file_location("batch_rank_program", RANKS / "batch.py")
+    assert spec is not None and spec.loader is not None
+    program = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(program)
+    group = mx.distributed.init()
+    assert group.size() == 1
+    check_engine_report(program.run_engine(SCENARIOS[2]["engine"], group, program.Solo()))
+    config = tiny_config("qwen3")
+    runs: list[Any] = []
+    for function, model in (
+        (pipemlx.generate_step, pipemlx.shard_model(build_model(config), group)),
+        (generate_step, build_model(config)),
+    ):
+        seen: list[list[int]] = []
+
+        def record(tokens: mx.array, logits: mx.array, seen: list[list[int]] = seen) -> mx.array:
+            seen.append(cast(list[int], tokens.tolist()))
+            return logits
+
+        mx.random.seed(5)
+        steps = function(
+            mx.arange(11, dtype=mx.int32), model, max_tokens=6, sampler=make_sampler(0.9), logits_processors=[record]
+        )
+        out = list(steps)
+        runs.append(([int(t) for t, _ in out], [lp.tolist()[:8] for _, lp in out], seen))
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] and close(runs[0][1], runs[1][1]), runs
+
+
+def check_engine_report(report: dict[str, Any]) -> None:
+    """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
+    rank = report["rank"]
+    for size in ("max_kv_size=None", "max_kv_size=32"):
+        ours, mlx = report[size]["pipemlx"], report[size]["mlx"]
+        assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])
+        assert [f[0] for f in ours["finished"]] == [f[0] for f in mlx["finished"]] == ["length", "length", "stop"]
+        assert close(ours["logprobs"], mlx["logprobs"]), (rank, size)
+        for i, tokens in enumerate(ours["tokens"]):
+            calls = len(tokens)  # once per token (mlx-lm also calls them for the step after the last token)
+            assert ours["histories"][i] == mlx["histories"][i][:calls], (rank, size, i)
+            assert close(ours["logits"][i], mlx["logits"][i][:calls]), (rank, size, i)
+            assert close(ours["draws"][i], mlx["draws"][i][:calls] if i == 1 else []), (rank, size, i)
+        # The caches handed back hold the prompt and every token but the last: mlx-lm 0.32.2's hold the last one
+        # too (it computed the step after it). Documented in docs/api.md.
+        assert [f[2][0] + 1 for f in ours["finished"]] == [f[2][0] for f in mlx["finished"]], (rank, size)
+        assert [f[3] + 1 for f in ours["finished"]] == [f[3] for f in mlx["finished"]], (rank, size)
+        kinds = {kind for f in ours["finished"] for kind in f[1]}  # the lent heads' cache pairs the first one
+        wanted = {"KVCache"} if size == "max_kv_size=None" else {"RotatingKVCache"}
+        assert {kind for f in mlx["finished"] for kind in f[1]} == wanted
+        assert wanted <= kinds <= {*wanted, "LentHeadsCache"}, (rank, size, ours["finished"])
+    ours, mlx = report["batch_generate"]["pipemlx"], report["batch_generate"]["mlx"]
+    assert ours["token_ids"] == mlx["token_ids"] and ours["texts"] == mlx["texts"], (rank, ours, mlx)
+    assert close(ours["logprobs"], mlx["logprobs"]) and ours["generation_tokens"] == mlx["generation_tokens"]
+    assert [c[0] + 1 for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
 
 
 # mlx-lm's BatchGenerator API on the pipeline (tests/ranks/batch.py run_parity): insert's positional order with

@@ -113,3 +113,15 @@ def test_engine_loop_cancels_on_every_rank_and_serves_the_next_request() -> None
                 assert o["status"] == "cancelled" and o["cancelling_ranks"] == [1]
                 assert o["processed"] == processed and o["cache_trimmed"] is True
                 assert o["cache_offsets"] == [processed]
+
+
+def test_one_engine_runs_unchanged_on_one_machine_and_on_two_ranks() -> None:
+    """examples/one_engine.py: the engine's code on ``mlx_lm.load`` (one process, here: mlx-lm's own functions) and
+    on ``pipemlx.load_sharded`` (2 ranks, as written): every rank's text, tokens, logprobs, processor calls and batch
+    answers are the one process's."""
+    example = load_example("one_engine.py")
+    alone = example.engine(*load(str(MODEL_DIR))[:2])
+    assert alone["chat"]["processor_calls"] == len(alone["chat"]["tokens"]) + 1  # mlx-lm's, the step after too
+    for report in run_example("one_engine.py"):
+        assert report["chat"] == alone["chat"], report
+        assert report["batch"] == alone["batch"], report

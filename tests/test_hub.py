@@ -254,6 +254,11 @@ def test_rank_files_follow_what_each_rank_keeps(model_dir: Path) -> None:
     assert "head.safetensors" in needed_files(apart, (2, 2), 1, head="last")
     assert "head.safetensors" not in needed_files(apart, (2, 2), 0, head="last")
     assert all("head.safetensors" in needed_files(apart, (2, 2), r) for r in (0, 1))
+    # head="split": every rank holds rows of the embedding and of the head, so every rank needs both files.
+    embedding_file = weight_map["model.embed_tokens.weight"]
+    for r in (0, 1):
+        assert {"head.safetensors", embedding_file} <= set(needed_files(apart, (2, 2), r, head="split"))
+    assert embedding_file not in needed_files(apart, (2, 2), 1)  # without the split, rank 1 needs no embedding
 
 
 def test_a_rank_loads_from_its_files_alone_in_the_checkpoints_dtype(

@@ -18,6 +18,7 @@ import pytest
 from conftest import run_ranks
 from fakes import HELIUM_TIED, FakeGroup
 from mlx_lm.convert import convert
+from mlx_lm.generate import generate_step
 
 import pipemlx
 from pipemlx.models.safetensors import model_bytes_from_dir
@@ -63,6 +64,34 @@ def test_each_rank_holds_only_its_share(big_model: Path) -> None:
         assert report["embedding"] == ("Embedding" if rank == 0 else "EmbeddingStandIn"), where
         assert report["tokens"] == report["ref_tokens"], where
         assert report["tokenizer_vocab"] == BIG["vocab_size"], where
+
+
+SPLIT_VOCABULARY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "vocab_size": 65536}
+
+
+def test_a_split_vocabulary_is_read_by_rows(tmp_path: Path) -> None:
+    """``head="split"``: each rank reads and holds only its half of a tied embedding that outweighs the layers. The
+    peak of MLX's allocations while loading stays within the margin of what the rank holds (the matrix is never
+    read whole: that alone would be twice its share), and its tokens equal mlx-lm's on the whole model. (The
+    resident set grows by a fixed ~48 MB more while loading, threads and buffers, the same with ``head="all"``.)"""
+    config = tiny_config("qwen2", **SPLIT_VOCABULARY)
+    whole = build_model(config, seed=4)
+    path = save_model_dir(whole, config, tmp_path / "qwen2")
+    spec = {"path": str(path), "prompt": 9, "step": 4, "max_tokens": 4, "head": "split", "full": False}
+    reports = run_ranks(2, "load_memory.py", spec, timeout=300)
+    prompt = mx.random.randint(0, config["vocab_size"], (9,), key=mx.random.key(5)).astype(mx.int32)  # the ranks'
+    ref_tokens = [int(t) for t, _ in generate_step(prompt, whole, prefill_step_size=4, max_tokens=4)]
+    planned = model_bytes_from_dir(path)
+    assert planned.tied and planned.embedding > 4 * sum(planned.layers)
+    for report in reports:
+        where = f"rank {report['rank']}: {json.dumps(report)}"
+        local = layer_range(report["split"], report["rank"])
+        share = planned.embedding // 2 + planned.head  # 65,536 rows: an even split; the norm whole
+        assert report["fixed"] == share, where
+        assert report["held"] == sum(planned.layers[local.start : local.stop]) + share, where
+        assert report["mlx_peak"] <= MARGIN * report["held"] < planned.embedding, where
+        assert report["embedding"] == "SplitEmbedding", where
+        assert report["tokens"] == ref_tokens, where
 
 
 @pytest.fixture(scope="module")

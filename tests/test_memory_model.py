@@ -9,9 +9,10 @@ for every tiny architecture; and MLX's measured peak memory (``mx.get_peak_memor
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from conftest import run_ranks
 from fakes import FakeGroup, tokens
@@ -29,6 +30,7 @@ from pipemlx.schedule.memory_model import (
     LayerCache,
     MemoryModel,
     Settings,
+    fixed_bytes,
     layer_cache_trace,
     longest_context,
     plan_balanced,
@@ -37,7 +39,8 @@ from pipemlx.schedule.memory_model import (
     rank_memory,
 )
 from pipemlx.schedule.memory_split import MemoryPlanError, ModelBytes
-from pipemlx.testing import BASE_CONFIGS, build_model, tiny_config
+from pipemlx.schedule.split import even_split, layer_range
+from pipemlx.testing import BASE_CONFIGS, build_model, model_classes, tiny_config
 
 TOLERANCE = 0.10
 
@@ -140,6 +143,69 @@ def test_head_on_the_last_rank_only() -> None:
     last = [rank_memory(model, range(r * 2, r * 2 + 2), r, 4, Settings(10, head="last")).weights for r in range(4)]
     assert everywhere == [3200, 2700, 2700, 2700]
     assert last == [2500, 2000, 2000, 2700]
+    split = [rank_memory(model, range(r * 2, r * 2 + 2), r, 4, Settings(10, head="split")).weights for r in range(4)]
+    assert split == [2000 + 125 + 175] * 4  # each rank a quarter of the embedding (500) and of the rest (700)
+
+
+# Published configurations (the fields that size the parameters), as benchmarks/first_run.py builds them.
+QWEN_2_5_0_5B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+}
+LLAMA_3_2_1B = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 16,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize(
+    "arch,shape,expected",
+    [  # per-rank weights over one process's, (S=2, S=3): head="all", then "split" (even splits)
+        ("qwen2", QWEN_2_5_0_5B, {"all": ([0.638] * 2, [0.517] * 3), "split": ([0.5] * 2, [0.333] * 3)}),
+        (
+            "llama",
+            LLAMA_3_2_1B,
+            {"all": ([0.606] * 2, [0.508, 0.459, 0.459]), "split": ([0.5] * 2, [0.366, 0.317, 0.317])},
+        ),
+    ],
+)
+def test_a_split_vocabulary_brings_realistic_shapes_under_the_goals(
+    arch: str, shape: dict[str, Any], expected: dict[str, tuple[list[float], list[float]]]
+) -> None:
+    """Qwen2.5-0.5B and Llama-3.2-1B (float32, tied, a vocabulary matrix of 545 MB and 1.05 GB): with the whole
+    embedding on every rank no rank falls to 0.6x one process at S=2 (0.638x, 0.606x), nor to 0.4x at S=3; with
+    ``head="split"`` every rank does (the goals of issue 47). The model is built lazily: nothing is allocated."""
+    model: Any = build_model_lazily(arch, shape)
+    planned = model_bytes_from_model(model, model.model, model.layers)
+    for head, by_size in expected.items():
+        for size, wanted in zip((2, 3), by_size):
+            split = even_split(len(planned.layers), size)
+            weights = [
+                sum(planned.layers[layer_range(split, r).start : layer_range(split, r).stop])
+                + fixed_bytes(planned, r, size, cast(Any, head))
+                for r in range(size)
+            ]
+            assert [round(w / planned.total, 3) for w in weights] == wanted, (head, size, weights)
+            if head == "split":
+                assert max(weights) <= (0.6 if size == 2 else 0.4) * planned.total, (size, weights)
+
+
+def build_model_lazily(arch: str, shape: dict[str, Any]) -> nn.Module:
+    """An mlx-lm model of ``shape`` whose weights are never evaluated (their sizes are known)."""
+    config = {**tiny_config(arch), **shape}
+    model_class, args_class = model_classes(config)
+    return model_class(args_class.from_dict(config))
 
 
 # --- the caches mlx-lm really holds ----------------------------------------------------------------

@@ -44,10 +44,23 @@ def check_answers(command: dict[str, Any], answers: list[dict[str, Any]]) -> Non
     # Why the decode ended is the same on every rank (an abandoning rank learns it at its next call).
     if command.get("stop", {}).get("how") != "abandon":
         assert len({str(a.get("last_stop")) for a in answers}) == 1, where
-    # Logits processors run on the last rank only, shown the token history mlx-lm shows them.
-    assert answers[-1].get("histories", []) == answers[-1].get("ref_histories", []), where
+    # Logits processors and samplers run on every rank, shown what mlx-lm shows them: the token histories, the
+    # logits, the log-probabilities; every rank's sampler (seeded alike) draws mlx-lm's tokens.
+    for a in answers:
+        assert a.get("histories", []) == a.get("ref_histories", []), where
+        assert_close(a.get("seen", []), a.get("ref_seen", []), where)
+        draws, ref_draws = a.get("draws", []), a.get("ref_draws", [])
+        assert [d[1] for d in draws] == [d[1] for d in ref_draws], where
+        assert_close([d[0] for d in draws], [d[0] for d in ref_draws], where)
     if "then" in answers[0]:
         check_answers(command["then"], [a["then"] for a in answers])
+
+
+def assert_close(got: list[list[float]], want: list[list[float]], where: str) -> None:
+    """The same number of rows, each within 1e-4 of the reference's (the pipeline's arithmetic is split)."""
+    assert len(got) == len(want), where
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w) and all(abs(x - y) <= 1e-4 for x, y in zip(g, w, strict=True)), (g, w, where)
 
 
 SCENARIO: list[dict[str, Any]] = [
@@ -83,6 +96,9 @@ SCENARIO: list[dict[str, Any]] = [
     {**BASE, "draft": True, "stop": {"rank": "all", "after": 2, "how": "break"}},
     {**BASE, "draft": True, "model_error": {"rank": 0, "chunk": 4}},
     {**BASE, "draft": True, "reuse": True, "M": 3, "max_tokens": 5},
+    # A sampler and processors together, on every rank: stopped by a consumer, then on a reused prefix.
+    {**BASE, "temp": 0.8, "penalty": 1.3, "seed": 3, "stop": {"rank": 0, "after": 2, "how": "break"}},
+    {**BASE, "temp": 0.7, "penalty": 1.2, "seed": 4, "reuse": True, "M": 4},
 ]
 
 
@@ -141,12 +157,33 @@ def test_request_sequence_matches_mlx_lm(live_group: Callable[[int], LiveGroup],
     assert shared[SCENARIO.index({**BASE, "reuse": True, "M": 6, "penalty": 1.3})] == [False] * num_ranks
     # Speculating: a pass carries several tokens; stops, faults and the agreed reasons are the same.
     first = SCENARIO.index({**BASE, "draft": True, "max_tokens": 9})
-    reasons = [{a["last_stop"][0] for a in answers} for answers in last_stops[first:]]
+    reasons = [{a["last_stop"][0] for a in answers} for answers in last_stops[first : first + 6]]
     assert reasons == [{"length"}, {"length"}, {"cancelled"}, {"cancelled"}, {"failed"}, {"length"}], reasons
     assert outcomes[first + 4][0] == "InjectedModelError", outcomes[first + 4]
+    # Every rank called the processors and the sampler, each step, with mlx-lm's inputs (check_answers compared).
+    for answers in last_stops[first + 6 :]:
+        assert all(len(a["histories"]) >= 3 and len(a["draws"]) == len(a["histories"]) for a in answers), answers
     every_rank = list(range(num_ranks))  # all consumers stopped at the same token: all named, on every rank
     assert [a["last_stop"] for a in last_stops[20]] == [["cancelled", 2, every_rank]] * num_ranks
     assert [a["last_stop"] for a in last_stops[21]] == [["cancelled", 3, every_rank]] * num_ranks
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_a_processor_that_raises_on_a_rank_before_the_last_fails_the_request_on_every_rank(
+    live_group: Callable[[int], LiveGroup], num_ranks: int
+) -> None:
+    """Processors run on every rank: rank 0's raising at its 3rd call (the 3rd token's logits) raises there, before
+    that token; the others yield it and then end with the agreed "failed" stop naming rank 0. The group goes on."""
+    group = live_group(num_ranks)
+    command = {**BASE, "penalty": 1.3, "processor_error": {"rank": 0, "at": 3}}
+    answers = group.ask(command)
+    assert answers[0]["outcome"] == "ValueError" and len(answers[0]["tokens"]) == 2, answers[0]
+    for a in answers[1:]:
+        assert a["outcome"] == "done" and a["tokens"] == a["ref_tokens"][:3], a
+        assert a["tokens"][:2] == answers[0]["tokens"] == answers[0]["ref_tokens"], (a, answers[0])
+    assert [a["last_stop"] for a in answers] == [["failed", 3, [0]]] * num_ranks
+    assert len({a["offset"] for a in answers}) == 1, answers  # the caches stay in step
+    check_answers(BASE, group.ask(BASE))
 
 
 def test_prefix_reuse_cancelled_prefill_keeps_the_prefix(live_group: Callable[[int], LiveGroup]) -> None:

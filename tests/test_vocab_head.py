@@ -7,10 +7,13 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from fakes import FakeGroup
 
-from pipemlx.models.vocab_head import vocab_shard
+from pipemlx.errors import PipelineError
+from pipemlx.models.sharding import shard_model
+from pipemlx.models.vocab_head import SplitEmbedding, SplitHead, row_range, vocab_shard
 from pipemlx.runtime.sampling import VocabShard, pick_tokens
-from pipemlx.runtime.stage import StageInfo
+from pipemlx.runtime.stage import StageInfo, stage_of
 from pipemlx.testing import build_model, tiny_config
 
 
@@ -94,3 +97,49 @@ def test_heads_that_are_not_plain_are_not_shared() -> None:
     for arch in ("gemma2", "granite", "falcon_h1"):  # soft-capped or scaled logits
         model: Any = build_model(tiny_config(arch), seed=0)
         assert vocab_shard(model, info(0, 2, 8)) is None, arch
+
+
+# --- head="split": each rank holds only its rows (tests/test_vocab_split.py runs it against mlx-lm) -----------
+
+
+def test_a_split_is_refused_where_the_logits_are_not_the_plain_head() -> None:
+    """gemma2 soft-caps its logits: no rank could give them from its rows. Refused before anything changes."""
+    model: Any = build_model(tiny_config("gemma2"), seed=1)
+    layers = list(model.layers)
+    with pytest.raises(PipelineError, match="head='split'"):
+        shard_model(model, cast(Any, FakeGroup(0, 2)), head="split", lend="none")
+    assert [id(x) for x in model.layers] == [id(x) for x in layers]
+    with pytest.raises(ValueError, match="'all', 'last' or 'split'"):
+        shard_model(build_model(tiny_config("llama")), cast(Any, FakeGroup(0, 2)), head="both")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch,quantized", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_split_rank_keeps_copies_of_its_rows_only(arch: str, quantized: bool, rank: int) -> None:
+    """Rank ``rank`` of 3 keeps exactly rows ``[V*r/3, V*(r+1)/3)`` of the embedding (and of an untied head);
+    asked for logits (mlx-lm's decoding), or rank 0 for embeddings it was not given, it refuses (but for a
+    calibration's timing pass, which reads no values)."""
+    whole: Any = build_model(tiny_config(arch), seed=2)
+    model: Any = build_model(tiny_config(arch), seed=2)
+    if quantized:
+        nn.quantize(whole, group_size=32, bits=4)
+        nn.quantize(model, group_size=32, bits=4)
+    shard_model(model, cast(Any, FakeGroup(rank, 3)), head="split", lend="none")
+    vocab = tiny_config(arch)["vocab_size"]
+    rows = row_range(vocab, rank, 3)
+    pairs = [(model.model.embed_tokens, whole.model.embed_tokens)]
+    if "lm_head" in whole:
+        pairs.append((model.lm_head, whole.lm_head))
+    for split, original in pairs:
+        assert isinstance(split, (SplitEmbedding, SplitHead))
+        for name in ("weight", "scales", "biases"):
+            if name in original:
+                assert mx.array_equal(split.part[name], original[name][rows.start : rows.stop]).item(), name
+    head = model.lm_head if "lm_head" in whole else model.model.embed_tokens.as_linear
+    with pytest.raises(PipelineError, match="head='split'"):  # mlx-lm's decoding would read these logits
+        head(mx.zeros((1, 2, tiny_config(arch)["hidden_size"])))
+    if rank == 0:
+        with pytest.raises(PipelineError, match="head='split'"):  # no embeddings summed for these tokens
+            model.model.embed_tokens(mx.array([[1, 2]]))
+        with stage_of(model).detached():  # calibration times the layers on zeros: no embeddings needed
+            assert model.model.embed_tokens(mx.array([[1, 2]])).shape == (1, 2, tiny_config(arch)["hidden_size"])

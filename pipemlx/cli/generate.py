@@ -103,6 +103,7 @@ def _generate(args: argparse.Namespace, prompt_text: str, group: mx.distributed.
             allow_unregistered=args.allow_unregistered,
             context=prompt.size + args.max_tokens if args.max_tokens >= 0 else None,
             lend=args.lend,
+            head=args.head,
             adapter_path=args.adapter_path,
             tokenizer_config=tokenizer_config,
         )

@@ -108,9 +108,10 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     parser.add_argument("--speeds", help="per-rank speeds (3,1): a balanced split, layers in proportion")
     parser.add_argument(
         "--head",
-        choices=("all", "last"),
+        choices=("all", "last", "split"),
         default="all",
-        help="output head on every rank (default) or the last only (load_sharded(head='last'))",
+        help="output head on every rank (default), the last only, or each rank's share of the vocabulary's rows of "
+        "the embedding and head (load_sharded(head='split'))",
     )
     parser.add_argument(
         "--fused-attention",

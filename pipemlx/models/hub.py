@@ -249,7 +249,10 @@ def needed_files(
     last = rank == len(split) - 1
     if lend_mlp and rank > 0:  # the previous rank's last layer: its feed-forward half runs here
         start -= 1
-    return rank_files(source, range(start, stop), keep_embedding=rank == 0, keep_head=head == "all" or last)
+    # head="split": every rank holds its rows of the embedding and of the head.
+    return rank_files(
+        source, range(start, stop), keep_embedding=rank == 0 or head == "split", keep_head=head != "last" or last
+    )
 
 
 def fetch_files(source: ModelSource, files: Iterable[str]) -> Path:

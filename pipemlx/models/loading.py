@@ -31,6 +31,7 @@ from .sharding import (
     shard_model,
     split_kind,
 )
+from .vocab_rows import preread_vocabulary
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
@@ -199,6 +200,8 @@ def _fetch_and_build(
     )
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
+    if arguments.head == "split" and group.size() > 1:  # this rank's rows only: the whole matrices are never read
+        preread_vocabulary(model, root, group.rank(), group.size())
     if adapter_path is not None:  # mlx-lm's own, on the whole model (global layer numbers): shard_model then
         load_adapters(model, str(adapter_path))  # keeps the adapters of this rank's layers and drops the others
     if planned is not None and not embedding_files(source) <= set(planned[1]):

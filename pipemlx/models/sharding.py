@@ -39,7 +39,7 @@ from .parameters import (
     model_config,
     split_for_memory,
 )
-from .vocab_head import vocab_shard
+from .vocab_head import attach_stage, check_splittable, split_vocabulary, vocab_shard
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -242,8 +242,10 @@ def shard_model(
     ensure_unsharded(model)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if head not in ("all", "last"):
-        raise ValueError(f"head must be 'all' or 'last', got {head!r}")
+    if head not in ("all", "last", "split"):
+        raise ValueError(f"head must be 'all', 'last' or 'split', got {head!r}")
+    if head == "split" and group.size() == 1:
+        head = "all"  # one rank holds every row
     owner, attribute = find_layer_list(model)
     layers = cast(list[nn.Module], owner[attribute])
     sizes = choose_split(
@@ -263,6 +265,8 @@ def shard_model(
     local = layer_range(sizes, group.rank())
     check_architecture(model, owner, local, allow_unregistered)
     check_lend(lend)
+    if head == "split":
+        check_splittable(model)
     if lend == "auto":  # not on a split planned from memory budgets: they count whole layers
         planned = memory is not None or speeds is not None or split in ("memory", "balanced")
         lending = len(sizes) > 1 and lendable(model) and not planned
@@ -296,7 +300,11 @@ def shard_model(
         # Likewise kv_bits on rotating (sliding-window) caches, which a rank holding none of them must refuse too.
         unquantizable=unquantizable,
         unquantizable_bounded=unquantizable_bounded,
-        vocab_shard=vocab_shard(model, info) if head == "all" and info.world_size > 1 else None,
+        vocab_shard=split_vocabulary(model, info)
+        if head == "split"
+        else vocab_shard(model, info)
+        if head == "all" and info.world_size > 1
+        else None,
         bounded_caches=bounded_caches,
         pair_caches=pair_lent_cache if lending and isinstance(layers[local.start], HeadBorrowingBlock) else None,
     )
@@ -316,7 +324,9 @@ def shard_model(
         if first is not last:
             wrap_edge(first, stage, receives=not stage.is_first, sends=False)
         wrap_edge(last, stage, receives=first is last and not stage.is_first, sends=True)
-    if not stage.is_first:
+    if head == "split":
+        attach_stage(model, stage)
+    elif not stage.is_first:
         drop_input_embedding(model, owner, keep_as_head=head == "all" or stage.is_last, stage=stage)
     if head == "last" and not stage.is_last:
         drop_output_head(model, stage)

@@ -9,9 +9,11 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import PipelineError
 from ..runtime.sampling import VocabShard
 from ..runtime.stage import StageInfo
 from .architectures import architecture_of
+from .vocab_rows import PREREAD_ATTRIBUTE
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
@@ -58,3 +60,203 @@ def vocab_shard(model: nn.Module, info: StageInfo) -> VocabShard | None:
 
 def _final_hidden(model: nn.Module, inputs: mx.array, cache: list[Any]) -> mx.array:
     return cast(mx.array, cast(Any, model).model(inputs, cache))
+
+
+def row_range(vocab: int, rank: int, world_size: int) -> range:
+    """The vocabulary rows rank ``rank`` of ``world_size`` holds or projects: ``[V*r/S, V*(r+1)/S)``."""
+    return range(vocab * rank // world_size, vocab * (rank + 1) // world_size)
+
+
+def rows_of(module: nn.Module, rows: range, preread: dict[str, mx.array] | None = None, path: str = "") -> nn.Module:
+    """A copy of ``module`` (a head or an embedding, plain or quantized) holding only ``rows`` of its vocabulary.
+
+    The rows are copied (``mx.array`` of the slice), not viewed: the whole matrix's buffer is freed once the
+    caller drops the module it came from. A parameter whose rows were read from the weight files already
+    (``preread[f"{path}.{name}"]``, :func:`pipemlx.models.vocab_rows.preread_vocabulary`) is taken from there: the
+    lazily loaded whole matrix is then never read.
+    """
+    part = cast(Any, copy.copy(module))
+    for name in ROW_PARAMETERS:
+        if name in module:
+            whole = cast(Any, module)[name]
+            read = (preread or {}).get(f"{path}.{name}")
+            fits = read is not None and read.shape == (len(rows), *whole.shape[1:]) and read.dtype == whole.dtype
+            part[name] = read if fits else mx.array(whole[rows.start : rows.stop])
+    if isinstance(module, nn.QuantizedEmbedding):
+        part.num_embeddings = len(rows)
+    return cast(nn.Module, part)
+
+
+class SplitEmbedding(nn.Module):
+    """An input embedding (tied: also the output head) of which this rank holds only its rows (``head="split"``).
+
+    Each rank looks up the tokens it holds (zeros for the others) in :meth:`sum_rows`, a collective every rank calls
+    with the same tokens before rank 0's forward pass reads them; the sum across the group is the embeddings, which
+    rank 0 keeps (:meth:`keep`). Called in the forward pass, rank 0 returns the prepared rows; the other ranks (whose first layer
+    replaces its input with the hidden state it receives) zeros. As a linear map (a tied head) it returns zeros
+    where pipemlx never reads them: :attr:`part` projects this rank's rows (:class:`VocabShard.project`).
+    """
+
+    def __init__(self, part: nn.Module, rows: range, vocab: int, dims: int, dtype: mx.Dtype, first: bool) -> None:
+        super().__init__()
+        self.part = part
+        object.__setattr__(self, "_rows", rows)
+        object.__setattr__(self, "_vocab", vocab)
+        object.__setattr__(self, "_dims", dims)
+        object.__setattr__(self, "_dtype", dtype)
+        object.__setattr__(self, "_first", first)
+        object.__setattr__(self, "_prepared", None)
+        object.__setattr__(self, "_stage", None)
+
+    def sum_rows(self, tokens: mx.array, group: mx.distributed.Group) -> mx.array:
+        """The embeddings of ``tokens`` (1-D), lazily: this rank's rows (zeros for the tokens it does not hold)
+        summed across ``group``, a collective every rank calls with the same tokens."""
+        rows: range = cast(Any, self)._rows
+        ids = mx.reshape(tokens, (-1,)).astype(mx.int32)
+        local = ids - rows.start
+        inside = (local >= 0) & (local < len(rows))
+        found = cast(mx.array, self.part(mx.where(inside, local, 0)))
+        return mx.distributed.all_sum(mx.where(inside[:, None], found, 0).astype(found.dtype), group=group)
+
+    def keep(self, tokens: mx.array, embeddings: mx.array) -> None:
+        """Rank 0: look ``tokens`` up in ``embeddings`` (their rows, in order) in the forward passes until the next
+        call, in any order and with any repeats. The other ranks keep nothing (their output is never used)."""
+        if not cast(Any, self)._first:
+            return
+        ids = mx.reshape(tokens, (-1,)).astype(mx.int32)
+        table = mx.full((cast(int, cast(Any, self)._vocab),), -1, dtype=mx.int32)
+        table[ids] = mx.arange(ids.size, dtype=mx.int32)
+        object.__setattr__(self, "_prepared", (table, embeddings))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        me = cast(Any, self)
+        if not me._first:
+            return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
+        prepared: tuple[mx.array, mx.array] | None = me._prepared
+        if prepared is None:
+            stage = me._stage
+            if stage is not None and not stage.head_needed:  # pipemlx's own passes embed first: this one times
+                return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
+            raise_split_head()
+        table, rows = cast(tuple[mx.array, mx.array], prepared)
+        return rows[mx.maximum(table[x], 0)]
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        """Zeros in place of logits where pipemlx never reads them (its decodes project :attr:`part`'s rows)."""
+        refuse_split_logits(cast(Any, self)._stage)
+        return mx.zeros((*x.shape[:-1], cast(int, cast(Any, self)._vocab)), dtype=cast(Any, self)._dtype)
+
+
+class SplitHead(nn.Module):
+    """An output head (``lm_head``) of which this rank holds only its rows (``head="split"``): :attr:`part`.
+
+    Called in a forward pass it returns zeros where pipemlx never reads them; its decodes project :attr:`part`.
+    """
+
+    def __init__(self, part: nn.Module, vocab: int, dtype: mx.Dtype) -> None:
+        super().__init__()
+        self.part = part
+        object.__setattr__(self, "_vocab", vocab)
+        object.__setattr__(self, "_dtype", dtype)
+        object.__setattr__(self, "_stage", None)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        refuse_split_logits(cast(Any, self)._stage)
+        return mx.zeros((*x.shape[:-1], cast(int, cast(Any, self)._vocab)), dtype=cast(Any, self)._dtype)
+
+
+def raise_split_head() -> None:
+    """Raise: logits or embeddings were wanted from a model that holds a share of the vocabulary per rank."""
+    raise PipelineError(
+        "this rank holds only its rows of the embedding and the output head (shard_model(..., head='split')): "
+        "decode with pipemlx.generate_step / stream_generate, or shard with head='all' for mlx-lm's generate_step"
+    )
+
+
+def refuse_split_logits(stage: Any) -> None:
+    """Raise unless ``stage`` says the forward pass's logits are not read (pipemlx's own steps)."""
+    if stage is not None and not stage.head_needed:
+        return
+    raise_split_head()
+
+
+def check_splittable(model: nn.Module) -> None:
+    """Raise :class:`PipelineError` unless ``head="split"`` can split ``model``'s vocabulary (before any change)."""
+    if _split_parts(model) is None:
+        raise PipelineError(
+            f"head='split' needs a model whose logits are its output head applied to the final norm's output, "
+            f"with a plain (or quantized) embedding and head; {type(model).__module__} is not one: "
+            "shard it with head='all' or head='last'"
+        )
+
+
+def _split_parts(model: nn.Module) -> tuple[nn.Module, str, nn.Module | None] | None:
+    """``(owner of the embedding, its name, the separate lm_head or None)`` where the vocabulary can be split."""
+    entry = architecture_of(model)
+    inner = getattr(model, "model", None)
+    if entry is None or not entry.plain_head or not isinstance(inner, nn.Module):
+        return None
+    embedding = getattr(inner, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    norm = next((getattr(inner, n) for n in FINAL_NORMS if callable(getattr(inner, n, None))), None)
+    if not isinstance(embedding, (nn.Embedding, nn.QuantizedEmbedding)) or norm is None:
+        return None
+    if head is not None and not isinstance(head, (nn.Linear, nn.QuantizedLinear)):
+        return None
+    return inner, "embed_tokens", cast(nn.Module | None, head)
+
+
+def split_vocabulary(model: nn.Module, info: StageInfo) -> VocabShard:
+    """``head="split"``: keep only ``info``'s rank's rows of ``model``'s embedding and output head, in place.
+
+    The embedding becomes a :class:`SplitEmbedding`, a separate ``lm_head`` a :class:`SplitHead`; the returned
+    shard projects this rank's rows and sums the embeddings of tokens (:meth:`VocabShard.embed`). Call
+    :func:`attach_stage` once the stage exists. Raises :class:`PipelineError` where the model cannot be split.
+    """
+    check_splittable(model)
+    owner, name, head = cast(tuple[nn.Module, str, "nn.Module | None"], _split_parts(model))
+    embedding = cast(Any, owner[name])
+    inner = cast(nn.Module, getattr(model, "model"))
+    norm = next(getattr(inner, n) for n in FINAL_NORMS if callable(getattr(inner, n, None)))
+    assert info.dtype is not None
+    dtype = cast(mx.array, norm(mx.zeros((1, info.hidden_size), dtype=info.dtype))).dtype
+    vocab = int(embedding.weight.shape[0])
+    rows = row_range(vocab, info.rank, info.world_size)
+    weights = embedding.scales if isinstance(embedding, nn.QuantizedEmbedding) else embedding.weight
+    dims = int(embedding.dims) if isinstance(embedding, nn.QuantizedEmbedding) else int(embedding.weight.shape[-1])
+    preread = cast(dict[str, mx.array], getattr(model, PREREAD_ATTRIBUTE, {}))
+    kept = rows_of(embedding, rows, preread, "model.embed_tokens")
+    split_embedding = SplitEmbedding(kept, rows, vocab, dims, weights.dtype, info.is_first)
+    projected: Callable[[mx.array], mx.array]
+    if head is None:
+        projected = cast(Any, split_embedding.part).as_linear
+    else:
+        head_rows = row_range(int(cast(Any, head).weight.shape[0]), info.rank, info.world_size)
+        head_weights = cast(Any, head)
+        head_dtype = head_weights.scales.dtype if "scales" in head_weights else head_weights.weight.dtype
+        kept_head = rows_of(head, head_rows, preread, "lm_head")
+        split_head = SplitHead(kept_head, int(head_weights.weight.shape[0]), head_dtype)
+        cast(Any, model).lm_head = split_head
+        projected = cast(Callable[[mx.array], mx.array], split_head.part)
+        rows = head_rows
+    setattr(owner, name, split_embedding)
+    if hasattr(model, PREREAD_ATTRIBUTE):
+        object.__delattr__(model, PREREAD_ATTRIBUTE)
+    return VocabShard(
+        rows=rows,
+        hidden_size=info.hidden_size,
+        dtype=dtype,
+        hidden=_final_hidden,
+        project=projected,
+        full=None,
+        sum_rows=split_embedding.sum_rows,
+        keep=split_embedding.keep,
+        vocab=vocab if head is None else int(cast(Any, head).weight.shape[0]),
+    )
+
+
+def attach_stage(model: nn.Module, stage: Any) -> None:
+    """Give ``model``'s split embedding and head their stage (which says when their logits are not read)."""
+    for _, module in cast(list[tuple[str, nn.Module]], model.named_modules()):
+        if isinstance(module, (SplitEmbedding, SplitHead)):
+            object.__setattr__(module, "_stage", stage)

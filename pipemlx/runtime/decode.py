@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -41,6 +41,7 @@ from .sampling import (
     pick_tokens,
     processed,
     shared_head,
+    vocab_size_of,
 )
 from .speculative import DraftLength, Proposer, accepted
 from .stage import PipelineStage
@@ -70,6 +71,7 @@ class _Part:
     accepted: mx.array | None = None  # how many guesses the last rank's samples confirmed
     logprobs: mx.array | None = None  # the last rank's log-probabilities, one row per position
     hidden: mx.array | None = None  # the last rank's final hidden state, when the ranks share the head
+    logits: mx.array | None = None  # the last rank's logits before its processors, when every rank runs them
 
 
 class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | None"]):
@@ -152,14 +154,27 @@ class DecodeRun:
     from_draft: bool = False
     offset: int = 0  # the caches' positions before the step running now
     history_length: int = 0  # the logits processors' history's length before it
+    logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
+    replay_error: BaseException | None = None  # this rank's own processors or sampler raised in the last step
 
     def __post_init__(self) -> None:
         self.stop_fingerprint = self.stop_tokens.fingerprint()
         self.stops: StopMatcher = self.stop_tokens.matcher()  # where the tokens yielded stand in the stop sequences
         # Greedy, no processors, logprobs kept on the last rank, no guesses: this rank may share the head.
         shard = self.stage.info.vocab_shard
-        self.may_share_head = shard is not None and self.sampler is None and not self.logits_processors
+        # head="split": no rank holds the whole head; every step gathers the logits (see _split_head).
+        self.splits_head = shard is not None and shard.split
+        if self.splits_head and self.speculation.proposer is not None:
+            raise ValueError(
+                "speculative decoding (draft_model / prompt_lookup) does not work on a model sharded with "
+                "head='split' (each rank holds only its rows of the head): shard with head='all' to speculate"
+            )
+        self.may_share_head = shard is not None and not self.splits_head
+        self.may_share_head = self.may_share_head and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.speculation.proposer is None
+        # A sampler or processors: every rank runs them on the last rank's logits, as one process would call them.
+        self.processing = self.stage.world_size > 1 and (self.sampler is not None or bool(self.logits_processors))
+        self.vocab_size = vocab_size_of(self.model)
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -212,14 +227,18 @@ class DecodeRun:
             if not table.all_ok:
                 self._drop_guesses(table, guesses)
                 self.stop = _decode_stop(table, n, stopped_at_token=self.stops.stopped)
-                if self.deferred is not None:
-                    raise self.deferred
+                failed = self.deferred or self.replay_error
+                if failed is not None:
+                    raise failed
                 return self.stop
             kept = self._keep(decided, guesses)
             speculation.accepted += min(len(decided) - 1, kept)
             speculation.proposed += len(guesses)
-            stopped: BaseException | None = None
-            for i in range(kept):
+            # This rank's own processors or sampler raised: it yields none of the step's tokens and stops the
+            # others after them (they yielded them), as a consumer that raised would.
+            stopped: BaseException | None = self.replay_error
+            failing, self.replay_error = stopped is not None, None
+            for i in range(kept if stopped is None else 0):
                 self.from_draft = i < len(decided) - 1
                 stage.open_request = self
                 try:
@@ -235,7 +254,8 @@ class DecodeRun:
             if stopped is not None:
                 done = ended or n == self.max_tokens
                 closing_guesses = [] if done else speculation.guess(n)
-                final = self._step(last, closing_guesses, n, Status.CANCEL)[2]
+                final = self._step(last, closing_guesses, n, Status.FAILED if failing else Status.CANCEL)[2]
+                self.replay_error = None  # the closing step's own replay: the request ends with the first error
                 self._drop_guesses(final, closing_guesses)
                 self.stop = _decode_stop(final, n, stopped_at_token=False)
                 raise stopped
@@ -293,6 +313,11 @@ class DecodeRun:
         try:
             with mx.stream(stage.compute_stream), stage.without_broadcast():
                 stage.received.clear()
+                if self.splits_head:  # rank 0's embedding of the step's inputs, from every rank's rows
+                    shard = cast(VocabShard, stage.info.vocab_shard)
+                    shard.embed(
+                        inputs, stage.group, self.timeout, lambda: f"{stage.describe()} embedding token {index}"
+                    )
                 try:
                     part = self._build(inputs, len(guesses))
                 except Exception as exc:  # the model failed here: stand in for this rank's part, report it
@@ -304,7 +329,14 @@ class DecodeRun:
                         [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
                     )
                     part = _Part(moved=sent)
-                payload = [self._shared_logprobs(part, inputs.size)] if self.share_logprobs else []
+                if self.splits_head:
+                    part, failed = self._split_head(part, inputs, index)
+                    if failed is not None:
+                        self.deferred, status = self.deferred or failed, Status.FAILED
+                if self.processing:
+                    payload = [self._shared_logits(part, inputs.size)]
+                else:
+                    payload = [self._shared_logprobs(part, inputs.size)] if self.share_logprobs else []
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 # The last rank proposes the next step's guesses: the likeliest ones while the ranks before it
                 # compute this step (it would wait for them), the right ones after it, unless those were the same.
@@ -352,7 +384,9 @@ class DecodeRun:
         if table.ranks_with(Status.CHUNK_FAILED):
             trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
         logprobs = part.logprobs
-        if self.share_logprobs and not stage.is_last:
+        if self.processing and not stage.is_last and table.statuses[-1] != Status.CHUNK_FAILED:
+            logprobs = self._replay(table.payloads[-1], inputs, index)
+        elif self.share_logprobs and not stage.is_last:
             logprobs = mx.reshape(mx.array(table.payloads[-1]), (inputs.size, -1))
         if self.shares_head:
             (token,) = pick_tokens(table.payloads)
@@ -364,39 +398,104 @@ class DecodeRun:
         confirmed = guesses[: table.last("accepted")] if guesses else []
         return [*confirmed, token], logprobs, table
 
+    def _shared_logits(self, part: _Part, positions: int) -> mx.array:
+        """A sampler or processors: the last rank's logits before its processors; zeros of the same size elsewhere."""
+        if part.logits is not None:
+            return mx.reshape(part.logits, (-1,))
+        return mx.zeros((positions * self.vocab_size,), dtype=mx.float32)
+
+    def _replay(self, payload: list[float], inputs: mx.array, index: int) -> mx.array | None:
+        """A rank before the last: its own processors and sampler over the last rank's logits (``payload``), called
+        with what the last rank's were called with; returns the log-probabilities (``None`` if they raised).
+
+        The token is the last rank's whatever this rank's sampler draws: a sampler seeded alike on every rank draws
+        alike, one that is not may draw another token here, which is dropped. An error is kept in
+        :attr:`replay_error`: this rank then yields none of the step's tokens and stops the request.
+        """
+        stage = self.stage
+        try:
+            with mx.stream(stage.compute_stream):
+                logits = mx.reshape(mx.array(payload, dtype=mx.float32), (inputs.size, -1)).astype(self.logits_dtype)
+                tokens, logprobs = self._choose(logits, inputs)
+            wait_for([tokens, logprobs], self.timeout, lambda: f"{stage.describe()} sampling token {index}")
+        except Exception as exc:
+            self.replay_error = exc
+            return None
+        return logprobs
+
+    def _choose(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, mx.array]:
+        """The step's logits (one row per position of ``inputs``) through the processors, each row seeing the
+        history up to its own input as mlx-lm's do, then sampled: the tokens and log-probabilities, lazily."""
+        if self.logits_processors:
+            rows: list[mx.array] = []
+            for i in range(inputs.size):
+                self.history = inputs[:1] if self.history is None else mx.concatenate([self.history, inputs[i : i + 1]])
+                rows.append(processed(logits[i : i + 1], self.history, self.logits_processors))
+            logits = mx.concatenate(rows)
+        return choose(logits, self.sampler)
+
     def _shared_logprobs(self, part: _Part, positions: int) -> mx.array:
         """``share_logprobs``: the last rank's log-probabilities; zeros of the same size on the others."""
         if part.logprobs is not None:
             return mx.reshape(part.logprobs, (-1,))
         return mx.zeros((positions * self.vocab_size,), dtype=mx.float32)
 
+    def _split_head(self, part: _Part, inputs: mx.array, index: int) -> tuple[_Part, Exception | None]:
+        """``head="split"``: once this rank's part is computed, the whole logits from every rank's rows (two
+        all-gathers, every rank), and the last rank's tokens chosen from them as :meth:`_build` chooses them.
+
+        Returns the part and the error the logits processors or the sampler raised (``None``: none)."""
+        stage = self.stage
+        shard = cast(VocabShard, stage.info.vocab_shard)
+        wait_for(
+            [*part.moved, *(a for a in (part.hidden,) if a is not None)],
+            self.timeout,
+            lambda: f"{stage.describe()} computing token {index}",
+        )
+        hidden = part.hidden if part.hidden is not None else mx.zeros((inputs.size, shard.hidden_size), mx.float32)
+        describe = lambda: f"{stage.describe()} gathering token {index}'s logits"  # noqa: E731
+        logits = shard.logits(hidden, stage.group, self.timeout, describe)
+        self.vocab_size = logits.shape[-1]
+        if not stage.is_last or part.hidden is None:
+            return part, None
+        try:
+            return replace(self._decide(inputs, logits), moved=part.moved), None
+        except Exception as exc:
+            return part, exc
+
     def _build(self, inputs: mx.array, guesses: int) -> _Part:
         """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
+        if self.splits_head and stage.is_last:  # the logits are gathered from every rank's rows: _split_head
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            hidden = shard.hidden(self.model, inputs[None], self.cache)[0]
+            self.quantize(self.cache)
+            return _Part(moved=[], hidden=hidden)
         if self.shares_head and stage.is_last:
             shard = cast(VocabShard, stage.info.vocab_shard)
             hidden = shard.hidden(self.model, inputs[None], self.cache)[:, -1, :]
             self.quantize(self.cache)
-            logits = shard.full(hidden)  # read only with the logprobs
+            logits = cast(Callable[[mx.array], mx.array], shard.full)(hidden)  # read only with the logprobs
             return _Part(moved=[], logprobs=log_probabilities(logits), hidden=hidden)
         output = cast(mx.array, self.model(inputs[None], cache=self.cache))
         self.quantize(self.cache)
-        self.vocab_size = output.shape[-1]
+        self.vocab_size, self.logits_dtype = output.shape[-1], output.dtype
         if not stage.is_last:
             # This rank's send is tied to its cache: evaluating the cache sends.
             leaves = cast(list[tuple[str, Any]], tree_flatten(cache_state(self.cache)))
             return _Part(moved=[a for _, a in leaves if isinstance(a, mx.array)])
-        logits = output[0]  # one row per position: the input's, then each guess's
-        if self.logits_processors:
-            rows: list[mx.array] = []
-            for i in range(inputs.size):  # each position sees the history up to its own input, as mlx-lm's do
-                self.history = inputs[:1] if self.history is None else mx.concatenate([self.history, inputs[i : i + 1]])
-                rows.append(processed(logits[i : i + 1], self.history, self.logits_processors))
-            logits = mx.concatenate(rows)
-        tokens, logprobs = choose(logits, self.sampler)
+        return self._decide(inputs, output[0])  # one row per position: the input's, then each guess's
+
+    def _decide(self, inputs: mx.array, logits: mx.array) -> _Part:
+        """The last rank: the step's tokens and log-probabilities from its ``logits`` (one row per position)."""
+        tokens, logprobs = self._choose(logits, inputs)
         count = accepted(inputs[1:], tokens)
         return _Part(
-            moved=[], token=mx.reshape(tokens[count], (1,)), accepted=mx.reshape(count, (1,)), logprobs=logprobs
+            moved=[],
+            token=mx.reshape(tokens[count], (1,)),
+            accepted=mx.reshape(count, (1,)),
+            logprobs=logprobs,
+            logits=logits if self.processing else None,
         )
 
 

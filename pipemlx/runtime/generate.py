@@ -34,6 +34,7 @@ from .prefill import (
     check_rotating_caches,
     check_timeout,
 )
+from .protocol import decode_settings
 from .sampling import LogitsProcessor, Sampler
 from .speculative import DraftLength, proposer_of
 from .stage import is_sharded, stage_of
@@ -86,12 +87,22 @@ def generate_step(
     before anything is sent and whatever the prompt's length, on a model with
     sliding-window layers and with a ``max_kv_size`` that makes the caches rotating.
 
-    Only the last rank applies the head, runs ``logits_processors`` and
-    samples, so a random ``sampler`` needs no seed shared by the ranks (seed
-    the last rank as a single process would be seeded). ``logprobs`` is that
-    rank's log-probability vector; the other ranks yield ``None`` unless
-    ``share_logprobs`` sends it to them too (one vocabulary-sized message per
-    token).
+    ``logits_processors`` and ``sampler`` are called in every rank's process,
+    as mlx-lm calls them in one: each step the last rank's logits reach every
+    rank (one vocabulary-sized message per step; greedy decoding without
+    processors sends none), and each rank calls its processors with the token
+    history and logits mlx-lm's see, then its sampler with the log-probabilities,
+    and yields those log-probabilities. The token every rank yields is the last
+    rank's sample: a random sampler seeded alike on every rank draws alike, one
+    that is not may draw another token on another rank, and that draw is
+    dropped (the ranks never split). A processor or sampler that raises on a
+    rank before the last raises there before that step's token; the other
+    ranks yield it, and the request then ends on every rank (``stop.reason``
+    ``"failed"``). With speculation only the last rank's sampler also draws the
+    guesses. Greedy decoding without processors: ``logprobs`` is the last
+    rank's; the other ranks yield ``None`` unless ``share_logprobs`` sends it
+    to them too (one vocabulary-sized message per token). Pass a sampler and
+    processors on every rank or on none (the prefill's handshake compares it).
 
     Stops are agreed: when any rank's consumer stops early or its
     ``should_cancel()`` (polled before every token) says yes, every rank's
@@ -215,7 +226,7 @@ def generate_step(
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
-        decode_settings=2 if share_logprobs else 1,  # protocol.DECODE_SETTINGS
+        decode_settings=decode_settings(share_logprobs, run.processing),
         speculation=speculation.handshake,
     )
     generator = run.run(tokens, prompt_cache, prefill)

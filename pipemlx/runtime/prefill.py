@@ -203,6 +203,14 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
+    shard = stage.info.vocab_shard
+    if shard is not None and shard.split and tokens.size > 1:  # head="split": rank 0's embeddings of the prompt
+        try:
+            with mx.stream(stage.compute_stream):
+                shard.embed(tokens[:-1], stage.group, timeout, lambda: f"{stage.describe()} embedding the prompt")
+        except (PipelineTimeoutError, PeerLostError) as exc:
+            stage.mark_broken(exc)
+            raise
     step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
     spacing = options.agree_every
     if spacing is None:

@@ -231,8 +231,20 @@ def per_rank(values: Sequence[object]) -> str:
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 """Activation dtypes as the handshake's ``dtype`` field numbers them (from 1; 0: another dtype)."""
-DECODE_SETTINGS = ("none (pipeline_prefill)", "share_logprobs=False", "share_logprobs=True")
-"""What the handshake's ``decode_settings`` values mean: what the decode after the prefill will exchange."""
+DECODE_SETTINGS = (
+    "none (pipeline_prefill)",
+    "share_logprobs=False",
+    "share_logprobs=True",
+    "share_logprobs=False with a sampler or logits processors",
+    "share_logprobs=True with a sampler or logits processors",
+)
+"""What the handshake's ``decode_settings`` values mean: what the decode after the prefill will exchange (a sampler
+or logits processors: the last rank's logits, every step, for every rank's own processors and sampler)."""
+
+
+def decode_settings(share_logprobs: bool, processing: bool) -> int:
+    """The handshake's ``decode_settings`` of a decode: an index into :data:`DECODE_SETTINGS`."""
+    return 1 + int(share_logprobs) + 2 * int(processing)
 
 
 def dtype_code(dtype: mx.Dtype | None) -> int:
@@ -304,7 +316,8 @@ DECODE = Message(
     ),
     "a decode step",
 )
-"""One token of :func:`pipemlx.generate_step`; payload: the shared head's best logits, or ``share_logprobs``."""
+"""One token of :func:`pipemlx.generate_step`; payload: the shared head's best logits, the last rank's logits (a
+sampler or logits processors: every rank runs them) or its log-probabilities (``share_logprobs``)."""
 
 GUESSES = Message(Kind.GUESSES, (Field("can_speculate"), *NEXT_GUESSES), "the first guesses")
 """Opens a speculative decode, after its prefill: whether every rank's caches can be cut back at any length

@@ -31,6 +31,7 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 """mlx-lm's logits processor: ``(tokens so far, logits) -> logits``."""
 
+EMBED_BLOCK = 1024  # head="split": prompt tokens whose embeddings one all-sum carries
 SHARE_WIDTH = 2  # what a rank adds to a decode step's share per row: its largest logit and that logit's vocabulary id
 
 
@@ -50,7 +51,18 @@ class VocabShard:
     dtype: mx.Dtype
     hidden: Callable[[nn.Module, mx.array, list[Any]], mx.array]
     project: Callable[[mx.array], mx.array]
-    full: Callable[[mx.array], mx.array]
+    full: Callable[[mx.array], mx.array] | None
+    sum_rows: Callable[[mx.array, mx.distributed.Group], mx.array] | None = None
+    """``head="split"`` (each rank holds only these rows of the head and of the embedding): the embeddings of
+    the tokens given, summed from every rank's rows (a collective; ``None``: the head is whole)."""
+    keep: Callable[[mx.array, mx.array], None] | None = None
+    """``head="split"``: hands tokens and their embeddings to rank 0's embedding for its next forward passes."""
+    vocab: int = 0  # the whole vocabulary (head="split"), which the ranks' rows cover
+
+    @property
+    def split(self) -> bool:
+        """Whether each rank holds only its rows (``head="split"``): no rank can apply the whole head."""
+        return self.sum_rows is not None
 
     def pairs(
         self, hidden: mx.array, group: mx.distributed.Group, timeout: float | None, describe: Callable[[], str]
@@ -68,12 +80,68 @@ class VocabShard:
         wait_for(last, timeout, describe)
         return self.best(last)
 
+    def embed(
+        self, tokens: mx.array, group: mx.distributed.Group, timeout: float | None, describe: Callable[[], str]
+    ) -> None:
+        """``head="split"``: every rank's rows of ``tokens``' embeddings summed, left with rank 0's embedding for its
+        next forward passes over them; a collective, waited for here (bounded), in blocks of
+        :data:`EMBED_BLOCK` tokens so that the other ranks never hold a long prompt's embeddings whole."""
+        assert self.sum_rows is not None and self.keep is not None
+        tokens = mx.reshape(tokens, (-1,))
+        blocks: list[mx.array] = []  # rank 0's: the others drop each block once summed
+        for start in range(0, tokens.size, EMBED_BLOCK):
+            summed = self.sum_rows(tokens[start : start + EMBED_BLOCK], group)
+            wait_for(summed, timeout, describe)
+            if group.rank() == 0:
+                blocks.append(summed)
+        if blocks:
+            self.keep(tokens, blocks[0] if len(blocks) == 1 else mx.concatenate(blocks))
+
+    def logits(
+        self,
+        hidden: mx.array,
+        group: mx.distributed.Group,
+        timeout: float | None,
+        describe: Callable[[], str],
+    ) -> mx.array:
+        """``[rows, vocabulary]``: the whole head's logits for the last rank's final hidden states ``hidden``.
+
+        ``head="split"``: the hidden states reach every rank (an all-gather), each projects its rows, and a second
+        all-gather of the slices (padded to one width) gives every rank the whole logits, in the head's dtype:
+        each logit is computed from the same row and hidden state as one process computes it.
+        """
+        world = group.size()
+        gathered = mx.distributed.all_gather(hidden.astype(mx.float32), group=group)
+        last = gathered[-hidden.shape[0] :]
+        wait_for(last, timeout, describe)
+        local = self.project(last.astype(self.dtype))
+        dtype = local.dtype
+        width = -(-self.vocab // world)
+        padded = mx.pad(local.astype(mx.float32), [(0, 0), (0, width - local.shape[-1])])
+        everyone = mx.distributed.all_gather(padded, group=group)
+        wait_for(everyone, timeout, describe)
+        rows = hidden.shape[0]
+        pieces = [
+            everyone[r * rows : (r + 1) * rows, : self.vocab * (r + 1) // world - self.vocab * r // world]
+            for r in range(world)
+        ]
+        return mx.concatenate(pieces, axis=-1).astype(dtype)
+
     def best(self, last: mx.array) -> mx.array:
         """``[rows, 2]``: per row, this rank's largest logit and its vocabulary id, for the final hidden states ``last``."""
         logits = self.project(last.astype(self.dtype)).astype(mx.float32)
         top = mx.max(logits, axis=-1)
         index = mx.argmax(logits, axis=-1).astype(mx.float32) + self.rows.start
         return mx.stack([top, index], axis=-1)
+
+
+def vocab_size_of(model: nn.Module) -> int:
+    """The model's vocabulary size from its arguments (0: not found; the first step's logits tell it then)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        size = getattr(getattr(owner, "args", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return 0
 
 
 def pick_tokens(best: list[list[float]]) -> list[int]:

@@ -66,7 +66,7 @@ class StageInfo:
     unquantizable_bounded: tuple[tuple[int, str], ...] = ()
     """Likewise for the caches ``make_prompt_cache(model, max_kv_size=...)`` makes."""
     lending: Lending = field(default_factory=Lending)
-    head: Literal["all", "last"] = "all"  # which ranks keep the output head
+    head: Literal["all", "last", "split"] = "all"  # which ranks keep the output head (split: a share of its rows)
     vocab_shard: VocabShard | None = None  # this rank's rows of the output head, for greedy decodes that share it
     bounded_caches: Callable[[int], list[Any]] | None = None
     """``lend_heads``, the rank after a cut: its caches bounded by ``max_kv_size`` (see :meth:`PipelineStage.new_cache`)."""

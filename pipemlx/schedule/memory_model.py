@@ -47,7 +47,7 @@ INTERMEDIATE_BUFFERS = 2
 CACHE_GROWTH = 1.2
 """Fitted coefficients of :func:`chunk_peak` (see the module docstring)."""
 DEFAULT_QUANTIZED_KV_START = 5000
-HeadPolicy = Literal["all", "last"]
+HeadPolicy = Literal["all", "last", "split"]
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,8 @@ class Settings:
             raise ValueError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8 (or None), got {self.kv_bits!r}")
         if self.quantized_kv_start < 0:
             raise ValueError(f"quantized_kv_start must not be negative, got {self.quantized_kv_start}")
-        if self.head not in ("all", "last"):
-            raise ValueError(f"head must be 'all' or 'last', got {self.head!r}")
+        if self.head not in ("all", "last", "split"):
+            raise ValueError(f"head must be 'all', 'last' or 'split', got {self.head!r}")
 
 
 def prefill_chunks(context: int, step: int) -> list[int]:
@@ -220,13 +220,24 @@ class RankMemory:
 
 
 def fixed_bytes(model: ModelBytes, rank: int, world_size: int, head: HeadPolicy) -> int:
-    """Bytes ``rank`` holds besides its layers; with ``head="last"`` only the last rank holds the head."""
-    if head == "all":
+    """Bytes ``rank`` holds besides its layers; with ``head="last"`` only the last rank holds the head, with
+    ``head="split"`` every rank its share of the vocabulary's rows (1/S) of the embedding and of the head (the
+    rest, a final norm, counted with the head: whole where the head is the embedding, else by the same share)."""
+    if head == "all" or world_size == 1:
         return model.fixed(rank, world_size)
+    if head == "split":  # tied: "head" is the final norm (whole on every rank); else mostly the lm_head's rows
+        return share(model.embedding, rank, world_size) + (
+            model.head if model.tied else share(model.head, rank, world_size)
+        )
     last = rank == world_size - 1
     if model.tied:  # rank 0 keeps the embedding, the last rank the head (the same weights)
         return (model.embedding if rank == 0 or last else 0) + (model.head if last else 0)
     return (model.embedding if rank == 0 else 0) + (model.head if last else 0)
+
+
+def share(total: int, rank: int, world_size: int) -> int:
+    """Rank ``rank``'s share of ``total`` bytes split by rows as :func:`pipemlx.models.vocab_head.row_range` does."""
+    return total * (rank + 1) // world_size - total * rank // world_size
 
 
 def rank_memory(

@@ -93,6 +93,13 @@ def main() -> None:
         errors.append("no error")
     except pipemlx.PipelineMismatchError as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
+    # A sampler on the last rank only: every rank runs the sampler, so the ranks must all have one or none.
+    sampler = (lambda logprobs: mx.argmax(logprobs, axis=-1)) if group.rank() == group.size() - 1 else None
+    try:
+        next(pipemlx.generate_step(prompt, model, prefill_step_size=4, max_tokens=2, sampler=sampler))
+        errors.append("no error")
+    except pipemlx.PipelineMismatchError as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
     rotating = rotating_refusals(group)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     report = {"errors": errors, "tokens_after": tokens, "reference": reference_tokens, "rotating": rotating}

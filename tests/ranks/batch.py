@@ -30,6 +30,9 @@ yet decoding after it.
 
 Or {"parity": true, "step_size", "chunk"}: mlx-lm's BatchGenerator API on a sharded model (run_parity).
 
+Or {"engine": true, "arch"}: an engine's loop written once for mlx-lm's BatchGenerator, run on pipemlx's and on
+mlx-lm's in each rank's process, then mlx-lm's batch_generate() on both (run_engine).
+
 Or {"scenarios": {name: spec, ...}}: several such specs (none with "kill" or "stall") one after the other on
 one group, each with its own sharded model and generator, reported as {"rank", "scenarios": {name: report}};
 one launch instead of one per spec saves every rank's start-up. Solo runs are computed once per
@@ -382,6 +385,157 @@ def run_parity(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
     }
 
 
+class Seen:
+    """Records what one request's logits processor and sampler are called with (per call: a row's token history,
+    its first logits or log-probabilities, the token drawn). The sampler takes the second likeliest token, so a
+    request whose own sampler is ignored shows (greedy takes the likeliest)."""
+
+    def __init__(self) -> None:
+        self.histories: list[list[int]] = []
+        self.logits: list[list[float]] = []
+        self.draws: list[list[float]] = []
+
+    def processor(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.histories.append([int(t) for t in tokens.tolist()])  # pyright: ignore[reportUnknownVariableType, reportGeneralTypeIssues]
+        self.logits.append(logits[0, :4].astype(mx.float32).tolist())  # pyright: ignore[reportArgumentType]
+        return logits
+
+    def sampler(self, logprobs: mx.array) -> mx.array:
+        drawn = mx.argsort(logprobs, axis=-1)[:, -2]
+        for row, token in zip(logprobs.tolist(), drawn.tolist()):  # pyright: ignore[reportArgumentType, reportCallIssue]
+            self.draws.append([*row[:4], float(token)])
+        return drawn
+
+
+class WordTokenizer:
+    """What mlx-lm's batch_generate reads of a tokenizer: end-of-sequence ids and ``decode``."""
+
+    def __init__(self, eos: list[int]) -> None:
+        self.eos_token_ids = eos
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
+    """An engine's code written once for mlx-lm, run on pipemlx's BatchGenerator (sharded) and on mlx-lm's (the
+    whole model, this process): per-request samplers, processors and stop sequences, each call's responses, the
+    logprobs, ``max_kv_size`` and the caches handed back; then mlx-lm's own ``batch_generate`` on both.
+
+    Reports, per engine ("pipemlx", "mlx"): the tokens, reasons and logprobs of the sampled token per request, each
+    request's processor and sampler inputs, the uids each next_generated() call returned, the handed-back caches'
+    classes and offsets; and batch_generate's token ids, logprobs and cache offsets.
+    """
+    mlx_generate: Any = sys.modules["mlx_lm.generate"]  # (the package's ``generate`` is the function)
+
+    config = tiny_config(spec.get("arch", "llama"))
+    sharded = pipemlx.shard_model(build_model(config), group)
+    whole = build_model(config)
+    prompts = [prompt_of(m) for m in (9, 21, 14)]
+    solo = solo_run(spec.get("arch", "llama"), prompts[2], 8, 8)
+    stop = solo[1:3]  # request 2 (greedy) stops at its 3rd token, completing this two-token sequence
+
+    def engine(make: Any, max_kv_size: int | None) -> dict[str, Any]:
+        seen = [Seen() for _ in prompts]
+        generator = make(max_tokens=7, max_kv_size=max_kv_size)
+        uids = generator.insert(
+            prompts,
+            [6, 7, 8],
+            samplers=[None, seen[1].sampler, None],
+            logits_processors=[[s.processor] for s in seen],
+            stop_sequences=[StopSequences([]), StopSequences([]), StopSequences([stop])],
+        )
+        tokens: dict[int, list[int]] = {u: [] for u in uids}
+        logprobs: dict[int, list[float]] = {u: [] for u in uids}
+        finished: dict[int, Any] = {}
+        calls: list[list[int]] = []
+        while responses := generator.next_generated():
+            calls.append(sorted(r.uid for r in responses))
+            for r in responses:
+                tokens[r.uid].append(r.token)
+                logprobs[r.uid].append(r.logprobs[r.token].item())
+                if r.finish_reason is not None:
+                    finished[r.uid] = [
+                        r.finish_reason,
+                        [type(c).__name__ for c in r.prompt_cache],
+                        [int(c.offset) for c in r.prompt_cache],
+                        len(r.all_tokens),
+                    ]
+        generator.close()
+        return {
+            "tokens": [tokens[u] for u in uids],
+            "logprobs": [logprobs[u] for u in uids],
+            "finished": [finished[u] for u in uids],
+            "calls": calls,
+            "histories": [s.histories for s in seen],
+            "logits": [s.logits for s in seen],
+            "draws": [s.draws for s in seen],
+        }
+
+    report: dict[str, Any] = {"rank": group.rank()}
+    for size in (None, spec.get("max_kv_size", 32)):
+        name = f"max_kv_size={size}"
+        report[name] = {
+            "pipemlx": engine(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw), size),
+            "mlx": engine(lambda **kw: mlx_generate.BatchGenerator(whole, prefill_step_size=8, **kw), size),
+        }
+    tokenizer = WordTokenizer(stop[-1:])
+    sampled = {"sampler": Seen().sampler}  # a sampler: every rank holds the logprobs it was given
+
+    def batch(model: Any) -> dict[str, Any]:
+        result = mlx_generate.batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=[6, 7, 8],
+            return_token_ids=True,
+            return_logprobs=True,
+            return_prompt_caches=True,
+            max_kv_size=32,
+            prefill_step_size=8,
+            **sampled,
+        )
+        return {
+            "texts": result.texts,
+            "token_ids": result.token_ids,
+            "logprobs": result.logprobs,
+            "caches": [[int(c.offset) for c in cache] for cache in result.caches or []],
+            "generation_tokens": result.stats.generation_tokens,
+        }
+
+    # A processor that raises on rank 0 only, at its 3rd call: the tick's decode fails on every rank alike ("error"
+    # for every row in it), and the generator serves the next request.
+    calls = {"n": 0}
+
+    def raising(tokens: mx.array, logits: mx.array) -> mx.array:
+        calls["n"] += 1
+        if group.rank() == 0 and calls["n"] == 3:
+            raise ValueError("the processor raised on rank 0")
+        return logits
+
+    generator = pipemlx.BatchGenerator(sharded, prefill_step_size=8)
+    generator.insert(prompts[:2], [6, 6], logits_processors=[[raising], None])
+    responses: list[list[Any]] = []
+    while answered := generator.next_generated():
+        responses += [[r.uid, r.token, r.finish_reason] for r in answered]
+    (uid,) = generator.insert([prompts[2]], [4])
+    after = [r.token for _ in range(12) for r in generator.next() if r.uid == uid]
+    report["raising"] = {
+        "responses": responses,
+        "after": after,
+        "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
+        "error": repr(generator.last_error),
+    }
+    report["batch_generate"] = {"mlx": batch(whole)}
+    original = mlx_generate.BatchGenerator
+    mlx_generate.BatchGenerator = pipemlx.BatchGenerator  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        report["batch_generate"]["pipemlx"] = batch(sharded)
+    finally:
+        mlx_generate.BatchGenerator = original
+    return report
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     group = init_group()
@@ -389,7 +543,8 @@ def main() -> None:
     if "scenarios" in spec:
         reports: dict[str, dict[str, Any]] = {}
         for name, scenario in spec["scenarios"].items():
-            reports[name] = (run_parity if scenario.get("parity") else run)(scenario, group, solo_run)
+            runner = run_parity if scenario.get("parity") else run_engine if scenario.get("engine") else run
+            reports[name] = runner(scenario, group, solo_run)
             mx.synchronize()
             mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before the next
         failed = {name: r for name, r in reports.items() if "error" in r}

@@ -1,6 +1,7 @@
 """Rank program: peak memory of load_sharded against a full mlx-lm load, and the tokens of both.
 
-Spec: {"path", "split"?, "memory"?, "prompt": M, "step", "max_tokens", "full": bool}
+Spec: {"path", "split"?, "memory"?, "head"?, "prompt": M, "step", "max_tokens", "full": bool}
+(``head="split"``: the tokens come from pipemlx.generate_step, mlx-lm's refusing a split head.)
 Each rank measures the growth of its peak resident set (VmHWM, reset through
 /proc/self/clear_refs) while load_sharded runs, then pipeline-prefills and
 decodes a prompt; then (``full``) it drops the sharded model, measures the
@@ -26,6 +27,7 @@ from pipemlx.launch import init_group
 from pipemlx.models.parameters import flat_parameters
 from pipemlx.models.safetensors import model_bytes_from_dir
 from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.memory_model import fixed_bytes
 
 
 def status_kb(field: str) -> int:
@@ -58,21 +60,31 @@ def main() -> None:
     path = Path(spec["path"])
     load_tokenizer(path)  # imports and warms the tokenizer code, so the measurement sees weights only
     baseline = start_measuring()
+    mx.reset_peak_memory()
     # Whole layers: what each rank holds is compared with the plan's per-layer bytes.
+    head = spec.get("head", "all")
     model, tokenizer = pipemlx.load_sharded(
-        path, group, split=spec.get("split"), memory=spec.get("memory"), lend=spec.get("lend", "none")
+        path, group, split=spec.get("split"), memory=spec.get("memory"), lend=spec.get("lend", "none"), head=head
     )
     sharded_peak = peak_growth(baseline)
+    mlx_peak = mx.get_peak_memory()  # MLX's own allocations alone (no thread stacks, no Python)
     held = sum(p.nbytes for _, p in flat_parameters(model))
     stage = stage_of(model)
     planned = model_bytes_from_dir(path)
     share = sum(planned.layers[stage.info.layers.start : stage.info.layers.stop])
-    fixed = planned.fixed(stage.rank, stage.world_size)
+    fixed = fixed_bytes(planned, stage.rank, stage.world_size, head)
 
     prompt = mx.random.randint(0, int(model.args.vocab_size), (spec["prompt"],), key=mx.random.key(5)).astype(mx.int32)
     cache = make_prompt_cache(model)
-    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
-    tokens = [int(t) for t, _ in generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])]
+    if head == "split":
+        steps = pipemlx.generate_step(
+            prompt, model, prompt_cache=cache, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"]
+        )
+        tokens = [int(t) for t, _ in steps]
+    else:
+        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
+        steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])
+        tokens = [int(t) for t, _ in steps]
     settle(group)
     report: dict[str, Any] = {
         "rank": stage.rank,
@@ -80,6 +92,7 @@ def main() -> None:
         "split": list(stage.info.split),
         "layers": [stage.info.layers.start, stage.info.layers.stop],
         "sharded_peak": sharded_peak,
+        "mlx_peak": mlx_peak,
         "held": held,
         "share": share,
         "fixed": fixed,

@@ -8,13 +8,15 @@ holding the same cache history. Commands (one JSON object per stdin line):
   {"op": "request", "M", "seed", "step", "max_tokens", "temp", "reuse", "trim_to",
    "stop": {"rank", "after", "how"}, "cancel_prefill": {"rank", "at"},
    "cancel_decode": {"rank", "after"}, "raise_progress": {"rank", "at"}, "model_error": {"rank", "chunk"},
-   "decode_error": {"rank", "token"}, "penalty", "draft"}  (a fault's "rank" may be "all": every rank)
+   "decode_error": {"rank", "token"}, "processor_error": {"rank", "at"}, "penalty", "draft"}  (a fault's "rank" may be "all": every rank)
       pipemlx.generate_step on the pipeline; ``reuse`` keeps the cache of the previous requests (trimmed to
       ``trim_to`` positions when given), otherwise both caches start empty. ``stop.how`` is "break", "close",
       "raise" (the consumer's own exception) or "abandon" (the generator is dropped without being closed and
       the rank goes straight on to the request in ``then``, which every rank runs next). Answers tokens, progress calls, outcome, cache offset and
       the reference's tokens and offset. ``draft``: speculate, the reference model (whole) guessing. ``penalty``: a repetition penalty plus a logits processor that
-      records the token history it is given (answered as ``histories`` / ``ref_histories``).
+      records the token history and logits it is given (answered as ``histories``, ``seen`` / ``ref_...``); with ``temp``
+      a sampler that records what it is given and draws (``draws``). ``processor_error``: that processor raises
+      ValueError at its ``at``-th call on that rank (the reference's does not).
   {"op": "plain", "M", "seed", "step", "take"}
       mlx-lm's own generate_step on the sharded model, consumed for ``take`` tokens, nothing synchronized.
   {"op": "second_model", "M", "seed", "step", "take", "max_tokens"}
@@ -48,18 +50,33 @@ class InjectedModelError(RuntimeError):
 
 
 class Recorder:
-    """A logits processor that keeps every token history it is shown."""
+    """A logits processor that keeps every token history and the first logits it is shown; :meth:`sampler` wraps a
+    sampler to keep the first log-probabilities each call is shown and the tokens it draws."""
 
-    def __init__(self) -> None:
+    def __init__(self, raise_at: int = 0) -> None:
         self.histories: list[list[int]] = []
+        self.logits: list[list[float]] = []
+        self.draws: list[tuple[list[float], list[int]]] = []
+        self.raise_at = raise_at  # the call that raises (0: none)
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if len(self.histories) + 1 == self.raise_at:
+            raise ValueError("the logits processor raised")
         self.histories.append([int(t) for t in tokens.tolist()])  # type: ignore[union-attr]
+        self.logits.append(logits[0, :6].astype(mx.float32).tolist())  # type: ignore[arg-type]
         return logits
 
+    def sampler(self, inner: Any) -> Any:
+        def sample(logprobs: mx.array) -> mx.array:
+            drawn = inner(logprobs)
+            self.draws.append((logprobs[:, :6].reshape(-1).astype(mx.float32).tolist(), drawn.reshape(-1).tolist()))
+            return drawn
 
-def processors(command: dict[str, Any]) -> tuple[list[Any] | None, Recorder]:
-    recorder = Recorder()
+        return sample
+
+
+def processors(command: dict[str, Any], raise_at: int = 0) -> tuple[list[Any] | None, Recorder]:
+    recorder = Recorder(raise_at)
     if command.get("penalty") is None:
         return None, recorder
     return [*make_logits_processors(repetition_penalty=command["penalty"]), recorder], recorder
@@ -144,13 +161,14 @@ class Server:
 
         outcome: dict[str, Any] = {"outcome": "done"}
         mx.random.seed(command["seed"])
-        logits_processors, recorder = processors(command)
+        processor_error = self.mine(command, "processor_error")
+        logits_processors, recorder = processors(command, processor_error["at"] if processor_error else 0)
         generator = pipemlx.generate_step(
             prompt,
             self.model,
             prompt_cache=self.cache,
             max_tokens=command["max_tokens"],
-            sampler=make_sampler(temp) if temp or command.get("sampler") else None,  # None: greedy, the head shared
+            sampler=recorder.sampler(make_sampler(temp)) if temp else None,  # None: greedy, the head shared
             logits_processors=logits_processors,
             prefill_step_size=command["step"],
             prompt_progress_callback=on_progress,
@@ -183,7 +201,7 @@ class Server:
         answer = {"rank": self.rank, "tokens": tokens, "progress": progress, "prefix": prefix, **outcome}
         answer["shared_head"] = generator.shared_head
         del generator
-        answer["histories"] = recorder.histories
+        answer.update(histories=recorder.histories, seen=recorder.logits, draws=recorder.draws)
         if stop and stop["how"] == "abandon":
             answer["offset"] = None  # the agreed stop runs when the next command settles the stage
         else:
@@ -217,7 +235,7 @@ class Server:
                 self.reference,
                 prompt_cache=self.ref_cache,
                 max_tokens=command["max_tokens"],
-                sampler=make_sampler(temp),
+                sampler=recorder.sampler(make_sampler(temp)) if temp else None,
                 logits_processors=logits_processors,
                 prefill_step_size=command["step"],
             ):
@@ -233,7 +251,13 @@ class Server:
         undone = self.ref_cache[0].offset - self.cache[0].offset
         if outcome.get("last_stop") and outcome["last_stop"][0] == "failed" and undone > 0:
             trim_prompt_cache(self.ref_cache, undone)  # pipemlx undoes a decode step the model failed in
-        return {"ref_tokens": ref_tokens, "ref_offset": self.ref_cache[0].offset, "ref_histories": recorder.histories}
+        return {
+            "ref_tokens": ref_tokens,
+            "ref_offset": self.ref_cache[0].offset,
+            "ref_histories": recorder.histories,
+            "ref_seen": recorder.logits,
+            "ref_draws": recorder.draws,
+        }
 
     def plain(self, command: dict[str, Any]) -> dict[str, Any]:
         self.cache, self.ref_cache = make_prompt_cache(self.model), make_prompt_cache(self.reference)

@@ -55,9 +55,10 @@ class Response:
     The fields are mlx-lm's ``BatchGenerator`` responses', in its order. ``finish_reason`` is ``None`` while the
     request goes on, ``"length"`` at its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop sequences, and
     ``"error"`` (``token`` -1) when the model raised on some rank while computing this request; in all three the
-    request has left. ``logprobs``: on the last rank, the log-probabilities this token was sampled from
-    (``[vocabulary]``, after the request's logits processors), computed only when read; ``None`` on the other ranks
-    and on an ``"error"`` response.
+    request has left. ``logprobs``: the log-probabilities this token was sampled from (``[vocabulary]``, after the
+    request's logits processors), computed only when read: on the last rank always; on the others in a tick where
+    some row had a sampler or processors, or with ``share_logprobs`` (else ``None``); ``None`` on an ``"error"``
+    response.
 
     ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"`` response only (as in mlx-lm): this rank's
     per-layer caches of the finished request, taken out of the batch, and the tokens they hold — its ``all_tokens``
@@ -87,7 +88,17 @@ class BatchGenerator:
     (``finish_reason="stop"``): token ids, or sequences of them as mlx-lm's ``BatchGenerator`` takes (a request stops at
     the token that completes one, counting its generated tokens only); ``sampler`` is the default sampler (greedy when
     ``None``) and ``logits_processors`` the default processors (mlx-lm's ``make_logits_processors``: repetition penalty,
-    logit bias, ...), both used only on the last rank; ``timeout`` bounds every wait (default: the model's).
+    logit bias, ...); ``timeout`` bounds every wait (default: the model's).
+
+    Samplers and processors (the defaults and each request's) are called in every rank's process, with what mlx-lm's
+    ``BatchGenerator`` calls them with: in a tick where some live row has one, the last rank's logits of every row go
+    to every rank in the tick's message, and each rank runs the rows' processors and samplers on them. The tokens are
+    the last rank's (a sampler drawing another token elsewhere is overruled, never splitting the ranks), and each
+    rank's responses carry its own ``logprobs``. A processor or sampler that raises on any rank fails that tick's
+    decode on every rank (``"error"`` responses), as one raising on the last rank does. Pass the same samplers and
+    processors on every rank (ranks that differ raise ``PipelineMismatchError`` naming the payload width).
+    ``share_logprobs`` sends the logits in every tick (greedy rows too), so every rank's responses carry
+    ``logprobs``: mlx-lm's ``batch_generate(..., return_logprobs=True)`` needs it on the ranks before the last.
 
     ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a tick while other requests decode: each rank
     adds about one chunk's work to each decode step, so it trades the decoding requests' time between tokens against the
@@ -132,7 +143,7 @@ class BatchGenerator:
     A model that is not sharded (an engine's one-machine path) gets mlx-lm's own ``BatchGenerator``, built with the
     arguments given and mlx-lm's defaults for the others (``prefill_step_size="auto"`` and ``None`` batch sizes are
     mlx-lm's defaults there); the arguments only pipemlx has (``prefill_chunk_tokens``, ``prefill_chunking``,
-    ``timeout``, ``memory_budget``) raise ``ValueError`` there.
+    ``timeout``, ``memory_budget``, ``share_logprobs``) raise ``ValueError`` there.
     """
 
     def __new__(cls, model: nn.Module, **kwargs: Any) -> BatchGenerator:
@@ -143,7 +154,9 @@ class BatchGenerator:
                 "BatchGenerator() got the keyword argument 'prefill_budget', renamed 'prefill_chunk_tokens' in pipemlx 0.2.0"
             )
         pipemlx_only = sorted(
-            name for name in ("prefill_chunk_tokens", "prefill_chunking", "timeout", "memory_budget") if name in kwargs
+            name
+            for name in ("prefill_chunk_tokens", "prefill_chunking", "timeout", "memory_budget", "share_logprobs")
+            if name in kwargs
         )
         if pipemlx_only:
             raise ValueError(
@@ -180,9 +193,16 @@ class BatchGenerator:
         prefill_batch_size: int | None = None,
         max_kv_size: int | None = None,
         stream: mx.Stream | mx.ThreadLocalStream | mx.Device | None = None,
+        share_logprobs: bool = False,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
+        if self.stage.info.head == "split":
+            raise ValueError(
+                "BatchGenerator does not work on a model sharded with head='split' (each rank holds only its rows "
+                "of the embedding and the head): shard with head='all' or 'last' to batch, or decode with "
+                "pipemlx.generate_step"
+            )
         chunk = prefill_chunk_tokens
         budget = None if memory_budget is None else parse_size(memory_budget)
         sizes = {
@@ -196,8 +216,11 @@ class BatchGenerator:
         self.stop_sequences = check_settings(
             self.stage, stream, max_tokens, timeout, sizes, prefill_chunking, stop_tokens
         )
+        if not isinstance(share_logprobs, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"share_logprobs must be a bool, got {share_logprobs!r}")
         self.max_tokens = max_tokens
         self.sampler = sampler
+        self.share_logprobs = share_logprobs
         self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk_tokens = chunk
@@ -290,7 +313,7 @@ class BatchGenerator:
 
         ``logits_processors`` is one list per prompt, as in mlx-lm's ``BatchGenerator`` (default: the generator's for
         every prompt; a ``None`` or empty entry: none for that prompt). A processor is called as mlx-lm's
-        ``generate_step`` calls it, on the last rank only, with the request's tokens so far (``all_tokens[i]``, then the
+        ``generate_step`` calls it, on every rank, with the request's tokens so far (``all_tokens[i]``, then the
         prompt, then the tokens generated before this one) and its ``[1, vocabulary]`` logits. ``all_tokens[i]`` names
         the tokens a reused cache holds (seen by the processors, and handed back with the cache; default none).
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
@@ -415,6 +438,8 @@ class BatchGenerator:
             chunk_cache=self._chunk_cache,
             sample=self._sample,
             greedy=self.stage.info.vocab_shard is not None and all_greedy(self._rows.requests, self.sampler),
+            processing=self.stage.world_size > 1
+            and (self.share_logprobs or not all_greedy(self._rows.requests, self.sampler)),
         )
         self._logprobs = None
         outcome = self._runner.run(work)

@@ -15,7 +15,11 @@ taken in the order below on both ends of each link):
 4. ``r > 0``: receive the chunk rank ``r - 1`` computed in this tick and build
    its graph for the next tick;
 5. the tick's all-gather (:data:`~pipemlx.runtime.protocol.TICK`): a header
-   the ranks compare, and the last rank's tokens.
+   the ranks compare, and the last rank's tokens (and, when some row has a
+   sampler or logits processors, or the generator shares log-probabilities,
+   the last rank's logits: every other rank then samples them as the last rank
+   did, with the same requests' processors and samplers, and one more small
+   all-gather agrees on whether that raised anywhere).
 
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
@@ -41,7 +45,7 @@ from ...schedule.batch_plan import Tick, TickChunk
 from ..caches import cache_state
 from ..failure import stand_in
 from ..protocol import TICK, Status, Table, gather
-from ..sampling import VocabShard, pick_tokens, shared_head
+from ..sampling import SHARE_WIDTH, VocabShard, pick_tokens, shared_head, vocab_size_of
 from ..send_mode import send_mode
 from ..stage import PipelineStage
 from ..waits import PEER_LOST_MARKERS, issue, wait_for
@@ -79,6 +83,7 @@ class TickWork:
     chunk_cache: Callable[[TickChunk], list[Any]]  # the cache of a chunk's request on this rank
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
+    processing: bool = False  # the last rank's logits go to every rank, which samples them too (see the module)
 
 
 @dataclass(eq=False)
@@ -92,6 +97,11 @@ class TickRunner:
     error: BaseException | None = None  # the first model error this rank stood in for
     shares_head: bool = False  # every rank's rows were greedy in the last tick: this tick's decode shares the head
     shared_ticks: int = 0  # ticks whose decode shared the head (observability)
+    logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        self.vocab_size = vocab_size_of(self.model)
 
     def drop(self, uids: set[int]) -> None:
         """Forget a held chunk of a removed request (its input was already taken off the wire)."""
@@ -106,6 +116,7 @@ class TickRunner:
         try:
             with send_mode(self.model, "queue"), stage.executing_plan(), mx.stream(stage.compute_stream):
                 tokens = mx.zeros((work.rows,), dtype=mx.float32)  # the last rank's sampled tokens
+                logits: mx.array | None = None  # the last rank's, for the others to sample (work.processing)
                 mine = tick.chunks[stage.rank]
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
@@ -115,7 +126,7 @@ class TickRunner:
                 hidden: mx.array | None = None
                 if work.rows:  # 2. the decode step
                     try:
-                        sent, hidden = self._decode(work, sharing)
+                        sent, hidden, logits = self._decode(work, sharing)
                     except Exception as exc:
                         if not _is_model_error(exc):
                             raise
@@ -123,7 +134,7 @@ class TickRunner:
                         failed_decode = True
                         outgoing = stand_in(stage, work.rows, 1, self._take_off_the_wire)
                         sent = mx.zeros((work.rows,)) if outgoing is None else self._send(outgoing)
-                        hidden = None
+                        hidden = logits = None
                     if stage.is_last:
                         tokens = sent
                     issued = [sent, cache_state(work.batch_cache), *([] if hidden is None else [hidden])]
@@ -158,6 +169,9 @@ class TickRunner:
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
                     payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
+                if work.processing and work.rows:  # last, after the tokens and the shared head's pairs
+                    width = work.rows * self.vocab_size
+                    payload.append(mx.zeros((width,)) if logits is None else mx.reshape(logits, (-1,)))
                 gathered = gather(TICK.row(values, status, payload), stage.group)
             where = f"batch tick {tick.index}"
             wait_for(gathered, self.timeout, lambda: f"{stage.describe()} in {where} ({work.rows} rows)")
@@ -167,7 +181,8 @@ class TickRunner:
                 raise PeerLostError(f"{stage.describe()} in batch tick {tick.index}: {exc}") from exc
             raise
         try:
-            outcome, greedy = outcome_of(TICK.read(gathered, stage.world_size, where), work.rows, sharing)
+            table = TICK.read(gathered, stage.world_size, where)
+            outcome, greedy = outcome_of(table, work.rows, sharing)
         except PipelineMismatchError as exc:
             # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
             # on a link, and every later message on it would be read shifted (wrong tokens, no error).
@@ -178,7 +193,40 @@ class TickRunner:
                 "call the BatchGenerator alike)"
             ) from exc
         self.shares_head = greedy and work.rows > 0
+        if work.processing and work.rows and stage.world_size > 1:
+            outcome = self._sample_here(work, table, outcome)
         return outcome
+
+    def _sample_here(self, work: TickWork, table: Table, outcome: TickOutcome) -> TickOutcome:
+        """Every rank before the last samples the last rank's logits with the rows' own processors and samplers, as
+        the last rank did (their log-probabilities are this rank's responses'; the tokens stay the last rank's);
+        then every rank says whether that raised. If it raised anywhere, the decode failed on every rank alike."""
+        stage = self.stage
+        ok = 1
+        if not stage.is_last and not outcome.failed_decode:
+            width = work.rows * self.vocab_size
+            try:
+                with mx.stream(stage.compute_stream):
+                    logits = mx.array(table.payloads[-1][-width:], dtype=mx.float32)
+                    logits = mx.reshape(logits, (work.rows, -1)).astype(self.logits_dtype)
+                    sampled = work.sample(logits)
+                wait_for(sampled, self.timeout, lambda: f"{stage.describe()} sampling batch tick {work.tick.index}")
+            except Exception as exc:  # a processor or sampler of this rank raised: the decode failed here
+                if not _is_model_error(exc):
+                    raise
+                self._note(exc)
+                ok = 0
+        try:
+            with mx.stream(stage.compute_stream):
+                flags = mx.distributed.all_gather(mx.array([ok], dtype=mx.int32), group=stage.group)
+            describe = lambda: f"{stage.describe()} agreeing on batch tick {work.tick.index}'s samples"  # noqa: E731
+            wait_for(flags, self.timeout, describe)
+        except Exception as exc:
+            stage.mark_broken(exc)
+            raise
+        if all(cast(list[int], flags.tolist())):
+            return outcome
+        return TickOutcome(tokens=outcome.tokens, failed_decode=True, failed_uids=outcome.failed_uids)
 
     def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
@@ -191,23 +239,26 @@ class TickRunner:
     def _chunk_results(self, held: Held) -> list[Any]:
         return [cache_state(held.cache), *([] if held.output is None else [held.output])]
 
-    def _decode(self, work: TickWork, sharing: bool) -> tuple[mx.array, mx.array | None]:
-        """Build the decode step: what this rank sends on, or (last rank) the sampled tokens; and (last rank,
-        ``sharing``) the final hidden states, whose share of the head every rank applies."""
+    def _decode(self, work: TickWork, sharing: bool) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Build the decode step: what this rank sends on, or (last rank) the sampled tokens; (last rank,
+        ``sharing``) the final hidden states, whose share of the head every rank applies; (last rank) the logits."""
         stage = self.stage
         inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
         if sharing and stage.is_last:
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
             hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
-            sampled = work.sample(shard.full(hidden))  # lazy: read only for a row that is not greedy (see run)
+            full = cast(Callable[[mx.array], mx.array], shard.full)(hidden)
+            self.vocab_size, self.logits_dtype = full.shape[-1], full.dtype
+            sampled = work.sample(full)  # lazy: read only for a row that is not greedy (see run)
             if work.greedy:  # the tokens come from every rank's share of the head: nothing sampled here
-                return mx.zeros((work.rows,), dtype=mx.float32), hidden
-            return sampled.astype(mx.float32), hidden
+                return mx.zeros((work.rows,), dtype=mx.float32), hidden, full
+            return sampled.astype(mx.float32), hidden, full
         logits = self._forward(inputs, work.batch_cache)
+        self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
         if stage.is_last:
-            return work.sample(logits[:, -1, :]).astype(mx.float32), None
-        return self._send(self._queued_output()), None
+            return work.sample(logits[:, -1, :]).astype(mx.float32), None, logits[:, -1, :]
+        return self._send(self._queued_output()), None, None
 
     def _build_chunk(self, chunk: TickChunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
@@ -272,7 +323,7 @@ def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, boo
     all greedy, picked from every rank's best logits.
     """
     if sharing and table.last("greedy"):
-        tokens = pick_tokens([payload[rows:] for payload in table.payloads])
+        tokens = pick_tokens([payload[rows : rows + SHARE_WIDTH * rows] for payload in table.payloads])
     else:
         tokens = [int(t) for t in table.payloads[-1][:rows]]
     failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)

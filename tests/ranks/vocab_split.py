@@ -1,0 +1,151 @@
+"""Rank program: ``shard_model(head="split")`` (each rank holds its rows of the embedding and the head) against
+single-process mlx-lm, in one process per rank.
+
+Reads a JSON spec from argv[1]: {"cases": {name: {"arch", "config"?, "seed", "quantize"?, "steps": [...]}}} where
+a step is {"M", "max_tokens", "temp"?, "processor"?, "follow"?, "share"?} ("follow": a second prompt of that many
+tokens decoded on the same cache, the conversation's next turn; "share": share_logprobs, every rank's logprobs). Every rank runs the reference itself and reports, per
+step, its tokens and the reference's, and on the last rank the largest logprob difference; per case, the bytes of
+the embedding and head it holds ("vocab_bytes"; the whole model's: "whole_vocab_bytes") and of every parameter
+outside the layers ("outside_layers"), and the errors that mlx-lm's own generate_step, BatchGenerator and a draft
+model raise on the split model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+import pipemlx
+import pipemlx.runtime.sampling as sampling
+from pipemlx.launch import init_group
+from pipemlx.runtime.stage import stage_of
+from pipemlx.testing import build_model, tiny_config
+
+
+def prompt_of(length: int, vocab: int, seed: int) -> mx.array:
+    return mx.random.randint(0, vocab, (length,), key=mx.random.key(seed + 7919 * length)).astype(mx.int32)
+
+
+def parameter_bytes(model: nn.Module, prefix: str = "") -> int:
+    return sum(
+        v.nbytes for k, v in tree_flatten(model.parameters()) if isinstance(v, mx.array) and k.startswith(prefix)
+    )
+
+
+def vocab_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the embedding's and the separate head's parameters (0 where tied)."""
+    return {"embedding": parameter_bytes(model, "model.embed_tokens."), "head": parameter_bytes(model, "lm_head.")}
+
+
+def built(spec: dict[str, Any]) -> nn.Module:
+    model = build_model(tiny_config(spec["arch"], **spec.get("config", {})), seed=spec["seed"])
+    if spec.get("quantize"):
+        nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+def options(step: dict[str, Any]) -> dict[str, Any]:
+    """The same sampler and processors for mlx-lm and pipemlx (a fresh processor for each: they keep state)."""
+    args: dict[str, Any] = {}
+    if step.get("temp"):
+        args["sampler"] = make_sampler(temp=step["temp"], top_k=step.get("top_k", 0))
+    if step.get("processor"):
+        args["logits_processors"] = make_logits_processors(repetition_penalty=1.3)
+    return args
+
+
+def decode(steps: Any) -> tuple[list[int], list[Any]]:
+    tokens: list[int] = []
+    logprobs: list[Any] = []
+    for token, lp in steps:
+        tokens.append(int(token))
+        logprobs.append(lp)
+    return tokens, logprobs
+
+
+def largest_difference(ours: list[Any], ref: list[Any]) -> float | None:
+    pairs = [(a, b) for a, b in zip(ours, ref) if a is not None]
+    return max((float(mx.max(mx.abs(a - b))) for a, b in pairs), default=None)
+
+
+def refusal(call: Any) -> str:
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
+    reference = built(spec)
+    vocab = tiny_config(spec["arch"], **spec.get("config", {}))["vocab_size"]
+    model = pipemlx.shard_model(built(spec), group, head="split", lend="mlp")  # a cut inside a layer, untimed
+    result: dict[str, Any] = {
+        "vocab_bytes": vocab_bytes(model),
+        "whole_vocab_bytes": vocab_bytes(reference),
+        "outside_layers": parameter_bytes(model) - parameter_bytes(model, "model.layers."),
+        "steps": [],
+    }
+    for s in spec["steps"]:
+        prompt = prompt_of(s["M"], vocab, spec["seed"])
+        ref_cache, cache = make_prompt_cache(reference), stage_of(model).new_cache(model)
+        turns = [prompt] + ([prompt_of(s["follow"], vocab, spec["seed"] + 1)] if s.get("follow") else [])
+        entry: dict[str, Any] = {**s, "tokens": [], "ref_tokens": [], "logprob_diff": None, "compared": 0}
+        for turn in turns:
+            mx.random.seed(11)
+            ref = decode(
+                generate_step(
+                    turn,
+                    reference,
+                    prompt_cache=ref_cache,
+                    max_tokens=s["max_tokens"],
+                    prefill_step_size=4,
+                    **options(s),
+                )
+            )
+            mx.random.seed(11)
+            ours = decode(
+                pipemlx.generate_step(
+                    turn,
+                    model,
+                    prompt_cache=cache,
+                    max_tokens=s["max_tokens"],
+                    prefill_step_size=4,
+                    share_logprobs=bool(s.get("share")),
+                    **options(s),
+                )
+            )
+            entry["tokens"] += ours[0]
+            entry["ref_tokens"] += ref[0]
+            diff = largest_difference(ours[1], ref[1])
+            entry["compared"] += sum(lp is not None for lp in ours[1])
+            if diff is not None:
+                entry["logprob_diff"] = max(diff, entry["logprob_diff"] or 0.0)
+        result["steps"].append(entry)
+    prompt = prompt_of(5, vocab, spec["seed"])
+    result["mlx_lm_refused"] = refusal(lambda: list(generate_step(prompt, model, max_tokens=2)))
+    result["batch_refused"] = refusal(lambda: pipemlx.BatchGenerator(model))
+    result["draft_refused"] = refusal(lambda: list(pipemlx.generate_step(prompt, model, draft_model=reference)))
+    # What mlx-lm's refused generate_step left: the ranks agree again before the next case.
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
+    return result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    sampling.EMBED_BLOCK = 4  # a prompt's embeddings summed in several blocks, as a long prompt's are
+    group = init_group()
+    cases = {name: run_case(case, group) for name, case in spec["cases"].items()}
+    print(json.dumps({"rank": group.rank(), "size": group.size(), "cases": cases}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
