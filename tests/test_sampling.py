@@ -74,6 +74,7 @@ def test_rows_are_sampled_each_with_its_own_sampler() -> None:
     logprobs = log_probabilities(logits_of(3, seed=3))
     hot, cold = make_sampler(temp=2.0), make_sampler(temp=0.0)
     assert sample_rows(logprobs, [None, None, None]).tolist() == mx.argmax(logprobs, axis=-1).tolist()
+    assert sample_rows(logprobs[1:2], [None]).tolist() == [mx.argmax(logprobs[1]).item()]  # a batch of one
     mx.random.seed(5)
     one_call = hot(logprobs).tolist()  # one sampler for all: one call over every row, as mlx-lm's batch draws
     mx.random.seed(5)
