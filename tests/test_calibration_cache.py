@@ -209,7 +209,9 @@ def test_a_keys_file_name_is_the_compact_sorted_json_of_the_key(
     assert calibration_cache.load("stage", dict(reversed(list(key.items())))) == [1.0, 2.0]
 
 
-def test_the_environment_part_of_the_key_is_what_the_module_documents(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_part_of_the_key_is_what_the_module_documents(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("LD_PRELOAD", "/opt/blas/libopenblas.so.0")
     monkeypatch.delenv("MLX_HOSTFILE", raising=False)
     environment = calibration_cache.environment()
@@ -224,6 +226,10 @@ def test_the_environment_part_of_the_key_is_what_the_module_documents(monkeypatc
         "blas": "libopenblas.so.0",
         "hosts": [socket.gethostname()],
     }
+    hostfile = tmp_path / "v6.json"  # addresses with colons of their own: only the port is cut off
+    hostfile.write_text(json.dumps([["[fe80::1]:5000", "10.0.0.1:5001"], ["fe80::2:6000"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert calibration_cache.hosts() == ["[fe80::1],10.0.0.1", "fe80::2"]
     monkeypatch.setenv("MLX_HOSTFILE", "/no/such/hostfile.json")  # unreadable: this host's name
     assert calibration_cache.hosts() == environment["hosts"]
 

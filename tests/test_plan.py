@@ -189,8 +189,17 @@ def test_agree_every_must_be_a_positive_int_and_is_kept_in_the_plan() -> None:
         ((20, 4, 2.0, 0), "world_size"),
         ((20, True, 2, 0), "prefill_step_size"),
     ):
-        with pytest.raises(TypeError, match=f"^{name} must be an int or 'auto'"):
+        with pytest.raises(
+            TypeError,
+            match=f"^{name} must be an int or 'auto', got {type(args[0 if name == 'num_tokens' else 2 if name == 'world_size' else 1]).__name__} ",
+        ):
             build_plan(*args)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(
+        ValueError, match="^the prompt is empty \\(0 tokens\\); pipeline_prefill needs at least 1 token$"
+    ):
+        build_plan(0, 4, 2, 0)
+    with pytest.raises(ValueError, match="^world_size must be at least 1, got 0$"):
+        build_plan(5, 4, 0, 0)
     for bad in (0, -2, True, 2.0, 1.5, "2"):
         with pytest.raises(ValueError, match=f"^agree_every must be a positive int, got {bad!r}$"):
             build_plan(20, 4, 2, 0, bad)  # pyright: ignore[reportArgumentType]
