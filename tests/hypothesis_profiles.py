@@ -16,6 +16,8 @@ or ``$PIPEMLX_HYPOTHESIS_DB``, and replayed first on the next run. A failure pri
   example can be a 100 000-token prompt in chunks of 1 on 16 ranks (about 8
   million actions). About 20 minutes on the 2-core machine; run it by hand:
   ``HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py tests/test_mutations.py --hypothesis-show-statistics``.
+- ``mutate``: 20 examples per test, for ``tests/mutate.sh`` (every mutant reruns the tests over its function;
+  the examples that killed earlier mutants are replayed first from the database).
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ settings.register_profile(
     max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+    derandomize=False,
+    database=DATABASE,
+)
+settings.register_profile(  # tests/mutate.sh: each mutant reruns the tests over its function, so fewer examples
+    "mutate",
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
     derandomize=False,
     database=DATABASE,

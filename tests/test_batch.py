@@ -591,6 +591,55 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(sce
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
 
+# The admission boundary, exactly (768 bytes per position on each rank, a budget of 32 positions: 24 KiB, no
+# rounding). Requests 0 and 1 reserve 16 positions each (prompt + max_tokens): 2 x 16 = 32 fits, so they are
+# prefilled and decode together. Requests 2 and 3, inserted once those are done, reserve 16 and 17: 2 x 17 = 34
+# does not fit, so request 3 starts only once request 2 has finished. A reserve one position short would let
+# request 3 in beside request 2; one position long would keep request 1 out until request 0 finished. Alone, a
+# request of 32 positions is queued, one of 33 could never fit and is refused.
+BOUNDARY_REQUESTS: list[dict[str, Any]] = [
+    {"M": 9, "max_tokens": 7, "insert_at": 0},
+    {"M": 11, "max_tokens": 5, "insert_at": 0},
+    {"M": 10, "max_tokens": 6, "insert_at": 10},
+    {"M": 10, "max_tokens": 7, "insert_at": 10},
+]
+SCENARIOS[2]["memory budget boundary"] = {
+    "shard": {"lend": "none"},
+    "requests": BOUNDARY_REQUESTS,
+    "remove": [],
+    "steps": 30,
+    "step_size": 8,
+    "memory_budget": 32 * 768,
+    "boundary_inserts": [[20, 12], [20, 13], [21, 12]],
+}
+
+
+def test_the_memory_budget_admits_a_batch_that_fills_it_exactly_and_not_one_position_more(
+    scenario_reports: Reports,
+) -> None:
+    reports = scenario_reports(2, "memory budget boundary")
+    assert all(r["tokens"] == reports[0]["tokens"] for r in reports), "ranks disagree"
+    report = reports[0]
+    assert [r["admission"] for r in reports] == [[768, 768]] * 2
+    reserves = [r["M"] + r["max_tokens"] for r in BOUNDARY_REQUESTS]
+    assert reserves == [16, 16, 16, 17] and 2 * max(reserves[:3]) == 32 < 2 * reserves[3]
+    first, limits = report["first"], [r["max_tokens"] for r in BOUNDARY_REQUESTS]
+    assert first[1] <= first[0] + limits[0] - 1, ("request 1 waited though 2 x 16 positions fit the budget", first)
+    assert report["tokens"] == report["solo"] and report["finish"] == ["length"] * 4, report
+    last = [f + n - 1 for f, n in zip(first, limits)]
+    assert max(report["rows"][: last[0] + 1]) == 2, report["rows"]
+    assert first[3] > last[2], ("request 3 (17) was admitted beside request 2: 2 x 17 > 32", first)
+    assert max(report["rows"][first[2] :]) == 1, report["rows"]
+    # Request 1 (10 positions to prefill: 2 chunks of 8) starts in tick 1 beside request 0 and joins in tick 4;
+    # request 3 starts in tick 19, after request 2's last token (tick 18), and joins in tick 22.
+    assert first == [2, 4, 13, 22], first
+    # Alone: 20 + 12 = 32 positions is queued; 20 + 13 and 21 + 12 (a token more of answer or prompt) are refused.
+    queued, *over = report["boundary_inserts"]
+    assert queued == "queued", queued
+    assert all("would never fit the memory budget" in o and "(33 positions" in o for o in over), over
+    assert report["left"] == 0
+
+
 # prefill_batch_size=1 at S=2: request 1 (22 positions to prefill, cut at 5 and 13 by insert_segments) starts
 # only once request 0 has joined (without the cap it would start in tick 1, while rank 1 computes request 0's
 # chunk), request 2 once request 1 has joined.

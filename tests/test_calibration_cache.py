@@ -5,7 +5,11 @@ plans with the stored layer figures."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
+import platform
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +182,107 @@ def test_the_stage_key_holds_what_each_cut_lends() -> None:
         model = pipemlx.shard_model(build_model(config, seed=1), FakeGroup(1, 2), lend=lend)  # type: ignore[arg-type]
         keys.append(calibrate.stage_key(model, stage_of(model)))
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3, keys
+
+
+def test_the_fingerprint_tells_different_figures_apart_and_ignores_key_order() -> None:
+    # What the ranks compare before trusting the figures each read: equal holdings agree, different ones do not.
+    figures = {"stage": [1.0, 2.5e-6, 3e-9], "layers": [4, 5]}
+    same = calibration_cache.fingerprint({"layers": [4, 5], "stage": [1.0, 2.5e-6, 3e-9]})
+    assert calibration_cache.fingerprint(figures) == same
+    others = [{**figures, "stage": [1.0, 2.5e-6, 4e-9]}, {**figures, "layers": [5, 4]}, None, [], {"stage": None}]
+    prints = {calibration_cache.fingerprint(v) for v in [figures, *others]}
+    assert len(prints) == 1 + len(others), prints
+    assert all(0 < p < 2**31 for p in prints)
+    assert calibration_cache.fingerprint({"dtype": mx.float16}) != calibration_cache.fingerprint({"dtype": mx.float32})
+
+
+def test_a_keys_file_name_is_the_compact_sorted_json_of_the_key(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The name is the file format: a release that spelled the key otherwise would miss every file users hold.
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    key = {"world": 2, "split": [3, 3], "dtype": mx.bfloat16, "model": {"b": 1, "a": "x"}}
+    text = '{"dtype":"mlx.core.bfloat16","model":{"a":"x","b":1},"split":[3,3],"world":2}'
+    digest = hashlib.sha256(text.encode()).hexdigest()[:24]
+    assert calibration_cache.cache_path("stage", key) == tmp_path / f"calibration-stage-{digest}.json"
+    calibration_cache.store("stage", key, [1.0, 2.0])
+    assert calibration_cache.load("stage", dict(reversed(list(key.items())))) == [1.0, 2.0]
+
+
+def test_the_environment_part_of_the_key_is_what_the_module_documents(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "/opt/blas/libopenblas.so.0")
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    environment = calibration_cache.environment()
+    assert environment == {
+        "format": calibration_cache.FORMAT,
+        "pipemlx": pipemlx.__version__,
+        "mlx": mx.__version__,
+        "mlx-lm": importlib.metadata.version("mlx-lm"),
+        "python": platform.python_version(),
+        "machine": f"{platform.system()} {platform.machine()}",
+        "device": str(mx.default_device()),
+        "blas": "libopenblas.so.0",
+        "hosts": [socket.gethostname()],
+    }
+    hostfile = tmp_path / "v6.json"  # addresses with colons of their own: only the port is cut off
+    hostfile.write_text(json.dumps([["[fe80::1]:5000", "10.0.0.1:5001"], ["fe80::2:6000"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert calibration_cache.hosts() == ["[fe80::1],10.0.0.1", "fe80::2"]
+    monkeypatch.setenv("MLX_HOSTFILE", "/no/such/hostfile.json")  # unreadable: this host's name
+    assert calibration_cache.hosts() == environment["hosts"]
+
+
+def test_the_models_configuration_in_the_key_is_its_args_as_json() -> None:
+    model = build_model(tiny_config("llama"), seed=0)
+    config = calibration_cache.model_config(model)
+    assert config == json.loads(json.dumps(vars(model.args), sort_keys=True, default=str))
+    assert config["num_hidden_layers"] == tiny_config("llama")["num_hidden_layers"] and len(config) > 5
+    assert calibration_cache.model_config(object()) == {}
+
+
+def test_store_writes_the_whole_entry_atomically_into_a_new_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = tmp_path / "a" / "b"  # made on the first store, parents too
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(folder))
+    key = {"model": "x", "split": [2, 2]}
+    assert calibration_cache.load("stage", key) is None
+    calibration_cache.store("stage", key, [0.5, 1.5])
+    (written,) = folder.iterdir()  # no temporary file left beside it
+    assert written == calibration_cache.cache_path("stage", key)
+    assert json.loads(written.read_text(encoding="utf-8")) == {"kind": "stage", "key": key, "value": [0.5, 1.5]}
+    assert calibration_cache.load("stage", key) == [0.5, 1.5]
+    assert calibration_cache.load("layer", key) is None  # another kind: another file
+    calibration_cache.store("stage", key, [2.0])  # replaced
+    assert calibration_cache.load("stage", key) == [2.0] and len(list(folder.iterdir())) == 1
+    written.write_text(json.dumps({"kind": "layer", "key": key, "value": [1.0]}))  # the file says another kind
+    assert calibration_cache.load("stage", key) is None
+    written.write_text(json.dumps([1.0]))  # not an entry
+    assert calibration_cache.load("stage", key) is None
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(blocked / "cache"))  # cannot be made: ignored
+    calibration_cache.store("stage", key, [1.0])
+    assert calibration_cache.load("stage", key) is None
+
+
+def test_figures_are_finite_non_negative_numbers_of_the_length_asked() -> None:
+    got = calibration_cache.figures([1, 2.5, 0])
+    assert got == [1.0, 2.5, 0.0] and all(type(v) is float for v in got or [])
+    assert calibration_cache.figures([1.0, 2.0], length=2) == [1.0, 2.0]
+    assert calibration_cache.figures([], length=0) == []
+    for bad, length in (
+        ([1.0], 2),
+        ([1.0, 2.0, 3.0], 2),
+        ([True], None),
+        ([float("nan")], None),
+        ([float("inf")], None),
+        ([-1e-9], None),
+        (["1"], None),
+        ((1.0,), None),
+        ({"a": 1.0}, None),
+        (None, None),
+    ):
+        assert calibration_cache.figures(bad, length) is None, (bad, length)

@@ -24,7 +24,8 @@ gets the default); the solo runs then use the same processors. "all_tokens": {re
 request's processors its first n prompt tokens as `all_tokens`, with only the rest of the prompt inserted,
 on a cache holding those n (as "prefixes" does). "generator": more keyword arguments of the generator
 (prefill_batch_size, ...); "segments": {request: [cut, ...]} inserts that request with insert_segments, its
-prompt cut at those positions. The report's "prefilling" is, per step, how many requests were started and not
+prompt cut at those positions. "boundary_inserts": [[M, max_tokens], ...], after the steps, inserts each such
+request alone and removes it at once (nothing is sent): the report's "boundary_inserts" says "queued" or the error. The report's "prefilling" is, per step, how many requests were started and not
 yet decoding after it.
 
 Or {"parity": true, "step_size", "chunk"}: mlx-lm's BatchGenerator API on a sharded model (run_parity).
@@ -247,10 +248,18 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             engine.insert([[1] * 4000])
         except ValueError as exc:
             too_big = str(exc)
+    tried: list[str] = []  # "boundary_inserts": [[M, max_tokens], ...] each inserted alone: "queued" or the error
+    for length, most in spec.get("boundary_inserts", []):
+        try:
+            engine.remove(engine.insert([prompt_of(length)], [most]))  # queued and dropped: nothing is sent
+            tried.append("queued")
+        except ValueError as exc:
+            tried.append(str(exc))
     report = {
         "rank": rank,
         "admission": None if engine.admission is None else list(engine.admission.bytes_per_position),
         "too_big": too_big,
+        "boundary_inserts": tried,
         "tokens": [tokens[i] for i in range(len(requests))],
         "solo": solo,
         "finish": [finish.get(i) for i in range(len(requests))],
