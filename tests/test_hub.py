@@ -397,6 +397,7 @@ def _finish(procs: list[subprocess.Popen[str]], deadline: float) -> list[tuple[i
     return [(p.returncode, *p.communicate()) for p in procs]
 
 
+@pytest.mark.slow  # about 27 s (the suite's 15-minute budget): bash tests/run_slow.sh runs it
 def test_a_download_slower_than_the_timeout_is_waited_for_while_it_progresses(model_dir: Path, tmp_path: Path) -> None:
     """Rank 1's Hub answers every request a second late: its files arrive over more than twice ``--timeout``;
     rank 0, with a fast Hub, waits for it (no timeout in the first collective) and both give mlx-lm's tokens."""

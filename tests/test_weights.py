@@ -418,3 +418,91 @@ def test_a_row_range_of_a_tensor_is_fetched_as_a_tensor_of_those_rows(served: Pe
     assert other != folder
     with pytest.raises(ValueError, match="out of range"):
         fetch_rank_folder(peer_of(served), (TensorPart("model.embed_tokens.weight", (0, 10**6)),))
+
+
+def test_serve_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, tmp_path: Path) -> None:
+    """`pipemlx serve --hostfile FILE --model model` on 2 network-namespace hosts, each in its own folder with its
+    own cache: only host 0's folder has ``model``. Host 1 skips the model checks, fetches its tensors from rank 0,
+    and a completion asked of rank 0 (from inside host 0's namespace) is single-process mlx-lm's text."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.utils import load
+    from netns import namespace_hosts, skip_unless_available
+    from test_serve_recovery_hosts import enter_namespace
+
+    skip_unless_available()
+    root = Path(__file__).resolve().parent.parent
+    cwds = [tmp_path / f"host{r}" for r in range(2)]
+    for cwd in cwds:
+        cwd.mkdir()
+    shutil.copytree(model_dir, cwds[0] / "model")
+    prompt = "t5 t17 t3 t99 t42 t8 t61 t23"
+    with namespace_hosts(2) as hosts:
+        hostfile = tmp_path / "hosts.json"
+        hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
+        port = 18131
+        argv = [sys.executable, "-m", "pipemlx", "serve", "--hostfile", str(hostfile), "--model", "model"]
+        argv += ["--host", hosts.ips[0], "--port", str(port), "--lend", "none", "--timeout", "20"]
+        python_path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+        logs = [open(tmp_path / f"rank{r}.err", "w+b") for r in range(2)]  # noqa: SIM115 (closed below)
+        procs = [
+            subprocess.Popen(
+                [*hosts.prefix(r), *argv],
+                cwd=cwds[r],
+                env={**os.environ, "PYTHONPATH": python_path, CACHE_DIR_VARIABLE: str(tmp_path / f"cache{r}")},
+                stdout=subprocess.DEVNULL,
+                stderr=logs[r],
+            )
+            for r in range(2)
+        ]
+
+        def stderr() -> str:
+            return "\n".join(
+                f"--- rank {r} ({p.poll()}):\n{(tmp_path / f'rank{r}.err').read_text(errors='replace')[-2000:]}"
+                for r, p in enumerate(procs)
+            )
+
+        def ask() -> dict[str, object]:
+            url = f"http://{hosts.ips[0]}:{port}"
+            deadline = time.monotonic() + 90
+            while True:  # until rank 0 listens (the ranks load first)
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                        if answer.status == 200:
+                            break
+                except OSError:
+                    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                        raise
+                time.sleep(0.5)
+            body = json.dumps({"prompt": prompt, "max_tokens": 6, "temperature": 0}).encode()
+            request = urllib.request.Request(
+                f"{url}/v1/completions", body, headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                return json.loads(answer.read())
+
+        try:
+            with ThreadPoolExecutor(1, initializer=enter_namespace, initargs=(hosts.hosts[0],)) as pool:
+                try:
+                    answer = pool.submit(ask).result(timeout=150)
+                except Exception as exc:
+                    pytest.fail(f"no answer from rank 0: {type(exc).__name__}: {exc}\n{stderr()}", pytrace=False)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait(timeout=30)
+            for log in logs:
+                log.close()
+    loaded: object = load(str(model_dir))
+    model, tokenizer = loaded[0], loaded[1]  # type: ignore[index]
+    expected = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=6))
+    choices: list[dict[str, object]] = answer["choices"]  # type: ignore[assignment]
+    assert choices[0]["text"] == expected, stderr()
+    assert "from rank 0 (" in stderr(), stderr()

@@ -274,6 +274,15 @@ def check_ranks(ranks: int, model_dir: Path, split: list[int] | None = None) -> 
             raise UserError(f"--split: {exc}") from None
 
 
+def check_ranks_here(ranks: int, model_dir: Path, split: list[int] | None = None) -> None:
+    """:func:`check_ranks` on a host of a ``--hostfile`` group where the model folder is here. A host without it
+    (a folder elsewhere, or a Hub repo id) checks nothing before joining: its rank fetches the model from a rank
+    that has it (:mod:`pipemlx.models.peer`) or from the Hub, and where no rank and no Hub has it every rank's
+    ``load_sharded`` fails with the same line."""
+    if Path(model_dir).is_dir():
+        check_ranks(ranks, model_dir, split)
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt text from ``--prompt``, ``--prompt-file`` or the demo prompt."""
     if args.prompt is not None:

@@ -45,6 +45,7 @@ from .common import (
     add_sharding_flags,
     add_speculation_flags,
     check_ranks,
+    check_ranks_here,
     check_speculation,
     in_launched_rank,
     join_by_hostfile,
@@ -398,7 +399,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _front(args, argv)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
         if args.hostfile is not None:
-            check_ranks(len(read_hostfile(args.hostfile)), args.model, args.split)
+            check_ranks_here(len(read_hostfile(args.hostfile)), args.model, args.split)
             join_by_hostfile(args.hostfile, args.rank)
         return _as_rank(args)
     ranks: int = args.ranks or DEFAULT_RANKS
@@ -453,7 +454,7 @@ def _worker(args: argparse.Namespace) -> int:
         raise UserError("--worker needs --front HOST:PORT: the address the front listens on (--front-listen)")
     _shared_key("--worker")
     check_weights(Path(args.model))
-    check_ranks(len(read_hostfile(args.hostfile)), args.model, args.split)
+    check_ranks_here(len(read_hostfile(args.hostfile)), args.model, args.split)
     rank = join_by_hostfile(args.hostfile, args.rank)
     # the front says which group to form (without a lost host: --allow-shrink)
     os.environ.update({FRONT_ADDRESS_VARIABLE: args.front, JOIN_VARIABLE: str(rank)})
