@@ -160,8 +160,10 @@ class PeerServer:
                     body, ok = self._answer(json.loads(request)), True
                 except (ValueError, KeyError, TypeError, OSError) as exc:
                     body, ok = str(exc).encode(), False
-                tag = hmac.new(key, request + body, "sha256").digest()
-                conn.sendall(bytes([0 if ok else 1]) + struct.pack(">Q", len(body)) + tag + body)
+                mac = hmac.new(key, request, "sha256")
+                mac.update(body)  # no copy of a 16 MiB body: the head, then the body as it is
+                conn.sendall(bytes([0 if ok else 1]) + struct.pack(">Q", len(body)) + mac.digest())
+                conn.sendall(body)
         except (OSError, EOFError):
             return
         finally:
@@ -305,7 +307,9 @@ class PeerSource:
                 f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause}); "
                 "no weight folder was kept"
             ) from None
-        if not hmac.compare_digest(tag, hmac.new(self._key, raw + bytes(body), "sha256").digest()):
+        mac = hmac.new(self._key, raw, "sha256")
+        mac.update(view)
+        if not hmac.compare_digest(tag, mac.digest()):
             self.close()
             raise TransferError(
                 f"{length} bytes of {what} from {self.describe()} fail their check (changed in transit); "

@@ -27,10 +27,12 @@ import re
 import secrets
 import shutil
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from queue import Full, Queue
 from typing import Any, Protocol
 
 from ..runtime.calibration_cache import cache_dir
@@ -355,7 +357,7 @@ def fetch_rank_folder(
             reporter = _Reporter(source, who, count)
             for file, start, stop, members in _merged(spans):
                 position = start
-                for piece in _pieces(source, file, start, stop):
+                for piece in _ahead(_pieces(source, file, start, stop)):
                     # write the bytes of the members this piece covers, each at its place in the new file
                     piece_end = position + len(piece)
                     for part, _, begin, end in members:
@@ -363,7 +365,7 @@ def fetch_rank_folder(
                         if lo < hi:
                             layout_offset = layout[part.name]["data_offsets"][0] + (lo - begin)
                             out.seek(body + layout_offset)
-                            out.write(piece[lo - position : hi - position])
+                            out.write(memoryview(piece)[lo - position : hi - position])
                             count.fetched += hi - lo
                     position = piece_end
                     reporter.maybe_show()
@@ -405,6 +407,45 @@ def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[
     """``source.read`` in requests of at most :data:`CHUNK_BYTES`."""
     for begin in range(start, stop, CHUNK_BYTES):
         yield from source.read(file, begin, min(stop, begin + CHUNK_BYTES))
+
+
+def _ahead(pieces: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
+    """``pieces``, fetched by a helper thread up to ``depth`` pieces ahead of the caller: the next range travels
+    and is checked while this one is written. An error in the thread is raised here, as it was raised there; a
+    caller that stops early stops the thread at its next piece."""
+    queue: Queue[tuple[bytes | None, BaseException | None]] = Queue(depth)
+    stopped = threading.Event()
+
+    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
+        while not stopped.is_set():
+            try:
+                queue.put(item, timeout=0.1)
+                return True
+            except Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for piece in pieces:
+                if not put((piece, None)):
+                    return
+        except BaseException as exc:  # raised again in the caller's thread
+            put((None, exc))
+            return
+        put((None, None))
+
+    threading.Thread(target=run, name="pipemlx-fetch-ahead", daemon=True).start()
+    try:
+        while True:
+            piece, error = queue.get()
+            if error is not None:
+                raise error
+            if piece is None:
+                return
+            yield piece
+    finally:
+        stopped.set()
 
 
 class _Reporter:
