@@ -42,8 +42,8 @@ SAFETENSORS_ITEM_BYTES: MappingProxyType[str, int] = MappingProxyType(
 MAX_HEADER_BYTES = 100 * 2**20
 
 
-def read_safetensors_header(path: str | Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets); no tensor is read."""
+def read_header_bytes(path: str | Path) -> bytes:
+    """The raw JSON header of the safetensors file ``path`` (checked for a plausible length); no tensor is read."""
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -51,7 +51,12 @@ def read_safetensors_header(path: str | Path) -> dict[str, Any]:
         (length,) = struct.unpack("<Q", raw)
         if length > MAX_HEADER_BYTES:
             raise ValueError(f"{path} is not a safetensors file: header length {length} is implausible")
-        text = f.read(length)
+        return f.read(length)
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets); no tensor is read."""
+    text = read_header_bytes(path)
     try:
         header: dict[str, Any] = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

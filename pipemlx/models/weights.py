@@ -36,7 +36,7 @@ from queue import Full, Queue
 from typing import Any, Protocol
 
 from ..runtime.calibration_cache import cache_dir
-from .safetensors import LAYER_NAME, MAX_HEADER_BYTES, decoder_prefix, read_dir_config
+from .safetensors import LAYER_NAME, decoder_prefix, read_dir_config, read_header_bytes
 
 LOGGER = logging.getLogger("pipemlx")
 CHUNK_BYTES = 16 << 20
@@ -161,14 +161,8 @@ def parse_header(raw: bytes, length: int, file: str, where: str) -> dict[str, Te
 
 def read_file_headers(path: Path, file: str) -> dict[str, TensorInfo]:
     """The tensors of the local safetensors file ``path`` (named ``file`` in the model)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file: shorter than its 8-byte header length")
-        (length,) = struct.unpack("<Q", raw)
-        if length > MAX_HEADER_BYTES:
-            raise ValueError(f"{path} is not a safetensors file: header length {length} is implausible")
-        return parse_header(f.read(length), length, file, str(path.parent))
+    raw = read_header_bytes(path)
+    return parse_header(raw, len(raw), file, str(path.parent))
 
 
 @dataclass(frozen=True)
