@@ -322,6 +322,17 @@ def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_n
         assert left == [], f"rank {r} left {left}"
 
 
+def host_folders(model_dir: Path, tmp_path: Path, count: int) -> list[Path]:
+    """A working folder per namespace host; only host 0's holds the model, as ``model``."""
+    import shutil
+
+    cwds = [tmp_path / f"host{r}" for r in range(count)]
+    for cwd in cwds:
+        cwd.mkdir()
+    shutil.copytree(model_dir, cwds[0] / "model")
+    return cwds
+
+
 def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, tmp_path: Path) -> None:
     """`pipemlx generate --hostfile FILE --model model` on 3 network-namespace hosts, each in its own folder with
     its own cache: only host 0's folder has ``model``. The others read their tensors from it over the hostfile's
@@ -334,12 +345,7 @@ def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Pat
 
     skip_unless_available()
     root = Path(__file__).resolve().parent.parent
-    cwds = [tmp_path / f"host{r}" for r in range(3)]
-    for cwd in cwds:
-        cwd.mkdir()
-    import shutil
-
-    shutil.copytree(model_dir, cwds[0] / "model")
+    cwds = host_folders(model_dir, tmp_path, 3)
     with namespace_hosts(3) as hosts:
         hostfile = tmp_path / "hosts.json"
         hostfile.write_text(json.dumps([[a] for a in hosts.addresses]))
@@ -425,7 +431,6 @@ def test_serve_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, 
     own cache: only host 0's folder has ``model``. Host 1 skips the model checks, fetches its tensors from rank 0,
     and a completion asked of rank 0 (from inside host 0's namespace) is single-process mlx-lm's text."""
     import os
-    import shutil
     import subprocess
     import sys
     import time
@@ -439,10 +444,7 @@ def test_serve_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, 
 
     skip_unless_available()
     root = Path(__file__).resolve().parent.parent
-    cwds = [tmp_path / f"host{r}" for r in range(2)]
-    for cwd in cwds:
-        cwd.mkdir()
-    shutil.copytree(model_dir, cwds[0] / "model")
+    cwds = host_folders(model_dir, tmp_path, 2)
     prompt = "t5 t17 t3 t99 t42 t8 t61 t23"
     with namespace_hosts(2) as hosts:
         hostfile = tmp_path / "hosts.json"
