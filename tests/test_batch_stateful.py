@@ -347,7 +347,7 @@ def test_model_errors_fail_the_affected_requests_on_every_rank_and_the_rest_go_o
     try:
         a = requests.insert(group, 9, 1, 12)
         b = requests.insert(group, 14, 2, 12)
-        for _ in range(5):  # a: ticks 0-1 prefill (alone: one chunk), joins at 2; b behind it
+        for _ in range(6):  # a: ticks 0-1 prefill (alone: one chunk), joins at 2, first token at 3; b behind it
             requests.step(group)
         assert requests.got[a] and requests.got[b], requests.got
         c = requests.insert(group, 30, 3, 4)  # prefilled in 8-position chunks while a and b decode

@@ -41,7 +41,7 @@ from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from .memory import exchange_admission
-from .requests import BatchRequest, FinishReason, Options, check_settings, checked_requests, fresh_window
+from .requests import BatchRequest, Decided, FinishReason, Options, check_settings, checked_requests, fresh_window
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
 from .stats import Counters
@@ -50,7 +50,7 @@ from .tick import TickOutcome, TickRunner, TickWork
 
 @dataclass(frozen=True)
 class Response:
-    """One request's token from one :meth:`BatchGenerator.next` tick, the same on every rank.
+    """One request's token from one :meth:`BatchGenerator.next` tick (the tick that feeds it), the same on every rank.
 
     The fields are mlx-lm's ``BatchGenerator`` responses', in its order. ``finish_reason`` is ``None`` while the
     request goes on, ``"length"`` at its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop sequences, and
@@ -61,10 +61,10 @@ class Response:
     response.
 
     ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"`` response only (as in mlx-lm): this rank's
-    per-layer caches of the finished request, taken out of the batch, and the tokens they hold — its ``all_tokens``
-    given at insert, its prompt and every generated token but this last one, which was never fed back. Pass the cache to
-    :meth:`BatchGenerator.insert` with the next turn's tokens, starting with ``token``, to continue the conversation
-    without prefilling it again.
+    per-layer caches of the finished request, taken out of the batch after its closing tick fed ``token``, and the
+    tokens they hold — its ``all_tokens`` given at insert, its prompt and every generated token, this last one too
+    (what mlx-lm's hold). Pass the cache to :meth:`BatchGenerator.insert` with the next turn's tokens to continue the
+    conversation without prefilling it again.
     """
 
     uid: int
@@ -381,7 +381,7 @@ class BatchGenerator:
         """``{uid: (cache, tokens)}`` of requests that stay in the generator (as mlx-lm's ``extract_cache``).
 
         An active request's cache is a copy of its batch row and ``tokens`` what it holds (``all_tokens``, the prompt,
-        the answer but its last token); a queued request's prefill is under way, so its cache is ``None`` (``tokens``:
+        every token returned so far, as mlx-lm's); a queued request's prefill is under way, so its cache is ``None`` (``tokens``:
         ``all_tokens`` and the prompt positions every rank prefilled). Unknown uids are left out. Nothing is sent.
         """
         found: dict[int, tuple[list[Any] | None, list[int]]] = {}
@@ -411,8 +411,10 @@ class BatchGenerator:
     def next(self) -> list[Response]:
         """Run one tick: a decode step of every active request and one prefill chunk per rank.
 
-        Returns the decode step's :class:`Response` per active request (and an ``"error"`` response per request that
-        failed in the tick); the same on every rank. ``[]`` when nothing is active (with nothing at all to do, nothing
+        Returns a :class:`Response` per active request whose token the last tick decided and this one feeds (as
+        mlx-lm's ``BatchGenerator`` returns a token in the step that feeds it: a request's first tick returns nothing
+        for it, and its closing tick feeds its last token, calls its processors and sampler once more, and hands back
+        its caches), and an ``"error"`` response per request that failed in the tick; the same on every rank. ``[]`` when nothing is active (with nothing at all to do, nothing
         is sent). mlx-lm's ``next`` returns these second, after prompt progress: :meth:`next_generated` is mlx-lm's.
         """
         self.stage.settle(self.timeout)
@@ -527,8 +529,14 @@ class BatchGenerator:
         return tokens
 
     def _responses(self, outcome: TickOutcome) -> list[Response]:
-        """The tick's response per live row, a finished request's caches taken out of the batch, then an
-        ``"error"`` response per failed request."""
+        """The tick's responses, as mlx-lm's ``BatchGenerator`` gives them: each live row's token decided in the
+        last tick (this tick fed it), a finished request's caches taken out of the batch after its closing tick fed
+        its last token; then an ``"error"`` response per failed request.
+
+        A row's token decided in this tick is kept (:attr:`BatchRequest.decided`) for the next tick, which feeds it
+        and returns it. A row in its closing tick (its last token decided) runs its processors and sampler once more,
+        as mlx-lm's step after a request's last token does, and its new token is dropped.
+        """
         failed: set[int] = set(outcome.failed_uids)
         if outcome.failed_decode:
             failed.update(self.active_uids)
@@ -537,19 +545,24 @@ class BatchGenerator:
         for i, request in enumerate(self._rows.requests):
             if request.done or request.uid in failed:
                 continue
-            token = outcome.tokens[i]
-            reason = request.take(token)
-            cache = None if reason is None else self._rows.extract(i)
+            fed, request.decided = request.decided, None
+            if fed is None or fed.reason is None:  # the request goes on: this tick's token is returned next tick
+                token = outcome.tokens[i]
+                reason = request.take(token)
+                request.decided = Decided(token, None if self._logprobs is None else self._logprobs[i], reason)
+            if fed is None:  # its first tick: it fed the prompt's last token
+                continue
+            cache = None if fed.reason is None else self._rows.extract(i)
             if cache is not None:
                 extracted.append(cache)
             responses.append(
                 Response(
                     request.uid,
-                    token,
-                    logprobs=None if self._logprobs is None else self._logprobs[i],
-                    finish_reason=reason,
+                    fed.token,
+                    logprobs=fed.logprobs,
+                    finish_reason=fed.reason,
                     prompt_cache=cache,
-                    all_tokens=None if reason is None else request.held,
+                    all_tokens=None if fed.reason is None else request.fed,
                 )
             )
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ...schedule.batch_plan import Admission, QueuedPrompt
@@ -20,6 +21,17 @@ from ..stage import PipelineStage
 from ..stops import StopMatcher, Stops, StopSet
 
 FinishReason = Literal["length", "stop", "error"]
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A request's token decided in one tick and returned in the next, the tick that feeds it (as mlx-lm's
+    ``BatchGenerator`` returns a token in the step that feeds it): the token, its log-probabilities (lazy) and why
+    the request ends after it (``None``: it goes on)."""
+
+    token: int
+    logprobs: mx.array | None
+    reason: FinishReason | None
 
 
 @dataclass
@@ -39,14 +51,22 @@ class BatchRequest:
     answer: list[int] = field(default_factory=list[int])  # the tokens generated so far
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
+    decided: Decided | None = None  # the token decided in the last tick: this tick feeds it and returns it
 
     def __post_init__(self) -> None:
         self.prefix = 0 if self.cache is None else counted_offset(self.cache)
 
     @property
     def held(self) -> list[int]:
-        """The tokens an active request's cache holds: ``all_tokens``, the prompt, the answer but its last token."""
+        """The tokens an active request's cache holds between ticks: ``all_tokens``, the prompt and every token
+        returned so far (:attr:`answer` but the token decided in the last tick, which the next tick feeds)."""
         return [*self.before, *self.prompt, *self.answer[:-1]]
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a finished request's cache holds after its closing tick fed its last token: the whole
+        conversation, as mlx-lm's ``BatchGenerator`` hands it back."""
+        return [*self.before, *self.prompt, *self.answer]
 
     @property
     def prefilled_tokens(self) -> list[int]:
@@ -60,7 +80,8 @@ class BatchRequest:
 
     @property
     def reserve(self) -> int:
-        """Cache positions this request may reach: its prompt and every token it may generate."""
+        """Cache positions this request may reach: its prompt and every token it may generate (the last one is fed
+        too, by its closing tick)."""
         return max(self.prefix, 0) + len(self.prompt) + max(self.max_tokens, 0)
 
     @property
