@@ -302,6 +302,31 @@ def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] and close(runs[0][1], runs[1][1]), runs
 
 
+def test_the_memory_budget_reserves_a_bounded_request_at_its_max_kv_size() -> None:
+    """With max_kv_size (rotating caches: a request holds at most that many positions), admission reserves the
+    bounded size: a request whose prompt + max_tokens is past the budget but whose caches are bounded within it is
+    admitted and decodes mlx-lm's tokens; without the bound it is refused (group of one, in this process)."""
+    from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
+
+    config = tiny_config("qwen3")
+    model = pipemlx.shard_model(build_model(config), mx.distributed.init())
+    probe = pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget="1GB")
+    assert probe.admission is not None
+    budget = 20 * probe.admission.bytes_per_position[0]  # 20 positions
+    prompt = list(range(3, 15))  # 12 tokens + 20 to generate: 32 positions, 16 with max_kv_size=16
+    with pytest.raises(ValueError, match="would never fit the memory budget"):
+        pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget=budget).insert([prompt], [20])
+    bounded = pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget=budget, max_kv_size=16)
+    (uid,) = bounded.insert([prompt], [20])
+    ours = [r.token for _ in range(40) for r in bounded.next() if r.uid == uid]
+    reference = MlxBatchGenerator(build_model(config), prefill_step_size=8, max_kv_size=16)
+    (theirs_uid,) = reference.insert([prompt], [20])
+    theirs: list[int] = []
+    while responses := reference.next_generated():
+        theirs += [r.token for r in responses if r.uid == theirs_uid]
+    assert len(ours) == 20 and ours == theirs, (ours, theirs)
+
+
 def check_engine_report(report: dict[str, Any]) -> None:
     """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
     rank = report["rank"]
@@ -339,6 +364,16 @@ def check_engine_report(report: dict[str, Any]) -> None:
     assert ours["token_ids"] == mlx["token_ids"] and ours["texts"] == mlx["texts"], (rank, ours, mlx)
     assert close(ours["logprobs"], mlx["logprobs"]) and ours["generation_tokens"] == mlx["generation_tokens"]
     assert [c[0] for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
+    # max_kv_size=16, a request whose answer outgrows it: the batch caches rotate, as mlx-lm's, and the tokens and
+    # logprobs are mlx-lm's BatchGenerator's (generate_step's: mlx-lm's generate_step's, whose caches keep their
+    # first 4 positions); a prompt that would rotate its caches while prefilled is refused, mlx-lm's is not.
+    outgrow = report["outgrow"]
+    ours, mlx = outgrow["pipemlx"]["got"], outgrow["mlx"]["got"]
+    assert len(ours) == 20 and [t[::2] for t in ours] == [t[::2] for t in mlx], (rank, ours, mlx)
+    assert close([[t[1] for t in ours]], [[t[1] for t in mlx]]), rank
+    assert "prompt fills 17 positions" in outgrow["pipemlx"]["refused"] and outgrow["mlx"]["refused"] == ""
+    ours, mlx = outgrow["pipemlx_step"], outgrow["mlx_step"]
+    assert [t for t, _ in ours] == [t for t, _ in mlx] and close([[p for _, p in ours]], [[p for _, p in mlx]]), rank
     # generate_step, two turns on one prompt_cache: the same tokens, logprobs, positions and processor and sampler
     # inputs as mlx-lm's generate_step on the whole model, on every rank.
     ours, mlx = report["generate_step"]["pipemlx"], report["generate_step"]["mlx"]
@@ -959,29 +994,29 @@ def test_sliding_window_layer_caches_batch_and_equal_solo_mlx_lm_runs(arch: str)
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
 
 
-def test_max_kv_size_makes_rotating_caches_and_refuses_requests_that_would_outgrow_them() -> None:
+def test_max_kv_size_makes_rotating_caches_and_refuses_prompts_that_would_rotate_them() -> None:
     """max_kv_size makes mlx-lm's RotatingKVCache(max_kv_size, keep=4) per layer (qwen3 makes no caches of its
-    own; llama's make_cache ignores max_kv_size in mlx-lm too). mlx-lm's BatchRotatingKVCache has no ``keep``: a
-    request that outgrows max_kv_size loses its first positions in the batch where a solo run keeps them, so
-    its tokens would differ (mlx-lm's own BatchGenerator does differ); such requests are refused."""
+    own; llama's make_cache ignores max_kv_size in mlx-lm too). An answer may outgrow it (the engine loop tests
+    that against mlx-lm); mlx-lm's BatchGenerator prefills in its BatchRotatingKVCache, which has no ``keep``, so a
+    prompt longer than max_kv_size loses its first positions there where pipemlx's prefill (each prompt in its own
+    caches) keeps them: such prompts are refused."""
     from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
 
     whole, model = one_rank("qwen3")
     short, long = (mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30))
     engine = pipemlx.BatchGenerator(model, prefill_step_size=8, max_kv_size=16)
     assert engine.max_kv_size == 16
-    (uid,) = engine.insert([short], 8)  # 9 + 8 - 1 = 16 positions at most: it never rotates
+    (uid,) = engine.insert([short], 7)  # 9 + 7 = 16 positions at most, its closing tick's included
     answers = [r for _ in range(12) for r in engine.next()]
-    assert [r.token for r in answers] == solo_tokens(whole, short, 8, 16) and answers[-1].uid == uid
+    assert [r.token for r in answers] == solo_tokens(whole, short, 7, 16) and answers[-1].uid == uid
     cache = answers[-1].prompt_cache
     assert cache is not None and {type(c).__name__ for c in cache} == {"RotatingKVCache"}
-    with pytest.raises(ValueError, match=r"request 1 may grow to 17 positions, past its RotatingKVCache\(max_size=16"):
-        engine.insert([short, short], [8, 9])
-    with pytest.raises(ValueError, match=r"request 0 may grow to no limit .*BatchRotatingKVCache cannot keep"):
-        engine.insert([short], -1)
-    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):
+    engine.remove(engine.insert([short, short], [8, -1]))  # answers that may outgrow it are queued
+    with pytest.raises(ValueError, match=r"request 1's prompt fills 17 positions .*RotatingKVCache\(max_size=16"):
+        engine.insert([short, short * 2], [8, 9])
+    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):
         engine.insert([long], 6)
-    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):  # a cache given: its own kind
+    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):  # a cache given: its own kind
         pipemlx.BatchGenerator(model).insert([long], 6, caches=[make_prompt_cache(model, 16)])
     assert len(engine) == 0
     mlx_engine = MlxBatchGenerator(whole, max_tokens=6, prefill_step_size=8, max_kv_size=16)

@@ -152,7 +152,7 @@ class Requests:
             if reason is not None:
                 seen(f"a request finished: {reason}")
                 self.ended[uid] = reason
-                assert first["handed"][str(uid)] >= n - 1, (uid, first["handed"])  # its history, but the last token
+                assert first["handed"][str(uid)] >= n, (uid, first["handed"])  # its history, the last token too
                 self.handed[uid] = first["handed"][str(uid)]
         live = set(first["active"]) | set(first["queued"])
         assert live == set(self.live), (live, self.ended)

@@ -564,6 +564,32 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             turns.append(int(cache[0].offset))
         return {"turns": turns, "histories": seen.histories, "draws": seen.draws}
 
+    def outgrowing(make: Any) -> dict[str, Any]:
+        """A lone request whose answer outgrows max_kv_size=16 (the batch caches rotate), sampled (the second
+        likeliest token: logprobs on every rank); and one whose prompt alone would."""
+        generator = make(max_kv_size=16, sampler=Seen().sampler)
+        (uid,) = generator.insert([prompt_of(12)], [20])
+        got: list[Any] = []
+        while responses := generator.next_generated():
+            got += [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses if r.uid == uid]
+        try:
+            generator.insert([prompt_of(18)], [4])
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        generator.close()
+        return {"got": got, "refused": refused}
+
+    def bounded_step(step: Any, model: Any) -> list[Any]:
+        steps = step(mx.array(prompt_of(12)), model, max_tokens=20, max_kv_size=16, sampler=Seen().sampler)
+        return [[int(t), lp[int(t)].item()] for t, lp in steps]
+
+    report["outgrow"] = {
+        "pipemlx": outgrowing(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw)),
+        "mlx": outgrowing(lambda **kw: mlx_generate.BatchGenerator(whole, prefill_step_size=8, **kw)),
+        "pipemlx_step": bounded_step(pipemlx.generate_step, sharded),
+        "mlx_step": bounded_step(generate_step, whole),
+    }
     report["generate_step"] = {
         "pipemlx": continued(pipemlx.generate_step, sharded),
         "mlx": continued(generate_step, whole),

@@ -41,7 +41,16 @@ from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from .memory import exchange_admission
-from .requests import BatchRequest, Decided, FinishReason, Options, check_settings, checked_requests, fresh_window
+from .requests import (
+    BatchRequest,
+    Decided,
+    FinishReason,
+    Options,
+    bound_of,
+    check_settings,
+    checked_requests,
+    fresh_window,
+)
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
 from .stats import Counters
@@ -133,7 +142,9 @@ class BatchGenerator:
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
     rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
-    Admission control still reserves a request's whole length (conservative).
+    An answer may outgrow them (the batch caches rotate, as mlx-lm's); a prompt that would rotate them while it is
+    prefilled is refused (``ValueError``: mlx-lm's prefill keeps none of the first positions pipemlx's keeps).
+    Admission control reserves such a request's bounded size.
 
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
@@ -226,7 +237,9 @@ class BatchGenerator:
         self.prefill_chunk_tokens = chunk
         self.timeout = timeout or self.stage.info.timeout
         self.max_kv_size = max_kv_size
-        self._fresh_kept = fresh_window(self._new_cache(), self.stage)
+        fresh = self._new_cache()
+        self._fresh_kept = fresh_window(fresh, self.stage)
+        self._fresh_bound = bound_of(fresh)
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
         self._requests: dict[int, BatchRequest] = {}  # every request inserted and not yet finished
@@ -319,7 +332,8 @@ class BatchGenerator:
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
         request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
-        model, one that could never fit the memory budget or outgrow its ``max_kv_size``), on every rank alike, before
+        model, one that could never fit the memory budget or whose prompt would rotate its ``max_kv_size`` caches while
+        prefilled), on every rank alike, before
         anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
@@ -347,7 +361,9 @@ class BatchGenerator:
 
     def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
         """Check requests and queue them: the next ticks prefill them."""
-        requests = checked_requests(self, self._next_uid, self._fresh_kept, segments, segmented, options)
+        requests = checked_requests(
+            self, self._next_uid, self._fresh_kept, self._fresh_bound, segments, segmented, options
+        )
         self._next_uid += len(requests)
         self._requests.update((r.uid, r) for r in requests)
         self._plan = enqueue(self._plan, [r.queued for r in requests])
