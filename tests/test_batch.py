@@ -374,8 +374,9 @@ def check_engine_report(report: dict[str, Any]) -> None:
     assert "prompt fills 17 positions" in outgrow["pipemlx"]["refused"] and outgrow["mlx"]["refused"] == ""
     ours, mlx = outgrow["pipemlx_step"], outgrow["mlx_step"]
     assert [t for t, _ in ours] == [t for t, _ in mlx] and close([[p for _, p in ours]], [[p for _, p in mlx]]), rank
-    # generate_step, two turns on one prompt_cache: the same tokens, logprobs, positions and processor and sampler
-    # inputs as mlx-lm's generate_step on the whole model, on every rank.
+    # generate_step, four turns on one prompt_cache (the third stopped by its consumer after 3 tokens): the same
+    # tokens, logprobs, positions and processor and sampler inputs as mlx-lm's generate_step on the whole model,
+    # on every rank.
     ours, mlx = report["generate_step"]["pipemlx"], report["generate_step"]["mlx"]
     for o, m in zip(ours["turns"][::2], mlx["turns"][::2], strict=True):
         assert [t for t, _ in o] == [t for t, _ in m] and close([[p for _, p in o]], [[p for _, p in m]]), (rank, o, m)

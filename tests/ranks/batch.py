@@ -546,12 +546,13 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
     }
 
     def continued(step: Any, model: Any) -> dict[str, Any]:
-        """generate_step twice on one prompt_cache (a conversation's two turns): tokens, logprobs, the cache's
-        positions after each turn, and what the processor and sampler saw."""
+        """generate_step four times on one prompt_cache (a conversation's turns, the third stopped by its consumer
+        after 3 tokens): tokens, logprobs, the cache's positions after each turn, what the processor and sampler
+        saw."""
         seen = Seen()
         cache = make_prompt_cache(model)
         turns: list[Any] = []
-        for prompt in (prompts[1], [5, 6, 7]):
+        for prompt, stop_after in ((prompts[1], None), ([5, 6, 7], None), ([11, 12], 3), ([13], None)):
             steps = step(
                 mx.array(prompt),
                 model,
@@ -560,7 +561,13 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                 sampler=seen.sampler,
                 logits_processors=[seen.processor],
             )
-            turns.append([[int(t), lp[int(t)].item()] for t, lp in steps])
+            got: list[Any] = []
+            for t, lp in steps:  # a consumer that stops early (stream_generate at an end of sequence) too
+                got.append([int(t), lp[int(t)].item()])
+                if len(got) == stop_after:
+                    break
+            steps.close()
+            turns.append(got)
             turns.append(int(cache[0].offset))
         return {"turns": turns, "histories": seen.histories, "draws": seen.draws}
 
