@@ -27,12 +27,10 @@ import re
 import secrets
 import shutil
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Full, Queue
 from typing import Any, Protocol
 
 from ..runtime.calibration_cache import cache_dir
@@ -133,8 +131,13 @@ class WeightSource(Protocol):
         """Every tensor of the model's weight files (name -> file, dtype, shape, absolute byte range)."""
         ...
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
-        """Bytes ``start:stop`` of weight file ``file``, in pieces, each checked; raises :class:`TransferError`."""
+    def read(self, file: str, start: int, stop: int) -> Iterator[bytes | memoryview]:
+        """Bytes ``start:stop`` of weight file ``file``, in pieces; raises :class:`TransferError` when they do not
+        arrive or fail their check.
+
+        A piece may be a view of a buffer the source reuses: it is valid until the next is asked for. A source
+        that checks a whole answer (a peer's keyed hash) raises after its last piece at the latest, so the caller
+        writes pieces only where a failure discards them (:func:`fetch_rank_folder`'s temporary folder)."""
         ...
 
     def describe(self) -> str:
@@ -347,20 +350,25 @@ def fetch_rank_folder(
         text += b" " * (-len(text) % 8)
         with open(temporary / WEIGHTS_FILE, "wb") as out:
             out.write(struct.pack("<Q", len(text)) + text)
-            body = out.tell()
+            out.flush()
+            body, fd = out.tell(), out.fileno()
             reporter = _Reporter(source, who, count)
             for file, start, stop, members in _merged(spans):
-                position = start
-                for piece in _ahead(_pieces(source, file, start, stop)):
+                position, first = start, 0  # members before ``first`` end before ``position``: written
+                for piece in _pieces(source, file, start, stop):
                     # write the bytes of the members this piece covers, each at its place in the new file
                     piece_end = position + len(piece)
-                    for part, _, begin, end in members:
+                    view = memoryview(piece)
+                    for part, _, begin, end in members[first:]:
+                        if begin >= piece_end:
+                            break
                         lo, hi = max(begin, position), min(end, piece_end)
                         if lo < hi:
-                            layout_offset = layout[part.name]["data_offsets"][0] + (lo - begin)
-                            out.seek(body + layout_offset)
-                            out.write(memoryview(piece)[lo - position : hi - position])
+                            at = body + layout[part.name]["data_offsets"][0] + (lo - begin)
+                            _write_at(fd, view[lo - position : hi - position], at)
                             count.fetched += hi - lo
+                    while first < len(members) and members[first][3] <= piece_end:
+                        first += 1
                     position = piece_end
                     reporter.maybe_show()
                 if position != stop:
@@ -385,61 +393,32 @@ def fetch_rank_folder(
 def _merged(
     spans: list[tuple[TensorPart, TensorInfo, int, int]],
 ) -> Iterator[tuple[str, int, int, list[tuple[TensorPart, TensorInfo, int, int]]]]:
-    """The spans grouped into ranges to request: per file, sorted, neighbours closer than the gap merged."""
+    """The spans grouped into ranges to request: per file, sorted by start, neighbours closer than the gap
+    merged (a group's members are sorted by start; the range ends at their furthest end)."""
     ordered = sorted(spans, key=lambda s: (s[1].file, s[2]))
     group: list[tuple[TensorPart, TensorInfo, int, int]] = []
+    reach = 0
     for span in ordered:
-        if group and (span[1].file != group[-1][1].file or span[2] - max(g[3] for g in group) > MERGE_GAP_BYTES):
-            yield group[0][1].file, group[0][2], max(g[3] for g in group), group
-            group = []
+        if group and (span[1].file != group[-1][1].file or span[2] - reach > MERGE_GAP_BYTES):
+            yield group[0][1].file, group[0][2], reach, group
+            group, reach = [], 0
         group.append(span)
+        reach = max(reach, span[3])
     if group:
-        yield group[0][1].file, group[0][2], max(g[3] for g in group), group
+        yield group[0][1].file, group[0][2], reach, group
 
 
-def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[bytes]:
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` into file ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[bytes | memoryview]:
     """``source.read`` in requests of at most :data:`CHUNK_BYTES`."""
     for begin in range(start, stop, CHUNK_BYTES):
         yield from source.read(file, begin, min(stop, begin + CHUNK_BYTES))
-
-
-def _ahead(pieces: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
-    """``pieces``, fetched by a helper thread up to ``depth`` pieces ahead of the caller: the next range travels
-    and is checked while this one is written. An error in the thread is raised here, as it was raised there; a
-    caller that stops early stops the thread at its next piece."""
-    queue: Queue[tuple[bytes | None, BaseException | None]] = Queue(depth)
-    stopped = threading.Event()
-
-    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
-        while not stopped.is_set():
-            try:
-                queue.put(item, timeout=0.1)
-                return True
-            except Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for piece in pieces:
-                if not put((piece, None)):
-                    return
-        except BaseException as exc:  # raised again in the caller's thread
-            put((None, exc))
-            return
-        put((None, None))
-
-    threading.Thread(target=run, name="pipemlx-fetch-ahead", daemon=True).start()
-    try:
-        while True:
-            piece, error = queue.get()
-            if error is not None:
-                raise error
-            if piece is None:
-                return
-            yield piece
-    finally:
-        stopped.set()
 
 
 class _Reporter:

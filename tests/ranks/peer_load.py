@@ -39,13 +39,13 @@ def main() -> None:
         answer = peer.PeerServer._answer  # pyright: ignore[reportPrivateUsage]
         served = [0]
 
-        def dying(self: peer.PeerServer, request: dict[str, Any]) -> bytes:
+        def dying(self: peer.PeerServer, request: dict[str, Any], files: Any) -> bytes | tuple[str, int, int]:
             if request.get("op") == "range":
                 served[0] += 1
                 if served[0] > spec["die_after"]:
                     os._exit(9)  # the holder dies mid-transfer
                 time.sleep(0.2)
-            return answer(self, request)
+            return answer(self, request, files)
 
         peer.PeerServer._answer = dying  # type: ignore[method-assign]
     for _ in range(spec.get("loads", 1)):  # a second load in the same run finds its weight folder: fetches nothing
