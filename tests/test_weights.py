@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -72,6 +73,11 @@ def check_folder(folder: Path, model_dir: Path, parts: tuple[TensorPart, ...]) -
     assert (folder / "tokenizer.json").is_file() and (folder / DONE_FILE).is_file()
 
 
+def tensors(path: Path) -> dict[str, mx.array]:
+    """The tensors of a safetensors file."""
+    return cast(dict[str, mx.array], mx.load(str(path)))
+
+
 def peer_of(server: PeerServer, address: tuple[str, int] | None = None, token: bytes | None = None) -> PeerSource:
     held = server.source
     return PeerSource(str(held.root), address or server.address, token or server.token, fingerprint(held), 0)
@@ -94,9 +100,12 @@ def test_a_peer_sends_only_the_ranges_of_the_tensors_kept_and_a_second_fetch_sen
     assert first < 0.8 * (model_dir / "model.safetensors").stat().st_size  # not the whole file
 
 
-def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path) -> None:
+@pytest.mark.parametrize("head", ["all", "split"])
+def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path, head: str) -> None:
+    """Rank 1 of 2's tensors by range requests; with head="split" its rows of the embedding and head only."""
     held = FolderSource(model_dir)
-    parts = rank1_parts(held)
+    parts = rank_tensors(held.headers(), json.loads((model_dir / "config.json").read_text()), (2, 2), 1, head=head)
+    assert head == "all" or {p.name for p in parts if p.rows} == {"model.embed_tokens.weight", "lm_head.weight"}
     with StandInHub({REPO: model_dir}) as hub, pytest.MonkeyPatch.context() as patch:
         from huggingface_hub import constants
 
@@ -112,9 +121,29 @@ def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path)
         hub.clear()
         assert fetch_rank_folder(resolve_source(REPO), parts) == folder
         assert _range_bytes(hub) == 0
-    check_folder(folder, model_dir, parts)
-    kept = kept_bytes(held, parts)
+    whole = tensors(model_dir / "model.safetensors")
+    got = tensors(folder / "model.safetensors")
+    assert set(got) == {p.name for p in parts}
+    for part in parts:
+        first, last = part.rows or (0, whole[part.name].shape[0])
+        assert mx.array_equal(got[part.name], whole[part.name][first:last]).item(), part
+    assert (folder / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
+    kept = sum(value.nbytes for value in got.values())
     assert kept <= sent <= 1.1 * kept + header_bytes(held.headers()), (sent, kept)
+    if head == "split":  # the folder's rows are rank 1's: rank 0 of 2 (or rank 1 of 3) loading it is refused
+        from mlx_lm.utils import load_model  # pyright: ignore[reportUnknownVariableType]
+
+        from pipemlx.models.loading import take_fetched_rows
+
+        for rank, size in ((0, 2), (1, 3)):
+            model: Any = load_model(folder, lazy=True, strict=False)[0]  # pyright: ignore[reportUnknownVariableType]
+            with pytest.raises(
+                ValueError, match=r"holds rows \(\d+, \d+\) of (model.embed_tokens|lm_head).weight, which are not rank"
+            ):
+                take_fetched_rows(model, folder, rank, size)
+        model: Any = load_model(folder, lazy=True, strict=False)[0]  # pyright: ignore[reportUnknownVariableType]
+        assert take_fetched_rows(model, folder, 1, 2) == 2
+        assert model.model.embed_tokens.weight.shape == whole["model.embed_tokens.weight"].shape  # the stand-in
 
 
 def _range_bytes(hub: StandInHub) -> int:
@@ -305,6 +334,30 @@ def test_a_rank_without_the_model_fetches_its_tensors_from_rank_0_then_nothing_t
     assert "model.embed_tokens.weight" not in got and "lm_head.weight" in got and len(got) < len(headers)
     assert "rank 1/2 fetched" in first[1][2] and "from rank 0 (127.0.0.1:" in first[1][2], first[1][2]
     assert kept <= served[0] <= 1.1 * kept, (served, kept)
+
+
+def test_with_a_split_head_a_rank_fetches_only_its_rows_of_the_embedding_and_head(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """head="split": rank 1 fetches rows [V/2, V) of the embedding and of the head, not the whole matrices (bytes
+    served within 1.1x of the rows and layers it keeps), and decodes mlx-lm's tokens on every rank."""
+    results = _peer_ranks(tmp_path, model_dir, head="split")
+    shown = "\n".join(f"--- rank {r} ({code}):\n{err[-2500:]}" for r, (code, _, err) in enumerate(results))
+    assert [code for code, _, _ in results] == [0, 0], shown
+    reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+    expected = _reference(model_dir)
+    assert all(r["tokens"] == expected for r in reports), (reports, expected)
+    whole = tensors(model_dir / "model.safetensors")
+    folder = next(p for p in (tmp_path / "cache1" / "weights").glob("*") if not p.name.startswith("meta-"))
+    got = tensors(folder / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vocab = whole[name].shape[0]
+        assert mx.array_equal(got[name], whole[name][vocab // 2 :]).item(), name
+    kept = sum(value.nbytes for value in got.values())
+    served = [int(m) for m in re.findall(r"served (\d+) bytes", results[0][2])]
+    assert len(served) == 1 and kept <= served[0] <= 1.1 * kept, (served, kept)
+    rows_bytes = whole["model.embed_tokens.weight"].nbytes // 2 + whole["lm_head.weight"].nbytes // 2
+    assert served[0] < kept + rows_bytes  # the other halves were not sent
 
 
 def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_no_folder(

@@ -28,7 +28,7 @@ import secrets
 import shutil
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +51,9 @@ METADATA_FILE = re.compile(
 """Files a rank's folder copies besides its weights: config, tokenizer files, chat template (no weight index)."""
 EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
 HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
+VOCAB_MODULES = ("model.embed_tokens", "lm_head")
+"""The modules whose tensors a rank of a ``head="split"`` pipeline keeps by vocabulary rows (as mlx-lm names them;
+:mod:`.vocab_rows` reads the same)."""
 PROGRESS_EVERY_S = 5.0
 """How often a rank that fetches says how far it is."""
 
@@ -261,7 +264,7 @@ def rank_layers(split: tuple[int, ...], rank: int, *, lend_mlp: bool) -> range:
 
 
 def rank_tensors(
-    names: Iterable[str],
+    headers: Mapping[str, TensorInfo],
     config: dict[str, Any],
     split: tuple[int, ...],
     rank: int,
@@ -269,18 +272,29 @@ def rank_tensors(
     lend_mlp: bool = False,
     head: str = "all",
 ) -> tuple[TensorPart, ...]:
-    """The tensor set of rank ``rank`` of a pipeline with layers per rank ``split`` (whole tensors, sorted)."""
-    listed = list(names)
+    """The tensor set of rank ``rank`` of a pipeline with layers per rank ``split`` (sorted by name).
+
+    With ``head="split"`` on more than one rank, each tensor of the input embedding and the output head
+    (:data:`VOCAB_MODULES`: their weights, and scales and biases where quantized) is this rank's rows of the
+    vocabulary, ``[V*r/S, V*(r+1)/S)`` as :func:`pipemlx.models.vocab_head.row_range` gives them (the rows
+    :func:`pipemlx.models.vocab_rows.preread_vocabulary` reads); every other tensor is whole."""
+    listed = list(headers)
     prefix = decoder_prefix(listed)
     tied = is_tied(listed, config)
     layers = rank_layers(split, rank, lend_mlp=lend_mlp)
     keep_head = head != "last" or rank == len(split) - 1
     keep_embedding = rank == 0 or head == "split"  # head="split": every rank reads its rows of it (vocab_rows)
-    return tuple(
-        TensorPart(n)
-        for n in sorted(listed)
-        if tensor_wanted(n, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied)
-    )
+    by_rows = head == "split" and len(split) > 1
+    parts: list[TensorPart] = []
+    for name in sorted(listed):
+        if not tensor_wanted(name, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied):
+            continue
+        vocab = headers[name].shape[0] if headers[name].shape else 0
+        if by_rows and vocab and any(name.startswith(m + ".") for m in VOCAB_MODULES):
+            parts.append(TensorPart(name, (vocab * rank // len(split), vocab * (rank + 1) // len(split))))
+        else:
+            parts.append(TensorPart(name))
+    return tuple(parts)
 
 
 def weights_root() -> Path:
@@ -375,7 +389,12 @@ def fetch_rank_folder(
                     raise TransferError(f"{file} of {source.name}: {position - start} of {stop - start} bytes arrived")
             out.flush()
             os.fsync(out.fileno())
-        record = {"source": source.identity(), "tensors": [[p.name, p.rows] for p in parts], "bytes": count.total}
+        record = {
+            "source": source.identity(),
+            "tensors": [[p.name, p.rows] for p in parts],
+            "rows_of": {p.name: headers[p.name].shape[0] for p in parts if p.rows is not None},
+            "bytes": count.total,
+        }
         (temporary / DONE_FILE).write_text(json.dumps(record))
         reporter.show(final=True)
         try:
