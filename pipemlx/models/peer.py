@@ -11,10 +11,14 @@ into its weight folder (:func:`pipemlx.models.weights.fetch_rank_folder`).
 The server (:class:`PeerServer`) is read-only and answers only three requests: the model's headers and
 file list, one of its config or tokenizer files, and a byte range (at most
 :data:`~pipemlx.models.weights.CHUNK_BYTES`) inside one of its weight files. A connection first proves it holds
-the token (an HMAC of a fresh challenge); every answer carries an HMAC-SHA256, under a key derived from the
-token and that challenge, of the request and the answer's bytes, which the fetching rank checks before writing
-anything: a byte changed in transit, a short or cut answer fails the fetch with a :class:`TransferError`. The
-server stops once every rank has loaded (the exchange of :mod:`.load_wait` ended), or with the run.
+the token (an HMAC of a fresh challenge); every answer ends with a keyed BLAKE3 hash, under a key derived from
+the token and that challenge, of the answer's position on the connection, its request, its head and its bytes.
+The fetching rank hashes the bytes as they arrive and checks the length and the hash at the end of the answer:
+a byte changed in transit, a short or cut answer fails the fetch with a :class:`TransferError` (the weight
+folder being written is removed). For speed, a rank keeps :data:`IN_FLIGHT` range requests sent ahead; the
+holder sends ranges with ``sendfile`` and hashes them from a mapping of the file; the rank receives into one
+reused buffer. The server stops once every rank has loaded (the exchange of :mod:`.load_wait` ended), or with
+the run.
 """
 
 from __future__ import annotations
