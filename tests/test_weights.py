@@ -160,19 +160,29 @@ def _range_bytes(hub: StandInHub) -> int:
 
 class Proxy:
     """A TCP proxy to ``target`` that changes byte ``flip`` of what the server sends (counted from the start of
-    the connection), or closes both sides after ``cut`` bytes from the server."""
+    a connection), or closes both sides after ``cut`` bytes from the server, on its first ``times`` connections
+    (``None``: on every one); later connections pass unchanged."""
 
-    def __init__(self, target: tuple[str, int], *, flip: int | None = None, cut: int | None = None) -> None:
-        self.target, self.flip, self.cut = target, flip, cut
+    def __init__(
+        self, target: tuple[str, int], *, flip: int | None = None, cut: int | None = None, times: int | None = None
+    ) -> None:
+        self.target, self.flip, self.cut, self.times = target, flip, cut, times
+        self.connections = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address: tuple[str, int] = ("127.0.0.1", self.sock.getsockname()[1])
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        client, _ = self.sock.accept()
-        server = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-        self._pump(server, client, True)
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            tamper = self.times is None or self.connections <= self.times
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, tamper), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
         seen = 0
@@ -219,14 +229,22 @@ def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(served: 
             import shutil
 
             shutil.rmtree(folder)
-    proxy = Proxy(served.address, flip=16 + 41 + 1000)  # the challenge, one answer's head, then its body
+    proxy = Proxy(served.address, flip=16 + 9 + 1000)  # the challenge, one answer's head, then its body
     with pytest.raises(TransferError, match="fail their check"):
         fetch_rank_folder(peer_of(served, proxy.address), parts)
     proxy.close()
     _no_folder_left()
 
 
-def test_a_cut_transfer_fails_with_a_clear_error_and_leaves_no_folder(served: PeerServer) -> None:
+@pytest.mark.parametrize("times", [1, None])
+def test_a_cut_transfer_resumes_or_fails_with_a_clear_error_and_leaves_no_folder(
+    served: PeerServer, model_dir: Path, times: int | None, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Cut once: the rank reconnects and goes on from the answer that was cut; the folder equals the model's.
+    Cut on every connection: the rank fails after RESUME_TRIES reconnections, with no folder left."""
+    from pipemlx.models import peer
+
+    monkeypatch.setattr(peer, "RESUME_WAIT_S", 0.01)
     parts = rank1_parts(served.source)
     fetch_rank_folder(peer_of(served), ())
     for folder in weights_root().glob("*"):
@@ -234,11 +252,20 @@ def test_a_cut_transfer_fails_with_a_clear_error_and_leaves_no_folder(served: Pe
             import shutil
 
             shutil.rmtree(folder)
-    proxy = Proxy(served.address, cut=16 + 41 + 5000)
-    with pytest.raises(TransferError, match=r"was cut after \d+ bytes"):
-        fetch_rank_folder(peer_of(served, proxy.address), parts)
+    before = served.served
+    proxy = Proxy(served.address, cut=16 + 9 + 5000, times=times)
+    if times is None:
+        with pytest.raises(TransferError, match=r"was cut after \d+ bytes .*\(3 reconnections failed\)"):
+            fetch_rank_folder(peer_of(served, proxy.address), parts)
+        assert proxy.connections == 1 + peer.RESUME_TRIES
+        _no_folder_left()
+    else:
+        folder = fetch_rank_folder(peer_of(served, proxy.address), parts)
+        check_folder(folder, model_dir, parts)
+        assert proxy.connections == 2 and "reconnecting (1 of 3)" in caplog.text
+        kept = kept_bytes(served.source, parts)
+        assert kept < served.served - before <= kept + 5000 + 2 * 16 * 2**20  # the cut answer sent again
     proxy.close()
-    _no_folder_left()
 
 
 def test_the_server_answers_only_the_token_and_only_the_models_files(served: PeerServer, tmp_path: Path) -> None:

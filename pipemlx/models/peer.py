@@ -33,6 +33,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ import mlx.core as mx
 from blake3 import blake3
 
 from ..runtime.waits import wait_for
+from . import weights
 from .hub import cached_snapshot
 from .load_wait import FIRST_MEETING_TIMEOUTS, LOGGER
 from .weights import (
@@ -72,6 +74,10 @@ SLICE_BYTES = 1 << 20
 """A range is hashed and sent by slices of this many bytes (each hashed while in the CPU's cache)."""
 RECEIVE_BYTES = 1 << 20
 """The most bytes one receive takes (then hashed, while in the CPU's cache)."""
+RESUME_TRIES = 3
+"""Reconnections in a row a fetching rank tries after a cut transfer before it fails."""
+RESUME_WAIT_S = 0.2
+"""Seconds before the first reconnection; doubled before each next one."""
 HELLO, SESSION = b"pipemlx-peer-hello", b"pipemlx-peer-session"
 HOSTFILE_VARIABLE = "MLX_HOSTFILE"
 
@@ -307,29 +313,46 @@ class PeerSource:
         rows = json.loads((self.metadata_root() / "pipemlx-headers.json").read_text())
         return {k: TensorInfo.from_json(v) for k, v in rows.items()}
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes | memoryview]:
-        """The range in requests of at most :data:`CHUNK_BYTES`, up to :data:`IN_FLIGHT` of them sent ahead (the
-        holder reads and sends the next while this rank takes this one), each answer's bytes in pieces of one
-        reused buffer (valid until the next piece), its keyed hash checked after its last piece."""
-        spans = [(begin, min(stop, begin + CHUNK_BYTES)) for begin in range(start, stop, CHUNK_BYTES)]
-        pending: deque[bytes] = deque()
-        sent, done = 0, False
-        try:
-            for begin, end in spans:
-                while sent < len(spans) and len(pending) < IN_FLIGHT:
-                    request = {"op": "range", "file": file, "start": spans[sent][0], "stop": spans[sent][1]}
-                    pending.append(self._send(request))
-                    sent += 1
-                got = 0
-                for piece in self._receive(pending.popleft(), file, end - begin):
-                    got += len(piece)
-                    yield piece
-                if got != end - begin:
-                    raise TransferError(f"{self.describe()} sent {got} bytes of {file} for {end - begin} asked")
-            done = True
-        finally:
-            if not done:  # answers, or parts of one, still on their way (an error, or the caller stopped)
-                self.close()
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes | memoryview]]:
+        """The range in requests of at most :data:`~pipemlx.models.weights.CHUNK_BYTES`, up to :data:`IN_FLIGHT`
+        of them sent ahead (the holder reads and sends the next while this rank takes this one), each answer's
+        bytes in pieces of one reused buffer (valid until the next piece), its keyed hash checked after its last
+        piece. A cut connection is opened again, up to :data:`RESUME_TRIES` times in a row, and the transfer goes
+        on from the start of the answer that was cut (its bytes are sent again)."""
+        chunk = weights.CHUNK_BYTES
+        spans = [(begin, min(stop, begin + chunk)) for begin in range(start, stop, chunk)]
+        checked = cuts = 0  # answers checked; cuts since the last answer checked
+        while checked < len(spans):
+            pending: deque[bytes] = deque()
+            sent, cut = checked, None
+            try:
+                for begin, end in spans[checked:]:
+                    while sent < len(spans) and len(pending) < IN_FLIGHT:
+                        request = {"op": "range", "file": file, "start": spans[sent][0], "stop": spans[sent][1]}
+                        pending.append(self._send(request))
+                        sent += 1
+                    offset = begin
+                    for piece in self._receive(pending.popleft(), file, end - begin):
+                        yield offset, piece
+                        offset += len(piece)
+                    if offset != end:
+                        raise TransferError(
+                            f"{self.describe()} sent {offset - begin} bytes of {file} for {end - begin}"
+                        )
+                    checked, cuts = checked + 1, 0
+            except _Cut as exc:
+                cut = exc
+            finally:
+                if checked < len(spans):  # answers, or parts of one, still on their way (an error, a cut, or the
+                    self.close()  # caller stopped)
+            if cut is not None:
+                cuts += 1
+                if cuts > RESUME_TRIES:
+                    raise TransferError(
+                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
+                    ) from None
+                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts, RESUME_TRIES)
+                time.sleep(RESUME_WAIT_S * 2 ** (cuts - 1))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -344,14 +367,26 @@ class PeerSource:
             nonce = _read_exact(conn, 16)
             conn.sendall(hmac.new(self.token, HELLO + nonce, "sha256").digest())
         except (OSError, EOFError) as exc:
-            raise TransferError(f"cannot reach {self.describe()}, which has {self.label}: {exc}") from None
+            raise _Cut(f"cannot reach {self.describe()}, which has {self.label}: {exc}") from None
         self._conn, self._key, self._index = conn, hmac.new(self.token, SESSION + nonce, "sha256").digest(), 0
         return conn
 
     def _request(self, request: dict[str, Any]) -> bytes:
-        """One request and its checked answer (nothing else in flight)."""
+        """One request and its checked answer (nothing else in flight); asked again on a new connection after a
+        cut, up to :data:`RESUME_TRIES` times."""
         what = f"{request.get('file') or request.get('name') or 'the headers'}"
-        return b"".join(bytes(piece) for piece in self._receive(self._send(request), what, None))
+        for cuts in range(RESUME_TRIES + 1):
+            try:
+                return b"".join(bytes(piece) for piece in self._receive(self._send(request), what, None))
+            except _Cut as cut:
+                self.close()
+                if cuts == RESUME_TRIES:
+                    raise TransferError(
+                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
+                    ) from None
+                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts + 1, RESUME_TRIES)
+                time.sleep(RESUME_WAIT_S * 2**cuts)
+        raise AssertionError("unreachable")
 
     def _send(self, request: dict[str, Any]) -> bytes:
         raw = json.dumps(request, separators=(",", ":")).encode()
@@ -360,7 +395,7 @@ class PeerSource:
             conn.sendall(struct.pack(">I", len(raw)) + raw)
         except OSError as exc:
             self.close()
-            raise TransferError(f"the request to {self.describe()} failed ({exc}); no weight folder was kept") from None
+            raise _Cut(f"the request to {self.describe()} failed ({exc})") from None
         return raw
 
     def _receive(self, raw: bytes, what: str, expected: int | None) -> Iterator[memoryview]:
@@ -401,10 +436,7 @@ class PeerSource:
                 raise
             self.close()
             cause = "the connection closed" if isinstance(exc, EOFError) else str(exc) or type(exc).__name__
-            raise TransferError(
-                f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause}); "
-                "no weight folder was kept"
-            ) from None
+            raise _Cut(f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause})") from None
         if not hmac.compare_digest(tag, mac.digest()):
             self.close()
             raise TransferError(
@@ -414,6 +446,11 @@ class PeerSource:
         self.count.requests += 1
         if status != 0:
             raise TransferError(f"{self.describe()} refused {what}: {bytes(refusal).decode(errors='replace')}")
+
+
+class _Cut(TransferError):
+    """A connection to the holder that failed or closed before an answer was complete (a reconnection may help;
+    a failed check or a refusal is not a cut)."""
 
 
 def _answer_mac(key: bytes, index: int, request: bytes) -> blake3:

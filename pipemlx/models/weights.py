@@ -134,13 +134,16 @@ class WeightSource(Protocol):
         """Every tensor of the model's weight files (name -> file, dtype, shape, absolute byte range)."""
         ...
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes | memoryview]:
-        """Bytes ``start:stop`` of weight file ``file``, in pieces; raises :class:`TransferError` when they do not
-        arrive or fail their check.
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Bytes ``start:stop`` of weight file ``file``, in pieces, each with its offset in the file; raises
+        :class:`TransferError` when they do not arrive or fail their check.
 
         A piece may be a view of a buffer the source reuses: it is valid until the next is asked for. A source
         that checks a whole answer (a peer's keyed hash) raises after its last piece at the latest, so the caller
-        writes pieces only where a failure discards them (:func:`fetch_rank_folder`'s temporary folder)."""
+        writes pieces only where a failure discards them (:func:`fetch_rank_folder`'s temporary folder). A source
+        that recovers from a cut transfer goes back to the start of the answer that was cut and sends its bytes
+        again (an offset at or before the end of the pieces before it): the last bytes written at an offset are
+        the checked ones once the range ends."""
         ...
 
     def describe(self) -> str:
@@ -212,16 +215,16 @@ class FolderSource:
         """The config and tokenizer files a peer may ask for (see :data:`METADATA_FILE`)."""
         return tuple(sorted(p.name for p in self.root.iterdir() if p.is_file() and METADATA_FILE.match(p.name)))
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
         with open(self.root / file, "rb") as f:
             f.seek(start)
-            left = stop - start
-            while left > 0:
-                piece = f.read(min(left, CHUNK_BYTES))
+            offset = start
+            while offset < stop:
+                piece = f.read(min(stop - offset, CHUNK_BYTES))
                 if not piece:
                     raise TransferError(f"{file} of {self.name} ends before byte {stop}")
-                left -= len(piece)
-                yield piece
+                yield offset, piece
+                offset += len(piece)
 
     def describe(self) -> str:
         return str(self.root)
@@ -368,8 +371,12 @@ def fetch_rank_folder(
             body, fd = out.tell(), out.fileno()
             reporter = _Reporter(source, who, count)
             for file, start, stop, members in _merged(spans):
-                position, first = start, 0  # members before ``first`` end before ``position``: written
-                for piece in _pieces(source, file, start, stop):
+                reach, first = start, 0  # bytes before ``reach`` arrived; members before ``first`` end before
+                for position, piece in source.read(file, start, stop):
+                    if not start <= position <= reach:
+                        raise TransferError(f"{source.describe()} sent bytes of {file} from {position}, not {reach}")
+                    if position < reach:  # a resumed transfer sends an answer again: write it again
+                        first = 0
                     # write the bytes of the members this piece covers, each at its place in the new file
                     piece_end = position + len(piece)
                     view = memoryview(piece)
@@ -380,13 +387,13 @@ def fetch_rank_folder(
                         if lo < hi:
                             at = body + layout[part.name]["data_offsets"][0] + (lo - begin)
                             _write_at(fd, view[lo - position : hi - position], at)
-                            count.fetched += hi - lo
                     while first < len(members) and members[first][3] <= piece_end:
                         first += 1
-                    position = piece_end
+                    count.fetched += max(0, piece_end - max(position, reach))  # new bytes only
+                    reach = max(reach, piece_end)
                     reporter.maybe_show()
-                if position != stop:
-                    raise TransferError(f"{file} of {source.name}: {position - start} of {stop - start} bytes arrived")
+                if reach != stop:
+                    raise TransferError(f"{file} of {source.name}: {reach - start} of {stop - start} bytes arrived")
             out.flush()
             os.fsync(out.fileno())
         record = {
@@ -432,12 +439,6 @@ def _write_at(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         written = os.pwrite(fd, data, offset)
         data, offset = data[written:], offset + written
-
-
-def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[bytes | memoryview]:
-    """``source.read`` in requests of at most :data:`CHUNK_BYTES`."""
-    for begin in range(start, stop, CHUNK_BYTES):
-        yield from source.read(file, begin, min(stop, begin + CHUNK_BYTES))
 
 
 class _Reporter:
