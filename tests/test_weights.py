@@ -588,3 +588,20 @@ def test_serve_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, 
     choices: list[dict[str, object]] = answer["choices"]  # type: ignore[assignment]
     assert choices[0]["text"] == expected, stderr()
     assert "from rank 0 (" in stderr(), stderr()
+
+
+def test_the_holder_listens_on_its_hostfile_entry_or_on_pipemlx_peer_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ring: the rank's hostfile entry; MPI (no hostfile): loopback unless PIPEMLX_PEER_HOST names an address."""
+    from pipemlx.models.peer import own_host
+
+    monkeypatch.delenv("PIPEMLX_PEER_HOST", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert own_host(1) == "127.0.0.1"
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["10.0.0.1:5000"], ["[fd00::2]:5001"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert (own_host(0), own_host(1)) == ("10.0.0.1", "fd00::2")
+    monkeypatch.setenv("PIPEMLX_PEER_HOST", "192.168.1.7")
+    assert own_host(1) == "192.168.1.7"

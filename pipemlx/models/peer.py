@@ -80,10 +80,16 @@ RESUME_WAIT_S = 0.2
 """Seconds before the first reconnection; doubled before each next one."""
 HELLO, SESSION = b"pipemlx-peer-hello", b"pipemlx-peer-session"
 HOSTFILE_VARIABLE = "MLX_HOSTFILE"
+PEER_HOST_VARIABLE = "PIPEMLX_PEER_HOST"
+"""This host's address for the ranks that fetch the model from it (the default: its ring hostfile entry)."""
 
 
 def own_host(rank: int) -> str:
-    """This rank's IP in the group: its entry of the ring hostfile MLX was given, else loopback."""
+    """The address a rank that has the model serves it on: ``$PIPEMLX_PEER_HOST`` where set (the MPI backend has
+    no hostfile to read it from), else this rank's entry of the ring hostfile MLX was given, else loopback."""
+    given = os.environ.get(PEER_HOST_VARIABLE, "").strip()
+    if given:
+        return given
     path = os.environ.get(HOSTFILE_VARIABLE)
     if path:
         try:
