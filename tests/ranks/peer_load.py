@@ -36,6 +36,8 @@ def main() -> None:
     os.environ["PIPEMLX_CACHE_DIR"] = spec["caches"][rank]
     if spec.get("chunk"):
         weights.CHUNK_BYTES = int(spec["chunk"])
+    if spec.get("die_after") is not None:
+        peer.RESUME_WAIT_S = 0.01  # the reconnections to the dead holder, without the waits between them
     if spec.get("die_after") is not None and rank == 0:
         answer = peer.PeerServer._answer  # pyright: ignore[reportPrivateUsage]
         served = [0]
