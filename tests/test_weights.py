@@ -268,7 +268,12 @@ def test_a_cut_transfer_resumes_or_fails_with_a_clear_error_and_leaves_no_folder
     proxy.close()
 
 
-def test_the_server_answers_only_the_token_and_only_the_models_files(served: PeerServer, tmp_path: Path) -> None:
+def test_the_server_answers_only_the_token_and_only_the_models_files(
+    served: PeerServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipemlx.models import peer
+
+    monkeypatch.setattr(peer, "RESUME_WAIT_S", 0.01)  # a wrong token looks like a cut: reconnections, then the error
     with pytest.raises(TransferError, match="was cut|cannot reach"):  # a wrong token: the server hangs up
         peer_of(served, token=b"x" * 32).headers()
     peer = peer_of(served)
