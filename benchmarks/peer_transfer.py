@@ -1,10 +1,13 @@
 """Weights from a peer against a plain copy over the same link (issue 50's goal: >= 80% of the copy's rate).
 
 Writes a safetensors file of ``--mb`` MB of tensors, then, over loopback (or ``--host``, an address of this
-machine another host reaches), times (1) fetching every tensor from a ``PeerServer`` into a rank's weight
-folder, as a rank without the model does, and (2) a plain copy of the same file's bytes over one TCP
-connection into a file (read, send, receive, write: no checks). Prints both rates and their ratio. Run it on
-an idle machine; on a shared one the timings mean nothing.
+machine another host reaches), times in turns, ``--rounds`` times each: (1) fetching every tensor from a
+``PeerServer`` into a rank's weight folder (a fresh cache each round), as a rank without the model does, and
+(2) a plain copy of the same file's bytes over one TCP connection into a file, at its fastest: the sender hands
+the file to the kernel (``sendfile``), the receiver receives into one reused buffer and writes it out, and both
+end with the file synced, as the fetch does (no checks, no headers). Each sender is a process of its own, as the
+holder is. Prints each round's rates and the ratio of
+the medians. Run it on an idle machine; on a shared one the timings mean nothing.
 
     python benchmarks/peer_transfer.py --mb 512
 """
@@ -12,12 +15,17 @@ an idle machine; on a shared one the timings mean nothing.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import shutil
 import socket
+import statistics
 import tempfile
-import threading
 import time
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -35,40 +43,64 @@ def make_model(root: Path, megabytes: int) -> None:
     (root / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": %d}' % count)
 
 
-def peer_rate(root: Path, host: str) -> tuple[int, float]:
+def serve_peer(root: str, host: str, addresses: Queue[Any], stop: Event) -> None:
+    """The holder, in a process of its own as a rank is: serves ``root`` until ``stop``; reports bytes sent."""
+    with PeerServer(FolderSource(Path(root)), host, b"k" * 32) as server:
+        addresses.put(server.address)
+        stop.wait()
+        addresses.put(server.served)
+
+
+def send_plain(path: str, host: str, addresses: Queue[Any]) -> None:
+    """The plain copy's sender, in a process of its own: hands the file to the kernel on one connection."""
+    with socket.create_server((host, 0)) as listener:
+        addresses.put(listener.getsockname()[:2])
+        conn, _ = listener.accept()
+        with conn, open(path, "rb") as f:
+            conn.sendfile(f)
+
+
+def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, float]:
+    os.environ[CACHE_DIR_VARIABLE] = str(cache)
     held = FolderSource(root)
     parts = tuple(TensorPart(n) for n in sorted(held.headers()))
-    with PeerServer(held, host, b"k" * 32) as server:
-        peer = PeerSource(str(root), server.address, server.token, fingerprint(held), 0)
-        peer.metadata_root()  # headers and config first: not counted
-        began = time.perf_counter()
-        fetch_rank_folder(peer, parts)
-        took = time.perf_counter() - began
-        peer.close()
-        return server.served, took
+    context = multiprocessing.get_context("spawn")
+    addresses: Queue[Any] = context.Queue()
+    stop = context.Event()
+    holder = context.Process(target=serve_peer, args=(str(root), host, addresses, stop))
+    holder.start()
+    address = addresses.get(timeout=60)
+    peer = PeerSource(str(root), tuple(address), b"k" * 32, fingerprint(held), 0)
+    peer.metadata_root()  # headers and config first: not counted
+    began = time.perf_counter()
+    fetch_rank_folder(peer, parts)
+    took = time.perf_counter() - began
+    peer.close()
+    stop.set()
+    served = int(addresses.get(timeout=60))
+    holder.join()
+    return served, took
 
 
 def copy_rate(path: Path, host: str, into: Path) -> tuple[int, float]:
-    listener = socket.create_server((host, 0))
-    port = listener.getsockname()[1]
-
-    def send() -> None:
-        conn, _ = listener.accept()
-        with conn, open(path, "rb") as f:
-            while piece := f.read(16 << 20):
-                conn.sendall(piece)
-
-    threading.Thread(target=send, daemon=True).start()
-    began = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    addresses: Queue[Any] = context.Queue()
+    sender = context.Process(target=send_plain, args=(str(path), host, addresses))
+    sender.start()
+    address = addresses.get(timeout=60)
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
     got = 0
-    with socket.create_connection((host, port)) as conn, open(into, "wb") as out:
-        while piece := conn.recv(1 << 20):
-            out.write(piece)
-            got += len(piece)
+    began = time.perf_counter()
+    with socket.create_connection(tuple(address)) as conn, open(into, "wb") as out:
+        while n := conn.recv_into(view):
+            out.write(view[:n])
+            got += n
         out.flush()
         os.fsync(out.fileno())
     took = time.perf_counter() - began
-    listener.close()
+    sender.join()
+    into.unlink()
     return got, took
 
 
@@ -76,17 +108,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=256, help="megabytes of tensors")
     parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each, in turns")
     args = parser.parse_args()
+    peer_rates: list[float] = []
+    copy_rates: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ[CACHE_DIR_VARIABLE] = str(Path(tmp) / "cache")
         root = Path(tmp) / "model"
         make_model(root, args.mb)
-        sent, peer_s = peer_rate(root, args.host)
-        copied, copy_s = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy")
-    peer_mb, copy_mb = sent / 1e6 / peer_s, copied / 1e6 / copy_s
-    print(f"peer: {sent / 1e6:.1f} MB in {peer_s:.2f} s ({peer_mb:.0f} MB/s)")
-    print(f"plain copy: {copied / 1e6:.1f} MB in {copy_s:.2f} s ({copy_mb:.0f} MB/s)")
-    print(f"peer / copy: {peer_mb / copy_mb:.2f}")
+        for round_ in range(args.rounds):
+            sent, peer_s = peer_rate(root, args.host, Path(tmp) / f"cache{round_}")
+            shutil.rmtree(Path(tmp) / f"cache{round_}")
+            copied, copy_s = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy")
+            peer_rates.append(sent / 1e6 / peer_s)
+            copy_rates.append(copied / 1e6 / copy_s)
+            print(f"round {round_ + 1}: peer {sent / 1e6:.1f} MB at {peer_rates[-1]:.0f} MB/s, ", end="")
+            print(f"plain copy {copied / 1e6:.1f} MB at {copy_rates[-1]:.0f} MB/s")
+    peer_mb, copy_mb = statistics.median(peer_rates), statistics.median(copy_rates)
+    print(f"medians: peer {peer_mb:.0f} MB/s, plain copy {copy_mb:.0f} MB/s, peer / copy: {peer_mb / copy_mb:.2f}")
 
 
 if __name__ == "__main__":

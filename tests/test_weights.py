@@ -15,6 +15,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
@@ -72,6 +73,11 @@ def check_folder(folder: Path, model_dir: Path, parts: tuple[TensorPart, ...]) -
     assert (folder / "tokenizer.json").is_file() and (folder / DONE_FILE).is_file()
 
 
+def tensors(path: Path) -> dict[str, mx.array]:
+    """The tensors of a safetensors file."""
+    return cast(dict[str, mx.array], mx.load(str(path)))
+
+
 def peer_of(server: PeerServer, address: tuple[str, int] | None = None, token: bytes | None = None) -> PeerSource:
     held = server.source
     return PeerSource(str(held.root), address or server.address, token or server.token, fingerprint(held), 0)
@@ -94,9 +100,12 @@ def test_a_peer_sends_only_the_ranges_of_the_tensors_kept_and_a_second_fetch_sen
     assert first < 0.8 * (model_dir / "model.safetensors").stat().st_size  # not the whole file
 
 
-def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path) -> None:
+@pytest.mark.parametrize("head", ["all", "split"])
+def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path, head: str) -> None:
+    """Rank 1 of 2's tensors by range requests; with head="split" its rows of the embedding and head only."""
     held = FolderSource(model_dir)
-    parts = rank1_parts(held)
+    parts = rank_tensors(held.headers(), json.loads((model_dir / "config.json").read_text()), (2, 2), 1, head=head)
+    assert head == "all" or {p.name for p in parts if p.rows} == {"model.embed_tokens.weight", "lm_head.weight"}
     with StandInHub({REPO: model_dir}) as hub, pytest.MonkeyPatch.context() as patch:
         from huggingface_hub import constants
 
@@ -112,9 +121,29 @@ def test_the_stand_in_hub_is_read_by_ranges_of_the_tensors_kept(model_dir: Path)
         hub.clear()
         assert fetch_rank_folder(resolve_source(REPO), parts) == folder
         assert _range_bytes(hub) == 0
-    check_folder(folder, model_dir, parts)
-    kept = kept_bytes(held, parts)
+    whole = tensors(model_dir / "model.safetensors")
+    got = tensors(folder / "model.safetensors")
+    assert set(got) == {p.name for p in parts}
+    for part in parts:
+        first, last = part.rows or (0, whole[part.name].shape[0])
+        assert mx.array_equal(got[part.name], whole[part.name][first:last]).item(), part
+    assert (folder / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
+    kept = sum(value.nbytes for value in got.values())
     assert kept <= sent <= 1.1 * kept + header_bytes(held.headers()), (sent, kept)
+    if head == "split":  # the folder's rows are rank 1's: rank 0 of 2 (or rank 1 of 3) loading it is refused
+        from mlx_lm.utils import load_model  # pyright: ignore[reportUnknownVariableType]
+
+        from pipemlx.models.loading import take_fetched_rows
+
+        for rank, size in ((0, 2), (1, 3)):
+            model: Any = load_model(folder, lazy=True, strict=False)[0]  # pyright: ignore[reportUnknownVariableType]
+            with pytest.raises(
+                ValueError, match=r"holds rows \(\d+, \d+\) of (model.embed_tokens|lm_head).weight, which are not rank"
+            ):
+                take_fetched_rows(model, folder, rank, size)
+        model: Any = load_model(folder, lazy=True, strict=False)[0]  # pyright: ignore[reportUnknownVariableType]
+        assert take_fetched_rows(model, folder, 1, 2) == 2
+        assert model.model.embed_tokens.weight.shape == whole["model.embed_tokens.weight"].shape  # the stand-in
 
 
 def _range_bytes(hub: StandInHub) -> int:
@@ -131,19 +160,29 @@ def _range_bytes(hub: StandInHub) -> int:
 
 class Proxy:
     """A TCP proxy to ``target`` that changes byte ``flip`` of what the server sends (counted from the start of
-    the connection), or closes both sides after ``cut`` bytes from the server."""
+    a connection), or closes both sides after ``cut`` bytes from the server, on its first ``times`` connections
+    (``None``: on every one); later connections pass unchanged."""
 
-    def __init__(self, target: tuple[str, int], *, flip: int | None = None, cut: int | None = None) -> None:
-        self.target, self.flip, self.cut = target, flip, cut
+    def __init__(
+        self, target: tuple[str, int], *, flip: int | None = None, cut: int | None = None, times: int | None = None
+    ) -> None:
+        self.target, self.flip, self.cut, self.times = target, flip, cut, times
+        self.connections = 0
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.address: tuple[str, int] = ("127.0.0.1", self.sock.getsockname()[1])
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        client, _ = self.sock.accept()
-        server = socket.create_connection(self.target)
-        threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
-        self._pump(server, client, True)
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            tamper = self.times is None or self.connections <= self.times
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, tamper), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, tamper: bool) -> None:
         seen = 0
@@ -190,14 +229,22 @@ def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(served: 
             import shutil
 
             shutil.rmtree(folder)
-    proxy = Proxy(served.address, flip=16 + 41 + 1000)  # the challenge, one answer's head, then its body
+    proxy = Proxy(served.address, flip=16 + 9 + 1000)  # the challenge, one answer's head, then its body
     with pytest.raises(TransferError, match="fail their check"):
         fetch_rank_folder(peer_of(served, proxy.address), parts)
     proxy.close()
     _no_folder_left()
 
 
-def test_a_cut_transfer_fails_with_a_clear_error_and_leaves_no_folder(served: PeerServer) -> None:
+@pytest.mark.parametrize("times", [1, None])
+def test_a_cut_transfer_resumes_or_fails_with_a_clear_error_and_leaves_no_folder(
+    served: PeerServer, model_dir: Path, times: int | None, monkeypatch: pytest.MonkeyPatch, caplog: Any
+) -> None:
+    """Cut once: the rank reconnects and goes on from the answer that was cut; the folder equals the model's.
+    Cut on every connection: the rank fails after RESUME_TRIES reconnections, with no folder left."""
+    from pipemlx.models import peer
+
+    monkeypatch.setattr(peer, "RESUME_WAIT_S", 0.01)
     parts = rank1_parts(served.source)
     fetch_rank_folder(peer_of(served), ())
     for folder in weights_root().glob("*"):
@@ -205,14 +252,28 @@ def test_a_cut_transfer_fails_with_a_clear_error_and_leaves_no_folder(served: Pe
             import shutil
 
             shutil.rmtree(folder)
-    proxy = Proxy(served.address, cut=16 + 41 + 5000)
-    with pytest.raises(TransferError, match=r"was cut after \d+ bytes"):
-        fetch_rank_folder(peer_of(served, proxy.address), parts)
+    before = served.served
+    proxy = Proxy(served.address, cut=16 + 9 + 5000, times=times)
+    if times is None:
+        with pytest.raises(TransferError, match=r"was cut after \d+ bytes .*\(3 reconnections failed\)"):
+            fetch_rank_folder(peer_of(served, proxy.address), parts)
+        assert proxy.connections == 1 + peer.RESUME_TRIES
+        _no_folder_left()
+    else:
+        folder = fetch_rank_folder(peer_of(served, proxy.address), parts)
+        check_folder(folder, model_dir, parts)
+        assert proxy.connections == 2 and "reconnecting (1 of 3)" in caplog.text
+        kept = kept_bytes(served.source, parts)
+        assert kept < served.served - before <= kept + 5000 + 2 * 16 * 2**20  # the cut answer sent again
     proxy.close()
-    _no_folder_left()
 
 
-def test_the_server_answers_only_the_token_and_only_the_models_files(served: PeerServer, tmp_path: Path) -> None:
+def test_the_server_answers_only_the_token_and_only_the_models_files(
+    served: PeerServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipemlx.models import peer
+
+    monkeypatch.setattr(peer, "RESUME_WAIT_S", 0.01)  # a wrong token looks like a cut: reconnections, then the error
     with pytest.raises(TransferError, match="was cut|cannot reach"):  # a wrong token: the server hangs up
         peer_of(served, token=b"x" * 32).headers()
     peer = peer_of(served)
@@ -305,6 +366,30 @@ def test_a_rank_without_the_model_fetches_its_tensors_from_rank_0_then_nothing_t
     assert "model.embed_tokens.weight" not in got and "lm_head.weight" in got and len(got) < len(headers)
     assert "rank 1/2 fetched" in first[1][2] and "from rank 0 (127.0.0.1:" in first[1][2], first[1][2]
     assert kept <= served[0] <= 1.1 * kept, (served, kept)
+
+
+def test_with_a_split_head_a_rank_fetches_only_its_rows_of_the_embedding_and_head(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """head="split": rank 1 fetches rows [V/2, V) of the embedding and of the head, not the whole matrices (bytes
+    served within 1.1x of the rows and layers it keeps), and decodes mlx-lm's tokens on every rank."""
+    results = _peer_ranks(tmp_path, model_dir, head="split")
+    shown = "\n".join(f"--- rank {r} ({code}):\n{err[-2500:]}" for r, (code, _, err) in enumerate(results))
+    assert [code for code, _, _ in results] == [0, 0], shown
+    reports = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
+    expected = _reference(model_dir)
+    assert all(r["tokens"] == expected for r in reports), (reports, expected)
+    whole = tensors(model_dir / "model.safetensors")
+    folder = next(p for p in (tmp_path / "cache1" / "weights").glob("*") if not p.name.startswith("meta-"))
+    got = tensors(folder / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vocab = whole[name].shape[0]
+        assert mx.array_equal(got[name], whole[name][vocab // 2 :]).item(), name
+    kept = sum(value.nbytes for value in got.values())
+    served = [int(m) for m in re.findall(r"served (\d+) bytes", results[0][2])]
+    assert len(served) == 1 and kept <= served[0] <= 1.1 * kept, (served, kept)
+    rows_bytes = whole["model.embed_tokens.weight"].nbytes // 2 + whole["lm_head.weight"].nbytes // 2
+    assert served[0] < kept + rows_bytes  # the other halves were not sent
 
 
 def test_the_holder_killed_mid_transfer_ends_every_rank_with_a_clear_error_and_no_folder(
@@ -508,3 +593,20 @@ def test_serve_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Path, 
     choices: list[dict[str, object]] = answer["choices"]  # type: ignore[assignment]
     assert choices[0]["text"] == expected, stderr()
     assert "from rank 0 (" in stderr(), stderr()
+
+
+def test_the_holder_listens_on_its_hostfile_entry_or_on_pipemlx_peer_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ring: the rank's hostfile entry; MPI (no hostfile): loopback unless PIPEMLX_PEER_HOST names an address."""
+    from pipemlx.models.peer import own_host
+
+    monkeypatch.delenv("PIPEMLX_PEER_HOST", raising=False)
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    assert own_host(1) == "127.0.0.1"
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["10.0.0.1:5000"], ["[fd00::2]:5001"]]))
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert (own_host(0), own_host(1)) == ("10.0.0.1", "fd00::2")
+    monkeypatch.setenv("PIPEMLX_PEER_HOST", "192.168.1.7")
+    assert own_host(1) == "192.168.1.7"

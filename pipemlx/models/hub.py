@@ -50,6 +50,7 @@ from .safetensors import (
     read_safetensors_header,
 )
 from .weights import (
+    CHUNK_BYTES,
     FetchCount,
     FolderSource,
     TensorInfo,
@@ -410,7 +411,16 @@ class HubSource:
         os.replace(temporary, kept)
         return out
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+        """The range by one range request per :data:`~pipemlx.models.weights.CHUNK_BYTES`."""
+        for begin in range(start, stop, CHUNK_BYTES):
+            end = min(stop, begin + CHUNK_BYTES)
+            offset = begin
+            for piece in self._read_one(file, begin, end):
+                yield offset, piece
+                offset += len(piece)
+
+    def _read_one(self, file: str, start: int, stop: int) -> Iterator[bytes]:
         if offline():
             raise ModelNotFoundError(
                 f"{file} of {self.name!r} is not in pipemlx's cache for this rank's tensors and HF_HUB_OFFLINE is "
@@ -450,7 +460,7 @@ class HubSource:
             )
 
     def _get(self, file: str, start: int, stop: int) -> bytes:
-        return b"".join(self.read(file, start, stop))
+        return b"".join(self._read_one(file, start, stop))
 
 
 def resolve_source(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -11,6 +12,7 @@ from typing import Any, Literal, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 from mlx_lm.utils import load_adapters, load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import renamed
@@ -33,8 +35,9 @@ from .sharding import (
     shard_model,
     split_kind,
 )
-from .vocab_rows import preread_vocabulary
+from .vocab_rows import PREREAD_ATTRIBUTE, preread_vocabulary
 from .weights import (
+    DONE_FILE,
     FolderSource,
     TensorInfo,
     TensorPart,
@@ -218,6 +221,7 @@ def _fetch_and_build(
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
     if arguments.head == "split" and group.size() > 1:  # this rank's rows only: the whole matrices are never read
+        take_fetched_rows(model, root, group.rank(), group.size())
         preread_vocabulary(model, root, group.rank(), group.size())
     if adapter_path is not None:  # mlx-lm's own, on the whole model (global layer numbers): shard_model then
         load_adapters(model, str(adapter_path))  # keeps the adapters of this rank's layers and drops the others
@@ -230,6 +234,40 @@ def _fetch_and_build(
         root,
         replace(arguments, split=split, memory=memory, speeds=speeds, context=context, lend=lend),
     )
+
+
+def take_fetched_rows(model: nn.Module, root: Path, rank: int, world_size: int) -> int:
+    """Where this rank's weight folder ``root`` holds only its vocabulary rows of a tensor (``head="split"``:
+    :func:`~pipemlx.models.weights.rank_tensors`), hand those rows, as loaded, to the split of the vocabulary
+    (:data:`~pipemlx.models.vocab_rows.PREREAD_ATTRIBUTE`) and give the model back a parameter of the whole
+    tensor's shape and dtype in their place: a lazy stand-in that nothing evaluates (the split takes the rows
+    read, :func:`pipemlx.models.vocab_head.rows_of`), so that the modules keep their vocabulary size. Returns the
+    count of such tensors; raises ``ValueError`` naming the tensor where the model has no such parameter or the
+    rows are not this rank's."""
+    try:
+        record: dict[str, Any] = json.loads((root / DONE_FILE).read_text())
+    except (OSError, ValueError):
+        return 0  # not a rank's weight folder: a model folder, read whole
+    whole_rows: dict[str, int] = dict(record.get("rows_of") or {})
+    if not whole_rows:
+        return 0
+    fetched = {str(name): tuple(rows) for name, rows in record["tensors"] if rows is not None}
+    parameters = dict(cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
+    kept: dict[str, mx.array] = dict(getattr(model, PREREAD_ATTRIBUTE, {}))
+    stand_ins: list[tuple[str, mx.array]] = []
+    for name, vocab in whole_rows.items():
+        mine = (vocab * rank // world_size, vocab * (rank + 1) // world_size)
+        value = parameters.get(name)
+        if not isinstance(value, mx.array) or fetched.get(name) != mine or value.shape[0] != mine[1] - mine[0]:
+            raise ValueError(
+                f"{root} holds rows {fetched.get(name)} of {name}, which are not rank {rank}/{world_size}'s rows "
+                f"{mine} of a parameter of the model (remove the folder to fetch it again)"
+            )
+        kept[name] = value
+        stand_ins.append((name, mx.zeros((vocab, *value.shape[1:]), dtype=value.dtype)))
+    model.load_weights(stand_ins, strict=False)
+    object.__setattr__(model, PREREAD_ATTRIBUTE, kept)
+    return len(stand_ins)
 
 
 def _holds_embedding(source: WeightSource, parts: tuple[TensorPart, ...]) -> bool:

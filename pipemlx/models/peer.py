@@ -11,10 +11,14 @@ into its weight folder (:func:`pipemlx.models.weights.fetch_rank_folder`).
 The server (:class:`PeerServer`) is read-only and answers only three requests: the model's headers and
 file list, one of its config or tokenizer files, and a byte range (at most
 :data:`~pipemlx.models.weights.CHUNK_BYTES`) inside one of its weight files. A connection first proves it holds
-the token (an HMAC of a fresh challenge); every answer carries an HMAC-SHA256, under a key derived from the
-token and that challenge, of the request and the answer's bytes, which the fetching rank checks before writing
-anything: a byte changed in transit, a short or cut answer fails the fetch with a :class:`TransferError`. The
-server stops once every rank has loaded (the exchange of :mod:`.load_wait` ended), or with the run.
+the token (an HMAC of a fresh challenge); every answer ends with a keyed BLAKE3 hash, under a key derived from
+the token and that challenge, of the answer's position on the connection, its request, its head and its bytes.
+The fetching rank hashes the bytes as they arrive and checks the length and the hash at the end of the answer:
+a byte changed in transit, a short or cut answer fails the fetch with a :class:`TransferError` (the weight
+folder being written is removed). For speed, a rank keeps :data:`IN_FLIGHT` range requests sent ahead; the
+holder sends ranges with ``sendfile`` and hashes them from a mapping of the file; the rank receives into one
+reused buffer. The server stops once every rank has loaded (the exchange of :mod:`.load_wait` ended), or with
+the run.
 """
 
 from __future__ import annotations
@@ -22,21 +26,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import secrets
 import shutil
 import socket
 import struct
 import threading
+import time
+from collections import deque
 from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import mlx.core as mx
+from blake3 import blake3
 
 from ..runtime.waits import wait_for
+from . import weights
 from .hub import cached_snapshot
 from .load_wait import FIRST_MEETING_TIMEOUTS, LOGGER
 from .weights import (
@@ -59,12 +68,28 @@ MAX_CONNECTIONS = 64
 MAX_REQUEST_BYTES = 4096
 MAX_FILE_BYTES = 256 << 20
 """The largest config or tokenizer file served."""
+IN_FLIGHT = 3
+"""Range requests a fetching rank keeps sent ahead of the answer it reads."""
+SLICE_BYTES = 1 << 20
+"""A range is hashed and sent by slices of this many bytes (each hashed while in the CPU's cache)."""
+RECEIVE_BYTES = 1 << 20
+"""The most bytes one receive takes (then hashed, while in the CPU's cache)."""
+RESUME_TRIES = 3
+"""Reconnections in a row a fetching rank tries after a cut transfer before it fails."""
+RESUME_WAIT_S = 0.2
+"""Seconds before the first reconnection; doubled before each next one."""
 HELLO, SESSION = b"pipemlx-peer-hello", b"pipemlx-peer-session"
 HOSTFILE_VARIABLE = "MLX_HOSTFILE"
+PEER_HOST_VARIABLE = "PIPEMLX_PEER_HOST"
+"""This host's address for the ranks that fetch the model from it (the default: its ring hostfile entry)."""
 
 
 def own_host(rank: int) -> str:
-    """This rank's IP in the group: its entry of the ring hostfile MLX was given, else loopback."""
+    """The address a rank that has the model serves it on: ``$PIPEMLX_PEER_HOST`` where set (the MPI backend has
+    no hostfile to read it from), else this rank's entry of the ring hostfile MLX was given, else loopback."""
+    given = os.environ.get(PEER_HOST_VARIABLE, "").strip()
+    if given:
+        return given
     path = os.environ.get(HOSTFILE_VARIABLE)
     if path:
         try:
@@ -140,6 +165,7 @@ class PeerServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        files: dict[str, tuple[BinaryIO, mmap.mmap]] = {}
         try:
             conn.settimeout(PEER_TIMEOUT_S)
             nonce = secrets.token_bytes(16)
@@ -148,6 +174,7 @@ class PeerServer:
             if not hmac.compare_digest(proof, hmac.new(self.token, HELLO + nonce, "sha256").digest()):
                 return
             key = hmac.new(self.token, SESSION + nonce, "sha256").digest()
+            index = 0
             while not self._stopped.is_set():
                 try:
                     (length,) = struct.unpack(">I", _read_exact(conn, 4))
@@ -156,22 +183,51 @@ class PeerServer:
                 if length > MAX_REQUEST_BYTES:
                     return
                 request = _read_exact(conn, length)
+                mac = _answer_mac(key, index, request)
+                index += 1
                 try:
-                    body, ok = self._answer(json.loads(request)), True
+                    answer, ok = self._answer(json.loads(request), files), True
                 except (ValueError, KeyError, TypeError, OSError) as exc:
-                    body, ok = str(exc).encode(), False
-                mac = hmac.new(key, request, "sha256")
-                mac.update(body)  # no copy of a 16 MiB body: the head, then the body as it is
-                conn.sendall(bytes([0 if ok else 1]) + struct.pack(">Q", len(body)) + mac.digest())
-                conn.sendall(body)
+                    answer, ok = str(exc).encode(), False
+                size = len(answer) if isinstance(answer, bytes) else answer[2] - answer[1]
+                head = bytes([0 if ok else 1]) + struct.pack(">Q", size)
+                mac.update(head)
+                conn.sendall(head)
+                if isinstance(answer, bytes):
+                    mac.update(answer)
+                    conn.sendall(answer)
+                else:
+                    self._send_range(conn, mac, files[answer[0]], answer[1], answer[2])
+                conn.sendall(mac.digest())
         except (OSError, EOFError):
             return
         finally:
+            for handle, mapped in files.values():
+                mapped.close()
+                handle.close()
             conn.close()
             with self._lock:
                 self._open -= 1
 
-    def _answer(self, request: dict[str, Any]) -> bytes:
+    def _send_range(
+        self, conn: socket.socket, mac: blake3, file: tuple[BinaryIO, mmap.mmap], start: int, stop: int
+    ) -> None:
+        """Bytes ``start:stop`` of an open weight file: by slices, each sent by the kernel from the page cache
+        (``sendfile``: no copy here), then hashed from the file's mapping while it is still in the CPU's cache
+        and the receiver takes it."""
+        handle, mapped = file
+        with memoryview(mapped) as view:
+            for begin in range(start, stop, SLICE_BYTES):
+                end = min(stop, begin + SLICE_BYTES)
+                conn.sendfile(handle, begin, end - begin)
+                mac.update(view[begin:end])  # while the receiver takes the slice
+        with self._lock:
+            self.served += stop - start
+
+    def _answer(
+        self, request: dict[str, Any], files: dict[str, tuple[BinaryIO, mmap.mmap]]
+    ) -> bytes | tuple[str, int, int]:
+        """The answer's bytes, or for a byte range ``(file, start, stop)`` with the file opened into ``files``."""
         op = request["op"]
         if op == "meta":
             headers = {k: v.to_json() for k, v in self.source.headers().items()}
@@ -189,13 +245,17 @@ class PeerServer:
             file, start, stop = str(request["file"]), int(request["start"]), int(request["stop"])
             if file not in self._files:
                 raise ValueError(f"{file!r} is not a weight file of the model served")
-            size = (self.source.root / file).stat().st_size
+            if file not in files:
+                handle = open(self.source.root / file, "rb")  # noqa: SIM115 (closed with the connection)
+                try:
+                    files[file] = (handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ))
+                except (OSError, ValueError):
+                    handle.close()
+                    raise
+            size = len(files[file][1])
             if not 0 <= start < stop <= size or stop - start > CHUNK_BYTES:
                 raise ValueError(f"bytes {start}:{stop} are not a range of at most {CHUNK_BYTES} bytes in {file}")
-            body = b"".join(self.source.read(file, start, stop))
-            with self._lock:
-                self.served += len(body)
-            return body
+            return file, start, stop
         raise ValueError(f"unknown request {op!r}")
 
 
@@ -213,6 +273,8 @@ class PeerSource:
     """Requests answered so far (the ranks' progress exchange counts them)."""
     _conn: socket.socket | None = field(default=None, repr=False)
     _key: bytes = field(default=b"", repr=False)
+    _index: int = field(default=0, repr=False)
+    _buffer: bytearray = field(default_factory=bytearray, repr=False)
 
     @property
     def name(self) -> str:
@@ -257,13 +319,46 @@ class PeerSource:
         rows = json.loads((self.metadata_root() / "pipemlx-headers.json").read_text())
         return {k: TensorInfo.from_json(v) for k, v in rows.items()}
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
-        for begin in range(start, stop, CHUNK_BYTES):
-            end = min(stop, begin + CHUNK_BYTES)
-            body = self._request({"op": "range", "file": file, "start": begin, "stop": end})
-            if len(body) != end - begin:
-                raise TransferError(f"{self.describe()} sent {len(body)} bytes of {file} for {end - begin} asked")
-            yield body
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes | memoryview]]:
+        """The range in requests of at most :data:`~pipemlx.models.weights.CHUNK_BYTES`, up to :data:`IN_FLIGHT`
+        of them sent ahead (the holder reads and sends the next while this rank takes this one), each answer's
+        bytes in pieces of one reused buffer (valid until the next piece), its keyed hash checked after its last
+        piece. A cut connection is opened again, up to :data:`RESUME_TRIES` times in a row, and the transfer goes
+        on from the start of the answer that was cut (its bytes are sent again)."""
+        chunk = weights.CHUNK_BYTES
+        spans = [(begin, min(stop, begin + chunk)) for begin in range(start, stop, chunk)]
+        checked = cuts = 0  # answers checked; cuts since the last answer checked
+        while checked < len(spans):
+            pending: deque[bytes] = deque()
+            sent, cut = checked, None
+            try:
+                for begin, end in spans[checked:]:
+                    while sent < len(spans) and len(pending) < IN_FLIGHT:
+                        request = {"op": "range", "file": file, "start": spans[sent][0], "stop": spans[sent][1]}
+                        pending.append(self._send(request))
+                        sent += 1
+                    offset = begin
+                    for piece in self._receive(pending.popleft(), file, end - begin):
+                        yield offset, piece
+                        offset += len(piece)
+                    if offset != end:
+                        raise TransferError(
+                            f"{self.describe()} sent {offset - begin} bytes of {file} for {end - begin}"
+                        )
+                    checked, cuts = checked + 1, 0
+            except _Cut as exc:
+                cut = exc
+            finally:
+                if checked < len(spans):  # answers, or parts of one, still on their way (an error, a cut, or the
+                    self.close()  # caller stopped)
+            if cut is not None:
+                cuts += 1
+                if cuts > RESUME_TRIES:
+                    raise TransferError(
+                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
+                    ) from None
+                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts, RESUME_TRIES)
+                time.sleep(RESUME_WAIT_S * 2 ** (cuts - 1))
 
     def close(self) -> None:
         if self._conn is not None:
@@ -278,37 +373,76 @@ class PeerSource:
             nonce = _read_exact(conn, 16)
             conn.sendall(hmac.new(self.token, HELLO + nonce, "sha256").digest())
         except (OSError, EOFError) as exc:
-            raise TransferError(f"cannot reach {self.describe()}, which has {self.label}: {exc}") from None
-        self._conn, self._key = conn, hmac.new(self.token, SESSION + nonce, "sha256").digest()
+            raise _Cut(f"cannot reach {self.describe()}, which has {self.label}: {exc}") from None
+        self._conn, self._key, self._index = conn, hmac.new(self.token, SESSION + nonce, "sha256").digest(), 0
         return conn
 
     def _request(self, request: dict[str, Any]) -> bytes:
+        """One request and its checked answer (nothing else in flight); asked again on a new connection after a
+        cut, up to :data:`RESUME_TRIES` times."""
+        what = f"{request.get('file') or request.get('name') or 'the headers'}"
+        for cuts in range(RESUME_TRIES + 1):
+            try:
+                return b"".join(bytes(piece) for piece in self._receive(self._send(request), what, None))
+            except _Cut as cut:
+                self.close()
+                if cuts == RESUME_TRIES:
+                    raise TransferError(
+                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
+                    ) from None
+                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts + 1, RESUME_TRIES)
+                time.sleep(RESUME_WAIT_S * 2**cuts)
+        raise AssertionError("unreachable")
+
+    def _send(self, request: dict[str, Any]) -> bytes:
         raw = json.dumps(request, separators=(",", ":")).encode()
         conn = self._connect()
-        what = f"{request.get('file') or request.get('name') or 'the headers'}"
-        got = 0
         try:
             conn.sendall(struct.pack(">I", len(raw)) + raw)
-            head = _read_exact(conn, 1 + 8 + 32)
-            status, (length,), tag = head[0], struct.unpack(">Q", head[1:9]), head[9:]
-            if length > CHUNK_BYTES + MAX_FILE_BYTES:
+        except OSError as exc:
+            self.close()
+            raise _Cut(f"the request to {self.describe()} failed ({exc})") from None
+        return raw
+
+    def _receive(self, raw: bytes, what: str, expected: int | None) -> Iterator[memoryview]:
+        """The answer to request ``raw`` (the next on the connection): its body in pieces of this source's one
+        buffer, each hashed as it arrives; its keyed hash checked after the last piece (a refusal is read whole
+        and raised once checked). ``expected``: the body's length, where known."""
+        conn = self._connect()
+        mac = _answer_mac(self._key, self._index, raw)
+        self._index += 1
+        if len(self._buffer) != RECEIVE_BYTES:
+            self._buffer = bytearray(RECEIVE_BYTES)
+        view = memoryview(self._buffer)
+        got = 0
+        refusal = bytearray()
+        try:
+            head = _read_exact(conn, 1 + 8)
+            status, (length,) = head[0], struct.unpack(">Q", head[1:9])
+            if length > CHUNK_BYTES + MAX_FILE_BYTES or (status == 0 and expected not in (None, length)):
+                self.close()
                 raise TransferError(f"{self.describe()} announced {length} bytes for {what}")
-            body = bytearray(length)
-            view = memoryview(body)
+            mac.update(head)
             while got < length:
-                n = conn.recv_into(view[got:], min(length - got, 1 << 20))
-                if n == 0:
-                    raise EOFError
-                got += n
+                filled, want = 0, min(length - got, RECEIVE_BYTES)
+                while filled < want:  # a whole buffer at a time: one hash update and one write per buffer
+                    n = conn.recv_into(view[filled:want])
+                    if n == 0:
+                        raise EOFError
+                    filled += n
+                got += filled
+                mac.update(view[:filled])  # while the bytes are still in the CPU's cache
+                if status == 0:
+                    yield view[:filled]
+                else:
+                    refusal += view[:filled]
+            tag = _read_exact(conn, 32)
         except (OSError, EOFError) as exc:
+            if isinstance(exc, TransferError):
+                raise
             self.close()
             cause = "the connection closed" if isinstance(exc, EOFError) else str(exc) or type(exc).__name__
-            raise TransferError(
-                f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause}); "
-                "no weight folder was kept"
-            ) from None
-        mac = hmac.new(self._key, raw, "sha256")
-        mac.update(view)
+            raise _Cut(f"the transfer of {what} from {self.describe()} was cut after {got} bytes ({cause})") from None
         if not hmac.compare_digest(tag, mac.digest()):
             self.close()
             raise TransferError(
@@ -317,8 +451,20 @@ class PeerSource:
             )
         self.count.requests += 1
         if status != 0:
-            raise TransferError(f"{self.describe()} refused {what}: {bytes(body).decode(errors='replace')}")
-        return bytes(body)
+            raise TransferError(f"{self.describe()} refused {what}: {bytes(refusal).decode(errors='replace')}")
+
+
+class _Cut(TransferError):
+    """A connection to the holder that failed or closed before an answer was complete (a reconnection may help;
+    a failed check or a refusal is not a cut)."""
+
+
+def _answer_mac(key: bytes, index: int, request: bytes) -> blake3:
+    """The keyed hash (BLAKE3 keyed with the session key) of answer number ``index`` on a connection: it covers the
+    answer's position, its request, its head and its body, so that no answer can stand for another."""
+    mac = blake3(struct.pack(">QI", index, len(request)), key=key)
+    mac.update(request)
+    return mac
 
 
 def _read_exact(conn: socket.socket, n: int) -> bytes:

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 
 from .safetensors import read_safetensors_header
+from .weights import VOCAB_MODULES
 
 PREREAD_ATTRIBUTE = "_pipemlx_vocab_rows"
 """The model attribute holding ``{parameter path: rows read}`` (with ``"rows"``: the range) for split_vocabulary."""
@@ -31,7 +32,6 @@ MLX_TYPES: dict[str, mx.Dtype] = {
     "U8": mx.uint8,
     "I8": mx.int8,
 }
-VOCAB_MODULES = ("model.embed_tokens", "lm_head")
 
 
 def read_rows(path: str | Path, name: str, rows: range) -> mx.array:
@@ -81,14 +81,18 @@ def preread_vocabulary(model: nn.Module, root: Path, rank: int, world_size: int)
 
     Each parameter of ``model.embed_tokens`` and ``lm_head`` (as the model names them, which mlx-lm saves
     them as) found in a file with the dtype and shape of the model's lazy parameter is read by rows; the others
-    are left to be sliced (read whole). The model's parameters are not touched. Returns the bytes read.
+    are left to be sliced (read whole). Rows attached already (a rank's folder holding only its rows:
+    :func:`pipemlx.models.loading.take_fetched_rows`) are kept. The model's parameters are not touched. Returns
+    the bytes read.
     """
     files = tensor_files(root)
     parameters = dict(cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
-    kept: dict[str, Any] = {}
+    kept: dict[str, Any] = dict(getattr(model, PREREAD_ATTRIBUTE, {}))
     read = 0
     for name, value in parameters.items():
         if not isinstance(value, mx.array) or not any(name.startswith(m + ".") for m in VOCAB_MODULES):
+            continue
+        if name in kept:
             continue
         path = files.get(name)
         if path is None or value.ndim == 0:

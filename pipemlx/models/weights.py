@@ -27,12 +27,10 @@ import re
 import secrets
 import shutil
 import struct
-import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from queue import Full, Queue
 from typing import Any, Protocol
 
 from ..runtime.calibration_cache import cache_dir
@@ -53,6 +51,9 @@ METADATA_FILE = re.compile(
 """Files a rank's folder copies besides its weights: config, tokenizer files, chat template (no weight index)."""
 EMBEDDING_SEGMENT = re.compile(r"(?:embed_tokens|embeddings?|wte|tok_embeddings|word_embeddings)\.[^.]+")
 HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
+VOCAB_MODULES = ("model.embed_tokens", "lm_head")
+"""The modules whose tensors a rank of a ``head="split"`` pipeline keeps by vocabulary rows (as mlx-lm names them;
+:mod:`.vocab_rows` reads the same)."""
 PROGRESS_EVERY_S = 5.0
 """How often a rank that fetches says how far it is."""
 
@@ -133,8 +134,16 @@ class WeightSource(Protocol):
         """Every tensor of the model's weight files (name -> file, dtype, shape, absolute byte range)."""
         ...
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
-        """Bytes ``start:stop`` of weight file ``file``, in pieces, each checked; raises :class:`TransferError`."""
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes | memoryview]]:
+        """Bytes ``start:stop`` of weight file ``file``, in pieces, each with its offset in the file; raises
+        :class:`TransferError` when they do not arrive or fail their check.
+
+        A piece may be a view of a buffer the source reuses: it is valid until the next is asked for. A source
+        that checks a whole answer (a peer's keyed hash) raises after its last piece at the latest, so the caller
+        writes pieces only where a failure discards them (:func:`fetch_rank_folder`'s temporary folder). A source
+        that recovers from a cut transfer goes back to the start of the answer that was cut and sends its bytes
+        again (an offset at or before the end of the pieces before it): the last bytes written at an offset are
+        the checked ones once the range ends."""
         ...
 
     def describe(self) -> str:
@@ -206,16 +215,16 @@ class FolderSource:
         """The config and tokenizer files a peer may ask for (see :data:`METADATA_FILE`)."""
         return tuple(sorted(p.name for p in self.root.iterdir() if p.is_file() and METADATA_FILE.match(p.name)))
 
-    def read(self, file: str, start: int, stop: int) -> Iterator[bytes]:
+    def read(self, file: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
         with open(self.root / file, "rb") as f:
             f.seek(start)
-            left = stop - start
-            while left > 0:
-                piece = f.read(min(left, CHUNK_BYTES))
+            offset = start
+            while offset < stop:
+                piece = f.read(min(stop - offset, CHUNK_BYTES))
                 if not piece:
                     raise TransferError(f"{file} of {self.name} ends before byte {stop}")
-                left -= len(piece)
-                yield piece
+                yield offset, piece
+                offset += len(piece)
 
     def describe(self) -> str:
         return str(self.root)
@@ -258,7 +267,7 @@ def rank_layers(split: tuple[int, ...], rank: int, *, lend_mlp: bool) -> range:
 
 
 def rank_tensors(
-    names: Iterable[str],
+    headers: Mapping[str, TensorInfo],
     config: dict[str, Any],
     split: tuple[int, ...],
     rank: int,
@@ -266,18 +275,29 @@ def rank_tensors(
     lend_mlp: bool = False,
     head: str = "all",
 ) -> tuple[TensorPart, ...]:
-    """The tensor set of rank ``rank`` of a pipeline with layers per rank ``split`` (whole tensors, sorted)."""
-    listed = list(names)
+    """The tensor set of rank ``rank`` of a pipeline with layers per rank ``split`` (sorted by name).
+
+    With ``head="split"`` on more than one rank, each tensor of the input embedding and the output head
+    (:data:`VOCAB_MODULES`: their weights, and scales and biases where quantized) is this rank's rows of the
+    vocabulary, ``[V*r/S, V*(r+1)/S)`` as :func:`pipemlx.models.vocab_head.row_range` gives them (the rows
+    :func:`pipemlx.models.vocab_rows.preread_vocabulary` reads); every other tensor is whole."""
+    listed = list(headers)
     prefix = decoder_prefix(listed)
     tied = is_tied(listed, config)
     layers = rank_layers(split, rank, lend_mlp=lend_mlp)
     keep_head = head != "last" or rank == len(split) - 1
     keep_embedding = rank == 0 or head == "split"  # head="split": every rank reads its rows of it (vocab_rows)
-    return tuple(
-        TensorPart(n)
-        for n in sorted(listed)
-        if tensor_wanted(n, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied)
-    )
+    by_rows = head == "split" and len(split) > 1
+    parts: list[TensorPart] = []
+    for name in sorted(listed):
+        if not tensor_wanted(name, prefix, layers, keep_embedding=keep_embedding, keep_head=keep_head, tied=tied):
+            continue
+        vocab = headers[name].shape[0] if headers[name].shape else 0
+        if by_rows and vocab and any(name.startswith(m + ".") for m in VOCAB_MODULES):
+            parts.append(TensorPart(name, (vocab * rank // len(split), vocab * (rank + 1) // len(split))))
+        else:
+            parts.append(TensorPart(name))
+    return tuple(parts)
 
 
 def weights_root() -> Path:
@@ -347,27 +367,41 @@ def fetch_rank_folder(
         text += b" " * (-len(text) % 8)
         with open(temporary / WEIGHTS_FILE, "wb") as out:
             out.write(struct.pack("<Q", len(text)) + text)
-            body = out.tell()
+            out.flush()
+            body, fd = out.tell(), out.fileno()
             reporter = _Reporter(source, who, count)
             for file, start, stop, members in _merged(spans):
-                position = start
-                for piece in _ahead(_pieces(source, file, start, stop)):
+                reach, first = start, 0  # bytes before ``reach`` arrived; members before ``first`` end before
+                for position, piece in source.read(file, start, stop):
+                    if not start <= position <= reach:
+                        raise TransferError(f"{source.describe()} sent bytes of {file} from {position}, not {reach}")
+                    if position < reach:  # a resumed transfer sends an answer again: write it again
+                        first = 0
                     # write the bytes of the members this piece covers, each at its place in the new file
                     piece_end = position + len(piece)
-                    for part, _, begin, end in members:
+                    view = memoryview(piece)
+                    for part, _, begin, end in members[first:]:
+                        if begin >= piece_end:
+                            break
                         lo, hi = max(begin, position), min(end, piece_end)
                         if lo < hi:
-                            layout_offset = layout[part.name]["data_offsets"][0] + (lo - begin)
-                            out.seek(body + layout_offset)
-                            out.write(memoryview(piece)[lo - position : hi - position])
-                            count.fetched += hi - lo
-                    position = piece_end
+                            at = body + layout[part.name]["data_offsets"][0] + (lo - begin)
+                            _write_at(fd, view[lo - position : hi - position], at)
+                    while first < len(members) and members[first][3] <= piece_end:
+                        first += 1
+                    count.fetched += max(0, piece_end - max(position, reach))  # new bytes only
+                    reach = max(reach, piece_end)
                     reporter.maybe_show()
-                if position != stop:
-                    raise TransferError(f"{file} of {source.name}: {position - start} of {stop - start} bytes arrived")
+                if reach != stop:
+                    raise TransferError(f"{file} of {source.name}: {reach - start} of {stop - start} bytes arrived")
             out.flush()
             os.fsync(out.fileno())
-        record = {"source": source.identity(), "tensors": [[p.name, p.rows] for p in parts], "bytes": count.total}
+        record = {
+            "source": source.identity(),
+            "tensors": [[p.name, p.rows] for p in parts],
+            "rows_of": {p.name: headers[p.name].shape[0] for p in parts if p.rows is not None},
+            "bytes": count.total,
+        }
         (temporary / DONE_FILE).write_text(json.dumps(record))
         reporter.show(final=True)
         try:
@@ -385,61 +419,26 @@ def fetch_rank_folder(
 def _merged(
     spans: list[tuple[TensorPart, TensorInfo, int, int]],
 ) -> Iterator[tuple[str, int, int, list[tuple[TensorPart, TensorInfo, int, int]]]]:
-    """The spans grouped into ranges to request: per file, sorted, neighbours closer than the gap merged."""
+    """The spans grouped into ranges to request: per file, sorted by start, neighbours closer than the gap
+    merged (a group's members are sorted by start; the range ends at their furthest end)."""
     ordered = sorted(spans, key=lambda s: (s[1].file, s[2]))
     group: list[tuple[TensorPart, TensorInfo, int, int]] = []
+    reach = 0
     for span in ordered:
-        if group and (span[1].file != group[-1][1].file or span[2] - max(g[3] for g in group) > MERGE_GAP_BYTES):
-            yield group[0][1].file, group[0][2], max(g[3] for g in group), group
-            group = []
+        if group and (span[1].file != group[-1][1].file or span[2] - reach > MERGE_GAP_BYTES):
+            yield group[0][1].file, group[0][2], reach, group
+            group, reach = [], 0
         group.append(span)
+        reach = max(reach, span[3])
     if group:
-        yield group[0][1].file, group[0][2], max(g[3] for g in group), group
+        yield group[0][1].file, group[0][2], reach, group
 
 
-def _pieces(source: WeightSource, file: str, start: int, stop: int) -> Iterator[bytes]:
-    """``source.read`` in requests of at most :data:`CHUNK_BYTES`."""
-    for begin in range(start, stop, CHUNK_BYTES):
-        yield from source.read(file, begin, min(stop, begin + CHUNK_BYTES))
-
-
-def _ahead(pieces: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
-    """``pieces``, fetched by a helper thread up to ``depth`` pieces ahead of the caller: the next range travels
-    and is checked while this one is written. An error in the thread is raised here, as it was raised there; a
-    caller that stops early stops the thread at its next piece."""
-    queue: Queue[tuple[bytes | None, BaseException | None]] = Queue(depth)
-    stopped = threading.Event()
-
-    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
-        while not stopped.is_set():
-            try:
-                queue.put(item, timeout=0.1)
-                return True
-            except Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            for piece in pieces:
-                if not put((piece, None)):
-                    return
-        except BaseException as exc:  # raised again in the caller's thread
-            put((None, exc))
-            return
-        put((None, None))
-
-    threading.Thread(target=run, name="pipemlx-fetch-ahead", daemon=True).start()
-    try:
-        while True:
-            piece, error = queue.get()
-            if error is not None:
-                raise error
-            if piece is None:
-                return
-            yield piece
-    finally:
-        stopped.set()
+def _write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` into file ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 class _Reporter:
