@@ -46,10 +46,11 @@ from .requests import (
     Decided,
     FinishReason,
     Options,
+    as_batch_window,
     bound_of,
+    check_batchable,
     check_settings,
     checked_requests,
-    fresh_window,
 )
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
@@ -238,7 +239,7 @@ class BatchGenerator:
         self.timeout = timeout or self.stage.info.timeout
         self.max_kv_size = max_kv_size
         fresh = self._new_cache()
-        self._fresh_kept = fresh_window(fresh, self.stage)
+        check_batchable(fresh, self.stage)
         self._fresh_bound = bound_of(fresh)
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
@@ -361,9 +362,7 @@ class BatchGenerator:
 
     def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
         """Check requests and queue them: the next ticks prefill them."""
-        requests = checked_requests(
-            self, self._next_uid, self._fresh_kept, self._fresh_bound, segments, segmented, options
-        )
+        requests = checked_requests(self, self._next_uid, self._fresh_bound, segments, segmented, options)
         self._next_uid += len(requests)
         self._requests.update((r.uid, r) for r in requests)
         self._plan = enqueue(self._plan, [r.queued for r in requests])
@@ -523,10 +522,12 @@ class BatchGenerator:
         return self._requests[chunk.uid].prompt[chunk.start : chunk.stop]
 
     def _chunk_cache(self, chunk: TickChunk) -> list[Any]:
+        """The caches a chunk of a request is prefilled in: its own (the caller's, or new ones), in the form mlx-lm's
+        batch prefills in (:func:`~.requests.as_batch_window`: rotating caches keep none of their first positions)."""
         request = self._requests[chunk.uid]
         if request.cache is None:
             request.cache = self._new_cache()
-        return request.cache
+        return as_batch_window(request.cache)
 
     def _join(self, uids: tuple[int, ...]) -> None:
         """Move requests whose prefill every rank completed into the batch, with their caches."""
