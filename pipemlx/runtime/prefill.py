@@ -106,7 +106,10 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
-    ``prefill_step_size="auto"`` (the default) lets the ranks cut the prompt together, with nothing timed
+    ``prefill_step_size="auto"`` takes mlx-lm's ``generate_step`` default (2048) where ``cache`` holds a rotating
+    cache that keeps its first positions (``max_kv_size`` makes them) and the prompt would fill it past its size:
+    the chunks then decide which positions each one attends to (:func:`chunks_decide_attention`), so only
+    mlx-lm's chunks give mlx-lm's tokens. Otherwise ``"auto"`` (the default) lets the ranks cut the prompt together, with nothing timed
     before it: the first such call on a sharded model plans with what an earlier run measured (the
     calibration cache, :mod:`pipemlx.runtime.calibration_cache`: keyed by the model, the split and the
     machines; every rank must hold the same figures), else with the prior (the cache's figures for any model

@@ -142,10 +142,11 @@ class BatchGenerator:
     mlx-lm's is 8): no cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
-    rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
-    An answer may outgrow them (the batch caches rotate, as mlx-lm's); a prompt that would rotate them while it is
-    prefilled is refused (``ValueError``: mlx-lm's prefill keeps none of the first positions pipemlx's keeps).
-    Admission control reserves such a request's bounded size.
+    rotating caches that keep the last ``max_kv_size`` positions. An answer may outgrow them (the batch caches rotate,
+    as mlx-lm's), and so may a prompt: mlx-lm's prefills it in its batch caches, which keep none of the first
+    positions, and pipemlx prefills it in caches turned into that kind (a cache passed to :meth:`insert` too:
+    :func:`~.requests.as_batch_window`), so the tokens are mlx-lm's whatever the chunks. Admission control reserves
+    such a request's bounded size.
 
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
@@ -333,9 +334,7 @@ class BatchGenerator:
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
         request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
-        model, one that could never fit the memory budget or whose prompt would rotate its ``max_kv_size`` caches while
-        prefilled), on every rank alike, before
-        anything changes.
+        model, or one that could never fit the memory budget), on every rank alike, before anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
         return self._insert([[p] for p in prompts], False, options)
