@@ -587,14 +587,14 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
     def outgrowing(make: Any) -> dict[str, Any]:
         """A lone request whose answer outgrows max_kv_size=16 (the batch caches rotate), sampled (the second
         likeliest token: logprobs on every rank); then two whose prompts alone outgrow it (40 and 23 tokens, the
-        first prefilled past it in chunks of 8, mlx-lm's in its batch caches, greedy)."""
+        first prefilled past it in chunks of 8, mlx-lm's in its batch caches)."""
         generator = make(max_kv_size=16, sampler=Seen().sampler)
         (uid,) = generator.insert([prompt_of(12)], [20])
         got: list[Any] = []
         while responses := generator.next_generated():
             got += [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses if r.uid == uid]
         generator.close()
-        generator = make(max_kv_size=16)
+        generator = make(max_kv_size=16, sampler=Seen().sampler)
         uids = generator.insert([prompt_of(40), prompt_of(23)], [6, 5])
         long: dict[int, list[Any]] = {u: [] for u in uids}
         while responses := generator.next_generated():
@@ -603,14 +603,15 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         generator.close()
         return {"got": got, "long": [long[u] for u in uids]}
 
-    def bounded_step(step: Any, model: Any, length: int = 12, max_tokens: int = 20, greedy: bool = False) -> list[Any]:
-        sampler = None if greedy else Seen().sampler
+    def bounded_step(step: Any, model: Any, length: int = 12, max_tokens: int = 20) -> list[Any]:
+        sampler = Seen().sampler
         steps = step(mx.array(prompt_of(length)), model, max_tokens=max_tokens, max_kv_size=16, sampler=sampler)
         return [[int(t), lp[int(t)].item()] for t, lp in steps]
 
     def bounded_stream(stream: Any, model: Any) -> list[Any]:
         """stream_generate on a 30-token prompt with max_kv_size=16 (mlx-lm's default prefill_step_size)."""
-        responses = stream(model, word_tokenizer(), prompt_of(30), max_tokens=6, max_kv_size=16)
+        sampler = Seen().sampler
+        responses = stream(model, word_tokenizer(), prompt_of(30), max_tokens=6, max_kv_size=16, sampler=sampler)
         return [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses]
 
     report["outgrow"] = {
@@ -620,8 +621,8 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         "mlx_step": bounded_step(generate_step, whole),
         # A prompt that rotates the caches keeping their first 4 positions while prefilled: mlx-lm's chunks decide
         # what each position attends to; "auto" takes them.
-        "pipemlx_long_step": bounded_step(pipemlx.generate_step, sharded, 45, 6, greedy=True),
-        "mlx_long_step": bounded_step(generate_step, whole, 45, 6, greedy=True),
+        "pipemlx_long_step": bounded_step(pipemlx.generate_step, sharded, 45, 6),
+        "mlx_long_step": bounded_step(generate_step, whole, 45, 6),
         "pipemlx_stream": bounded_stream(pipemlx.stream_generate, sharded),
         "mlx_stream": bounded_stream(mlx_generate.stream_generate, whole),
     }
