@@ -604,9 +604,17 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         return {"got": got, "long": [long[u] for u in uids]}
 
     def bounded_step(step: Any, model: Any, length: int = 12, max_tokens: int = 20) -> list[Any]:
-        sampler = Seen().sampler
-        steps = step(mx.array(prompt_of(length)), model, max_tokens=max_tokens, max_kv_size=16, sampler=sampler)
-        return [[int(t), lp[int(t)].item()] for t, lp in steps]
+        """generate_step's tokens and logprobs, then the progress it reported (where its chunks ended)."""
+        progress: list[int] = []
+        steps = step(
+            mx.array(prompt_of(length)),
+            model,
+            max_tokens=max_tokens,
+            max_kv_size=16,
+            sampler=Seen().sampler,
+            prompt_progress_callback=lambda done, _: progress.append(done),
+        )
+        return [*([int(t), lp[int(t)].item()] for t, lp in steps), progress]
 
     def bounded_stream(stream: Any, model: Any) -> list[Any]:
         """stream_generate on a 30-token prompt with max_kv_size=16 (mlx-lm's default prefill_step_size)."""
@@ -621,8 +629,8 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         "mlx_step": bounded_step(generate_step, whole),
         # A prompt that rotates the caches keeping their first 4 positions while prefilled: mlx-lm's chunks decide
         # what each position attends to; "auto" takes them.
-        "pipemlx_long_step": bounded_step(pipemlx.generate_step, sharded, 45, 6),
-        "mlx_long_step": bounded_step(generate_step, whole, 45, 6),
+        "pipemlx_long_step": bounded_step(pipemlx.generate_step, sharded, 300, 6),
+        "mlx_long_step": bounded_step(generate_step, whole, 300, 6),
         "pipemlx_stream": bounded_stream(pipemlx.stream_generate, sharded),
         "mlx_stream": bounded_stream(mlx_generate.stream_generate, whole),
     }
