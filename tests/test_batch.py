@@ -1054,6 +1054,29 @@ def test_max_kv_size_makes_rotating_caches_and_prompts_that_outgrow_them_give_ml
             pipemlx.BatchGenerator(model, max_kv_size=bad)  # type: ignore[arg-type]
 
 
+def test_the_auto_step_takes_mlx_lm_chunks_where_a_cache_keeping_its_first_positions_would_rotate() -> None:
+    """``prefill_step_size="auto"`` cuts a 30-token prompt in chunks of its own, except where some cache is a
+    RotatingKVCache keeping its first 4 positions (max_kv_size) that the prompt fills past its size: there the chunks
+    decide what each position attends to, and it takes mlx-lm's generate_step default (2048: one chunk here). A
+    cache that keeps none (mlx-lm's batch kind) or holds the whole prompt leaves the choice to "auto"."""
+    _, model = one_rank("qwen3")
+    prompt = mx.random.randint(0, 256, (30,), key=mx.random.key(30))
+    kept_none = make_prompt_cache(model, 16)
+    for c in kept_none:
+        c.keep = 0
+    for cache, forced in (
+        (make_prompt_cache(model, 16), True),
+        (make_prompt_cache(model, 64), False),
+        (kept_none, False),
+    ):
+        progress: list[int] = []
+        step = pipemlx.pipeline_prefill(model, prompt, cache, prompt_progress_callback=lambda d, _: progress.append(d))
+        if forced:
+            assert step == 2048 and progress == [0, 29], (step, progress)
+        else:  # "auto" returns its largest chunk: at most the 29 positions prefilled
+            assert step <= 29, (step, progress)
+
+
 def test_prefill_batch_size_caps_the_requests_started_and_not_yet_decoding() -> None:
     # One rank: a one-token prompt needs no prefill and is ready at once, so without a cap all three join
     # together in tick 1; with prefill_batch_size=1 the next starts only when the one before joins.
