@@ -366,14 +366,25 @@ def check_engine_report(report: dict[str, Any]) -> None:
     assert [c[0] for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
     # max_kv_size=16, a request whose answer outgrows it: the batch caches rotate, as mlx-lm's, and the tokens and
     # logprobs are mlx-lm's BatchGenerator's (generate_step's: mlx-lm's generate_step's, whose caches keep their
-    # first 4 positions); a prompt that would rotate its caches while prefilled is refused, mlx-lm's is not.
+    # first 4 positions). Prompts that outgrow it while prefilled (40 and 23 tokens): mlx-lm's BatchGenerator's
+    # tokens and logprobs (its batch caches keep no first positions), generate_step's (300 tokens, "auto") and
+    # stream_generate's (30 tokens) mlx-lm's (prefilled in mlx-lm's chunks).
     outgrow = report["outgrow"]
     ours, mlx = outgrow["pipemlx"]["got"], outgrow["mlx"]["got"]
     assert len(ours) == 20 and [t[::2] for t in ours] == [t[::2] for t in mlx], (rank, ours, mlx)
     assert close([[t[1] for t in ours]], [[t[1] for t in mlx]]), rank
-    assert "prompt fills 17 positions" in outgrow["pipemlx"]["refused"] and outgrow["mlx"]["refused"] == ""
-    ours, mlx = outgrow["pipemlx_step"], outgrow["mlx_step"]
-    assert [t for t, _ in ours] == [t for t, _ in mlx] and close([[p for _, p in ours]], [[p for _, p in mlx]]), rank
+    ours, mlx = outgrow["pipemlx"]["long"], outgrow["mlx"]["long"]
+    assert [len(t) for t in ours] == [6, 5] and [[t for t, _ in r] for r in ours] == [[t for t, _ in r] for r in mlx]
+    assert close([[p for _, p in r] for r in ours], [[p for _, p in r] for r in mlx]), (rank, ours, mlx)
+    # generate_step reports its progress last: where its chunks ended; "auto" took mlx-lm's where they matter.
+    pairs = {name: (outgrow[f"pipemlx_{name}"], outgrow[f"mlx_{name}"]) for name in ("step", "long_step", "stream")}
+    assert pairs["long_step"][0][-1] == pairs["long_step"][1][-1] == [0, 299, 300], (rank, pairs["long_step"])
+    for name, (ours, mlx) in pairs.items():
+        if name != "stream":
+            ours, mlx = ours[:-1], mlx[:-1]
+        assert [t[::2] for t in ours] == [t[::2] for t in mlx], (rank, name, ours, mlx)
+        assert close([[t[1] for t in ours]], [[t[1] for t in mlx]]), (rank, name, ours, mlx)
+    assert [t[2] for t in outgrow["pipemlx_stream"]] == [None] * 5 + ["length"], rank
     # generate_step, four turns on one prompt_cache (the third stopped by its consumer after 3 tokens): the same
     # tokens, logprobs, positions and processor and sampler inputs as mlx-lm's generate_step on the whole model,
     # on every rank.
@@ -995,16 +1006,19 @@ def test_sliding_window_layer_caches_batch_and_equal_solo_mlx_lm_runs(arch: str)
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
 
 
-def test_max_kv_size_makes_rotating_caches_and_refuses_prompts_that_would_rotate_them() -> None:
+def test_max_kv_size_makes_rotating_caches_and_prompts_that_outgrow_them_give_mlx_lm_tokens() -> None:
     """max_kv_size makes mlx-lm's RotatingKVCache(max_kv_size, keep=4) per layer (qwen3 makes no caches of its
     own; llama's make_cache ignores max_kv_size in mlx-lm too). An answer may outgrow it (the engine loop tests
-    that against mlx-lm); mlx-lm's BatchGenerator prefills in its BatchRotatingKVCache, which has no ``keep``, so a
-    prompt longer than max_kv_size loses its first positions there where pipemlx's prefill (each prompt in its own
-    caches) keeps them: such prompts are refused."""
+    that against mlx-lm), and so may a prompt: mlx-lm's BatchGenerator prefills in its BatchRotatingKVCache, which
+    has no ``keep``, so a prompt longer than max_kv_size loses its first positions there; pipemlx prefills each
+    prompt in caches that keep none either, in its own chunks (7 here, mlx-lm's 8), with mlx-lm's tokens and
+    logprobs. So with caches given to insert: empty ones (keep=4), and ones holding 25 positions already (rotated,
+    their first 4 kept): mlx-lm's batch takes their last 16 and keeps none from then on, and so does pipemlx."""
     from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
+    from mlx_lm.generate import generate_step
 
     whole, model = one_rank("qwen3")
-    short, long = (mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30))
+    short, long, longer = (mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30, 45))
     engine = pipemlx.BatchGenerator(model, prefill_step_size=8, max_kv_size=16)
     assert engine.max_kv_size == 16
     (uid,) = engine.insert([short], 7)  # 9 + 7 = 16 positions at most, its closing tick's included
@@ -1012,21 +1026,55 @@ def test_max_kv_size_makes_rotating_caches_and_refuses_prompts_that_would_rotate
     assert [r.token for r in answers] == solo_tokens(whole, short, 7, 16) and answers[-1].uid == uid
     cache = answers[-1].prompt_cache
     assert cache is not None and {type(c).__name__ for c in cache} == {"RotatingKVCache"}
-    engine.remove(engine.insert([short, short], [8, -1]))  # answers that may outgrow it are queued
-    with pytest.raises(ValueError, match=r"request 1's prompt fills 17 positions .*RotatingKVCache\(max_size=16"):
-        engine.insert([short, short * 2], [8, 9])
-    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):
-        engine.insert([long], 6)
-    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):  # a cache given: its own kind
-        pipemlx.BatchGenerator(model).insert([long], 6, caches=[make_prompt_cache(model, 16)])
-    assert len(engine) == 0
-    mlx_engine = MlxBatchGenerator(whole, max_tokens=6, prefill_step_size=8, max_kv_size=16)
-    mlx_engine.insert([long])
-    mlx_tokens = [r.token for _ in range(8) for r in mlx_engine.next_generated()]
-    assert mlx_tokens != solo_tokens(whole, long, 6, 16), "mlx-lm's batch keeps the first positions now: allow it"
+
+    def given(m: Any, held: int) -> list[Any]:
+        cache = make_prompt_cache(m, 16)
+        for _ in generate_step(mx.array(longer[: held + 1]), m, prompt_cache=cache, max_tokens=0, prefill_step_size=8):
+            pass
+        return cache
+
+    def run(generator: Any, m: Any) -> list[list[tuple[int, float]]]:
+        uids = generator.insert([long, short, longer], [6, 8, 5])
+        uids += generator.insert([long, longer[25:]], [5, 6], caches=[make_prompt_cache(m, 16), given(m, 25)])
+        got: dict[int, list[tuple[int, float]]] = {u: [] for u in uids}
+        while responses := generator.next_generated():
+            for r in responses:
+                got[r.uid].append((r.token, r.logprobs[r.token].item()))
+        return [got[u] for u in uids]
+
+    ours = run(pipemlx.BatchGenerator(model, prefill_step_size=8, prefill_chunk_tokens=7, max_kv_size=16), model)
+    mlx = run(MlxBatchGenerator(whole, prefill_step_size=8, max_kv_size=16), whole)
+    assert [len(t) for t in ours] == [6, 8, 5, 5, 6]
+    assert [[t for t, _ in r] for r in ours] == [[t for t, _ in r] for r in mlx], (ours, mlx)
+    assert all(abs(a[1] - b[1]) <= 1e-4 for o, m in zip(ours, mlx) for a, b in zip(o, m)), (ours, mlx)
+    # The comparison has power: one process's generate_step, whose caches keep their first 4 positions, differs.
+    assert [t for t, _ in mlx[0]] != solo_tokens(whole, long, 6, 16), "mlx-lm's batch keeps the first positions"
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_kv_size must be a positive int"):
             pipemlx.BatchGenerator(model, max_kv_size=bad)  # type: ignore[arg-type]
+
+
+def test_the_auto_step_takes_mlx_lm_chunks_where_a_cache_keeping_its_first_positions_would_rotate() -> None:
+    """``prefill_step_size="auto"`` cuts a 30-token prompt in chunks of its own, except where some cache is a
+    RotatingKVCache keeping its first 4 positions (max_kv_size) that the prompt fills past its size: there the chunks
+    decide what each position attends to, and it takes mlx-lm's generate_step default (2048: one chunk here). A
+    cache that keeps none (mlx-lm's batch kind) or holds the whole prompt leaves the choice to "auto"."""
+    _, model = one_rank("qwen3")
+    prompt = mx.random.randint(0, 256, (30,), key=mx.random.key(30))
+    kept_none = make_prompt_cache(model, 16)
+    for c in kept_none:
+        c.keep = 0
+    for cache, forced in (
+        (make_prompt_cache(model, 16), True),
+        (make_prompt_cache(model, 64), False),
+        (kept_none, False),
+    ):
+        progress: list[int] = []
+        step = pipemlx.pipeline_prefill(model, prompt, cache, prompt_progress_callback=lambda d, _: progress.append(d))
+        if forced:
+            assert step == 2048 and progress == [0, 29], (step, progress)
+        else:  # "auto" returns its largest chunk: at most the 29 positions prefilled
+            assert step <= 29, (step, progress)
 
 
 def test_prefill_batch_size_caps_the_requests_started_and_not_yet_decoding() -> None:

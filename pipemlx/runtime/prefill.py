@@ -11,6 +11,7 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError, PrefillCancelled, renamed
 from ..observe.trace import Tracer, tracer_for
@@ -29,7 +30,7 @@ from ..schedule.plan import (
     default_agreement_spacing,
 )
 from .agreement import agree_on_step, agreed_offset, handshake
-from .caches import cache_state, cannot_quantize, counted_offset, trim_to
+from .caches import cache_parts, cache_state, cannot_quantize, counted_offset, trim_to
 from .calibrate import (
     agreed_prior_figures,
     held_calibration,
@@ -48,6 +49,9 @@ from .waits import wait_for
 ProgressCallback = Callable[[int, int], Any]
 CancelCheck = Callable[[], bool]
 DEFAULT_QUANTIZED_KV_START = 5000
+MLX_LM_PREFILL_STEP = 2048
+"""mlx-lm's ``generate_step`` default ``prefill_step_size``: ``"auto"``'s chunks where the chunks decide the tokens
+(:func:`chunks_decide_attention`)."""
 
 
 @renamed(step_size="prefill_step_size", progress_callback="prompt_progress_callback")
@@ -102,7 +106,10 @@ def pipeline_prefill(
     its caches can be trimmed; otherwise ``error.cache_trimmed`` is false and
     the cache must be discarded.
 
-    ``prefill_step_size="auto"`` (the default) lets the ranks cut the prompt together, with nothing timed
+    ``prefill_step_size="auto"`` takes mlx-lm's ``generate_step`` default (2048) where ``cache`` holds a rotating
+    cache that keeps its first positions (``max_kv_size`` makes them) and the prompt would fill it past its size:
+    the chunks then decide which positions each one attends to (:func:`chunks_decide_attention`), so only
+    mlx-lm's chunks give mlx-lm's tokens. Otherwise ``"auto"`` (the default) lets the ranks cut the prompt together, with nothing timed
     before it: the first such call on a sharded model plans with what an earlier run measured (the
     calibration cache, :mod:`pipemlx.runtime.calibration_cache`: keyed by the model, the split and the
     machines; every rank must hold the same figures), else with the prior (the cache's figures for any model
@@ -193,6 +200,8 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     stage.settle(timeout)
     mx.eval(tokens, cache_state(cache))  # pyright: ignore[reportUnknownMemberType]
     prefix = counted_offset(cache)  # UNCOUNTED on a rank of recurrent layers only: the handshake tells it
+    if step_size == "auto" and chunks_decide_attention(cache, tokens.size):
+        step_size = MLX_LM_PREFILL_STEP  # mlx-lm's chunks; ranks whose caches differ name it at the handshake
     prior: CostModel | None = None
     try:
         lengths, prior = (
@@ -320,6 +329,25 @@ def check_rotating_caches(
         where = f"layer{'s' if plural else ''} {numbers} of {total_layers} keep{'' if plural else 's'} a {kinds} (a sliding window)"
         fix = "leave kv_bits unset for this model"
     raise _unquantizable(kv_bits, where, kinds, fix)
+
+
+def chunks_decide_attention(cache: list[Any], num_tokens: int) -> bool:
+    """Whether prefilling ``num_tokens - 1`` positions into ``cache`` attends to positions that depend on the chunks:
+    some ``RotatingKVCache`` keeps its first positions (``keep > 0``, as ``max_kv_size`` makes them) and the prompt
+    would fill it past its ``max_size``.
+
+    Such a cache takes a chunk whole, then drops what it holds beyond ``max_size - 1`` positions before the next one:
+    which earlier positions a token attends to (the first ones included or not) then depends on where the chunks
+    start, in mlx-lm as in pipemlx, so the tokens are mlx-lm's only with mlx-lm's chunks. A cache that keeps none
+    (sliding-window layers, mlx-lm's batch caches) gives each token the ``max_size`` positions up to it whatever the
+    chunks, and a prompt that stays within ``max_size`` drops nothing.
+    """
+    return any(
+        isinstance(c, RotatingKVCache)
+        and int(getattr(c, "keep", 0)) > 0
+        and int(getattr(c, "offset", 0)) + num_tokens - 1 > int(getattr(c, "max_size", 0))
+        for c in cache_parts(cache)
+    )
 
 
 def _refuse_rotating_cache(kv_bits: Any, cache: list[Any], stage: PipelineStage) -> ValueError | None:

@@ -45,6 +45,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -57,7 +58,7 @@ from pipemlx.launch import init_group
 from pipemlx.runtime.caches import cache_offset, trim_to
 from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
-from pipemlx.testing import build_model, tiny_config
+from pipemlx.testing import build_model, tiny_config, write_tokenizer
 
 
 def prompt_of(length: int) -> list[int]:
@@ -419,6 +420,18 @@ class WordTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def word_tokenizer() -> Any:
+    """mlx-lm's tokenizer wrapper over a word-level tokenizer of the tiny models' 256 ids (written to a temporary
+    directory once per call)."""
+    import tempfile
+
+    from mlx_lm.utils import load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+
+    with tempfile.TemporaryDirectory() as root:
+        write_tokenizer(root, 256)
+        return load_tokenizer(Path(root))  # pyright: ignore[reportUnknownVariableType]
+
+
 def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     """An engine's code written once for mlx-lm, run on pipemlx's BatchGenerator (sharded) and on mlx-lm's (the
     whole model, this process): per-request samplers, processors and stop sequences, each call's responses, the
@@ -573,29 +586,53 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
 
     def outgrowing(make: Any) -> dict[str, Any]:
         """A lone request whose answer outgrows max_kv_size=16 (the batch caches rotate), sampled (the second
-        likeliest token: logprobs on every rank); and one whose prompt alone would."""
+        likeliest token: logprobs on every rank); then two whose prompts alone outgrow it (40 and 23 tokens, the
+        first prefilled past it in chunks of 8, mlx-lm's in its batch caches)."""
         generator = make(max_kv_size=16, sampler=Seen().sampler)
         (uid,) = generator.insert([prompt_of(12)], [20])
         got: list[Any] = []
         while responses := generator.next_generated():
             got += [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses if r.uid == uid]
-        try:
-            generator.insert([prompt_of(18)], [4])
-            refused = ""
-        except ValueError as exc:
-            refused = str(exc)
         generator.close()
-        return {"got": got, "refused": refused}
+        generator = make(max_kv_size=16, sampler=Seen().sampler)
+        uids = generator.insert([prompt_of(40), prompt_of(23)], [6, 5])
+        long: dict[int, list[Any]] = {u: [] for u in uids}
+        while responses := generator.next_generated():
+            for r in responses:
+                long[r.uid].append([r.token, r.logprobs[r.token].item()])
+        generator.close()
+        return {"got": got, "long": [long[u] for u in uids]}
 
-    def bounded_step(step: Any, model: Any) -> list[Any]:
-        steps = step(mx.array(prompt_of(12)), model, max_tokens=20, max_kv_size=16, sampler=Seen().sampler)
-        return [[int(t), lp[int(t)].item()] for t, lp in steps]
+    def bounded_step(step: Any, model: Any, length: int = 12, max_tokens: int = 20) -> list[Any]:
+        """generate_step's tokens and logprobs, then the progress it reported (where its chunks ended)."""
+        progress: list[int] = []
+        steps = step(
+            mx.array(prompt_of(length)),
+            model,
+            max_tokens=max_tokens,
+            max_kv_size=16,
+            sampler=Seen().sampler,
+            prompt_progress_callback=lambda done, _: progress.append(done),
+        )
+        return [*([int(t), lp[int(t)].item()] for t, lp in steps), progress]
+
+    def bounded_stream(stream: Any, model: Any) -> list[Any]:
+        """stream_generate on a 30-token prompt with max_kv_size=16 (mlx-lm's default prefill_step_size)."""
+        sampler = Seen().sampler
+        responses = stream(model, word_tokenizer(), prompt_of(30), max_tokens=6, max_kv_size=16, sampler=sampler)
+        return [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses]
 
     report["outgrow"] = {
         "pipemlx": outgrowing(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw)),
         "mlx": outgrowing(lambda **kw: mlx_generate.BatchGenerator(whole, prefill_step_size=8, **kw)),
         "pipemlx_step": bounded_step(pipemlx.generate_step, sharded),
         "mlx_step": bounded_step(generate_step, whole),
+        # A prompt that rotates the caches keeping their first 4 positions while prefilled: mlx-lm's chunks decide
+        # what each position attends to; "auto" takes them.
+        "pipemlx_long_step": bounded_step(pipemlx.generate_step, sharded, 300, 6),
+        "mlx_long_step": bounded_step(generate_step, whole, 300, 6),
+        "pipemlx_stream": bounded_stream(pipemlx.stream_generate, sharded),
+        "mlx_stream": bounded_stream(mlx_generate.stream_generate, whole),
     }
     report["generate_step"] = {
         "pipemlx": continued(pipemlx.generate_step, sharded),

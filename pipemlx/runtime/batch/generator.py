@@ -46,10 +46,11 @@ from .requests import (
     Decided,
     FinishReason,
     Options,
+    as_batch_window,
     bound_of,
+    check_batchable,
     check_settings,
     checked_requests,
-    fresh_window,
 )
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
@@ -141,10 +142,11 @@ class BatchGenerator:
     mlx-lm's is 8): no cap. As in mlx-lm, a ``completion_batch_size`` below it is raised to it.
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
-    rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
-    An answer may outgrow them (the batch caches rotate, as mlx-lm's); a prompt that would rotate them while it is
-    prefilled is refused (``ValueError``: mlx-lm's prefill keeps none of the first positions pipemlx's keeps).
-    Admission control reserves such a request's bounded size.
+    rotating caches that keep the last ``max_kv_size`` positions. An answer may outgrow them (the batch caches rotate,
+    as mlx-lm's), and so may a prompt: mlx-lm's prefills it in its batch caches, which keep none of the first
+    positions, and pipemlx prefills it in caches turned into that kind (a cache passed to :meth:`insert` too:
+    :func:`~.requests.as_batch_window`), so the tokens are mlx-lm's whatever the chunks. Admission control reserves
+    such a request's bounded size.
 
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
@@ -238,7 +240,7 @@ class BatchGenerator:
         self.timeout = timeout or self.stage.info.timeout
         self.max_kv_size = max_kv_size
         fresh = self._new_cache()
-        self._fresh_kept = fresh_window(fresh, self.stage)
+        check_batchable(fresh, self.stage)
         self._fresh_bound = bound_of(fresh)
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
@@ -332,9 +334,7 @@ class BatchGenerator:
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
         request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
-        model, one that could never fit the memory budget or whose prompt would rotate its ``max_kv_size`` caches while
-        prefilled), on every rank alike, before
-        anything changes.
+        model, or one that could never fit the memory budget), on every rank alike, before anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
         return self._insert([[p] for p in prompts], False, options)
@@ -361,9 +361,7 @@ class BatchGenerator:
 
     def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
         """Check requests and queue them: the next ticks prefill them."""
-        requests = checked_requests(
-            self, self._next_uid, self._fresh_kept, self._fresh_bound, segments, segmented, options
-        )
+        requests = checked_requests(self, self._next_uid, self._fresh_bound, segments, segmented, options)
         self._next_uid += len(requests)
         self._requests.update((r.uid, r) for r in requests)
         self._plan = enqueue(self._plan, [r.queued for r in requests])
@@ -523,10 +521,12 @@ class BatchGenerator:
         return self._requests[chunk.uid].prompt[chunk.start : chunk.stop]
 
     def _chunk_cache(self, chunk: TickChunk) -> list[Any]:
+        """The caches a chunk of a request is prefilled in: its own (the caller's, or new ones), in the form mlx-lm's
+        batch prefills in (:func:`~.requests.as_batch_window`: rotating caches keep none of their first positions)."""
         request = self._requests[chunk.uid]
         if request.cache is None:
             request.cache = self._new_cache()
-        return request.cache
+        return as_batch_window(request.cache)
 
     def _join(self, uids: tuple[int, ...]) -> None:
         """Move requests whose prefill every rank completed into the batch, with their caches."""

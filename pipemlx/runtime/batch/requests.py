@@ -136,13 +136,34 @@ def check_settings(
     return StopSet.of(stop_tokens, "stop_tokens")
 
 
-def fresh_window(cache: list[Any], stage: PipelineStage) -> tuple[int, int] | None:
-    """:func:`kept_window` of a new request's ``cache``; raise ``TypeError`` when mlx-lm cannot batch its layers."""
-    kept = kept_window(cache)
+def check_batchable(cache: list[Any], stage: PipelineStage) -> None:
+    """Raise ``TypeError`` when mlx-lm cannot batch the layer caches of a new request's ``cache``."""
     unbatchable = sorted({type(c).__name__ for c in cache if not hasattr(c, "merge")})
     if unbatchable:
         raise TypeError(f"{stage.describe()}: mlx-lm cannot batch these layer caches: {unbatchable}")
-    return kept
+
+
+def as_batch_window(cache: list[Any]) -> list[Any]:
+    """``cache`` with each ``RotatingKVCache`` that keeps its first positions (``keep > 0``, as ``max_kv_size`` makes
+    them) turned, in place, into one that keeps none, holding what mlx-lm's ``BatchRotatingKVCache.merge`` takes of it
+    (its last ``size()`` positions, in order); returns ``cache``.
+
+    mlx-lm's ``BatchGenerator`` prefills a prompt in its batch caches, whose rotating kind has no ``keep``: every
+    position attends to the ``max_size`` positions up to it (itself included), however the prompt is chunked. A
+    prompt prefilled in such a cache, in pipemlx's chunks, therefore fills it as mlx-lm's batch does; one that kept
+    its first positions would attend to them, and to another window in each chunk (it depends on the chunks).
+    """
+    for part in cache_parts(cache):
+        if not isinstance(part, RotatingKVCache) or int(getattr(part, "keep", 0)) == 0:
+            continue
+        c = cast(Any, part)
+        if c.keys is not None:
+            size = int(c.size())
+            c.keys = c._temporal_order(c.keys)[..., -size:, :]  # as mlx-lm's merge reads it
+            c.values = c._temporal_order(c.values)[..., -size:, :]
+            c._idx = size
+        c.keep = 0
+    return cache
 
 
 @dataclass(frozen=True)
@@ -161,7 +182,6 @@ class Options:
 def checked_requests(
     settings: GeneratorSettings,
     first_uid: int,
-    fresh_kept: tuple[int, int] | None,
     fresh_bound: int | None,
     prompts: Sequence[Sequence[Sequence[int]]],
     segmented: bool,
@@ -170,7 +190,7 @@ def checked_requests(
     """The requests of an ``insert`` (uids from ``first_uid``); raise ``ValueError`` for a bad one.
 
     ``prompts[i]`` is request ``i``'s prompt in segments (``insert_segments`` when ``segmented``).
-    ``fresh_kept`` is :func:`kept_window` of a new request's caches, ``fresh_bound`` their :func:`bound_of`.
+    ``fresh_bound`` is :func:`bound_of` a new request's caches.
     """
     segments = [[[int(t) for t in part] for part in request] for request in prompts]
     count = len(segments)
@@ -211,8 +231,7 @@ def checked_requests(
             zip(tokens, limits, chosen, given, processors, earlier, stops, segments), first_uid
         )
     ]
-    for i, request in enumerate(requests):
-        _check_window(i, request, fresh_kept if request.cache is None else kept_window(request.cache))
+    for request in requests:
         request.window = fresh_bound if request.cache is None else bound_of(request.cache)
     if settings.admission is not None:
         _check_admission(requests, settings.admission)
@@ -227,17 +246,6 @@ def check_positive(name: str, value: object) -> None:
 def check_max_tokens(value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
         raise ValueError(f"max_tokens must be a positive int or -1 (no limit), got {value!r}")
-
-
-def kept_window(cache: list[Any]) -> tuple[int, int] | None:
-    """``(max_size, keep)`` of the smallest layer cache that is a ``RotatingKVCache`` keeping its first positions
-    (``keep > 0``, as ``max_kv_size`` makes them); ``None`` when there is none (sliding windows keep none)."""
-    kept: list[tuple[int, int]] = []
-    for c in cache_parts(cache):
-        keep = int(getattr(c, "keep", 0))
-        if isinstance(c, RotatingKVCache) and keep > 0:
-            kept.append((int(getattr(c, "max_size")), keep))
-    return min(kept) if kept else None
 
 
 def _check_cache(index: int, cache: object, stage: PipelineStage) -> None:
@@ -262,26 +270,6 @@ def bound_of(cache: list[Any]) -> int | None:
     if not parts or not all(isinstance(c, RotatingKVCache) for c in parts):
         return None
     return min(int(getattr(c, "max_size")) for c in parts)
-
-
-def _check_window(index: int, request: BatchRequest, kept: tuple[int, int] | None) -> None:
-    """Refuse a request whose prompt would rotate a ``RotatingKVCache`` keeping its first positions while it is
-    prefilled: pipemlx prefills each prompt in its own caches (keeping them), mlx-lm's ``BatchGenerator`` in its
-    batch caches (keeping none), so the tokens would differ. Its answer may outgrow them: the batch caches rotate
-    then, in mlx-lm's batch as in this one."""
-    if kept is None:
-        return
-    size, keep = kept
-    filled = max(request.prefix, 0) + len(request.prompt) - 1  # the positions prefilled before its first step
-    if filled <= size:
-        return
-    raise ValueError(
-        f"request {index}'s prompt fills {filled} positions before its first token, past its "
-        f"RotatingKVCache(max_size={size}, keep={keep}) layer caches (max_kv_size makes those): pipemlx prefills "
-        f"a prompt in its own caches, which keep their first {keep} positions, where mlx-lm's BatchGenerator "
-        f"prefills in its batch caches, which keep none, so its tokens would differ; keep the prompt within "
-        f"{size + 1} tokens (the answer may outgrow max_kv_size), or construct the generator without max_kv_size"
-    )
 
 
 def _check_admission(requests: list[BatchRequest], admission: Admission) -> None:
