@@ -164,11 +164,6 @@ class DecodeRun:
         shard = self.stage.info.vocab_shard
         # head="split": no rank holds the whole head; every step gathers the logits (see _split_head).
         self.splits_head = shard is not None and shard.split
-        if self.splits_head and self.speculation.proposer is not None:
-            raise ValueError(
-                "speculative decoding (draft_model / prompt_lookup) does not work on a model sharded with "
-                "head='split' (each rank holds only its rows of the head): shard with head='all' to speculate"
-            )
         self.may_share_head = shard is not None and not self.splits_head
         self.may_share_head = self.may_share_head and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.speculation.proposer is None

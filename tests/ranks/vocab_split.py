@@ -84,6 +84,53 @@ def refusal(call: Any) -> str:
     return ""
 
 
+def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, vocab: int) -> list[dict[str, Any]]:
+    """pipemlx.BatchGenerator on the split model: requests inserted at their ticks (some while others decode),
+    each with its own processors or none; per request its tokens and its solo mlx-lm run's, and the largest
+    logprob difference where this rank has them (the last rank; every rank in a tick with processors)."""
+    requests = spec["batch"]
+    solo = []
+    for i, r in enumerate(requests):
+        prompt = prompt_of(r["M"], vocab, spec["seed"] + 31 * i)
+        args = {"logits_processors": processors(r)} if r.get("processor") else {}
+        solo.append(decode(generate_step(prompt, reference, max_tokens=r["max_tokens"], **args)))
+    generator = pipemlx.BatchGenerator(model, prefill_chunk_tokens=8, prefill_step_size=8, prefill_chunking="fixed")
+    got: dict[int, list[int]] = {}
+    logprobs: dict[int, list[Any]] = {}
+    uids: dict[int, int] = {}
+    finished = 0
+    for tick in range(64):
+        for i, r in enumerate(requests):
+            if r["insert_at"] == tick:
+                prompt = prompt_of(r["M"], vocab, spec["seed"] + 31 * i).tolist()
+                chosen = [processors(r)] if r.get("processor") else [None]
+                (uids[i],) = generator.insert([prompt], [r["max_tokens"]], logits_processors=chosen)
+        for response in generator.next():
+            got.setdefault(response.uid, []).append(int(response.token))
+            logprobs.setdefault(response.uid, []).append(response.logprobs)
+            finished += response.finish_reason is not None
+        if finished == len(requests):
+            break
+    generator.close()
+    report = []
+    for i in range(len(requests)):
+        uid = uids[i]
+        ours = logprobs.get(uid, [])
+        report.append(
+            {
+                "tokens": got.get(uid, []),
+                "ref_tokens": solo[i][0],
+                "compared": sum(lp is not None for lp in ours),
+                "logprob_diff": largest_difference(ours, solo[i][1]),
+            }
+        )
+    return report
+
+
+def processors(request: dict[str, Any]) -> list[Any]:
+    return make_logits_processors(repetition_penalty=1.3)
+
+
 def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any]:
     reference = built(spec)
     vocab = tiny_config(spec["arch"], **spec.get("config", {}))["vocab_size"]
@@ -94,6 +141,10 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
         "outside_layers": parameter_bytes(model) - parameter_bytes(model, "model.layers."),
         "steps": [],
     }
+    # Greedy speculation decides mlx-lm's plain greedy tokens: a draft of other weights (some guesses rejected)
+    # and prompt lookup; each verify pass's logits for k+1 positions come from every rank's rows.
+    draft = built({**spec, "seed": spec["seed"] + 100})
+    speculation = {"draft": {"draft_model": draft, "num_draft_tokens": 3}, "lookup": {"prompt_lookup": 2}}
     for s in spec["steps"]:
         prompt = prompt_of(s["M"], vocab, spec["seed"])
         ref_cache, cache = make_prompt_cache(reference), stage_of(model).new_cache(model)
@@ -112,17 +163,18 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
                 )
             )
             mx.random.seed(11)
-            ours = decode(
-                pipemlx.generate_step(
-                    turn,
-                    model,
-                    prompt_cache=cache,
-                    max_tokens=s["max_tokens"],
-                    prefill_step_size=4,
-                    share_logprobs=bool(s.get("share")),
-                    **options(s),
-                )
+            stream = pipemlx.generate_step(
+                turn,
+                model,
+                prompt_cache=cache,
+                max_tokens=s["max_tokens"],
+                prefill_step_size=4,
+                share_logprobs=bool(s.get("share")),
+                **speculation.get(s.get("speculate", ""), {}),
+                **options(s),
             )
+            ours = decode(stream)
+            entry["speculated"] = entry.get("speculated", True) and stream.speculating
             entry["tokens"] += ours[0]
             entry["ref_tokens"] += ref[0]
             diff = largest_difference(ours[1], ref[1])
@@ -130,10 +182,10 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
             if diff is not None:
                 entry["logprob_diff"] = max(diff, entry["logprob_diff"] or 0.0)
         result["steps"].append(entry)
+    if spec.get("batch"):
+        result["batch"] = run_batch(spec, reference, model, vocab)
     prompt = prompt_of(5, vocab, spec["seed"])
     result["mlx_lm_refused"] = refusal(lambda: list(generate_step(prompt, model, max_tokens=2)))
-    result["batch_refused"] = refusal(lambda: pipemlx.BatchGenerator(model))
-    result["draft_refused"] = refusal(lambda: list(pipemlx.generate_step(prompt, model, draft_model=reference)))
     # What mlx-lm's refused generate_step left: the ranks agree again before the next case.
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     return result

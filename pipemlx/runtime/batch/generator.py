@@ -197,12 +197,6 @@ class BatchGenerator:
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
-        if self.stage.info.head == "split":
-            raise ValueError(
-                "BatchGenerator does not work on a model sharded with head='split' (each rank holds only its rows "
-                "of the embedding and the head): shard with head='all' or 'last' to batch, or decode with "
-                "pipemlx.generate_step"
-            )
         chunk = prefill_chunk_tokens
         budget = None if memory_budget is None else parse_size(memory_budget)
         sizes = {
