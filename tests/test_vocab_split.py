@@ -8,7 +8,8 @@ rank's logprobs compared); a cut inside a layer (``lend="mlp"``) on every case, 
 blocks of 4 tokens; speculation (a draft model of other weights, prompt lookup: each verify pass's logits for k+1
 positions from every rank's rows); ``BatchGenerator`` with requests joining while others decode, one with a logits
 processor, against each request's solo mlx-lm run. Per rank the bytes of the vocabulary-sized matrices it holds are
-its rows' share, to the byte; mlx-lm's own ``generate_step`` is refused with an error that names ``head='split'``.
+its rows' share, to the byte; mlx-lm's own ``generate_step`` and ``stream_generate`` on the split model equal
+mlx-lm's on the whole model.
 """
 
 from __future__ import annotations
@@ -141,9 +142,16 @@ def test_each_rank_holds_its_rows_of_the_vocabulary(reports: Callable[[str], lis
     assert sum(c["vocab_bytes"]["head"] for c in found) == whole["head"]
 
 
-@pytest.mark.parametrize("name", ["S=2 qwen2 tied", "S=3 llama untied"])
-def test_mlx_lm_generate_step_is_refused_naming_the_split(
+@pytest.mark.parametrize("name", list(CASES))
+def test_mlx_lm_generate_step_and_stream_generate_on_the_split_model_equal_mlx_lm(
     reports: Callable[[str], list[dict[str, Any]]], name: str
 ) -> None:
+    """mlx-lm's own generate_step (two turns on one cache, prefilled in chunks of 4) and stream_generate called on
+    the split model on every rank: each forward pass sums the embeddings and gathers the logits from every rank's
+    rows, so every rank's tokens and log-probabilities equal the whole model's in one process."""
     for rank, case in enumerate(reports(name)):
-        assert "head='split'" in case["mlx_lm_refused"], (name, rank, case["mlx_lm_refused"])
+        got = case["mlx_lm"]
+        where = f"{name}, rank {rank}: {got}"
+        assert got["tokens"] == got["ref_tokens"] and len(got["tokens"]) == 8, where
+        assert got["compared"] == 8 and got["logprob_diff"] <= 1e-5, where
+        assert got["stream_tokens"] == got["ref_stream_tokens"] and len(got["stream_tokens"]) == 3, where

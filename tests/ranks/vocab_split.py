@@ -19,9 +19,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import pipemlx
 import pipemlx.runtime.sampling as sampling
@@ -76,12 +77,26 @@ def largest_difference(ours: list[Any], ref: list[Any]) -> float | None:
     return max((float(mx.max(mx.abs(a - b))) for a, b in pairs), default=None)
 
 
-def refusal(call: Any) -> str:
-    try:
-        call()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
+class Tokens(TokenizerWrapper):
+    """The least of a tokenizer mlx-lm's stream_generate needs with a prompt of token ids (the text is not read)."""
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set()
+
+    @property
+    def detokenizer(self) -> Any:
+        class Detokenizer:
+            text = last_segment = ""
+
+            def reset(self) -> None: ...
+            def add_token(self, token: int) -> None: ...
+            def finalize(self) -> None: ...
+
+        return Detokenizer()
 
 
 def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, vocab: int) -> list[dict[str, Any]]:
@@ -184,8 +199,21 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
         result["steps"].append(entry)
     if spec.get("batch"):
         result["batch"] = run_batch(spec, reference, model, vocab)
-    prompt = prompt_of(5, vocab, spec["seed"])
-    result["mlx_lm_refused"] = refusal(lambda: list(generate_step(prompt, model, max_tokens=2)))
+    # mlx-lm's own generate_step on the split model (its forward passes: embeddings summed, logits gathered on
+    # every rank), prefilled in chunks of 4, then a second turn on the same cache; and mlx-lm's stream_generate.
+    entry = {"tokens": [], "ref_tokens": [], "logprob_diff": None, "compared": 0}
+    ref_cache, cache = make_prompt_cache(reference), make_prompt_cache(model)
+    for turn in (prompt_of(11, vocab, spec["seed"] + 5), prompt_of(3, vocab, spec["seed"] + 6)):
+        ref = decode(generate_step(turn, reference, prompt_cache=ref_cache, max_tokens=4, prefill_step_size=4))
+        ours = decode(generate_step(turn, model, prompt_cache=cache, max_tokens=4, prefill_step_size=4))
+        entry["tokens"] += ours[0]
+        entry["ref_tokens"] += ref[0]
+        entry["compared"] += len(ours[1])
+        entry["logprob_diff"] = max(largest_difference(ours[1], ref[1]) or 0.0, entry["logprob_diff"] or 0.0)
+    prompt = prompt_of(6, vocab, spec["seed"] + 7)
+    entry["stream_tokens"] = [r.token for r in stream_generate(model, Tokens(), prompt, max_tokens=3)]
+    entry["ref_stream_tokens"] = [r.token for r in stream_generate(reference, Tokens(), prompt, max_tokens=3)]
+    result["mlx_lm"] = entry
     # What mlx-lm's refused generate_step left: the ranks agree again before the next case.
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     return result
