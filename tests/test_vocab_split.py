@@ -29,6 +29,9 @@ from pipemlx.testing import build_model, tiny_config
 GREEDY = {"M": 9, "max_tokens": 5}
 DRAFT = {"M": 9, "max_tokens": 6, "speculate": "draft"}  # a draft model of other weights: some guesses rejected
 LOOKUP = {"M": 14, "max_tokens": 6, "speculate": "lookup", "follow": 4}  # prompt_lookup=2, a second turn
+# logprobs=False, greedy: after the first step each rank's best logit and its id decide the token, in the step's
+# all-gather (the whole logits are never gathered); a second turn on the same cache.
+LEAN = {"M": 10, "max_tokens": 6, "lean": True, "follow": 3}
 STEPS: dict[str, list[dict[str, Any]]] = {
     "all": [
         GREEDY,
@@ -37,8 +40,9 @@ STEPS: dict[str, list[dict[str, Any]]] = {
         {"M": 12, "max_tokens": 4, "processor": True},
         {"M": 6, "max_tokens": 3, "share": True},  # share_logprobs: every rank's logprobs
         DRAFT,
+        LEAN,
     ],
-    "greedy": [GREEDY],
+    "greedy": [GREEDY, LEAN],
     "sampled": [GREEDY, {"M": 21, "max_tokens": 4, "temp": 0.8, "follow": 5}, DRAFT, LOOKUP],
 }
 # BatchGenerator on the split model: requests inserted while others decode, one with a logits processor.
@@ -92,7 +96,11 @@ def test_tokens_and_logprobs_equal_mlx_lm(reports: Callable[[str], list[dict[str
             assert step["tokens"] == step["ref_tokens"] and step["tokens"], where
             # Every token's log-probabilities on the last rank; on every rank with share_logprobs, a sampler or a
             # processor (each rank's sampler and processors run on the gathered logits, as mlx-lm's would).
-            if rank == size - 1 or step.get("share") or step.get("temp") or step.get("processor"):
+            # Each rank's best logit decides the token exactly when the logprobs are not wanted (and only then).
+            assert step["shared_head"] == bool(step.get("lean")), where
+            if step.get("lean"):
+                assert step["compared"] == 0, where  # None on every rank
+            elif rank == size - 1 or step.get("share") or step.get("temp") or step.get("processor"):
                 assert step["compared"] == len(step["tokens"]), where
                 assert step["logprob_diff"] <= 1e-5, where
             else:

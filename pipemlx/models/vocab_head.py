@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -132,7 +132,7 @@ class SplitEmbedding(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         me = cast(Any, self)
-        stage = me._stage
+        stage: Any = me._stage
         if stage is None:
             raise_split_head()
         if stage.head_needed:  # mlx-lm's forward pass, called on every rank with the same tokens
@@ -142,7 +142,7 @@ class SplitEmbedding(nn.Module):
         prepared: tuple[mx.array, mx.array] | None = me._prepared
         if prepared is None:  # pipemlx's own passes embed first (:meth:`keep`): this one times the layers
             return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
-        table, rows = cast(tuple[mx.array, mx.array], prepared)
+        table, rows = prepared
         return rows[mx.maximum(table[x], 0)]
 
     def _summed_now(self, x: mx.array, stage: Any) -> mx.array:
@@ -201,7 +201,7 @@ def gather_logits(local: mx.array, vocab: int, group: mx.distributed.Group) -> m
     return mx.concatenate(pieces, axis=-1).astype(local.dtype)
 
 
-def raise_split_head() -> None:
+def raise_split_head() -> NoReturn:
     """Raise: a split embedding or head was called before :func:`attach_stage` gave it its stage (its group)."""
     raise PipelineError(
         "this rank holds only its rows of the embedding and the output head (shard_model(..., head='split')), "

@@ -126,6 +126,7 @@ class OneAtATime:
             num_draft_tokens=settings.num_draft_tokens,
             prompt_lookup=settings.prompt_lookup if guess else None,
             history=tokens[: plan.reuse],  # the proposer reads the reused prefix too
+            logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
         )
         try:
             try:

@@ -185,11 +185,13 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
                 max_tokens=s["max_tokens"],
                 prefill_step_size=4,
                 share_logprobs=bool(s.get("share")),
+                logprobs=not s.get("lean"),
                 **speculation.get(s.get("speculate", ""), {}),
                 **options(s),
             )
             ours = decode(stream)
             entry["speculated"] = entry.get("speculated", True) and stream.speculating
+            entry["shared_head"] = entry.get("shared_head", True) and stream.shared_head
             entry["tokens"] += ours[0]
             entry["ref_tokens"] += ref[0]
             diff = largest_difference(ours[1], ref[1])
