@@ -203,6 +203,7 @@ class Batched:
             prefill_chunk_tokens=step if isinstance(step, int) else DEFAULT_STEP,
             prefill_chunking=settings.prefill_chunking,
             timeout=settings.timeout,
+            logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
         )
         self.requests: dict[int, InBatch] = {}  # by request id
         self.ids: dict[int, int] = {}  # the generator's uid -> request id

@@ -99,17 +99,24 @@ class Tokens(TokenizerWrapper):
         return Detokenizer()
 
 
-def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, vocab: int) -> list[dict[str, Any]]:
+def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, vocab: int) -> dict[str, Any]:
     """pipemlx.BatchGenerator on the split model: requests inserted at their ticks (some while others decode),
     each with its own processors or none; per request its tokens and its solo mlx-lm run's, and the largest
-    logprob difference where this rank has them (the last rank; every rank in a tick with processors)."""
+    logprob difference where this rank has them (the last rank; every rank in a tick with processors); and the
+    ticks whose decode shared the head. With "lean_batch": logprobs=False (greedy ticks share the split head)."""
     requests = spec["batch"]
     solo = []
     for i, r in enumerate(requests):
         prompt = prompt_of(r["M"], vocab, spec["seed"] + 31 * i)
         args = {"logits_processors": processors(r)} if r.get("processor") else {}
         solo.append(decode(generate_step(prompt, reference, max_tokens=r["max_tokens"], **args)))
-    generator = pipemlx.BatchGenerator(model, prefill_chunk_tokens=8, prefill_step_size=8, prefill_chunking="fixed")
+    generator = pipemlx.BatchGenerator(
+        model,
+        prefill_chunk_tokens=8,
+        prefill_step_size=8,
+        prefill_chunking="fixed",
+        logprobs=not spec.get("lean_batch"),
+    )
     got: dict[int, list[int]] = {}
     logprobs: dict[int, list[Any]] = {}
     uids: dict[int, int] = {}
@@ -127,7 +134,7 @@ def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, voca
         if finished == len(requests):
             break
     generator.close()
-    report = []
+    report: list[dict[str, Any]] = []
     for i in range(len(requests)):
         uid = uids[i]
         ours = logprobs.get(uid, [])
@@ -139,7 +146,7 @@ def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, voca
                 "logprob_diff": largest_difference(ours, solo[i][1]),
             }
         )
-    return report
+    return {"requests": report, "shared_head_ticks": generator.shared_head_ticks}
 
 
 def processors(request: dict[str, Any]) -> list[Any]:

@@ -84,6 +84,7 @@ class TickWork:
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
     processing: bool = False  # the last rank's logits go to every rank, which samples them too (see the module)
+    logprobs: bool = True  # the responses carry log-probabilities (False: head="split" may share the head)
 
 
 @dataclass(eq=False)
@@ -151,7 +152,10 @@ class TickRunner:
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
                     self._issue(self._chunk_results(held), tick.index, "computing the chunk it received")
-                sharing = self.shares_head and work.rows > 0 and not self._splits  # alike on every rank
+                # Decided in the last tick, alike on every rank. head="split" shares only where no logprobs are
+                # wanted (the whole logits are then never gathered: each rank's best decides each row's token).
+                split_shares = not work.logprobs and not work.processing and work.greedy
+                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares)
                 self.shared_ticks += sharing
                 hidden: mx.array | None = None
                 if work.rows:  # 2. the decode step
@@ -181,7 +185,7 @@ class TickRunner:
                     self.held, failed = self._build_chunk(coming, work)
                     if failed:
                         failed_uid = coming.uid
-                if self._splits and work.rows:  # after every message of the tick, as the all-gather below
+                if self._splits and work.rows and not sharing:  # after every message of the tick, as below
                     gathered_logits = self._split_logits(work, hidden, failed_decode)
                     if stage.is_last and not failed_decode:
                         try:
