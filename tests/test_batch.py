@@ -32,7 +32,7 @@ REQUESTS: list[dict[str, Any]] = [
     {"M": 23, "max_tokens": 10, "insert_at": 2},
     {"M": 41, "max_tokens": 9, "insert_at": 5},
 ]
-REMOVE = {"index": 1, "at": 7}  # request 1 has yielded 3 of its 10 tokens at S=2 (1 at S=3) when it is removed
+REMOVE = {"index": 1, "at": 8}  # request 1 has yielded 3 of its 10 tokens at S=2 (1 at S=3) when it is removed
 
 
 def expected_tokens(
@@ -91,10 +91,10 @@ for arch, world_size, stop_at, chunking, shard in BATCHED:
         "arch": arch,
         "requests": REQUESTS,
         "remove": [REMOVE],
-        "steps": 20,
+        "steps": 22,
         "step_size": 8,
         "stop_at": stop_at,
-        **({"chunking": chunking, "chunk": 8, "costs": EQUAL_COSTS, "steps": 28} if chunking != "fixed" else {}),
+        **({"chunking": chunking, "chunk": 8, "costs": EQUAL_COSTS, "steps": 30} if chunking != "fixed" else {}),
     }
 
 
@@ -124,9 +124,10 @@ def test_batched_requests_equal_their_solo_runs(
         assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
     assert report["shared_head_ticks"] > 0  # greedy rows: every rank applied its share of the head
     if stop_at is None:
-        # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2; request 1
-        # leaves at its removal (tick 7), the others at their max_tokens.
-        expected = [0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0] if world_size == 2 else None
+        # Each prompt is one chunk (ticks t on rank 0, t+1 on rank 1 at S=2), its request joins at t+2 and its first
+        # token comes at t+3 (the tick that feeds it); request 1 leaves at its removal (tick 8), the others after
+        # their closing ticks.
+        expected = [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 0, 0, 0, 0, 0] if world_size == 2 else None
         assert expected is None or report["rows"] == expected, report["rows"]
         assert chunking != "fixed" or (report["first"][1] is not None and report["first"][1] < REMOVE["at"]), report
     else:
@@ -152,7 +153,7 @@ INTERLEAVED: list[dict[str, Any]] = [
     {"M": 23, "max_tokens": 8, "insert_at": 2},  # removed mid-decode
     {"M": 41, "max_tokens": 6, "insert_at": 5},  # prefilled in 5 slices while the others decode
 ]
-INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 8}]
+INTERLEAVED_REMOVALS = [{"index": 1, "at": 3}, {"index": 2, "at": 9}]
 
 
 # gemma2: mlx-lm's attention took a batch cache's mask on the wrong axis (a registry fixup lines it up).
@@ -166,7 +167,7 @@ for name in INTERLEAVED_ARCHS:
         "arch": arch,
         "requests": INTERLEAVED,
         "remove": INTERLEAVED_REMOVALS,
-        "steps": 20,
+        "steps": 22,
         "step_size": 8,
         "chunk": 8,
     }
@@ -181,14 +182,15 @@ def test_prompts_prefilled_between_decode_steps_equal_their_solo_runs(scenario_r
         f"the model repeats itself: the test loses its power: {solo}"
     )
     # Chunks of 8 positions, on rank 0 in tick t and on rank 1 in tick t+1; a request joins the tick after its
-    # last chunk leaves rank 1. Request 1: 1 of its 4 chunks through both ranks when removed (tick 3), no token.
-    # Request 2: chunks on rank 0 in ticks 3-5, joins in tick 7, removed before tick 8 with 1 token. Request 3:
-    # chunks on rank 0 in ticks 6-10, joins in tick 12. Request 0 decodes in every tick from tick 2.
+    # last chunk leaves rank 1 and returns its first token in the next. Request 1: 1 of its 4 chunks through both
+    # ranks when removed (tick 3), no token. Request 2: chunks on rank 0 in ticks 3-5, joins in tick 7, removed
+    # before tick 9 with 1 token. Request 3: chunks on rank 0 in ticks 6-10, joins in tick 12. Request 0 returns a
+    # token in every tick from tick 3.
     assert report["tokens"][1] == [] and report["finish"][1] is None
     assert report["tokens"][2] == solo[2][:1] and report["finish"][2] is None
     for i in (0, 3):
         assert report["tokens"][i] == solo[i] and report["finish"][i] == "length", (i, report)
-    assert report["rows"] == [0, 0, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0], report["rows"]
+    assert report["rows"] == [0, 0, 0, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 0, 0, 0], report["rows"]
     assert report["partial"][:13] == [0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0], report["partial"]
     assert report["left"] == 0
 
@@ -204,7 +206,7 @@ PROCESSED: list[dict[str, Any]] = [
 SCENARIOS[2]["processors"] = {
     "requests": PROCESSED,
     "remove": [],
-    "steps": 24,
+    "steps": 26,
     "step_size": 8,
     "chunk": 8,
     "default_processors": {"presence_penalty": 2.0, "presence_context_size": 64},
@@ -300,6 +302,31 @@ def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:
     assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2] and close(runs[0][1], runs[1][1]), runs
 
 
+def test_the_memory_budget_reserves_a_bounded_request_at_its_max_kv_size() -> None:
+    """With max_kv_size (rotating caches: a request holds at most that many positions), admission reserves the
+    bounded size: a request whose prompt + max_tokens is past the budget but whose caches are bounded within it is
+    admitted and decodes mlx-lm's tokens; without the bound it is refused (group of one, in this process)."""
+    from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
+
+    config = tiny_config("qwen3")
+    model = pipemlx.shard_model(build_model(config), mx.distributed.init())
+    probe = pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget="1GB")
+    assert probe.admission is not None
+    budget = 20 * probe.admission.bytes_per_position[0]  # 20 positions
+    prompt = list(range(3, 15))  # 12 tokens + 20 to generate: 32 positions, 16 with max_kv_size=16
+    with pytest.raises(ValueError, match="would never fit the memory budget"):
+        pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget=budget).insert([prompt], [20])
+    bounded = pipemlx.BatchGenerator(model, prefill_step_size=8, memory_budget=budget, max_kv_size=16)
+    (uid,) = bounded.insert([prompt], [20])
+    ours = [r.token for _ in range(40) for r in bounded.next() if r.uid == uid]
+    reference = MlxBatchGenerator(build_model(config), prefill_step_size=8, max_kv_size=16)
+    (theirs_uid,) = reference.insert([prompt], [20])
+    theirs: list[int] = []
+    while responses := reference.next_generated():
+        theirs += [r.token for r in responses if r.uid == theirs_uid]
+    assert len(ours) == 20 and ours == theirs, (ours, theirs)
+
+
 def check_engine_report(report: dict[str, Any]) -> None:
     """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
     rank = report["rank"]
@@ -308,15 +335,27 @@ def check_engine_report(report: dict[str, Any]) -> None:
         assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])
         assert [f[0] for f in ours["finished"]] == [f[0] for f in mlx["finished"]] == ["length", "length", "stop"]
         assert close(ours["logprobs"], mlx["logprobs"]), (rank, size)
-        for i, tokens in enumerate(ours["tokens"]):
-            calls = len(tokens)  # once per token (mlx-lm also calls them for the step after the last token)
-            assert ours["histories"][i] == mlx["histories"][i][:calls], (rank, size, i)
-            assert close(ours["logits"][i], mlx["logits"][i][:calls]), (rank, size, i)
-            assert close(ours["draws"][i], mlx["draws"][i][:calls] if i == 1 else []), (rank, size, i)
-        # The caches handed back hold the prompt and every token but the last: mlx-lm 0.32.2's hold the last one
-        # too (it computed the step after it). Documented in docs/api.md.
-        assert [f[2][0] + 1 for f in ours["finished"]] == [f[2][0] for f in mlx["finished"]], (rank, size)
-        assert [f[3] + 1 for f in ours["finished"]] == [f[3] for f in mlx["finished"]], (rank, size)
+        # Each processor and sampler saw what mlx-lm's saw, as often: once per token and once more for the step
+        # after a request's last token (its closing tick), in both turns.
+        assert ours["histories"] == mlx["histories"], (rank, size)
+        assert all(close(o, m) for o, m in zip(ours["logits"], mlx["logits"], strict=True)), (rank, size)
+        assert all(close(o, m) for o, m in zip(ours["draws"], mlx["draws"], strict=True)), (rank, size)
+        assert [len(h) for h in mlx["histories"]] == [
+            len(t) + 1 + len(f) + 1 for t, f in zip(mlx["tokens"], mlx["following"])
+        ]
+        # The caches handed back hold the whole conversation (the last token too), as mlx-lm's; all_tokens names it.
+        assert [[f[2][0], *f[3:]] for f in ours["finished"]] == [[f[2][0], *f[3:]] for f in mlx["finished"]], rank
+        assert all(f[4] for f in ours["finished"]), (rank, size)
+        # The next turn on those caches gives mlx-lm's tokens and logprobs (from mlx-lm's own handed-back caches).
+        assert [[t for t, _ in f] for f in ours["following"]] == [[t for t, _ in f] for f in mlx["following"]]
+        assert close([[p for _, p in f] for f in ours["following"]], [[p for _, p in f] for f in mlx["following"]])
+        # next_generated()'s grouping, the documented rule: a request returns a token in every call from the call
+        # after it joined to its closing tick, and requests start in the order they were inserted (a chunk per
+        # rank per tick); mlx-lm's prefill a batch of prompts together, so which call a request starts in differs.
+        for engine_calls, ordered in ((ours["calls"], True), (mlx["calls"], False)):
+            present = [[k for k, uids in enumerate(engine_calls) if i in uids] for i in range(len(ours["tokens"]))]
+            assert all(p == list(range(p[0], p[0] + len(t))) for p, t in zip(present, ours["tokens"])), engine_calls
+            assert not ordered or [p[0] for p in present] == sorted(p[0] for p in present), engine_calls
         kinds = {kind for f in ours["finished"] for kind in f[1]}  # the lent heads' cache pairs the first one
         wanted = {"KVCache"} if size == "max_kv_size=None" else {"RotatingKVCache"}
         assert {kind for f in mlx["finished"] for kind in f[1]} == wanted
@@ -324,7 +363,25 @@ def check_engine_report(report: dict[str, Any]) -> None:
     ours, mlx = report["batch_generate"]["pipemlx"], report["batch_generate"]["mlx"]
     assert ours["token_ids"] == mlx["token_ids"] and ours["texts"] == mlx["texts"], (rank, ours, mlx)
     assert close(ours["logprobs"], mlx["logprobs"]) and ours["generation_tokens"] == mlx["generation_tokens"]
-    assert [c[0] + 1 for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
+    assert [c[0] for c in ours["caches"]] == [c[0] for c in mlx["caches"]], (rank, ours, mlx)
+    # max_kv_size=16, a request whose answer outgrows it: the batch caches rotate, as mlx-lm's, and the tokens and
+    # logprobs are mlx-lm's BatchGenerator's (generate_step's: mlx-lm's generate_step's, whose caches keep their
+    # first 4 positions); a prompt that would rotate its caches while prefilled is refused, mlx-lm's is not.
+    outgrow = report["outgrow"]
+    ours, mlx = outgrow["pipemlx"]["got"], outgrow["mlx"]["got"]
+    assert len(ours) == 20 and [t[::2] for t in ours] == [t[::2] for t in mlx], (rank, ours, mlx)
+    assert close([[t[1] for t in ours]], [[t[1] for t in mlx]]), rank
+    assert "prompt fills 17 positions" in outgrow["pipemlx"]["refused"] and outgrow["mlx"]["refused"] == ""
+    ours, mlx = outgrow["pipemlx_step"], outgrow["mlx_step"]
+    assert [t for t, _ in ours] == [t for t, _ in mlx] and close([[p for _, p in ours]], [[p for _, p in mlx]]), rank
+    # generate_step, four turns on one prompt_cache (the third stopped by its consumer after 3 tokens): the same
+    # tokens, logprobs, positions and processor and sampler inputs as mlx-lm's generate_step on the whole model,
+    # on every rank.
+    ours, mlx = report["generate_step"]["pipemlx"], report["generate_step"]["mlx"]
+    for o, m in zip(ours["turns"][::2], mlx["turns"][::2], strict=True):
+        assert [t for t, _ in o] == [t for t, _ in m] and close([[p for _, p in o]], [[p for _, p in m]]), (rank, o, m)
+    assert ours["turns"][1::2] == mlx["turns"][1::2] and ours["histories"] == mlx["histories"], (rank, ours, mlx)
+    assert close(ours["draws"], mlx["draws"]), rank
 
 
 # mlx-lm's BatchGenerator API on the pipeline (tests/ranks/batch.py run_parity): insert's positional order with
@@ -352,7 +409,7 @@ def test_the_generator_answers_mlx_lm_batch_generator_calls_as_mlx_lm_does(scena
     assert all(report["held_ok"]), report["held_ok"]  # all_tokens: what the finished request's cache holds
     assert max(report["busy"]) == 2 and len(report["busy"]) == report["calls"], report["busy"]
     extracted = report["extracted"]  # a copy of request 1's row at 3 tokens; the request went on (tokens above)
-    assert extracted["held"] and extracted["positions"] == extracted["count"] == 17 + 2, extracted
+    assert extracted["held"] and extracted["positions"] == extracted["count"] == 17 + 3, extracted
     assert report["after_close"] == [0, 0] and report["alone"] == report["alone_solo"], report
     for r in reports:
         assert r["holding"] > 0
@@ -402,12 +459,12 @@ def test_removed_requests_hand_back_caches_that_go_on_exactly(
         assert report["finish"] == ["length"] * 3 and report["left"] == 0
 
 
-# Request 0 finishes while request 1 decodes; its next turn (last token + 6 new ones) is inserted on the
+# Request 0 finishes while request 1 decodes; its next turn (6 new tokens) is inserted on the
 # cache its final response carried and joins the batch with request 1 still in it.
 SCENARIOS[2]["follow-up"] = {
     "requests": [{"M": 9, "max_tokens": 5, "insert_at": 0}, {"M": 20, "max_tokens": 14, "insert_at": 0}],
     "remove": [],
-    "steps": 22,
+    "steps": 24,
     "step_size": 8,
     "chunk": 4,
     "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
@@ -420,7 +477,7 @@ def test_a_finished_request_hands_back_its_cache_for_the_next_turn(scenario_repo
     report = reports[0]
     assert report["tokens"] == report["solo"], report
     follow = report["follow_up"]
-    assert follow["positions"] == 9 + 5 - 1, follow  # the prompt and every answer token but the last
+    assert follow["positions"] == 9 + 5, follow  # the prompt and every answer token, the last too (mlx-lm's)
     assert len(set(follow["solo"])) > 2, f"the model repeats itself: the test loses its power: {follow}"
     assert (follow["tokens"], follow["finish"]) == (follow["solo"], "length"), follow
 
@@ -434,7 +491,7 @@ DEAD_ROW_REQUESTS = [
 SCENARIOS[2]["dead rows"] = {
     "requests": DEAD_ROW_REQUESTS,
     "remove": [{"index": 1, "at": 11}],
-    "steps": 17,
+    "steps": 19,
     "step_size": 8,
     "chunk": 32,
     "follow_up": {"of": 0, "M": 6, "max_tokens": 6},
@@ -442,27 +499,27 @@ SCENARIOS[2]["dead rows"] = {
 
 
 def test_finished_rows_left_in_the_batch_leak_into_no_answer(scenario_reports: Reports) -> None:
-    # The four requests join in ticks 2, 4, 5 and 6. Request 0 finishes in tick 6 with 4 rows: its row stays in
-    # the batch caches (1 dead of 4) while its next turn is prefilled, which then takes that row (tick 9).
-    # Request 1, removed before tick 11, leaves a dead row before request 3, which finishes in tick 12 (2 of 4
-    # dead: compacted); then 1 of 2, then none left. Every answer, the next turn's included, equals its solo
-    # run, and each finished request hands back its own row.
+    # The four requests join in ticks 2, 4, 5 and 6 (first tokens in 3, 5, 6, 7). Request 0's closing tick is
+    # tick 7, with 4 rows: its row stays in the batch caches (1 dead of 4) while its next turn is prefilled, which
+    # then takes that row. Request 1, removed before tick 11, leaves a dead row before request 3, whose closing
+    # tick is 13 (2 of 4 dead: compacted); then 1 of 2, then none left. Every answer, the next turn's included,
+    # equals its solo run, and each finished request hands back its own row.
     reports = scenario_reports(2, "dead rows")
     for report in reports:
         assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
     report = reports[0]
     solo, follow = report["solo"], report["follow_up"]
     assert all(len(set(t)) > 2 for t in [*solo, follow["solo"]]), "the model repeats itself: the test loses its power"
-    assert report["first"] == [2, 4, 5, 6], report["first"]
+    assert report["first"] == [3, 5, 6, 7], report["first"]
     for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
         removed_after = 11 - report["first"][i] if i == 1 else None
         assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
-    assert follow["positions"] == 9 + 5 - 1 and (follow["tokens"], follow["finish"]) == (follow["solo"], "length")
-    # Prompt + answer but its last token: requests 0, 2, 3 and the next turn (13 positions + 7 inserted + 6).
-    assert report["handed_back"] == [13, None, 14 + 12 - 1, 11 + 7 - 1, 13 + 7 + 6 - 1], report["handed_back"]
+    assert follow["positions"] == 9 + 5 and (follow["tokens"], follow["finish"]) == (follow["solo"], "length")
+    # Prompt + every answer token (mlx-lm's): requests 0, 2, 3 and the next turn (14 positions + 6 inserted + 6).
+    assert report["handed_back"] == [14, None, 14 + 12, 11 + 7, 14 + 6 + 6], report["handed_back"]
     # Answers per step, and the batch caches' rows after it (dead rows included).
-    assert report["rows"] == [0, 0, 1, 1, 2, 3, 4, 3, 3, 4, 4, 3, 3, 2, 2, 1, 1], report["rows"]
-    assert report["batch_rows"] == [0, 0, 1, 1, 2, 3, 4, 4, 4, 4, 4, 4, 2, 2, 1, 1, 0], report["batch_rows"]
+    assert report["rows"] == [0, 0, 0, 1, 1, 2, 3, 4, 3, 3, 3, 3, 3, 3, 2, 2, 2, 1, 0], report["rows"]
+    assert report["batch_rows"] == [0, 0, 1, 1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 1, 0, 0], report["batch_rows"]
     assert report["left"] == 0
 
 
@@ -539,7 +596,7 @@ for name, world_size in PREFIXED_RUNS:
         "arch": name.split()[0],
         "requests": PREFIXED,
         "remove": [],
-        "steps": 12,
+        "steps": 14,
         "step_size": 8,
         "prefixes": {"1": 16, "2": 24, "3": 8},
     }
@@ -567,7 +624,7 @@ SCENARIOS[2]["memory budget"] = {
     "shard": {"lend": "none"},
     "requests": REQUESTS,
     "remove": [REMOVE],
-    "steps": 30,
+    "steps": 32,
     "step_size": 8,
     "memory_budget": 80 * 768,
 }
@@ -585,8 +642,9 @@ def test_a_request_waits_in_the_queue_until_its_cache_fits_the_memory_budget(sce
         )
         assert (tokens, finish) == expected_tokens(solo[i], [], removed_after), (i, tokens, finish, solo[i])
     last_of_0 = report["first"][0] + REQUESTS[0]["max_tokens"] - 1
-    # Request 2: 5 chunks of 8 on rank 0 from tick 14, the last through rank 1 in tick 19, joins in tick 20.
-    assert report["first"][2] == last_of_0 + 7 == 20, report["first"]
+    # Request 2 starts once request 0's closing tick (14) freed its reservation: 5 chunks of 8 on rank 0 from
+    # tick 15, the last through rank 1 in tick 20, joins in tick 21, its first token in tick 22.
+    assert report["first"][2] == last_of_0 + 8 == 22, report["first"]
     assert max(report["rows"]) == 2 and report["left"] == 0
     assert "would never fit the memory budget" in report["too_big"], report["too_big"]
 
@@ -607,7 +665,7 @@ SCENARIOS[2]["memory budget boundary"] = {
     "shard": {"lend": "none"},
     "requests": BOUNDARY_REQUESTS,
     "remove": [],
-    "steps": 30,
+    "steps": 32,
     "step_size": 8,
     "memory_budget": 32 * 768,
     "boundary_inserts": [[20, 12], [20, 13], [21, 12]],
@@ -630,9 +688,10 @@ def test_the_memory_budget_admits_a_batch_that_fills_it_exactly_and_not_one_posi
     assert max(report["rows"][: last[0] + 1]) == 2, report["rows"]
     assert first[3] > last[2], ("request 3 (17) was admitted beside request 2: 2 x 17 > 32", first)
     assert max(report["rows"][first[2] :]) == 1, report["rows"]
-    # Request 1 (10 positions to prefill: 2 chunks of 8) starts in tick 1 beside request 0 and joins in tick 4;
-    # request 3 starts in tick 19, after request 2's last token (tick 18), and joins in tick 22.
-    assert first == [2, 4, 13, 22], first
+    # Request 1 (10 positions to prefill: 2 chunks of 8) starts in tick 1 beside request 0 and joins in tick 4
+    # (first token in tick 5); request 3 starts in tick 20, after request 2's closing tick (19), and joins in
+    # tick 23 (first token in tick 24).
+    assert first == [3, 5, 14, 24], first
     # Alone: 20 + 12 = 32 positions is queued; 20 + 13 and 21 + 12 (a token more of answer or prompt) are refused.
     queued, *over = report["boundary_inserts"]
     assert queued == "queued", queued
@@ -650,7 +709,7 @@ SCENARIOS[2]["prefill batch size and segments"] = {
         {"M": 17, "max_tokens": 6, "insert_at": 1},
     ],
     "remove": [],
-    "steps": 24,
+    "steps": 26,
     "step_size": 8,
     "chunk": 8,
     "generator": {"prefill_batch_size": 1},
@@ -679,7 +738,7 @@ SCENARIOS[2]["dead rows held back"] = {
     "shard": {"lend": "none"},  # whole layers: the budget's arithmetic counts 768 bytes per position on each rank
     "requests": HELD_BACK_REQUESTS,
     "remove": [],
-    "steps": 20,
+    "steps": 22,
     "step_size": 8,
     "chunk": 32,
     "memory_budget": 100 * 768,
@@ -687,13 +746,14 @@ SCENARIOS[2]["dead rows held back"] = {
 
 
 def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request(scenario_reports: Reports) -> None:
-    # 768 bytes per position, a budget of 100 positions. Requests 0-2 (19, 12 and 23 reserved) decode from
-    # ticks 2-4; request 1 finishes in tick 5 (1 dead row of 3, kept). Request 3 (30 reserved), inserted
-    # before tick 8, fits beside the two live rows (3 x 30) but not beside the dead row too (4 x 30): the dead
-    # row is filtered out in tick 8 and request 3 starts at once, decoding from tick 10 (else from tick 16).
+    # 768 bytes per position, a budget of 100 positions. Requests 0-2 (19, 12 and 23 reserved) join in ticks 2-4
+    # (first tokens in 3-5); request 1's closing tick is tick 6 (1 dead row of 3, kept). Request 3 (30 reserved),
+    # inserted before tick 8, fits beside the two live rows (3 x 30) but not beside the dead row too (4 x 30):
+    # the dead row is filtered out in tick 8 and request 3 starts at once, joining in tick 10.
     report = scenario_reports(2, "dead rows held back")[0]
-    assert report["tokens"] == report["solo"] and report["first"] == [2, 3, 4, 10], report
-    assert report["batch_rows"] == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0], report["batch_rows"]
+    assert report["tokens"] == report["solo"] and report["first"] == [3, 4, 5, 11], report
+    rows = report["batch_rows"]
+    assert rows == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0, 0], rows
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # S=2: -m slow (time budget)
@@ -935,29 +995,29 @@ def test_sliding_window_layer_caches_batch_and_equal_solo_mlx_lm_runs(arch: str)
     assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
 
 
-def test_max_kv_size_makes_rotating_caches_and_refuses_requests_that_would_outgrow_them() -> None:
+def test_max_kv_size_makes_rotating_caches_and_refuses_prompts_that_would_rotate_them() -> None:
     """max_kv_size makes mlx-lm's RotatingKVCache(max_kv_size, keep=4) per layer (qwen3 makes no caches of its
-    own; llama's make_cache ignores max_kv_size in mlx-lm too). mlx-lm's BatchRotatingKVCache has no ``keep``: a
-    request that outgrows max_kv_size loses its first positions in the batch where a solo run keeps them, so
-    its tokens would differ (mlx-lm's own BatchGenerator does differ); such requests are refused."""
+    own; llama's make_cache ignores max_kv_size in mlx-lm too). An answer may outgrow it (the engine loop tests
+    that against mlx-lm); mlx-lm's BatchGenerator prefills in its BatchRotatingKVCache, which has no ``keep``, so a
+    prompt longer than max_kv_size loses its first positions there where pipemlx's prefill (each prompt in its own
+    caches) keeps them: such prompts are refused."""
     from mlx_lm.generate import BatchGenerator as MlxBatchGenerator
 
     whole, model = one_rank("qwen3")
     short, long = (mx.random.randint(0, 256, (n,), key=mx.random.key(n)).tolist() for n in (9, 30))
     engine = pipemlx.BatchGenerator(model, prefill_step_size=8, max_kv_size=16)
     assert engine.max_kv_size == 16
-    (uid,) = engine.insert([short], 8)  # 9 + 8 - 1 = 16 positions at most: it never rotates
+    (uid,) = engine.insert([short], 7)  # 9 + 7 = 16 positions at most, its closing tick's included
     answers = [r for _ in range(12) for r in engine.next()]
-    assert [r.token for r in answers] == solo_tokens(whole, short, 8, 16) and answers[-1].uid == uid
+    assert [r.token for r in answers] == solo_tokens(whole, short, 7, 16) and answers[-1].uid == uid
     cache = answers[-1].prompt_cache
     assert cache is not None and {type(c).__name__ for c in cache} == {"RotatingKVCache"}
-    with pytest.raises(ValueError, match=r"request 1 may grow to 17 positions, past its RotatingKVCache\(max_size=16"):
-        engine.insert([short, short], [8, 9])
-    with pytest.raises(ValueError, match=r"request 0 may grow to no limit .*BatchRotatingKVCache cannot keep"):
-        engine.insert([short], -1)
-    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):
+    engine.remove(engine.insert([short, short], [8, -1]))  # answers that may outgrow it are queued
+    with pytest.raises(ValueError, match=r"request 1's prompt fills 17 positions .*RotatingKVCache\(max_size=16"):
+        engine.insert([short, short * 2], [8, 9])
+    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):
         engine.insert([long], 6)
-    with pytest.raises(ValueError, match="request 0 may grow to 35 positions"):  # a cache given: its own kind
+    with pytest.raises(ValueError, match="request 0's prompt fills 29 positions"):  # a cache given: its own kind
         pipemlx.BatchGenerator(model).insert([long], 6, caches=[make_prompt_cache(model, 16)])
     assert len(engine) == 0
     mlx_engine = MlxBatchGenerator(whole, max_tokens=6, prefill_step_size=8, max_kv_size=16)

@@ -86,6 +86,19 @@ def test_speculative_decoding_matches_plain_mlx_lm(
                 assert row["stop"] == ["length", case["max_tokens"]], (name, row)
                 assert row["offset"] == row["prompt"] + case["max_tokens"], (name, row)
             assert rows[-1]["drift"] < 1e-4, (name, rows[-1])
+            # The documented rule (docs/api.md, generate_step): a rank before the last calls its sampler on the
+            # verification rows only, with what the last rank's sampler got there; the draft's draws (one row
+            # each) are the last rank's alone, as only it runs the proposer.
+            last = rows[-1]["sampler_calls"]
+            for row in rows[:-1]:
+                mine = row["sampler_calls"]
+                assert 0 < len(mine) < len(last), (name, mine, last)
+                rest = iter(last)
+                assert all(call in rest for call in mine), (name, mine, last)  # in order, the same inputs
+                drafts = list(last)
+                for call in mine:
+                    drafts.remove(call)
+                assert drafts and all(rows_ == 1 for rows_, _ in drafts), (name, drafts)
             continue
         if case.get("temp"):
             assert len({tuple(r["tokens"]) for r in rows}) == 1, (name, rows)

@@ -6,7 +6,7 @@ same on every rank, runs the step, hands rank 0 each token through a
 (``--decode-concurrency 1``) runs a whole request per step; its cache ends holding
 every token the request generated, so the next turn of a conversation reuses all
 of it. :class:`Batched` (above 1) runs a tick of the batch per step; a finished
-request hands back its cache holding all but its last token (never fed back).
+request hands back its cache holding every token too (its closing tick fed the last).
 Both end a request at an end-of-sequence token in the step that yields it, on
 every rank alike.
 """
@@ -280,18 +280,18 @@ class Batched:
             prefix.store(tokens[:length], cache, partition)
 
     def _keep_answer(self, request: InBatch, response: Response) -> None:
-        """Keep a finished request's conversation: its prompt and every token but the last (never fed back)."""
+        """Keep a finished request's conversation: its prompt and every token (its closing tick fed the last)."""
         tokens = request.insert.request.tokens + request.generated
-        if response.prompt_cache is None or self.rank.prefix.budget_tokens <= 0 or len(tokens) < 2:
+        if response.prompt_cache is None or self.rank.prefix.budget_tokens <= 0:
             return
-        self.rank.prefix.store(tokens[:-1], response.prompt_cache, request.insert.request.partition)
+        self.rank.prefix.store(tokens, response.prompt_cache, request.insert.request.partition)
 
     def _result(
         self, request: InBatch, outcome: Outcome, agreed: int | None = None, error: BaseException | None = None
     ) -> RequestResult:
         """``agreed``: a request removed in its prefill, the prompt positions every rank holds."""
         tokens, reuse = request.insert.request.tokens, request.insert.plan.reuse
-        cache_tokens = len(tokens) + len(request.generated) - 1 if agreed is None else agreed
+        cache_tokens = len(tokens) + len(request.generated) if agreed is None else agreed  # every returned token fed
         prefilled = len(tokens) - reuse if agreed is None else agreed - reuse
         if outcome == "failed" and error is None:
             error = RuntimeError("the model raised on another rank")

@@ -14,8 +14,8 @@ batch caches' rows, dead ones included) and the positions of each finished reque
 before it is inserted, and only the rest of its prompt is inserted, with that cache. With
 "kill", rank `kill.rank` calls os._exit(3) before step `kill.at`; the survivors report their error. With
 "stall" ({"rank", "at", "seconds"}), that rank stays alive but silent for `seconds` before step `at`, then
-exits with status 3. With "follow_up", when request `of` finishes ("length") its returned prompt_cache is
-inserted at once with its last token and M new tokens: the next turn of a conversation, compared with a
+exits with status 3. With "follow_up", when request `of` finishes ("length") its returned prompt_cache (the
+whole conversation, as mlx-lm's) is inserted at once with M new tokens: the next turn of a conversation, compared with a
 solo run of prompt + answer + new tokens. With "costs", the group's cost model is set to those layer costs
 before the generator is made (instead of calibrating), so equal-cost chunk sizes are known in advance.
 With "default_processors" (mlx-lm make_logits_processors keyword arguments), the generator's default logits
@@ -54,7 +54,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import pipemlx
 from pipemlx.launch import init_group
-from pipemlx.runtime.caches import cache_offset
+from pipemlx.runtime.caches import cache_offset, trim_to
 from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
 from pipemlx.testing import build_model, tiny_config
@@ -202,7 +202,11 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
                     }
                     if cache is not None:  # go on from the handed-back cache: the rest equals the solo run
                         left = requests[index]["max_tokens"] - len(tokens[index])
-                        (uid,) = engine.insert([whole[len(held) :]], [left], caches=[cache])
+                        rest = whole[len(held) :]
+                        if not rest:  # it holds every token returned (as mlx-lm's): feed the last one again
+                            assert trim_to(cache, len(held) - 1)
+                            rest = whole[-1:]
+                        (uid,) = engine.insert([rest], [left], caches=[cache])
                         uid_of[uid] = index
         if kill is not None and kill["rank"] == rank and kill["at"] == step:
             os._exit(3)
@@ -232,12 +236,10 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             if response.prompt_cache is not None:
                 handed_back[uid_of[response.uid]] = cache_offset(response.prompt_cache)
             if follow is not None and uid_of[response.uid] == follow["of"] and response.finish_reason == "length":
-                # The next turn: the answer's last token (never fed back) and new tokens, on the returned cache.
+                # The next turn: new tokens on the returned cache (it holds the whole answer, as mlx-lm's).
                 assert response.prompt_cache is not None
                 kept["positions"] = cache_offset(response.prompt_cache)
-                (uid,) = engine.insert(
-                    [[response.token, *follow_prompt]], [follow["max_tokens"]], caches=[response.prompt_cache]
-                )
+                (uid,) = engine.insert([follow_prompt], [follow["max_tokens"]], caches=[response.prompt_cache])
                 uid_of[uid] = len(requests)
                 tokens[len(requests)] = []
     if error is not None:
@@ -331,12 +333,12 @@ def run_parity(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                     logprobs.append([] if r.logprobs is None else r.logprobs.tolist())  # pyright: ignore[reportArgumentType]
                 if r.finish_reason is not None:
                     finish[i] = r.finish_reason
-                    held_ok[i] = r.all_tokens == prompts[i] + tokens[i][:-1]
+                    held_ok[i] = r.all_tokens == prompts[i] + tokens[i]
             if len(tokens[1]) == 3 and not extracted:
                 ((cache, held),) = engine.extract_cache([uids[1]]).values()
                 extracted = {
                     "positions": None if cache is None else cache_offset(cache),
-                    "held": held == prompts[1] + tokens[1][:-1],
+                    "held": held == prompts[1] + tokens[1],
                     "count": len(held),
                 }
     solo_logprobs = [
@@ -448,6 +450,7 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         tokens: dict[int, list[int]] = {u: [] for u in uids}
         logprobs: dict[int, list[float]] = {u: [] for u in uids}
         finished: dict[int, Any] = {}
+        handed: dict[int, Any] = {}
         calls: list[list[int]] = []
         while responses := generator.next_generated():
             calls.append(sorted(r.uid for r in responses))
@@ -455,17 +458,32 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                 tokens[r.uid].append(r.token)
                 logprobs[r.uid].append(r.logprobs[r.token].item())
                 if r.finish_reason is not None:
+                    handed[r.uid] = (r.prompt_cache, r.all_tokens)
                     finished[r.uid] = [
                         r.finish_reason,
                         [type(c).__name__ for c in r.prompt_cache],
                         [int(c.offset) for c in r.prompt_cache],
                         len(r.all_tokens),
+                        r.all_tokens == prompts[uids.index(r.uid)] + tokens[r.uid],
                     ]
+        # The next turns, on the caches the finished responses handed back (all at once, as an engine would).
+        turns = generator.insert(
+            [[5, 6, 7], [8], [9, 10]],
+            [5, 4, 5],
+            caches=[handed[u][0] for u in uids],
+            all_tokens=[handed[u][1] for u in uids],
+            logits_processors=[[s.processor] for s in seen],
+        )
+        following: dict[int, list[Any]] = {u: [] for u in turns}
+        while responses := generator.next_generated():
+            for r in responses:
+                following[r.uid].append([r.token, r.logprobs[r.token].item()])
         generator.close()
         return {
             "tokens": [tokens[u] for u in uids],
             "logprobs": [logprobs[u] for u in uids],
             "finished": [finished[u] for u in uids],
+            "following": [following[u] for u in turns],
             "calls": calls,
             "histories": [s.histories for s in seen],
             "logits": [s.logits for s in seen],
@@ -525,6 +543,63 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         "after": after,
         "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
         "error": repr(generator.last_error),
+    }
+
+    def continued(step: Any, model: Any) -> dict[str, Any]:
+        """generate_step four times on one prompt_cache (a conversation's turns, the third stopped by its consumer
+        after 3 tokens): tokens, logprobs, the cache's positions after each turn, what the processor and sampler
+        saw."""
+        seen = Seen()
+        cache = make_prompt_cache(model)
+        turns: list[Any] = []
+        for prompt, stop_after in ((prompts[1], None), ([5, 6, 7], None), ([11, 12], 3), ([13], None)):
+            steps = step(
+                mx.array(prompt),
+                model,
+                prompt_cache=cache,
+                max_tokens=5,
+                sampler=seen.sampler,
+                logits_processors=[seen.processor],
+            )
+            got: list[Any] = []
+            for t, lp in steps:  # a consumer that stops early (stream_generate at an end of sequence) too
+                got.append([int(t), lp[int(t)].item()])
+                if len(got) == stop_after:
+                    break
+            steps.close()
+            turns.append(got)
+            turns.append(int(cache[0].offset))
+        return {"turns": turns, "histories": seen.histories, "draws": seen.draws}
+
+    def outgrowing(make: Any) -> dict[str, Any]:
+        """A lone request whose answer outgrows max_kv_size=16 (the batch caches rotate), sampled (the second
+        likeliest token: logprobs on every rank); and one whose prompt alone would."""
+        generator = make(max_kv_size=16, sampler=Seen().sampler)
+        (uid,) = generator.insert([prompt_of(12)], [20])
+        got: list[Any] = []
+        while responses := generator.next_generated():
+            got += [[r.token, r.logprobs[r.token].item(), r.finish_reason] for r in responses if r.uid == uid]
+        try:
+            generator.insert([prompt_of(18)], [4])
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+        generator.close()
+        return {"got": got, "refused": refused}
+
+    def bounded_step(step: Any, model: Any) -> list[Any]:
+        steps = step(mx.array(prompt_of(12)), model, max_tokens=20, max_kv_size=16, sampler=Seen().sampler)
+        return [[int(t), lp[int(t)].item()] for t, lp in steps]
+
+    report["outgrow"] = {
+        "pipemlx": outgrowing(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw)),
+        "mlx": outgrowing(lambda **kw: mlx_generate.BatchGenerator(whole, prefill_step_size=8, **kw)),
+        "pipemlx_step": bounded_step(pipemlx.generate_step, sharded),
+        "mlx_step": bounded_step(generate_step, whole),
+    }
+    report["generate_step"] = {
+        "pipemlx": continued(pipemlx.generate_step, sharded),
+        "mlx": continued(generate_step, whole),
     }
     report["batch_generate"] = {"mlx": batch(whole)}
     original = mlx_generate.BatchGenerator

@@ -103,6 +103,16 @@ def main() -> None:
             mx.random.seed(case["seed"])
         stops = [ref[case["stop_at"]]] if "stop_at" in case else []
         cache = stage_of(model).new_cache(model, case.get("max_kv_size"))
+        calls: list[list[float]] = []  # seeded: each sampler call's rows and its inputs' fingerprint, on this rank
+        if seeded:
+            plain = options["sampler"]
+
+            def recorded(logprobs: mx.array, plain: Any = plain) -> mx.array:
+                head = logprobs[:, :8].astype(mx.float32)
+                calls.append([logprobs.shape[0], round(float(mx.sum(mx.where(head > -1e9, head, 0)).item()), 3)])
+                return plain(logprobs)
+
+            options = {**options, "sampler": recorded}
         stream = pipemlx.generate_step(
             prompt,
             model,
@@ -153,6 +163,7 @@ def main() -> None:
                 "from_draft": from_draft,
                 **{k: v for k, v in seeded.items() if k != "spec_logprobs"},
                 "drift": drift,
+                "sampler_calls": calls,
             }
         )
     print(json.dumps({"rank": group.rank(), "results": results}), flush=True)

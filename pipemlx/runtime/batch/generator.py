@@ -41,7 +41,16 @@ from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from .memory import exchange_admission
-from .requests import BatchRequest, FinishReason, Options, check_settings, checked_requests, fresh_window
+from .requests import (
+    BatchRequest,
+    Decided,
+    FinishReason,
+    Options,
+    bound_of,
+    check_settings,
+    checked_requests,
+    fresh_window,
+)
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
 from .stats import Counters
@@ -50,7 +59,7 @@ from .tick import TickOutcome, TickRunner, TickWork
 
 @dataclass(frozen=True)
 class Response:
-    """One request's token from one :meth:`BatchGenerator.next` tick, the same on every rank.
+    """One request's token from one :meth:`BatchGenerator.next` tick (the tick that feeds it), the same on every rank.
 
     The fields are mlx-lm's ``BatchGenerator`` responses', in its order. ``finish_reason`` is ``None`` while the
     request goes on, ``"length"`` at its ``max_tokens``, ``"stop"`` when ``token`` ends one of its stop sequences, and
@@ -61,10 +70,10 @@ class Response:
     response.
 
     ``prompt_cache`` and ``all_tokens``, on a ``"length"`` or ``"stop"`` response only (as in mlx-lm): this rank's
-    per-layer caches of the finished request, taken out of the batch, and the tokens they hold — its ``all_tokens``
-    given at insert, its prompt and every generated token but this last one, which was never fed back. Pass the cache to
-    :meth:`BatchGenerator.insert` with the next turn's tokens, starting with ``token``, to continue the conversation
-    without prefilling it again.
+    per-layer caches of the finished request, taken out of the batch after its closing tick fed ``token``, and the
+    tokens they hold — its ``all_tokens`` given at insert, its prompt and every generated token, this last one too
+    (what mlx-lm's hold). Pass the cache to :meth:`BatchGenerator.insert` with the next turn's tokens to continue the
+    conversation without prefilling it again.
     """
 
     uid: int
@@ -135,7 +144,9 @@ class BatchGenerator:
 
     ``max_kv_size`` (as mlx-lm's): each request's caches are made with ``make_prompt_cache(model, max_kv_size)``,
     rotating caches that keep the last ``max_kv_size`` positions (a cache passed to :meth:`insert` is used as it is).
-    Admission control still reserves a request's whole length (conservative).
+    An answer may outgrow them (the batch caches rotate, as mlx-lm's); a prompt that would rotate them while it is
+    prefilled is refused (``ValueError``: mlx-lm's prefill keeps none of the first positions pipemlx's keeps).
+    Admission control reserves such a request's bounded size.
 
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
@@ -231,7 +242,9 @@ class BatchGenerator:
         self.prefill_chunk_tokens = chunk
         self.timeout = timeout or self.stage.info.timeout
         self.max_kv_size = max_kv_size
-        self._fresh_kept = fresh_window(self._new_cache(), self.stage)
+        fresh = self._new_cache()
+        self._fresh_kept = fresh_window(fresh, self.stage)
+        self._fresh_bound = bound_of(fresh)
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
         self._requests: dict[int, BatchRequest] = {}  # every request inserted and not yet finished
@@ -324,7 +337,8 @@ class BatchGenerator:
         ``stop_sequences`` is one entry per prompt: mlx-lm's ``StopSequences``, or token ids and sequences of them as
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
         request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
-        model, one that could never fit the memory budget or outgrow its ``max_kv_size``), on every rank alike, before
+        model, one that could never fit the memory budget or whose prompt would rotate its ``max_kv_size`` caches while
+        prefilled), on every rank alike, before
         anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
@@ -352,7 +366,9 @@ class BatchGenerator:
 
     def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
         """Check requests and queue them: the next ticks prefill them."""
-        requests = checked_requests(self, self._next_uid, self._fresh_kept, segments, segmented, options)
+        requests = checked_requests(
+            self, self._next_uid, self._fresh_kept, self._fresh_bound, segments, segmented, options
+        )
         self._next_uid += len(requests)
         self._requests.update((r.uid, r) for r in requests)
         self._plan = enqueue(self._plan, [r.queued for r in requests])
@@ -386,7 +402,7 @@ class BatchGenerator:
         """``{uid: (cache, tokens)}`` of requests that stay in the generator (as mlx-lm's ``extract_cache``).
 
         An active request's cache is a copy of its batch row and ``tokens`` what it holds (``all_tokens``, the prompt,
-        the answer but its last token); a queued request's prefill is under way, so its cache is ``None`` (``tokens``:
+        every token returned so far, as mlx-lm's); a queued request's prefill is under way, so its cache is ``None`` (``tokens``:
         ``all_tokens`` and the prompt positions every rank prefilled). Unknown uids are left out. Nothing is sent.
         """
         found: dict[int, tuple[list[Any] | None, list[int]]] = {}
@@ -416,8 +432,10 @@ class BatchGenerator:
     def next(self) -> list[Response]:
         """Run one tick: a decode step of every active request and one prefill chunk per rank.
 
-        Returns the decode step's :class:`Response` per active request (and an ``"error"`` response per request that
-        failed in the tick); the same on every rank. ``[]`` when nothing is active (with nothing at all to do, nothing
+        Returns a :class:`Response` per active request whose token the last tick decided and this one feeds (as
+        mlx-lm's ``BatchGenerator`` returns a token in the step that feeds it: a request's first tick returns nothing
+        for it, and its closing tick feeds its last token, calls its processors and sampler once more, and hands back
+        its caches), and an ``"error"`` response per request that failed in the tick; the same on every rank. ``[]`` when nothing is active (with nothing at all to do, nothing
         is sent). mlx-lm's ``next`` returns these second, after prompt progress: :meth:`next_generated` is mlx-lm's.
         """
         self.stage.settle(self.timeout)
@@ -533,8 +551,14 @@ class BatchGenerator:
         return tokens
 
     def _responses(self, outcome: TickOutcome) -> list[Response]:
-        """The tick's response per live row, a finished request's caches taken out of the batch, then an
-        ``"error"`` response per failed request."""
+        """The tick's responses, as mlx-lm's ``BatchGenerator`` gives them: each live row's token decided in the
+        last tick (this tick fed it), a finished request's caches taken out of the batch after its closing tick fed
+        its last token; then an ``"error"`` response per failed request.
+
+        A row's token decided in this tick is kept (:attr:`BatchRequest.decided`) for the next tick, which feeds it
+        and returns it. A row in its closing tick (its last token decided) runs its processors and sampler once more,
+        as mlx-lm's step after a request's last token does, and its new token is dropped.
+        """
         failed: set[int] = set(outcome.failed_uids)
         if outcome.failed_decode:
             failed.update(self.active_uids)
@@ -543,19 +567,25 @@ class BatchGenerator:
         for i, request in enumerate(self._rows.requests):
             if request.done or request.uid in failed:
                 continue
-            token = outcome.tokens[i]
-            reason = request.take(token)
-            cache = None if reason is None else self._rows.extract(i)
+            fed, request.decided = request.decided, None
+            if fed is None or fed.reason is None:  # the request goes on: this tick's token is returned next tick
+                token = outcome.tokens[i]
+                reason = request.take(token)
+                logprobs = None if self._logprobs is None or not self.logprobs else self._logprobs[i]
+                request.decided = Decided(token, logprobs, reason)
+            if fed is None:  # its first tick: it fed the prompt's last token
+                continue
+            cache = None if fed.reason is None else self._rows.extract(i)
             if cache is not None:
                 extracted.append(cache)
             responses.append(
                 Response(
                     request.uid,
-                    token,
-                    logprobs=None if self._logprobs is None or not self.logprobs else self._logprobs[i],
-                    finish_reason=reason,
+                    fed.token,
+                    logprobs=fed.logprobs,
+                    finish_reason=fed.reason,
                     prompt_cache=cache,
-                    all_tokens=None if reason is None else request.held,
+                    all_tokens=None if fed.reason is None else request.fed,
                 )
             )
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)

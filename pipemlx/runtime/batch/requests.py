@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
+import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ...schedule.batch_plan import Admission, QueuedPrompt
@@ -20,6 +21,17 @@ from ..stage import PipelineStage
 from ..stops import StopMatcher, Stops, StopSet
 
 FinishReason = Literal["length", "stop", "error"]
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A request's token decided in one tick and returned in the next, the tick that feeds it (as mlx-lm's
+    ``BatchGenerator`` returns a token in the step that feeds it): the token, its log-probabilities (lazy) and why
+    the request ends after it (``None``: it goes on)."""
+
+    token: int
+    logprobs: mx.array | None
+    reason: FinishReason | None
 
 
 @dataclass
@@ -39,14 +51,23 @@ class BatchRequest:
     answer: list[int] = field(default_factory=list[int])  # the tokens generated so far
     filled: int = 0  # prompt positions every rank has prefilled into ``cache``
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
+    decided: Decided | None = None  # the token decided in the last tick: this tick feeds it and returns it
+    window: int | None = None  # every layer cache keeps at most this many positions (rotating caches): its bound
 
     def __post_init__(self) -> None:
         self.prefix = 0 if self.cache is None else counted_offset(self.cache)
 
     @property
     def held(self) -> list[int]:
-        """The tokens an active request's cache holds: ``all_tokens``, the prompt, the answer but its last token."""
+        """The tokens an active request's cache holds between ticks: ``all_tokens``, the prompt and every token
+        returned so far (:attr:`answer` but the token decided in the last tick, which the next tick feeds)."""
         return [*self.before, *self.prompt, *self.answer[:-1]]
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a finished request's cache holds after its closing tick fed its last token: the whole
+        conversation, as mlx-lm's ``BatchGenerator`` hands it back."""
+        return [*self.before, *self.prompt, *self.answer]
 
     @property
     def prefilled_tokens(self) -> list[int]:
@@ -60,8 +81,10 @@ class BatchRequest:
 
     @property
     def reserve(self) -> int:
-        """Cache positions this request may reach: its prompt and every token it may generate."""
-        return max(self.prefix, 0) + len(self.prompt) + max(self.max_tokens, 0)
+        """Cache positions this request may reach: its prompt and every token it may generate (the last one is fed
+        too, by its closing tick), at most its caches' :attr:`window` (rotating caches keep no more)."""
+        whole = max(self.prefix, 0) + len(self.prompt) + max(self.max_tokens, 0)
+        return whole if self.window is None else min(whole, self.window)
 
     @property
     def queued(self) -> QueuedPrompt:
@@ -139,6 +162,7 @@ def checked_requests(
     settings: GeneratorSettings,
     first_uid: int,
     fresh_kept: tuple[int, int] | None,
+    fresh_bound: int | None,
     prompts: Sequence[Sequence[Sequence[int]]],
     segmented: bool,
     options: Options,
@@ -146,7 +170,7 @@ def checked_requests(
     """The requests of an ``insert`` (uids from ``first_uid``); raise ``ValueError`` for a bad one.
 
     ``prompts[i]`` is request ``i``'s prompt in segments (``insert_segments`` when ``segmented``).
-    ``fresh_kept`` is :func:`kept_window` of a new request's caches.
+    ``fresh_kept`` is :func:`kept_window` of a new request's caches, ``fresh_bound`` their :func:`bound_of`.
     """
     segments = [[[int(t) for t in part] for part in request] for request in prompts]
     count = len(segments)
@@ -189,6 +213,7 @@ def checked_requests(
     ]
     for i, request in enumerate(requests):
         _check_window(i, request, fresh_kept if request.cache is None else kept_window(request.cache))
+        request.window = fresh_bound if request.cache is None else bound_of(request.cache)
     if settings.admission is not None:
         _check_admission(requests, settings.admission)
     return requests
@@ -229,18 +254,33 @@ def _check_cache(index: int, cache: object, stage: PipelineStage) -> None:
         raise ValueError(f"caches[{index}] holds caches mlx-lm cannot batch: {kinds}")
 
 
+def bound_of(cache: list[Any]) -> int | None:
+    """The most positions every layer cache of ``cache`` keeps: the smallest ``max_size`` when every one is a
+    ``RotatingKVCache`` (as ``max_kv_size`` makes them on a model without a ``make_cache`` of its own); ``None``
+    when some layer's cache grows without bound."""
+    parts = cache_parts(cache)
+    if not parts or not all(isinstance(c, RotatingKVCache) for c in parts):
+        return None
+    return min(int(getattr(c, "max_size")) for c in parts)
+
+
 def _check_window(index: int, request: BatchRequest, kept: tuple[int, int] | None) -> None:
-    """Refuse a request that could outgrow a ``RotatingKVCache`` keeping its first positions: mlx-lm's batch of
-    them keeps none, so its tokens would differ from a solo run."""
-    if kept is None or (request.max_tokens != -1 and request.reserve - 1 <= kept[0]):
+    """Refuse a request whose prompt would rotate a ``RotatingKVCache`` keeping its first positions while it is
+    prefilled: pipemlx prefills each prompt in its own caches (keeping them), mlx-lm's ``BatchGenerator`` in its
+    batch caches (keeping none), so the tokens would differ. Its answer may outgrow them: the batch caches rotate
+    then, in mlx-lm's batch as in this one."""
+    if kept is None:
         return
     size, keep = kept
-    held = "no limit (max_tokens=-1)" if request.max_tokens == -1 else f"{request.reserve - 1} positions"
+    filled = max(request.prefix, 0) + len(request.prompt) - 1  # the positions prefilled before its first step
+    if filled <= size:
+        return
     raise ValueError(
-        f"request {index} may grow to {held}, past its RotatingKVCache(max_size={size}, keep={keep}) layer "
-        f"caches (max_kv_size makes those): mlx-lm's BatchRotatingKVCache cannot keep their first {keep} "
-        f"positions, so its tokens would differ from a solo run once it outgrows {size}; keep prompt + "
-        f"max_tokens within {size + 1}, or construct the generator without max_kv_size"
+        f"request {index}'s prompt fills {filled} positions before its first token, past its "
+        f"RotatingKVCache(max_size={size}, keep={keep}) layer caches (max_kv_size makes those): pipemlx prefills "
+        f"a prompt in its own caches, which keep their first {keep} positions, where mlx-lm's BatchGenerator "
+        f"prefills in its batch caches, which keep none, so its tokens would differ; keep the prompt within "
+        f"{size + 1} tokens (the answer may outgrow max_kv_size), or construct the generator without max_kv_size"
     )
 
 
