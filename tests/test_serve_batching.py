@@ -174,10 +174,13 @@ def test_a_client_hanging_up_mid_stream_leaves_the_others_exact(
     assert again.choices[0].message.content == ref.answer(ref.chat_tokens(messages), 20)
 
 
-def test_a_server_sharded_with_lent_heads_batches_answers_equal_to_one_process(ref: Reference) -> None:
-    """--lend 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; four
+def test_a_server_sharded_with_lent_heads_and_a_split_vocabulary_batches_answers_equal_to_one_process(
+    ref: Reference,
+) -> None:
+    """--lend 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; --head split: each rank
+    holds its rows of the embedding and head (every tick's embeddings summed and logits gathered from them); four
     clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers."""
-    with serving("--decode-concurrency", str(CONCURRENCY), "--lend", "1") as process:
+    with serving("--decode-concurrency", str(CONCURRENCY), "--lend", "1", "--head", "split") as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
 
         def ask(i: int) -> str:

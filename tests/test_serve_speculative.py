@@ -188,10 +188,11 @@ def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProces
 
 
 def test_prompt_lookup_answers_equal_mlx_lm(ref: Reference) -> None:
-    """``--prompt-lookup 3 --num-draft-tokens auto``: a prompt that repeats a passage, continued as mlx-lm does."""
+    """``--prompt-lookup 3 --num-draft-tokens auto``: a prompt that repeats a passage, continued as mlx-lm does; with
+    ``--head split`` (each rank holds its rows of the embedding and head: the verify passes' logits gathered)."""
     passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
     prompt = f"{OPENING}{passage}\n\n{OPENING}"
-    with serving("--prompt-lookup", "3", "--num-draft-tokens", "auto") as lookup:
+    with serving("--prompt-lookup", "3", "--num-draft-tokens", "auto", "--head", "split") as lookup:
         before = scrape(lookup)
         answer = post(lookup, "completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
         assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 40)

@@ -117,8 +117,8 @@ def test_a_split_is_refused_where_the_logits_are_not_the_plain_head() -> None:
 @pytest.mark.parametrize("rank", [0, 2])
 def test_a_split_rank_keeps_copies_of_its_rows_only(arch: str, quantized: bool, rank: int) -> None:
     """Rank ``rank`` of 3 keeps exactly rows ``[V*r/3, V*(r+1)/3)`` of the embedding (and of an untied head);
-    asked for logits (mlx-lm's decoding), or rank 0 for embeddings it was not given, it refuses (but for a
-    calibration's timing pass, which reads no values)."""
+    in pipemlx's own passes its head gives zeros, never read, and rank 0's embedding zeros in a calibration's
+    timing pass (mlx-lm's forward passes sum and gather across the group: tests/test_vocab_split.py)."""
     whole: Any = build_model(tiny_config(arch), seed=2)
     model: Any = build_model(tiny_config(arch), seed=2)
     if quantized:
@@ -136,10 +136,10 @@ def test_a_split_rank_keeps_copies_of_its_rows_only(arch: str, quantized: bool, 
             if name in original:
                 assert mx.array_equal(split.part[name], original[name][rows.start : rows.stop]).item(), name
     head = model.lm_head if "lm_head" in whole else model.model.embed_tokens.as_linear
-    with pytest.raises(PipelineError, match="head='split'"):  # mlx-lm's decoding would read these logits
-        head(mx.zeros((1, 2, tiny_config(arch)["hidden_size"])))
+    stage = stage_of(model)
+    with stage.without_broadcast():  # pipemlx's own steps read no logits here (they project .part): zeros
+        logits = head(mx.zeros((1, 2, tiny_config(arch)["hidden_size"])))
+        assert logits.shape == (1, 2, vocab) and not mx.any(logits).item()
     if rank == 0:
-        with pytest.raises(PipelineError, match="head='split'"):  # no embeddings summed for these tokens
-            model.model.embed_tokens(mx.array([[1, 2]]))
-        with stage_of(model).detached():  # calibration times the layers on zeros: no embeddings needed
+        with stage.detached():  # calibration times the layers on zeros: no embeddings needed
             assert model.model.embed_tokens(mx.array([[1, 2]])).shape == (1, 2, tiny_config(arch)["hidden_size"])

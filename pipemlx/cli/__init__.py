@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("all", "last", "split"),
         default="all",
         help="load_sharded's head: the output head on every rank, on the last only, or each rank's rows of the "
-        "embedding and head (split: no speculation)",
+        "embedding and head",
     )
     add_speculation_flags(generate)
     add_generate_flags(generate)

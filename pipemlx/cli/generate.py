@@ -185,6 +185,7 @@ def _generate(
         draft_model=draft,
         num_draft_tokens=args.num_draft_tokens,
         prompt_lookup=args.prompt_lookup,
+        logprobs=False,  # never read here: with --head split, greedy steps gather no logits
     )
     for response in responses:
         if response.finish_reason != "stop":

@@ -94,6 +94,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     add_sharding_flags(serve)
     serve.add_argument(
+        "--head",
+        choices=("all", "last", "split"),
+        default="all",
+        help="load_sharded's head: the output head on every rank, on the last only, or each rank's rows of the "
+        "embedding and head",
+    )
+    serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
@@ -616,6 +623,7 @@ def _rank_options(args: argparse.Namespace, parent_pid: int | None = None) -> Ra
         expected_ranks=expected,
         allow_unregistered=args.allow_unregistered,
         lend=args.lend,
+        head=args.head,
         trust_remote_code=args.trust_remote_code,
         adapter_path=args.adapter_path,
     )

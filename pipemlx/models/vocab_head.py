@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,9 +92,11 @@ class SplitEmbedding(nn.Module):
 
     Each rank looks up the tokens it holds (zeros for the others) in :meth:`sum_rows`, a collective every rank calls
     with the same tokens before rank 0's forward pass reads them; the sum across the group is the embeddings, which
-    rank 0 keeps (:meth:`keep`). Called in the forward pass, rank 0 returns the prepared rows; the other ranks (whose first layer
-    replaces its input with the hidden state it receives) zeros. As a linear map (a tied head) it returns zeros
-    where pipemlx never reads them: :attr:`part` projects this rank's rows (:class:`VocabShard.project`).
+    rank 0 keeps (:meth:`keep`). Called in pipemlx's forward passes, rank 0 returns the prepared rows; the other ranks
+    (whose first layer replaces its input with the hidden state it receives) zeros. As a linear map (a tied head) it
+    returns zeros there, never read: :attr:`part` projects this rank's rows (:class:`VocabShard.project`). In mlx-lm's
+    forward passes (``stage.head_needed``: its ``generate_step`` called on every rank alike) it sums the embeddings
+    itself and gathers the whole logits (:func:`gather_logits`).
     """
 
     def __init__(self, part: nn.Module, rows: range, vocab: int, dims: int, dtype: mx.Dtype, first: bool) -> None:
@@ -130,27 +132,44 @@ class SplitEmbedding(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         me = cast(Any, self)
+        stage: Any = me._stage
+        if stage is None:
+            raise_split_head()
+        if stage.head_needed:  # mlx-lm's forward pass, called on every rank with the same tokens
+            return self._summed_now(x, stage)
         if not me._first:
             return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
         prepared: tuple[mx.array, mx.array] | None = me._prepared
-        if prepared is None:
-            stage = me._stage
-            if stage is not None and not stage.head_needed:  # pipemlx's own passes embed first: this one times
-                return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
-            raise_split_head()
-        table, rows = cast(tuple[mx.array, mx.array], prepared)
+        if prepared is None:  # pipemlx's own passes embed first (:meth:`keep`): this one times the layers
+            return mx.zeros((*x.shape, me._dims), dtype=me._dtype)
+        table, rows = prepared
         return rows[mx.maximum(table[x], 0)]
 
+    def _summed_now(self, x: mx.array, stage: Any) -> mx.array:
+        """mlx-lm's forward pass (``generate_step`` / ``stream_generate`` on the sharded model, which call it on
+        every rank with the same tokens): every rank's rows of ``x``'s embeddings summed, evaluated here, before any
+        collective of the pass is built on it, so that every rank runs them in one order; rank 0 reads them, the
+        others' first layers replace them with what they receive."""
+        me = cast(Any, self)
+        summed = self.sum_rows(x, stage.group)
+        mx.eval(summed)  # pyright: ignore[reportUnknownMemberType]
+        return mx.reshape(summed, (*x.shape, me._dims)) if me._first else mx.zeros((*x.shape, me._dims), me._dtype)
+
     def as_linear(self, x: mx.array) -> mx.array:
-        """Zeros in place of logits where pipemlx never reads them (its decodes project :attr:`part`'s rows)."""
-        refuse_split_logits(cast(Any, self)._stage)
-        return mx.zeros((*x.shape[:-1], cast(int, cast(Any, self)._vocab)), dtype=cast(Any, self)._dtype)
+        """The tied head's logits of ``x`` (mlx-lm's forward pass: every rank's rows, gathered); zeros where
+        pipemlx never reads them (its own decodes project :attr:`part`'s rows)."""
+        me = cast(Any, self)
+        if me._stage is not None and me._stage.head_needed:
+            return gather_logits(cast(Any, self.part).as_linear(x), me._vocab, me._stage.group)
+        refuse_split_logits(me._stage)
+        return mx.zeros((*x.shape[:-1], cast(int, me._vocab)), dtype=me._dtype)
 
 
 class SplitHead(nn.Module):
     """An output head (``lm_head``) of which this rank holds only its rows (``head="split"``): :attr:`part`.
 
-    Called in a forward pass it returns zeros where pipemlx never reads them; its decodes project :attr:`part`.
+    Called in pipemlx's forward passes it returns zeros, never read (its decodes project :attr:`part`); in mlx-lm's
+    (``stage.head_needed``) the whole logits gathered from every rank's rows (:func:`gather_logits`).
     """
 
     def __init__(self, part: nn.Module, vocab: int, dtype: mx.Dtype) -> None:
@@ -161,23 +180,39 @@ class SplitHead(nn.Module):
         object.__setattr__(self, "_stage", None)
 
     def __call__(self, x: mx.array) -> mx.array:
-        refuse_split_logits(cast(Any, self)._stage)
-        return mx.zeros((*x.shape[:-1], cast(int, cast(Any, self)._vocab)), dtype=cast(Any, self)._dtype)
+        me = cast(Any, self)
+        if me._stage is not None and me._stage.head_needed:  # mlx-lm's forward pass: every rank's rows, gathered
+            return gather_logits(cast(mx.array, self.part(x)), me._vocab, me._stage.group)
+        refuse_split_logits(me._stage)
+        return mx.zeros((*x.shape[:-1], cast(int, me._vocab)), dtype=me._dtype)
 
 
-def raise_split_head() -> None:
-    """Raise: logits or embeddings were wanted from a model that holds a share of the vocabulary per rank."""
+def gather_logits(local: mx.array, vocab: int, group: mx.distributed.Group) -> mx.array:
+    """The whole vocabulary's logits from every rank's ``local`` ones (its rows' logits of the same hidden states:
+    mlx-lm's forward pass gives every rank the last rank's), lazily: one all-gather of the slices padded to one
+    width, in ``local``'s dtype. A collective every rank's graph holds, evaluated when mlx-lm reads the logits."""
+    world = group.size()
+    if world == 1:
+        return local
+    width = -(-vocab // world)
+    padded = mx.pad(local.astype(mx.float32), [*([(0, 0)] * (local.ndim - 1)), (0, width - local.shape[-1])])
+    everyone = mx.distributed.all_gather(mx.expand_dims(padded, 0), group=group)
+    pieces = [everyone[r, ..., : vocab * (r + 1) // world - vocab * r // world] for r in range(world)]
+    return mx.concatenate(pieces, axis=-1).astype(local.dtype)
+
+
+def raise_split_head() -> NoReturn:
+    """Raise: a split embedding or head was called before :func:`attach_stage` gave it its stage (its group)."""
     raise PipelineError(
-        "this rank holds only its rows of the embedding and the output head (shard_model(..., head='split')): "
-        "decode with pipemlx.generate_step / stream_generate, or shard with head='all' for mlx-lm's generate_step"
+        "this rank holds only its rows of the embedding and the output head (shard_model(..., head='split')), "
+        "and they are not attached to a pipeline stage yet: call the model once shard_model has returned it"
     )
 
 
 def refuse_split_logits(stage: Any) -> None:
-    """Raise unless ``stage`` says the forward pass's logits are not read (pipemlx's own steps)."""
-    if stage is not None and not stage.head_needed:
-        return
-    raise_split_head()
+    """Raise unless ``stage`` exists (then its forward passes whose logits are not read get zeros)."""
+    if stage is None:
+        raise_split_head()
 
 
 def check_splittable(model: nn.Module) -> None:

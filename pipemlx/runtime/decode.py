@@ -143,6 +143,7 @@ class DecodeRun:
     share_logprobs: bool
     stop_tokens: StopSet
     speculation: Speculation
+    logprobs: bool = True  # yield the log-probabilities (False: None on every rank)
     generator: weakref.ref[Generator[Any, None, Any]] | None = None
     cache: list[Any] = field(default_factory=list[Any])
     history: mx.array | None = None
@@ -162,14 +163,10 @@ class DecodeRun:
         self.stops: StopMatcher = self.stop_tokens.matcher()  # where the tokens yielded stand in the stop sequences
         # Greedy, no processors, logprobs kept on the last rank, no guesses: this rank may share the head.
         shard = self.stage.info.vocab_shard
-        # head="split": no rank holds the whole head; every step gathers the logits (see _split_head).
+        # head="split": no rank holds the whole head; every step gathers the logits (see _split_head), unless the
+        # log-probabilities are not wanted: then greedy steps after the first share the head as with head="all".
         self.splits_head = shard is not None and shard.split
-        if self.splits_head and self.speculation.proposer is not None:
-            raise ValueError(
-                "speculative decoding (draft_model / prompt_lookup) does not work on a model sharded with "
-                "head='split' (each rank holds only its rows of the head): shard with head='all' to speculate"
-            )
-        self.may_share_head = shard is not None and not self.splits_head
+        self.may_share_head = shard is not None and (not self.splits_head or not self.logprobs)
         self.may_share_head = self.may_share_head and self.sampler is None and not self.logits_processors
         self.may_share_head = self.may_share_head and not self.share_logprobs and self.speculation.proposer is None
         # A sampler or processors: every rank runs them on the last rank's logits, as one process would call them.
@@ -329,7 +326,7 @@ class DecodeRun:
                         [] if outgoing is None else [mx.distributed.send(outgoing, stage.rank + 1, group=stage.group)]
                     )
                     part = _Part(moved=sent)
-                if self.splits_head:
+                if self.splits_head and not self.shares_head:
                     part, failed = self._split_head(part, inputs, index)
                     if failed is not None:
                         self.deferred, status = self.deferred or failed, Status.FAILED
@@ -384,7 +381,9 @@ class DecodeRun:
         if table.ranks_with(Status.CHUNK_FAILED):
             trim_to(self.cache, offset)  # the failed step is in no cache: undo it on every rank
         logprobs = part.logprobs
-        if self.processing and not stage.is_last and table.statuses[-1] != Status.CHUNK_FAILED:
+        if not self.logprobs:
+            logprobs = None
+        elif self.processing and not stage.is_last and table.statuses[-1] != Status.CHUNK_FAILED:
             logprobs = self._replay(table.payloads[-1], inputs, index)
         elif self.share_logprobs and not stage.is_last:
             logprobs = mx.reshape(mx.array(table.payloads[-1]), (inputs.size, -1))
@@ -466,8 +465,8 @@ class DecodeRun:
     def _build(self, inputs: mx.array, guesses: int) -> _Part:
         """This rank's part of a step, lazily (see :class:`_Part`)."""
         stage = self.stage
-        if self.splits_head and stage.is_last:  # the logits are gathered from every rank's rows: _split_head
-            shard = cast(VocabShard, stage.info.vocab_shard)
+        if self.splits_head and stage.is_last:  # the logits are gathered from every rank's rows (_split_head), or
+            shard = cast(VocabShard, stage.info.vocab_shard)  # each rank's best decides the token (shares_head)
             hidden = shard.hidden(self.model, inputs[None], self.cache)[0]
             self.quantize(self.cache)
             return _Part(moved=[], hidden=hidden)

@@ -69,6 +69,7 @@ def generate_step(
     num_draft_tokens: int | Literal["auto"] = 2,
     prompt_lookup: int | None = None,
     history: Sequence[int] = (),
+    logprobs: bool = True,
 ) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -103,6 +104,9 @@ def generate_step(
     rank's; the other ranks yield ``None`` unless ``share_logprobs`` sends it
     to them too (one vocabulary-sized message per token). Pass a sampler and
     processors on every rank or on none (the prefill's handshake compares it).
+    ``logprobs=False`` (pipemlx's; pass it on every rank): every rank yields ``None`` in place of the
+    log-probabilities; with ``head="split"`` and greedy decoding the whole logits are then never gathered (each
+    rank's best logit and its id decide the token, as with the shared head).
 
     Stops are agreed: when any rank's consumer stops early or its
     ``should_cancel()`` (polled before every token) says yes, every rank's
@@ -164,6 +168,7 @@ def generate_step(
             num_draft_tokens=num_draft_tokens != 2,
             prompt_lookup=prompt_lookup is not None,
             history=len(history) > 0,
+            logprobs=not logprobs,
         )
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -217,6 +222,7 @@ def generate_step(
         share_logprobs=share_logprobs,
         stop_tokens=stops,
         speculation=speculation,
+        logprobs=logprobs,
     )
     prefill = PrefillOptions(
         prefill_step_size=prefill_step_size,
@@ -405,6 +411,7 @@ _PIPEMLX_ONLY = (
     "num_draft_tokens",
     "prompt_lookup",
     "history",
+    "logprobs",
 )
 """generate_step's arguments that mlx-lm's has not: refused (unless at their defaults) on a model that is not sharded."""
 

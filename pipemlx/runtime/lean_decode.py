@@ -27,6 +27,8 @@ def lean_generate_step(
     """
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ValueError(f"max_tokens must be a non-negative int, got {max_tokens!r}")
-    steps = generate_step(prompt, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler)
+    steps = generate_step(
+        prompt, model, prompt_cache=prompt_cache, max_tokens=max_tokens, sampler=sampler, logprobs=False
+    )
     for token, _ in steps:
         yield token

@@ -96,6 +96,7 @@ def run_rank(options: RankOptions) -> int:
             allow_unregistered=options.allow_unregistered,
             context=engine.context,
             lend=options.lend,
+            head=options.head,
             trust_remote_code=options.trust_remote_code,
             adapter_path=options.adapter_path,
         )

@@ -126,6 +126,7 @@ class OneAtATime:
             num_draft_tokens=settings.num_draft_tokens,
             prompt_lookup=settings.prompt_lookup if guess else None,
             history=tokens[: plan.reuse],  # the proposer reads the reused prefix too
+            logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
         )
         try:
             try:
@@ -202,6 +203,7 @@ class Batched:
             prefill_chunk_tokens=step if isinstance(step, int) else DEFAULT_STEP,
             prefill_chunking=settings.prefill_chunking,
             timeout=settings.timeout,
+            logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
         )
         self.requests: dict[int, InBatch] = {}  # by request id
         self.ids: dict[int, int] = {}  # the generator's uid -> request id

@@ -136,6 +136,7 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend: LendSpec = "auto"
+    head: Literal["all", "last", "split"] = "all"  # load_sharded's head (--head)
     trust_remote_code: bool = False
     adapter_path: str | None = None
     """LoRA adapters (``--adapter-path``): each rank keeps its own layers'."""

@@ -109,6 +109,8 @@ class BatchGenerator:
     processors on every rank (ranks that differ raise ``PipelineMismatchError`` naming the payload width).
     ``share_logprobs`` sends the logits in every tick (greedy rows too), so every rank's responses carry
     ``logprobs``: mlx-lm's ``batch_generate(..., return_logprobs=True)`` needs it on the ranks before the last.
+    ``logprobs=False`` (pipemlx's; ``serve`` passes it): every response's ``logprobs`` is ``None``; on a model sharded
+    with ``head="split"`` greedy ticks then share the head (each rank's rows) and never gather the whole logits.
 
     ``prefill_chunk_tokens`` is the size of the prompt chunks computed in a tick while other requests decode: each rank
     adds about one chunk's work to each decode step, so it trades the decoding requests' time between tokens against the
@@ -168,7 +170,14 @@ class BatchGenerator:
             )
         pipemlx_only = sorted(
             name
-            for name in ("prefill_chunk_tokens", "prefill_chunking", "timeout", "memory_budget", "share_logprobs")
+            for name in (
+                "prefill_chunk_tokens",
+                "prefill_chunking",
+                "timeout",
+                "memory_budget",
+                "share_logprobs",
+                "logprobs",
+            )
             if name in kwargs
         )
         if pipemlx_only:
@@ -207,15 +216,10 @@ class BatchGenerator:
         max_kv_size: int | None = None,
         stream: mx.Stream | mx.ThreadLocalStream | mx.Device | None = None,
         share_logprobs: bool = False,
+        logprobs: bool = True,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
-        if self.stage.info.head == "split":
-            raise ValueError(
-                "BatchGenerator does not work on a model sharded with head='split' (each rank holds only its rows "
-                "of the embedding and the head): shard with head='all' or 'last' to batch, or decode with "
-                "pipemlx.generate_step"
-            )
         chunk = prefill_chunk_tokens
         budget = None if memory_budget is None else parse_size(memory_budget)
         sizes = {
@@ -234,6 +238,7 @@ class BatchGenerator:
         self.max_tokens = max_tokens
         self.sampler = sampler
         self.share_logprobs = share_logprobs
+        self.logprobs = bool(logprobs)  # False: every response's logprobs None (head="split": no logits gathered)
         self.logits_processors: tuple[LogitsProcessor, ...] = tuple(logits_processors or ())
         self.prefill_step_size = prefill_step_size
         self.prefill_chunk_tokens = chunk
@@ -456,6 +461,7 @@ class BatchGenerator:
             greedy=self.stage.info.vocab_shard is not None and all_greedy(self._rows.requests, self.sampler),
             processing=self.stage.world_size > 1
             and (self.share_logprobs or not all_greedy(self._rows.requests, self.sampler)),
+            logprobs=self.logprobs,
         )
         self._logprobs = None
         outcome = self._runner.run(work)
@@ -565,7 +571,8 @@ class BatchGenerator:
             if fed is None or fed.reason is None:  # the request goes on: this tick's token is returned next tick
                 token = outcome.tokens[i]
                 reason = request.take(token)
-                request.decided = Decided(token, None if self._logprobs is None else self._logprobs[i], reason)
+                logprobs = None if self._logprobs is None or not self.logprobs else self._logprobs[i]
+                request.decided = Decided(token, logprobs, reason)
             if fed is None:  # its first tick: it fed the prompt's last token
                 continue
             cache = None if fed.reason is None else self._rows.extract(i)

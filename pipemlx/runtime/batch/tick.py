@@ -84,6 +84,7 @@ class TickWork:
     sample: Callable[[mx.array], mx.array]  # logits [R, V] -> token ids [R]
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
     processing: bool = False  # the last rank's logits go to every rank, which samples them too (see the module)
+    logprobs: bool = True  # the responses carry log-probabilities (False: head="split" may share the head)
 
 
 @dataclass(eq=False)
@@ -102,6 +103,33 @@ class TickRunner:
 
     def __post_init__(self) -> None:
         self.vocab_size = vocab_size_of(self.model)
+        shard = self.stage.info.vocab_shard
+        self._splits = shard is not None and shard.split  # head="split": each rank holds its rows of the vocabulary
+
+    def _embed(self, work: TickWork) -> None:
+        """``head="split"``, every rank at the start of a tick: the embeddings of the decode step's inputs and of
+        rank 0's new chunk, summed from every rank's rows and left with rank 0's embedding (a collective)."""
+        stage, tick = self.stage, work.tick
+        new = tick.chunks[0]
+        tokens = [*(work.inputs if work.rows else []), *([] if new is None else work.chunk_tokens(new))]
+        if tokens:
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            describe = lambda: f"{stage.describe()} embedding batch tick {tick.index}'s tokens"  # noqa: E731
+            shard.embed(mx.array(tokens, dtype=mx.int32), stage.group, self.timeout, describe)
+
+    def _split_logits(self, work: TickWork, hidden: mx.array | None, failed: bool) -> mx.array:
+        """``head="split"``, every rank once the tick's messages are out: the batch's whole logits ``[rows,
+        vocabulary]`` from every rank's rows (:meth:`VocabShard.logits`, two all-gathers, the last rank's final
+        hidden states ``hidden``; zeros where its decode failed). The last rank samples them; with a sampler or
+        processors the others sample their own copy as the last rank did (nothing more travels)."""
+        stage = self.stage
+        shard = cast(VocabShard, stage.info.vocab_shard)
+        if hidden is None or failed:
+            hidden = mx.zeros((work.rows, shard.hidden_size), dtype=mx.float32)
+        describe = lambda: f"{stage.describe()} gathering batch tick {work.tick.index}'s logits"  # noqa: E731
+        logits = shard.logits(hidden, stage.group, self.timeout, describe)
+        self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
+        return logits
 
     def drop(self, uids: set[int]) -> None:
         """Forget a held chunk of a removed request (its input was already taken off the wire)."""
@@ -113,15 +141,21 @@ class TickRunner:
         stage, tick = self.stage, work.tick
         failed_decode = False
         failed_uid = -1
+        gathered_logits: mx.array | None = None  # head="split": the batch's whole logits, on every rank
         try:
             with send_mode(self.model, "queue"), stage.executing_plan(), mx.stream(stage.compute_stream):
                 tokens = mx.zeros((work.rows,), dtype=mx.float32)  # the last rank's sampled tokens
                 logits: mx.array | None = None  # the last rank's, for the others to sample (work.processing)
                 mine = tick.chunks[stage.rank]
+                if self._splits:  # head="split": rank 0's embeddings of the tick's decode inputs and new chunk
+                    self._embed(work)
                 held = self._take_held(mine)
                 if held is not None:  # 1. the chunk received last tick
                     self._issue(self._chunk_results(held), tick.index, "computing the chunk it received")
-                sharing = self.shares_head and work.rows > 0  # decided in the last tick, alike on every rank
+                # Decided in the last tick, alike on every rank. head="split" shares only where no logprobs are
+                # wanted (the whole logits are then never gathered: each rank's best decides each row's token).
+                split_shares = not work.logprobs and not work.processing and work.greedy
+                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares)
                 self.shared_ticks += sharing
                 hidden: mx.array | None = None
                 if work.rows:  # 2. the decode step
@@ -151,6 +185,16 @@ class TickRunner:
                     self.held, failed = self._build_chunk(coming, work)
                     if failed:
                         failed_uid = coming.uid
+                if self._splits and work.rows and not sharing:  # after every message of the tick, as below
+                    gathered_logits = self._split_logits(work, hidden, failed_decode)
+                    if stage.is_last and not failed_decode:
+                        try:
+                            tokens, logits = work.sample(gathered_logits).astype(mx.float32), gathered_logits
+                        except Exception as exc:  # a processor or sampler raised: the decode failed here
+                            if not _is_model_error(exc):
+                                raise
+                            self._note(exc)
+                            failed_decode = True
                 status = Status.OK if failed_uid < 0 and not failed_decode else Status.CHUNK_FAILED
                 values = {
                     "tick": tick.index,
@@ -169,7 +213,7 @@ class TickRunner:
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
                     payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
-                if work.processing and work.rows:  # last, after the tokens and the shared head's pairs
+                if work.processing and work.rows and not self._splits:  # last, after the tokens and the pairs
                     width = work.rows * self.vocab_size
                     payload.append(mx.zeros((width,)) if logits is None else mx.reshape(logits, (-1,)))
                 gathered = gather(TICK.row(values, status, payload), stage.group)
@@ -194,21 +238,27 @@ class TickRunner:
             ) from exc
         self.shares_head = greedy and work.rows > 0
         if work.processing and work.rows and stage.world_size > 1:
-            outcome = self._sample_here(work, table, outcome)
+            outcome = self._sample_here(work, table, outcome, gathered_logits)
         return outcome
 
-    def _sample_here(self, work: TickWork, table: Table, outcome: TickOutcome) -> TickOutcome:
+    def _sample_here(
+        self, work: TickWork, table: Table, outcome: TickOutcome, gathered: mx.array | None = None
+    ) -> TickOutcome:
         """Every rank before the last samples the last rank's logits with the rows' own processors and samplers, as
         the last rank did (their log-probabilities are this rank's responses'; the tokens stay the last rank's);
-        then every rank says whether that raised. If it raised anywhere, the decode failed on every rank alike."""
+        then every rank says whether that raised. If it raised anywhere, the decode failed on every rank alike.
+        ``gathered``: the logits every rank holds already (``head="split"``), else the last rank's in ``table``."""
         stage = self.stage
         ok = 1
         if not stage.is_last and not outcome.failed_decode:
             width = work.rows * self.vocab_size
             try:
                 with mx.stream(stage.compute_stream):
-                    logits = mx.array(table.payloads[-1][-width:], dtype=mx.float32)
-                    logits = mx.reshape(logits, (work.rows, -1)).astype(self.logits_dtype)
+                    if gathered is not None:
+                        logits = gathered
+                    else:
+                        logits = mx.array(table.payloads[-1][-width:], dtype=mx.float32)
+                        logits = mx.reshape(logits, (work.rows, -1)).astype(self.logits_dtype)
                     sampled = work.sample(logits)
                 wait_for(sampled, self.timeout, lambda: f"{stage.describe()} sampling batch tick {work.tick.index}")
             except Exception as exc:  # a processor or sampler of this rank raised: the decode failed here
@@ -244,6 +294,11 @@ class TickRunner:
         ``sharing``) the final hidden states, whose share of the head every rank applies; (last rank) the logits."""
         stage = self.stage
         inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
+        if self._splits and stage.is_last:  # the logits come from every rank's rows: _split_logits
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            self.stage.received.clear()
+            hidden = shard.hidden(self.model, inputs, work.batch_cache)[:, -1, :]
+            return mx.zeros((work.rows,), dtype=mx.float32), hidden, None
         if sharing and stage.is_last:
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
