@@ -169,7 +169,6 @@ def test_tied_embedding_counts_on_every_rank() -> None:
     assert plan_split(tied, 3).split == (2, 2, 2)
 
 
-
 def test_sizes_print_in_decimal_units_from_their_first_whole_unit() -> None:
     cases = {
         0: "0 B",
@@ -231,7 +230,9 @@ def test_a_rank_filled_exactly_fits_and_the_error_names_the_fullest_rank() -> No
         "[2, 2] still puts rank 1 at 260 B, over its 200 B"
     )
     tied = ModelBytes(layers=(100,) * 4, embedding=50, head=60, tied=True)
-    with pytest.raises(MemoryPlanError, match=r"60 B of norm/head and rank 0 and every other rank the 50 B embedding\."):
+    with pytest.raises(
+        MemoryPlanError, match=r"60 B of norm/head and rank 0 and every other rank the 50 B embedding\."
+    ):
         plan_split(tied, 2, [300, 300])
     with pytest.raises(ValueError) as wrong:
         plan_split(model, 2, [300])
@@ -291,6 +292,7 @@ def test_plan_with_rules_is_the_best_allowed_contiguous_split(
     else:
         assert plan_layers(layers, fixed, budgets, recorded) == expected
     assert all(0 <= start < stop <= len(layers) and 0 <= rank < len(budgets) for rank, start, stop in seen)
+
 
 @pytest.fixture(scope="module")
 def saved_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
