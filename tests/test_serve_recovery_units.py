@@ -232,10 +232,10 @@ def test_a_resumed_request_one_at_a_time_continues_mlx_lms_seeded_text(drawn: in
 
     config = tiny_config("llama")
     prompt, seed, total = [5, 17, 3, 99, 42], 1234, 10
-    sampling = SamplingParams(temperature=1.5, top_p=0.95, seed=seed)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)  # below 1: a check of "> 1" would skip none
     reference = build_model(config, seed=3)
     mx.random.seed(seed)
-    steps = mlx_lm_generate_step(mx.array(prompt), reference, sampler=make_sampler(1.5, top_p=0.95))
+    steps = mlx_lm_generate_step(mx.array(prompt), reference, sampler=make_sampler(0.9, top_p=0.95))
     theirs = [int(token) for (token, _), _ in zip(steps, range(total))]
     assert len(set(theirs)) > 3, theirs  # sampled: a key skipped or not changes what follows
     group = mx.distributed.init()
@@ -246,3 +246,38 @@ def test_a_resumed_request_one_at_a_time_continues_mlx_lms_seeded_text(drawn: in
     sink = TokenSink()
     result = OneAtATime(rank).run(Insert(request), sink)
     assert sink.tokens == theirs[drawn:] and result.outcome == "length", result
+
+
+def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt_as_mlx_lm() -> None:
+    """One process, ``OneAtATime``: a second request reusing the first one's cached prompt runs its penalties'
+    processors over the whole prompt (the reused part is in the cache, not passed to ``generate_step``), as
+    mlx-lm's ``generate_step`` does over the whole prompt."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    import pipemlx
+    from pipemlx.serve.prefix_cache import PrefixCache
+    from pipemlx.serve.rank import Rank
+    from pipemlx.serve.schedulers import OneAtATime
+    from pipemlx.testing import build_model, tiny_config
+
+    config = tiny_config("llama")
+    looping = [7, 30, 31, 228, 80, 8, 209, 8, 80, 8, 209, 8, 80]  # the model's own greedy text: it repeats itself
+    first, second, total = looping, [*looping, 8, 100, 101], 8  # the first request generates 8: reused too
+    penalties = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "frequency_penalty": 0.7}
+    processors = make_logits_processors(**penalties)  # context sizes 20, as the request's defaults
+    steps = mlx_lm_generate_step(mx.array(second), build_model(config, seed=5), logits_processors=processors)
+    theirs = [int(token) for (token, _), _ in zip(steps, range(total))]
+    plain = mlx_lm_generate_step(mx.array(second), build_model(config, seed=5))
+    assert theirs != [int(token) for (token, _), _ in zip(plain, range(total))]  # the penalties change the text
+    group = mx.distributed.init()
+    rank = Rank(pipemlx.shard_model(build_model(config, seed=5), group), None, group, EngineSettings())
+    rank.prefix = PrefixCache(1000)
+    scheduler = OneAtATime(rank)
+    scheduler.run(Insert(Request(1, first, 1)), None)
+    plan = rank.prefix.plan(second)
+    assert plan.reuse == len(first) + 1  # the first request's prompt and its token (the model's next) are reused
+    sampling = SamplingParams(**penalties)
+    sink = TokenSink()
+    result = scheduler.run(Insert(Request(2, second, total, sampling), plan), sink)
+    assert sink.tokens == theirs and result.cached == plan.reuse, result
