@@ -8,7 +8,9 @@ failing kills it. ``tests/mutate.sh --survivors`` uses it, after tests were adde
 
 ``MUTATE_IN_PROCESS=1``: every mutant's pytest run in this one process (``pytest.main`` again and again, the
 mutant chosen by ``MUTANT_UNDER_TEST``, which mutmut's trampolines read at each call): no interpreter, MLX and test
-collection start-up per mutant, for a loaded machine. Module-level state of the tests is shared between the runs.
+collection start-up per mutant, for a loaded machine. Module-level state of the tests is shared between the runs,
+and a mutant applied at import time (a module-level call of the mutated function) is not seen: check those without
+it. ``MUTATE_TIMEOUT_S`` (default 60) bounds each mutant's run (a timeout kills it, as in mutmut).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +43,20 @@ def in_process(tests: list[str], names: list[str]) -> None:
     os.environ.setdefault("HYPOTHESIS_PROFILE", "mutate")
     import pytest
 
+    def too_long(signum: int, frame: object) -> None:
+        raise TimeoutError("the mutant's tests ran past MUTATE_TIMEOUT_S")  # fails the test: killed, as mutmut's
+
+    signal.signal(signal.SIGALRM, too_long)
     for name in names:
         os.environ["MUTANT_UNDER_TEST"] = name
-        with contextlib.redirect_stdout(io.StringIO()):
-            code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *tests])
+        signal.alarm(int(os.environ.get("MUTATE_TIMEOUT_S", "60")))  # a mutated loop may never end
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-m", "not slow", *tests])
+        except TimeoutError:
+            code = 1
+        finally:
+            signal.alarm(0)
         record(name, 0 if code == 0 else 1, Path("."))
 
 
