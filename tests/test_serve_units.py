@@ -265,6 +265,8 @@ def test_the_prefix_cache_picks_the_longest_shared_prefix_of_the_partition_and_c
     assert cache.plan([1, 2, 3, 4, 5], partition="other") == PrefixReuse(entry=1, reuse=4, copy=False)
     assert cache.plan([1, 2, 7]) == PrefixReuse(entry=2, reuse=2, copy=True)  # a tie: the least recently used
     assert cache.plan([5, 6]) == PrefixReuse() and (cache.hits, cache.misses) == (4, 2)
+    assert not cache.store([1, 2, 8], kv(3))  # held by this partition's entry 2, after "other"'s entry 1
+    assert PrefixCache(5).store([1, 2, 3, 4, 5], kv(5))  # exactly the budget: kept
     exact = PrefixCache(budget_tokens=40, cut_back=False)
     assert exact.store([9, 9, 9, 9], kv(4)) and exact.store([1, 2, 3, 4, 5, 6], kv(6))
     assert exact.plan([1, 2, 3, 4]) == PrefixReuse()  # the entry cannot be cut back to 4 tokens
