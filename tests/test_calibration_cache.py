@@ -330,3 +330,24 @@ def test_store_writes_beside_its_file_and_the_same_key_in_any_order_gives_the_sa
     first = target.read_bytes()
     calibration_cache.store("stage", {"model": {"dims": 8, "layers": 4}, "split": [2, 2]}, {"a": 2.0, "b": 1.0})
     assert target.read_bytes() == first and len(moved) == 2
+
+
+def test_the_stage_key_names_what_the_module_documents() -> None:
+    """The key stored in every file, field by field (the module's docstring lists them): the environment, the
+    model's configuration and quantization, the split, the world size, the hidden size, the activation dtype,
+    what the calibration times, and what each cut lends. A field renamed would silently orphan every stored file."""
+    from fakes import FakeGroup
+
+    config = tiny_config("llama", num_hidden_layers=4)
+    model = pipemlx.shard_model(build_model(config, seed=1), FakeGroup(1, 2), lend="mlp")  # type: ignore[arg-type]
+    key = calibrate.stage_key(model, stage_of(model))
+    assert {k: v for k, v in key.items() if k not in ("config", "settings", "lending")} == {
+        **calibration_cache.environment(),
+        "quantization": [],
+        "split": [2, 2],
+        "world_size": 2,
+        "hidden_size": config["hidden_size"],
+        "dtype": "mlx.core.float32",
+    }
+    assert key["config"]["hidden_size"] == config["hidden_size"] and key["config"]["num_hidden_layers"] == 4
+    assert key["settings"]["lengths"] == calibrate.CALIBRATION_LENGTHS and key["lending"][:2] == [True, 0]
