@@ -84,6 +84,8 @@ def test_rows_carry_integer_or_float_payloads_and_read_back_exactly() -> None:
     assert table.statuses == [Status.FAILED, Status.CHUNK_FAILED] and not table.all_ok
     assert table.ranks_with(Status.CHUNK_FAILED) == (1,) and table.ranks_with(Status.OK, Status.FAILED) == (0,)
     assert table.last("failed_chunk") == -7 and table.message is PAIR
+    three = PAIR.read(gathered(*(PAIR.row({"step": 1, "failed_chunk": c}) for c in (5, 6, 7))), 3, "here")
+    assert three.last("failed_chunk") == 7  # the last rank's, of any number
     plain = PAIR.read(gathered(PAIR.row({"step": 1}), PAIR.row({"step": 1}, Status.OK)), 2, "here")
     assert plain.all_ok and plain.payloads == [[], []] and plain.ranks_with(Status.CANCEL) == ()
     counted = TOKENS.read(TOKENS.row({"count": 2}, payload=[mx.array([8, 9])]), 1, "x")
