@@ -267,6 +267,10 @@ def test_the_prefix_cache_picks_the_longest_shared_prefix_of_the_partition_and_c
     assert cache.plan([5, 6]) == PrefixReuse() and (cache.hits, cache.misses) == (4, 2)
     assert not cache.store([1, 2, 8], kv(3))  # held by this partition's entry 2, after "other"'s entry 1
     assert PrefixCache(5).store([1, 2, 3, 4, 5], kv(5))  # exactly the budget: kept
+    lru = PrefixCache(8)
+    assert lru.store([1, 1, 1, 1], kv(4)) and lru.store([2, 2, 2, 2], kv(4)) and list(lru.entries) == [1, 2]  # 8 of 8
+    assert not lru.store([1, 1], kv(2))  # held by entry 1, which becomes the most recently used
+    assert lru.store([3, 3, 3], kv(3)) and list(lru.entries) == [1, 3]  # the least recently used (2) goes
     exact = PrefixCache(budget_tokens=40, cut_back=False)
     assert exact.store([9, 9, 9, 9], kv(4)) and exact.store([1, 2, 3, 4, 5, 6], kv(6))
     assert exact.plan([1, 2, 3, 4]) == PrefixReuse()  # the entry cannot be cut back to 4 tokens
