@@ -246,6 +246,7 @@ def test_a_resumed_request_one_at_a_time_continues_mlx_lms_seeded_text(drawn: in
     sink = TokenSink()
     result = OneAtATime(rank).run(Insert(request), sink)
     assert sink.tokens == theirs[drawn:] and result.outcome == "length", result
+    assert (result.prefilled, result.generated, result.cached) == (len(prompt) + drawn, total - drawn, 0)
 
 
 def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt_as_mlx_lm() -> None:
@@ -280,4 +281,6 @@ def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt
     sampling = SamplingParams(**penalties)
     sink = TokenSink()
     result = scheduler.run(Insert(Request(2, second, total, sampling), plan), sink)
-    assert sink.tokens == theirs and result.cached == plan.reuse, result
+    assert sink.tokens == theirs and result.cached == plan.reuse and result.prefilled == len(second) - plan.reuse, (
+        result
+    )
