@@ -284,3 +284,7 @@ def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt
     assert sink.tokens == theirs and result.cached == plan.reuse and result.prefilled == len(second) - plan.reuse, (
         result
     )
+    again = rank.prefix.plan(second)  # no penalties this time, the prefix reused all the same
+    assert (
+        again.reuse == len(second) - 1 and scheduler.run(Insert(Request(3, second, 2), again), None).outcome == "length"
+    )
