@@ -177,3 +177,51 @@ def test_an_exchange_in_a_group_of_one_reads_its_own_row() -> None:
         group, mx.default_stream(mx.default_device()), {"step": 4}, status=Status.END, timeout=10.0, where="w", who="me"
     )
     assert table["step"] == [4] and table.statuses == [Status.END] and table["failed_chunk"] == [0]
+
+
+class Planned:
+    """What a handshake compares of a plan (a PrefillPlan, or an auto-step request)."""
+
+    num_tokens = 37
+    step_size = 8
+
+    def fingerprint(self) -> int:
+        return 2**31 - 5
+
+
+def test_a_handshake_and_an_agreement_in_a_group_of_one_send_this_ranks_values() -> None:
+    """One rank holding the whole model: every value the handshake sends reads back as given, the layer range is
+    the whole model (contiguous), and an agreement point carries its step and failed chunk."""
+    import pipemlx
+    from pipemlx.runtime.agreement import agree_on_step, handshake
+    from pipemlx.runtime.stage import stage_of
+    from pipemlx.testing import build_model, tiny_config
+
+    config = tiny_config("llama")
+    model = pipemlx.shard_model(build_model(config, seed=2), mx.distributed.init())
+    stage = stage_of(model)
+    table = handshake(stage, Planned(), Status.OK, 10.0, 11, 3, 12, decode_settings(True, False), 13)
+    layers = config["num_hidden_layers"]
+    assert {name: values[0] for name, values in table.columns.items()} == {
+        "kind": int(Kind.HANDSHAKE),
+        "status": 0,
+        "payload": 0,
+        "calibration": 11,
+        "prior": 12,
+        "num_tokens": 37,
+        "prefill_step_size": 8,
+        "plan_fingerprint": 2**31 - 5,
+        "total_layers": layers,
+        "hidden_size": config["hidden_size"],
+        "dtype": dtype_code(mx.float32),
+        "decode_settings": 2,
+        "lend_mlp": 0,
+        "lend_heads": 0,
+        "cache_offset": 3,
+        "speculation": 13,
+        "layer_start": 0,
+        "layer_stop": layers,
+    }
+    closed = agree_on_step(stage, 4, Status.CHUNK_FAILED, 10.0, failed_chunk=2)
+    assert (closed["step"], closed["failed_chunk"], closed.statuses) == ([4], [2], [Status.CHUNK_FAILED])
+    assert agree_on_step(stage, 5, Status.OK, 10.0)["failed_chunk"] == [-1]
