@@ -225,3 +225,43 @@ def test_a_handshake_and_an_agreement_in_a_group_of_one_send_this_ranks_values()
     closed = agree_on_step(stage, 4, Status.CHUNK_FAILED, 10.0, failed_chunk=2)
     assert (closed["step"], closed["failed_chunk"], closed.statuses) == ([4], [2], [Status.CHUNK_FAILED])
     assert agree_on_step(stage, 5, Status.OK, 10.0)["failed_chunk"] == [-1]
+    plain = handshake(stage, Planned(), Status.CANCEL, 10.0)  # what the optional fields default to
+    names = ("calibration", "prior", "decode_settings", "cache_offset", "speculation")
+    assert [plain[name] for name in names] == [[0]] * 5 and plain.statuses == [Status.CANCEL]
+
+
+@pytest.mark.parametrize(
+    "ranges,message",
+    [
+        ([(0, 2), (2, 4)], None),
+        ([(0, 2), (3, 4)], "rank 0: 0..1, rank 1: 3..3"),
+        ([(1, 2), (2, 4)], "rank 0: 1..1, rank 1: 2..3"),
+        ([(0, 2), (2, 3)], "rank 0: 0..1, rank 1: 2..2"),
+        ([(0, 1), (1, 2), (2, 4)], None),
+        ([(0, 1), (2, 3), (3, 4)], "rank 0: 0..0, rank 1: 2..2, rank 2: 3..3"),
+    ],
+)
+def test_the_handshake_names_layer_ranges_that_do_not_split_the_model(
+    monkeypatch: pytest.MonkeyPatch, ranges: list[tuple[int, int]], message: str | None
+) -> None:
+    """Every rank's layer range as the handshake gathers them (the rows of several ranks of a 4-layer model, made
+    here): they must follow each other from layer 0 to the last, else every rank raises naming each range."""
+    import pipemlx
+    from pipemlx.runtime import agreement
+    from pipemlx.runtime.stage import stage_of
+    from pipemlx.testing import build_model, tiny_config
+
+    rows = [HANDSHAKE.header({"total_layers": 4, "layer_start": a, "layer_stop": b}) for a, b in ranges]
+
+    class Gathered:
+        def exchange(self, *args: object, **kwargs: object) -> object:
+            return HANDSHAKE.read(gathered(*rows), len(rows), "the handshake")
+
+    monkeypatch.setattr(agreement, "HANDSHAKE", Gathered())
+    model = pipemlx.shard_model(build_model(tiny_config("llama"), seed=2), mx.distributed.init())
+    if message is None:
+        agreement.handshake(stage_of(model), Planned(), Status.OK, 10.0)
+        return
+    with pytest.raises(PipelineMismatchError) as error:
+        agreement.handshake(stage_of(model), Planned(), Status.OK, 10.0)
+    assert str(error.value) == f"layer ranges do not split 4 layers contiguously: {message}"
