@@ -17,7 +17,8 @@ or ``$PIPEMLX_HYPOTHESIS_DB``, and replayed first on the next run. A failure pri
   million actions). About 20 minutes on the 2-core machine; run it by hand:
   ``HYPOTHESIS_PROFILE=thorough pytest tests/test_properties.py tests/test_mutations.py --hypothesis-show-statistics``.
 - ``mutate``: 20 examples per test, for ``tests/mutate.sh`` (every mutant reruns the tests over its function;
-  the examples that killed earlier mutants are replayed first from the database).
+  the examples that killed earlier mutants are replayed first from the database); no shrinking: a mutant needs
+  one failing example, and shrinking and explaining one took minutes on the loaded machine.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hypothesis import HealthCheck, event, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
@@ -61,6 +62,7 @@ settings.register_profile(  # tests/mutate.sh: each mutant reruns the tests over
     "mutate",
     max_examples=20,
     deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],  # a mutant needs one failure, not its smallest example
     suppress_health_check=[HealthCheck.too_slow],
     print_blob=True,
     derandomize=False,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing (not in CI): mutmut mutates the modules that pyproject.toml's [tool.mutmut] names (the step
 # protocol and agreement, stops, speculation, the prefill plan, sampling, the prefix cache, the calibration key,
-# the split planners, the Hub file selection) and runs, for each mutant, the one-process tests that execute the
+# the split planners, the Hub file selection, calibrate's stage key, recovery's resume in serve/schedulers.py: pick
+# their functions by name) and runs, for each mutant, the one-process tests that execute the
 # mutated function. tests/README.md holds the score per module and the accepted survivors.
 #
 #   bash tests/mutate.sh                              # every module (hours on a 2-core machine)
@@ -9,6 +10,7 @@
 #   MUTATE_CHILDREN=2 bash tests/mutate.sh ...        # more workers (default 1: it runs niced beside other work)
 #   MUTATE_TESTS="tests/test_stops.py" bash tests/mutate.sh --survivors 'pipemlx.runtime.stops.*'
 #                                                     # after adding tests: the survivors again, one pytest each
+#   MUTATE_IN_PROCESS=1 ...  --survivors ...           # the same in one process (fast; not for import-time mutants)
 #
 # Afterwards: `mutmut show NAME` prints a mutant's diff, `mutmut results` lists the survivors; the score per
 # module is printed at the end. The mutants/ folder caches results: delete it after changing the tests.

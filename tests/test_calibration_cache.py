@@ -286,3 +286,68 @@ def test_figures_are_finite_non_negative_numbers_of_the_length_asked() -> None:
         (None, None),
     ):
         assert calibration_cache.figures(bad, length) is None, (bad, length)
+
+
+def test_a_models_args_that_json_cannot_hold_enter_the_key_as_text() -> None:
+    """An argument of a type JSON has no spelling for (a path, a tuple's nested object) is keyed by its text
+    rather than failing the calibration."""
+
+    class Args:
+        def __init__(self) -> None:
+            self.path = Path("/models/m")
+            self.layers = 2
+            self.rope = {"kind": Path("x")}
+
+    class Model:
+        args = Args()
+
+    assert calibration_cache.model_config(Model()) == {"layers": 2, "path": "/models/m", "rope": {"kind": "x"}}
+
+
+def test_store_writes_beside_its_file_and_the_same_key_in_any_order_gives_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The temporary file lies in the cache folder (``os.replace`` is atomic only within one file system; one made
+    in the system's temporary folder fails to move on another, and the figures would silently not be kept),
+    named after its file and ending ``.tmp`` (a writer's leftover says which file it was for). The file is the
+    sorted JSON of the entry: two ranks (or runs) storing one key write the same bytes."""
+    monkeypatch.setenv(calibration_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    moved: list[tuple[Path, Path]] = []
+    replace = calibration_cache.os.replace
+
+    def recorded(source: Any, target: Any) -> None:
+        moved.append((Path(source), Path(target)))
+        replace(source, target)
+
+    monkeypatch.setattr(calibration_cache.os, "replace", recorded)
+    key = {"split": [2, 2], "model": {"layers": 4, "dims": 8}}
+    calibration_cache.store("stage", key, {"b": 1.0, "a": 2.0})
+    ((source, target),) = moved
+    assert target == calibration_cache.cache_path("stage", key) and source.parent == target.parent == tmp_path
+    assert source.name.startswith(target.name) and source.name.endswith(".tmp") and source != target
+    expected = json.dumps({"key": key, "kind": "stage", "value": {"a": 2.0, "b": 1.0}}, sort_keys=True)
+    assert target.read_text(encoding="utf-8") == expected
+    first = target.read_bytes()
+    calibration_cache.store("stage", {"model": {"dims": 8, "layers": 4}, "split": [2, 2]}, {"a": 2.0, "b": 1.0})
+    assert target.read_bytes() == first and len(moved) == 2
+
+
+def test_the_stage_key_names_what_the_module_documents() -> None:
+    """The key stored in every file, field by field (the module's docstring lists them): the environment, the
+    model's configuration and quantization, the split, the world size, the hidden size, the activation dtype,
+    what the calibration times, and what each cut lends. A field renamed would silently orphan every stored file."""
+    from fakes import FakeGroup
+
+    config = tiny_config("llama", num_hidden_layers=4)
+    model = pipemlx.shard_model(build_model(config, seed=1), FakeGroup(1, 2), lend="mlp")  # type: ignore[arg-type]
+    key = calibrate.stage_key(model, stage_of(model))
+    assert {k: v for k, v in key.items() if k not in ("config", "settings", "lending")} == {
+        **calibration_cache.environment(),
+        "quantization": [],
+        "split": [2, 2],
+        "world_size": 2,
+        "hidden_size": config["hidden_size"],
+        "dtype": "mlx.core.float32",
+    }
+    assert key["config"]["hidden_size"] == config["hidden_size"] and key["config"]["num_hidden_layers"] == 4
+    assert key["settings"]["lengths"] == calibrate.CALIBRATION_LENGTHS and key["lending"][:2] == [True, 0]

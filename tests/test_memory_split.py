@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
+    format_plan,
     format_size,
     parse_size,
     plan_layers,
@@ -89,14 +91,22 @@ def test_heavy_layers_are_balanced_by_bytes_not_count() -> None:
     assert plan_layers([1, 1, 1, 1, 1, 1, 6], [0, 0], [1, 1]) == (6, 1)
 
 
-def brute_force(layer_bytes: list[int], fixed: list[int], budgets: list[int]) -> tuple[int, ...]:
-    """Every contiguous split; the smallest sorted loads, ties to the smallest last ranks."""
+def brute_force(
+    layer_bytes: list[int],
+    fixed: list[int],
+    budgets: list[int],
+    allowed: Callable[[int, int, int], bool] | None = None,
+) -> tuple[int, ...]:
+    """Every contiguous split (that ``allowed`` allows every rank's part of); the smallest sorted loads, ties to
+    the smallest last ranks; ``()`` when none is allowed."""
     n, world = len(layer_bytes), len(budgets)
     best: tuple[tuple[float, ...], tuple[int, ...]] | None = None
     answer: tuple[int, ...] = ()
     for cuts in itertools.combinations(range(1, n), world - 1):
         bounds = (0, *cuts, n)
         sizes = tuple(bounds[r + 1] - bounds[r] for r in range(world))
+        if allowed is not None and not all(allowed(r, bounds[r], bounds[r + 1]) for r in range(world)):
+            continue
         loads = tuple(
             sorted(
                 ((fixed[r] + sum(layer_bytes[bounds[r] : bounds[r + 1]])) / budgets[r] for r in range(world)),
@@ -157,6 +167,131 @@ def test_tied_embedding_counts_on_every_rank() -> None:
     assert [tied.fixed(r, 3) for r in range(3)] == [35, 35, 35]
     assert plan_split(untied, 3).split == (1, 3, 2)  # loads 45, 35, 25 (as good as 1, 2, 3; fewer on the last)
     assert plan_split(tied, 3).split == (2, 2, 2)
+
+
+def test_sizes_print_in_decimal_units_from_their_first_whole_unit() -> None:
+    cases = {
+        0: "0 B",
+        999: "999 B",
+        1000: "1.00 KB",
+        999_999: "1000.00 KB",
+        10**6: "1.00 MB",
+        1_234_567: "1.23 MB",
+        999_999_999: "1000.00 MB",
+        10**9: "1.00 GB",
+        24 * 10**9 + 5 * 10**7: "24.05 GB",
+        10**12: "1.00 TB",
+        5_500 * 10**12: "5500.00 TB",
+        -2_000: "-2.00 KB",
+    }
+    assert {n: format_size(n) for n in cases} == cases
+
+
+def test_one_byte_is_a_size_and_an_unreadable_one_names_the_units() -> None:
+    assert parse_size("1") == 1 and parse_size(1) == 1
+    with pytest.raises(ValueError) as error:
+        parse_size("12 parsecs")
+    assert str(error.value) == (
+        "cannot read memory size '12 parsecs': expected a number with an optional unit "
+        "(B, K, KB, M, MB, G, GB, T, TB, KIB, MIB, GIB, TIB), e.g. '24GB' or '16GiB'"
+    )
+
+
+def test_the_plan_prints_as_a_table_with_the_models_bytes() -> None:
+    """The table ``pipemlx split`` prints, written out by hand: rank 0 holds layers 0-2 (600 B) and the 50 B
+    embedding with the 60 B head, 710 B of its 800 B (88.75%); rank 1 layer 3 and the head."""
+    untied = ModelBytes(layers=(100, 200, 300, 400), embedding=50, head=60, tied=False)
+    assert format_plan(plan_split(untied, 2, [800, 600])) == (
+        "rank  layers  count  layer bytes  fixed bytes  total  budget  share\n"
+        "0     0-2         3        600 B        110 B  710 B   800 B  88.8%\n"
+        "1     3-3         1        400 B         60 B  460 B   600 B  76.7%\n"
+        "model: 4 layers, 1.11 KB (embedding 50 B, norm/head 60 B); split [3, 1]"
+    )
+    tied = ModelBytes(layers=(1500,) * 3, embedding=2_000_000, head=1234, tied=True)
+    assert format_plan(plan_split(tied, 3)) == (
+        "rank  layers  count  layer bytes  fixed bytes    total  budget  share\n"
+        "0     0-0         1      1.50 KB      2.00 MB  2.00 MB       -      -\n"
+        "1     1-1         1      1.50 KB      2.00 MB  2.00 MB       -      -\n"
+        "2     2-2         1      1.50 KB      2.00 MB  2.00 MB       -      -\n"
+        "model: 3 layers, 2.01 MB (embedding 2.00 MB, norm/head 1.23 KB, tied); split [1, 1, 1]"
+    )
+
+
+def test_a_rank_filled_exactly_fits_and_the_error_names_the_fullest_rank() -> None:
+    model = ModelBytes(layers=(100,) * 4, embedding=50, head=60, tied=False)
+    assert [p.total for p in plan_split(model, 2, [310, 260]).ranks] == [310, 260]  # exactly full: fits
+    # Split [2, 2] over budgets [300, 200]: rank 0 at 310 B (103%), rank 1 at 260 B (130%): rank 1 is named,
+    # though rank 0 holds more bytes.
+    with pytest.raises(MemoryPlanError) as error:
+        plan_split(model, 2, [300, 200])
+    assert str(error.value) == (
+        "the model does not fit: 510 B in 4 layers (largest layer 100 B) over budgets ['300 B', '200 B'] "
+        "(sum 500 B); every rank also holds 60 B of norm/head and rank 0 the 50 B embedding. The best split "
+        "[2, 2] still puts rank 1 at 260 B, over its 200 B"
+    )
+    tied = ModelBytes(layers=(100,) * 4, embedding=50, head=60, tied=True)
+    with pytest.raises(
+        MemoryPlanError, match=r"60 B of norm/head and rank 0 and every other rank the 50 B embedding\."
+    ):
+        plan_split(tied, 2, [300, 300])
+    with pytest.raises(ValueError) as wrong:
+        plan_split(model, 2, [300])
+    assert str(wrong.value) == "1 budgets for 2 ranks"
+    for rank in (-1, 2):
+        with pytest.raises(ValueError) as outside:
+            model.fixed(rank, 2)
+        assert str(outside.value) == f"rank {rank} is outside a group of 2"
+
+
+def test_bad_plan_layers_arguments_are_named() -> None:
+    for layers, fixed, budgets, message in (
+        ([1, 2], [0, 0], [1, 0], "budgets must be positive, got [1, 0]"),
+        ([1, 2], [0, 0], [1, -2], "budgets must be positive, got [1, -2]"),
+        ([1, -2], [0, 0], [1, 1], "layer bytes must not be negative, got -2"),
+        ([1, 2], [0], [1, 1], "fixed lists 1 ranks but budgets list 2"),
+    ):
+        with pytest.raises(ValueError) as error:
+            plan_layers(layers, fixed, budgets)
+        assert str(error.value) == message
+
+
+def allowed_by(salt: int, spread: int) -> Callable[[int, int, int], bool]:
+    """A made-up rule that rules out some (rank, start, stop) placements, depending on all three."""
+    return lambda rank, start, stop: (salt + 7 * rank + 3 * start + 5 * stop) % spread != 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), min_size=1, max_size=8).flatmap(
+        lambda layers: st.tuples(
+            st.just(layers),
+            st.integers(1, len(layers)).flatmap(
+                lambda world: st.lists(st.integers(1, 40), min_size=world, max_size=world)
+            ),
+        )
+    ),
+    st.integers(0, 10),
+    st.integers(2, 5),
+)
+def test_plan_with_rules_is_the_best_allowed_contiguous_split(
+    case: tuple[list[int], list[int]], salt: int, spread: int
+) -> None:
+    layers, budgets = case
+    allowed = allowed_by(salt, spread)
+    seen: list[tuple[int, int, int]] = []
+
+    def recorded(rank: int, start: int, stop: int) -> bool:
+        seen.append((rank, start, stop))
+        return allowed(rank, start, stop)
+
+    fixed = [0] * len(budgets)
+    expected = brute_force(layers, fixed, budgets, allowed)
+    if not expected:
+        with pytest.raises(MemoryPlanError, match=f"no split of {len(layers)} layers over {len(budgets)} ranks"):
+            plan_layers(layers, fixed, budgets, recorded)
+    else:
+        assert plan_layers(layers, fixed, budgets, recorded) == expected
+    assert all(0 <= start < stop <= len(layers) and 0 <= rank < len(budgets) for rank, start, stop in seen)
 
 
 @pytest.fixture(scope="module")

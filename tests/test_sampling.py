@@ -43,6 +43,17 @@ def test_greedy_and_log_probabilities_are_mlx_lms() -> None:
     assert mx.allclose(mx.logsumexp(log_probabilities(logits), axis=-1), mx.zeros((4,)), atol=1e-5).item()
 
 
+def test_greedy_and_log_probabilities_work_over_the_last_axis_of_any_shape() -> None:
+    """Per row means over the last axis, as mlx-lm's greedy sampler (``make_sampler(0.0)``) and softmax take it,
+    for a vector and for ``[batch, positions, vocabulary]`` (mlx-lm's speculative steps) alike."""
+    theirs = make_sampler(0.0)
+    for shape in ((VOCAB,), (2, 3, VOCAB), (VOCAB, VOCAB)):
+        logits = 3 * mx.random.normal(shape, key=mx.random.key(7))
+        assert greedy(logits).tolist() == theirs(logits).tolist(), shape
+        softmax = mx.log(mx.softmax(logits.astype(mx.float32), axis=-1))
+        assert mx.allclose(log_probabilities(logits), softmax, atol=1e-5).item(), shape
+
+
 def test_processors_run_in_order_on_the_tokens_so_far() -> None:
     context = mx.array([3, 7, 7, 11])
     logits = logits_of(1, seed=1)

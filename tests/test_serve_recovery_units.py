@@ -198,3 +198,93 @@ def test_bad_input_across_hosts_exits_2_with_one_line(
     assert code == 2, err
     assert words in err and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if "error" in line]) == 1, err
+
+
+class TokenSink:
+    """Collects the tokens a scheduler streams (rank 0's part of serving)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def progress(self, request_id: int, processed: int, total: int) -> None:
+        pass
+
+    def should_cancel(self, request_id: int) -> bool:
+        return False
+
+    def token(self, request_id: int, token: int) -> bool:
+        self.tokens.append(token)
+        return False
+
+
+@pytest.mark.parametrize("drawn", [0, 1, 4])
+def test_a_resumed_request_one_at_a_time_continues_mlx_lms_seeded_text(drawn: int) -> None:
+    """``--max-concurrency 1`` (:class:`OneAtATime`), one process: a sampled request resumed after ``drawn`` tokens,
+    which joined its prompt, draws what mlx-lm's ``generate_step`` under the same seed draws after them (#51: one
+    key too few skipped went unnoticed where every recovery test ran at 4)."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    import pipemlx
+    from pipemlx.serve.rank import Rank
+    from pipemlx.serve.schedulers import OneAtATime
+    from pipemlx.testing import build_model, tiny_config
+
+    config = tiny_config("llama")
+    prompt, seed, total = [5, 17, 3, 99, 42], 1234, 10
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)  # below 1: a check of "> 1" would skip none
+    reference = build_model(config, seed=3)
+    mx.random.seed(seed)
+    steps = mlx_lm_generate_step(mx.array(prompt), reference, sampler=make_sampler(0.9, top_p=0.95))
+    theirs = [int(token) for (token, _), _ in zip(steps, range(total))]
+    assert len(set(theirs)) > 3, theirs  # sampled: a key skipped or not changes what follows
+    group = mx.distributed.init()
+    model = pipemlx.shard_model(build_model(config, seed=3), group)
+    rank = Rank(model, None, group, EngineSettings(prefill_step_size=4))
+    request = Request(7, prompt, total, sampling).resumed(theirs[:drawn])
+    assert request.drawn == drawn
+    sink = TokenSink()
+    result = OneAtATime(rank).run(Insert(request), sink)
+    assert sink.tokens == theirs[drawn:] and result.outcome == "length", result
+    assert (result.prefilled, result.generated, result.cached) == (len(prompt) + drawn, total - drawn, 0)
+
+
+def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt_as_mlx_lm() -> None:
+    """One process, ``OneAtATime``: a second request reusing the first one's cached prompt runs its penalties'
+    processors over the whole prompt (the reused part is in the cache, not passed to ``generate_step``), as
+    mlx-lm's ``generate_step`` does over the whole prompt."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    import pipemlx
+    from pipemlx.serve.prefix_cache import PrefixCache
+    from pipemlx.serve.rank import Rank
+    from pipemlx.serve.schedulers import OneAtATime
+    from pipemlx.testing import build_model, tiny_config
+
+    config = tiny_config("llama")
+    looping = [7, 30, 31, 228, 80, 8, 209, 8, 80, 8, 209, 8, 80]  # the model's own greedy text: it repeats itself
+    first, second, total = looping, [*looping, 8, 100, 101], 8  # the first request generates 8: reused too
+    penalties = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "frequency_penalty": 0.7}
+    processors = make_logits_processors(**penalties)  # context sizes 20, as the request's defaults
+    steps = mlx_lm_generate_step(mx.array(second), build_model(config, seed=5), logits_processors=processors)
+    theirs = [int(token) for (token, _), _ in zip(steps, range(total))]
+    plain = mlx_lm_generate_step(mx.array(second), build_model(config, seed=5))
+    assert theirs != [int(token) for (token, _), _ in zip(plain, range(total))]  # the penalties change the text
+    group = mx.distributed.init()
+    rank = Rank(pipemlx.shard_model(build_model(config, seed=5), group), None, group, EngineSettings())
+    rank.prefix = PrefixCache(1000)
+    scheduler = OneAtATime(rank)
+    scheduler.run(Insert(Request(1, first, 1)), None)
+    plan = rank.prefix.plan(second)
+    assert plan.reuse == len(first) + 1  # the first request's prompt and its token (the model's next) are reused
+    sampling = SamplingParams(**penalties)
+    sink = TokenSink()
+    result = scheduler.run(Insert(Request(2, second, total, sampling), plan), sink)
+    assert sink.tokens == theirs and result.cached == plan.reuse and result.prefilled == len(second) - plan.reuse, (
+        result
+    )
+    again = rank.prefix.plan(second)  # no penalties this time, the prefix reused all the same
+    assert (
+        again.reuse == len(second) - 1 and scheduler.run(Insert(Request(3, second, 2), again), None).outcome == "length"
+    )

@@ -27,7 +27,7 @@ from pipemlx.serve.broadcast import (
 )
 from pipemlx.serve.loop import share_entries
 from pipemlx.serve.openai_api import ApiError, StopText, parse_chat, parse_completion
-from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse
+from pipemlx.serve.prefix_cache import PrefixCache, PrefixReuse, common_prefix
 from pipemlx.serve.requests import Request, RequestResult, SamplingParams, from_json, to_json
 
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -244,6 +244,39 @@ def test_an_entry_one_token_longer_than_the_reuse_is_cut_by_that_token() -> None
     copied = cache.checkout(plan, lambda: kv(0))
     assert [c.offset for c in copied] == [4, 4] and cache.entries[1].cache[0].offset == 5
     assert copied[1].state[0][..., :4, :].reshape(-1).tolist() == [1000, 1001, 1002, 1003]
+
+
+def test_the_prefix_cache_picks_the_longest_shared_prefix_of_the_partition_and_counts_hits() -> None:
+    """Written out by hand: which entry a prompt reuses, how much of it, and the hit and miss counts the health
+    endpoint reports; a cache that cannot cut entries back reuses only entries the prompt extends."""
+    assert [common_prefix(a, b) for a, b in (([1, 2], [3, 4]), ([1, 2, 3], [1, 2]), ([], [1]), ([4, 5], [4, 6]))] == [
+        0,
+        2,
+        0,
+        1,
+    ]
+    cache = PrefixCache(budget_tokens=40)
+    assert cache.plan([1, 2, 3]) == PrefixReuse() and (cache.hits, cache.misses) == (0, 1)
+    assert cache.store([1, 2, 3, 4], kv(4), partition="other")  # another partition's entry, seen first
+    assert cache.store([1, 2, 8, 8, 8], kv(5))
+    assert cache.store([1, 2, 3, 9], kv(4))
+    assert cache.plan([1, 9, 9]) == PrefixReuse(entry=2, reuse=1, copy=True)  # one token shared is reused
+    assert cache.plan([1, 2, 3, 4, 5]) == PrefixReuse(entry=3, reuse=3, copy=True)  # "other"'s 4 are not this one's
+    assert cache.plan([1, 2, 3, 4, 5], partition="other") == PrefixReuse(entry=1, reuse=4, copy=False)
+    assert cache.plan([1, 2, 7]) == PrefixReuse(entry=2, reuse=2, copy=True)  # a tie: the least recently used
+    assert cache.plan([5, 6]) == PrefixReuse() and (cache.hits, cache.misses) == (4, 2)
+    assert not cache.store([1, 2, 8], kv(3))  # held by this partition's entry 2, after "other"'s entry 1
+    assert PrefixCache(5).store([1, 2, 3, 4, 5], kv(5))  # exactly the budget: kept
+    lru = PrefixCache(8)
+    assert lru.store([1, 1, 1, 1], kv(4)) and lru.store([2, 2, 2, 2], kv(4)) and list(lru.entries) == [1, 2]  # 8 of 8
+    assert not lru.store([1, 1], kv(2))  # held by entry 1, which becomes the most recently used
+    assert lru.store([3, 3, 3], kv(3)) and list(lru.entries) == [1, 3]  # the least recently used (2) goes
+    exact = PrefixCache(budget_tokens=40, cut_back=False)
+    assert exact.store([9, 9, 9, 9], kv(4)) and exact.store([1, 2, 3, 4, 5, 6], kv(6))
+    assert exact.plan([1, 2, 3, 4]) == PrefixReuse()  # the entry cannot be cut back to 4 tokens
+    assert exact.plan([1, 2, 3, 4, 5, 6]) == PrefixReuse()  # nor to all but the prompt's last token
+    assert exact.plan([1, 2, 3, 4, 5, 6, 7]) == PrefixReuse(entry=2, reuse=6, copy=False)  # extended: taken whole
+    assert exact.plan([3]) == PrefixReuse() and (exact.hits, exact.misses) == (1, 3)
 
 
 def test_a_missing_entry_starts_from_an_empty_cache() -> None:

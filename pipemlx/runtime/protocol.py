@@ -248,8 +248,8 @@ def decode_settings(share_logprobs: bool, processing: bool) -> int:
 
 
 def dtype_code(dtype: mx.Dtype | None) -> int:
-    """``dtype`` as the handshake sends it."""
-    return DTYPES.index(dtype) + 1 if dtype in DTYPES else 0
+    """``dtype`` as the handshake sends it (``None``, unknown: 0; MLX's dtypes cannot be compared with ``None``)."""
+    return DTYPES.index(dtype) + 1 if dtype is not None and dtype in DTYPES else 0
 
 
 def _dtype_name(code: int) -> object:
