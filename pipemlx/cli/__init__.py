@@ -40,6 +40,7 @@ from .common import (
     DEFAULT_TIMEOUT,
     DefaultsFormatter,
     UserError,
+    add_head_flag,
     add_prefill_step_flag,
     add_renamed_flags,
     add_sharding_flags,
@@ -104,13 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, help="sampling seed (default: none, as mlx-lm)")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text and tables")
     add_sharding_flags(generate)
-    generate.add_argument(
-        "--head",
-        choices=("all", "last", "split"),
-        default="all",
-        help="load_sharded's head: the output head on every rank, on the last only, or each rank's rows of the "
-        "embedding and head",
-    )
+    add_head_flag(generate)
     add_speculation_flags(generate)
     add_generate_flags(generate)
     add_adapter_flag(generate)

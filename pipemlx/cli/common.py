@@ -208,6 +208,17 @@ def add_sharding_flags(parser: argparse.ArgumentParser, flags: Sequence[str] = t
         add_renamed_flags(parser, ["--lend-mlp", "--lend-heads"])
 
 
+def add_head_flag(parser: argparse.ArgumentParser) -> None:
+    """``--head``: ``load_sharded``'s ``head`` (one flag for generate, serve and split)."""
+    parser.add_argument(
+        "--head",
+        choices=("all", "last", "split"),
+        default="all",
+        help="load_sharded's head: the output head on every rank (default), on the last only, or each rank's share "
+        "of the vocabulary's rows of the embedding and head",
+    )
+
+
 def in_launched_rank() -> bool:
     """True when a launcher (pipemlx's, ``mlx.launch``, ``mpirun``) started this process as a rank."""
     return any(name in os.environ for name in RANK_VARIABLES)

@@ -40,6 +40,7 @@ from .common import (
     DEFAULT_TIMEOUT,
     DefaultsFormatter,
     UserError,
+    add_head_flag,
     add_prefill_step_flag,
     add_renamed_flags,
     add_sharding_flags,
@@ -93,13 +94,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--rank", type=int, help="with --hostfile: this process's rank (default: found by address)")
     serve.add_argument("--split", type=layer_counts, help="layers per rank, like 6,2 (default: even)")
     add_sharding_flags(serve)
-    serve.add_argument(
-        "--head",
-        choices=("all", "last", "split"),
-        default="all",
-        help="load_sharded's head: the output head on every rank, on the last only, or each rank's rows of the "
-        "embedding and head",
-    )
+    add_head_flag(serve)
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )

@@ -30,7 +30,7 @@ from ..schedule.memory_split import (
     resolve_budgets,
 )
 from ..schedule.split import resolve_split
-from .common import DefaultsFormatter, add_renamed_flags
+from .common import DefaultsFormatter, add_head_flag, add_renamed_flags
 
 EXIT_DOES_NOT_FIT = 2
 EXIT_USAGE = 2
@@ -106,13 +106,7 @@ def main(argv: list[str], prog: str = "pipemlx split") -> int:
     )
     parser.add_argument("--split", help="layers per rank (6,2): show that split instead of planning one")
     parser.add_argument("--speeds", help="per-rank speeds (3,1): a balanced split, layers in proportion")
-    parser.add_argument(
-        "--head",
-        choices=("all", "last", "split"),
-        default="all",
-        help="output head on every rank (default), the last only, or each rank's share of the vocabulary's rows of "
-        "the embedding and head (load_sharded(head='split'))",
-    )
+    add_head_flag(parser)
     parser.add_argument(
         "--fused-attention",
         action="store_true",

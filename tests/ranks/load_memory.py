@@ -76,15 +76,9 @@ def main() -> None:
 
     prompt = mx.random.randint(0, int(model.args.vocab_size), (spec["prompt"],), key=mx.random.key(5)).astype(mx.int32)
     cache = make_prompt_cache(model)
-    if head == "split":
-        steps = pipemlx.generate_step(
-            prompt, model, prompt_cache=cache, prefill_step_size=spec["step"], max_tokens=spec["max_tokens"]
-        )
-        tokens = [int(t) for t, _ in steps]
-    else:
-        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
-        steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])
-        tokens = [int(t) for t, _ in steps]
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
+    steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])  # mlx-lm's own
+    tokens = [int(t) for t, _ in steps]
     settle(group)
     report: dict[str, Any] = {
         "rank": stage.rank,

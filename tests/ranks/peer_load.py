@@ -61,15 +61,9 @@ def main() -> None:
             os._exit(3)
     prompt = mx.array(spec["prompt"], dtype=mx.int32)
     cache = make_prompt_cache(model)
-    if spec.get("head") == "split":  # mlx-lm's generate_step refuses a split head
-        steps = pipemlx.generate_step(
-            prompt, model, prompt_cache=cache, max_tokens=spec["max_tokens"], prefill_step_size=spec["step"]
-        )
-        tokens = [int(t) for t, _ in steps]
-    else:
-        pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
-        steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])
-        tokens = [int(t) for t, _ in steps]
+    pipemlx.pipeline_prefill(model, prompt, cache, prefill_step_size=spec["step"])
+    steps = generate_step(prompt[-1:], model, prompt_cache=cache, max_tokens=spec["max_tokens"])  # mlx-lm's own
+    tokens = [int(t) for t, _ in steps]
     mx.synchronize(generation_stream)
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group))
     folders = sorted(
