@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,6 +175,25 @@ def existing(name: str) -> list[str]:
     """The network namespaces whose names start with ``name``."""
     listed = ip("netns", "list").stdout.split("\n")
     return [line.split()[0] for line in listed if line.startswith(name)]
+
+
+def finish_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for every process until one shared deadline, kill those still running (a test never hangs), and
+    return each one's ``(returncode, stdout, stderr)``."""
+    end = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    for p in procs:
+        p.kill()
+    return [(p.wait(), *p.communicate()) for p in procs]
+
+
+def every_stderr(results: list[tuple[int, str, str]]) -> str:
+    """Each rank's exit status and the end of its stderr, for an assertion's message."""
+    return "\n".join(f"--- rank {r} (status {code}):\n{err[-2000:]}" for r, (code, _, err) in enumerate(results))
 
 
 def run_namespaced_ranks(

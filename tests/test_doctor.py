@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import namespace_hosts, skip_unless_available
+from netns import finish_all, namespace_hosts, skip_unless_available
 
 import pipemlx
 from pipemlx.errors import PipelineError
@@ -168,16 +168,7 @@ def run_on_hosts(count: int, tmp_path: Path, *, cut: int | None = None, odd_vers
                     [*hosts.prefix(r), *env, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
                 )
             )
-        try:
-            for p in procs:
-                p.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                p.kill()
-        outputs = [p.communicate() for p in procs]
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+        return finish_all(procs, 180)
 
 
 @pytest.fixture

@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import SUBNET, existing, ip, namespace_hosts, run_namespaced_ranks, skip_unless_available
+from netns import (
+    SUBNET,
+    every_stderr,
+    existing,
+    finish_all,
+    ip,
+    namespace_hosts,
+    run_namespaced_ranks,
+    skip_unless_available,
+)
 from test_equivalence import check_reports
 
 from pipemlx.launch import free_ports, launch
@@ -248,19 +257,8 @@ def test_generate_with_a_hostfile_across_namespace_hosts(needs_namespaces: None,
             )
             for r in range(2)
         ]
-        try:
-            for p in procs:
-                p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                p.kill()
-        outputs = [p.communicate() for p in procs]
-    stderr = "\n".join(
-        f"--- rank {r} (status {p.returncode}):\n{err[-2000:]}" for r, (p, (_, err)) in enumerate(zip(procs, outputs))
-    )
-    assert [p.returncode for p in procs] == [0, 0], stderr
-    report = json.loads(outputs[0][0])
+        results = finish_all(procs, 120)
+    assert [code for code, _, _ in results] == [0, 0], every_stderr(results)
+    report = json.loads(results[0][1])
     assert [[f["layer_start"], f["layer_stop"]] for f in report["per_rank"]] == [[0, 4], [4, 8]]
     assert report["tokens"] == reference_tokens(prompt, 4, 12)

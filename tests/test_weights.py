@@ -426,7 +426,7 @@ def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Pat
     import subprocess
     import sys
 
-    from netns import namespace_hosts, skip_unless_available
+    from netns import every_stderr, finish_all, namespace_hosts, skip_unless_available
 
     skip_unless_available()
     root = Path(__file__).resolve().parent.parent
@@ -449,20 +449,10 @@ def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Pat
             )
             for r in range(3)
         ]
-        try:
-            for p in procs:
-                p.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                p.kill()
-        outputs = [p.communicate() for p in procs]
-    stderr = "\n".join(
-        f"--- rank {r} ({p.returncode}):\n{e[-2000:]}" for r, (p, (_, e)) in enumerate(zip(procs, outputs))
-    )
-    assert [p.returncode for p in procs] == [0, 0, 0], stderr
-    report = json.loads(outputs[0][0].strip().splitlines()[-1])
+        results = finish_all(procs, 120)
+    stderr = every_stderr(results)
+    assert [code for code, _, _ in results] == [0, 0, 0], stderr
+    report = json.loads(results[0][1].strip().splitlines()[-1])
     from mlx_lm.generate import stream_generate
     from mlx_lm.utils import load
 
@@ -475,8 +465,8 @@ def test_generate_with_a_hostfile_where_only_host_0_has_the_model(model_dir: Pat
     ]
     assert report["tokens"] == expected, stderr
     for r in (1, 2):
-        assert f"from rank 0 ({hosts.ips[0]}:" in outputs[r][1], stderr
-    assert "served" in outputs[0][1], stderr
+        assert f"from rank 0 ({hosts.ips[0]}:" in results[r][2], stderr
+    assert "served" in results[0][2], stderr
 
 
 def test_the_doctor_says_which_hosts_have_the_model(model_dir: Path, tmp_path: Path) -> None:
