@@ -353,12 +353,7 @@ class PeerSource:
                     self.close()  # caller stopped)
             if cut is not None:
                 cuts += 1
-                if cuts > RESUME_TRIES:
-                    raise TransferError(
-                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
-                    ) from None
-                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts, RESUME_TRIES)
-                time.sleep(RESUME_WAIT_S * 2 ** (cuts - 1))
+                _before_reconnecting(cut, cuts)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -381,18 +376,14 @@ class PeerSource:
         """One request and its checked answer (nothing else in flight); asked again on a new connection after a
         cut, up to :data:`RESUME_TRIES` times."""
         what = f"{request.get('file') or request.get('name') or 'the headers'}"
-        for cuts in range(RESUME_TRIES + 1):
+        cuts = 0
+        while True:
             try:
                 return b"".join(bytes(piece) for piece in self._receive(self._send(request), what, None))
             except _Cut as cut:
                 self.close()
-                if cuts == RESUME_TRIES:
-                    raise TransferError(
-                        f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept"
-                    ) from None
-                LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts + 1, RESUME_TRIES)
-                time.sleep(RESUME_WAIT_S * 2**cuts)
-        raise AssertionError("unreachable")
+                cuts += 1
+                _before_reconnecting(cut, cuts)
 
     def _send(self, request: dict[str, Any]) -> bytes:
         raw = json.dumps(request, separators=(",", ":")).encode()
@@ -452,6 +443,15 @@ class PeerSource:
         self.count.requests += 1
         if status != 0:
             raise TransferError(f"{self.describe()} refused {what}: {bytes(refusal).decode(errors='replace')}")
+
+
+def _before_reconnecting(cut: _Cut, cuts: int) -> None:
+    """After the ``cuts``-th cut in a row: the error on this rank once :data:`RESUME_TRIES` reconnections have
+    failed, else a warning and a wait that doubles with each cut."""
+    if cuts > RESUME_TRIES:
+        raise TransferError(f"{cut} ({RESUME_TRIES} reconnections failed); no weight folder was kept") from None
+    LOGGER.warning("pipemlx: %s; reconnecting (%d of %d)", cut, cuts, RESUME_TRIES)
+    time.sleep(RESUME_WAIT_S * 2 ** (cuts - 1))
 
 
 class _Cut(TransferError):
