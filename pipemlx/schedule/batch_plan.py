@@ -361,3 +361,176 @@ def _size(chunk_tokens: int | ChunkSizes, start: int) -> int:
 def _in_pipeline(state: TickState) -> list[int]:
     """Requests admitted and not yet decoding: ready, in flight, or the started head of the queue."""
     return list(state.prefilling)
+
+
+# Decode groups in flight -------------------------------------------------------------------------------------------
+
+AUTO_ENTER_ROWS_PER_RANK = 4
+"""``decode_groups="auto"``: the batch splits into groups in flight once it has this many live rows per rank
+(a 4-row step costs more than half an 8-row step, so small groups win only from a few rows per group on:
+tune with ``benchmarks/concurrent_requests.py --decode-groups``)."""
+AUTO_LEAVE_ROWS_PER_RANK = 3
+"""``decode_groups="auto"``: the groups merge back into one batch below this many live rows per rank (lower than
+:data:`AUTO_ENTER_ROWS_PER_RANK`, so a batch near the threshold does not split and merge in turn)."""
+SERIAL = 0
+"""The id of the one group of the serial batch (every rank computes its step in turn, in one tick)."""
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """When the decode batch runs as groups in flight: at most ``most`` groups, split from ``enter`` live rows on
+    (the joining requests counted), merged back into one batch below ``leave``."""
+
+    most: int
+    enter: int
+    leave: int
+
+    def __post_init__(self) -> None:
+        if self.most < 2 or self.enter < 2 or not 1 <= self.leave <= self.enter:
+            raise ValueError(f"a group rule needs most >= 2, enter >= 2 and 1 <= leave <= enter, got {self}")
+
+    @staticmethod
+    def of(setting: object, world_size: int) -> GroupRule | None:
+        """The rule of ``BatchGenerator(decode_groups=setting)`` on ``world_size`` ranks; ``None``: one batch always.
+
+        ``"auto"``: ``world_size`` groups from :data:`AUTO_ENTER_ROWS_PER_RANK` live rows per rank on, back below
+        :data:`AUTO_LEAVE_ROWS_PER_RANK`; ``1``: never; an int ``n >= 2``: groups (at most ``world_size``) whenever at
+        least ``n`` rows are live. Raises ``ValueError`` for anything else.
+        """
+        if setting == "auto":
+            if world_size < 2:
+                return None
+            return GroupRule(world_size, AUTO_ENTER_ROWS_PER_RANK * world_size, AUTO_LEAVE_ROWS_PER_RANK * world_size)
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+            raise ValueError(f"decode_groups must be 'auto' or a positive int, got {setting!r}")
+        if setting == 1 or world_size < 2:
+            return None
+        return GroupRule(world_size, setting, setting)
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """The decode groups between two ticks, the same on every rank.
+
+    ``serial``: the batch is one group (:data:`SERIAL`) whose step every rank computes in turn within each tick.
+    Otherwise the rows are in groups in flight: ``flight[r - 1]`` is the group rank ``r`` computes in the next tick
+    (rank ``r - 1`` computed it in the last one, and its hidden states were received at the end of it); ``idle``:
+    the groups whose step is not under way (their last step's tokens reached every rank), in the order they take
+    rank 0. ``next_id``: the id the next group formed gets.
+    """
+
+    world_size: int
+    serial: bool = True
+    flight: tuple[int | None, ...] = ()
+    idle: tuple[int, ...] = ()
+    next_id: int = SERIAL + 1
+
+    def __post_init__(self) -> None:
+        if not self.flight:
+            object.__setattr__(self, "flight", (None,) * (self.world_size - 1))
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Every group, in id order (:data:`SERIAL` alone in the serial batch)."""
+        if self.serial:
+            return (SERIAL,)
+        return tuple(sorted({*self.idle, *(g for g in self.flight if g is not None)}))
+
+    def in_flight(self) -> bool:
+        """Whether some group's step is under way (received by a rank that computes it in the next tick)."""
+        return any(g is not None for g in self.flight)
+
+    def position(self, group: int) -> int | None:
+        """The rank that computes ``group``'s step under way in the next tick; ``None`` when it is idle."""
+        return next((r + 1 for r, g in enumerate(self.flight) if g == group), None)
+
+
+@dataclass(frozen=True)
+class GroupTick:
+    """What happens to the decode groups in one tick, the same on every rank.
+
+    At the tick's start, in this order: the ``dropped`` groups (idle, no live row) are forgotten; with ``merge``
+    every group is merged into the serial batch; the tick's joining requests join group ``joins_into`` (a new
+    group when it is ``formed``); with ``split`` the serial batch's live rows are cut into those new groups, in
+    row order, as even as they go. Then ``decode[r]`` is the group rank ``r`` computes (``None``: none);
+    ``serial``: the tick's decode is the serial batch's, every rank in turn. ``decode[-1]`` finishes its step: its
+    tokens are the all-gather's.
+    """
+
+    index: int
+    serial: bool
+    decode: tuple[int | None, ...]
+    joins_into: int | None = None
+    formed: bool = False
+    split: tuple[int, ...] = ()
+    merge: bool = False
+    dropped: tuple[int, ...] = ()
+
+    @property
+    def finishing(self) -> int | None:
+        """The group whose step ends in this tick (its tokens reach every rank in the all-gather)."""
+        return self.decode[-1]
+
+    def fingerprint(self) -> int:
+        """A number every rank computes alike from the tick's content (below :data:`FINGERPRINT_MODULUS`)."""
+        parts = [
+            int(self.serial),
+            int(self.merge),
+            int(self.formed),
+            -1 if self.joins_into is None else self.joins_into,
+        ]
+        parts += [-1 if g is None else g for g in self.decode]
+        parts += [len(self.split), *self.split, len(self.dropped), *self.dropped]
+        return fingerprint((p + 2 for p in parts), start=self.index)
+
+
+def plan_groups(
+    state: GroupState, live: dict[int, int], joining: int, rule: GroupRule | None, index: int
+) -> tuple[GroupTick, GroupState]:
+    """The decode groups of tick ``index`` and the state after it.
+
+    ``live``: the live rows of every group of ``state`` (before the tick's joins); ``joining``: how many requests
+    join in the tick. With ``rule`` (None: the serial batch always), the serial batch splits into
+    ``min(rule.most, rows)`` groups once it has ``rule.enter`` live rows, the first taking rank 0 at once and the
+    others in the next ticks; each tick rank 0 takes the idle group that has waited longest, and the joining
+    requests join it (or form a new group, when no group is idle). Below ``rule.leave`` live rows no group takes
+    rank 0 any more, and once none is in flight they merge back into the serial batch (in the same tick, which
+    then decodes it). An idle group without live rows is dropped. Pure: the same arguments give the same tick
+    everywhere.
+    """
+    size = state.world_size
+    total = sum(live.get(g, 0) for g in state.groups) + joining
+    if state.serial:
+        if rule is None or total < rule.enter:
+            tick = GroupTick(index, True, (SERIAL,) * size, SERIAL if joining else None)
+            return tick, state
+        count = min(rule.most, total)
+        ids = tuple(range(state.next_id, state.next_id + count))
+        decode = (ids[0], *state.flight)
+        tick = GroupTick(index, False, decode, SERIAL if joining else None, split=ids)
+        return tick, GroupState(size, False, decode[:-1], (*ids[1:],), state.next_id + count)
+    dropped = tuple(g for g in state.idle if live.get(g, 0) == 0)
+    idle = [g for g in state.idle if g not in dropped]
+    next_id = state.next_id
+    formed = False
+    joins_into: int | None = None
+    take: int | None = None
+    if rule is not None and total >= rule.leave:
+        if idle:
+            take = idle.pop(0)
+        elif joining:
+            take, next_id, formed = next_id, next_id + 1, True
+        joins_into = take if joining else None
+    elif not state.in_flight():  # every group idle: merged back into the serial batch, decoded in this tick
+        tick = GroupTick(index, True, (SERIAL,) * size, SERIAL if joining else None, merge=True, dropped=dropped)
+        return tick, GroupState(size, next_id=next_id)
+    elif joining:  # draining: the requests wait in an idle group for the merge
+        if not idle:
+            idle.append(next_id)
+            next_id, formed = next_id + 1, True
+        joins_into = idle[0]
+    decode = (take, *state.flight)
+    finished = decode[-1]
+    after_idle = (*idle, *(() if finished is None else (finished,)))
+    tick = GroupTick(index, False, decode, joins_into, formed, dropped=dropped)
+    return tick, GroupState(size, False, decode[:-1], after_idle, next_id)

@@ -222,7 +222,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
             break
         rows.append(len(responses))
-        batch_rows.append(len(engine._rows))  # pyright: ignore[reportPrivateUsage]  # dead rows included
+        batch_rows.append(sum(len(g) for g in engine._groups.values()))  # pyright: ignore[reportPrivateUsage]  # dead rows included
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
         prefilling.append(len(engine._plan.prefilling))  # pyright: ignore[reportPrivateUsage]
         for u in engine.queued_uids:

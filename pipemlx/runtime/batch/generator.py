@@ -21,21 +21,27 @@ from mlx_lm.generate_utils import BatchStats
 
 from ...errors import renamed
 from ...schedule.batch_plan import (
+    SERIAL,
     Admission,
     AdmissionLimits,
     AutoSteps,
     ChunkSizes,
     EqualCostChunks,
+    GroupRule,
+    GroupState,
+    GroupTick,
     Tick,
     TickChunk,
     TickState,
     drop,
     enqueue,
+    fingerprint,
+    plan_groups,
     plan_tick,
 )
 from ...schedule.costmodel import CostModel
 from ...schedule.memory_split import parse_size
-from ..caches import UNCOUNTED, trim_to
+from ..caches import UNCOUNTED, cache_offset, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler
 from ..stage import PipelineStage, is_sharded, stage_of
@@ -55,7 +61,7 @@ from .requests import (
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
 from .stats import Counters
-from .tick import TickOutcome, TickRunner, TickWork
+from .tick import DecodeJob, TickOutcome, TickRunner, TickWork
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,16 @@ class BatchGenerator:
     :func:`~.requests.as_batch_window`), so the tokens are mlx-lm's whatever the chunks. Admission control reserves
     such a request's bounded size.
 
+    ``decode_groups`` (pipemlx's): ``1`` (the default) decodes the batch as one group, whose step every rank
+    computes in turn within each tick (each rank waits while the others compute). With more rows than that serves
+    well, the batch can be cut into up to ``world_size`` *groups in flight*: in each tick each rank computes another
+    group's step (rank ``r`` what rank ``r - 1`` computed in the last tick, as prefill chunks travel), so every rank
+    is busy; a group's tokens come once every ``world_size`` ticks. An int ``n >= 2``: groups whenever at least
+    ``n`` rows are live; ``"auto"``: from :data:`~pipemlx.schedule.batch_plan.AUTO_ENTER_ROWS_PER_RANK` live rows
+    per rank on (where a step of fewer rows is predicted to pay), back to one group below
+    :data:`~pipemlx.schedule.batch_plan.AUTO_LEAVE_ROWS_PER_RANK`. Each request's tokens are the same either way;
+    the order of the responses across requests differs (docs/batching.md, "Decode groups in flight").
+
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
 
@@ -177,6 +193,7 @@ class BatchGenerator:
                 "memory_budget",
                 "share_logprobs",
                 "logprobs",
+                "decode_groups",
             )
             if name in kwargs
         )
@@ -217,6 +234,7 @@ class BatchGenerator:
         stream: mx.Stream | mx.ThreadLocalStream | mx.Device | None = None,
         share_logprobs: bool = False,
         logprobs: bool = True,
+        decode_groups: int | Literal["auto"] = 1,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -250,7 +268,10 @@ class BatchGenerator:
         self._next_uid = 0
         self._plan = TickState(self.stage.world_size)
         self._requests: dict[int, BatchRequest] = {}  # every request inserted and not yet finished
-        self._rows = Rows(self.stage.compute_stream)
+        self._groups: dict[int, Rows] = {SERIAL: Rows(self.stage.compute_stream)}  # by group id, in id order
+        self._group_rule = GroupRule.of(decode_groups, self.stage.world_size)
+        self._group_state = GroupState(self.stage.world_size)
+        self._finishing = self._groups[SERIAL]  # the rows whose step ends in the tick under way (sampled)
         self._runner = TickRunner(model, self.stage, self.timeout)
         self.admission: Admission | None = (
             None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
@@ -286,7 +307,7 @@ class BatchGenerator:
     @property
     def active_uids(self) -> list[int]:
         """Requests in the batch, in row order."""
-        return [r.uid for r in self._rows.active]
+        return [r.uid for rows in self._groups.values() for r in rows.active]
 
     @property
     def queued_uids(self) -> list[int]:
@@ -307,7 +328,7 @@ class BatchGenerator:
     def prefilled(self, uid: int) -> int:
         """Prompt positions of a queued request that every rank has prefilled (0 for an unknown uid)."""
         request = self._requests.get(uid)
-        return 0 if request is None or self._rows.row_of(request) is not None else request.filled
+        return 0 if request is None or self._row_of(request) is not None else request.filled
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -393,7 +414,8 @@ class BatchGenerator:
         self._runner.drop(gone)
         for uid in gone:
             self._requests.pop(uid).done = True
-        self._rows.compact_if_worth_it()
+        for group in self._idle_groups():
+            self._groups[group].compact_if_worth_it()
         return handed_back
 
     def extract_cache(self, uids: Iterable[int]) -> dict[int, tuple[list[Any] | None, list[int]]]:
@@ -408,14 +430,43 @@ class BatchGenerator:
             request = self._requests.get(uid)
             if request is None:
                 continue
-            row = self._rows.row_of(request)
-            found[uid] = (None, request.prefilled_tokens) if row is None else (self._rows.extract(row), request.held)
-        self._rows.settle([c for c, _ in found.values() if c is not None])
+            place = self._row_of(request)
+            found[uid] = (None, request.prefilled_tokens) if place is None else (self._extract(*place), request.held)
+        evaluate([c for cache, _ in found.values() if cache is not None for c in cache], self.stage.compute_stream)
         return found
+
+    def _extract(self, group: int, row: int) -> list[Any] | None:
+        """A copy of a row's caches holding what every rank agreed on: a group's step under way is cut off where
+        this rank has built it (``None`` when a cache cannot be cut back: a full rotating window)."""
+        cache = self._groups[group].extract(row)
+        position = self._group_state.position(group)
+        if position is not None and self.stage.rank <= position:  # this rank built the step under way
+            if not trim_to(cache, cache_offset(cache) - 1):
+                return None
+        return cache
+
+    def _row_of(self, request: BatchRequest) -> tuple[int, int] | None:
+        """The group and row of an active request (``None``: not in the batch)."""
+        for group, rows in self._groups.items():
+            row = rows.row_of(request)
+            if row is not None:
+                return group, row
+        return None
+
+    def _idle_groups(self) -> list[int]:
+        """The groups no rank has a step of under way: their rows and caches may change between ticks."""
+        return [SERIAL] if self._group_state.serial else [g for g in self._group_state.idle if g in self._groups]
+
+    def _has_rows(self) -> bool:
+        return any(len(rows) for rows in self._groups.values())
+
+    def _busy(self) -> bool:
+        """Whether a tick has work: rows in the batch, a step under way, a prompt to prefill or a request to join."""
+        return self._has_rows() or self._group_state.in_flight() or not self._plan.idle()
 
     def _handed_back(self, request: BatchRequest) -> tuple[list[Any] | None, list[int]]:
         """A request's caches and the tokens they hold, for :meth:`remove` (before it forgets the request)."""
-        if self._rows.row_of(request) is not None:
+        if self._row_of(request) is not None:
             return self.extract_cache([request.uid])[request.uid]
         tokens, cache = request.prefilled_tokens, request.cache
         if cache is None:
@@ -437,50 +488,100 @@ class BatchGenerator:
         is sent). mlx-lm's ``next`` returns these second, after prompt progress: :meth:`next_generated` is mlx-lm's.
         """
         self.stage.settle(self.timeout)
-        if self._plan.idle() and not self._rows:
+        if not self._busy():
             return []
         started = time.perf_counter()
         tick, after = self._plan_tick()
-        if self._rows.dead and self._limits is not None and self._plan.queue and tick.chunks[0] is None:
-            self._rows.compact()  # the dead rows may hold back a queued request: free them and plan again
+        dead = any(rows.dead for rows in self._groups.values())
+        if dead and self._limits is not None and self._plan.queue and tick.chunks[0] is None:
+            for group in self._idle_groups():  # the dead rows may hold back a queued request: free them, plan again
+                self._groups[group].compact()
             tick, after = self._plan_tick()
-        self._join(tick.joins)
-        if not self._rows and all(c is None for c in tick.chunks):
-            self._plan = after
+        live = {g: len(rows.active) for g, rows in self._groups.items()}
+        groups, groups_after = plan_groups(self._group_state, live, len(tick.joins), self._group_rule, tick.index)
+        self._regroup(groups, tick.joins)
+        in_flight = self._group_state.in_flight()
+        if not self._has_rows() and not in_flight and all(c is None for c in tick.chunks):
+            self._plan, self._group_state = after, groups_after
             return []
-        work = TickWork(
-            tick=tick,
-            rows=len(self._rows),
-            inputs=self._rows.inputs,
-            batch_cache=self._rows.caches,
-            uids_fingerprint=self._rows.uids_fingerprint(),
-            prefixes_fingerprint=self._rows.prefixes_fingerprint(),
-            chunk_tokens=self._chunk_tokens,
-            chunk_cache=self._chunk_cache,
-            sample=self._sample,
-            greedy=self.stage.info.vocab_shard is not None and all_greedy(self._rows.requests, self.sampler),
-            processing=self.stage.world_size > 1
-            and (self.share_logprobs or not all_greedy(self._rows.requests, self.sampler)),
-            logprobs=self.logprobs,
-        )
+        work = self._work(tick, groups)
         self._logprobs = None
         outcome = self._runner.run(work)
-        self._plan = after
+        self._plan, self._group_state = after, groups_after
         done = tick.chunks[-1]
         if done is not None and done.uid in self._requests:
             self._requests[done.uid].filled = done.stop
         responses = self._responses(outcome)
-        self._rows.fed(outcome.tokens)
+        if groups.finishing is not None:
+            self._finishing.fed(outcome.tokens)
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         generated = sum(1 for r in responses if r.finish_reason != "error")
         self._counters.count(0 if done is None else done.length, generated, time.perf_counter() - started)
         return responses
 
+    def _regroup(self, groups: GroupTick, joins: tuple[int, ...]) -> None:
+        """Carry out the tick's changes to the groups (:class:`~pipemlx.schedule.batch_plan.GroupTick`), in its
+        order: dropped groups, the merge, the joins, the split. Only idle groups change: no step of theirs is under
+        way on any rank."""
+        stream = self.stage.compute_stream
+        for group in groups.dropped:
+            del self._groups[group]
+        if groups.merge:
+            serial = Rows(stream)
+            serial.absorb([self._groups[g] for g in sorted(self._groups)])
+            self._groups = {SERIAL: serial}
+        if joins:
+            target = cast(int, groups.joins_into)
+            if groups.formed:
+                self._groups[target] = Rows(stream)
+            self._join(joins, self._groups[target])
+        elif groups.decode[0] is not None and not groups.serial:
+            self._groups[groups.decode[0]].compact_if_worth_it()
+        if groups.split:
+            parts = self._groups[SERIAL].split(len(groups.split))
+            self._groups = dict(zip(groups.split, parts))
+        self._finishing = self._groups[groups.finishing] if groups.finishing is not None else Rows(stream)
+
+    def _work(self, tick: Tick, groups: GroupTick) -> TickWork:
+        """This rank's inputs for the tick: the serial batch's step, or the groups' (their rows on this rank)."""
+        finishing = self._finishing.requests
+        all_rows = list(self._groups.items())
+        work = TickWork(
+            tick=tick,
+            rows=len(finishing),
+            inputs=self._finishing.inputs,
+            batch_cache=self._finishing.caches,
+            uids_fingerprint=fingerprint(p for g, rows in all_rows for p in (g + 1, rows.uids_fingerprint())),
+            prefixes_fingerprint=self._prefixes_fingerprint(),
+            chunk_tokens=self._chunk_tokens,
+            chunk_cache=self._chunk_cache,
+            sample=self._sample,
+            greedy=self.stage.info.vocab_shard is not None and all_greedy(finishing, self.sampler),
+            processing=self.stage.world_size > 1
+            and bool(finishing)
+            and (self.share_logprobs or not all_greedy(finishing, self.sampler)),
+            logprobs=self.logprobs,
+        )
+        if groups.serial:
+            return work
+        work.groups = groups
+        work.jobs = {
+            g: DecodeJob(g, self._groups[g].inputs, self._groups[g].caches) for g in groups.decode if g is not None
+        }
+        first = groups.decode[0]
+        work.inputs = [] if first is None else self._groups[first].inputs
+        return work
+
+    def _prefixes_fingerprint(self) -> int:
+        """Of every group's rows' reused prefix lengths; ``UNCOUNTED`` when this rank cannot count one."""
+        parts = [rows.prefixes_fingerprint() for rows in self._groups.values()]
+        return UNCOUNTED if UNCOUNTED in parts else fingerprint(parts)
+
     def next_generated(self) -> list[Response]:
         """Run ticks until one decodes (as mlx-lm's ``next_generated``): its responses, or ``[]`` with nothing to do."""
         while True:
             responses = self.next()
-            if responses or (self._plan.idle() and not self._rows):
+            if responses or not self._busy():
                 return responses
 
     def stats(self) -> AbstractContextManager[BatchStats]:
@@ -497,7 +598,8 @@ class BatchGenerator:
     @property
     def prompt_cache_nbytes(self) -> int:
         """Bytes of KV cache this rank holds: the batch caches (dead rows included) and the queued prompts'."""
-        held = [*self._rows.caches, *(c for r in self._requests.values() if r.cache is not None for c in r.cache)]
+        batches = [c for rows in self._groups.values() for c in rows.caches]
+        held = [*batches, *(c for r in self._requests.values() if r.cache is not None for c in r.cache)]
         return sum(int(c.nbytes) for c in held)
 
     def close(self) -> None:
@@ -506,7 +608,8 @@ class BatchGenerator:
         Call it on every rank alike. The generator stays usable: later requests start from an empty batch.
         """
         self.remove(list(self._requests))
-        self._rows.compact()
+        for group in self._idle_groups():  # a group's step under way goes on (its rows dead) and drains
+            self._groups[group].compact()
 
     def _new_cache(self) -> list[Any]:
         """A new request's per-layer caches: ``make_prompt_cache(model, max_kv_size)``, as mlx-lm's makes them."""
@@ -516,7 +619,7 @@ class BatchGenerator:
         # Dead rows keep their reservation until compacted: their cache positions are still held.
         return plan_tick(
             self._plan,
-            [r.reserve for r in self._rows.requests],
+            [r.reserve for rows in self._groups.values() for r in rows.requests],
             self.chunk_sizes,
             self.lone_steps,
             self._limits,
@@ -534,20 +637,18 @@ class BatchGenerator:
             request.cache = self._new_cache()
         return as_batch_window(request.cache)
 
-    def _join(self, uids: tuple[int, ...]) -> None:
-        """Move requests whose prefill every rank completed into the batch, with their caches."""
-        if not uids:
-            return
+    def _join(self, uids: tuple[int, ...], rows: Rows) -> None:
+        """Move requests whose prefill every rank completed into the batch ``rows``, with their caches."""
         joining = [self._requests[u] for u in uids]
         caches = [r.cache if r.cache is not None else self._new_cache() for r in joining]
         for r in joining:
             r.cache = None
             r.filled = len(r.prompt) - 1
-        self._rows.join(joining, caches)
+        rows.join(joining, caches)
 
     def _sample(self, logits: mx.array) -> mx.array:
         """Every row's token (:func:`.sample.sample`), keeping the log-probabilities for the responses."""
-        tokens, self._logprobs = sample(logits, self._rows.requests, self.sampler)
+        tokens, self._logprobs = sample(logits, self._finishing.requests, self.sampler)
         return tokens
 
     def _responses(self, outcome: TickOutcome) -> list[Response]:
@@ -560,11 +661,12 @@ class BatchGenerator:
         as mlx-lm's step after a request's last token does, and its new token is dropped.
         """
         failed: set[int] = set(outcome.failed_uids)
-        if outcome.failed_decode:
-            failed.update(self.active_uids)
+        for group in outcome.failed_groups:
+            if group in self._groups:
+                failed.update(r.uid for r in self._groups[group].active)
         responses: list[Response] = []
         extracted: list[list[Any]] = []
-        for i, request in enumerate(self._rows.requests):
+        for i, request in enumerate(self._finishing.requests):
             if request.done or request.uid in failed:
                 continue
             fed, request.decided = request.decided, None
@@ -575,7 +677,7 @@ class BatchGenerator:
                 request.decided = Decided(token, logprobs, reason)
             if fed is None:  # its first tick: it fed the prompt's last token
                 continue
-            cache = None if fed.reason is None else self._rows.extract(i)
+            cache = None if fed.reason is None else self._finishing.extract(i)
             if cache is not None:
                 extracted.append(cache)
             responses.append(
@@ -589,7 +691,7 @@ class BatchGenerator:
                 )
             )
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
-        self._rows.settle(extracted)
+        self._finishing.settle(extracted)
         return responses
 
 

@@ -108,6 +108,46 @@ class Rows:
             c.filter(keep)
         evaluate(self.caches, self.stream)
 
+    def split(self, parts: int) -> list[Rows]:
+        """The live rows cut into ``parts`` batches (``parts`` <= live rows), in row order, as even as they go:
+        each a new :class:`Rows` whose batch caches hold copies of its rows (this one is left empty)."""
+        live = [i for i, r in enumerate(self.requests) if not r.done]
+        bounds = [len(live) * k // parts for k in range(parts + 1)]
+        cut = [self._copy_of(live[a:b]) for a, b in zip(bounds, bounds[1:])]
+        self.requests, self.inputs, self.caches = [], [], []
+        return cut
+
+    def absorb(self, others: list[Rows]) -> None:
+        """Append the live rows of ``others`` (which are left empty) to this batch, in order (copies of them)."""
+        for other in others:
+            live = [i for i, r in enumerate(other.requests) if not r.done]
+            if live:
+                self.compact()
+                copy = other._copy_of(live)
+                if self.caches:
+                    for batch, extra in zip(self.caches, copy.caches):
+                        batch.extend(extra)
+                else:
+                    self.caches = copy.caches
+                self.requests += copy.requests
+                self.inputs += copy.inputs
+            other.requests, other.inputs, other.caches = [], [], []
+        evaluate(self.caches, self.stream)
+
+    def _copy_of(self, rows: list[int]) -> Rows:
+        """A new batch of rows ``rows`` of this one: their caches extracted and merged again, as a join merges."""
+        copy = Rows(self.stream)
+        copy.requests = [self.requests[i] for i in rows]
+        copy.inputs = [self.inputs[i] for i in rows]
+        if rows:
+            extracted = [self.extract(i) for i in rows]
+            with mx.stream(self.stream):
+                copy.caches = [
+                    extracted[0][layer].merge([c[layer] for c in extracted]) for layer in range(len(extracted[0]))
+                ]
+            evaluate(copy.caches, self.stream)
+        return copy
+
     def extract(self, row: int) -> list[Any]:
         """Row ``row``'s per-layer caches, taken out of the batch caches (lazy: :meth:`settle` them)."""
         with mx.stream(self.stream):

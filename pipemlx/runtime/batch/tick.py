@@ -34,14 +34,14 @@ every rank then fails the same requests (:class:`TickOutcome`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ...errors import PeerLostError, PipelineError, PipelineMismatchError, PipelineTimeoutError
-from ...schedule.batch_plan import Tick, TickChunk
+from ...schedule.batch_plan import SERIAL, GroupTick, Tick, TickChunk
 from ..caches import cache_state
 from ..failure import stand_in
 from ..protocol import TICK, Status, Table, gather
@@ -60,12 +60,37 @@ class Held:
     cache: list[Any]
 
 
+@dataclass
+class HeldDecode:
+    """A decode group's step received at the end of a tick (groups in flight), to compute in the next: its graph
+    is built and its input is here. ``output``: what goes on to the next rank (zeros when standing in; ``None``
+    on the last rank); ``final``: the last rank's logits (or final hidden states, where the head can be shared);
+    ``failed``: the model raised while building it (reported in the tick that computes it)."""
+
+    group: int
+    output: mx.array | None
+    final: mx.array | None
+    cache: list[Any]
+    failed: bool
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """A decode group's step on this rank: the token each row feeds and this rank's batch caches of the group."""
+
+    group: int
+    inputs: list[int]
+    cache: list[Any]
+
+
 @dataclass(frozen=True)
 class TickOutcome:
-    """What every rank learned from a tick's all-gather: the sampled tokens and what failed on some rank."""
+    """What every rank learned from a tick's all-gather: the sampled tokens and what failed on some rank
+    (``failed_groups``: the decode groups whose step failed, :data:`~pipemlx.schedule.batch_plan.SERIAL` for the
+    serial batch)."""
 
     tokens: list[int]
-    failed_decode: bool
+    failed_groups: frozenset[int]
     failed_uids: frozenset[int]
 
 
@@ -85,6 +110,15 @@ class TickWork:
     greedy: bool = False  # every live row samples greedily, with no logits processors, and the head can be shared
     processing: bool = False  # the last rank's logits go to every rank, which samples them too (see the module)
     logprobs: bool = True  # the responses carry log-probabilities (False: head="split" may share the head)
+    groups: GroupTick | None = None  # groups in flight: who computes which group (None: the serial batch's step)
+    jobs: dict[int, DecodeJob] = field(default_factory=dict[int, DecodeJob])  # the groups' steps in the tick
+
+    @property
+    def finishing(self) -> int | None:
+        """The group whose step ends in this tick (sampled by the last rank): the serial batch's, or none."""
+        if self.groups is None:
+            return SERIAL if self.rows else None
+        return self.groups.finishing
 
 
 @dataclass(eq=False)
@@ -95,6 +129,7 @@ class TickRunner:
     stage: PipelineStage
     timeout: float | None
     held: Held | None = None
+    held_decode: HeldDecode | None = None  # groups in flight, ranks r > 0: the group received for the next tick
     error: BaseException | None = None  # the first model error this rank stood in for
     shares_head: bool = False  # every rank's rows were greedy in the last tick: this tick's decode shares the head
     shared_ticks: int = 0  # ticks whose decode shared the head (observability)
@@ -111,7 +146,7 @@ class TickRunner:
         rank 0's new chunk, summed from every rank's rows and left with rank 0's embedding (a collective)."""
         stage, tick = self.stage, work.tick
         new = tick.chunks[0]
-        tokens = [*(work.inputs if work.rows else []), *([] if new is None else work.chunk_tokens(new))]
+        tokens = [*work.inputs, *([] if new is None else work.chunk_tokens(new))]
         if tokens:
             shard = cast(VocabShard, stage.info.vocab_shard)
             describe = lambda: f"{stage.describe()} embedding batch tick {tick.index}'s tokens"  # noqa: E731
@@ -139,7 +174,7 @@ class TickRunner:
     def run(self, work: TickWork) -> TickOutcome:
         """Carry out this rank's part of ``work.tick``; every rank returns the same outcome."""
         stage, tick = self.stage, work.tick
-        failed_decode = False
+        failed_group = -1  # the decode group (SERIAL: the serial batch) whose step failed on this rank
         failed_uid = -1
         gathered_logits: mx.array | None = None  # head="split": the batch's whole logits, on every rank
         try:
@@ -158,14 +193,18 @@ class TickRunner:
                 sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares)
                 self.shared_ticks += sharing
                 hidden: mx.array | None = None
-                if work.rows:  # 2. the decode step
+                if work.groups is not None:  # 2. this rank's decode group's step
+                    sent, hidden, logits, failed_group = self._group_step(work, sharing)
+                    if stage.is_last:
+                        tokens = sent
+                elif work.rows:  # 2. the decode step
                     try:
                         sent, hidden, logits = self._decode(work, sharing)
                     except Exception as exc:
                         if not _is_model_error(exc):
                             raise
                         self._note(exc)
-                        failed_decode = True
+                        failed_group = SERIAL
                         outgoing = stand_in(stage, work.rows, 1, self._take_off_the_wire)
                         sent = mx.zeros((work.rows,)) if outgoing is None else self._send(outgoing)
                         hidden = logits = None
@@ -180,22 +219,26 @@ class TickRunner:
                     self._issue(self._chunk_results(held), tick.index, "computing its new chunk")
                 if held is not None and held.output is not None:  # not on the last rank
                     self._issue(self._send(held.output), tick.index, "sending its chunk")
+                if work.groups is not None and stage.rank > 0:  # 4. the group rank r-1 computed, before its chunk
+                    group = work.groups.decode[stage.rank - 1]
+                    if group is not None:
+                        self._build_decode(work.jobs[group])
                 coming = tick.receives(stage.rank)
                 if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
                     self.held, failed = self._build_chunk(coming, work)
                     if failed:
                         failed_uid = coming.uid
                 if self._splits and work.rows and not sharing:  # after every message of the tick, as below
-                    gathered_logits = self._split_logits(work, hidden, failed_decode)
-                    if stage.is_last and not failed_decode:
+                    gathered_logits = self._split_logits(work, hidden, failed_group >= 0)
+                    if stage.is_last and failed_group < 0:
                         try:
                             tokens, logits = work.sample(gathered_logits).astype(mx.float32), gathered_logits
                         except Exception as exc:  # a processor or sampler raised: the decode failed here
                             if not _is_model_error(exc):
                                 raise
                             self._note(exc)
-                            failed_decode = True
-                status = Status.OK if failed_uid < 0 and not failed_decode else Status.CHUNK_FAILED
+                            failed_group = cast(int, work.finishing)
+                status = Status.OK if failed_uid < 0 and failed_group < 0 else Status.CHUNK_FAILED
                 values = {
                     "tick": tick.index,
                     "rows": work.rows,
@@ -204,7 +247,7 @@ class TickRunner:
                     "lend_mlp": int(stage.info.lending.mlp),
                     "lend_heads": stage.info.lending.heads,
                     "prefixes": work.prefixes_fingerprint,
-                    "failed_decode": int(failed_decode),
+                    "failed_decode": failed_group + 1,
                     "failed_uid": failed_uid + 1,
                     "greedy": int(work.greedy),
                 }
@@ -250,7 +293,8 @@ class TickRunner:
         ``gathered``: the logits every rank holds already (``head="split"``), else the last rank's in ``table``."""
         stage = self.stage
         ok = 1
-        if not stage.is_last and not outcome.failed_decode:
+        finishing = cast(int, work.finishing)
+        if not stage.is_last and finishing not in outcome.failed_groups:
             width = work.rows * self.vocab_size
             try:
                 with mx.stream(stage.compute_stream):
@@ -276,7 +320,8 @@ class TickRunner:
             raise
         if all(cast(list[int], flags.tolist())):
             return outcome
-        return TickOutcome(tokens=outcome.tokens, failed_decode=True, failed_uids=outcome.failed_uids)
+        failed = outcome.failed_groups | {finishing}
+        return TickOutcome(tokens=outcome.tokens, failed_groups=failed, failed_uids=outcome.failed_uids)
 
     def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
@@ -314,6 +359,98 @@ class TickRunner:
         if stage.is_last:
             return work.sample(logits[:, -1, :]).astype(mx.float32), None, logits[:, -1, :]
         return self._send(self._queued_output()), None, None
+
+    def _group_step(self, work: TickWork, sharing: bool) -> tuple[mx.array, mx.array | None, mx.array | None, int]:
+        """Groups in flight: issue this rank's group's step in the tick. Rank 0 builds it and sends it on; a rank
+        ``r > 0`` computes the step it received at the end of the last tick and sends it on, or (last rank)
+        samples it. Returns what was sent (the last rank: the sampled tokens), the last rank's final hidden
+        states and logits (as :meth:`_decode`), and the group whose step failed here (-1: none)."""
+        stage, groups = self.stage, cast(GroupTick, work.groups)
+        tokens = mx.zeros((work.rows,), dtype=mx.float32)
+        mine = groups.decode[stage.rank]
+        if mine is None:
+            return tokens, None, None, -1
+        failed = False
+        if stage.is_first:
+            job = work.jobs[mine]
+            try:
+                self._forward(mx.array(job.inputs, dtype=mx.int32)[:, None], job.cache)
+                output = self._queued_output()
+            except Exception as exc:
+                if not _is_model_error(exc):
+                    raise
+                self._note(exc)
+                failed, output = True, cast(mx.array, stand_in(stage, len(job.inputs), 1, self._take_off_the_wire))
+            self._issue([self._send(output), cache_state(job.cache)], work.tick.index, "running its decode group")
+            return tokens, None, None, mine if failed else -1
+        held = self.held_decode
+        self.held_decode = None
+        if held is None or held.group != mine:
+            raise PipelineError(f"{stage.describe()}: the tick plans decode group {mine}, but this rank holds {held}")
+        if not stage.is_last:
+            sent = self._send(cast(mx.array, held.output))
+            self._issue([sent, cache_state(held.cache)], work.tick.index, "running its decode group")
+            return tokens, None, None, mine if held.failed else -1
+        if held.failed or held.final is None:
+            return tokens, None, None, mine
+        try:
+            tokens, hidden, logits = self._head(work, held.final, sharing)
+        except Exception as exc:  # a processor or sampler raised
+            if not _is_model_error(exc):
+                raise
+            self._note(exc)
+            return mx.zeros((work.rows,), dtype=mx.float32), None, None, mine
+        issued = [tokens, cache_state(held.cache), *([] if hidden is None else [hidden])]
+        self._issue(issued, work.tick.index, "running its decode group")
+        return tokens, hidden, logits, -1
+
+    def _head(
+        self, work: TickWork, final: mx.array, sharing: bool
+    ) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """The last rank, groups in flight: the sampled tokens, final hidden states and logits of a step whose
+        layers ran into ``final`` (:meth:`_build_decode`), as :meth:`_decode` gives them."""
+        shard = self.stage.info.vocab_shard
+        if shard is None:
+            self.vocab_size, self.logits_dtype = final.shape[-1], final.dtype
+            return work.sample(final).astype(mx.float32), None, final
+        if self._splits:  # the logits come from every rank's rows: _split_logits
+            return mx.zeros((work.rows,), dtype=mx.float32), final, None
+        full = cast(Callable[[mx.array], mx.array], shard.full)(final)
+        self.vocab_size, self.logits_dtype = full.shape[-1], full.dtype
+        sampled = work.sample(full)  # lazy: read only for a row that is not greedy (see run)
+        if sharing and work.greedy:  # the tokens come from every rank's share of the head
+            return mx.zeros((work.rows,), dtype=mx.float32), final, full
+        return sampled.astype(mx.float32), final if sharing else None, full
+
+    def _build_decode(self, job: DecodeJob) -> None:
+        """Groups in flight, a rank ``r > 0`` at the end of a tick: build the step of the group rank ``r - 1``
+        computed in it (its receive is evaluated in this tick's order; the rest is computed in the next tick).
+        The last rank stops at the final hidden states where the head can be shared (``final``), else the logits."""
+        stage = self.stage
+        try:
+            inputs = mx.array(job.inputs, dtype=mx.int32)[:, None]
+            output: mx.array | None = None
+            if stage.is_last:
+                shard = stage.info.vocab_shard
+                stage.received.clear()
+                if shard is not None:
+                    final = shard.hidden(self.model, inputs, job.cache)[:, -1, :]
+                else:
+                    final = cast(mx.array, self.model(inputs, cache=job.cache))[:, -1, :]
+            else:
+                final = None
+                self._forward(inputs, job.cache)
+                output = self._queued_output()
+            received = stage.take_received()
+            if received:
+                self._issue(received, None, f"receiving decode group {job.group}")
+            self.held_decode = HeldDecode(job.group, output, final, job.cache, False)
+        except Exception as exc:
+            if not _is_model_error(exc):
+                raise
+            self._note(exc)
+            outgoing = stand_in(stage, len(job.inputs), 1, self._take_off_the_wire)
+            self.held_decode = HeldDecode(job.group, outgoing, None, [], True)
 
     def _build_chunk(self, chunk: TickChunk, work: TickWork) -> tuple[Held, bool]:
         """Build ``chunk``'s graph on this rank (its receive, if any, is evaluated in this tick's order)."""
@@ -382,5 +519,6 @@ def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, boo
     else:
         tokens = [int(t) for t in table.payloads[-1][:rows]]
     failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)
-    outcome = TickOutcome(tokens=tokens, failed_decode=any(table["failed_decode"]), failed_uids=failed_uids)
+    failed_groups = frozenset(g - 1 for g in table["failed_decode"] if g > 0)
+    outcome = TickOutcome(tokens=tokens, failed_groups=failed_groups, failed_uids=failed_uids)
     return outcome, all(table["greedy"])
