@@ -147,6 +147,42 @@ def test_batched_requests_equal_their_solo_runs(
     assert report["left"] == 0
 
 
+# Decode groups in flight (decode_groups=2: the rows in two groups, at S=3 too, whenever two are live; each rank
+# computes another group's step in each tick): request 1 removed mid-decode, a stop sequence of two tokens (S=2).
+GROUPED = [("llama", 2, [2, 5, 2]), ("qwen3", 3, None)]
+for arch, world_size, stop_at in GROUPED:
+    SCENARIOS[world_size][f"groups {arch}"] = {
+        "arch": arch,
+        "requests": REQUESTS,
+        "remove": [REMOVE],
+        "steps": 40,
+        "step_size": 8,
+        "chunk": 8,
+        "stop_at": stop_at,
+        "generator": {"decode_groups": 2},
+    }
+
+
+@pytest.mark.parametrize("arch,world_size,stop_at", GROUPED)
+def test_decode_groups_in_flight_give_each_request_its_solo_tokens_on_every_rank(
+    scenario_reports: Reports, arch: str, world_size: int, stop_at: list[int] | None
+) -> None:
+    reports = scenario_reports(world_size, f"groups {arch}")
+    for report in reports:
+        assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"
+    report = reports[0]
+    solo, stops = report["solo"], report["stops"]
+    assert report["most_groups"] == 2, report["most_groups"]  # the rows were split into two groups in flight
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        removed_after = len(tokens) if i == REMOVE["index"] else None  # a prefix of its solo run, then removed
+        assert (tokens, finish) == expected_tokens(solo[i], stops, removed_after), (i, tokens, finish, solo[i])
+    removed = report["tokens"][REMOVE["index"]]
+    assert 0 < len(removed) < REQUESTS[REMOVE["index"]]["max_tokens"], removed  # removed mid-decode
+    assert stop_at is None or "stop" in report["finish"], report
+    assert report["shared_head_ticks"] > 0 and report["left"] == 0
+
+
 INTERLEAVED: list[dict[str, Any]] = [
     {"M": 7, "max_tokens": 14, "insert_at": 0},
     {"M": 30, "max_tokens": 6, "insert_at": 1},  # removed mid-prefill
@@ -219,8 +255,18 @@ SCENARIOS[2]["processors"] = {
 }
 
 
-def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario_reports: Reports) -> None:
-    reports = scenario_reports(2, "processors")
+SCENARIOS[2]["groups processors"] = {
+    **SCENARIOS[2]["processors"],
+    "steps": 40,
+    "generator": {"decode_groups": 2},
+}
+
+
+@pytest.mark.parametrize("name", ["processors", "groups processors"])
+def test_logits_processors_apply_per_request_as_in_single_device_mlx_lm(scenario_reports: Reports, name: str) -> None:
+    """In groups in flight too (the last rank's logits of the group it finished reach every rank)."""
+    reports = scenario_reports(2, name)
+    assert name == "processors" or reports[0]["most_groups"] == 2, reports[0]["most_groups"]
     assert reports[0]["tokens"] == reports[1]["tokens"]
     report = reports[0]
     for i in (0, 1, 3):  # the processors change these requests' answers: the comparison has power
@@ -443,23 +489,30 @@ RESUMED: list[dict[str, Any]] = [
     {"M": 41, "max_tokens": 6, "insert_at": 1},
     {"M": 23, "max_tokens": 9, "insert_at": 1},
 ]
-RESUMED_RUNS = [("llama", 2), ("qwen3", 3)]
-for arch, world_size in RESUMED_RUNS:
-    SCENARIOS[world_size][f"resumed {arch}"] = {
+# With decode groups in flight ("groups"), request 2 is removed while its group's step is under way on some rank
+# (S=2: tick 13; S=3: tick 14): the cache handed back holds what every rank agreed on, without that step.
+RESUMED_RUNS = [("llama", 2, ""), ("qwen3", 3, ""), ("llama", 2, "groups "), ("qwen3", 3, "groups ")]
+for arch, world_size, grouped in RESUMED_RUNS:
+    SCENARIOS[world_size][f"{grouped}resumed {arch}"] = {
         "arch": arch,
         "requests": RESUMED,
-        "remove": [{"index": 1, "at": 4, "resume": True}, {"index": 2, "at": 12, "resume": True}],
-        "steps": 30,
+        "remove": [
+            {"index": 1, "at": 4, "resume": True},
+            {"index": 2, "at": 12 + (world_size - 1 if grouped else 0), "resume": True},
+        ],
+        "steps": 50 if grouped else 30,
         "step_size": 8,
         "chunk": 8,
+        **({"generator": {"decode_groups": 2}} if grouped else {}),
     }
 
 
-@pytest.mark.parametrize("arch,world_size", RESUMED_RUNS)
+@pytest.mark.parametrize("arch,world_size,grouped", RESUMED_RUNS)
 def test_removed_requests_hand_back_caches_that_go_on_exactly(
-    scenario_reports: Reports, arch: str, world_size: int
+    scenario_reports: Reports, arch: str, world_size: int, grouped: str
 ) -> None:
-    reports = scenario_reports(world_size, f"resumed {arch}")
+    reports = scenario_reports(world_size, f"{grouped}resumed {arch}")
+    assert not grouped or reports[0]["most_groups"] == 2, reports[0]["most_groups"]
     for report in reports:
         resumed = report["resumed"]
         assert resumed["1"]["generated"] == 0 and 0 < resumed["1"]["held"] < RESUMED[1]["M"] - 1, resumed
@@ -482,8 +535,13 @@ SCENARIOS[2]["follow-up"] = {
 }
 
 
-def test_a_finished_request_hands_back_its_cache_for_the_next_turn(scenario_reports: Reports) -> None:
-    reports = scenario_reports(2, "follow-up")
+SCENARIOS[2]["groups follow-up"] = {**SCENARIOS[2]["follow-up"], "steps": 44, "generator": {"decode_groups": 2}}
+
+
+@pytest.mark.parametrize("name", ["follow-up", "groups follow-up"])
+def test_a_finished_request_hands_back_its_cache_for_the_next_turn(scenario_reports: Reports, name: str) -> None:
+    reports = scenario_reports(2, name)
+    assert name == "follow-up" or reports[0]["most_groups"] == 2, reports[0]["most_groups"]
     assert reports[0]["follow_up"]["tokens"] == reports[1]["follow_up"]["tokens"]
     report = reports[0]
     assert report["tokens"] == report["solo"], report

@@ -225,14 +225,16 @@ class BatchMachine(RuleBasedStateMachine):
     live_group: Callable[[], LiveGroup] | None = None  # the module's group (a new one if a failure ended it)
     group: LiveGroup | None = None
 
-    @initialize(budget=st.one_of(st.none(), st.integers(20, 90), st.integers(40, 160)))
+    @initialize(budget=st.one_of(st.none(), st.integers(20, 90), st.integers(40, 160)), groups=st.sampled_from([1, 2]))
     @checked
-    def fresh(self, budget: int | None) -> None:
+    def fresh(self, budget: int | None, groups: int) -> None:
         """Every run starts from a new, empty generator (no fault armed, no cache handed back, uids from 0), with no
-        memory budget or one of ``budget`` positions."""
+        memory budget or one of ``budget`` positions, decoding as one group or (``groups`` 2) in two groups in flight
+        whenever two rows are live."""
         assert BatchMachine.live_group is not None
         self.group = BatchMachine.live_group()
-        answers = self.group.ask({"op": "reset", "budget_positions": budget})
+        seen(f"decode_groups={groups}")
+        answers = self.group.ask({"op": "reset", "budget_positions": budget, "decode_groups": groups})
         self.requests = Requests()
         assert all(a["left"] == 0 for a in answers), answers
         if budget is not None:

@@ -161,6 +161,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     kept: dict[str, int] = {}
     resumed: dict[int, dict[str, Any]] = {}  # request -> what remove(return_prompt_caches=True) handed back
     error: dict[str, Any] | None = None
+    most_groups = 0  # the most decode groups in flight after a step (0: the serial batch throughout)
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step and str(i) not in cuts]
         segmented = [i for i, r in enumerate(requests) if r["insert_at"] == step and str(i) in cuts]
@@ -222,6 +223,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
             break
         rows.append(len(responses))
+        groups = engine._group_state  # pyright: ignore[reportPrivateUsage]
+        most_groups = max(most_groups, 0 if groups.serial else len(groups.groups))
         batch_rows.append(sum(len(g) for g in engine._groups.values()))  # pyright: ignore[reportPrivateUsage]  # dead rows included
         partial.append(sum(1 for u in engine.queued_uids if engine.prefilled(u) > 0))
         prefilling.append(len(engine._plan.prefilling))  # pyright: ignore[reportPrivateUsage]
@@ -274,6 +277,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "prefilled": {str(i): p for i, p in prefilled.items()},
         "left": len(engine),
         "shared_head_ticks": engine.shared_head_ticks,
+        "most_groups": most_groups,
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
         "resumed": {str(i): r for i, r in resumed.items()},

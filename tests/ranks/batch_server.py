@@ -17,10 +17,11 @@ Commands, one JSON line each; every answer is one JSON line:
                                                   (a finished request's cache is kept for "after"; n: the
                                                   positions it holds)
   {"op": "remove", "uids", "return_caches"?}   -> {"left", "returned": {uid: positions or None}}
-  {"op": "reset", "budget_positions"?}        -> {"left": 0, "bytes_per_position", "budget"}: faults disarmed
+  {"op": "reset", "budget_positions"?, "decode_groups"?} -> {"left": 0, "bytes_per_position", "budget"}: faults disarmed
                                                   first, every request removed, handed caches dropped, then a new
                                                   generator (a collective), every time: memory_budget = this many
-                                                  cached positions of this rank's layers (None: no budget). Nothing
+                                                  cached positions of this rank's layers (None: no budget), and
+                                                  decode_groups as given (default 1). Nothing
                                                   of what came before is left (uids start at 0 again): what follows
                                                   depends only on the commands sent after it.
   {"op": "status"}                             -> {"len", "active", "queued"}
@@ -90,7 +91,7 @@ class Server:
         self.engine = self.new_engine(None)
         self.handed: dict[int, tuple[list[Any], list[int]]] = {}  # uid -> (cache, the tokens it holds)
 
-    def new_engine(self, budget: int | None) -> pipemlx.BatchGenerator:
+    def new_engine(self, budget: int | None, groups: int = 1) -> pipemlx.BatchGenerator:
         spec = self.spec
         return pipemlx.BatchGenerator(
             self.model,
@@ -98,6 +99,7 @@ class Server:
             prefill_chunk_tokens=spec["chunk"],
             timeout=spec["timeout"],
             memory_budget=budget,
+            decode_groups=groups,
         )
 
     def solo(self, tokens: list[int], limit: int, processor: str | None, stop_at: int | None) -> dict[str, Any]:
@@ -179,7 +181,7 @@ class Server:
                 self.handed[uid] = (cache, list(tokens))
         return {"left": len(self.engine), "returned": shown}
 
-    def reset(self, positions: int | None) -> dict[str, Any]:
+    def reset(self, positions: int | None, groups: int = 1) -> dict[str, Any]:
         # Disarm first: a fault an earlier run armed and never fired would fire in the budget's measuring pass below
         # (a one-token pass of the local layers) and end this rank.
         self.armed["what"] = None
@@ -190,7 +192,7 @@ class Server:
         # A new generator every time, budget or not: its uids, plan and batch rows start afresh, so a run's answers
         # depend only on its own commands (the stateful test replays and shrinks runs on the same ranks).
         budget = None if positions is None else positions * cache_bytes_per_position(self.model, stage_of(self.model))
-        self.engine = self.new_engine(budget)
+        self.engine = self.new_engine(budget, groups)
         admission = self.engine.admission
         return {
             "left": left,
@@ -210,7 +212,7 @@ class Server:
         if op == "remove":
             return self.remove(command["uids"], command.get("return_caches", False))
         if op == "reset":
-            return self.reset(command.get("budget_positions"))
+            return self.reset(command.get("budget_positions"), command.get("decode_groups", 1))
         if op == "status":
             engine = self.engine
             return {"len": len(engine), "active": engine.active_uids, "queued": engine.queued_uids}
