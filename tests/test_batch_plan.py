@@ -8,21 +8,27 @@ simulator with rendezvous sends (no buffering at all).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pipemlx.schedule.batch_plan import (
+    SERIAL,
     Admission,
     AdmissionLimits,
     EqualCostChunks,
+    GroupRule,
+    GroupState,
+    GroupTick,
     QueuedPrompt,
     Tick,
     TickChunk,
     TickState,
     drop,
     enqueue,
+    plan_groups,
     plan_tick,
 )
 from pipemlx.schedule.batch_sim import Op, run_ticks, tick_ops
@@ -280,3 +286,68 @@ def test_bad_plan_arguments() -> None:
         EqualCostChunks(0, LayerCosts(0.0, 1.0, 0.0))
     with pytest.raises(ValueError, match="world_size"):
         TickState(0)
+
+
+# Decode groups in flight ------------------------------------------------------------------------------------------
+
+group_events = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 3)),  # per tick: requests joining, rows finishing or removed
+    min_size=1,
+    max_size=60,
+)
+
+
+@given(
+    world_size=st.integers(2, 4),
+    enter=st.integers(2, 9),
+    leave_below=st.integers(0, 8),
+    events=group_events,
+    seed=st.randoms(use_true_random=False),
+)
+def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
+    world_size: int, enter: int, leave_below: int, events: list[tuple[int, int]], seed: Any
+) -> None:
+    """plan_groups driven as the generator drives it, rows joining and leaving at random: rank ``r`` computes in tick
+    ``t + 1`` the group rank ``r - 1`` computed in tick ``t``; a group's step ends on the last rank before rank 0 takes
+    it again; rows change only in idle groups; every live row stays in exactly one group; at most ``world_size``
+    groups; a merge only with no step under way; groups are taken in turn (none waits while another goes twice)."""
+    rule = GroupRule(world_size, enter, min(enter, max(1, leave_below)))
+    state = GroupState(world_size)
+    live: dict[int, int] = {SERIAL: 0}
+    previous: GroupTick | None = None
+    for index, (joining, leaving) in enumerate(events):
+        tick, after = plan_groups(state, dict(live), joining, rule, index)
+        assert tick.fingerprint() == plan_groups(state, dict(live), joining, rule, index)[0].fingerprint()
+        busy = {g for g in state.flight if g is not None}
+        assert not (busy & {tick.joins_into, *tick.dropped}), (tick, state)  # only idle groups change
+        for g in tick.dropped:
+            assert live.pop(g) == 0
+        if tick.merge:
+            assert not busy and state.idle is not None
+            live = {SERIAL: sum(live.values())}
+        if tick.formed:
+            live[cast(int, tick.joins_into)] = 0
+        if joining:
+            live[cast(int, tick.joins_into)] += joining
+        if tick.split:
+            total = live.pop(SERIAL)
+            assert len(tick.split) <= min(world_size, total) and total >= enter
+            live.update(
+                {g: total * (k + 1) // len(tick.split) - total * k // len(tick.split) for k, g in enumerate(tick.split)}
+            )
+        if tick.serial:
+            assert tick.decode == (SERIAL,) * world_size and set(live) == {SERIAL}
+        else:
+            taken = [g for g in tick.decode if g is not None]
+            assert len(taken) == len(set(taken)) and set(taken) <= set(live), (tick, live)
+            assert len(live) <= world_size and set(after.groups) == set(live), (after, live)
+            if previous is not None and not previous.serial:
+                assert tick.decode[1:] == previous.decode[:-1], (previous, tick)  # one rank further each tick
+            if tick.decode[0] is not None and state.idle and not tick.dropped:
+                assert tick.decode[0] in (state.idle[0], tick.joins_into), (state, tick)  # the longest waiting
+        # rows finish or are removed anywhere (their rows stay until their group is idle: counted as not live)
+        for _ in range(leaving):
+            holding = sorted(g for g, n in live.items() if n)
+            if holding:
+                live[seed.choice(holding)] -= 1
+        state, previous = after, tick

@@ -161,6 +161,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     kept: dict[str, int] = {}
     resumed: dict[int, dict[str, Any]] = {}  # request -> what remove(return_prompt_caches=True) handed back
     error: dict[str, Any] | None = None
+    in_flight: dict[str, bool] = {}  # removed request -> its group's step was under way on some rank
     most_groups = 0  # the most decode groups in flight after a step (0: the serial batch throughout)
     for step in range(spec["steps"]):
         arriving = [i for i, r in enumerate(requests) if r["insert_at"] == step and str(i) not in cuts]
@@ -193,6 +194,10 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             if removal["at"] == step:
                 index = removal["index"]
                 resume = removal.get("resume", False)
+                for uid in (u for u, i in uid_of.items() if i == index):  # its decode group's step under way?
+                    place = engine._row_of(engine._requests[uid]) if uid in engine._requests else None  # pyright: ignore[reportPrivateUsage]
+                    state = engine._group_state  # pyright: ignore[reportPrivateUsage]
+                    in_flight[str(index)] = place is not None and state.position(place[0]) is not None
                 handed = engine.remove([u for u, i in uid_of.items() if i == index], return_prompt_caches=resume)
                 for cache, held in handed.values():
                     whole = prompts[index] + tokens[index]
@@ -278,6 +283,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "left": len(engine),
         "shared_head_ticks": engine.shared_head_ticks,
         "most_groups": most_groups,
+        "in_flight": in_flight,
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
         "resumed": {str(i): r for i, r in resumed.items()},
