@@ -2,13 +2,17 @@
 
     python benchmarks/concurrent_requests.py [--requests 1,2,4,8] [--prompt-tokens 32] [--tokens 33] [--json FILE]
                                              [--shapes light,bench] [--repeat 1] [--no-pin]
-                                             [--no-serial] [--head-on-last] [--lend-heads K]
+                                             [--no-serial] [--head-on-last] [--lend-heads K] [--decode-groups 1,auto]
                                              [--arrival-tokens 4096 --chunks 32,64,128 --chunking fixed,equal-cost]
 
 Three ways of serving R requests on each model shape of --shapes (OpenBLAS preloaded, one core per process
 unless --no-pin): pipemlx.BatchGenerator on 2 ranks (the R requests decoded together through the pipeline),
 pipemlx.generate_step on 2 ranks one request after another
-(left out with --no-serial), and mlx-lm's own BatchGenerator in one process holding all layers. Decode only:
+(left out with --no-serial), and mlx-lm's own BatchGenerator in one process holding all layers. --decode-groups
+gives one batched contender per value of the generator's ``decode_groups`` (1: one group, every rank in turn;
+"auto"; n: groups in flight whenever n rows are live: 2 forces them): one group against groups in flight, each
+against mlx-lm's. --shapes takes the realistic shapes of first_run.py too ("qwen2.5-0.5b", "llama-3.2-1b": the
+published models' configurations, random weights, full precision; a few GB per process). Decode only:
 each request's tokens after its first (see ranks/concurrent_rank.py); with --repeat N each figure is the best
 of N runs in one process. The batched contenders print "whole/window (load)": tokens/s over the whole decode,
 over its quietest stretch of 4 tokens per request (the best such stretch of the N runs), and the 1-minute load
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from common import BENCH_CONFIG, HERE, SHAPES, bench_env, openblas_available
+from first_run import SHAPES as PUBLISHED_SHAPES
 
 from pipemlx.launch import launch
 
@@ -86,7 +91,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=33, help="generated tokens per request (decode: all but 1)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--shapes", default="light,bench", help=f"model shapes, of {sorted(SHAPES)}")
+    shapes = {**SHAPES, **PUBLISHED_SHAPES}
+    parser.add_argument("--shapes", default="light,bench", help=f"model shapes, of {sorted(shapes)}")
+    parser.add_argument(
+        "--decode-groups",
+        default="1",
+        help="the batched contenders' decode_groups, comma-separated (e.g. 1,auto,2: one group, auto, forced)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="best of this many runs per figure")
     parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned")
     parser.add_argument("--no-serial", action="store_true", help="leave out generate_step one request at a time")
@@ -107,14 +118,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     openblas = openblas_available()
-    groups: list[None] = [None]  # one batched contender (its name and row keep the shape of several)
+    groups = [g if g == "auto" else int(g) for g in args.decode_groups.split(",")]  # one batched contender each
     print(
         f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}; "
         f"{'unpinned' if args.no_pin else 'one core per process'}; best of {args.repeat}; tokens/s (load average)"
     )
     rows: list[dict[str, Any]] = []
     for shape in [] if args.skip_table else args.shapes.split(","):
-        config = SHAPES[shape]
+        config = shapes[shape]
         base: dict[str, Any] = {
             "M": args.prompt_tokens,
             "tokens": args.tokens,
@@ -123,7 +134,7 @@ def main() -> None:
             "repeat": args.repeat,
             "pin": not args.no_pin,
         }
-        names = ["batched S=2" for _ in groups]
+        names = [f"batched S=2 groups={g}" for g in groups]
         header = f"{shape:<10} {'R':>3} " + "".join(f"{n:>24}" for n in names) + f"{'mlx-lm batch':>24}"
         header += "".join(f"{'vs mlx-lm':>12}" for _ in names)
         if not args.no_serial:
@@ -135,7 +146,7 @@ def main() -> None:
         print(header)
         for r in (int(x) for x in args.requests.split(",")):
             spec = {**base, "R": r}
-            batched = [windowed({**spec, "mode": "pipemlx_batch"}, openblas) for _ in groups]
+            batched = [windowed({**spec, "mode": "pipemlx_batch", "decode_groups": g}, openblas) for g in groups]
             single = windowed({**spec, "mode": "mlx_batch"}, openblas)
             row: dict[str, Any] = {"shape": shape, "R": r, "mlx_batch": single}
             row["pipemlx_batch"] = {str(g): b for g, b in zip(groups, batched)}

@@ -8,7 +8,8 @@ The batched modes also report "window": the best tokens/s over any stretch of co
 per request (best_window), the quietest moment of a shared machine.
   mlx_batch       one process holding all layers, mlx-lm's BatchGenerator with the R requests inserted at once
   pipemlx_batch   pipemlx.BatchGenerator on the group, the R requests inserted at once (with "head_on_last",
-                  each with an argmax sampler: the same tokens, the output head left on the last rank)
+                  each with an argmax sampler: the same tokens, the output head left on the last rank; with
+                  "decode_groups", the generator's decode_groups: 1, "auto" or an int)
   pipemlx_serial  pipemlx.generate_step on the group, the R requests one after another
 Every request has an M-token prompt and `tokens` generated tokens. The aggregate counts the tokens after
 each request's first one over the time after the first one (the prefill excluded): batched modes from the
@@ -85,10 +86,16 @@ def pipemlx_batch(
     tokens: int,
     step: int,
     head_on_last: bool = False,
+    decode_groups: int | str = 1,
 ) -> tuple[float, int]:
     """``head_on_last``: every request samples with argmax (the same tokens), which keeps the output head on the
-    last rank instead of sharing it among the ranks."""
-    engine = pipemlx.BatchGenerator(model, max_tokens=tokens, prefill_step_size=step)
+    last rank instead of sharing it among the ranks. ``decode_groups``: the generator's (groups in flight)."""
+    engine = pipemlx.BatchGenerator(
+        model,
+        max_tokens=tokens,
+        prefill_step_size=step,
+        decode_groups=decode_groups,  # pyright: ignore[reportArgumentType]
+    )
     argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
     engine.insert(prompts, samplers=[argmax] * len(prompts) if head_on_last else None)
     while len(engine.active_uids) < len(prompts):  # the prompts' prefill ticks, then the first token of each
@@ -243,7 +250,14 @@ def main() -> None:
             return
         if mode == "pipemlx_batch":
             seconds, counted, window = windowed(
-                lambda: pipemlx_batch(model, prompts, spec["tokens"], spec["step"], spec.get("head_on_last", False)),
+                lambda: pipemlx_batch(
+                    model,
+                    prompts,
+                    spec["tokens"],
+                    spec["step"],
+                    spec.get("head_on_last", False),
+                    spec.get("decode_groups", 1),
+                ),
                 repeat,
                 span,
             )

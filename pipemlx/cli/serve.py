@@ -137,6 +137,14 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "start-up, once: the calibration cache), or in chunks of one size (fixed)",
     )
     serve.add_argument(
+        "--decode-groups",
+        type=decode_groups_arg,
+        default=1,
+        help="with --decode-concurrency above 1: 1 (the default) decodes the batch as one group, every rank in "
+        "turn; 'auto' cuts a batch of many rows into one group per rank, each rank computing another group's "
+        "step at once (docs/batching.md); a number n >= 2: groups whenever n requests decode",
+    )
+    serve.add_argument(
         "--prompt-cache-bytes",
         type=size_in_bytes,
         default=1 << 30,
@@ -282,6 +290,19 @@ def add_limit_flags(serve: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details.cached_tokens as 0 (the count tells how much of a prompt some "
         "earlier request shared; see docs/serve.md, 'What clients share')",
     )  # fmt: skip
+
+
+def decode_groups_arg(text: str) -> int | str:
+    """``--decode-groups``: ``auto`` or a positive int."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive int, got {text!r}")
+    return value
 
 
 def cors_origins(text: str) -> tuple[str, ...]:
@@ -581,6 +602,7 @@ def _settings(args: argparse.Namespace) -> ServeSettings:
         engine=EngineSettings(
             max_concurrency=args.max_concurrency,
             prefill_chunking=args.prefill_chunking,
+            decode_groups=args.decode_groups,
             prefix_cache_mb=args.prompt_cache_bytes / float(1 << 20),
             prefill_step_size=args.prefill_step_size,
             timeout=args.timeout,

@@ -202,6 +202,7 @@ class Batched:
             prefill_step_size=step,
             prefill_chunk_tokens=step if isinstance(step, int) else DEFAULT_STEP,
             prefill_chunking=settings.prefill_chunking,
+            decode_groups=settings.decode_groups,
             timeout=settings.timeout,
             logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
         )

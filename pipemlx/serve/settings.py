@@ -67,6 +67,8 @@ class EngineSettings:
     max_concurrency: int = 1
     """Requests decoded together; 1: one at a time (:class:`.schedulers.OneAtATime`)."""
     prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
+    decode_groups: int | Literal["auto"] = 1
+    """``BatchGenerator(decode_groups=)`` with ``max_concurrency`` above 1 (``--decode-groups``)."""
     prefix_cache_mb: float = 1024.0
     prefill_step_size: int | Literal["auto"] = "auto"
     timeout: float = 120.0
