@@ -828,16 +828,21 @@ def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request(scenari
     assert rows == [0, 0, 1, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 0, 0], rows
 
 
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow), 3])  # S=2: -m slow (time budget)
-def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int) -> None:
-    # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks.
+@pytest.mark.parametrize(
+    "world_size,groups",
+    [pytest.param(2, 1, marks=pytest.mark.slow), (3, 1), pytest.param(3, 2, marks=pytest.mark.slow)],
+)  # -m slow: the suite's time budget
+def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int, groups: int) -> None:
+    # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks. With decode
+    # groups (killed before tick 9): requests 0 and 2 (a 2-token prompt) decode in two groups in flight.
     spec = {
-        "requests": REQUESTS[:2],
+        "requests": REQUESTS[:2] + ([{"M": 2, "max_tokens": 12, "insert_at": 0}] if groups > 1 else []),
         "remove": [],
-        "steps": 8,
+        "steps": 12,
         "step_size": 8,
         "timeout": 5.0,
-        "kill": {"rank": 1, "at": 4},
+        "kill": {"rank": 1, "at": 4 if groups == 1 else 9},
+        "generator": {"decode_groups": groups},
     }
     reports = run_ranks(world_size, "batch.py", spec, timeout=60, expect_exit={1: 3})
     survivors = [survivor for rank, survivor in enumerate(reports) if rank != 1]
@@ -911,9 +916,18 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
         ({"timeout": -1.0}, "timeout"),
         ({"prefill_chunking": "even"}, "prefill_chunking"),
         ({"completion_batch_size": 0}, "completion_batch_size"),
+        ({"decode_groups": 0}, "decode_groups must be 'auto' or a positive int, got 0"),
+        ({"decode_groups": "many"}, "decode_groups must be 'auto' or a positive int, got 'many'"),
+        ({"decode_groups": True}, "decode_groups must be 'auto' or a positive int, got True"),
     ):
         with pytest.raises(ValueError, match=named):
             fake_engine(**bad)
+    # decode_groups: "auto" splits from 4 live rows per rank on and merges below 3; n >= 2 from n rows; 1 never.
+    rule = fake_engine(decode_groups="auto")._group_rule  # pyright: ignore[reportPrivateUsage]
+    assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 8, 6), rule
+    rule = fake_engine(decode_groups=3)._group_rule  # pyright: ignore[reportPrivateUsage]
+    assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 3, 3), rule
+    assert fake_engine(decode_groups=1)._group_rule is None  # pyright: ignore[reportPrivateUsage]
 
 
 def test_stop_tokens_may_be_given_as_mlx_lm_stop_sequences() -> None:
