@@ -113,11 +113,13 @@ def test_tokens_and_logprobs_equal_mlx_lm(reports: Callable[[str], list[dict[str
 def test_batched_requests_equal_mlx_lm_on_every_rank(reports: Callable[[str], list[dict[str, Any]]], name: str) -> None:
     """BatchGenerator on the split model: each request's tokens equal its solo mlx-lm run on every rank; its
     logprobs too, on the last rank for every token and on every rank for the request with a processor. At S=3 with
-    ``logprobs=False``: no logprobs, and the greedy ticks decide by each rank's best logit (the shared head)."""
+    ``logprobs=False``: no logprobs, and the greedy ticks decide by each rank's best logit (the shared head). Each
+    with one group and again with decode groups in flight (``decode_groups=2``)."""
     found = reports(name)
     lean = CASES[name][0] == 3  # logprobs=False: every response's logprobs None, greedy ticks share the head
-    for rank, case in enumerate(found):
-        batch = case["batch"]
+    for rank, case, grouped in [(rank, case, g) for rank, case in enumerate(found) for g in (False, True)]:
+        batch = case["batch_groups" if grouped else "batch"]  # decode groups in flight, or one group
+        assert (batch["most_groups"] >= 2) == grouped, (name, rank, batch["most_groups"])
         assert len(batch["requests"]) == len(BATCH), (name, rank)
         # Greedy ticks (request 1, with a processor, has left) decide by each rank's best logit only when lean.
         assert (batch["shared_head_ticks"] > 0) == lean, (name, rank, batch["shared_head_ticks"])

@@ -116,18 +116,23 @@ def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, voca
         prefill_step_size=8,
         prefill_chunking="fixed",
         logprobs=not spec.get("lean_batch"),
+        decode_groups=spec.get("decode_groups", 1),
     )
     got: dict[int, list[int]] = {}
     logprobs: dict[int, list[Any]] = {}
     uids: dict[int, int] = {}
     finished = 0
+    most_groups = 0  # the most decode groups in flight after a tick (0: one group throughout)
     for tick in range(64):
         for i, r in enumerate(requests):
             if r["insert_at"] == tick:
                 prompt = prompt_of(r["M"], vocab, spec["seed"] + 31 * i).tolist()
                 chosen = [processors(r)] if r.get("processor") else [None]
                 (uids[i],) = generator.insert([prompt], [r["max_tokens"]], logits_processors=chosen)
-        for response in generator.next():
+        responses = generator.next()
+        groups = generator._group_state  # pyright: ignore[reportPrivateUsage]
+        most_groups = max(most_groups, 0 if groups.serial else len(groups.groups))
+        for response in responses:
             got.setdefault(response.uid, []).append(int(response.token))
             logprobs.setdefault(response.uid, []).append(response.logprobs)
             finished += response.finish_reason is not None
@@ -146,7 +151,7 @@ def run_batch(spec: dict[str, Any], reference: nn.Module, model: nn.Module, voca
                 "logprob_diff": largest_difference(ours, solo[i][1]),
             }
         )
-    return {"requests": report, "shared_head_ticks": generator.shared_head_ticks}
+    return {"requests": report, "shared_head_ticks": generator.shared_head_ticks, "most_groups": most_groups}
 
 
 def processors(request: dict[str, Any]) -> list[Any]:
@@ -208,6 +213,8 @@ def run_case(spec: dict[str, Any], group: mx.distributed.Group) -> dict[str, Any
         result["steps"].append(entry)
     if spec.get("batch"):
         result["batch"] = run_batch(spec, reference, model, vocab)
+        # Again with decode groups in flight (decode_groups=2: two or more groups whenever two rows are live).
+        result["batch_groups"] = run_batch({**spec, "decode_groups": 2}, reference, model, vocab)
     # mlx-lm's own generate_step on the split model (its forward passes: embeddings summed, logits gathered on
     # every rank), prefilled in chunks of 4, then a second turn on the same cache; and mlx-lm's stream_generate.
     entry = {"tokens": [], "ref_tokens": [], "logprob_diff": None, "compared": 0}
