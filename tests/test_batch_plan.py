@@ -315,8 +315,14 @@ def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
     state = GroupState(world_size)
     live: dict[int, int] = {SERIAL: 0}
     previous: GroupTick | None = None
+    chunks = enqueue(TickState(world_size), [QueuedPrompt(u, 3 + 5 * u) for u in range(4)])  # chunks travel too
+    programs: list[list[Op]] = [[] for _ in range(world_size)]
     for index, (joining, leaving) in enumerate(events):
         tick, after = plan_groups(state, dict(live), joining, rule, index)
+        planned, chunks = plan_tick(chunks, [], 4)
+        rows = sum(live.values()) + joining
+        for rank, program in enumerate(programs):
+            program += tick_ops(planned, rows, rank, world_size, tick)
         assert tick.fingerprint() == plan_groups(state, dict(live), joining, rule, index)[0].fingerprint()
         busy = {g for g in state.flight if g is not None}
         assert not (busy & {tick.joins_into, *tick.dropped}), (tick, state)  # only idle groups change
@@ -351,3 +357,7 @@ def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
             if holding:
                 live[seed.choice(holding)] -= 1
         state, previous = after, tick
+    # Every rank's messages, serial ticks and groups in flight alike, run through with rendezvous sends: each receive
+    # takes the message it expects, and none is left on a link (nothing is in flight between ticks but what the
+    # next tick computes, received in this one).
+    assert run_ticks(programs, capacity=0) == []

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .batch_plan import Tick
+from .batch_plan import GroupTick, Tick
 
 OpKind = Literal["compute", "send", "recv", "gather"]
 
@@ -31,15 +31,25 @@ class Op:
     peer: int = -1
 
 
-def tick_ops(tick: Tick, rows: int, rank: int, world_size: int) -> list[Op]:
-    """What ``rank`` does in ``tick`` with ``rows`` decoding rows, in order."""
+def tick_ops(tick: Tick, rows: int, rank: int, world_size: int, groups: GroupTick | None = None) -> list[Op]:
+    """What ``rank`` does in ``tick`` with ``rows`` decoding rows, in order; with ``groups`` (decode groups in
+    flight, not serial), the step of group ``groups.decode[rank]`` instead (received at the end of the last tick
+    on a rank ``r > 0``), and at the end of the tick the receive of the group rank ``r - 1`` computed, before its
+    chunk."""
     ops: list[Op] = []
     mine = tick.chunks[rank]
     chunk = None if mine is None else ("chunk", mine.uid, mine.start, mine.stop)
     decode = ("decode", tick.index)
     if rank > 0 and chunk is not None:
         ops.append(Op("compute", chunk))
-    if rows:
+    decoding = None if groups is None or groups.serial else groups.decode  # per rank: the group it computes
+    if decoding is not None:
+        group = decoding[rank]
+        if group is not None:
+            ops.append(Op("compute", ("decode", group)))
+            if rank < world_size - 1:
+                ops.append(Op("send", ("decode", group, tick.index), rank + 1))
+    elif rows:
         if rank > 0:
             ops.append(Op("recv", decode, rank - 1))
         ops.append(Op("compute", decode))
@@ -49,6 +59,8 @@ def tick_ops(tick: Tick, rows: int, rank: int, world_size: int) -> list[Op]:
         ops.append(Op("compute", chunk))
     if chunk is not None and rank < world_size - 1:
         ops.append(Op("send", chunk, rank + 1))
+    if decoding is not None and rank > 0 and decoding[rank - 1] is not None:
+        ops.append(Op("recv", ("decode", decoding[rank - 1], tick.index), rank - 1))
     coming = tick.receives(rank)
     if coming is not None:
         ops.append(Op("recv", ("chunk", coming.uid, coming.start, coming.stop), rank - 1))
