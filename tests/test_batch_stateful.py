@@ -135,6 +135,8 @@ class Requests:
             if self.armed.get(answer["rank"]) and not answer["armed"]:
                 self.armed[answer["rank"]] = False
                 self.faults_fired += 1
+        if first["groups_in_flight"]:
+            seen("decode groups in flight")
         for uid, token, reason in first["responses"]:
             assert uid in self.got and uid not in self.ended, (uid, first)
             if reason == "error":
@@ -369,6 +371,36 @@ def test_model_errors_fail_the_affected_requests_on_every_rank_and_the_rest_go_o
         while d not in requests.done:
             requests.step(group)
         assert requests.got[d] == requests.solo[d]
+    except BaseException:
+        group.kill()  # a later test starts a new group
+        raise
+
+
+def test_a_model_error_in_a_decode_group_in_flight_fails_that_group_only(
+    batch_group: Callable[[], LiveGroup],
+) -> None:
+    """decode_groups=2: three requests decode in two groups in flight; rank 1 (the last) raises while it builds a
+    group's step at the end of a tick (the step rank 0 computed in it): that group's requests fail with "error" on
+    both ranks, in the next tick, and the other group's go on to their solo runs' ends."""
+    group = batch_group()
+    group.ask({"op": "reset", "decode_groups": 2})
+    requests = Requests()
+    try:
+        uids = [requests.insert(group, m, seed, 12) for m, seed in ((9, 1), (14, 2), (5, 3))]
+        in_flight = False
+        for _ in range(30):
+            in_flight |= requests.step(group)["groups_in_flight"]
+            if all(requests.got[u] for u in uids):
+                break
+        assert in_flight and all(requests.got[u] for u in uids), requests.got
+        group.ask({"op": "arm", "rank": 1, "what": "decode"})
+        requests.armed[1] = True
+        failed: list[int] = []
+        for _ in range(3):
+            failed += [r[0] for r in requests.step(group)["responses"] if r[2] == "error"]
+        assert failed and set(failed) < set(uids), failed  # one group's requests, not every request
+        requests.drain(group)
+        assert all(requests.ended[u] == "length" for u in uids if u not in failed), requests.ended
     except BaseException:
         group.kill()  # a later test starts a new group
         raise

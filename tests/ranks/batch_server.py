@@ -170,6 +170,7 @@ class Server:
             "armed": self.armed["what"] is not None,
             "handed": handed,
             "error": None if engine.last_error is None else str(engine.last_error),
+            "groups_in_flight": engine._group_state.in_flight(),  # pyright: ignore[reportPrivateUsage]
         }
 
     def remove(self, uids: list[int], return_caches: bool) -> dict[str, Any]:
