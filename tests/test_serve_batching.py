@@ -179,8 +179,11 @@ def test_a_server_sharded_with_lent_heads_and_a_split_vocabulary_batches_answers
 ) -> None:
     """--lend 1: rank 1 keeps its first layer's cache and the lent head's, batched as one; --head split: each rank
     holds its rows of the embedding and head (every tick's embeddings summed and logits gathered from them); four
-    clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers."""
-    with serving("--decode-concurrency", str(CONCURRENCY), "--lend", "1", "--head", "split") as process:
+    clients at once (greedy, and chat streams that reuse each other's prefix) get one process's answers.
+    --decode-groups 2: whenever two requests decode, they do in decode groups in flight (docs/batching.md)."""
+    with serving(
+        "--decode-concurrency", str(CONCURRENCY), "--lend", "1", "--head", "split", "--decode-groups", "2"
+    ) as process:
         client = openai.OpenAI(base_url=process.url + "/v1", api_key="none", max_retries=0, timeout=120.0)
 
         def ask(i: int) -> str:
@@ -202,6 +205,16 @@ def test_max_concurrency_zero_is_refused(capsys: pytest.CaptureFixture[str]) -> 
         cli.main(["serve", "--decode-concurrency", "0"])
     assert caught.value.code == 2
     assert "argument --decode-concurrency: must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["0", "many"])
+def test_decode_groups_other_than_auto_or_a_positive_int_are_refused(
+    capsys: pytest.CaptureFixture[str], bad: str
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["serve", "--decode-groups", bad])
+    assert caught.value.code == 2
+    assert f"argument --decode-groups: expected 'auto' or a positive int, got {bad!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fault", [pytest.param("killed", marks=pytest.mark.slow), "stalled"])  # a kill: test_serve
