@@ -561,6 +561,7 @@ class BatchGenerator:
             and bool(finishing)
             and (self.share_logprobs or not all_greedy(finishing, self.sampler)),
             logprobs=self.logprobs,
+            plan=fingerprint([tick.fingerprint(), groups.fingerprint()]),
         )
         if groups.serial:
             return work

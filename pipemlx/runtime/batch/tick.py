@@ -112,6 +112,7 @@ class TickWork:
     logprobs: bool = True  # the responses carry log-probabilities (False: head="split" may share the head)
     groups: GroupTick | None = None  # groups in flight: who computes which group (None: the serial batch's step)
     jobs: dict[int, DecodeJob] = field(default_factory=dict[int, DecodeJob])  # the groups' steps in the tick
+    plan: int | None = None  # the fingerprint of the tick's whole plan, chunks and groups (None: the chunks')
 
     @property
     def finishing(self) -> int | None:
@@ -243,7 +244,7 @@ class TickRunner:
                     "tick": tick.index,
                     "rows": work.rows,
                     "uids": work.uids_fingerprint,
-                    "plan": tick.fingerprint(),
+                    "plan": tick.fingerprint() if work.plan is None else work.plan,
                     "lend_mlp": int(stage.info.lending.mlp),
                     "lend_heads": stage.info.lending.heads,
                     "prefixes": work.prefixes_fingerprint,
