@@ -475,8 +475,11 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         finished: dict[int, Any] = {}
         handed: dict[int, Any] = {}
         calls: list[list[int]] = []
+        most_groups = 0  # pipemlx's: the most decode groups in flight after a call
         while responses := generator.next_generated():
             calls.append(sorted(r.uid for r in responses))
+            state = getattr(generator, "_group_state", None)
+            most_groups = max(most_groups, 0 if state is None or state.serial else len(state.groups))
             for r in responses:
                 tokens[r.uid].append(r.token)
                 logprobs[r.uid].append(r.logprobs[r.token].item())
@@ -508,6 +511,7 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             "finished": [finished[u] for u in uids],
             "following": [following[u] for u in turns],
             "calls": calls,
+            "most_groups": most_groups,
             "histories": [s.histories for s in seen],
             "logits": [s.logits for s in seen],
             "draws": [s.draws for s in seen],
@@ -520,6 +524,11 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             "pipemlx": engine(lambda **kw: pipemlx.BatchGenerator(sharded, prefill_step_size=8, **kw), size),
             "mlx": engine(lambda **kw: mlx_generate.BatchGenerator(whole, prefill_step_size=8, **kw), size),
         }
+        if spec.get("decode_groups"):  # the same engine loop with decode groups in flight, against the same mlx-lm run
+            grouped = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
+                sharded, prefill_step_size=8, decode_groups=spec["decode_groups"], **kw
+            )
+            report[f"groups {name}"] = {"pipemlx": engine(grouped, size), "mlx": report[name]["mlx"]}
     tokenizer = WordTokenizer(stop[-1:])
     sampled = {"sampler": Seen().sampler}  # a sampler: every rank holds the logprobs it was given
 
