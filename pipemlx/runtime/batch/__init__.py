@@ -10,7 +10,9 @@ A tick (:mod:`pipemlx.runtime.batch.tick`) is one decode step of every active re
 rank: queued prompts are prefilled in chunks that travel the ranks like a pipeline, *between* the decode steps of the
 others, so a long prompt neither stalls the others nor waits for them. The tick's plan is a pure function of the queue
 (:func:`pipemlx.schedule.batch_plan.plan_tick`) whose fingerprint the tick's all-gather carries, so ranks that planned
-differently fail with :class:`PipelineMismatchError`. Insertions, removals, completions and failures take effect at tick
+differently fail with :class:`PipelineMismatchError`. With ``decode_groups`` the rows are cut into decode groups in
+flight, whose steps travel the ranks as the chunks do (each rank computes another group's step in a tick:
+:func:`pipemlx.schedule.batch_plan.plan_groups`). Insertions, removals, completions and failures take effect at tick
 boundaries only, and nothing is left in flight between calls. Greedy tokens of each request equal a solo run of it.
 """
 

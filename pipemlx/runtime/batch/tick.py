@@ -21,6 +21,15 @@ taken in the order below on both ends of each link):
    did, with the same requests' processors and samplers, and one more small
    all-gather agrees on whether that raised anywhere).
 
+With decode groups in flight (``TickWork.groups``), step 2 is this rank's group's
+step instead: rank 0 builds and computes the group it takes, a rank ``r > 0``
+computes the step it received at the end of the last tick (its graph built
+then, as a held chunk's) and sends it on or samples it (last rank); and at the
+end of the tick, before the chunk's receive of step 4, a rank ``r > 0``
+receives the step rank ``r - 1`` computed and builds its graph for the next
+tick (:class:`HeldDecode`). The all-gather then carries the tokens of the group
+the last rank finished.
+
 Every send is taken by its receiver within the same tick, so nothing is on the
 wire between ticks; sends are issued asynchronously and nothing blocks until
 the all-gather, which is waited for with the stage's timeout.
