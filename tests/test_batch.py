@@ -523,7 +523,7 @@ def test_removed_requests_hand_back_caches_that_go_on_exactly(
     scenario_reports: Reports, arch: str, world_size: int, grouped: str
 ) -> None:
     reports = scenario_reports(world_size, f"{grouped}resumed {arch}")
-    assert not grouped or reports[0]["most_groups"] == 2, reports[0]["most_groups"]
+    assert not grouped or reports[0]["most_groups"] >= 2, reports[0]["most_groups"]
     assert not grouped or reports[0]["in_flight"] == {"1": False, "2": True}, reports[0]["in_flight"]
     for report in reports:
         resumed = report["resumed"]

@@ -325,6 +325,8 @@ def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
             program += tick_ops(planned, rows, rank, world_size, tick)
         assert tick.fingerprint() == plan_groups(state, dict(live), joining, rule, index)[0].fingerprint()
         busy = {g for g in state.flight if g is not None}
+        if not state.serial and not tick.serial and tick.decode[0] is not None:  # no group travels the ranks alone
+            assert joining or sum(1 for n in live.values() if n) >= 2, (state, live, tick)
         assert not (busy & {tick.joins_into, *tick.dropped}), (tick, state)  # only idle groups change
         for g in tick.dropped:
             assert live.pop(g) == 0

@@ -492,10 +492,13 @@ def plan_groups(
     ``live``: the live rows of every group of ``state`` (before the tick's joins); ``joining``: how many requests
     join in the tick. With ``rule`` (None: the serial batch always), the serial batch splits into
     ``min(rule.most, rows)`` groups once it has ``rule.enter`` live rows, the first taking rank 0 at once and the
-    others in the next ticks; each tick rank 0 takes the idle group that has waited longest, and the joining
-    requests join it (or form a new group, when no group is idle). Below ``rule.leave`` live rows no group takes
-    rank 0 any more, and once none is in flight they merge back into the serial batch (in the same tick, which
-    then decodes it). An idle group without live rows is dropped. Pure: the same arguments give the same tick
+    others in the next ticks; each tick rank 0 takes the idle group that has waited longest. The joining requests
+    form a group of their own while there are fewer than ``min(rule.most, rows)`` groups (or none is idle; it
+    waits its turn behind the idle ones), else join the idle group that has waited longest. Below ``rule.leave``
+    live rows, or with one group left that has live rows and none joining (it would travel the ranks alone, each
+    rank idle but one tick in S), no group takes rank 0 any more, and once none is in flight they merge back
+    into the serial batch (in the same tick, which then decodes it; it splits again from ``rule.enter`` rows).
+    An idle group without live rows is dropped. Pure: the same arguments give the same tick
     everywhere.
     """
     size = state.world_size
@@ -511,16 +514,20 @@ def plan_groups(
         return tick, GroupState(size, False, decode[:-1], (*ids[1:],), state.next_id + count)
     dropped = tuple(g for g in state.idle if live.get(g, 0) == 0)
     idle = [g for g in state.idle if g not in dropped]
+    kept = [g for g in state.groups if g not in dropped]
+    alive = [g for g in kept if live.get(g, 0)]
     next_id = state.next_id
     formed = False
     joins_into: int | None = None
     take: int | None = None
-    if rule is not None and total >= rule.leave:
+    if rule is not None and total >= rule.leave and (len(alive) >= 2 or joining):
+        if joining and (not idle or len(kept) < min(rule.most, total)):  # a group of their own, waiting its turn
+            idle.append(next_id)
+            joins_into, next_id, formed = next_id, next_id + 1, True
+        elif joining:
+            joins_into = idle[0]
         if idle:
             take = idle.pop(0)
-        elif joining:
-            take, next_id, formed = next_id, next_id + 1, True
-        joins_into = take if joining else None
     elif not state.in_flight():  # every group idle: merged back into the serial batch, decoded in this tick
         tick = GroupTick(index, True, (SERIAL,) * size, SERIAL if joining else None, merge=True, dropped=dropped)
         return tick, GroupState(size, next_id=next_id)
