@@ -13,7 +13,7 @@ first one its samples disagree with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,14 @@ from ..schedule.batch_plan import fingerprint
 from .draft_step import COMPILED_TOKENS, FixedKVCache, compiled_forward, read
 from .protocol import MAX_GUESSES
 from .sampling import Sampler
+
+SpeculationMode = Literal["auto", "serial", "pipelined"]
+SPECULATION_MODES: tuple[SpeculationMode, ...] = ("serial", "pipelined", "auto")
+"""``generate_step(speculation=...)``: ``"serial"``, one pass through the ranks at a time; ``"pipelined"``, a pass
+started every tick on the assumption that the passes in flight confirm every guess; ``"auto"``, pipelined where it
+can be (:data:`AUTO_PIPELINES`)."""
+AUTO_PIPELINES = True
+"""Whether ``speculation="auto"`` pipelines where it can (more than one rank, no logits processors, no split head)."""
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
@@ -159,6 +167,20 @@ def proposer_of(draft_model: nn.Module | None, prompt_lookup: int | None) -> Pro
     if hasattr(draft_model, "_pipemlx_stage"):
         raise ValueError("draft_model must be a whole model on every rank, not a sharded one")
     return DraftModel(draft_model)
+
+
+def check_speculation_mode(mode: object, world_size: int, processors: bool, split_head: bool) -> None:
+    """Raise ``ValueError`` naming the problem unless ``mode`` is a :data:`SpeculationMode` the model can run."""
+    if mode not in SPECULATION_MODES:
+        raise ValueError(f"speculation must be one of {list(SPECULATION_MODES)}, got {mode!r}")
+    if mode != "pipelined":
+        return
+    if world_size < 2:
+        raise ValueError("speculation='pipelined' needs more than one rank: use 'serial' or 'auto'")
+    if processors:
+        raise ValueError("speculation='pipelined' takes no logits_processors: use 'serial' or 'auto'")
+    if split_head:
+        raise ValueError("speculation='pipelined' needs the whole output head on the last rank, not head='split'")
 
 
 def accepted(guesses: mx.array, tokens: mx.array) -> mx.array:
