@@ -594,7 +594,9 @@ class DecodeRun:
             return [last, *(proposer.propose(speculation.tokens, room, self.sampler) if room > 0 else [])]
         if room <= 0:
             return []
-        chain = [*speculation.tokens, *(t for p in flight for t in p.inputs)]
+        # The oldest pass in flight starts with the last decided token (in the history already), the others with
+        # the token guessed after the pass before them.
+        chain = [*speculation.tokens, *flight[0].inputs[1:], *(t for p in flight[1:] for t in p.inputs)]
         return proposer.propose(chain, room + 1, self.sampler, greedy=1)[: room + 1]
 
     def _compute_pass(self, inputs: list[int], tick: int) -> tuple[mx.array | None, mx.array | None, mx.array | None]:

@@ -2,7 +2,8 @@
 
 Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|"fails"|null, "lookup": n|null,
 "k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp", "seed",
-"mode": generate_step's speculation (default "serial"), "cancel_after": {"rank", "after"}, "share": share_logprobs}]}. Every prompt repeats a
+"mode": generate_step's speculation (default "serial"), "cancel_after": {"rank", "after"}, "share": share_logprobs,
+"kill": {"rank", "after"}: that rank reports and leaves mid-request (the last case)}]}. Every prompt repeats a
 random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
 reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
 tally and whether the steps speculated. A case with a ``seed`` also reports mlx-lm's
@@ -13,6 +14,7 @@ seeds its decode with it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -163,8 +165,12 @@ def main() -> None:
                         drift = max(drift, float(mx.max(mx.abs(logprobs - plain_logprobs[n])).item()))
                 if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
                     break
+                kill = case.get("kill")  # this rank dies mid-request, after reporting the cases before
+                if kill is not None and kill["rank"] == group.rank() and len(tokens) == kill["after"]:
+                    print(json.dumps({"rank": group.rank(), "results": results, "killed": True}), flush=True)
+                    os._exit(0)
             stream.close()
-        except (pipemlx.PipelineMismatchError, RuntimeError) as exc:
+        except RuntimeError as exc:  # PipelineMismatchError, PeerLostError, PipelineTimeoutError, the draft's own
             stop = getattr(stream, "stop", None)
             ended = {} if stop is None else {"stop": [stop.reason, stop.tokens], "stop_ranks": list(stop.ranks)}
             results.append({"name": case["name"], "error": f"{type(exc).__name__}: {exc}", **ended})
@@ -191,6 +197,8 @@ def main() -> None:
             }
         )
     print(json.dumps({"rank": group.rank(), "results": results}), flush=True)
+    if any(case.get("kill") for case in spec["cases"]):
+        os._exit(0)  # a peer died: a communication may still be blocked inside MLX, leave without its teardown
 
 
 if __name__ == "__main__":
