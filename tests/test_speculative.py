@@ -41,10 +41,26 @@ PIPELINED: list[dict[str, Any]] = [
     {"name": "p-seeded-other", "M": 7, "max_tokens": 13, "draft": "other", "k": 4, "temp": 0.5, "seed": 3},
     {"name": "p-stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
     {"name": "p-break", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "break_after": {"rank": 0, "after": 2}},
-    {"name": "p-cancel", "M": 6, "repeat": 4, "max_tokens": 16, "lookup": 3, "k": 3, "cancel_after": {"rank": 1, "after": 5}},
+    {
+        "name": "p-cancel",
+        "M": 6,
+        "repeat": 4,
+        "max_tokens": 16,
+        "lookup": 3,
+        "k": 3,
+        "cancel_after": {"rank": 1, "after": 5},
+    },
     {"name": "p-draft-fails", "M": 9, "max_tokens": 12, "draft": "fails", "k": 2},
     # Last: rank 1 dies in the middle of a request; every other rank raises a typed error within the timeout.
-    {"name": "p-kill", "M": 9, "max_tokens": 40, "draft": "same", "k": 3, "kill": {"rank": 1, "after": 6}, "timeout": 20},
+    {
+        "name": "p-kill",
+        "M": 9,
+        "max_tokens": 40,
+        "draft": "same",
+        "k": 3,
+        "kill": {"rank": 1, "after": 6},
+        "timeout": 20,
+    },
 ]
 PIPELINED = [{"mode": "pipelined", **case} for case in PIPELINED]
 

@@ -27,8 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 
-from ..schedule.batch_plan import fingerprint
 from ..errors import PeerLostError, PipelineError, PipelineTimeoutError
+from ..schedule.batch_plan import fingerprint
 from .caches import always_trimmable, cache_offset, cache_state, trim_to
 from .failure import stand_in
 from .prefill import CancelCheck, PrefillOptions, prefill_before_decode
@@ -527,7 +527,8 @@ class DecodeRun:
                         inputs = self._propose_pass(flight, last, n)
                     except Exception as exc:  # the proposer failed: this tick says so, every rank stops
                         self.deferred, status = self.deferred or exc, Status.FAILED
-                mine = inputs if stage.is_first else next((p.inputs for p in flight if p.start == tick - stage.rank), [])
+                held = [p.inputs for p in flight if p.start == tick - stage.rank]
+                mine = inputs if stage.is_first else (held[0] if held else [])
                 token: mx.array | None = None
                 count: mx.array | None = None
                 logprobs: mx.array | None = None
@@ -620,7 +621,9 @@ class DecodeRun:
             wait_for(received, self.timeout, lambda: f"{stage.describe()} receiving pipelined tick {tick}'s pass")
         if not stage.is_last:
             queued = [p.array for p in stage.send_queue.pending]
-            wait_for([cache_state(self.cache), queued], self.timeout, lambda: f"{stage.describe()} computing tick {tick}")
+            wait_for(
+                [cache_state(self.cache), queued], self.timeout, lambda: f"{stage.describe()} computing tick {tick}"
+            )
             return None, None, None
         logits = output[0]
         keys: list[_RandomKey] = []
@@ -769,7 +772,9 @@ class Speculation:
         fixed = self.draft_length.fixed or 0  # "auto": 0
         # The handshake compares it: 0 without a proposer, else the proposer's fingerprint (+ 1) and k above it.
         mode = SPECULATION_MODES.index(self.mode)
-        self.handshake = 0 if self.proposer is None else (self.proposer.fingerprint() + 1) | (fixed << 24) | (mode << 29)
+        self.handshake = (
+            0 if self.proposer is None else (self.proposer.fingerprint() + 1) | (fixed << 24) | (mode << 29)
+        )
 
     def guess(self, n: int) -> list[int]:
         """The guesses for the step after ``n`` tokens, as the last message carried them: none unless every rank
