@@ -6,7 +6,8 @@ On the demo model with its draft (pipemlx/demo/draft), two prompts: the demo's o
 one that prompt lookup suits (the start of a passage that the prompt already contains: the model continues
 it). Contenders, each greedy, the tokens checked equal: mlx-lm's generate_step and its
 speculative_generate_step with the same draft on one process; pipemlx.generate_step at S=2 plain, with the
-draft (k guesses, and "auto"), and with prompt lookup. OpenBLAS preloaded, one core per process; run by
+draft and with prompt lookup (k guesses, each with speculation="serial": one pass through the ranks at a time,
+and "pipelined": a pass started every tick), and with the draft, num_draft_tokens="auto" and speculation="auto". OpenBLAS preloaded, one core per process; run by
 hand on an otherwise idle machine.
 """
 

@@ -249,6 +249,8 @@ def test_auto_draft_length_follows_the_acceptance_rate() -> None:
         ({"prompt_lookup": 2, "draft_model": "model"}, "draft_model or prompt_lookup, not both"),
         ({"draft_model": "model", "num_draft_tokens": "many"}, "num_draft_tokens must be a positive int or 'auto'"),
         ({"prompt_lookup": 2, "num_draft_tokens": 17}, r"num_draft_tokens must be at most 16 \(guesses in one step\)"),
+        ({"prompt_lookup": 2, "speculation": "fast"}, r"speculation must be one of \['serial', 'pipelined', 'auto'\]"),
+        ({"prompt_lookup": 2, "speculation": "pipelined"}, "speculation='pipelined' needs more than one rank"),
     ],
 )
 def test_bad_speculation_arguments_are_named_before_anything_is_sent(kwargs: dict[str, Any], message: str) -> None:
