@@ -9,7 +9,7 @@ import pytest
 from conftest import run_ranks
 
 import pipemlx
-from pipemlx.runtime.speculative import AUTO_LIMIT, EXPLORE_EVERY, DraftLength
+from pipemlx.runtime.speculative import AUTO_LIMIT, EXPLORE_EVERY, LEAVE_AFTER, DraftLength
 from pipemlx.testing import build_model, tiny_config
 
 CASES: list[dict[str, Any]] = [
@@ -37,6 +37,9 @@ PIPELINED: list[dict[str, Any]] = [
     {"name": "p-draft-same", "M": 9, "max_tokens": 10, "draft": "same", "k": 4},  # max_tokens inside a pass
     {"name": "p-draft-other", "M": 9, "max_tokens": 12, "draft": "other", "k": 2, "share": True},
     {"name": "p-auto", "M": 6, "repeat": 4, "max_tokens": 14, "lookup": 2, "k": "auto", "mode": "auto"},
+    # Guesses that never hold: num_draft_tokens="auto" leaves the ticks for the serial steps, the tokens exact.
+    {"name": "p-auto-leaves", "M": 9, "max_tokens": 24, "draft": "other", "k": "auto"},
+    {"name": "p-auto-leaves-seeded", "M": 9, "max_tokens": 24, "draft": "other", "k": "auto", "temp": 0.6, "seed": 5},
     {"name": "p-seeded", "M": 9, "max_tokens": 16, "draft": "same", "k": 3, "temp": 0.7, "seed": 11},
     {"name": "p-seeded-other", "M": 7, "max_tokens": 13, "draft": "other", "k": 4, "temp": 0.5, "seed": 3},
     {"name": "p-stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
@@ -87,7 +90,7 @@ def test_speculative_decoding_matches_plain_mlx_lm(
             continue
         rows = [r["results"][i] for r in reports]
         name = case["name"]
-        if case.get("mode") == "pipelined":
+        if case.get("mode") in ("pipelined", "auto"):
             check_pipelined(case, rows)
             continue
         if case.get("draft") == "mismatch":  # rank 0 guesses with another draft: every rank says so, at once
@@ -175,6 +178,8 @@ def check_pipelined(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     assert all("error" not in r for r in rows), (name, rows)
     assert len({(r["offset"], str(r["stop"]), tuple(r["decided"])) for r in rows}) == 1, (name, rows)
     assert [r["speculating"] for r in rows] == [True] * world_size, (name, rows)
+    # Still ticking at the end, except where "auto" left them (at most 8 verified passes of failed guesses).
+    assert [r["pipelined"] for r in rows] == [not name.startswith("p-auto-leaves")] * world_size, (name, rows)
     for row in rows:  # the prompt and every decided token are in the caches, no guess of a dropped pass
         assert row["offset"] == row["prompt"] + len(row["decided"]), (name, row)
     stopper = case.get("break_after") or case.get("cancel_after")
@@ -213,6 +218,25 @@ def check_killed(case: dict[str, Any], reports: list[dict[str, Any]], i: int) ->
             continue
         error = report["results"][i].get("error", "")
         assert error.startswith(("PeerLostError", "PipelineTimeoutError")), (rank, report["results"][i])
+
+
+def test_auto_pipelined_length_leaves_where_guesses_fail() -> None:
+    """``num_draft_tokens="auto"`` in pipelined speculation: many guesses while they hold, none and then leaving
+    for the serial steps (``None``) once ``LEAVE_AFTER`` passes said they never hold; a fixed count stays."""
+    good, bad = DraftLength("auto"), DraftLength("auto")
+    assert good.next_pipelined(2, 0) == bad.next_pipelined(2, 0) == 2  # nothing measured yet
+    for verified in range(LEAVE_AFTER):
+        k = good.next_pipelined(2, verified)
+        assert k is not None
+        good.record_tick(k, 0.010 + 0.001 * k, 0.001)
+        good.record_guesses(k, k)
+        k = bad.next_pipelined(2, verified)
+        assert k is not None  # never before LEAVE_AFTER verified passes
+        bad.record_tick(k, 0.010 + 0.002 * k, 0.003)
+        bad.record_guesses(k, 0)
+    assert good.next_pipelined(2, LEAVE_AFTER) == AUTO_LIMIT
+    assert bad.next_pipelined(2, LEAVE_AFTER) is None
+    assert DraftLength(3).next_pipelined(2, 100) == 3
 
 
 def test_auto_draft_length_follows_the_acceptance_rate() -> None:

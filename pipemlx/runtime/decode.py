@@ -111,6 +111,12 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
         return self._run.speculation.active
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the decode runs (or ended in) pipelined speculation's ticks: ``speculation="pipelined"`` or
+        ``"auto"`` where it pipelines, until ``num_draft_tokens="auto"`` leaves them for the serial steps."""
+        return self._run.ticking
+
+    @property
     def from_draft(self) -> bool:
         """Whether the last token yielded was a guess the pipeline confirmed."""
         return self._run.from_draft
@@ -168,6 +174,7 @@ class DecodeRun:
     history_length: int = 0  # the logits processors' history's length before it
     logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
     replay_error: BaseException | None = None  # this rank's own processors or sampler raised in the last step
+    ticking: bool = False  # pipelined speculation's ticks run (or ran last) this decode
 
     def __post_init__(self) -> None:
         self.stop_fingerprint = self.stop_tokens.fingerprint()
@@ -225,7 +232,11 @@ class DecodeRun:
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
         if self.pipelines and speculation.active and self.max_tokens != 0:
-            return (yield from self._pipelined(last, should_cancel, progress, num_tokens))
+            handed = yield from self._pipelined(last, should_cancel, progress, num_tokens)
+            if handed is None:  # the request ended
+                return self.stop
+            n, last = handed  # num_draft_tokens="auto" left pipelining: the serial steps go on from there
+            progress = None
         while True:
             done = ended or n == self.max_tokens
             status = Status.END if done else self._poll(should_cancel)
@@ -356,7 +367,8 @@ class DecodeRun:
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 # The last rank proposes the next step's guesses: the likeliest ones while the ranks before it
                 # compute this step (it would wait for them), the right ones after it, unless those were the same.
-                proposes = stage.is_last and speculation.active and part.token is not None and status == Status.OK
+                proposes = stage.is_last and speculation.active and not speculation.off
+                proposes = proposes and part.token is not None and status == Status.OK
                 wanted = speculation.draft_length.next() if proposes else 0
                 ahead: list[int] = []
                 following: list[int] = []
@@ -418,7 +430,7 @@ class DecodeRun:
 
     def _pipelined(
         self, last: int, should_cancel: CancelCheck | None, progress: Callable[[int, int], Any] | None, num_tokens: int
-    ) -> Generator[tuple[int, mx.array | None], None, DecodeStop | None]:
+    ) -> Generator[tuple[int, mx.array | None], None, tuple[int, int] | None]:
         """Pipelined speculation: the decode as ticks, in each of which every rank computes a different pass.
 
         Rank 0 starts a pass every tick (proposing its tokens: the token the passes in flight end on, guessed, then
@@ -430,20 +442,25 @@ class DecodeRun:
         cut back to what the pass confirmed. Nothing but the send queue outlives a tick, so the request can end
         after any tick: every rank then cuts its caches back to the prompt and the decided tokens but the last, and
         the closing step of the plain decode (:meth:`_step`, no guesses) reads that last token and agrees why the
-        request ended, as after a plain decode.
+        request ended, as after a plain decode. Returns ``None`` then; or, when rank 0 said in a tick's message
+        that pipelining loses (``num_draft_tokens="auto"``, :meth:`DraftLength.next_pipelined`), the decided
+        count and the last token, with the caches left as for a closing step: the serial steps go on from there.
         """
         stage, speculation = self.stage, self.speculation
         flight: list[_Pass] = []  # the passes started and not yet verified, oldest first, alike on every rank
         base = cache_offset(self.cache)  # the position of the prompt's last token
         following = base  # where the next pass starts when none is in flight
-        n = tick = 0
+        self.ticking = True
+        n = tick = verified = 0
         reported = progress is None
+        leaving = False
         closing = Status.END
         stopped: BaseException | None = None
         while True:
             status = self._poll(should_cancel) if stopped is None else Status.CANCEL
             started = time.perf_counter()
-            table, logprobs, status = self._tick(tick, flight, last, n, status)
+            speculation.proposing = 0.0
+            table, logprobs, status = self._tick(tick, flight, last, n, status, verified)
             tick += 1
             new = [table.columns[f"in_{i}"][0] for i in range(table.columns["inputs"][0])]
             if new:  # where the passes in flight end, if they all hold
@@ -456,16 +473,23 @@ class DecodeRun:
                     cast(Callable[[int, int], Any], progress)(num_tokens, num_tokens)
                 except Exception as exc:  # acted on in the next tick's agreement, by every rank
                     self.deferred = exc
+            if new and stage.is_first:
+                seconds = time.perf_counter() - started
+                speculation.draft_length.record_tick(len(new) - 1, seconds, speculation.proposing)
             if not table.all_ok:
                 closing = status if status != Status.OK else Status.END
                 break
+            leaving = table.columns["serial"][0] == 1
             if done is None:
+                if leaving:
+                    break
                 continue
             flight.pop(0)
+            verified += 1
             guesses = done.inputs[1:]
             count, token = min(table.last("accepted"), len(guesses)), table.last("token")
             decided = [*guesses[:count], token]
-            speculation.draft_length.record(len(guesses), count, time.perf_counter() - started)
+            speculation.draft_length.record_guesses(len(guesses), count)
             if not (count == len(guesses) and flight and flight[0].inputs[0] == token):
                 flight.clear()  # built on a guess that failed: dropped on every rank
                 stage.send_queue.discard()
@@ -492,11 +516,16 @@ class DecodeRun:
                     stage.open_request = None
             n += kept
             last = decided[kept - 1]
-            if self.stops.stopped or n == self.max_tokens:
+            if self.stops.stopped or n == self.max_tokens or stopped is not None:
+                leaving = False
+            if self.stops.stopped or n == self.max_tokens or leaving:
                 break
         # Every rank's caches: the prompt and the decided tokens but the last, which the closing step reads.
         stage.send_queue.discard()
         trim_to(self.cache, base + n)
+        if leaving:  # guessing loses here: the rest of the request is plain decoding (a sampler's draws too)
+            self.ticking, speculation.off = False, True
+            return n, last
         if self.deferred is not None:
             closing = Status.FAILED
         elif stopped is not None:
@@ -506,15 +535,16 @@ class DecodeRun:
         failed = stopped or self.deferred or self.replay_error
         if failed is not None:
             raise failed
-        return self.stop
+        return None
 
     def _tick(
-        self, tick: int, flight: list[_Pass], last: int, n: int, status: Status
+        self, tick: int, flight: list[_Pass], last: int, n: int, status: Status, passes: int
     ) -> tuple[Table, mx.array | None, Status]:
         """One tick of :meth:`_pipelined` on this rank: its queued send goes out, rank 0 proposes and starts a
         pass, each rank computes the pass it holds, and the tick's message is gathered. Returns the message, the
         log-probabilities of the pass the last rank verified (one row per position; ``None`` where this rank has
-        none) and this rank's status (``FAILED`` when its proposer or its layers raised)."""
+        none) and this rank's status (``FAILED`` when its proposer or its layers raised). ``passes``: how many
+        passes were verified before it (rank 0's ``num_draft_tokens="auto"`` leaves pipelining only after some)."""
         stage, queue = self.stage, self.stage.send_queue
         where = f"pipelined tick {tick}"
         verified = flight[0] if flight and flight[0].start == tick - (stage.world_size - 1) else None
@@ -522,9 +552,14 @@ class DecodeRun:
             with mx.stream(stage.compute_stream):
                 queue.flush()  # this rank's output of the last tick: the next rank computes it in this one
                 inputs: list[int] = []
+                leave = False
                 if stage.is_first and status == Status.OK:
                     try:
-                        inputs = self._propose_pass(flight, last, n)
+                        wanted = self.speculation.draft_length.next_pipelined(stage.world_size, passes)
+                        leave = wanted is None
+                        began = time.perf_counter()
+                        inputs = [] if wanted is None else self._propose_pass(flight, last, n, wanted)
+                        self.speculation.proposing = time.perf_counter() - began
                     except Exception as exc:  # the proposer failed: this tick says so, every rank stops
                         self.deferred, status = self.deferred or exc, Status.FAILED
                 held = [p.inputs for p in flight if p.start == tick - stage.rank]
@@ -560,6 +595,7 @@ class DecodeRun:
                     **{f"in_{i}": t for i, t in enumerate(inputs)},
                     "token": token if token is not None else 0,
                     "accepted": count if count is not None else 0,
+                    "serial": int(leave),
                 }
                 in_flight = queue.in_flight()
                 if in_flight:
@@ -579,9 +615,9 @@ class DecodeRun:
             return table, mx.reshape(mx.array(table.payloads[-1]), (len(verified.inputs), -1)), status
         return table, None, status
 
-    def _propose_pass(self, flight: list[_Pass], last: int, n: int) -> list[int]:
-        """Rank 0: the tokens of the pass it starts now (none: it starts none). With no pass in flight, ``last``
-        and the guesses after it; else the token the passes in flight end on (guessed), then the guesses after
+    def _propose_pass(self, flight: list[_Pass], last: int, n: int, wanted: int) -> list[int]:
+        """Rank 0: the tokens of the pass it starts now, ``wanted`` guesses (none: it starts none). With no pass
+        in flight, ``last`` and the guesses after it; else the token the passes in flight end on (guessed), then the guesses after
         it. Never more tokens than ``max_tokens`` leaves room for (as :meth:`Speculation.room`), never more passes
         in flight than ranks."""
         speculation = self.speculation
@@ -589,7 +625,7 @@ class DecodeRun:
         if len(flight) >= self.stage.world_size:
             return []
         optimistic = n + sum(len(p.inputs) for p in flight)  # decided if every pass in flight holds
-        wanted = min(speculation.draft_length.next(), MAX_GUESSES)
+        wanted = min(wanted, MAX_GUESSES)
         room = wanted if self.max_tokens == -1 else min(wanted, self.max_tokens - optimistic)
         if not flight:
             return [last, *(proposer.propose(speculation.tokens, room, self.sampler) if room > 0 else [])]
@@ -764,6 +800,7 @@ class Speculation:
     tokens: list[int] = field(default_factory=list[int])  # generate_step's history, the prompt, every decided token
     pending: list[int] = field(default_factory=list[int])  # the last step's message: the next step's guesses
     active: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
+    off: bool = False  # num_draft_tokens="auto" left pipelined speculation: the rest of the request guesses nothing
     proposed: int = 0
     accepted: int = 0
     proposing: float = 0.0  # the last rank, the step running now: seconds proposing its guesses again after it
@@ -779,7 +816,7 @@ class Speculation:
     def guess(self, n: int) -> list[int]:
         """The guesses for the step after ``n`` tokens, as the last message carried them: none unless every rank
         said it can speculate, and never more than ``max_tokens`` leaves room for."""
-        if self.proposer is None or not self.active:
+        if self.proposer is None or not self.active or self.off:
             return []
         return self.pending[: self.room(n, len(self.pending))]
 

@@ -335,6 +335,7 @@ PASS = Message(
         *(Field(f"in_{i}") for i in range(MAX_GUESSES + 1)),  # rank 0's: those tokens, the first and the guesses
         Field("token"),  # the last rank's: its sampled token after the accepted guesses of the pass it verified
         Field("accepted"),  # the last rank's: how many of that pass's guesses its samples confirmed
+        Field("serial"),  # rank 0's: 1 when every rank leaves pipelining after this tick (num_draft_tokens="auto")
     ),
     "a pipelined speculation tick",
 )

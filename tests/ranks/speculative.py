@@ -186,6 +186,7 @@ def main() -> None:
                 "guesses": list(stream.guesses),
                 "decided": stream.decided,
                 "speculating": stream.speculating,
+                "pipelined": stream.pipelined,
                 "stop": None if stop is None else [stop.reason, stop.tokens],
                 "stop_ranks": [] if stop is None else list(stop.ranks),
                 "stop_tokens": stops,
