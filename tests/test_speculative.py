@@ -70,6 +70,16 @@ PIPELINED = [{"mode": "pipelined", **case} for case in PIPELINED]
 QUANTIZED: list[dict[str, Any]] = [
     {"name": "draft-kv-bits", "M": 40, "max_tokens": 10, "draft": "same", "k": 4, "kv_bits": 8},
     {"name": "lookup-kv-bits", "M": 7, "repeat": 3, "max_tokens": 10, "lookup": 2, "k": 3, "kv_bits": 4},
+    {
+        "name": "p-lookup-kv-bits",
+        "M": 7,
+        "repeat": 3,
+        "max_tokens": 10,
+        "lookup": 2,
+        "k": 3,
+        "kv_bits": 4,
+        "mode": "pipelined",
+    },
 ]
 HEAD_DIM_32 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
