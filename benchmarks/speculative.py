@@ -64,11 +64,11 @@ def main() -> None:
         base = statistics.median(rows["pipemlx"]["tok_s"])
         single = statistics.median(rows["mlx-lm"]["tok_s"])
         print(f"\n{name}")
-        print(f"{'contender':<22} {'tokens/s':>9} {'vs pipemlx':>11} {'vs mlx-lm':>10} {'accepted':>9}  same tokens")
+        print(f"{'contender':<26} {'tokens/s':>9} {'vs pipemlx':>11} {'vs mlx-lm':>10} {'accepted':>9}  same tokens")
         for label, row in rows.items():
             rate = statistics.median(row["tok_s"])
             same = row["tokens"] == rows["mlx-lm"]["tokens"]
-            print(f"{label:<22} {rate:>9.1f} {rate / base:>11.2f} {rate / single:>10.2f} {row['accepted']:>9}  {same}")
+            print(f"{label:<26} {rate:>9.1f} {rate / base:>11.2f} {rate / single:>10.2f} {row['accepted']:>9}  {same}")
         table[name] = {label: {**row, "median": statistics.median(row["tok_s"])} for label, row in rows.items()}
     if args.json:
         args.json.write_text(json.dumps(table, indent=2))
