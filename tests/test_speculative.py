@@ -188,8 +188,12 @@ def check_pipelined(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     assert all("error" not in r for r in rows), (name, rows)
     assert len({(r["offset"], str(r["stop"]), tuple(r["decided"])) for r in rows}) == 1, (name, rows)
     assert [r["speculating"] for r in rows] == [True] * world_size, (name, rows)
-    # Still ticking at the end, except where "auto" left them (at most 8 verified passes of failed guesses).
-    assert [r["pipelined"] for r in rows] == [not name.startswith("p-auto-leaves")] * world_size, (name, rows)
+    # Still ticking at the end, except where "auto" left them (guesses that never hold: after 8 verified passes).
+    assert len({r["pipelined"] for r in rows}) == 1, (name, rows)
+    if case["k"] != "auto":
+        assert rows[0]["pipelined"], (name, rows)
+    elif name.startswith("p-auto-leaves"):
+        assert not rows[0]["pipelined"], (name, rows)
     for row in rows:  # the prompt and every decided token are in the caches, no guess of a dropped pass
         assert row["offset"] == row["prompt"] + len(row["decided"]), (name, row)
     stopper = case.get("break_after") or case.get("cancel_after")

@@ -489,8 +489,10 @@ class DecodeRun:
             guesses = done.inputs[1:]
             count, token = min(table.last("accepted"), len(guesses)), table.last("token")
             decided = [*guesses[:count], token]
-            speculation.draft_length.record_guesses(len(guesses), count)
-            if not (count == len(guesses) and flight and flight[0].inputs[0] == token):
+            chained = count == len(guesses) and bool(flight)  # the next pass's first token was a guess of `token`
+            held = chained and flight[0].inputs[0] == token
+            speculation.draft_length.record_guesses(len(guesses) + chained, count + held)
+            if not held:
                 flight.clear()  # built on a guess that failed: dropped on every rank
                 stage.send_queue.discard()
                 following = done.offset + 1 + count

@@ -256,7 +256,8 @@ class DraftLength:
         self.record_guesses(guesses, accepted)
 
     def record_guesses(self, guesses: int, accepted: int) -> None:
-        """``accepted`` of a pass's ``guesses`` confirmed (a pipelined pass counts the token it starts with)."""
+        """``accepted`` of a pass's ``guesses`` confirmed (pipelined, the token the next pass starts with counts
+        as one more guess of the pass, when its guesses all held)."""
         if guesses:
             self.confirmed += accepted
             self.tried += accepted + (1 if accepted < guesses else 0)
@@ -286,6 +287,7 @@ class DraftLength:
             return 2  # no tick with guesses measured yet
         p = min(self.confirmed / self.tried, 0.99)
         t0, t1 = _fitted({k: total / count for k, (count, total) in self.ticks.items()})
+        t1 = max(t1, t0 / 100)  # a guess is never free (a noisy fit is): more guesses must earn their place
 
         def rate(k: int) -> float:
             q = p ** (k + 1)
