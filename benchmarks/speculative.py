@@ -6,7 +6,8 @@ On the demo model with its draft (pipemlx/demo/draft), two prompts: the demo's o
 one that prompt lookup suits (the start of a passage that the prompt already contains: the model continues
 it). Contenders, each greedy, the tokens checked equal: mlx-lm's generate_step and its
 speculative_generate_step with the same draft on one process; pipemlx.generate_step at S=2 plain, with the
-draft (k guesses, and "auto"), and with prompt lookup. OpenBLAS preloaded, one core per process; run by
+draft and with prompt lookup (k guesses, each with speculation="serial": one pass through the ranks at a time,
+and "pipelined": a pass started every tick), and with the draft, num_draft_tokens="auto" and speculation="auto". OpenBLAS preloaded, one core per process; run by
 hand on an otherwise idle machine.
 """
 
@@ -63,11 +64,11 @@ def main() -> None:
         base = statistics.median(rows["pipemlx"]["tok_s"])
         single = statistics.median(rows["mlx-lm"]["tok_s"])
         print(f"\n{name}")
-        print(f"{'contender':<22} {'tokens/s':>9} {'vs pipemlx':>11} {'vs mlx-lm':>10} {'accepted':>9}  same tokens")
+        print(f"{'contender':<26} {'tokens/s':>9} {'vs pipemlx':>11} {'vs mlx-lm':>10} {'accepted':>9}  same tokens")
         for label, row in rows.items():
             rate = statistics.median(row["tok_s"])
             same = row["tokens"] == rows["mlx-lm"]["tokens"]
-            print(f"{label:<22} {rate:>9.1f} {rate / base:>11.2f} {rate / single:>10.2f} {row['accepted']:>9}  {same}")
+            print(f"{label:<26} {rate:>9.1f} {rate / base:>11.2f} {rate / single:>10.2f} {row['accepted']:>9}  {same}")
         table[name] = {label: {**row, "median": statistics.median(row["tok_s"])} for label, row in rows.items()}
     if args.json:
         args.json.write_text(json.dumps(table, indent=2))

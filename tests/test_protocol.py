@@ -18,6 +18,7 @@ from pipemlx.runtime.protocol import (
     AGREE,
     DECODE,
     HANDSHAKE,
+    PASS,
     TOKENS,
     Field,
     Kind,
@@ -66,6 +67,29 @@ def test_a_header_is_kind_status_payload_width_then_the_fields_in_order() -> Non
         Message(Kind.AGREE, (Field("step"), Field("status")), "a bad message")
     assert str(twice.value) == (
         "a bad message: a field name is used twice: ['kind', 'status', 'payload', 'step', 'status']"
+    )
+
+
+def test_a_pipelined_tick_reads_rank_0s_pass_and_the_last_ranks_verdict() -> None:
+    """PASS: ``[kind, status, width, tick, in_flight, max_tokens, stop_tokens, inputs, in_0..in_16, token,
+    accepted, serial]``; rank 0 says which pass it started, the last rank what it decided, both agree on the rest."""
+    assert PASS.width == 3 + 4 + 1 + 17 + 3
+    first = PASS.row(
+        {"tick": 4, "in_flight": 1, "max_tokens": 9, "inputs": 3, "in_0": 7, "in_1": 8, "in_2": 5},
+        payload=[mx.zeros((2,))],
+    )
+    last = PASS.row(
+        {"tick": 4, "in_flight": 1, "max_tokens": 9, "token": mx.array(6), "accepted": 2, "serial": 0},
+        payload=[mx.array([-0.5, -1.5])],
+    )
+    assert mx.view(first[: PASS.width], mx.int32).tolist() == [0x7E11, 0, 2, 4, 1, 9, 0, 3, 7, 8, 5] + [0] * 17
+    table = PASS.read(gathered(first, last), 2, "the tick")
+    assert [table.columns[f"in_{i}"][0] for i in range(table.columns["inputs"][0])] == [7, 8, 5]
+    assert (table.last("token"), table.last("accepted"), table.columns["serial"][0]) == (6, 2, 0)
+    assert table.payloads[-1] == [-0.5, -1.5] and table.all_ok
+    behind = PASS.header({"tick": 4, "in_flight": 2, "max_tokens": 9})
+    assert mismatch(PASS, [PASS.header({"tick": 4, "in_flight": 1, "max_tokens": 9}), behind]) == (
+        "the place: ranks disagree on in_flight: rank 0: 1, rank 1: 2"
     )
 
 

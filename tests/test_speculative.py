@@ -9,7 +9,7 @@ import pytest
 from conftest import run_ranks
 
 import pipemlx
-from pipemlx.runtime.speculative import AUTO_LIMIT, EXPLORE_EVERY, DraftLength
+from pipemlx.runtime.speculative import AUTO_LIMIT, EXPLORE_EVERY, LEAVE_AFTER, DraftLength
 from pipemlx.testing import build_model, tiny_config
 
 CASES: list[dict[str, Any]] = [
@@ -30,17 +30,63 @@ CASES: list[dict[str, Any]] = [
     {"name": "stop-plain", "M": 9, "max_tokens": 12, "stop_at": 3, "timeout": 30},
 ]
 
+# speculation="pipelined": a pass started every tick while the later ranks verify the earlier ones. The same
+# references (mlx-lm's plain decoding; seeded: its plain sampled decoding with the seed), the same launches.
+PIPELINED: list[dict[str, Any]] = [
+    {"name": "p-lookup", "M": 6, "repeat": 4, "max_tokens": 16, "lookup": 3, "k": 4},
+    {"name": "p-draft-same", "M": 9, "max_tokens": 10, "draft": "same", "k": 4},  # max_tokens inside a pass
+    {"name": "p-draft-other", "M": 9, "max_tokens": 12, "draft": "other", "k": 2, "share": True},
+    {"name": "p-auto", "M": 6, "repeat": 4, "max_tokens": 14, "lookup": 2, "k": "auto", "mode": "auto"},
+    # Guesses that never hold: num_draft_tokens="auto" leaves the ticks for the serial steps, the tokens exact.
+    {"name": "p-auto-leaves", "M": 9, "max_tokens": 24, "draft": "other", "k": "auto"},
+    {"name": "p-auto-leaves-seeded", "M": 9, "max_tokens": 24, "draft": "other", "k": "auto", "temp": 0.6, "seed": 5},
+    {"name": "p-seeded", "M": 9, "max_tokens": 16, "draft": "same", "k": 3, "temp": 0.7, "seed": 11},
+    {"name": "p-seeded-other", "M": 7, "max_tokens": 13, "draft": "other", "k": 4, "temp": 0.5, "seed": 3},
+    {"name": "p-stop-mid-pass", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "stop_at": 2},
+    {"name": "p-break", "M": 9, "max_tokens": 12, "draft": "same", "k": 4, "break_after": {"rank": 0, "after": 2}},
+    {
+        "name": "p-cancel",
+        "M": 6,
+        "repeat": 4,
+        "max_tokens": 16,
+        "lookup": 3,
+        "k": 3,
+        "cancel_after": {"rank": 1, "after": 5},
+    },
+    {"name": "p-draft-fails", "M": 9, "max_tokens": 12, "draft": "fails", "k": 2},
+    # Last: rank 1 dies in the middle of a request; every other rank raises a typed error within the timeout.
+    {
+        "name": "p-kill",
+        "M": 9,
+        "max_tokens": 40,
+        "draft": "same",
+        "k": 3,
+        "kill": {"rank": 1, "after": 6},
+        "timeout": 20,
+    },
+]
+PIPELINED = [{"mode": "pipelined", **case} for case in PIPELINED]
 
 QUANTIZED: list[dict[str, Any]] = [
     {"name": "draft-kv-bits", "M": 40, "max_tokens": 10, "draft": "same", "k": 4, "kv_bits": 8},
     {"name": "lookup-kv-bits", "M": 7, "repeat": 3, "max_tokens": 10, "lookup": 2, "k": 3, "kv_bits": 4},
+    {
+        "name": "p-lookup-kv-bits",
+        "M": 7,
+        "repeat": 3,
+        "max_tokens": 10,
+        "lookup": 2,
+        "k": 3,
+        "kv_bits": 4,
+        "mode": "pipelined",
+    },
 ]
 HEAD_DIM_32 = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize(
     "arch,world_size,config,cases",
-    [("llama", 2, {}, CASES), ("qwen3", 3, {}, CASES), ("llama", 2, HEAD_DIM_32, QUANTIZED)],
+    [("llama", 2, {}, CASES + PIPELINED), ("qwen3", 3, {}, CASES + PIPELINED), ("llama", 2, HEAD_DIM_32, QUANTIZED)],
     ids=["llama-2", "qwen3-3", "quantized-kv-2"],
 )
 def test_speculative_decoding_matches_plain_mlx_lm(
@@ -49,8 +95,14 @@ def test_speculative_decoding_matches_plain_mlx_lm(
     spec = {"arch": arch, "config": config, "cases": cases}
     reports = run_ranks(world_size, "speculative.py", spec, timeout=150)
     for i, case in enumerate(cases):
+        if case.get("kill"):
+            check_killed(case, reports, i)
+            continue
         rows = [r["results"][i] for r in reports]
         name = case["name"]
+        if case.get("mode") in ("pipelined", "auto"):
+            check_pipelined(case, rows)
+            continue
         if case.get("draft") == "mismatch":  # rank 0 guesses with another draft: every rank says so, at once
             assert all("ranks disagree on speculation" in r.get("error", "") for r in rows), rows
             continue
@@ -124,6 +176,83 @@ def test_speculative_decoding_matches_plain_mlx_lm(
             assert accepted == proposed, (name, rows[0])
 
 
+def check_pipelined(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """One ``speculation="pipelined"`` case: every rank yields plain decoding's tokens (and, where shared, its
+    log-probabilities), holds them in its caches and ends for the same reason at the same token."""
+    name, world_size = case["name"], len(rows)
+    if case.get("draft") == "fails":  # rank 0 proposes in pipelined speculation: its draft fails, every rank stops
+        assert rows[0]["error"] == "RuntimeError: the draft model failed", rows
+        assert all(r["stop"][0] == "failed" and r["stop_ranks"] == [0] for r in rows), rows
+        assert len({r["stop"][1] for r in rows}) == 1, rows
+        return
+    assert all("error" not in r for r in rows), (name, rows)
+    assert len({(r["offset"], str(r["stop"]), tuple(r["decided"])) for r in rows}) == 1, (name, rows)
+    assert [r["speculating"] for r in rows] == [True] * world_size, (name, rows)
+    # Still ticking at the end, except where "auto" left them (guesses that never hold: after 8 verified passes).
+    assert len({r["pipelined"] for r in rows}) == 1, (name, rows)
+    if case["k"] != "auto":
+        assert rows[0]["pipelined"], (name, rows)
+    elif name.startswith("p-auto-leaves"):
+        assert not rows[0]["pipelined"], (name, rows)
+    for row in rows:  # the prompt and every decided token are in the caches, no guess of a dropped pass
+        assert row["offset"] == row["prompt"] + len(row["decided"]), (name, row)
+    stopper = case.get("break_after") or case.get("cancel_after")
+    if stopper:  # one rank stopped after `after` tokens: every rank ended after the same pass, as cancelled
+        ended = rows[0]["stop"]
+        assert ended[0] == "cancelled" and ended[1] >= stopper["after"], rows
+        assert all(r["stop_ranks"] == [stopper["rank"]] for r in rows), rows
+        assert all(r["decided"] == r["reference"][: ended[1]] for r in rows), rows
+        mine = rows[stopper["rank"]]["tokens"]
+        assert mine == rows[0]["reference"][: stopper["after"] if case.get("break_after") else ended[1]], rows
+        return
+    if "stop_at" in case:  # a stop token among a pass's confirmed guesses: nothing after it is yielded
+        row0 = rows[0]["reference"]
+        expected = row0[: row0.index(rows[0]["stop_tokens"][0]) + 1]
+        assert all(r["tokens"] == expected and r["stop"] == ["stop", len(expected)] for r in rows), rows
+        return
+    expected = rows[0]["plain_tokens"] if "seed" in case else rows[0]["reference"]
+    for row in rows:
+        assert row["tokens"] == expected == row["decided"], (name, row)
+        assert row["stop"] == ["length", case["max_tokens"]], (name, row)
+        if "seed" in case or case.get("share"):  # every rank yields mlx-lm's log-probabilities
+            assert row["drift"] < 1e-4, (name, row)
+    proposed, confirmed = rows[0]["guesses"]
+    assert proposed > 0, (name, rows[0])
+    if case.get("draft") == "same" and "temp" not in case:  # the model guessing for itself: every guess holds
+        assert confirmed == proposed, (name, rows[0])
+
+
+def check_killed(case: dict[str, Any], reports: list[dict[str, Any]], i: int) -> None:
+    """A rank left in the middle of a pipelined request: every other rank raised a typed error (a lost peer or
+    a timeout) naming what it waited for, not a hang."""
+    dead = case["kill"]["rank"]
+    assert reports[dead].get("killed") and len(reports[dead]["results"]) == i, reports[dead]
+    for rank, report in enumerate(reports):
+        if rank == dead:
+            continue
+        error = report["results"][i].get("error", "")
+        assert error.startswith(("PeerLostError", "PipelineTimeoutError")), (rank, report["results"][i])
+
+
+def test_auto_pipelined_length_leaves_where_guesses_fail() -> None:
+    """``num_draft_tokens="auto"`` in pipelined speculation: many guesses while they hold, none and then leaving
+    for the serial steps (``None``) once ``LEAVE_AFTER`` passes said they never hold; a fixed count stays."""
+    good, bad = DraftLength("auto"), DraftLength("auto")
+    assert good.next_pipelined(2, 0) == bad.next_pipelined(2, 0) == 2  # nothing measured yet
+    for verified in range(LEAVE_AFTER):
+        k = good.next_pipelined(2, verified)
+        assert k is not None
+        good.record_tick(k, 0.010 + 0.001 * k, 0.001)
+        good.record_guesses(k, k)
+        k = bad.next_pipelined(2, verified)
+        assert k is not None  # never before LEAVE_AFTER verified passes
+        bad.record_tick(k, 0.010 + 0.002 * k, 0.003)
+        bad.record_guesses(k, 0)
+    assert good.next_pipelined(2, LEAVE_AFTER) == AUTO_LIMIT
+    assert bad.next_pipelined(2, LEAVE_AFTER) is None
+    assert DraftLength(3).next_pipelined(2, 100) == 3
+
+
 def test_auto_draft_length_follows_the_acceptance_rate() -> None:
     """``num_draft_tokens="auto"``: more guesses while they hold, none when they never do (then one guess again
     every ``EXPLORE_EVERY`` plain passes), and guesses again once they hold."""
@@ -158,6 +287,8 @@ def test_auto_draft_length_follows_the_acceptance_rate() -> None:
         ({"prompt_lookup": 2, "draft_model": "model"}, "draft_model or prompt_lookup, not both"),
         ({"draft_model": "model", "num_draft_tokens": "many"}, "num_draft_tokens must be a positive int or 'auto'"),
         ({"prompt_lookup": 2, "num_draft_tokens": 17}, r"num_draft_tokens must be at most 16 \(guesses in one step\)"),
+        ({"prompt_lookup": 2, "speculation": "fast"}, r"speculation must be one of \['serial', 'pipelined', 'auto'\]"),
+        ({"prompt_lookup": 2, "speculation": "pipelined"}, "speculation='pipelined' needs more than one rank"),
     ],
 )
 def test_bad_speculation_arguments_are_named_before_anything_is_sent(kwargs: dict[str, Any], message: str) -> None:

@@ -2,8 +2,8 @@
 
 Spec: {"mode": "single" | "pipemlx", "draft": folder, "prompts": {name: text}, "tokens", "repeats",
 "k", "lookup"}. "single": mlx-lm's generate_step and speculative_generate_step (the same draft) on one
-process; "pipemlx": pipemlx.generate_step on the sharded model, plain, with the draft, with
-num_draft_tokens="auto" and with prompt lookup. Prints one JSON line: per prompt and contender, the
+process; "pipemlx": pipemlx.generate_step on the sharded model, plain, with the draft and with prompt lookup, each
+with speculation="serial" and "pipelined", and with num_draft_tokens="auto" and speculation="auto". Prints one JSON line: per prompt and contender, the
 decode tokens/s of each repeat (first token to last) and the share of guesses confirmed. The repeats
 run round-robin over the contenders.
 """
@@ -55,14 +55,15 @@ def main() -> None:
         rank = group.rank()
         model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)
         contenders["pipemlx"] = lambda p: pipemlx.generate_step(p, model, max_tokens=count)
-        contenders["pipemlx draft"] = lambda p: pipemlx.generate_step(
-            p, model, max_tokens=count, draft_model=draft, num_draft_tokens=k
-        )
+        for mode in ("serial", "pipelined"):  # one pass through the ranks at a time, or one started every tick
+            contenders[f"pipemlx draft {mode}"] = lambda p, mode=mode: pipemlx.generate_step(
+                p, model, max_tokens=count, draft_model=draft, num_draft_tokens=k, speculation=mode
+            )
+            contenders[f"pipemlx lookup {mode}"] = lambda p, mode=mode: pipemlx.generate_step(
+                p, model, max_tokens=count, prompt_lookup=spec["lookup"], num_draft_tokens=k, speculation=mode
+            )
         contenders["pipemlx draft auto"] = lambda p: pipemlx.generate_step(
-            p, model, max_tokens=count, draft_model=draft, num_draft_tokens="auto"
-        )
-        contenders["pipemlx lookup"] = lambda p: pipemlx.generate_step(
-            p, model, max_tokens=count, prompt_lookup=spec["lookup"], num_draft_tokens=k
+            p, model, max_tokens=count, draft_model=draft, num_draft_tokens="auto", speculation="auto"
         )
     report: dict[str, Any] = {"rank": rank}
     for name, text in spec["prompts"].items():

@@ -27,11 +27,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
 
+from ..errors import PeerLostError, PipelineError, PipelineTimeoutError
 from ..schedule.batch_plan import fingerprint
 from .caches import always_trimmable, cache_offset, cache_state, trim_to
 from .failure import stand_in
 from .prefill import CancelCheck, PrefillOptions, prefill_before_decode
-from .protocol import DECODE, GUESSES, Status, Table, gather
+from .protocol import DECODE, GUESSES, MAX_GUESSES, PASS, Status, Table, gather
 from .sampling import (
     LogitsProcessor,
     Sampler,
@@ -43,7 +44,7 @@ from .sampling import (
     shared_head,
     vocab_size_of,
 )
-from .speculative import DraftLength, Proposer, accepted
+from .speculative import AUTO_PIPELINES, SPECULATION_MODES, DraftLength, Proposer, SpeculationMode, accepted
 from .stage import PipelineStage
 from .stops import StopMatcher, StopSet
 from .waits import wait_for
@@ -74,6 +75,16 @@ class _Part:
     logits: mx.array | None = None  # the last rank's logits before its processors, when every rank runs them
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """A pass of pipelined speculation: the tick rank 0 started it in, the tokens it reads, where they go in the
+    caches (the first one's position)."""
+
+    start: int
+    inputs: list[int]
+    offset: int
+
+
 class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | None"]):
     """What :func:`generate_step` returns: mlx-lm's generator of ``(token, logprobs)`` pairs.
 
@@ -98,6 +109,12 @@ class DecodeStream(Generator[tuple[int, "mx.array | None"], None, "DecodeStop | 
     def speculating(self) -> bool:
         """Whether the steps guessed tokens (every rank could cut its caches back)."""
         return self._run.speculation.active
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the decode runs (or ended in) pipelined speculation's ticks: ``speculation="pipelined"`` or
+        ``"auto"`` where it pipelines, until ``num_draft_tokens="auto"`` leaves them for the serial steps."""
+        return self._run.ticking
 
     @property
     def from_draft(self) -> bool:
@@ -157,6 +174,7 @@ class DecodeRun:
     history_length: int = 0  # the logits processors' history's length before it
     logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
     replay_error: BaseException | None = None  # this rank's own processors or sampler raised in the last step
+    ticking: bool = False  # pipelined speculation's ticks run (or ran last) this decode
 
     def __post_init__(self) -> None:
         self.stop_fingerprint = self.stop_tokens.fingerprint()
@@ -172,6 +190,12 @@ class DecodeRun:
         # A sampler or processors: every rank runs them on the last rank's logits, as one process would call them.
         self.processing = self.stage.world_size > 1 and (self.sampler is not None or bool(self.logits_processors))
         self.vocab_size = vocab_size_of(self.model)
+        # Pipelined speculation (see _pipelined): several ranks, guesses, no processors (they would need every
+        # rank's history of each pass in flight), a head each pass's last rank holds whole.
+        mode = self.speculation.mode
+        self.pipelines = self.speculation.proposer is not None and self.stage.world_size > 1
+        self.pipelines = self.pipelines and (mode == "pipelined" or (mode == "auto" and AUTO_PIPELINES))
+        self.pipelines = self.pipelines and not self.logits_processors and not self.splits_head
 
     def finish(self) -> None:
         """Close the suspended generator: it runs the step the peers are in, saying stop (never raises)."""
@@ -200,13 +224,19 @@ class DecodeRun:
         num_tokens = prompt.size
         prefill_before_decode(self.model, prompt, self.cache, prefill)
         if speculation.proposer is not None:  # every rank alike: the handshake compared the proposers
-            failed = speculation.open(stage, self.cache, self.timeout)
+            failed = speculation.open(stage, self.cache, self.timeout, propose=not self.pipelines)
             if failed is not None:  # acted on in the first step's agreement, by every rank
                 self.deferred = failed
         progress, should_cancel = prefill.prompt_progress_callback, prefill.should_cancel
         last = cast(int, prompt[-1].item())
         n = 0
         ended = False  # max_tokens reached, or a stop token yielded
+        if self.pipelines and speculation.active and self.max_tokens != 0:
+            handed = yield from self._pipelined(last, should_cancel, progress, num_tokens)
+            if handed is None:  # the request ended
+                return self.stop
+            n, last = handed  # num_draft_tokens="auto" left pipelining: the serial steps go on from there
+            progress = None
         while True:
             done = ended or n == self.max_tokens
             status = Status.END if done else self._poll(should_cancel)
@@ -337,7 +367,8 @@ class DecodeRun:
                 own = [*part.moved, *(a for a in (part.token, part.hidden) if a is not None), *payload]
                 # The last rank proposes the next step's guesses: the likeliest ones while the ranks before it
                 # compute this step (it would wait for them), the right ones after it, unless those were the same.
-                proposes = stage.is_last and speculation.active and part.token is not None and status == Status.OK
+                proposes = stage.is_last and speculation.active and not speculation.off
+                proposes = proposes and part.token is not None and status == Status.OK
                 wanted = speculation.draft_length.next() if proposes else 0
                 ahead: list[int] = []
                 following: list[int] = []
@@ -396,6 +427,260 @@ class DecodeRun:
         speculation.pending = _guesses_of(table)
         confirmed = guesses[: table.last("accepted")] if guesses else []
         return [*confirmed, token], logprobs, table
+
+    def _pipelined(
+        self, last: int, should_cancel: CancelCheck | None, progress: Callable[[int, int], Any] | None, num_tokens: int
+    ) -> Generator[tuple[int, mx.array | None], None, tuple[int, int] | None]:
+        """Pipelined speculation: the decode as ticks, in each of which every rank computes a different pass.
+
+        Rank 0 starts a pass every tick (proposing its tokens: the token the passes in flight end on, guessed, then
+        its guesses) on the assumption that every pass in flight confirms all its guesses and samples the token
+        guessed after them; rank ``r`` computes, in tick ``t``, the pass rank 0 started in tick ``t - r``; the tick's
+        message (:data:`~.protocol.PASS`) says which pass rank 0 started and what the last rank decided of the
+        oldest one. When that pass rejected a guess (or sampled another token than the next pass starts with), the
+        passes after it are dropped on every rank alike: the sends queued for them are discarded and every cache
+        cut back to what the pass confirmed. Nothing but the send queue outlives a tick, so the request can end
+        after any tick: every rank then cuts its caches back to the prompt and the decided tokens but the last, and
+        the closing step of the plain decode (:meth:`_step`, no guesses) reads that last token and agrees why the
+        request ended, as after a plain decode. Returns ``None`` then; or, when rank 0 said in a tick's message
+        that pipelining loses (``num_draft_tokens="auto"``, :meth:`DraftLength.next_pipelined`), the decided
+        count and the last token, with the caches left as for a closing step: the serial steps go on from there.
+        """
+        stage, speculation = self.stage, self.speculation
+        flight: list[_Pass] = []  # the passes started and not yet verified, oldest first, alike on every rank
+        base = cache_offset(self.cache)  # the position of the prompt's last token
+        following = base  # where the next pass starts when none is in flight
+        self.ticking = True
+        n = tick = verified = 0
+        reported = progress is None
+        leaving = False
+        closing = Status.END
+        stopped: BaseException | None = None
+        while True:
+            status = self._poll(should_cancel) if stopped is None else Status.CANCEL
+            started = time.perf_counter()
+            speculation.proposing = 0.0
+            table, logprobs, status = self._tick(tick, flight, last, n, status, verified)
+            tick += 1
+            new = [table.columns[f"in_{i}"][0] for i in range(table.columns["inputs"][0])]
+            if new:  # where the passes in flight end, if they all hold
+                offset = flight[-1].offset + len(flight[-1].inputs) if flight else following
+                flight.append(_Pass(tick - 1, new, offset))
+            done = flight[0] if flight and flight[0].start == tick - stage.world_size else None
+            if not reported and (done is not None or not table.all_ok):
+                reported = True
+                try:
+                    cast(Callable[[int, int], Any], progress)(num_tokens, num_tokens)
+                except Exception as exc:  # acted on in the next tick's agreement, by every rank
+                    self.deferred = exc
+            if new and stage.is_first:
+                seconds = time.perf_counter() - started
+                speculation.draft_length.record_tick(len(new) - 1, seconds, speculation.proposing)
+            if not table.all_ok:
+                closing = status if status != Status.OK else Status.END
+                break
+            leaving = table.columns["serial"][0] == 1
+            if done is None:
+                if leaving:
+                    break
+                continue
+            flight.pop(0)
+            verified += 1
+            guesses = done.inputs[1:]
+            count, token = min(table.last("accepted"), len(guesses)), table.last("token")
+            decided = [*guesses[:count], token]
+            chained = count == len(guesses) and bool(flight)  # the next pass's first token was a guess of `token`
+            held = chained and flight[0].inputs[0] == token
+            speculation.draft_length.record_guesses(len(guesses) + chained, count + held)
+            if not held:
+                flight.clear()  # built on a guess that failed: dropped on every rank
+                stage.send_queue.discard()
+                following = done.offset + 1 + count
+                trim_to(self.cache, following)
+            kept = self.stops.first_stop(decided)
+            if self.max_tokens != -1:
+                kept = min(kept, self.max_tokens - n)
+            speculation.tokens.extend(decided[:kept])
+            self.decided.extend(decided[:kept])
+            for token in decided[:kept]:
+                self.stops.advance(token)
+            speculation.accepted += min(count, kept)
+            speculation.proposed += len(guesses)
+            for i in range(kept if stopped is None else 0):
+                self.from_draft = i < len(decided) - 1
+                stage.open_request = self
+                try:
+                    yield decided[i], None if logprobs is None else logprobs[i]
+                except BaseException as exc:  # the others yield this pass's tokens: stop in the next tick
+                    stopped = exc
+                    break
+                finally:
+                    stage.open_request = None
+            n += kept
+            last = decided[kept - 1]
+            if self.stops.stopped or n == self.max_tokens or stopped is not None:
+                leaving = False
+            if self.stops.stopped or n == self.max_tokens or leaving:
+                break
+        # Every rank's caches: the prompt and the decided tokens but the last, which the closing step reads.
+        stage.send_queue.discard()
+        trim_to(self.cache, base + n)
+        if leaving:  # guessing loses here: the rest of the request is plain decoding (a sampler's draws too)
+            self.ticking, speculation.off = False, True
+            return n, last
+        if self.deferred is not None:
+            closing = Status.FAILED
+        elif stopped is not None:
+            closing = Status.CANCEL
+        final = self._step(last, [], n, closing)[2]
+        self.stop = _decode_stop(final, n, stopped_at_token=self.stops.stopped and stopped is None)
+        failed = stopped or self.deferred or self.replay_error
+        if failed is not None:
+            raise failed
+        return None
+
+    def _tick(
+        self, tick: int, flight: list[_Pass], last: int, n: int, status: Status, passes: int
+    ) -> tuple[Table, mx.array | None, Status]:
+        """One tick of :meth:`_pipelined` on this rank: its queued send goes out, rank 0 proposes and starts a
+        pass, each rank computes the pass it holds, and the tick's message is gathered. Returns the message, the
+        log-probabilities of the pass the last rank verified (one row per position; ``None`` where this rank has
+        none) and this rank's status (``FAILED`` when its proposer or its layers raised). ``passes``: how many
+        passes were verified before it (rank 0's ``num_draft_tokens="auto"`` leaves pipelining only after some)."""
+        stage, queue = self.stage, self.stage.send_queue
+        where = f"pipelined tick {tick}"
+        verified = flight[0] if flight and flight[0].start == tick - (stage.world_size - 1) else None
+        try:
+            with mx.stream(stage.compute_stream):
+                queue.flush()  # this rank's output of the last tick: the next rank computes it in this one
+                inputs: list[int] = []
+                leave = False
+                if stage.is_first and status == Status.OK:
+                    try:
+                        wanted = self.speculation.draft_length.next_pipelined(stage.world_size, passes)
+                        leave = wanted is None
+                        began = time.perf_counter()
+                        inputs = [] if wanted is None else self._propose_pass(flight, last, n, wanted)
+                        self.speculation.proposing = time.perf_counter() - began
+                    except Exception as exc:  # the proposer failed: this tick says so, every rank stops
+                        self.deferred, status = self.deferred or exc, Status.FAILED
+                held = [p.inputs for p in flight if p.start == tick - stage.rank]
+                mine = inputs if stage.is_first else (held[0] if held else [])
+                token: mx.array | None = None
+                count: mx.array | None = None
+                logprobs: mx.array | None = None
+                if mine:
+                    try:
+                        token, count, logprobs = self._compute_pass(mine, tick)
+                    except (PipelineTimeoutError, PeerLostError, PipelineError):
+                        raise
+                    except Exception as exc:  # the model failed here: stand in for this rank's part, report it
+                        self.deferred, status = self.deferred or exc, Status.FAILED
+                        draining = f"{stage.describe()} draining {where}'s input after an error"
+                        outgoing = stand_in(stage, 1, len(mine), lambda r: wait_for(r, self.timeout, lambda: draining))
+                        if outgoing is not None:
+                            queue.put(outgoing, stage.rank + 1)
+                        token = count = logprobs = None
+                shared = self.logprobs and (self.sampler is not None or self.share_logprobs)
+                payload: list[mx.array] = []
+                if shared and verified is not None:
+                    rows = len(verified.inputs)
+                    own = logprobs if stage.is_last and logprobs is not None else None
+                    width = self.vocab_size if own is None else own.shape[-1]
+                    payload = [mx.reshape(own, (-1,)) if own is not None else mx.zeros((rows * width,), mx.float32)]
+                values: dict[str, int | mx.array] = {
+                    "tick": tick,
+                    "in_flight": len(flight),
+                    "max_tokens": self.max_tokens,
+                    "stop_tokens": self.stop_fingerprint,
+                    "inputs": len(inputs),
+                    **{f"in_{i}": t for i, t in enumerate(inputs)},
+                    "token": token if token is not None else 0,
+                    "accepted": count if count is not None else 0,
+                    "serial": int(leave),
+                }
+                in_flight = queue.in_flight()
+                if in_flight:
+                    wait_for(in_flight, self.timeout, lambda: f"{stage.describe()} sending on in {where}")
+                    queue.mark_complete()
+                gathered = gather(PASS.row(values, status, payload), stage.group)
+            wait_for([gathered], self.timeout, lambda: f"{stage.describe()} in {where}")
+        except Exception as exc:  # failed mid-evaluation: a peer may be inside this tick's collectives
+            stage.mark_broken(exc)
+            raise
+        table = PASS.read(gathered, stage.world_size, where)
+        if verified is None or not self.logprobs:
+            return table, None, status
+        if stage.is_last:
+            return table, logprobs, status
+        if shared:
+            return table, mx.reshape(mx.array(table.payloads[-1]), (len(verified.inputs), -1)), status
+        return table, None, status
+
+    def _propose_pass(self, flight: list[_Pass], last: int, n: int, wanted: int) -> list[int]:
+        """Rank 0: the tokens of the pass it starts now, ``wanted`` guesses (none: it starts none). With no pass
+        in flight, ``last`` and the guesses after it; else the token the passes in flight end on (guessed), then the guesses after
+        it. Never more tokens than ``max_tokens`` leaves room for (as :meth:`Speculation.room`), never more passes
+        in flight than ranks."""
+        speculation = self.speculation
+        proposer = cast(Proposer, speculation.proposer)
+        if len(flight) >= self.stage.world_size:
+            return []
+        optimistic = n + sum(len(p.inputs) for p in flight)  # decided if every pass in flight holds
+        wanted = min(wanted, MAX_GUESSES)
+        room = wanted if self.max_tokens == -1 else min(wanted, self.max_tokens - optimistic)
+        if not flight:
+            return [last, *(proposer.propose(speculation.tokens, room, self.sampler) if room > 0 else [])]
+        if room <= 0:
+            return []
+        # The oldest pass in flight starts with the last decided token (in the history already), the others with
+        # the token guessed after the pass before them.
+        chain = [*speculation.tokens, *flight[0].inputs[1:], *(t for p in flight[1:] for t in p.inputs)]
+        return proposer.propose(chain, room + 1, self.sampler, greedy=1)[: room + 1]
+
+    def _compute_pass(self, inputs: list[int], tick: int) -> tuple[mx.array | None, mx.array | None, mx.array | None]:
+        """This rank's layers over one pass, in queue mode: its input received, its output queued for the next
+        rank (sent at the start of the next tick). The last rank samples every row as plain decoding would, each
+        with the random generator's state plain decoding gives that position (the rows after the first rejected
+        guess are drawn again from there in the next pass); returns its token, the confirmed guesses' count and
+        the log-probabilities (``None`` on the other ranks)."""
+        stage = self.stage
+        ids = mx.array(inputs, dtype=mx.int32)
+        mx.eval(ids)  # pyright: ignore[reportUnknownMemberType]  # a local array: the helper thread cannot run it
+        stage.set_mode("queue")
+        try:
+            with stage.executing_plan():
+                output = cast(mx.array, self.model(ids[None], cache=self.cache))
+            self.quantize(self.cache)
+        finally:
+            stage.set_mode("immediate")
+        received = stage.take_received()
+        if received:
+            wait_for(received, self.timeout, lambda: f"{stage.describe()} receiving pipelined tick {tick}'s pass")
+        if not stage.is_last:
+            queued = [p.array for p in stage.send_queue.pending]
+            wait_for(
+                [cache_state(self.cache), queued], self.timeout, lambda: f"{stage.describe()} computing tick {tick}"
+            )
+            return None, None, None
+        logits = output[0]
+        keys: list[_RandomKey] = []
+        if self.sampler is None:
+            tokens, logprobs = choose(logits, None)
+        else:  # one draw per row, as plain decoding draws one per token
+            drawn: list[tuple[mx.array, mx.array]] = []
+            for i in range(len(inputs)):
+                drawn.append(choose(logits[i : i + 1], self.sampler))
+                keys.append(_RandomKey())
+            tokens = mx.concatenate([mx.reshape(t, (1,)) for t, _ in drawn])
+            logprobs = mx.concatenate([lp for _, lp in drawn])
+        count = accepted(ids[1:], tokens)
+        waited = [count, tokens, cache_state(self.cache)] + ([logprobs] if self.sampler is not None else [])
+        wait_for(waited, self.timeout, lambda: f"{stage.describe()} computing tick {tick}")
+        confirmed = cast(int, count.item())
+        if keys:
+            keys[confirmed].restore()
+        return mx.reshape(tokens[confirmed], (1,)), mx.reshape(count, (1,)), logprobs
 
     def _shared_logits(self, part: _Part, positions: int) -> mx.array:
         """A sampler or processors: the last rank's logits before its processors; zeros of the same size elsewhere."""
@@ -513,9 +798,11 @@ class Speculation:
     draft_length: DraftLength
     max_tokens: int
     sampler: Sampler | None
+    mode: SpeculationMode = "auto"  # "serial": one pass at a time; "pipelined": passes in flight (see DecodeRun)
     tokens: list[int] = field(default_factory=list[int])  # generate_step's history, the prompt, every decided token
     pending: list[int] = field(default_factory=list[int])  # the last step's message: the next step's guesses
     active: bool = False  # every rank could cut its caches back, in the first step: the later steps guess
+    off: bool = False  # num_draft_tokens="auto" left pipelined speculation: the rest of the request guesses nothing
     proposed: int = 0
     accepted: int = 0
     proposing: float = 0.0  # the last rank, the step running now: seconds proposing its guesses again after it
@@ -523,12 +810,15 @@ class Speculation:
     def __post_init__(self) -> None:
         fixed = self.draft_length.fixed or 0  # "auto": 0
         # The handshake compares it: 0 without a proposer, else the proposer's fingerprint (+ 1) and k above it.
-        self.handshake = 0 if self.proposer is None else (self.proposer.fingerprint() + 1) | (fixed << 24)
+        mode = SPECULATION_MODES.index(self.mode)
+        self.handshake = (
+            0 if self.proposer is None else (self.proposer.fingerprint() + 1) | (fixed << 24) | (mode << 29)
+        )
 
     def guess(self, n: int) -> list[int]:
         """The guesses for the step after ``n`` tokens, as the last message carried them: none unless every rank
         said it can speculate, and never more than ``max_tokens`` leaves room for."""
-        if self.proposer is None or not self.active:
+        if self.proposer is None or not self.active or self.off:
             return []
         return self.pending[: self.room(n, len(self.pending))]
 
@@ -537,9 +827,12 @@ class Speculation:
         mlx-lm's ``speculative_generate_step`` (the step's own token may then be one too many: it is not yielded)."""
         return wanted if self.max_tokens == -1 else max(0, min(wanted, self.max_tokens - n))
 
-    def open(self, stage: PipelineStage, cache: list[Any], timeout: float | None) -> Exception | None:
+    def open(
+        self, stage: PipelineStage, cache: list[Any], timeout: float | None, *, propose: bool = True
+    ) -> Exception | None:
         """Before the first step of a speculative decode: every rank says whether its caches can be cut back at any
-        length, and the last rank proposes the first step's guesses (the draft reads the prompt, as mlx-lm's does).
+        length, and the last rank proposes the first step's guesses (the draft reads the prompt, as mlx-lm's does;
+        ``propose=False``, pipelined speculation: none, rank 0 proposes in its first tick).
 
         Returns the proposer's error, if it raised: that fails the first step on every rank (it is acted on there).
         """
@@ -548,7 +841,7 @@ class Speculation:
         can = always_trimmable(cache)
         guesses: list[int] = []
         saved = _RandomKey() if stage.is_last and self.sampler is not None else None
-        if stage.is_last and can:
+        if stage.is_last and can and propose:
             try:
                 guesses = self.proposer.propose(self.tokens, self.room(0, self.draft_length.next()), self.sampler)
             except Exception as exc:  # acted on in the first step's agreement, by every rank

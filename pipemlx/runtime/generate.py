@@ -36,7 +36,7 @@ from .prefill import (
 )
 from .protocol import decode_settings
 from .sampling import LogitsProcessor, Sampler
-from .speculative import DraftLength, proposer_of
+from .speculative import DraftLength, SpeculationMode, check_speculation_mode, proposer_of
 from .stage import is_sharded, stage_of
 from .stops import StopSet
 
@@ -70,6 +70,7 @@ def generate_step(
     prompt_lookup: int | None = None,
     history: Sequence[int] = (),
     logprobs: bool = True,
+    speculation: SpeculationMode = "auto",
 ) -> DecodeStream:
     """mlx-lm's ``generate_step`` for a sharded model: yield ``(token, logprobs)`` pairs, the same on every rank.
 
@@ -142,7 +143,13 @@ def generate_step(
     ``history``: the token ids ``prompt_cache`` already holds before ``prompt``
     (a reused prefix, the same on every rank); the proposer reads them before
     the prompt, so guesses after a reused prefix are as good as after the whole
-    prompt (ignored without speculation).
+    prompt (ignored without speculation). ``speculation`` (pipemlx's): ``"serial"`` verifies one pass at a time;
+    ``"pipelined"`` starts a pass every tick while the later ranks verify the earlier ones (rank 0 proposes,
+    assuming the passes in flight confirm every guess; a pass built on a guess that failed is dropped on every
+    rank), so that every rank computes at once: it needs more than one rank, no ``logits_processors`` and a
+    head the last rank holds whole (``ValueError`` otherwise), and a sampler draws each position with the random
+    state plain decoding gives it, so a seeded sampler yields plain decoding's tokens; ``"auto"`` (the default)
+    pipelines where it can.
 
     ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
     runs unchanged, but every rank computes on its stage's own stream
@@ -169,6 +176,7 @@ def generate_step(
             prompt_lookup=prompt_lookup is not None,
             history=len(history) > 0,
             logprobs=not logprobs,
+            speculation=speculation != "auto",
         )
         options: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -206,10 +214,16 @@ def generate_step(
     check_rotating_caches(kv_bits, stage.info.unquantizable, stage.info.total_layers)
     proposer = proposer_of(draft_model, prompt_lookup)
     draft_length = DraftLength(num_draft_tokens)
+    check_speculation_mode(speculation, stage.world_size, bool(logits_processors), stage.info.head == "split")
     if prompt_cache is None:
         prompt_cache = stage.new_cache(model, max_kv_size)
-    speculation = Speculation(
-        proposer, draft_length, max_tokens, sampler, tokens=[int(t) for t in history] if proposer is not None else []
+    speculating = Speculation(
+        proposer,
+        draft_length,
+        max_tokens,
+        sampler,
+        speculation,
+        tokens=[int(t) for t in history] if proposer is not None else [],
     )
     run = DecodeRun(
         stage,
@@ -221,7 +235,7 @@ def generate_step(
         timeout=timeout or stage.info.timeout,
         share_logprobs=share_logprobs,
         stop_tokens=stops,
-        speculation=speculation,
+        speculation=speculating,
         logprobs=logprobs,
     )
     prefill = PrefillOptions(
@@ -233,7 +247,7 @@ def generate_step(
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
         decode_settings=decode_settings(share_logprobs, run.processing),
-        speculation=speculation.handshake,
+        speculation=speculating.handshake,
     )
     generator = run.run(tokens, prompt_cache, prefill)
     run.generator = weakref.ref(generator)
@@ -412,6 +426,7 @@ _PIPEMLX_ONLY = (
     "prompt_lookup",
     "history",
     "logprobs",
+    "speculation",
 )
 """generate_step's arguments that mlx-lm's has not: refused (unless at their defaults) on a model that is not sharded."""
 

@@ -49,6 +49,7 @@ class Kind(IntEnum):
     CALIBRATE = 0x7E07
     MEMORY = 0x7E08
     GUESSES = 0x7E09
+    PASS = 0x7E11
 
 
 class Status(IntEnum):
@@ -322,6 +323,25 @@ sampler or logits processors: every rank runs them) or its log-probabilities (``
 GUESSES = Message(Kind.GUESSES, (Field("can_speculate"), *NEXT_GUESSES), "the first guesses")
 """Opens a speculative decode, after its prefill: whether every rank's caches can be cut back at any length
 (``can_speculate``), and the last rank's guesses for the first step."""
+
+PASS = Message(
+    Kind.PASS,
+    (
+        agreed("tick"),  # the tick's number in the request
+        agreed("in_flight"),  # how many passes every rank holds in flight before the tick
+        agreed("max_tokens"),
+        agreed("stop_tokens"),  # a fingerprint of the set
+        Field("inputs"),  # rank 0's: how many tokens the pass it started in this tick reads (0: none)
+        *(Field(f"in_{i}") for i in range(MAX_GUESSES + 1)),  # rank 0's: those tokens, the first and the guesses
+        Field("token"),  # the last rank's: its sampled token after the accepted guesses of the pass it verified
+        Field("accepted"),  # the last rank's: how many of that pass's guesses its samples confirmed
+        Field("serial"),  # rank 0's: 1 when every rank leaves pipelining after this tick (num_draft_tokens="auto")
+    ),
+    "a pipelined speculation tick",
+)
+"""One tick of pipelined speculation (``speculation="pipelined"``): every rank computes a different pass, then this
+message says which pass rank 0 started and what the last rank decided of the oldest one; payload: the last rank's
+log-probabilities of that pass's rows (a sampler or ``share_logprobs``), zeros of the same size elsewhere."""
 
 TICK = Message(
     Kind.TICK,

@@ -13,7 +13,7 @@ first one its samples disagree with.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +24,14 @@ from ..schedule.batch_plan import fingerprint
 from .draft_step import COMPILED_TOKENS, FixedKVCache, compiled_forward, read
 from .protocol import MAX_GUESSES
 from .sampling import Sampler
+
+SpeculationMode = Literal["auto", "serial", "pipelined"]
+SPECULATION_MODES: tuple[SpeculationMode, ...] = ("serial", "pipelined", "auto")
+"""``generate_step(speculation=...)``: ``"serial"``, one pass through the ranks at a time; ``"pipelined"``, a pass
+started every tick on the assumption that the passes in flight confirm every guess; ``"auto"``, pipelined where it
+can be (:data:`AUTO_PIPELINES`)."""
+AUTO_PIPELINES = True
+"""Whether ``speculation="auto"`` pipelines where it can (more than one rank, no logits processors, no split head)."""
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
@@ -161,6 +169,20 @@ def proposer_of(draft_model: nn.Module | None, prompt_lookup: int | None) -> Pro
     return DraftModel(draft_model)
 
 
+def check_speculation_mode(mode: object, world_size: int, processors: bool, split_head: bool) -> None:
+    """Raise ``ValueError`` naming the problem unless ``mode`` is a :data:`SpeculationMode` the model can run."""
+    if mode not in SPECULATION_MODES:
+        raise ValueError(f"speculation must be one of {list(SPECULATION_MODES)}, got {mode!r}")
+    if mode != "pipelined":
+        return
+    if world_size < 2:
+        raise ValueError("speculation='pipelined' needs more than one rank: use 'serial' or 'auto'")
+    if processors:
+        raise ValueError("speculation='pipelined' takes no logits_processors: use 'serial' or 'auto'")
+    if split_head:
+        raise ValueError("speculation='pipelined' needs the whole output head on the last rank, not head='split'")
+
+
 def accepted(guesses: mx.array, tokens: mx.array) -> mx.array:
     """How many of ``guesses`` (k) the sampled ``tokens`` (k + 1) confirm, in order: lazily, as an int32 scalar."""
     if guesses.size == 0:
@@ -180,6 +202,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 AUTO_LIMIT = 8
 """The most tokens ``num_draft_tokens="auto"`` guesses in one pass."""
+LEAVE_AFTER = 8
+"""Pipelined speculation with ``num_draft_tokens="auto"`` leaves for the serial decode only after this many passes
+were verified (see :meth:`DraftLength.next_pipelined`)."""
+LEAVE_MARGIN = 1.1
+"""How much faster than plain decoding (its estimate) pipelined passes must promise to be, to stay."""
 EXPLORE_EVERY = 32
 """``num_draft_tokens="auto"`` that stopped guessing guesses one token again after this many plain passes."""
 
@@ -213,6 +240,8 @@ class DraftLength:
         self.passes: dict[int, tuple[int, float]] = {}  # guesses -> (passes, seconds in all)
         self.plain_in_a_row = 0  # passes without guesses since the last one with some
         self.proposals = (0, 0.0)  # guesses proposed again after a pass, and the seconds they took
+        self.ticks: dict[int, tuple[int, float]] = {}  # pipelined: guesses started -> (ticks, seconds in all)
+        self.proposing = (0, 0.0)  # pipelined: ticks, and the seconds rank 0 proposed in them
 
     def record_proposal(self, guesses: int, seconds: float) -> None:
         """``guesses`` proposed again once a pass's tokens were known (the guesses made ahead did not stand)."""
@@ -224,9 +253,52 @@ class DraftLength:
         count, total = self.passes.get(guesses, (0, 0.0))
         self.passes[guesses] = (count + 1, total + seconds)
         self.plain_in_a_row = self.plain_in_a_row + 1 if guesses == 0 else 0
+        self.record_guesses(guesses, accepted)
+
+    def record_guesses(self, guesses: int, accepted: int) -> None:
+        """``accepted`` of a pass's ``guesses`` confirmed (pipelined, the token the next pass starts with counts
+        as one more guess of the pass, when its guesses all held)."""
         if guesses:
             self.confirmed += accepted
             self.tried += accepted + (1 if accepted < guesses else 0)
+
+    def record_tick(self, guesses: int, seconds: float, proposing: float) -> None:
+        """Pipelined speculation, rank 0: a tick that started a pass of ``guesses`` guesses took ``seconds``,
+        ``proposing`` of them in the proposer (which plain decoding does not run)."""
+        count, total = self.ticks.get(guesses, (0, 0.0))
+        self.ticks[guesses] = (count + 1, total + seconds)
+        self.proposing = (self.proposing[0] + 1, self.proposing[1] + proposing)
+
+    def next_pipelined(self, world_size: int, verified: int) -> int | None:
+        """Pipelined speculation, rank 0: the guesses of the pass it starts now, or ``None``: leave pipelining
+        for the serial decode, where (``"auto"``) the measured rate says pipelined passes lose to plain decoding.
+
+        A pass of ``k`` guesses stands when the pass before it confirmed its ``k`` guesses and the token guessed
+        after them (probability ``q = p**(k + 1)``, ``p`` as in :meth:`next`); a pass verified yields
+        ``(1 - q) / (1 - p)`` tokens, and one that breaks the chain leaves the last rank ``world_size - 1`` ticks
+        without a pass to verify. A tick costs ``t0 + t1*k`` (a line fitted to the ticks measured, the slowest
+        rank's part and the tick's message). Plain decoding costs about ``world_size`` ticks of no guesses per
+        token (each rank in turn) less the proposing (``d`` a tick, measured); pipelining stays while its best
+        rate beats that by :data:`LEAVE_MARGIN` (the estimate of plain decoding counts a message per rank where
+        it sends one per token). ``verified`` passes must have been measured before it leaves."""
+        if self.fixed is not None:
+            return self.fixed
+        if not any(self.ticks.get(k) for k in range(1, AUTO_LIMIT + 1)):
+            return 2  # no tick with guesses measured yet
+        p = min(self.confirmed / self.tried, 0.99)
+        t0, t1 = _fitted({k: total / count for k, (count, total) in self.ticks.items()})
+        t1 = max(t1, t0 / 100)  # a guess is never free (a noisy fit is): more guesses must earn their place
+
+        def rate(k: int) -> float:
+            q = p ** (k + 1)
+            return (1 - q) / (1 - p) / ((1 + (1 - q) * (world_size - 1)) * max(t0 + t1 * k, 1e-9))
+
+        best = max(range(AUTO_LIMIT + 1), key=rate)
+        ticks, proposing = self.proposing
+        plain = 1 / (world_size * max(t0 - (proposing / ticks if ticks else 0.0), 1e-9))
+        if verified >= LEAVE_AFTER and rate(best) < LEAVE_MARGIN * plain:
+            return None
+        return best
 
     def next(self) -> int:
         """The count for the next pass."""
@@ -248,13 +320,18 @@ class DraftLength:
         return best
 
     def _cost_line(self) -> tuple[float, float]:
-        means = {k: total / count for k, (count, total) in self.passes.items()}
-        if len(means) == 1:
-            ((k, t),) = means.items()
-            return t / (1 + 0.1 * k), 0.1 * t / (1 + 0.1 * k)
-        n = len(means)
-        mean_k = sum(means) / n
-        mean_t = sum(means.values()) / n
-        slope = sum((k - mean_k) * (t - mean_t) for k, t in means.items()) / sum((k - mean_k) ** 2 for k in means)
-        slope = max(slope, 0.0)
-        return max(mean_t - slope * mean_k, 1e-9), slope
+        return _fitted({k: total / count for k, (count, total) in self.passes.items()})
+
+
+def _fitted(means: dict[int, float]) -> tuple[float, float]:
+    """``(t0, t1)``: the line ``t0 + t1*k`` through the mean seconds of each count ``k`` measured (least squares;
+    one count measured: a guess costs a tenth of a pass)."""
+    if len(means) == 1:
+        ((k, t),) = means.items()
+        return t / (1 + 0.1 * k), 0.1 * t / (1 + 0.1 * k)
+    n = len(means)
+    mean_k = sum(means) / n
+    mean_t = sum(means.values()) / n
+    slope = sum((k - mean_k) * (t - mean_t) for k, t in means.items()) / sum((k - mean_k) ** 2 for k in means)
+    slope = max(slope, 0.0)
+    return max(mean_t - slope * mean_k, 1e-9), slope

@@ -1,7 +1,9 @@
 """Rank program: speculative decoding through the pipeline against mlx-lm's plain decoding.
 
 Spec: {"arch", "config" (overrides), "cases": [{"name", "M", "repeat", "max_tokens", "draft": "same"|"other"|"mismatch"|"fails"|null, "lookup": n|null,
-"k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp", "seed"}]}. Every prompt repeats a
+"k", "penalty", "kv_bits", "stop_at", "max_kv_size", "break_after": {"rank", "after"}, "temp", "seed",
+"mode": generate_step's speculation (default "serial"), "cancel_after": {"rank", "after"}, "share": share_logprobs,
+"kill": {"rank", "after"}: that rank reports and leaves mid-request (the last case)}]}. Every prompt repeats a
 random piece ``repeat`` times (so prompt lookup finds matches). Reports, per case, the pipeline's tokens, the
 reference's (mlx-lm's generate_step on the whole model, no speculation), the cache's length, the guesses
 tally and whether the steps speculated. A case with a ``seed`` also reports mlx-lm's
@@ -12,6 +14,7 @@ seeds its decode with it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -79,14 +82,22 @@ def main() -> None:
         ref_options = {**options, "max_kv_size": case.get("max_kv_size")}
         if case.get("temp"):
             options["sampler"] = make_sampler(temp=case["temp"])
-        ref = [
-            int(t)
-            for t, _ in generate_step(
-                prompt, reference, logits_processors=processors, prefill_step_size=8, **ref_options
-            )
-        ]
+        plain_logprobs: list[mx.array] = []
+        ref_pairs = list(
+            generate_step(prompt, reference, logits_processors=processors, prefill_step_size=8, **ref_options)
+        )
+        ref = [int(t) for t, _ in ref_pairs]
+        if case.get("share"):  # share_logprobs: every rank yields the last rank's log-probabilities
+            plain_logprobs = [lp for _, lp in ref_pairs]
         seeded: dict[str, Any] = {}
-        if "seed" in case:  # mlx-lm's speculative decoding, seeded: the draws the pipeline must repeat
+        pipelined = case.get("mode", "serial") != "serial"
+        if "seed" in case and pipelined:  # pipelined: mlx-lm's plain decoding, seeded, is what every rank yields
+            mx.random.seed(case["seed"])
+            pairs_ = list(generate_step(prompt, reference, prefill_step_size=8, **options))
+            seeded = {"plain_tokens": [int(t) for t, _ in pairs_]}
+            plain_logprobs = [lp for _, lp in pairs_]
+            mx.random.seed(case["seed"])
+        elif "seed" in case:  # mlx-lm's speculative decoding, seeded: the draws the pipeline must repeat
             mx.random.seed(case["seed"])
             pairs = list(
                 speculative_generate_step(
@@ -104,7 +115,7 @@ def main() -> None:
         stops = [ref[case["stop_at"]]] if "stop_at" in case else []
         cache = stage_of(model).new_cache(model, case.get("max_kv_size"))
         calls: list[list[float]] = []  # seeded: each sampler call's rows and its inputs' fingerprint, on this rank
-        if seeded:
+        if seeded and not pipelined:
             plain = options["sampler"]
 
             def recorded(logprobs: mx.array, plain: Any = plain) -> mx.array:
@@ -113,6 +124,14 @@ def main() -> None:
                 return plain(logprobs)
 
             options = {**options, "sampler": recorded}
+        tokens: list[int] = []
+        cancel = case.get("cancel_after")  # should_cancel says yes on one rank once it yielded that many tokens
+        should_cancel = None
+        if cancel is not None and cancel["rank"] == group.rank():
+
+            def should_cancel(after: int = cancel["after"]) -> bool:
+                return len(tokens) >= after
+
         stream = pipemlx.generate_step(
             prompt,
             model,
@@ -123,10 +142,12 @@ def main() -> None:
             num_draft_tokens=case.get("k", 3),
             stop_tokens=stops,
             prefill_step_size=8,
+            speculation=case.get("mode", "serial"),
+            should_cancel=should_cancel,
+            share_logprobs=bool(case.get("share")),
             timeout=case.get("timeout"),  # a rank that misses the stop then fails the test in seconds, not hangs
             **options,
         )
-        tokens: list[int] = []
         drift = 0.0  # the largest difference from mlx-lm's seeded log-probabilities (the last rank's)
         from_draft: list[bool] = []
         brk = case.get("break_after")
@@ -135,12 +156,21 @@ def main() -> None:
                 tokens.append(token)
                 from_draft.append(stream.from_draft)
                 n = len(tokens) - 1
-                if seeded and logprobs is not None and n < len(seeded["spec_logprobs"]):
+                if seeded and logprobs is not None and not pipelined and n < len(seeded["spec_logprobs"]):
                     drift = max(drift, float(mx.max(mx.abs(logprobs - seeded["spec_logprobs"][n])).item()))
+                if plain_logprobs and n < len(plain_logprobs):  # every rank yields them (a sampler shares them)
+                    if logprobs is None:
+                        drift = float("inf")
+                    else:
+                        drift = max(drift, float(mx.max(mx.abs(logprobs - plain_logprobs[n])).item()))
                 if brk is not None and brk["rank"] == group.rank() and len(tokens) == brk["after"]:
                     break
+                kill = case.get("kill")  # this rank dies mid-request, after reporting the cases before
+                if kill is not None and kill["rank"] == group.rank() and len(tokens) == kill["after"]:
+                    print(json.dumps({"rank": group.rank(), "results": results, "killed": True}), flush=True)
+                    os._exit(0)
             stream.close()
-        except (pipemlx.PipelineMismatchError, RuntimeError) as exc:
+        except RuntimeError as exc:  # PipelineMismatchError, PeerLostError, PipelineTimeoutError, the draft's own
             stop = getattr(stream, "stop", None)
             ended = {} if stop is None else {"stop": [stop.reason, stop.tokens], "stop_ranks": list(stop.ranks)}
             results.append({"name": case["name"], "error": f"{type(exc).__name__}: {exc}", **ended})
@@ -156,6 +186,7 @@ def main() -> None:
                 "guesses": list(stream.guesses),
                 "decided": stream.decided,
                 "speculating": stream.speculating,
+                "pipelined": stream.pipelined,
                 "stop": None if stop is None else [stop.reason, stop.tokens],
                 "stop_ranks": [] if stop is None else list(stop.ranks),
                 "stop_tokens": stops,
@@ -167,6 +198,8 @@ def main() -> None:
             }
         )
     print(json.dumps({"rank": group.rank(), "results": results}), flush=True)
+    if any(case.get("kill") for case in spec["cases"]):
+        os._exit(0)  # a peer died: a communication may still be blocked inside MLX, leave without its teardown
 
 
 if __name__ == "__main__":
