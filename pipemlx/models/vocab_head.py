@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, Literal, NoReturn, Union, cast
+from typing import Any, Literal, NoReturn, cast, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,10 +18,10 @@ from .vocab_rows import PREREAD_ATTRIBUTE
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
-HeadSpec = Union[Literal["auto"], HeadPolicy]
+HeadSpec = Literal["auto", "all", "last", "split"]
 """Where the vocabulary-sized matrices live (:func:`pipemlx.shard_model`'s ``head``): ``"auto"`` (the default),
 ``"all"``, ``"last"`` or ``"split"``."""
-HEAD_CHOICES = ("auto", "all", "last", "split")
+HEAD_CHOICES: tuple[str, ...] = get_args(HeadSpec)
 FINAL_NORMS = ("norm", "embedding_norm")
 """Names of the norm ``model.model`` ends with (lfm2's is ``embedding_norm``): it gives the hidden state's dtype."""
 
