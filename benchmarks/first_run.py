@@ -1,7 +1,7 @@
 """The first run, as a new user meets it, on models shaped like published small LLMs (issue #47).
 
     python benchmarks/first_run.py [--shapes qwen2.5-0.5b,llama-3.2-1b] [--precisions fp32,4bit] [--ranks 2,3]
-                                   [--prompt-tokens 818] [--max-tokens 32] [--head {all,last,split}]
+                                   [--prompt-tokens 818] [--max-tokens 32] [--head {auto,all,last,split}]
                                    [--models-dir DIR] [--out FILE]
                                    [--no-openblas] [--smoke]
 
@@ -197,7 +197,7 @@ def run_pipemlx(
     cache_dir: Path,
     openblas: bool,
     which: str,
-    head: str = "all",
+    head: str = "auto",
 ) -> dict[str, Any]:
     """``pipemlx generate --ranks S [--head H]`` with the calibration cache in ``cache_dir``."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as file:
@@ -205,7 +205,7 @@ def run_pipemlx(
     try:
         command = [sys.executable, "-m", "pipemlx", "generate", "--ranks", str(ranks), "--model", str(model)]
         command += ["--prompt-file", file.name, "--max-tokens", str(max_tokens), "--ignore-chat-template", "--json"]
-        command += ["--head", head] if head != "all" else []
+        command += ["--head", head] if head != "auto" else []  # the default: split where the model allows
         wall, output = timed(command, env_for(openblas, cache_dir))
     finally:
         os.unlink(file.name)
@@ -214,7 +214,7 @@ def run_pipemlx(
         raise RuntimeError(f"pipemlx generate printed no report:\n{output[-2000:]}")
     report = json.loads(lines[-1])
     return {
-        "run": f"pipemlx generate --ranks {ranks}{'' if head == 'all' else f' --head {head}'}, {which}",
+        "run": f"pipemlx generate --ranks {ranks}{'' if head == 'auto' else f' --head {head}'}, {which}",
         "wall_s": wall,
         "prefill_s": report["prefill_s"],
         "prefill_tokens_per_s": report["prefill_tokens_per_s"],
@@ -252,7 +252,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,3")
     parser.add_argument("--prompt-tokens", type=int, default=818)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--head", default="all", choices=("all", "last", "split"), help="pipemlx generate --head")
+    parser.add_argument(
+        "--head", default="auto", choices=("auto", "all", "last", "split"), help="pipemlx generate --head"
+    )
     parser.add_argument(
         "--models-dir", type=Path, default=None, help="where the models are built (kept); default: a temporary folder"
     )

@@ -88,9 +88,12 @@ def test_architecture_matches_single_device(
             assert run["logprob_diff"] <= LOGPROB_TOLERANCE, f"{where}: {run}"
             if run["kind"] == "pipeline" and run["offsets"]:
                 assert run["offsets"] == [run["M"] - 1], f"{where}: {run}"
-            if run["kind"] == "reuse":  # greedy, logprobs not shared: the head shared where the registry allows
+            if run["kind"] == "reuse":  # head="auto" splits the vocabulary where the registry allows (S>1)
                 plain = ARCHITECTURES[model_classes(tiny_config(arch))[0].__module__].plain_head
-                assert run["shared_head"] == (plain and size == 2), f"{where}: {run}"
+                assert run["head"] == ("split" if plain else "all"), f"{where}: {run}"
+                # Greedy with logprobs: a split head gathers the whole logits; "all" shares the head at S=2 (S=3
+                # shares the logprobs, which keeps the head on the last rank).
+                assert run["shared_head"] == (plain and size == 2 and run["head"] == "all"), f"{where}: {run}"
         tokens = [run["tokens"] for run in entry["runs"]]
         first_tokens = first_tokens or tokens
         assert tokens == first_tokens, f"{where}: ranks disagree"

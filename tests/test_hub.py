@@ -175,13 +175,15 @@ def test_generate_by_repo_id_fetches_only_each_ranks_files_then_runs_offline(
     fetched = weight_requests(hub)
     assert None not in fetched, f"the launcher fetched weights: {fetched}"
     assert all(set(kinds) == {"RANGE"} for kinds in fetched.values()), f"whole files were requested: {fetched}"
-    # Each rank's tensor bytes (headers aside): its own tensors, by range requests, within 1.1x of what it keeps.
+    # Each rank's tensor bytes (headers aside): its own tensors, by range requests, within 1.1x of what it keeps: with
+    # the default head ("auto", resolved from the config before fetching: "split" here), its rows of the vocabulary.
     held = FolderSource(model_dir)
     headers = held.headers()
     config = json.loads((model_dir / "config.json").read_text())
     for rank, files in RANK_FILES_LENDING.items():
-        parts = rank_tensors(headers, config, (2, 2), int(rank), lend_mlp=int(rank) > 0)
-        kept = sum(headers[p.name].stop - headers[p.name].start for p in parts)
+        files = files | {FILES[0]}  # the embedding's file: every rank reads its rows of it (head="split")
+        parts = rank_tensors(headers, config, (2, 2), int(rank), lend_mlp=int(rank) > 0, head="split")
+        kept = sum(b - a for a, b in (p.byte_range(headers[p.name]) for p in parts))
         asked = [(r.file(), *_span(r.range)) for r in hub.requests() if r.rank() == rank and r.file() in FILES]
         data = [(f, a, b) for f, a, b in asked if a not in (0, 8)]  # 0-7 and 8-...: a file's header
         assert {f for f, _, _ in data} <= files, f"rank {rank} asked for other ranks' tensors: {data}"
@@ -301,7 +303,7 @@ def test_a_rank_loads_from_its_tensors_alone_in_the_checkpoints_dtype(
 
     monkeypatch.setattr(loading, "resolve_source", lambda *a, **k: source)  # pyright: ignore[reportUnknownLambdaType]
     monkeypatch.setattr(loading, "fetch_rank_folder", counted)
-    model, _ = loading.load_sharded(REPO, FakeGroup(1, 2), lend="none")
+    model, _ = loading.load_sharded(REPO, FakeGroup(1, 2), lend="none", head="all")  # "split" fetches its rows
     assert len(fetched) == 1 and {_file_of(n) for n in fetched[0]} == RANK_FILES["1"]
     assert not any("embed_tokens" in n for n in fetched[0]) and any(".layers.3." in n for n in fetched[0])
     stand_in = getattr(model, "model").embed_tokens
@@ -343,7 +345,9 @@ def test_a_planned_split_is_planned_from_the_headers_before_fetching(
             remote, _ = loading.load_sharded(REPO, FakeGroup(rank, 2), lend="none", **plan)
         split = stage_of(local).info.split
         assert stage_of(remote).info.split == split and split != (2, 2), split
-        assert fetched[-1] == {p.name for p in rank_tensors(source.headers(), config, split, rank)}
+        # The default head ("auto": "split" on this model, decided before the plan and the fetch): every rank's rows.
+        assert stage_of(remote).info.head == stage_of(local).info.head == "split"
+        assert fetched[-1] == {p.name for p in rank_tensors(source.headers(), config, split, rank, head="split")}
     assert fetched[0] != fetched[1]
 
 

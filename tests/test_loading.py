@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step
 import pipemlx
 from pipemlx.models.safetensors import model_bytes_from_dir
 from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.memory_model import fixed_bytes
 from pipemlx.schedule.memory_split import plan_split
 from pipemlx.schedule.split import layer_range
 from pipemlx.testing import BASE_CONFIGS, build_model, save_model_dir, tiny_config, write_tokenizer
@@ -108,7 +109,8 @@ def small_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_loaded_shards_match_mlx_lm(small_models: dict[str, Path]) -> None:
-    """Untied and tied, float and 4-bit (mlx-lm's convert), several files with and without an index."""
+    """Untied and tied, float and 4-bit (mlx-lm's convert), several files with and without an index; the default
+    head (a split vocabulary: each rank holds its rows), decoded by mlx-lm's own generate_step."""
     qwen3 = model_bytes_from_dir(small_models["qwen3"])
     memory = [qwen3.total, qwen3.total // 2]
     models: list[dict[str, Any]] = [
@@ -128,11 +130,15 @@ def test_loaded_shards_match_mlx_lm(small_models: dict[str, Path]) -> None:
             local = layer_range(loaded["split"], rank)
             assert loaded["tokens"] == loaded["ref_tokens"], where
             assert len(set(loaded["tokens"])) > 1, where
-            assert loaded["held"] == sum(planned.layers[local.start : local.stop]) + planned.fixed(rank, 2), where
-            tied = "qwen3" in entry["path"]
+            assert loaded["head"] == "split", where  # head="auto" on a plain-head architecture, 2 ranks
+            fixed = fixed_bytes(planned, rank, 2, "split")  # this rank's rows of the embedding and the head
+            held = loaded["held"] - sum(planned.layers[local.start : local.stop])
+            # The plan shares an untied model's final norm like the head's rows (tied: exact); the norm is whole here.
+            norm = 4 * tiny_config("llama")["hidden_size"] // 2 if "llama" in entry["path"] else 0  # float32
+            assert held == fixed + norm, where
             quantized = "4bit" in entry["path"]
-            embedding = "QuantizedEmbedding" if quantized else "Embedding"
-            assert loaded["embeddings"] == ([embedding] if rank == 0 or tied else []), where
+            assert loaded["embeddings"] == [], where  # no whole embedding on any rank
+            assert loaded["embedding_rows"] == ("QuantizedEmbedding" if quantized else "Embedding"), where
             assert (loaded["quantized_layers"] > 0) is quantized, where
     assert reports[0]["models"][0]["split"] == [2, 4]
     assert reports[0]["models"][1]["split"] == list(plan_split(qwen3, 2, memory).split)
@@ -178,13 +184,18 @@ def test_embedding_is_dropped_only_where_it_is_not_the_head(arch: str, config: d
     import mlx.core as mx
 
     whole = build_model(dict(config))
-    # helium is not in the registry (not verified end to end): allowed explicitly for this check.
-    model = pipemlx.shard_model(build_model(dict(config)), FakeGroup(1, 2), lend="none", allow_unregistered=True)  # type: ignore[arg-type]
+    # helium is not in the registry (not verified end to end): allowed explicitly for this check. head="all" (the
+    # default "auto" splits the vocabulary of the registered ones: tests/test_vocab_split.py).
+    model = pipemlx.shard_model(  # type: ignore[arg-type]
+        build_model(dict(config)), FakeGroup(1, 2), lend="none", allow_unregistered=True, head="all"
+    )
     assert (type(model.model.embed_tokens).__name__ == "Embedding") is kept
     assert (
         model.model.embed_tokens(mx.array([[1, 2, 3]])).shape == whole.model.embed_tokens(mx.array([[1, 2, 3]])).shape
     )
-    first = pipemlx.shard_model(build_model(dict(config)), FakeGroup(0, 2), lend="none", allow_unregistered=True)  # type: ignore[arg-type]
+    first = pipemlx.shard_model(  # type: ignore[arg-type]
+        build_model(dict(config)), FakeGroup(0, 2), lend="none", allow_unregistered=True, head="all"
+    )
     assert type(first.model.embed_tokens).__name__ == "Embedding"
 
 

@@ -346,7 +346,8 @@ def test_split_command_counts_the_cache(capsys: pytest.CaptureFixture[str]) -> N
     lines = out.splitlines()
     assert lines[0].split()[:6] == ["rank", "layers", "count", "weights", "KV@2048", "chunk"]
     model = memory_model_from_dir(MODEL_DIR)
-    plan = plan_context(model, 2, Settings(2048, 256), [30 * 10**6, 20 * 10**6])
+    # --head auto (the default): a split vocabulary on the demo model (qwen2), as load_sharded would shard it.
+    plan = plan_context(model, 2, Settings(2048, 256, head="split"), [30 * 10**6, 20 * 10**6])
     for rank, line in zip(plan.ranks, lines[1:3]):
         assert line.split()[1] == f"{rank.layers.start}-{rank.layers.stop - 1}"
         assert f"{rank.total / 1e6:.2f} MB" in line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
@@ -10,8 +12,9 @@ import pytest
 from fakes import FakeGroup
 
 from pipemlx.errors import PipelineError
+from pipemlx.models.loading import head_of_folder
 from pipemlx.models.sharding import shard_model
-from pipemlx.models.vocab_head import SplitEmbedding, SplitHead, row_range, vocab_shard
+from pipemlx.models.vocab_head import SplitEmbedding, SplitHead, resolve_head, row_range, vocab_shard
 from pipemlx.runtime.sampling import VocabShard, pick_tokens
 from pipemlx.runtime.stage import StageInfo, stage_of
 from pipemlx.testing import build_model, tiny_config
@@ -143,3 +146,66 @@ def test_a_split_rank_keeps_copies_of_its_rows_only(arch: str, quantized: bool, 
     if rank == 0:
         with stage.detached():  # calibration times the layers on zeros: no embeddings needed
             assert model.model.embed_tokens(mx.array([[1, 2]])).shape == (1, 2, tiny_config(arch)["hidden_size"])
+
+
+# --- head="auto" (the default): a split vocabulary where the model allows it, decided from its classes ---------
+
+
+@pytest.mark.parametrize(
+    "arch,world_size,expected",
+    [
+        ("qwen2", 2, "split"),  # tied, plain head
+        ("llama", 3, "split"),  # untied, plain head
+        ("qwen2", 1, "all"),  # one rank holds every row
+        ("gemma2", 2, "all"),  # soft-capped logits: no rank could give them from its rows
+        ("granite", 2, "all"),  # scaled logits
+    ],
+)
+def test_auto_resolves_to_split_where_the_vocabulary_can_be_split(arch: str, world_size: int, expected: str) -> None:
+    model: Any = build_model(tiny_config(arch), seed=0)
+    assert resolve_head("auto", model, world_size) == expected
+    for given in ("all", "last", "split"):  # an explicit head is kept (shard_model refuses a split that cannot be)
+        assert resolve_head(given, model, world_size) == given  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="head must be 'auto', 'all', 'last' or 'split', got 'both'"):
+        resolve_head("both", model, world_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch,expected", [("qwen2", "split"), ("llama", "split"), ("gemma2", "all")])
+def test_shard_model_s_default_head_is_the_resolved_one(arch: str, expected: str) -> None:
+    """No ``head`` given: a plain-head model's rank holds its rows of the vocabulary, another keeps the whole head
+    (no error); the stage says which was applied."""
+    model: Any = build_model(tiny_config(arch), seed=3)
+    shard_model(model, cast(Any, FakeGroup(1, 2)), lend="none")
+    assert stage_of(model).info.head == expected
+    assert isinstance(model.model.embed_tokens, SplitEmbedding) is (expected == "split")
+    if expected == "split":
+        vocab = tiny_config(arch)["vocab_size"]
+        assert model.model.embed_tokens.part.weight.shape[0] == len(row_range(vocab, 1, 2))
+
+
+def test_a_folder_s_head_is_resolved_from_its_config_alone(tmp_path: Path) -> None:
+    """``load_sharded`` resolves ``"auto"`` before reading any weight (a remote rank before fetching): from the
+    classes mlx-lm builds from ``config.json``, with no weight file in the folder."""
+    for arch, expected in (("qwen2", "split"), ("gemma2", "all")):
+        folder = tmp_path / arch
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(tiny_config(arch)))
+        assert head_of_folder("auto", folder, 2) == expected
+        assert head_of_folder("auto", folder, 1) == "all"
+        assert head_of_folder("last", folder, 2) == "last"
+    with pytest.raises(ValueError, match="got 'both'"):
+        head_of_folder("both", tmp_path / "qwen2", 2)  # type: ignore[arg-type]
+
+
+def test_the_head_flag_defaults_to_auto() -> None:
+    """``--head`` (generate, serve, split) follows the API's default; an unknown value is argparse's error."""
+    import argparse
+
+    from pipemlx.cli.common import add_head_flag
+
+    parser = argparse.ArgumentParser()
+    add_head_flag(parser)
+    assert parser.parse_args([]).head == "auto"
+    assert parser.parse_args(["--head", "all"]).head == "all"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--head", "both"])

@@ -13,6 +13,7 @@ from typing import Any, Literal, cast
 
 from ..demo import MODEL_DIR, default_prompt
 from ..models.hub import check_cached, is_repo_id, locate_model, offline
+from ..models.vocab_head import HEAD_CHOICES
 from ..schedule.plan import default_step_size as default_step_size  # what the commands (and tests) use
 from ..schedule.split import resolve_split
 
@@ -212,10 +213,11 @@ def add_head_flag(parser: argparse.ArgumentParser) -> None:
     """``--head``: ``load_sharded``'s ``head`` (one flag for generate, serve and split)."""
     parser.add_argument(
         "--head",
-        choices=("all", "last", "split"),
-        default="all",
-        help="load_sharded's head: the output head on every rank (default), on the last only, or each rank's share "
-        "of the vocabulary's rows of the embedding and head",
+        choices=HEAD_CHOICES,
+        default="auto",
+        help="load_sharded's head: each rank's share of the vocabulary's rows of the embedding and head (split), "
+        "the output head on every rank (all) or on the last only (last); auto: split wherever the model allows, "
+        "else all",
     )
 
 

@@ -228,8 +228,8 @@ def end_to_end(args: argparse.Namespace, group: Any) -> dict[str, Any]:
     started = time.perf_counter()
     first: list[float] = []
     tokens: list[int] = []
-    for token, _ in pipemlx.generate_step(
-        prompt, model, max_tokens=DOCTOR_DECODE_TOKENS, prefill_step_size=16, timeout=args.timeout
+    for token, _ in pipemlx.generate_step(  # logprobs unread: a split head (the default) gathers no logits
+        prompt, model, max_tokens=DOCTOR_DECODE_TOKENS, prefill_step_size=16, timeout=args.timeout, logprobs=False
     ):
         if not first:
             first.append(time.perf_counter())

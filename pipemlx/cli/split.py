@@ -16,7 +16,8 @@ import argparse
 import re
 import sys
 
-from ..models.hub import memory_model_of, model_bytes_of
+from ..models.hub import locate_model, memory_model_of, model_bytes_of
+from ..models.loading import head_of_folder
 from ..models.sharding import AUTO_PLANNED_STEP
 from ..schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from ..schedule.memory_split import (
@@ -144,7 +145,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         raise ValueError("give --split or --speeds, not both")
     budgets = resolve_budgets(budgets_text, ranks)
     if args.context is None:
-        if args.kv_bits is not None or args.head != "all" or args.fused_attention:
+        if args.kv_bits is not None or args.head != "auto" or args.fused_attention:
             raise ValueError("--kv-bits, --head and --fused-attention need --context")
         if split is None and speeds is None:
             print(format_plan(plan_split(model_bytes_of(args.model_dir), ranks, budgets)))
@@ -162,7 +163,7 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
-        head=args.head,
+        head=head_of_folder(args.head, locate_model(args.model_dir).root, ranks),  # "auto" as load_sharded decides
         fused_attention=args.fused_attention,
     )
     chosen: tuple[int, ...] | None = None

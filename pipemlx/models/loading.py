@@ -35,6 +35,7 @@ from .sharding import (
     shard_model,
     split_kind,
 )
+from .vocab_head import HeadSpec, check_head, resolve_head
 from .vocab_rows import PREREAD_ATTRIBUTE, preread_vocabulary
 from .weights import (
     DONE_FILE,
@@ -79,7 +80,7 @@ def load_sharded(
     context: int | None = None,
     kv_bits: int | None = None,
     prefill_step_size: int | Literal["auto"] = "auto",
-    head: HeadPolicy = "all",
+    head: HeadSpec = "auto",
     allow_unregistered: bool = False,
     lend: LendSpec = "auto",
     revision: str | None = None,
@@ -107,10 +108,13 @@ def load_sharded(
     built by mlx-lm's own ``load_model`` with lazy weights (so ``sanitize``,
     quantization and the weight checks are mlx-lm's), then
     :func:`pipemlx.shard_model` cuts it to this rank's layers and evaluates
-    only the weights the rank keeps: its layers, the final norm and output
-    head (every rank computes the logits while decoding), and the input
-    embedding on rank 0, or on every rank when the output head is the
-    embedding (tied). Weights of other ranks' layers are never read from disk.
+    only the weights the rank keeps: its layers, the final norm, and its part of
+    the input embedding and the output head: with ``head="split"`` (what the
+    default ``"auto"`` resolves to wherever the vocabulary can be split, decided
+    from the model's classes before any weight is read) only its rows of each,
+    read by their byte ranges; with ``head="all"`` the whole head, and the
+    embedding on rank 0 or, tied, on every rank. Weights of other ranks' layers
+    are never read from disk.
     ``split``, ``memory``, ``timeout``, ``speeds``, ``context``, ``kv_bits``,
     ``prefill_step_size``, ``head``, ``allow_unregistered`` and ``lend`` are :func:`pipemlx.shard_model`'s
     (``split="memory"`` plans from the byte sizes of the layers as built). The tokenizer is mlx-lm's
@@ -127,6 +131,7 @@ def load_sharded(
         if lend not in ("auto", "none"):
             raise ValueError(f"adapter_path: LoRA adapters need whole layers (lend='none'), not lend={lend!r}")
         lend = "none"
+    check_head(head)
     asked = ShardArguments(split, memory, speeds, context, kv_bits, prefill_step_size, head, lend)
     # Every rank fetches and builds its part while the ranks tell each other how far they are: a slow download
     # is waited for as long as it makes progress, before the first collective with a deadline (shard_model's).
@@ -171,7 +176,7 @@ class ShardArguments:
     context: int | None
     kv_bits: int | None
     prefill_step_size: int | Literal["auto"]
-    head: HeadPolicy
+    head: HeadSpec  # "auto" resolved before anything is read (resolve_head): the rows fetched are the ones kept
     lend: LendSpec
 
 
@@ -201,7 +206,10 @@ def _fetch_and_build(
     if source.local:
         if isinstance(source, FolderSource) and not source.label:  # the folder the user named (not a snapshot)
             root = check_model_dir(root)
-    else:
+    else:  # head="auto" resolved from the config first: a split vocabulary fetches this rank's rows only
+        arguments = replace(
+            arguments, head=head_of_folder(arguments.head, root, group.size(), model_config, trust_remote_code)
+        )
         planned, root = _fetch_rank_weights(source, group, arguments, progress, model_config, trust_remote_code)
     split, memory, speeds, context, lend = (
         getattr(arguments, f) for f in ("split", "memory", "speeds", "context", "lend")
@@ -220,6 +228,7 @@ def _fetch_and_build(
     )
     model: nn.Module = loaded[0]
     config: dict[str, Any] = loaded[1]
+    arguments = replace(arguments, head=resolve_head(arguments.head, model, group.size()))  # before any read
     if arguments.head == "split" and group.size() > 1:  # this rank's rows only: the whole matrices are never read
         take_fetched_rows(model, root, group.rank(), group.size())
         preread_vocabulary(model, root, group.rank(), group.size())
@@ -234,6 +243,25 @@ def _fetch_and_build(
         root,
         replace(arguments, split=split, memory=memory, speeds=speeds, context=context, lend=lend),
     )
+
+
+def head_of_folder(
+    head: HeadSpec,
+    root: str | os.PathLike[str],
+    world_size: int,
+    model_config: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+) -> HeadPolicy:
+    """``head`` resolved for the model whose ``config.json`` is in ``root`` (:func:`resolve_head`): ``"auto"``
+    from the classes mlx-lm builds from the config, lazily, no weight read (the folder need not hold any);
+    the others as given."""
+    check_head(head)
+    if head != "auto" or world_size == 1:
+        return "all" if head == "auto" else head
+    loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
+        Path(root), lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
+    )
+    return resolve_head(head, cast(nn.Module, loaded[0]), world_size)
 
 
 def take_fetched_rows(model: nn.Module, root: Path, rank: int, world_size: int) -> int:
@@ -318,7 +346,16 @@ def _fetch_rank_weights(
     if kind == "memory" or kind == "balanced":
         step = AUTO_PLANNED_STEP if step_size == "auto" else step_size
         sizes = _planned_split(
-            headers, config, source.name, group.size(), memory, speeds, context, arguments.kv_bits, step, arguments.head
+            headers,
+            config,
+            source.name,
+            group.size(),
+            memory,
+            speeds,
+            context,
+            arguments.kv_bits,
+            step,
+            cast(HeadPolicy, arguments.head),  # resolved by _fetch_and_build
         )
     else:
         loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]

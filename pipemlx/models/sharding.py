@@ -39,7 +39,7 @@ from .parameters import (
     model_config,
     split_for_memory,
 )
-from .vocab_head import attach_stage, check_splittable, split_vocabulary, vocab_shard
+from .vocab_head import HeadSpec, attach_stage, check_splittable, resolve_head, split_vocabulary, vocab_shard
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -171,7 +171,7 @@ def shard_model(
     context: int | None = None,
     kv_bits: int | None = None,
     prefill_step_size: int | Literal["auto"] = "auto",
-    head: HeadPolicy = "all",
+    head: HeadSpec = "auto",
     lend: LendSpec = "auto",
 ) -> ModelT:
     """Keep this rank's layers of ``model`` in place and make it a pipeline stage; return ``model``.
@@ -211,11 +211,19 @@ def shard_model(
     and ``lend="auto"`` chooses the heads to lend for a prompt of that length (default
     :data:`pipemlx.models.lending.AUTO_LEND_TOKENS`); elsewhere it changes nothing.
 
-    ``head="last"`` keeps the output head on the last rank only (tied: rank 0
-    keeps the embedding, the last rank the head): less memory on the other
-    ranks, but only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate`
-    and ``lean_generate_step`` can decode then (mlx-lm's own ``generate_step``
-    is refused on the other ranks). The default ``"all"`` keeps it on every rank.
+    ``head`` says where the vocabulary-sized matrices (the input embedding, the output head) live. ``"split"``:
+    rank ``r`` of ``S`` keeps only rows ``[V*r/S, V*(r+1)/S)`` of each (a tied one once), so that they cost each
+    rank 1/S; the embeddings of a prompt are summed from every rank's rows, and greedy decoding without
+    log-probabilities decides each token from every rank's best logit (``docs/design.md``). Every decoding path
+    works on it, mlx-lm's own ``generate_step`` included (the whole logits are gathered there). ``"all"`` keeps
+    the head on every rank (and the embedding on rank 0, and on every rank where it is the tied head).
+    ``"last"`` keeps the output head on the last rank only (tied: rank 0 keeps the embedding, the last rank the
+    head): only :func:`pipemlx.generate_step`, :func:`pipemlx.stream_generate` and ``lean_generate_step`` can
+    decode then (mlx-lm's own ``generate_step`` is refused on the other ranks). ``"auto"`` (the default) is
+    ``"split"`` wherever the model's vocabulary can be split (its logits are a plain or quantized head applied to
+    the final norm's output, from a plain or quantized embedding: the registry's ``plain_head`` architectures)
+    and the group has more than one rank, else ``"all"`` (:func:`pipemlx.models.vocab_head.resolve_head`); the
+    stage's ``info.head`` says which was applied.
 
     ``lend`` chooses where the cuts between ranks fall. ``"mlp"`` cuts between the halves of each rank's last
     layer: its feed-forward half runs on the next rank (:mod:`pipemlx.models.lending`), moving that much work from
@@ -242,8 +250,7 @@ def shard_model(
     ensure_unsharded(model)
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if head not in ("all", "last", "split"):
-        raise ValueError(f"head must be 'all', 'last' or 'split', got {head!r}")
+    head = resolve_head(head, model, group.size())
     if head == "split" and group.size() == 1:
         head = "all"  # one rank holds every row
     owner, attribute = find_layer_list(model)

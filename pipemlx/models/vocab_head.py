@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import Any, Literal, NoReturn, cast, get_args
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,11 +12,16 @@ import mlx.nn as nn
 from ..errors import PipelineError
 from ..runtime.sampling import VocabShard
 from ..runtime.stage import StageInfo
+from ..schedule.memory_model import HeadPolicy
 from .architectures import architecture_of
 from .vocab_rows import PREREAD_ATTRIBUTE
 
 HEAD_TYPES = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 ROW_PARAMETERS = ("weight", "scales", "biases", "bias")  # a head's parameters whose first axis is the vocabulary
+HeadSpec = Literal["auto", "all", "last", "split"]
+"""Where the vocabulary-sized matrices live (:func:`pipemlx.shard_model`'s ``head``): ``"auto"`` (the default),
+``"all"``, ``"last"`` or ``"split"``."""
+HEAD_CHOICES: tuple[str, ...] = get_args(HeadSpec)
 FINAL_NORMS = ("norm", "embedding_norm")
 """Names of the norm ``model.model`` ends with (lfm2's is ``embedding_norm``): it gives the hidden state's dtype."""
 
@@ -213,6 +218,27 @@ def refuse_split_logits(stage: Any) -> None:
     """Raise unless ``stage`` exists (then its forward passes whose logits are not read get zeros)."""
     if stage is None:
         raise_split_head()
+
+
+def check_head(head: Any) -> None:
+    """Raise ``ValueError`` unless ``head`` is one of :data:`HEAD_CHOICES`."""
+    if not isinstance(head, str) or head not in HEAD_CHOICES:
+        raise ValueError(f"head must be 'auto', 'all', 'last' or 'split', got {head!r}")
+
+
+def resolve_head(head: HeadSpec, model: nn.Module, world_size: int) -> HeadPolicy:
+    """``head`` as :func:`pipemlx.shard_model` applies it to ``model`` on ``world_size`` ranks: ``"auto"`` becomes
+    ``"split"`` (each rank holds 1/S of the embedding's and the head's rows) wherever the vocabulary can be split
+    (:func:`check_splittable`) and there is more than one rank, else ``"all"``; the others are kept.
+
+    The rule reads only the model's classes (not its weights: a lazily built model, or one built from the config
+    alone, gives the same answer), so every rank, and a loader before it reads any weight, resolves alike.
+    Raises ``ValueError`` for a ``head`` that is none of :data:`HEAD_CHOICES`.
+    """
+    check_head(head)
+    if head != "auto":
+        return head
+    return "split" if world_size > 1 and _split_parts(model) is not None else "all"
 
 
 def check_splittable(model: nn.Module) -> None:

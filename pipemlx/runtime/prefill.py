@@ -212,14 +212,6 @@ def prefill_before_decode(model: nn.Module, prompt: mx.array, cache: list[Any], 
     except (PipelineTimeoutError, PeerLostError) as exc:
         stage.mark_broken(exc)
         raise
-    shard = stage.info.vocab_shard
-    if shard is not None and shard.split and tokens.size > 1:  # head="split": rank 0's embeddings of the prompt
-        try:
-            with mx.stream(stage.compute_stream):
-                shard.embed(tokens[:-1], stage.group, timeout, lambda: f"{stage.describe()} embedding the prompt")
-        except (PipelineTimeoutError, PeerLostError) as exc:
-            stage.mark_broken(exc)
-            raise
     step = max(lengths, default=1) if lengths is not None else cast(int, step_size)
     spacing = options.agree_every
     if spacing is None:
@@ -415,6 +407,7 @@ class _PlanRunner:
                     )
                 self.prefix = agreed_offset(table)
                 self.stop_if_asked(table, step=None)
+                self.embed_prompt()
             elif isinstance(action, Send):
                 self.send(action)
             elif isinstance(action, Recv):
@@ -427,6 +420,17 @@ class _PlanRunner:
                 self.progress(action)
         if len(self.stage.send_queue) or self.stage.received:
             raise PipelineError(f"{self.stage.describe()}: the plan ended with sends or receives left over")
+
+    def embed_prompt(self) -> None:
+        """``head="split"``: rank 0's embeddings of the prompt, summed from every rank's rows (a collective). After
+        the handshake, which checked that every rank holds a prompt of the same length: a rank with another one
+        would otherwise join the all-sum with another size and leave the group's connections out of step."""
+        shard = self.stage.info.vocab_shard
+        if shard is None or not shard.split or self.tokens.size <= 1:
+            return
+        stage = self.stage
+        with mx.stream(stage.compute_stream):
+            shard.embed(self.tokens[:-1], stage.group, self.timeout, lambda: f"{stage.describe()} embedding the prompt")
 
     def status(self) -> Status:
         """This rank's word at an agreement point: failed, cancel, or OK."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..models.sharding import LendSpec
+from ..models.vocab_head import HeadSpec
 from .requests import SamplingParams, from_json, to_json
 
 RANK_VARIABLE = "PIPEMLX_SERVE_RANK"
@@ -138,7 +139,7 @@ class RankOptions:
     expected_ranks: int | None = None
     allow_unregistered: bool = False
     lend: LendSpec = "auto"
-    head: Literal["all", "last", "split"] = "all"  # load_sharded's head (--head)
+    head: HeadSpec = "auto"  # load_sharded's head (--head)
     trust_remote_code: bool = False
     adapter_path: str | None = None
     """LoRA adapters (``--adapter-path``): each rank keeps its own layers'."""

@@ -80,8 +80,9 @@ def reuse_prefix(
     ref_tokens, ref_logprobs = decode(prompt, reference, ref_cache, step, spec["max_tokens"])
     tokens: list[int] = []
     logprobs: list[mx.array] = []
-    # S=2 leaves the logprobs on the last rank, lazy (greedy: every rank shares the output head where the
-    # architecture allows, and the last rank computes the whole head only when they are read, here);
+    # S=2 leaves the logprobs on the last rank (with head="all", lazy: every rank shares the output head and the
+    # last rank computes the whole head only when they are read, here; with head="split", the default where the
+    # architecture allows, every step gathers the whole logits from every rank's rows);
     # S=3 shares them with every rank (the head stays on the last rank).
     stage = stage_of(model)
     shared = stage.world_size == 3
@@ -102,6 +103,7 @@ def reuse_prefix(
         "ref_tokens": ref_tokens,
         "logprob_diff": largest_difference(logprobs, ref_logprobs),
         "shared_head": decoding.shared_head,
+        "head": stage.info.head,
     }
 
 

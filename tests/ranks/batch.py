@@ -113,7 +113,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     """One scenario; a report, or {"error", "message", "waited"} when the group failed (kill, stall)."""
     rank = group.rank()
     arch = spec.get("arch", "llama")
-    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **spec.get("shard", {}))  # lend
+    # head="all" unless the scenario says: greedy ticks share the whole head (tests/test_vocab_split.py: split)
+    model = pipemlx.shard_model(build_model(tiny_config(arch)), group, **{"head": "all", **spec.get("shard", {})})
     requests = spec["requests"]
     prompts = [prompt_of(r["M"]) for r in requests]
     default_processors: dict[str, Any] | None = spec.get("default_processors")

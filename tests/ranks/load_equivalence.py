@@ -28,6 +28,7 @@ from pipemlx.runtime.stage import stage_of
 def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, Any]:
     path = entry["path"]
     # Whole layers: what each rank holds is compared with the plan's per-layer bytes (test_equivalence runs lend="auto").
+    # The default head ("auto": a split vocabulary on these architectures), mlx-lm's generate_step on it.
     model, tokenizer = pipemlx.load_sharded(
         path, group, split=entry.get("split"), memory=entry.get("memory"), lend=entry.get("lend", "none")
     )
@@ -53,6 +54,8 @@ def run(entry: dict[str, Any], spec: dict[str, Any], group: Any) -> dict[str, An
         "ref_tokens": ref_tokens,
         "held": sum(p.nbytes for _, p in flat_parameters(model)),
         "embeddings": [type(m).__name__ for _, m in embedding_modules(owner)],
+        "head": stage.info.head,  # the default "auto" resolved
+        "embedding_rows": type(getattr(getattr(owner, "embed_tokens", None), "part", None)).__name__,
         "quantized_layers": sum(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules()),
     }
 

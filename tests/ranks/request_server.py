@@ -92,8 +92,13 @@ class Server:
         self.rank = self.group.rank()
         self.config = tiny_config(spec.get("arch", "llama"))
         self.reference = build_model(self.config, seed=spec.get("seed", 0))
+        # head="all": the scenario checks that greedy steps share the whole head (a split one, the default, gathers
+        # the logits while logprobs are yielded: tests/test_vocab_split.py).
         self.model = pipemlx.shard_model(
-            build_model(self.config, seed=spec.get("seed", 0)), self.group, timeout=spec.get("timeout", 30.0)
+            build_model(self.config, seed=spec.get("seed", 0)),
+            self.group,
+            timeout=spec.get("timeout", 30.0),
+            head=spec.get("head", "all"),
         )
         self.cache: list[Any] = make_prompt_cache(self.model)
         self.ref_cache: list[Any] = make_prompt_cache(self.reference)
