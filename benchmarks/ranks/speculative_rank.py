@@ -53,18 +53,21 @@ def main() -> None:
     else:
         group = init_group()
         rank = group.rank()
-        model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)
+        model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)  # the default head ("auto": split here)
+        whole, _ = pipemlx.load_sharded(MODEL_DIR, group, head="all")  # pipelined passes need the whole head
         contenders["pipemlx"] = lambda p: pipemlx.generate_step(p, model, max_tokens=count)
-        for mode in ("serial", "pipelined"):  # one pass through the ranks at a time, or one started every tick
-            contenders[f"pipemlx draft {mode}"] = lambda p, mode=mode: pipemlx.generate_step(
-                p, model, max_tokens=count, draft_model=draft, num_draft_tokens=k, speculation=mode
+        contenders["pipemlx head=all"] = lambda p: pipemlx.generate_step(p, whole, max_tokens=count)
+        for mode, held in (("serial", model), ("pipelined", whole)):  # one pass at a time, or one every tick
+            contenders[f"pipemlx draft {mode}"] = lambda p, mode=mode, held=held: pipemlx.generate_step(
+                p, held, max_tokens=count, draft_model=draft, num_draft_tokens=k, speculation=mode
             )
-            contenders[f"pipemlx lookup {mode}"] = lambda p, mode=mode: pipemlx.generate_step(
-                p, model, max_tokens=count, prompt_lookup=spec["lookup"], num_draft_tokens=k, speculation=mode
+            contenders[f"pipemlx lookup {mode}"] = lambda p, mode=mode, held=held: pipemlx.generate_step(
+                p, held, max_tokens=count, prompt_lookup=spec["lookup"], num_draft_tokens=k, speculation=mode
             )
-        contenders["pipemlx draft auto"] = lambda p: pipemlx.generate_step(
-            p, model, max_tokens=count, draft_model=draft, num_draft_tokens="auto", speculation="auto"
-        )
+        for label, held in (("", model), (" head=all", whole)):
+            contenders[f"pipemlx draft auto{label}"] = lambda p, held=held: pipemlx.generate_step(
+                p, held, max_tokens=count, draft_model=draft, num_draft_tokens="auto", speculation="auto"
+            )
     report: dict[str, Any] = {"rank": rank}
     for name, text in spec["prompts"].items():
         prompt = mx.array(tokenizer.encode(text), dtype=mx.int32)
