@@ -27,7 +27,9 @@ time) and ``--decode-concurrency 4`` (continuous batching), each sent 4 and then
 clients at once (``--clients``), each a different short greedy prompt streaming
 ``--concurrent-tokens`` tokens; the figure is the aggregate decode speed, all
 the clients' completion tokens over the wall time from the first request sent to
-the last token received.
+the last token received. Then ``--decode-concurrency 8`` once per ``--decode-groups`` value (1 and auto)
+against ``mlx_lm.server --decode-concurrency 8``, one process pinned to one core (a core stands for a
+machine; the ranks are pinned one core each by the launcher).
 
 Usage: python benchmarks/serve.py [--prompt-tokens 2048] [--max-tokens 64] [--json OUT]
        python benchmarks/serve.py --skip long-prompt   # only the concurrency figure
@@ -191,9 +193,14 @@ def pipemlx_server(model: Path, env: dict[str, str], extra: list[str]) -> Server
     return Server("pipemlx serve", [command], port, [env])
 
 
-def mlx_lm_server(model: Path, env: dict[str, str], ranks: int) -> Server:
+def mlx_lm_server(model: Path, env: dict[str, str], ranks: int, pinned: bool = False) -> Server:
+    """mlx-lm's server; ``pinned``: one process on one core (the first this process may use), batching up to 8
+    requests (``--decode-concurrency 8``), the baseline of ``pipemlx serve --decode-concurrency 8`` at S=2."""
     port = free_ports(1)[0]
     command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port)]
+    if pinned:
+        core = min(os.sched_getaffinity(0))
+        command = ["taskset", "-c", str(core), *command, "--decode-concurrency", "8"]
     if ranks == 1:
         return Server("mlx_lm.server", [command], port, [env])
     directory = Path(tempfile.mkdtemp(prefix="pipemlx-bench-ring-"))
@@ -234,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         "--clients", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8], help="concurrent clients (1,4,8)"
     )
     parser.add_argument("--concurrent-tokens", type=int, default=64, help="tokens per concurrent client (64)")
+    parser.add_argument(
+        "--decode-groups",
+        type=lambda t: t.split(","),
+        default=["1", "auto"],
+        help="pipemlx serve --decode-concurrency 8 once per --decode-groups value (1,auto), against mlx_lm.server "
+        "--decode-concurrency 8 on one core",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
 
@@ -318,11 +332,22 @@ def measure_concurrency(
 ) -> list[Concurrency]:
     figures: list[Concurrency] = []
     setups = [(1, []), (4, [])] + ([] if "no-front" in args.skip else [(4, ["--no-recover"])])
-    for n, extra in setups:
-        name = " ".join([f"pipemlx serve S=2 --decode-concurrency {n}", *extra])
+    setups += [(8, ["--decode-groups", groups]) for groups in args.decode_groups]
+    starts: list[tuple[str, Callable[[], Server]]] = [
+        (
+            " ".join([f"pipemlx serve S=2 --decode-concurrency {n}", *extra]),
+            lambda n=n, extra=extra: pipemlx_server(
+                model, env, ["--decode-concurrency", str(n), "--max-queue", "64", *extra]
+            ),
+        )
+        for n, extra in setups
+    ]
+    if "mlx-lm" not in args.skip:  # one process on one core, as a machine of its own, batching 8 at once
+        starts.append(("mlx_lm.server --decode-concurrency 8", lambda: mlx_lm_server(model, env, 1, pinned=True)))
+    for name, start in starts:
         server: Server | None = None
         try:
-            server = pipemlx_server(model, env, ["--decode-concurrency", str(n), "--max-queue", "64", *extra])
+            server = start()
             server.wait_ready("/health")
             stream(server.url, "It is a truth universally acknowledged", 4)  # warm-up, not timed
             for clients in args.clients:
@@ -345,13 +370,17 @@ def print_concurrency(figures: list[Concurrency]) -> None:
     if not figures:
         return
     print("\nconcurrent clients: short prompts, greedy; aggregate = completion tokens / wall time")
-    print(f"{'server':40} {'clients':>7} {'tokens':>7} {'wall s':>8} {'aggregate tok/s':>16} {'vs N=1':>7}")
+    print(
+        f"{'server':52} {'clients':>7} {'tokens':>7} {'wall s':>8} {'aggregate tok/s':>16} {'vs N=1':>7} {'vs mlx-lm':>9}"
+    )
     base = {f.clients: f.aggregate_tokens_per_s for f in figures if f.server.endswith("concurrency 1")}
+    mlx = {f.clients: f.aggregate_tokens_per_s for f in figures if f.server.startswith("mlx_lm")}
     for f in figures:
         ratio = f.aggregate_tokens_per_s / base[f.clients] if base.get(f.clients) else float("nan")
+        versus = f.aggregate_tokens_per_s / mlx[f.clients] if mlx.get(f.clients) else float("nan")
         print(
-            f"{f.server:40} {f.clients:7d} {f.completion_tokens:7d} {f.wall_s:8.2f} "
-            f"{f.aggregate_tokens_per_s:16.1f} {ratio:6.2f}x"
+            f"{f.server:52} {f.clients:7d} {f.completion_tokens:7d} {f.wall_s:8.2f} "
+            f"{f.aggregate_tokens_per_s:16.1f} {ratio:6.2f}x {versus:8.2f}x"
         )
 
 
