@@ -192,8 +192,9 @@ def check_pipelined(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     assert len({r["pipelined"] for r in rows}) == 1, (name, rows)
     if case["k"] != "auto":
         assert rows[0]["pipelined"], (name, rows)
-    elif name.startswith("p-auto-leaves"):
-        assert not rows[0]["pipelined"], (name, rows)
+    # "p-auto-leaves*": whether rank 0 leaves the ticks depends on the tick times it measured (its rule is tested
+    # with given times in test_auto_pipelined_length_leaves_where_guesses_fail); either way every rank agrees (above)
+    # and the tokens are exact (below).
     for row in rows:  # the prompt and every decided token are in the caches, no guess of a dropped pass
         assert row["offset"] == row["prompt"] + len(row["decided"]), (name, row)
     stopper = case.get("break_after") or case.get("cancel_after")

@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.utils import load_adapters, load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.utils import _get_classes, load_adapters, load_config, load_model, load_tokenizer  # pyright: ignore[reportUnknownVariableType, reportPrivateUsage]
 
 from ..errors import renamed
 from ..schedule.memory_model import HeadPolicy, Settings, check_speeds, plan_balanced, plan_context
@@ -258,10 +258,17 @@ def head_of_folder(
     check_head(head)
     if head != "auto" or world_size == 1:
         return "all" if head == "auto" else head
-    loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
-        Path(root), lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
-    )
-    return resolve_head(head, cast(nn.Module, loaded[0]), world_size)
+    config = load_config(Path(root))
+    config.update(model_config or {})
+    if config.get("model_file") is not None:  # a custom architecture: mlx-lm builds it (trust_remote_code)
+        loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
+            Path(root), lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
+        )
+        return resolve_head(head, cast(nn.Module, loaded[0]), world_size)
+    # The classes from the config alone, as mlx-lm's load_model picks them: no weight file is opened (a folder
+    # may hold only their headers, or none), and the parameters a module makes are lazy and never evaluated.
+    model_class, args_class = cast(tuple[Any, Any], _get_classes(config=config))
+    return resolve_head(head, cast(nn.Module, model_class(args_class.from_dict(config))), world_size)
 
 
 def take_fetched_rows(model: nn.Module, root: Path, rank: int, world_size: int) -> int:

@@ -67,7 +67,9 @@ def main() -> None:
     group = init_group()
     config = tiny_config(spec["arch"], **spec.get("config", {}))
     reference = build_model(config)
-    model = pipemlx.shard_model(build_model(config), group)
+    # The whole head on every rank: pipelined passes need it on the last rank (the default head, split across the
+    # ranks, makes speculation="auto" serial; tests/test_vocab_split.py runs speculation on a split head).
+    model = pipemlx.shard_model(build_model(config), group, head="all")
     drafts = {"same": build_model(config), "other": build_model({**config, "num_hidden_layers": 1}, 7)}
     drafts["fails"] = FailingDraft(drafts["same"], fail_at=4)
     mx.random.seed(100 + group.rank())  # deliberately different on every rank: only the last rank samples
