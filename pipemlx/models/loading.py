@@ -258,8 +258,7 @@ def head_of_folder(
     check_head(head)
     if head != "auto" or world_size == 1:
         return "all" if head == "auto" else head
-    config = load_config(Path(root))
-    config.update(model_config or {})
+    config: dict[str, Any] = {**cast(dict[str, Any], load_config(Path(root))), **(model_config or {})}
     if config.get("model_file") is not None:  # a custom architecture: mlx-lm builds it (trust_remote_code)
         loaded: Any = load_model(  # pyright: ignore[reportUnknownVariableType]
             Path(root), lazy=True, strict=False, model_config=model_config, trust_remote_code=trust_remote_code
@@ -267,7 +266,7 @@ def head_of_folder(
         return resolve_head(head, cast(nn.Module, loaded[0]), world_size)
     # The classes from the config alone, as mlx-lm's load_model picks them: no weight file is opened (a folder
     # may hold only their headers, or none), and the parameters a module makes are lazy and never evaluated.
-    model_class, args_class = cast(tuple[Any, Any], _get_classes(config=config))
+    model_class, args_class = _get_classes(config=config)
     return resolve_head(head, cast(nn.Module, model_class(args_class.from_dict(config))), world_size)
 
 
