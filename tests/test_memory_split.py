@@ -27,6 +27,7 @@ from pipemlx.models.parameters import model_bytes_from_model
 from pipemlx.models.safetensors import model_bytes_from_dir, read_safetensors_header
 from pipemlx.models.sharding import AUTO_PLANNED_STEP, find_layer_list
 from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
@@ -37,7 +38,6 @@ from pipemlx.schedule.memory_split import (
     plan_split,
     resolve_budgets,
 )
-from pipemlx.schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from pipemlx.schedule.split import even_split
 from pipemlx.testing import build_model, save_model_dir, tiny_config
 

@@ -152,7 +152,7 @@ def test_proposer_of_names_bad_arguments(draft: Any, lookup: Any, error: type[Ex
     if draft in ("model", "sharded"):
         model = build_model(tiny_config("llama"))
         if draft == "sharded":
-            setattr(model, "_pipemlx_stage", object())
+            model._pipemlx_stage = object()
         draft = model
     elif draft == "text":
         draft = "a model"
