@@ -60,7 +60,14 @@ def test_accepted_counts_the_guesses_up_to_the_first_wrong_one(data: st.DataObje
 
 @pytest.mark.parametrize(
     "guesses,tokens,expected",
-    [([], [5], 0), ([4, 5, 6], [4, 5, 6, 7], 3), ([4, 5, 6], [4, 9, 6, 7], 1), ([4, 5, 6], [1, 5, 6, 7], 0)],
+    [
+        ([], [5], 0),
+        ([4], [4, 5], 1),
+        ([4], [5, 4], 0),
+        ([4, 5, 6], [4, 5, 6, 7], 3),
+        ([4, 5, 6], [4, 9, 6, 7], 1),
+        ([4, 5, 6], [1, 5, 6, 7], 0),
+    ],
 )
 def test_accepted_by_hand(guesses: list[int], tokens: list[int], expected: int) -> None:
     count = accepted(mx.array(guesses, dtype=mx.int32), mx.array(tokens, dtype=mx.int32))
@@ -132,6 +139,8 @@ def test_proposer_of_gives_the_proposer_asked_for() -> None:
     assert proposer_of(None, None) is None
     lookup = proposer_of(None, 3)
     assert isinstance(lookup, PromptLookup) and lookup.max_ngram == 3
+    lookup = proposer_of(None, 1)  # the smallest n-gram: one token
+    assert isinstance(lookup, PromptLookup) and lookup.max_ngram == 1
     model = build_model(tiny_config("llama"))
     draft = proposer_of(model, None)
     assert isinstance(draft, DraftModel) and draft.model is model
