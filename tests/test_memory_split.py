@@ -546,6 +546,14 @@ def test_split_command_argparse_errors_and_help(capsys: pytest.CaptureFixture[st
     assert status == 2 and out == "" and err.startswith("usage: pipemlx plan ")
     assert "argument --context: must be at least 1 token, got '0'" in err
     assert plan_main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: pipemlx split ")
+    status, _, err = split_cli(["--ranks", "2", "--step-size", "512"], capsys)  # pipemlx 0.1's name
+    assert status == 2 and "--step-size was renamed --prefill-step-size in pipemlx 0.2.0" in err
+    status, _, err = split_cli(["--ranks", "2", "--head", "middle"], capsys)
+    assert status == 2 and "argument --head: invalid choice: 'middle'" in err
+    status, _, err = split_cli(["--ranks", "two"], capsys)
+    assert status == 2 and "argument --ranks: invalid int value: 'two'" in err
+    status, _, err = split_cli(["--ranks", "2", "--context", "1k", "--prefill-step-size", "lots"], capsys)
+    assert status == 2 and "argument --prefill-step-size: expected a number of tokens" in err
     status, out, _ = split_cli(["--ranks", "2", "--head", "all"], capsys)  # the default head needs no context
     assert status == 0 and out
 
