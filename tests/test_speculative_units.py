@@ -35,6 +35,7 @@ from pipemlx.runtime.speculative import (
     accepted,
     proposer_of,
 )
+from pipemlx.schedule.batch_plan import FINGERPRINT_MODULUS
 from pipemlx.testing import build_model, tiny_config
 
 # --- accepted: the guesses a pass keeps ---------------------------------------------------------------------------
@@ -130,6 +131,7 @@ def test_prompt_lookup_by_hand(history: list[int], max_ngram: int, k: int, expec
 
 def test_prompt_lookup_fingerprint_tells_the_longest_ngram() -> None:
     assert PromptLookup(2).fingerprint() == PromptLookup(2).fingerprint() != PromptLookup(3).fingerprint()
+    assert isinstance(PromptLookup(2).fingerprint(), int) and 0 <= PromptLookup(2).fingerprint() < FINGERPRINT_MODULUS
 
 
 # --- proposer_of: the arguments ---------------------------------------------------------------------------------
@@ -309,12 +311,18 @@ def test_draft_draws_with_the_sampler_from_log_probabilities_as_mlx_lm(greedy: i
         mx.random.seed(seed)
         assert plain_draft(model).propose(history, 4, normalised(sampler, seen), greedy) == wanted, seed
     assert len(seen) == 3 * (4 - min(greedy, 4)) and all(abs(s) < 1e-4 for s in seen), seen
+    if greedy == 0:  # the default: every guess drawn
+        mx.random.seed(5)
+        wanted = guesses_without_cache(model, history, 4, sampler, 0)
+        mx.random.seed(5)
+        assert plain_draft(model).propose(history, 4, sampler) == wanted
 
 
 def test_draft_fingerprint_tells_weights_and_shapes_apart() -> None:
     config = tiny_config("llama")
     same = DraftModel(build_model(config)).fingerprint()
     assert DraftModel(build_model(config)).fingerprint() == same
+    assert isinstance(same, int) and 0 <= same < FINGERPRINT_MODULUS  # an int field of the handshake's message
     assert DraftModel(build_model(config, seed=3)).fingerprint() != same
     assert DraftModel(build_model(tiny_config("llama", num_hidden_layers=3))).fingerprint() != same
 
