@@ -251,16 +251,20 @@ def test_draft_guesses_as_the_model_reading_the_whole_history(compiled: bool) ->
 
 
 def test_draft_reads_the_prompt_in_chunks_then_the_last_token_then_one_token_a_guess() -> None:
-    model = build_model(tiny_config("llama"))
+    model = build_model(tiny_config("llama", num_hidden_layers=2))  # long prompts: two layers are enough
     draft = plain_draft(model)
     reads = Reads(draft)
     assert draft.propose([], 3) == [] and draft.propose([1, 2], 0) == [] and draft.propose([1, 2], -1) == []
     assert reads.take() == [] and draft.tokens == []
-    prompt = [(7 * i + 3) % VOCABULARY for i in range(2 * DRAFT_PREFILL_STEP + 11)]
-    guesses = draft.propose(prompt, 3)
-    assert guesses == guesses_without_cache(model, prompt, 3, None, 0)
     step = DRAFT_PREFILL_STEP
-    assert reads.take() == [("model", step), ("model", step), ("model", 10), ("model", 1), ("model", 1), ("model", 1)]
+    for length, chunks in [(step + 2, [step, 1]), (2 * step + 1, [step, step]), (2 * step + 11, [step, step, 10])]:
+        prompt = [(7 * i + 3) % VOCABULARY for i in range(length)]
+        draft = plain_draft(model)
+        reads = Reads(draft)
+        guesses = draft.propose(prompt, 3)
+        assert reads.take() == [("model", n) for n in [*chunks, 1, 1, 1]], length  # chunks, the last token, guesses
+        assert held(draft) == len(draft.tokens) == length + 2, length
+    assert guesses == guesses_without_cache(model, prompt, 3, None, 0)
     # Every guess kept and a token of its own: the last guess and that token are read together (two tokens).
     history = [*prompt, *guesses, 9]
     assert draft.propose(history, 2) == guesses_without_cache(model, history, 2, None, 0)
