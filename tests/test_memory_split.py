@@ -504,6 +504,18 @@ def test_split_command_tables_are_the_planners(capsys: pytest.CaptureFixture[str
     status, out, _ = split_cli(["--speeds", "3,1", "--memory", "30MB,20MB", "--context", "1k"], capsys)
     balanced = plan_balanced(model, 2, [3.0, 1.0], budgets, settings)
     assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, budgets, balanced)) + "\n"
+    # Budgets that bind: 4 MB holds five layers of rank 0's six; at a context of 256 tokens 8 MB holds five too
+    # (by parameters alone it would hold six).
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "4MB,4MB"], capsys)
+    small = (4 * 10**6, 4 * 10**6)
+    assert plan_balanced(model, 2, [3.0, 1.0], small) == (5, 3) and plan_balanced(model, 2, [3.0, 1.0]) == (6, 2)
+    assert status == 0 and out == format_plan(parameter_plan(model.bytes, (5, 3), small)) + "\n"
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "8MB,20MB", "--context", "256"], capsys)
+    short, tight = Settings(256, AUTO_PLANNED_STEP), (8 * 10**6, 20 * 10**6)
+    assert plan_balanced(model, 2, [3.0, 1.0], tight, short) == (5, 3) and plan_balanced(
+        model, 2, [3.0, 1.0], tight
+    ) == (6, 2)
+    assert status == 0 and out == format_context_plan(plan_context(model, 2, short, tight, (5, 3))) + "\n"
     status, out, _ = split_cli(["--split", "5,3", "--context", "1k"], capsys)
     assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, None, (5, 3))) + "\n"
     status, out, _ = split_cli(["--ranks", "3", "--memory", "30MB"], capsys)  # one budget for every rank
