@@ -518,6 +518,8 @@ def test_split_command_tables_are_the_planners(capsys: pytest.CaptureFixture[str
     assert status == 0 and out == format_context_plan(plan_context(model, 2, short, tight, (5, 3))) + "\n"
     status, out, _ = split_cli(["--split", "5,3", "--context", "1k"], capsys)
     assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, None, (5, 3))) + "\n"
+    status, out, _ = split_cli(["--ranks", "1"], capsys)  # one rank: the whole model
+    assert status == 0 and out == format_plan(plan_split(model.bytes, 1, None)) + "\n"
     status, out, _ = split_cli(["--ranks", "3", "--memory", "30MB"], capsys)  # one budget for every rank
     assert status == 0 and out == format_plan(plan_split(model.bytes, 3, budgets[:1] * 3)) + "\n"
 
