@@ -446,3 +446,26 @@ def test_one_at_a_time_guesses_with_prompt_lookup_unless_the_request_says_draft_
     assert sink.tokens == theirs and (plain.proposed, plain.accepted, plain.generated) == (0, 0, 8), plain
     _, scheduler = one_at_a_time()  # no proposer: nothing guessed
     assert scheduler.run(Insert(Request(3, LOOPING_PROMPT, 8)), None).proposed == 0
+
+
+def test_one_at_a_time_applies_one_insert_and_refuses_any_other_step() -> None:
+    """A step of ``OneAtATime`` holds one insert and nothing else: it runs it (the sink sees its tokens); a step
+    with a remove, or two inserts, is one a rank out of step sent: refused on every rank, naming the stage."""
+    from pipemlx.errors import PipelineMismatchError
+
+    prompt = [5, 17, 3, 99, 42]
+    theirs, _ = mlx_lm_greedy(prompt, 3)
+    _, scheduler = one_at_a_time()
+    sink = Recorder()
+    ((request_id, result),) = scheduler.apply(Ops([], [Insert(Request(9, prompt, 3))]), sink)
+    assert request_id == 9 and result.outcome == "length" and sink.tokens == theirs
+    assert scheduler.apply(Ops([], []), sink) == []
+    stage = scheduler.rank.stage.describe()
+    for ops in (
+        Ops([9], []),
+        Ops([9], [Insert(Request(10, prompt, 3))]),
+        Ops([], [Insert(Request(11, prompt, 3))] * 2),
+    ):
+        with pytest.raises(PipelineMismatchError) as raised:
+            scheduler.apply(ops, sink)
+        assert str(raised.value) == f"{stage}: a step of one request holds other operations"
