@@ -2,9 +2,9 @@
 
 Run from the repository root after ``tests/mutate.sh`` made ``mutants/``: the current ``tests/`` is copied into
 ``mutants/tests`` (and the documents some tests read, :data:`DOCUMENTS`), then for each mutant ``pytest -x TESTS``
-runs in ``mutants/`` with ``MUTANT_UNDER_TEST`` set to its name, and its result is written back into mutmut's results (``mutation_score.py`` reports them): a test
-failing kills it. ``tests/mutate.sh --survivors`` uses it, after tests were added, with the test files of
-``MUTATE_TESTS`` (default: the selection of ``[tool.mutmut]``).
+runs in ``mutants/`` with ``MUTANT_UNDER_TEST`` set to its name, and its result is written back into mutmut's
+results (``mutation_score.py`` reports them): a test failing kills it. ``tests/mutate.sh --survivors`` uses it,
+after tests were added, with the test files of ``MUTATE_TESTS`` (default: the selection of ``[tool.mutmut]``).
 
 ``MUTATE_IN_PROCESS=1``: every mutant's pytest run in this one process (``pytest.main`` again and again, the
 mutant chosen by ``MUTANT_UNDER_TEST``, which mutmut's trampolines read at each call): no interpreter, MLX and test
