@@ -434,6 +434,15 @@ def test_one_at_a_time_a_callbacks_error_fails_the_request_and_keeps_nothing() -
     assert result.outcome == "failed" and result.error == f"RuntimeError: the sink broke on token {theirs[1]}"
     assert not rank.prefix.entries and (rank.last_seq, rank.last_outcome) == (8, OUTCOMES.index("failed"))
 
+    class BrokenProgress(Recorder):
+        def progress(self, request_id: int, processed: int, total: int) -> None:
+            if processed >= 8:
+                raise RuntimeError("the progress broke")
+            super().progress(request_id, processed, total)
+
+    result = scheduler.run(Insert(Request(9, list(range(3, 23)), 5)), BrokenProgress())  # in the prefill
+    assert (result.outcome, result.error) == ("failed", "RuntimeError: the progress broke") and not rank.prefix.entries
+
 
 def test_one_at_a_time_guesses_with_prompt_lookup_unless_the_request_says_draft_false() -> None:
     theirs, _ = mlx_lm_greedy(LOOPING_PROMPT, 8)
