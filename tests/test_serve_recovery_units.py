@@ -432,6 +432,7 @@ def test_one_at_a_time_a_callbacks_error_fails_the_request_and_keeps_nothing() -
     rank, scheduler = one_at_a_time()
     result = scheduler.run(Insert(Request(8, prompt, 6)), Recorder(fail_on=2))
     assert result.outcome == "failed" and result.error == f"RuntimeError: the sink broke on token {theirs[1]}"
+    assert result.cache_tokens == rank.last_cache_tokens >= len(prompt)  # what the cache holds, though none is kept
     assert not rank.prefix.entries and (rank.last_seq, rank.last_outcome) == (8, OUTCOMES.index("failed"))
 
     class BrokenProgress(Recorder):
@@ -453,8 +454,15 @@ def test_one_at_a_time_guesses_with_prompt_lookup_unless_the_request_says_draft_
     sink = Recorder()
     plain = scheduler.run(Insert(Request(2, LOOPING_PROMPT, 8, SamplingParams(draft=False))), sink)
     assert sink.tokens == theirs and (plain.proposed, plain.accepted, plain.generated) == (0, 0, 8), plain
-    _, scheduler = one_at_a_time()  # no proposer: nothing guessed
+    rank, scheduler = one_at_a_time()  # no proposer: nothing guessed
     assert scheduler.run(Insert(Request(3, LOOPING_PROMPT, 8)), None).proposed == 0
+    from pipemlx.testing import build_model, tiny_config
+
+    rank.draft = build_model(tiny_config("llama"), seed=5)  # --draft-model: the model itself, every guess holds
+    sink = Recorder()
+    drafted = scheduler.run(Insert(Request(4, LOOPING_PROMPT, 8)), sink)
+    assert sink.tokens == theirs and drafted.proposed >= 3 and drafted.accepted == drafted.proposed, drafted
+    assert scheduler.run(Insert(Request(5, LOOPING_PROMPT, 8, SamplingParams(draft=False))), None).proposed == 0
 
 
 def test_one_at_a_time_applies_one_insert_and_refuses_any_other_step() -> None:
@@ -478,3 +486,86 @@ def test_one_at_a_time_applies_one_insert_and_refuses_any_other_step() -> None:
         with pytest.raises(PipelineMismatchError) as raised:
             scheduler.apply(ops, sink)
         assert str(raised.value) == f"{stage}: a step of one request holds other operations"
+
+
+class FakeDecode:
+    """What ``generate_step`` returns, ending as ``run`` ends (it raises what another rank's fault raises here)."""
+
+    guesses = (0, 0)
+    decided: list[int] = []
+    stop = None
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __iter__(self) -> Any:
+        self.run()
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+
+def another_ranks_fault(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """``generate_step`` in ``OneAtATime`` runs the prefill until 8 positions are in, then ends as when another
+    rank failed (``failed``), cancelled and kept the cache (``cancelled``) or not (``untrimmed``), disagreed
+    (``mismatch``) or was lost (``lost``)."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.errors import PipelineError, PipelineMismatchError, PrefillCancelled
+
+    real = schedulers.generate_step
+
+    def fake(prompt: mx.array, model: Any, **kwargs: Any) -> FakeDecode:
+        def run() -> None:
+            if fault == "mismatch":
+                raise PipelineMismatchError("the ranks disagree")
+            if fault == "lost":
+                raise PipelineError("rank 1 is gone")
+            seen: list[int] = []
+            kwargs["prompt_progress_callback"] = lambda done, total: seen.append(done)
+            kwargs["should_cancel"] = lambda: bool(seen) and seen[-1] >= 8
+            try:
+                for _ in real(prompt, model, **kwargs):
+                    pass
+            except PrefillCancelled as exc:
+                failed, cancelling = ([1], None) if fault == "failed" else (None, [1])
+                raise PrefillCancelled(
+                    f"rank 1 {fault}",
+                    processed=exc.processed,
+                    cache_trimmed=exc.cache_trimmed and fault != "untrimmed",
+                    failed_ranks=failed,
+                    cancelling_ranks=cancelling,
+                    prefix=exc.prefix,
+                ) from None
+            raise AssertionError("the prefill was not cancelled")
+
+        return FakeDecode(run)
+
+    monkeypatch.setattr(schedulers, "generate_step", fake)
+
+
+@pytest.mark.parametrize("fault", ["failed", "cancelled", "untrimmed", "mismatch", "lost"])
+def test_one_at_a_time_ends_a_request_as_another_ranks_fault_says(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """Another rank's fault, as this rank sees it: a failure there fails the request and keeps nothing; a cancel
+    there keeps the prompt's positions every rank computed (none when the caches could not be cut back); a
+    disagreement fails it and drops the prefix cache; a lost rank is raised to the server (it restarts the group)."""
+    from pipemlx.errors import PipelineError
+
+    prompt = list(range(3, 23))
+    rank, scheduler = one_at_a_time(prefill_step_size=4)
+    scheduler.run(Insert(Request(1, [9, 9, 9], 1)), None)  # an entry in the prefix cache
+    before = [list(e.tokens) for e in rank.prefix.entries.values()]
+    another_ranks_fault(monkeypatch, fault)
+    if fault == "lost":
+        with pytest.raises(PipelineError, match="rank 1 is gone"):
+            scheduler.run(Insert(Request(2, prompt, 5)), Recorder())
+        return
+    result = scheduler.run(Insert(Request(2, prompt, 5, partition="tenant")), Recorder())
+    entries = [(list(e.tokens), e.partition) for e in rank.prefix.entries.values()]
+    if fault == "mismatch":
+        assert (result.outcome, result.error, entries) == ("failed", "PipelineMismatchError: the ranks disagree", [])
+        return
+    assert result.prefilled >= 8 and result.outcome == ("failed" if fault == "failed" else "cancelled"), result
+    assert result.error == ("PrefillCancelled: rank 1 failed" if fault == "failed" else None), result
+    kept = [(prompt[: result.prefilled], "tenant")] if fault == "cancelled" else []
+    assert entries == [(tokens, "") for tokens in before] + kept
