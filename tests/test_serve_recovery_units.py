@@ -300,16 +300,19 @@ class Recorder(TokenSink):
     def __init__(self, stop_after: int = 0, cancel_after: int = -1, fail_on: int = 0, cancel_at: int = 0) -> None:
         super().__init__()
         self.progressed: list[tuple[int, int, int]] = []
+        self.ids: set[int] = set()  # the request ids the calls named
         self.stop_after, self.cancel_after, self.fail_on, self.cancel_at = stop_after, cancel_after, fail_on, cancel_at
 
     def progress(self, request_id: int, processed: int, total: int) -> None:
         self.progressed.append((request_id, processed, total))
 
     def should_cancel(self, request_id: int) -> bool:
+        self.ids.add(request_id)
         in_prefill = self.cancel_at > 0 and any(done >= self.cancel_at for _, done, _ in self.progressed)
         return in_prefill or 0 <= self.cancel_after <= len(self.tokens)
 
     def token(self, request_id: int, token: int) -> bool:
+        self.ids.add(request_id)
         self.tokens.append(token)
         if len(self.tokens) == self.fail_on:
             raise RuntimeError(f"the sink broke on token {token}")
@@ -361,7 +364,7 @@ def test_one_at_a_time_answers_as_mlx_lm_and_keeps_what_every_rank_decided() -> 
     rank, scheduler = one_at_a_time(prefill_step_size=3)
     sink = Recorder()
     result = scheduler.run(Insert(Request(4, prompt, 6)), sink)
-    assert sink.tokens == theirs
+    assert sink.tokens == theirs and sink.ids == {4}
     assert sink.progressed == [(4, done, total) for done, total in progress]  # mlx-lm's prompt_progress_callback
     assert result == RequestResult("length", 0, result.cache_tokens, len(prompt), None, 0, 0, 6)
     ((entry_tokens, entry),) = [(list(e.tokens), e) for e in rank.prefix.entries.values()]
@@ -454,6 +457,16 @@ def test_one_at_a_time_guesses_with_prompt_lookup_unless_the_request_says_draft_
     sink = Recorder()
     plain = scheduler.run(Insert(Request(2, LOOPING_PROMPT, 8, SamplingParams(draft=False))), sink)
     assert sink.tokens == theirs and (plain.proposed, plain.accepted, plain.generated) == (0, 0, 8), plain
+    # Each pass guesses num_draft_tokens: the same passes guess three times as many at 3 as at 1.
+    once = one_at_a_time(prompt_lookup=2, num_draft_tokens=1)[1].run(Insert(Request(1, LOOPING_PROMPT, 8)), None)
+    assert result.proposed == 3 * once.proposed, (result, once)
+    # A request reusing a cached prefix guesses as one that computes it: the proposer reads the reused prefix too.
+    rank, scheduler = one_at_a_time(prompt_lookup=2, num_draft_tokens=3)
+    scheduler.run(Insert(Request(6, LOOPING_PROMPT[:9], 1)), None)
+    plan = rank.prefix.plan([*LOOPING_PROMPT, 8])
+    reused = scheduler.run(Insert(Request(7, [*LOOPING_PROMPT, 8], 8), plan), None)
+    fresh = one_at_a_time(prompt_lookup=2, num_draft_tokens=3)[1].run(Insert(Request(7, [*LOOPING_PROMPT, 8], 8)), None)
+    assert reused.cached == 10 and (reused.proposed, reused.accepted) == (fresh.proposed, fresh.accepted) != (0, 0)
     rank, scheduler = one_at_a_time()  # no proposer: nothing guessed
     assert scheduler.run(Insert(Request(3, LOOPING_PROMPT, 8)), None).proposed == 0
     from pipemlx.testing import build_model, tiny_config
