@@ -582,3 +582,18 @@ def test_one_at_a_time_ends_a_request_as_another_ranks_fault_says(monkeypatch: p
     assert result.error == ("PrefillCancelled: rank 1 failed" if fault == "failed" else None), result
     kept = [(prompt[: result.prefilled], "tenant")] if fault == "cancelled" else []
     assert entries == [(tokens, "") for tokens in before] + kept
+
+
+@pytest.mark.parametrize("reason", ["failed", "cancelled", "stop", "length"])
+def test_one_at_a_time_ends_a_decode_as_every_rank_agreed(monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
+    """A decode that ends without raising here ends the request as the ranks agreed: another rank's callback
+    failed (``failed``), its consumer cancelled (``cancelled``), an end of sequence, or ``max_tokens``."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.runtime.decode import DecodeStop
+
+    decode = FakeDecode(lambda: None)
+    decode.stop = DecodeStop(reason, 0, (1,) if reason in ("failed", "cancelled") else ())  # type: ignore[assignment]
+    monkeypatch.setattr(schedulers, "generate_step", lambda *args, **kwargs: decode)
+    rank, scheduler = one_at_a_time()
+    result = scheduler.run(Insert(Request(3, [5, 17, 3], 4)), Recorder())
+    assert result.outcome == reason and result.generated == 0, result
