@@ -597,3 +597,19 @@ def test_one_at_a_time_ends_a_decode_as_every_rank_agreed(monkeypatch: pytest.Mo
     rank, scheduler = one_at_a_time()
     result = scheduler.run(Insert(Request(3, [5, 17, 3], 4)), Recorder())
     assert result.outcome == reason and result.generated == 0, result
+
+
+def test_one_at_a_time_counts_an_uncounted_cache_by_what_every_rank_decided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose layers are all recurrent (a middle rank of a hybrid model) has caches that count no positions:
+    it reports, and keeps, what every rank decided (the prompt and the answer), as the counted ranks do."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.runtime.caches import UNCOUNTED
+
+    prompt = [5, 17, 3, 99, 42]
+    rank, scheduler = one_at_a_time()
+    counted = scheduler.run(Insert(Request(1, prompt, 4)), None)
+    monkeypatch.setattr(schedulers, "counted_offset", lambda cache: UNCOUNTED)
+    rank.prefix.clear()
+    result = scheduler.run(Insert(Request(2, prompt, 4)), None)
+    assert result.cache_tokens == counted.cache_tokens == rank.last_cache_tokens, (result, counted)
+    assert [len(e.tokens) for e in rank.prefix.entries.values()] == [counted.cache_tokens]
