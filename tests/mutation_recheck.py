@@ -1,10 +1,10 @@
 """Check mutants again, one plain pytest run each: ``python tests/mutation_recheck.py TESTS... -- NAMES...``.
 
 Run from the repository root after ``tests/mutate.sh`` made ``mutants/``: the current ``tests/`` is copied into
-``mutants/tests``, then for each mutant ``pytest -x TESTS`` runs in ``mutants/`` with ``MUTANT_UNDER_TEST`` set
-to its name, and its result is written back into mutmut's results (``mutation_score.py`` reports them): a test
-failing kills it. ``tests/mutate.sh --survivors`` uses it, after tests were added, with the test files of
-``MUTATE_TESTS`` (default: the selection of ``[tool.mutmut]``).
+``mutants/tests`` (and the documents some tests read, :data:`DOCUMENTS`), then for each mutant ``pytest -x TESTS``
+runs in ``mutants/`` with ``MUTANT_UNDER_TEST`` set to its name, and its result is written back into mutmut's
+results (``mutation_score.py`` reports them): a test failing kills it. ``tests/mutate.sh --survivors`` uses it,
+after tests were added, with the test files of ``MUTATE_TESTS`` (default: the selection of ``[tool.mutmut]``).
 
 ``MUTATE_IN_PROCESS=1``: every mutant's pytest run in this one process (``pytest.main`` again and again, the
 mutant chosen by ``MUTANT_UNDER_TEST``, which mutmut's trampolines read at each call): no interpreter, MLX and test
@@ -60,8 +60,17 @@ def in_process(tests: list[str], names: list[str]) -> None:
         record(name, 0 if code == 0 else 1, Path("."))
 
 
+DOCUMENTS = ("docs", "examples", "benchmarks", "README.md", "CHANGELOG.md")
+"""Copied into ``mutants/`` beside the tests: test_docs.py and test_planning_doc.py read them."""
+
+
 def main(tests: list[str], names: list[str]) -> None:
     shutil.copytree("tests", "mutants/tests", dirs_exist_ok=True)
+    for path in map(Path, DOCUMENTS):
+        if path.is_dir():
+            shutil.copytree(path, "mutants" / path, dirs_exist_ok=True)
+        elif path.exists():
+            shutil.copy(path, "mutants" / path)
     if os.environ.get("MUTATE_IN_PROCESS") == "1":
         in_process(tests, names)
         return

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from fakes import FakeGroup
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx_lm.generate import setup_arg_parser
 from safetensors import safe_open
 
 import pipemlx
+import pipemlx.cli.split as split_module
+from pipemlx.cli.split import context_tokens, parameter_plan, step_tokens
 from pipemlx.cli.split import main as plan_main
+from pipemlx.demo import MODEL_DIR
+from pipemlx.models.hub import memory_model_of
 from pipemlx.models.parameters import model_bytes_from_model
 from pipemlx.models.safetensors import model_bytes_from_dir, read_safetensors_header
-from pipemlx.models.sharding import find_layer_list
+from pipemlx.models.sharding import AUTO_PLANNED_STEP, find_layer_list
 from pipemlx.runtime.stage import stage_of
+from pipemlx.schedule.memory_model import Settings, format_context_plan, plan_balanced, plan_context
 from pipemlx.schedule.memory_split import (
     MemoryPlanError,
     ModelBytes,
@@ -408,3 +416,167 @@ def test_bad_memory_split_arguments_leave_the_model_untouched(
     with pytest.raises(error, match=words):
         pipemlx.shard_model(model, FakeGroup(0, 2), lend="none", **kwargs)  # type: ignore[arg-type]
     assert list(model.layers) == layers
+
+
+# --- pipemlx split's arguments (pipemlx/cli/split.py), one process ----------------------------------------------
+
+
+def split_cli(argv: list[str], capsys: pytest.CaptureFixture[str], prog: str = "pipemlx split") -> tuple[int, str, str]:
+    status = plan_main([str(MODEL_DIR), *argv], prog)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The calls ``pipemlx.cli.split`` makes of ``name``, which still runs."""
+    real = getattr(split_module, name)
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(split_module, name, recorded)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("32768", 32768), ("32k", 32768), ("2K", 2048), (" 1 ", 1), (" 3 k ", 3072), ("-0k", None), ("0", None)],
+)
+def test_context_tokens_read_counts_and_thousands_of_1024(text: str, expected: int | None) -> None:
+    if expected is None:
+        with pytest.raises(argparse.ArgumentTypeError) as raised:
+            context_tokens(text)
+        assert str(raised.value) == f"must be at least 1 token, got {text!r}"
+        return
+    assert context_tokens(text) == step_tokens(text) == expected
+
+
+@pytest.mark.parametrize("text", ["k", "1.5k", "32m", "2 000", "", "auto"])
+def test_unreadable_token_counts_are_named(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as raised:
+        context_tokens(text)
+    assert str(raised.value) == f"expected a number of tokens like 32768 or 32k, got {text!r}"
+    if text != "auto":
+        with pytest.raises(argparse.ArgumentTypeError):
+            step_tokens(text)
+    assert step_tokens("auto") == "auto"
+
+
+def test_split_command_passes_mlx_lms_kv_defaults_and_every_setting(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KV settings default to mlx-lm's command line (``mlx_lm.generate``'s parser), ``auto`` is counted as
+    ``AUTO_PLANNED_STEP``, and each flag reaches the plan; the table is the library's for those settings."""
+    made = spy(monkeypatch, "Settings")
+    status, out, _ = split_cli(["--ranks", "2", "--context", "1k", "--kv-bits", "8"], capsys)
+    mlx_lm_defaults = setup_arg_parser().parse_args([])
+    expected = Settings(1024, AUTO_PLANNED_STEP, 8, mlx_lm_defaults.kv_group_size, mlx_lm_defaults.quantized_kv_start)
+    assert status == 0 and len(made) == 1 and Settings(*made[0][0], **made[0][1]) == expected
+    model = memory_model_of(str(MODEL_DIR))
+    assert out == format_context_plan(plan_context(model, 2, expected, None, None)) + "\n"
+    argv = ["--context", "2000", "--prefill-step-size", "1k", "--kv-bits", "4", "--kv-group-size", "32"]
+    argv += ["--quantized-kv-start", "7", "--head", "last", "--fused-attention", "--ranks", "3"]
+    status, out, _ = split_cli(argv, capsys)
+    expected = Settings(2000, 1024, 4, 32, 7, head="last", fused_attention=True)
+    assert status == 0 and Settings(*made[1][0], **made[1][1]) == expected
+    assert out == format_context_plan(plan_context(model, 3, expected, None, None)) + "\n"
+    status, _, _ = split_cli(["--ranks", "2", "--context", "1k", "--prefill-step-size", "300"], capsys)
+    assert status == 0 and Settings(*made[2][0], **made[2][1]).step == 300
+
+
+def test_split_command_tables_are_the_planners(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each way of asking prints the library's table: bytes balanced over budgets, a given split, speeds (by
+    parameters, or by memory at a context), a given split at a context."""
+    model = memory_model_of(str(MODEL_DIR))
+    budgets = (30 * 10**6, 20 * 10**6)
+    status, out, _ = split_cli(["--memory", "30MB,20MB"], capsys)
+    assert status == 0 and out == format_plan(plan_split(model.bytes, 2, budgets)) + "\n"
+    status, out, _ = split_cli(["--split", "6,,2,", "--memory", "30MB"], capsys)  # empty entries are skipped
+    assert status == 0 and out == format_plan(parameter_plan(model.bytes, (6, 2), budgets[:1] * 2)) + "\n"
+    status, out, _ = split_cli(["--speeds", "3, 1.5"], capsys)
+    assert (
+        status == 0
+        and out == format_plan(parameter_plan(model.bytes, plan_balanced(model, 2, [3.0, 1.5]), None)) + "\n"
+    )
+    settings = Settings(1024, AUTO_PLANNED_STEP)
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "30MB,20MB", "--context", "1k"], capsys)
+    balanced = plan_balanced(model, 2, [3.0, 1.0], budgets, settings)
+    assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, budgets, balanced)) + "\n"
+    # Budgets that bind: 4 MB holds five layers of rank 0's six; at a context of 256 tokens 8 MB holds five too
+    # (by parameters alone it would hold six).
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "4MB,4MB"], capsys)
+    small = (4 * 10**6, 4 * 10**6)
+    assert plan_balanced(model, 2, [3.0, 1.0], small) == (5, 3) and plan_balanced(model, 2, [3.0, 1.0]) == (6, 2)
+    assert status == 0 and out == format_plan(parameter_plan(model.bytes, (5, 3), small)) + "\n"
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "8MB,20MB", "--context", "256"], capsys)
+    short, tight = Settings(256, AUTO_PLANNED_STEP), (8 * 10**6, 20 * 10**6)
+    assert plan_balanced(model, 2, [3.0, 1.0], tight, short) == (5, 3) and plan_balanced(
+        model, 2, [3.0, 1.0], tight
+    ) == (6, 2)
+    assert status == 0 and out == format_context_plan(plan_context(model, 2, short, tight, (5, 3))) + "\n"
+    status, out, _ = split_cli(["--split", "5,3", "--context", "1k"], capsys)
+    assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, None, (5, 3))) + "\n"
+    status, out, _ = split_cli(["--ranks", "1"], capsys)  # one rank: the whole model
+    assert status == 0 and out == format_plan(plan_split(model.bytes, 1, None)) + "\n"
+    status, out, _ = split_cli(["--ranks", "3", "--memory", "30MB"], capsys)  # one budget for every rank
+    assert status == 0 and out == format_plan(plan_split(model.bytes, 3, budgets[:1] * 3)) + "\n"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--memory", "30MB"], "give --ranks, or --memory / --split / --speeds with one entry per rank"),
+        (["--ranks", "0"], "--ranks must be at least 1, got 0"),
+        (["--ranks", "-2", "--split", "8"], "--ranks must be at least 1, got -2"),
+        # The ranks come from the first list given: --split, then --speeds, then --memory.
+        (["--split", "6,2", "--memory", "1GB,1GB,1GB"], "memory lists 3 budgets but the group has 2 ranks"),
+        (["--speeds", "3,1", "--memory", "1GB,1GB,1GB"], "memory lists 3 budgets but the group has 2 ranks"),
+        (["--split", "6,2", "--speeds", "1,1,1"], "give --split or --speeds, not both"),
+        (["--ranks", "2", "--split", "4,4", "--speeds", "1,1"], "give --split or --speeds, not both"),
+        (["--split", "a,b"], "--split: expected comma-separated numbers, got 'a,b'"),
+        (["--split", "4.0,4"], "--split: expected comma-separated numbers, got '4.0,4'"),
+        (["--speeds", "3,x"], "--speeds: expected comma-separated numbers, got '3,x'"),
+        (["--ranks", "2", "--head", "last"], "--kv-bits, --head and --fused-attention need --context"),
+        (["--ranks", "2", "--head", "split"], "--kv-bits, --head and --fused-attention need --context"),
+        (["--ranks", "2", "--fused-attention"], "--kv-bits, --head and --fused-attention need --context"),
+        (["--split", "4,4", "--kv-bits", "8"], "--kv-bits, --head and --fused-attention need --context"),
+        (
+            ["--split", "7,1", "--memory", "4MB,1MB"],
+            "does not fit: rank 0 needs 4.66 MB of parameters but has 4.00 MB; split [7, 1]",
+        ),
+    ],
+)
+def test_split_command_names_bad_arguments_in_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for prog in ("pipemlx split", "pipemlx plan"):
+        assert split_cli(argv, capsys, prog) == (2, "", f"{prog}: {message}\n")
+
+
+def test_split_command_argparse_errors_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = split_cli(["--context", "0"], capsys, "pipemlx plan")
+    assert status == 2 and out == "" and err.startswith("usage: pipemlx plan ")
+    assert "argument --context: must be at least 1 token, got '0'" in err
+    assert plan_main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: pipemlx split ")
+    status, _, err = split_cli(["--ranks", "2", "--step-size", "512"], capsys)  # pipemlx 0.1's name
+    assert status == 2 and "--step-size was renamed --prefill-step-size in pipemlx 0.2.0" in err
+    status, _, err = split_cli(["--ranks", "2", "--head", "middle"], capsys)
+    assert status == 2 and "argument --head: invalid choice: 'middle'" in err
+    status, _, err = split_cli(["--ranks", "two"], capsys)
+    assert status == 2 and "argument --ranks: invalid int value: 'two'" in err
+    status, _, err = split_cli(["--ranks", "2", "--context", "1k", "--prefill-step-size", "lots"], capsys)
+    assert status == 2 and "argument --prefill-step-size: expected a number of tokens" in err
+    status, out, _ = split_cli(["--ranks", "2", "--head", "all"], capsys)  # the default head needs no context
+    assert status == 0 and out
+
+
+def test_a_given_split_fits_a_budget_it_fills_exactly() -> None:
+    model = ModelBytes(layers=(10, 20, 30), embedding=5, head=7, tied=False)
+    plan = parameter_plan(model, (2, 1), (42, 37))  # rank 0: 5 + 10 + 20 + 7 (the head on every rank), rank 1: 30 + 7
+    assert [r.total for r in plan.ranks] == [42, 37] and plan.split == (2, 1)
+    assert parameter_plan(model, (2, 1), None).ranks[0].budget is None
+    with pytest.raises(MemoryPlanError) as raised:
+        parameter_plan(model, (2, 1), (42, 36))
+    assert str(raised.value) == "rank 1 needs 37 B of parameters but has 36 B; split [2, 1]"

@@ -288,3 +288,328 @@ def test_a_request_continuing_a_cached_prefix_is_penalised_over_its_whole_prompt
     assert (
         again.reuse == len(second) - 1 and scheduler.run(Insert(Request(3, second, 2), again), None).outcome == "length"
     )
+
+
+# --- OneAtATime.run's whole request path, one process (--max-concurrency 1) --------------------------------------
+
+
+class Recorder(TokenSink):
+    """A sink that notes the prefill's progress, can stop the answer after some tokens (rank 0's stop string), ask
+    to cancel after some tokens, or fail on a token (a callback's own error)."""
+
+    def __init__(self, stop_after: int = 0, cancel_after: int = -1, fail_on: int = 0, cancel_at: int = 0) -> None:
+        super().__init__()
+        self.progressed: list[tuple[int, int, int]] = []
+        self.ids: set[int] = set()  # the request ids the calls named
+        self.stop_after, self.cancel_after, self.fail_on, self.cancel_at = stop_after, cancel_after, fail_on, cancel_at
+
+    def progress(self, request_id: int, processed: int, total: int) -> None:
+        self.progressed.append((request_id, processed, total))
+
+    def should_cancel(self, request_id: int) -> bool:
+        self.ids.add(request_id)
+        in_prefill = self.cancel_at > 0 and any(done >= self.cancel_at for _, done, _ in self.progressed)
+        return in_prefill or 0 <= self.cancel_after <= len(self.tokens)
+
+    def token(self, request_id: int, token: int) -> bool:
+        self.ids.add(request_id)
+        self.tokens.append(token)
+        if len(self.tokens) == self.fail_on:
+            raise RuntimeError(f"the sink broke on token {token}")
+        return len(self.tokens) == self.stop_after
+
+
+LOOPING_PROMPT = [7, 30, 31, 228, 80, 8, 209, 8, 80, 8, 209, 8, 80]
+"""The tiny llama (seed 5)'s own greedy text: it repeats itself, so prompt lookup's guesses hold."""
+
+
+def one_at_a_time(eos: list[int] = [], **engine: Any) -> tuple[Any, Any]:  # noqa: B006
+    """A one-process rank (prefix cache of 1000 tokens) over the tiny llama of seed 5, and its scheduler."""
+    from types import SimpleNamespace
+
+    import pipemlx
+    from pipemlx.serve.prefix_cache import PrefixCache
+    from pipemlx.serve.rank import Rank
+    from pipemlx.serve.schedulers import OneAtATime
+    from pipemlx.testing import build_model, tiny_config
+
+    group = mx.distributed.init()
+    model = pipemlx.shard_model(build_model(tiny_config("llama"), seed=5), group)
+    rank = Rank(model, SimpleNamespace(eos_token_ids=eos), group, EngineSettings(**engine))
+    rank.prefix = PrefixCache(1000)
+    return rank, OneAtATime(rank)
+
+
+def mlx_lm_greedy(prompt: list[int], count: int, step: int = 2048) -> tuple[list[int], list[tuple[int, int]]]:
+    """mlx-lm's greedy tokens for ``prompt`` and the prefill progress it reports."""
+    from mlx_lm.generate import generate_step as mlx_lm_generate_step
+
+    from pipemlx.testing import build_model, tiny_config
+
+    progress: list[tuple[int, int]] = []
+    steps = mlx_lm_generate_step(
+        mx.array(prompt),
+        build_model(tiny_config("llama"), seed=5),
+        prefill_step_size=step,
+        prompt_progress_callback=lambda done, total: progress.append((done, total)),
+    )
+    return [int(token) for (token, _), _ in zip(steps, range(count))], progress
+
+
+def test_one_at_a_time_answers_as_mlx_lm_and_keeps_what_every_rank_decided() -> None:
+    from pipemlx.serve.requests import OUTCOMES
+
+    prompt = [5, 17, 3, 99, 42, 11, 60]
+    theirs, progress = mlx_lm_greedy(prompt, 6, step=3)
+    rank, scheduler = one_at_a_time(prefill_step_size=3)
+    sink = Recorder()
+    result = scheduler.run(Insert(Request(4, prompt, 6)), sink)
+    assert sink.tokens == theirs and sink.ids == {4}
+    assert sink.progressed == [(4, done, total) for done, total in progress]  # mlx-lm's prompt_progress_callback
+    assert result == RequestResult("length", 0, result.cache_tokens, len(prompt), None, 0, 0, 6)
+    ((entry_tokens, entry),) = [(list(e.tokens), e) for e in rank.prefix.entries.values()]
+    assert entry_tokens == (prompt + theirs)[: result.cache_tokens] and result.cache_tokens >= len(prompt) + 5, entry
+    assert (rank.last_seq, rank.last_cache_tokens, rank.last_outcome) == (
+        4,
+        result.cache_tokens,
+        OUTCOMES.index("length"),
+    )
+    # The next request reuses that entry: the same tokens as mlx-lm over the whole prompt, fewer positions computed.
+    longer = [*prompt, *theirs[:4], 3]
+    plan = rank.prefix.plan(longer)
+    assert plan.reuse == len(prompt) + 4
+    theirs, _ = mlx_lm_greedy(longer, 3)
+    again = scheduler.run(Insert(Request(5, longer, 3), plan), Recorder())
+    assert (again.outcome, again.cached, again.prefilled, again.generated) == ("length", plan.reuse, 1, 3)
+    assert scheduler.run(Insert(Request(6, longer, 3)), None) == RequestResult(
+        "length", 0, again.cache_tokens, len(longer), None, 0, 0, 3
+    )  # no sink (the ranks after rank 0): the same result
+
+
+def test_one_at_a_time_stops_at_the_end_of_sequence_and_at_rank_zeros_stop_string() -> None:
+    from pipemlx.serve.requests import OUTCOMES
+
+    prompt = [5, 17, 3, 99, 42]
+    theirs, _ = mlx_lm_greedy(prompt, 8)
+    eos = next(t for i, t in enumerate(theirs) if i >= 2 and t not in theirs[:i])
+    ends = theirs.index(eos) + 1
+    rank, scheduler = one_at_a_time([eos])
+    sink = Recorder()
+    result = scheduler.run(Insert(Request(1, prompt, 8)), sink)
+    assert sink.tokens == theirs[:ends] and (result.outcome, result.generated) == ("stop", ends), result
+    assert rank.last_outcome == OUTCOMES.index("stop") and len(rank.prefix.entries) == 1
+    rank, scheduler = one_at_a_time()
+    sink = Recorder(stop_after=3)  # a stop string ends the answer on rank 0 after three tokens
+    result = scheduler.run(Insert(Request(2, prompt, 8)), sink)
+    assert sink.tokens == theirs[:3] and (result.outcome, result.generated) == ("stop", 3), result
+    ((entry,),) = [[list(e.tokens) for e in rank.prefix.entries.values()]]
+    assert entry == (prompt + theirs)[: len(entry)] and len(entry) == result.cache_tokens >= len(prompt) + 2
+
+
+def test_one_at_a_time_cancelled_in_the_prefill_keeps_what_it_computed() -> None:
+    from pipemlx.serve.requests import OUTCOMES
+
+    prompt = list(range(3, 23))
+    rank, scheduler = one_at_a_time(prefill_step_size=4)
+    sink = Recorder(cancel_at=8)  # once 8 of the prompt's positions are in the caches
+    result = scheduler.run(Insert(Request(3, prompt, 5)), sink)
+    assert result.outcome == "cancelled" and sink.tokens == [] and result.error is None, result
+    assert 8 <= result.prefilled < len(prompt) and result.cache_tokens == result.prefilled, result
+    assert [list(e.tokens) for e in rank.prefix.entries.values()] == [prompt[: result.prefilled]]
+    sink = Recorder(cancel_after=0)  # before any of it: nothing to keep
+    result = scheduler.run(Insert(Request(4, prompt, 5)), sink)
+    assert (result.outcome, result.prefilled, result.cache_tokens) == ("cancelled", 0, 0) and not sink.progressed
+    assert rank.last_outcome == OUTCOMES.index("cancelled") and rank.last_cache_tokens == result.prefilled
+    rank, scheduler = one_at_a_time()
+    sink = Recorder(cancel_after=2)  # after two tokens of the answer
+    result = scheduler.run(Insert(Request(3, prompt, 9)), sink)
+    theirs, _ = mlx_lm_greedy(prompt, 2)
+    assert result.outcome == "cancelled" and sink.tokens == theirs and result.prefilled == len(prompt), result
+
+
+def test_one_at_a_time_a_callbacks_error_fails_the_request_and_keeps_nothing() -> None:
+    from pipemlx.serve.requests import OUTCOMES
+
+    prompt = [5, 17, 3, 99, 42]
+    theirs, _ = mlx_lm_greedy(prompt, 2)
+    rank, scheduler = one_at_a_time()
+    result = scheduler.run(Insert(Request(8, prompt, 6)), Recorder(fail_on=2))
+    assert result.outcome == "failed" and result.error == f"RuntimeError: the sink broke on token {theirs[1]}"
+    assert result.cache_tokens == rank.last_cache_tokens >= len(prompt)  # what the cache holds, though none is kept
+    assert not rank.prefix.entries and (rank.last_seq, rank.last_outcome) == (8, OUTCOMES.index("failed"))
+
+    class BrokenProgress(Recorder):
+        def progress(self, request_id: int, processed: int, total: int) -> None:
+            if processed >= 8:
+                raise RuntimeError("the progress broke")
+            super().progress(request_id, processed, total)
+
+    result = scheduler.run(Insert(Request(9, list(range(3, 23)), 5)), BrokenProgress())  # in the prefill
+    assert (result.outcome, result.error) == ("failed", "RuntimeError: the progress broke") and not rank.prefix.entries
+
+
+def test_one_at_a_time_guesses_with_prompt_lookup_unless_the_request_says_draft_false() -> None:
+    theirs, _ = mlx_lm_greedy(LOOPING_PROMPT, 8)
+    _, scheduler = one_at_a_time(prompt_lookup=2, num_draft_tokens=3)
+    sink = Recorder()
+    result = scheduler.run(Insert(Request(1, LOOPING_PROMPT, 8)), sink)
+    assert sink.tokens == theirs and result.proposed >= 3 and 0 < result.accepted <= result.proposed, result
+    sink = Recorder()
+    plain = scheduler.run(Insert(Request(2, LOOPING_PROMPT, 8, SamplingParams(draft=False))), sink)
+    assert sink.tokens == theirs and (plain.proposed, plain.accepted, plain.generated) == (0, 0, 8), plain
+    # Each pass guesses num_draft_tokens: the same passes guess three times as many at 3 as at 1.
+    once = one_at_a_time(prompt_lookup=2, num_draft_tokens=1)[1].run(Insert(Request(1, LOOPING_PROMPT, 8)), None)
+    assert result.proposed == 3 * once.proposed, (result, once)
+    # A request reusing a cached prefix guesses as one that computes it: the proposer reads the reused prefix too.
+    rank, scheduler = one_at_a_time(prompt_lookup=2, num_draft_tokens=3)
+    scheduler.run(Insert(Request(6, LOOPING_PROMPT[:9], 1)), None)
+    plan = rank.prefix.plan([*LOOPING_PROMPT, 8])
+    reused = scheduler.run(Insert(Request(7, [*LOOPING_PROMPT, 8], 8), plan), None)
+    fresh = one_at_a_time(prompt_lookup=2, num_draft_tokens=3)[1].run(Insert(Request(7, [*LOOPING_PROMPT, 8], 8)), None)
+    assert reused.cached == 10 and (reused.proposed, reused.accepted) == (fresh.proposed, fresh.accepted) != (0, 0)
+    rank, scheduler = one_at_a_time()  # no proposer: nothing guessed
+    assert scheduler.run(Insert(Request(3, LOOPING_PROMPT, 8)), None).proposed == 0
+    from pipemlx.testing import build_model, tiny_config
+
+    rank.draft = build_model(tiny_config("llama"), seed=5)  # --draft-model: the model itself, every guess holds
+    sink = Recorder()
+    drafted = scheduler.run(Insert(Request(4, LOOPING_PROMPT, 8)), sink)
+    assert sink.tokens == theirs and drafted.proposed >= 3 and drafted.accepted == drafted.proposed, drafted
+    assert scheduler.run(Insert(Request(5, LOOPING_PROMPT, 8, SamplingParams(draft=False))), None).proposed == 0
+
+
+def test_one_at_a_time_applies_one_insert_and_refuses_any_other_step() -> None:
+    """A step of ``OneAtATime`` holds one insert and nothing else: it runs it (the sink sees its tokens); a step
+    with a remove, or two inserts, is one a rank out of step sent: refused on every rank, naming the stage."""
+    from pipemlx.errors import PipelineMismatchError
+
+    prompt = [5, 17, 3, 99, 42]
+    theirs, _ = mlx_lm_greedy(prompt, 3)
+    _, scheduler = one_at_a_time()
+    sink = Recorder()
+    ((request_id, result),) = scheduler.apply(Ops([], [Insert(Request(9, prompt, 3))]), sink)
+    assert request_id == 9 and result.outcome == "length" and sink.tokens == theirs
+    assert scheduler.apply(Ops([], []), sink) == []
+    stage = scheduler.rank.stage.describe()
+    for ops in (
+        Ops([9], []),
+        Ops([9], [Insert(Request(10, prompt, 3))]),
+        Ops([], [Insert(Request(11, prompt, 3))] * 2),
+    ):
+        with pytest.raises(PipelineMismatchError) as raised:
+            scheduler.apply(ops, sink)
+        assert str(raised.value) == f"{stage}: a step of one request holds other operations"
+
+
+class FakeDecode:
+    """What ``generate_step`` returns, ending as ``run`` ends (it raises what another rank's fault raises here)."""
+
+    guesses = (0, 0)
+    decided: list[int] = []
+    stop = None
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __iter__(self) -> Any:
+        self.run()
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+
+def another_ranks_fault(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """``generate_step`` in ``OneAtATime`` runs the prefill until 8 positions are in, then ends as when another
+    rank failed (``failed``), cancelled and kept the cache (``cancelled``) or not (``untrimmed``), disagreed
+    (``mismatch``) or was lost (``lost``)."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.errors import PipelineError, PipelineMismatchError, PrefillCancelled
+
+    real = schedulers.generate_step
+
+    def fake(prompt: mx.array, model: Any, **kwargs: Any) -> FakeDecode:
+        def run() -> None:
+            if fault == "mismatch":
+                raise PipelineMismatchError("the ranks disagree")
+            if fault == "lost":
+                raise PipelineError("rank 1 is gone")
+            seen: list[int] = []
+            kwargs["prompt_progress_callback"] = lambda done, total: seen.append(done)
+            kwargs["should_cancel"] = lambda: bool(seen) and seen[-1] >= 8
+            try:
+                for _ in real(prompt, model, **kwargs):
+                    pass
+            except PrefillCancelled as exc:
+                failed, cancelling = ([1], None) if fault == "failed" else (None, [1])
+                raise PrefillCancelled(
+                    f"rank 1 {fault}",
+                    processed=exc.processed,
+                    cache_trimmed=exc.cache_trimmed and fault != "untrimmed",
+                    failed_ranks=failed,
+                    cancelling_ranks=cancelling,
+                    prefix=exc.prefix,
+                ) from None
+            raise AssertionError("the prefill was not cancelled")
+
+        return FakeDecode(run)
+
+    monkeypatch.setattr(schedulers, "generate_step", fake)
+
+
+@pytest.mark.parametrize("fault", ["failed", "cancelled", "untrimmed", "mismatch", "lost"])
+def test_one_at_a_time_ends_a_request_as_another_ranks_fault_says(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """Another rank's fault, as this rank sees it: a failure there fails the request and keeps nothing; a cancel
+    there keeps the prompt's positions every rank computed (none when the caches could not be cut back); a
+    disagreement fails it and drops the prefix cache; a lost rank is raised to the server (it restarts the group)."""
+    from pipemlx.errors import PipelineError
+
+    prompt = list(range(3, 23))
+    rank, scheduler = one_at_a_time(prefill_step_size=4)
+    scheduler.run(Insert(Request(1, [9, 9, 9], 1)), None)  # an entry in the prefix cache
+    before = [list(e.tokens) for e in rank.prefix.entries.values()]
+    another_ranks_fault(monkeypatch, fault)
+    if fault == "lost":
+        with pytest.raises(PipelineError, match="rank 1 is gone"):
+            scheduler.run(Insert(Request(2, prompt, 5)), Recorder())
+        return
+    result = scheduler.run(Insert(Request(2, prompt, 5, partition="tenant")), Recorder())
+    entries = [(list(e.tokens), e.partition) for e in rank.prefix.entries.values()]
+    if fault == "mismatch":
+        assert (result.outcome, result.error, entries) == ("failed", "PipelineMismatchError: the ranks disagree", [])
+        return
+    assert result.prefilled >= 8 and result.outcome == ("failed" if fault == "failed" else "cancelled"), result
+    assert result.error == ("PrefillCancelled: rank 1 failed" if fault == "failed" else None), result
+    kept = [(prompt[: result.prefilled], "tenant")] if fault == "cancelled" else []
+    assert entries == [(tokens, "") for tokens in before] + kept
+
+
+@pytest.mark.parametrize("reason", ["failed", "cancelled", "stop", "length"])
+def test_one_at_a_time_ends_a_decode_as_every_rank_agreed(monkeypatch: pytest.MonkeyPatch, reason: str) -> None:
+    """A decode that ends without raising here ends the request as the ranks agreed: another rank's callback
+    failed (``failed``), its consumer cancelled (``cancelled``), an end of sequence, or ``max_tokens``."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.runtime.decode import DecodeStop
+
+    decode = FakeDecode(lambda: None)
+    decode.stop = DecodeStop(reason, 0, (1,) if reason in ("failed", "cancelled") else ())  # type: ignore[assignment]
+    monkeypatch.setattr(schedulers, "generate_step", lambda *args, **kwargs: decode)
+    rank, scheduler = one_at_a_time()
+    result = scheduler.run(Insert(Request(3, [5, 17, 3], 4)), Recorder())
+    assert result.outcome == reason and result.generated == 0, result
+
+
+def test_one_at_a_time_counts_an_uncounted_cache_by_what_every_rank_decided(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose layers are all recurrent (a middle rank of a hybrid model) has caches that count no positions:
+    it reports, and keeps, what every rank decided (the prompt and the answer), as the counted ranks do."""
+    import pipemlx.serve.schedulers as schedulers
+    from pipemlx.runtime.caches import UNCOUNTED
+
+    prompt = [5, 17, 3, 99, 42]
+    rank, scheduler = one_at_a_time()
+    counted = scheduler.run(Insert(Request(1, prompt, 4)), None)
+    monkeypatch.setattr(schedulers, "counted_offset", lambda cache: UNCOUNTED)
+    rank.prefix.clear()
+    result = scheduler.run(Insert(Request(2, prompt, 4)), None)
+    assert result.cache_tokens == counted.cache_tokens == rank.last_cache_tokens, (result, counted)
+    assert [len(e.tokens) for e in rank.prefix.entries.values()] == [counted.cache_tokens]
