@@ -472,7 +472,9 @@ def test_split_command_passes_mlx_lms_kv_defaults_and_every_setting(
     made = spy(monkeypatch, "Settings")
     status, out, _ = split_cli(["--ranks", "2", "--context", "1k", "--kv-bits", "8"], capsys)
     mlx_lm_defaults = setup_arg_parser().parse_args([])
-    expected = Settings(1024, AUTO_PLANNED_STEP, 8, mlx_lm_defaults.kv_group_size, mlx_lm_defaults.quantized_kv_start)
+    expected = Settings(
+        1024, AUTO_PLANNED_STEP, 8, mlx_lm_defaults.kv_group_size, mlx_lm_defaults.quantized_kv_start, head="split"
+    )
     assert status == 0 and len(made) == 1 and Settings(*made[0][0], **made[0][1]) == expected
     model = memory_model_of(str(MODEL_DIR))
     assert out == format_context_plan(plan_context(model, 2, expected, None, None)) + "\n"
@@ -500,18 +502,18 @@ def test_split_command_tables_are_the_planners(capsys: pytest.CaptureFixture[str
         status == 0
         and out == format_plan(parameter_plan(model.bytes, plan_balanced(model, 2, [3.0, 1.5]), None)) + "\n"
     )
-    settings = Settings(1024, AUTO_PLANNED_STEP)
+    settings = Settings(1024, AUTO_PLANNED_STEP, head="split")  # the default head="auto" splits this model
     status, out, _ = split_cli(["--speeds", "3,1", "--memory", "30MB,20MB", "--context", "1k"], capsys)
     balanced = plan_balanced(model, 2, [3.0, 1.0], budgets, settings)
     assert status == 0 and out == format_context_plan(plan_context(model, 2, settings, budgets, balanced)) + "\n"
-    # Budgets that bind: 4 MB holds five layers of rank 0's six; at a context of 256 tokens 8 MB holds five too
-    # (by parameters alone it would hold six).
+    # Budgets that bind: 4 MB holds five layers of rank 0's six; at a context of 256 tokens 7.5 MB holds five too
+    # (by parameters alone it would hold six; the default head, split, leaves rank 0 only its rows of the embedding).
     status, out, _ = split_cli(["--speeds", "3,1", "--memory", "4MB,4MB"], capsys)
     small = (4 * 10**6, 4 * 10**6)
     assert plan_balanced(model, 2, [3.0, 1.0], small) == (5, 3) and plan_balanced(model, 2, [3.0, 1.0]) == (6, 2)
     assert status == 0 and out == format_plan(parameter_plan(model.bytes, (5, 3), small)) + "\n"
-    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "8MB,20MB", "--context", "256"], capsys)
-    short, tight = Settings(256, AUTO_PLANNED_STEP), (8 * 10**6, 20 * 10**6)
+    status, out, _ = split_cli(["--speeds", "3,1", "--memory", "7.5MB,20MB", "--context", "256"], capsys)
+    short, tight = Settings(256, AUTO_PLANNED_STEP, head="split"), (7_500_000, 20 * 10**6)
     assert plan_balanced(model, 2, [3.0, 1.0], tight, short) == (5, 3) and plan_balanced(
         model, 2, [3.0, 1.0], tight
     ) == (6, 2)
@@ -568,7 +570,7 @@ def test_split_command_argparse_errors_and_help(capsys: pytest.CaptureFixture[st
     assert status == 2 and "argument --ranks: invalid int value: 'two'" in err
     status, _, err = split_cli(["--ranks", "2", "--context", "1k", "--prefill-step-size", "lots"], capsys)
     assert status == 2 and "argument --prefill-step-size: expected a number of tokens" in err
-    status, out, _ = split_cli(["--ranks", "2", "--head", "all"], capsys)  # the default head needs no context
+    status, out, _ = split_cli(["--ranks", "2", "--head", "auto"], capsys)  # the default head needs no context
     assert status == 0 and out
 
 
