@@ -149,7 +149,7 @@ def generate_step(
     rank), so that every rank computes at once: it needs more than one rank, no ``logits_processors`` and a
     head the last rank holds whole (``ValueError`` otherwise), and a sampler draws each position with the random
     state plain decoding gives it, so a seeded sampler yields plain decoding's tokens; ``"auto"`` (the default)
-    pipelines where it can.
+    is ``"serial"`` (measured faster overall: :data:`~pipemlx.runtime.speculative.AUTO_PIPELINES`).
 
     ``stream`` is mlx-lm's (its third argument), accepted so that mlx-lm code
     runs unchanged, but every rank computes on its stage's own stream

@@ -29,9 +29,12 @@ SpeculationMode = Literal["auto", "serial", "pipelined"]
 SPECULATION_MODES: tuple[SpeculationMode, ...] = ("serial", "pipelined", "auto")
 """``generate_step(speculation=...)``: ``"serial"``, one pass through the ranks at a time; ``"pipelined"``, a pass
 started every tick on the assumption that the passes in flight confirm every guess; ``"auto"``, pipelined where it
-can be (:data:`AUTO_PIPELINES`)."""
-AUTO_PIPELINES = True
-"""Whether ``speculation="auto"`` pipelines where it can (more than one rank, no logits processors, no split head)."""
+can be, if :data:`AUTO_PIPELINES`."""
+AUTO_PIPELINES = False
+"""Whether ``speculation="auto"`` pipelines where it can (more than one rank, no logits processors, no split head).
+Off: measured at S=2 on the demo model and draft (``benchmarks/speculative.py``, docs/performance.md), pipelined
+passes gained 1.06-1.07x on serial ones with a draft and a fixed count, but lost with prompt lookup (0.71-0.83x) and
+with ``num_draft_tokens="auto"`` (0.65-0.85x), so ``"auto"`` runs the serial passes."""
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""
