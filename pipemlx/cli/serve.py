@@ -139,10 +139,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument(
         "--decode-groups",
         type=decode_groups_arg,
-        default=1,
-        help="with --decode-concurrency above 1: 1 (the default) decodes the batch as one group, every rank in "
-        "turn; 'auto' cuts a batch of many rows into one group per rank, each rank computing another group's "
-        "step at once (docs/batching.md); a number n >= 2: groups whenever n requests decode",
+        default="auto",
+        help="with --decode-concurrency above 1: 'auto' (the default) cuts a batch of many rows (8 per rank) into "
+        "one group per rank, each rank computing another group's step at once (docs/batching.md); 1 decodes the "
+        "batch as one group, every rank in turn; a number n >= 2: groups whenever n requests decode",
     )
     serve.add_argument(
         "--prompt-cache-bytes",

@@ -365,11 +365,13 @@ def _in_pipeline(state: TickState) -> list[int]:
 
 # Decode groups in flight -------------------------------------------------------------------------------------------
 
-AUTO_ENTER_ROWS_PER_RANK = 4
-"""``decode_groups="auto"``: the batch splits into groups in flight once it has this many live rows per rank
-(a 4-row step costs more than half an 8-row step, so small groups win only from a few rows per group on:
-tune with ``benchmarks/concurrent_requests.py --decode-groups``)."""
-AUTO_LEAVE_ROWS_PER_RANK = 3
+AUTO_ENTER_ROWS_PER_RANK = 8
+"""``decode_groups="auto"``: the batch splits into groups in flight once it has this many live rows per rank.
+A step of fewer rows costs more than its share (reading the weights dominates), and each group's tick pays the
+fixed costs again: measured at S=2 (``benchmarks/concurrent_requests.py --decode-groups 1,2``, docs/performance.md),
+two groups gained 1.14-1.19x one group at 16 requests on the light shape and 0.99-1.09x on the bench shape (head
+37%, shared), but 0.85-0.87x on the bench shape at 8 requests."""
+AUTO_LEAVE_ROWS_PER_RANK = 6
 """``decode_groups="auto"``: the groups merge back into one batch below this many live rows per rank (lower than
 :data:`AUTO_ENTER_ROWS_PER_RANK`, so a batch near the threshold does not split and merge in turn)."""
 SERIAL = 0

@@ -68,8 +68,10 @@ class EngineSettings:
     max_concurrency: int = 1
     """Requests decoded together; 1: one at a time (:class:`.schedulers.OneAtATime`)."""
     prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
-    decode_groups: int | Literal["auto"] = 1
-    """``BatchGenerator(decode_groups=)`` with ``max_concurrency`` above 1 (``--decode-groups``)."""
+    decode_groups: int | Literal["auto"] = "auto"
+    """``BatchGenerator(decode_groups=)`` with ``max_concurrency`` above 1 (``--decode-groups``): ``"auto"``, groups
+    in flight from 8 live rows per rank on (the server owns the loop, so the order of the responses across requests
+    is not seen; the library's default stays 1, mlx-lm's order)."""
     prefix_cache_mb: float = 1024.0
     prefill_step_size: int | Literal["auto"] = "auto"
     timeout: float = 120.0
