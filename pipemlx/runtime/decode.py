@@ -265,8 +265,16 @@ class DecodeRun:
             # others after them (they yielded them), as a consumer that raised would.
             stopped: BaseException | None = self.replay_error
             failing, self.replay_error = stopped is not None, None
-            if stopped is None:  # the others yield this pass's tokens: a consumer that stops, stops after them too
-                stopped = yield from self._hand_out(decided, kept, logprobs)
+            for i in range(kept if stopped is None else 0):
+                self.from_draft = i < len(decided) - 1
+                stage.open_request = self
+                try:
+                    yield decided[i], None if logprobs is None else logprobs[i]
+                except BaseException as exc:  # the others yield this pass's tokens: stop after them too
+                    stopped = exc
+                    break
+                finally:
+                    stage.open_request = None
             n += kept
             last = decided[kept - 1]
             ended = self.stops.stopped
@@ -278,24 +286,6 @@ class DecodeRun:
                 self._drop_guesses(final, closing_guesses)
                 self.stop = _decode_stop(final, n, stopped_at_token=False)
                 raise stopped
-
-    def _hand_out(
-        self, decided: list[int], kept: int, logprobs: Any
-    ) -> Generator[tuple[int, mx.array | None], None, BaseException | None]:
-        """Yield a pass's first ``kept`` decided tokens (with their log-probabilities, where any), the request open on
-        the stage while the consumer holds each; returns what the consumer threw in instead of taking the next one
-        (a ``break`` closes the generator: ``GeneratorExit``), or ``None``."""
-        stage = self.stage
-        for i in range(kept):
-            self.from_draft = i < len(decided) - 1
-            stage.open_request = self
-            try:
-                yield decided[i], None if logprobs is None else logprobs[i]
-            except BaseException as exc:
-                return exc
-            finally:
-                stage.open_request = None
-        return None
 
     def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
@@ -516,8 +506,16 @@ class DecodeRun:
                 self.stops.advance(token)
             speculation.accepted += min(count, kept)
             speculation.proposed += len(guesses)
-            if stopped is None:  # the others yield this pass's tokens: a consumer that stops, stops in the next tick
-                stopped = yield from self._hand_out(decided, kept, logprobs)
+            for i in range(kept if stopped is None else 0):
+                self.from_draft = i < len(decided) - 1
+                stage.open_request = self
+                try:
+                    yield decided[i], None if logprobs is None else logprobs[i]
+                except BaseException as exc:  # the others yield this pass's tokens: stop in the next tick
+                    stopped = exc
+                    break
+                finally:
+                    stage.open_request = None
             n += kept
             last = decided[kept - 1]
             if self.stops.stopped or n == self.max_tokens or stopped is not None:
