@@ -32,9 +32,9 @@ started every tick on the assumption that the passes in flight confirm every gue
 can be, if :data:`AUTO_PIPELINES`."""
 AUTO_PIPELINES = False
 """Whether ``speculation="auto"`` pipelines where it can (more than one rank, no logits processors, no split head).
-Off: measured at S=2 on the demo model and draft (``benchmarks/speculative.py``, docs/performance.md), pipelined
-passes gained 1.06-1.07x on serial ones with a draft and a fixed count, but lost with prompt lookup (0.71-0.83x) and
-with ``num_draft_tokens="auto"`` (0.65-0.85x), so ``"auto"`` runs the serial passes."""
+Off: pipelined passes measured barely ahead of serial ones with a draft and a fixed count and behind them with prompt
+lookup and with ``num_draft_tokens="auto"`` (figures and command: docs/performance.md, "Pipelined passes"), so
+``"auto"`` runs the serial passes."""
 
 DRAFT_PREFILL_STEP = 512
 """The draft model reads a long history in chunks of this many tokens (its memory stays bounded)."""

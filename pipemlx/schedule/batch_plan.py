@@ -368,9 +368,8 @@ def _in_pipeline(state: TickState) -> list[int]:
 AUTO_ENTER_ROWS_PER_RANK = 8
 """``decode_groups="auto"``: the batch splits into groups in flight once it has this many live rows per rank.
 A step of fewer rows costs more than its share (reading the weights dominates), and each group's tick pays the
-fixed costs again: measured at S=2 (``benchmarks/concurrent_requests.py --decode-groups 1,2``, docs/performance.md),
-two groups gained 1.14-1.19x one group at 16 requests on the light shape and 0.99-1.09x on the bench shape (head
-37%, shared), but 0.85-0.87x on the bench shape at 8 requests."""
+fixed costs again: groups measured ahead of one group from 16 requests at S=2 and behind it at 8 on a shape with a
+shared head (figures and command: docs/performance.md, "Many requests")."""
 AUTO_LEAVE_ROWS_PER_RANK = 6
 """``decode_groups="auto"``: the groups merge back into one batch below this many live rows per rank (lower than
 :data:`AUTO_ENTER_ROWS_PER_RANK`, so a batch near the threshold does not split and merge in turn)."""
