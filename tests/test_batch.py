@@ -316,6 +316,11 @@ def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_r
     assert all(r["after"] == r["solo"] for r in raising), raising
     assert "the processor raised on rank 0" in raising[0]["error"]
     assert [r["error"] for r in raising[1:]] == ["None"] * (world_size - 1)
+    # One collective per tick of its own: the tick's all-gather, which also says (a tick late) that rank 0's
+    # sampling raised. The model's head is split (the default), whose logits take two more all-gathers in a tick
+    # that decodes; a separate agreement on the samples would make 4.
+    for r in raising:
+        assert set(r["gathers"]) == {1, 3}, r["gathers"]
 
 
 def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:

@@ -356,6 +356,7 @@ TICK = Message(
         Field("failed_decode"),
         Field("failed_uid"),  # + 1; 0: none
         Field("greedy"),  # every live row of this rank's batch is greedy
+        Field("failed_sample"),  # 1: this rank's sampling of the last tick's logits raised (failed one tick late)
     ),
     "a batch tick",
 )

@@ -567,8 +567,23 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
     generator = pipemlx.BatchGenerator(sharded, prefill_step_size=8)
     generator.insert(prompts[:2], [6, 6], logits_processors=[[raising], None])
     responses: list[list[Any]] = []
-    while answered := generator.next_generated():
-        responses += [[r.uid, r.token, r.finish_reason] for r in answered]
+    # Every collective of these ticks (processors: the last rank's logits travel) is counted, per tick: one each.
+    all_gather, gathers = mx.distributed.all_gather, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers[-1] += 1
+        return all_gather(*args, **kwargs)
+
+    mx.distributed.all_gather = counted
+    try:
+        while True:
+            answered = generator.next()
+            gathers.append(0)
+            if not answered and not generator.active_uids and not generator.queued_uids:
+                break
+            responses += [[r.uid, r.token, r.finish_reason] for r in answered]
+    finally:
+        mx.distributed.all_gather = all_gather
     (uid,) = generator.insert([prompts[2]], [4])
     after = [r.token for _ in range(12) for r in generator.next() if r.uid == uid]
     report["raising"] = {
@@ -576,6 +591,7 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         "after": after,
         "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
         "error": repr(generator.last_error),
+        "gathers": [g for g in gathers if g],  # the ticks that ran
     }
 
     def continued(step: Any, model: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import inspect
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 import mlx.core as mx
@@ -273,6 +273,11 @@ class BatchGenerator:
         self._group_state = GroupState(self.stage.world_size)
         self._finishing = self._groups[SERIAL]  # the rows whose step ends in the tick under way (sampled)
         self._runner = TickRunner(model, self.stage, self.timeout)
+        # The rows every rank sampled in the last tick that ran (none when only the last rank sampled): failed in
+        # the next tick when some rank's sampling of them raised (TickOutcome.failed_sample); this rank leaves
+        # them out of its own sampling meanwhile (_unsampled) when it is the one whose sampling raised.
+        self._sampled: frozenset[int] = frozenset()
+        self._unsampled: frozenset[int] = frozenset()
         self.admission: Admission | None = (
             None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
         )
@@ -506,7 +511,11 @@ class BatchGenerator:
             return []
         work = self._work(tick, groups)
         self._logprobs = None
+        sampled_before, self._unsampled = self._sampled, self._sampled if self._runner.sample_failed else frozenset()
         outcome = self._runner.run(work)
+        self._sampled = frozenset(r.uid for r in self._finishing.active) if work.processing else frozenset()
+        if outcome.failed_sample:
+            outcome = replace(outcome, failed_uids=outcome.failed_uids | sampled_before)
         self._plan, self._group_state = after, groups_after
         done = tick.chunks[-1]
         if done is not None and done.uid in self._requests:
@@ -649,7 +658,7 @@ class BatchGenerator:
 
     def _sample(self, logits: mx.array) -> mx.array:
         """Every row's token (:func:`.sample.sample`), keeping the log-probabilities for the responses."""
-        tokens, self._logprobs = sample(logits, self._finishing.requests, self.sampler)
+        tokens, self._logprobs = sample(logits, self._finishing.requests, self.sampler, self._unsampled)
         return tokens
 
     def _responses(self, outcome: TickOutcome) -> list[Response]:

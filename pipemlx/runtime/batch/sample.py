@@ -8,18 +8,21 @@ from ..sampling import Sampler, greedy, log_probabilities, processed, sample_row
 from .requests import BatchRequest
 
 
-def sample(logits: mx.array, rows: list[BatchRequest], default: Sampler | None) -> tuple[mx.array, mx.array]:
+def sample(
+    logits: mx.array, rows: list[BatchRequest], default: Sampler | None, skip: frozenset[int] = frozenset()
+) -> tuple[mx.array, mx.array]:
     """Every row's token (``[rows]``) and the log-probabilities it was sampled from (lazy, for the responses).
 
     Samplers get log-probabilities, as mlx-lm's do; one batched call when every live row has the same
     (``default`` when its request has none). An all-greedy batch takes the argmax of the logits instead: the
     same tokens, and the vocabulary-wide ``logsumexp`` is computed only if a response's ``logprobs`` is read.
     Dead rows (their tokens are ignored, 0) are left out of every sampler call: a sampler may keep state (a
-    seeded request's random key), so it sees exactly the rows it would see without them.
+    seeded request's random key), so it sees exactly the rows it would see without them. So are the requests of
+    ``skip`` (uids), rows that fail in the next tick (a rank before the last whose sampling of them raised).
     """
-    logits = _processed(logits, rows)
+    logits = _processed(logits, rows, skip)
     logprobs = log_probabilities(logits)
-    live = [i for i, r in enumerate(rows) if not r.done]
+    live = [i for i, r in enumerate(rows) if not r.done and r.uid not in skip]
     samplers = [rows[i].sampler or default for i in live]
     if all(s is None for s in samplers):
         return greedy(logits), logprobs
@@ -38,15 +41,15 @@ def all_greedy(rows: list[BatchRequest], default: Sampler | None) -> bool:
     return bool(rows) and all((r.sampler or default) is None and not r.processors for r in rows if not r.done)
 
 
-def _processed(logits: mx.array, rows: list[BatchRequest]) -> mx.array:
+def _processed(logits: mx.array, rows: list[BatchRequest], skip: frozenset[int]) -> mx.array:
     """``logits`` with each live row's processors applied to its row, one row at a time as mlx-lm's
-    ``BatchGenerator`` does (the rows without any: as they are)."""
-    if not any(r.processors and not r.done for r in rows):
+    ``BatchGenerator`` does (the rows without any, or skipped: as they are)."""
+    if not any(r.processors and not r.done and r.uid not in skip for r in rows):
         return logits
     return mx.concatenate(
         [
             processed(logits[i : i + 1], mx.array(r.context), r.processors)
-            if r.processors and not r.done
+            if r.processors and not r.done and r.uid not in skip
             else logits[i : i + 1]
             for i, r in enumerate(rows)
         ],

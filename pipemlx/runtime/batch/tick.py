@@ -18,8 +18,16 @@ taken in the order below on both ends of each link):
    the ranks compare, and the last rank's tokens (and, when some row has a
    sampler or logits processors, or the generator shares log-probabilities,
    the last rank's logits: every other rank then samples them as the last rank
-   did, with the same requests' processors and samplers, and one more small
-   all-gather agrees on whether that raised anywhere).
+   did, with the same requests' processors and samplers, after the all-gather;
+   whether that raised goes in the next tick's header, ``failed_sample``).
+
+The tick's all-gather is its only collective (``head="split"`` adds the
+vocabulary shard's): a rank before the last whose processors or samplers raise
+on the tick's logits reports it in the next tick's header, and every rank then
+fails the rows that tick sampled (:attr:`TickOutcome.failed_sample`). Those
+rows' tokens decided in the failing tick are returned only by the next tick
+(a :class:`~pipemlx.runtime.batch.generator.Response` feeds its token), so
+every rank still ends them at the same token, one message fewer per tick.
 
 With decode groups in flight (``TickWork.groups``), step 2 is this rank's group's
 step instead: rank 0 builds and computes the group it takes, a rank ``r > 0``
@@ -96,11 +104,13 @@ class DecodeJob:
 class TickOutcome:
     """What every rank learned from a tick's all-gather: the sampled tokens and what failed on some rank
     (``failed_groups``: the decode groups whose step failed, :data:`~pipemlx.schedule.batch_plan.SERIAL` for the
-    serial batch)."""
+    serial batch; ``failed_sample``: a rank before the last raised sampling the logits of the last tick that ran,
+    so every row that tick sampled fails now)."""
 
     tokens: list[int]
     failed_groups: frozenset[int]
     failed_uids: frozenset[int]
+    failed_sample: bool = False
 
 
 @dataclass
@@ -145,6 +155,7 @@ class TickRunner:
     shared_ticks: int = 0  # ticks whose decode shared the head (observability)
     logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
     vocab_size: int = 0
+    sample_failed: bool = False  # this rank's sampling of the last tick's logits raised: told in the next header
 
     def __post_init__(self) -> None:
         self.vocab_size = vocab_size_of(self.model)
@@ -260,7 +271,9 @@ class TickRunner:
                     "failed_decode": failed_group + 1,
                     "failed_uid": failed_uid + 1,
                     "greedy": int(work.greedy),
+                    "failed_sample": int(self.sample_failed),
                 }
+                self.sample_failed = False  # told in this header
                 payload = [tokens]
                 if sharing:  # after every message of the tick, as the all-gather below
                     shard = cast(VocabShard, stage.info.vocab_shard)
@@ -298,11 +311,12 @@ class TickRunner:
         self, work: TickWork, table: Table, outcome: TickOutcome, gathered: mx.array | None = None
     ) -> TickOutcome:
         """Every rank before the last samples the last rank's logits with the rows' own processors and samplers, as
-        the last rank did (their log-probabilities are this rank's responses'; the tokens stay the last rank's);
-        then every rank says whether that raised. If it raised anywhere, the decode failed on every rank alike.
+        the last rank did (their log-probabilities are this rank's responses'; the tokens stay the last rank's).
+        If that raised, this rank says so in the next tick's header (:attr:`sample_failed`) instead of in one more
+        all-gather now, and every rank fails the rows sampled here then (:attr:`TickOutcome.failed_sample`): their
+        tokens decided in this tick are returned only by the next, so every rank still ends them at the same token.
         ``gathered``: the logits every rank holds already (``head="split"``), else the last rank's in ``table``."""
         stage = self.stage
-        ok = 1
         finishing = cast(int, work.finishing)
         if not stage.is_last and finishing not in outcome.failed_groups:
             width = work.rows * self.vocab_size
@@ -319,19 +333,8 @@ class TickRunner:
                 if not _is_model_error(exc):
                     raise
                 self._note(exc)
-                ok = 0
-        try:
-            with mx.stream(stage.compute_stream):
-                flags = mx.distributed.all_gather(mx.array([ok], dtype=mx.int32), group=stage.group)
-            describe = lambda: f"{stage.describe()} agreeing on batch tick {work.tick.index}'s samples"  # noqa: E731
-            wait_for(flags, self.timeout, describe)
-        except Exception as exc:
-            stage.mark_broken(exc)
-            raise
-        if all(cast(list[int], flags.tolist())):
-            return outcome
-        failed = outcome.failed_groups | {finishing}
-        return TickOutcome(tokens=outcome.tokens, failed_groups=failed, failed_uids=outcome.failed_uids)
+                self.sample_failed = True
+        return outcome
 
     def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
@@ -530,5 +533,6 @@ def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, boo
         tokens = [int(t) for t in table.payloads[-1][:rows]]
     failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)
     failed_groups = frozenset(g - 1 for g in table["failed_decode"] if g > 0)
-    outcome = TickOutcome(tokens=tokens, failed_groups=failed_groups, failed_uids=failed_uids)
+    failed_sample = any(table["failed_sample"])
+    outcome = TickOutcome(tokens, failed_groups, failed_uids, failed_sample)
     return outcome, all(table["greedy"])
