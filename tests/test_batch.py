@@ -307,20 +307,25 @@ def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_r
     reports = scenario_reports(world_size, "engine")
     for report in reports:
         check_engine_report(report)
-    # Rank 0's processor raised in some tick: every rank failed that tick's rows alike, and served the next request.
-    raising = [r["raising"] for r in reports]
-    assert all(r["responses"] == raising[0]["responses"] for r in raising), raising
-    ends = {uid: reason for uid, _, reason in raising[0]["responses"] if reason is not None}
-    assert ends[0] == "error" and ends[1] in ("error", "length"), raising  # 1 failed too if it was in that tick
-    assert [t for u, t, _ in raising[0]["responses"] if u == 0][-1] == -1 and len(ends) == 2
-    assert all(r["after"] == r["solo"] for r in raising), raising
-    assert "the processor raised on rank 0" in raising[0]["error"]
-    assert [r["error"] for r in raising[1:]] == ["None"] * (world_size - 1)
-    # One collective per tick of its own: the tick's all-gather, which also says (a tick late) that rank 0's
-    # sampling raised. The model's head is split (the default), whose logits take two more all-gathers in a tick
-    # that decodes; a separate agreement on the samples would make 4.
-    for r in raising:
-        assert set(r["gathers"]) == {1, 3}, r["gathers"]
+    # Rank 0's processor raised in some tick: every rank failed that tick's rows alike (one tick later, before
+    # returning the token that tick decided), and served the next request; with one group and with groups.
+    for name in ("raising", "raising groups"):
+        raising = [r[name] for r in reports]
+        assert all(r["responses"] == raising[0]["responses"] for r in raising), (name, raising)
+        ends = {uid: reason for uid, _, reason in raising[0]["responses"] if reason is not None}
+        assert ends[0] == "error" and ends[1] in ("error", "length"), raising  # 1 failed too if in that tick
+        assert [t for u, t, _ in raising[0]["responses"] if u == 0][-1] == -1 and len(ends) == 2
+        # Request 0 answered the tokens the ticks before the raising one decided: its first two (the processor's
+        # first call is its prefill's last tick, which decides its first token).
+        assert len([t for u, t, _ in raising[0]["responses"] if u == 0]) == 3, (name, raising)
+        assert all(r["after"] == r["solo"] for r in raising), raising
+        assert "the processor raised on rank 0" in raising[0]["error"]
+        assert [r["error"] for r in raising[1:]] == ["None"] * (world_size - 1)
+        # One collective per tick of its own: the tick's all-gather, which also says (a tick late) that rank 0's
+        # sampling raised. The model's head is split (the default), whose logits take two more all-gathers in a
+        # tick that decodes; a separate agreement on the samples would make 4.
+        for r in raising:
+            assert set(r["gathers"]) == {1, 3}, (name, r["gathers"])
 
 
 def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:

@@ -555,44 +555,50 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
         }
 
     # A processor that raises on rank 0 only, at its 3rd call: the tick's decode fails on every rank alike ("error"
-    # for every row in it), and the generator serves the next request.
-    calls = {"n": 0}
+    # for every row it sampled, one tick later: told in the next tick's header), and the generator serves the next
+    # request; once with one group, once more with decode groups in flight (each request its own group).
+    def raising_run(groups: int) -> dict[str, Any]:
+        calls = {"n": 0}
 
-    def raising(tokens: mx.array, logits: mx.array) -> mx.array:
-        calls["n"] += 1
-        if group.rank() == 0 and calls["n"] == 3:
-            raise ValueError("the processor raised on rank 0")
-        return logits
+        def raising(tokens: mx.array, logits: mx.array) -> mx.array:
+            calls["n"] += 1
+            if group.rank() == 0 and calls["n"] == 3:
+                raise ValueError("the processor raised on rank 0")
+            return logits
 
-    generator = pipemlx.BatchGenerator(sharded, prefill_step_size=8)
-    generator.insert(prompts[:2], [6, 6], logits_processors=[[raising], None])
-    responses: list[list[Any]] = []
-    # Every collective of these ticks (processors: the last rank's logits travel) is counted, per tick: one each.
-    all_gather, gathers = mx.distributed.all_gather, [0]
+        generator = pipemlx.BatchGenerator(sharded, prefill_step_size=8, decode_groups=groups)
+        generator.insert(prompts[:2], [6, 6], logits_processors=[[raising], None])
+        responses: list[list[Any]] = []
+        # Every collective of these ticks (processors: the last rank's logits travel) is counted, per tick.
+        all_gather, gathers = mx.distributed.all_gather, [0]
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        gathers[-1] += 1
-        return all_gather(*args, **kwargs)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            gathers[-1] += 1
+            return all_gather(*args, **kwargs)
 
-    mx.distributed.all_gather = counted
-    try:
-        while True:
-            answered = generator.next()
-            gathers.append(0)
-            if not answered and not generator.active_uids and not generator.queued_uids:
-                break
-            responses += [[r.uid, r.token, r.finish_reason] for r in answered]
-    finally:
-        mx.distributed.all_gather = all_gather
-    (uid,) = generator.insert([prompts[2]], [4])
-    after = [r.token for _ in range(12) for r in generator.next() if r.uid == uid]
-    report["raising"] = {
-        "responses": responses,
-        "after": after,
-        "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
-        "error": repr(generator.last_error),
-        "gathers": [g for g in gathers if g],  # the ticks that ran
-    }
+        mx.distributed.all_gather = counted
+        try:
+            while True:
+                answered = generator.next()
+                gathers.append(0)
+                if not answered and not generator.active_uids and not generator.queued_uids:
+                    break
+                responses += [[r.uid, r.token, r.finish_reason] for r in answered]
+        finally:
+            mx.distributed.all_gather = all_gather
+        (uid,) = generator.insert([prompts[2]], [4])
+        after = [r.token for _ in range(12) for r in generator.next() if r.uid == uid]
+        return {
+            "responses": responses,
+            "after": after,
+            "solo": solo_run(spec.get("arch", "llama"), prompts[2], 4, 8),
+            "error": repr(generator.last_error),
+            "gathers": [g for g in gathers if g],  # the ticks that ran
+        }
+
+    report["raising"] = raising_run(1)
+    if spec.get("decode_groups"):
+        report["raising groups"] = raising_run(spec["decode_groups"])
 
     def continued(step: Any, model: Any) -> dict[str, Any]:
         """generate_step four times on one prompt_cache (a conversation's turns, the third stopped by its consumer
