@@ -1035,6 +1035,44 @@ def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_r
     assert outcome.tokens == [41, 42] and not greedy
 
 
+def test_a_failed_sample_in_any_rank_s_header_fails_the_last_tick_s_rows_on_every_rank() -> None:
+    """A rank before the last whose sampling raised says so in the next tick's header (``failed_sample``): every
+    rank reads the same outcome from the gathered table, whichever rank said it."""
+    from pipemlx.runtime.batch.tick import outcome_of
+    from pipemlx.runtime.protocol import TICK
+
+    def row(failed: int) -> tuple[dict[str, int], list[float]]:
+        return {"tick": 5, "rows": 2, "failed_sample": failed}, [3.0, 4.0]
+
+    for flags, failed in (((0, 0), False), ((1, 0), True), ((0, 1), True)):
+        outcome, _ = outcome_of(TICK.read(tick_rows(*(row(f) for f in flags)), 2, "tick"), 2, False)
+        assert outcome.failed_sample is failed and outcome.tokens == [3, 4], flags
+
+
+def test_rows_whose_sampling_raised_here_are_left_out_of_this_rank_s_sampling_until_they_fail() -> None:
+    """Their processors and sampler are not called again on the rank where they raised (which would raise again,
+    failing the next tick's rows too); the other rows are sampled as before."""
+    from pipemlx.runtime.batch.sample import sample
+
+    called: list[int] = []
+
+    class Row:
+        def __init__(self, uid: int) -> None:
+            self.uid, self.done, self.sampler, self.context = uid, False, None, [1]
+            self.processors = (self.processor,)
+
+        def processor(self, tokens: mx.array, logits: mx.array) -> mx.array:
+            called.append(self.uid)
+            return logits
+
+    logits = mx.array([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    rows = [Row(7), Row(8)]
+    tokens, _ = sample(logits, rows, None, frozenset({7}))  # pyright: ignore[reportArgumentType]
+    assert called == [8] and tokens.tolist() == [1, 0]
+    sample(logits, rows, None)  # pyright: ignore[reportArgumentType]
+    assert called == [8, 7, 8]
+
+
 def test_queued_requests_are_removed_without_communication() -> None:
     engine = fake_engine()
     uids = engine.insert([[1, 2, 3], [4, 5], [6]], max_tokens=[3, 4, 5])
