@@ -4,7 +4,8 @@
                                      [--lend-mlp]
     python benchmarks/tick_phases.py --steady [--requests 4,8,16] [--decode-groups 1,2]
                                      [--shapes light,bench,qwen2.5-0.5b] [--ticks 40] [--warmup 10] [--sync]
-                                     [--no-logprobs] [--head auto|all|split|last] [--json FILE]
+                                     [--no-logprobs] [--head auto|all|split|last] [--compile-probe STEPS]
+                                     [--json FILE]
 
 Two ranks (OpenBLAS preloaded, one core per process), pipemlx.BatchGenerator (see ranks/tick_phases_rank.py).
 
@@ -25,6 +26,9 @@ the layers on its own thread, so their compute hides in the waits; --sync synchr
 and shows it apart (``compute after: ...``), at the price of the overlap (slower ticks). Run by hand, on an
 otherwise idle machine, when the figures matter. --no-logprobs makes the generator as ``pipemlx serve`` does
 (greedy ticks may then share the head instead of gathering the logits); --head picks ``shard_model``'s head.
+--compile-probe STEPS times, on each rank after the runs, its layers' decode step for R and R/2 rows eager (mlx-lm's
+cache, the graph built every step) against ``mx.compile``d over a fixed-room cache (what compiling the batch's
+decode forward could save; ranks/tick_phases_rank.py ``compile_probe``).
 """
 
 from __future__ import annotations
@@ -95,8 +99,18 @@ def steady(args: argparse.Namespace) -> None:
             "lend_mlp": args.lend_mlp,
             "logprobs": not args.no_logprobs,
             "head": args.head,
+            "probe": args.compile_probe,
         }
         reports = ranks(spec)
+        for r in reports if args.compile_probe else []:
+            probe = r["probe"]
+            cells = ", ".join(
+                f"{n} rows {p['eager_ms']:.2f} eager / {p['compiled_ms']:.2f} compiled"
+                for n, p in probe["rows"].items()
+            )
+            print(
+                f"{shape}, rank {r['rank']}'s {probe['layers']} layers at {probe['context']} positions, ms per step: {cells}"
+            )
         for index, run in enumerate(reports[0]["runs"]):
             both = [r["runs"][index] for r in reports]
             found.append({"shape": shape, "R": run["R"], "groups": run["groups"], "ranks": both})
@@ -146,6 +160,13 @@ def main() -> None:
         "--no-logprobs", action="store_true", help="--steady: BatchGenerator(logprobs=False), as serve makes it"
     )
     parser.add_argument("--head", default="auto", help="--steady: shard_model(head=...): auto, all, split, last")
+    parser.add_argument(
+        "--compile-probe",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="--steady: also time each rank's layers eager against compiled over a fixed-room cache, STEPS steps",
+    )
     parser.add_argument("--json", default=None, help="--steady: write every rank's figures here")
     args = parser.parse_args()
     if args.requests is None:

@@ -10,7 +10,8 @@ tick until its first token is timed. Each phase of ``pipemlx.runtime.batch.tick.
 line: {"rank", "ticks", "ttft", "undisturbed_ms": [...], "per_tick_ms": {phase: ms}, "python_ms"}.
 
 ``"steady"`` ({"requests": [R, ...], "groups": [decode_groups, ...], "M", "warmup", "ticks", "sync"?, "logprobs"?
-(the generator's, default true), "head"? (shard_model's, default "auto")}): for each
+(the generator's, default true), "head"? (shard_model's, default "auto"), "probe"? (steps: then
+:func:`compile_probe` for each R and R/S rows, after the runs, in "probe")}): for each
 R and each ``decode_groups`` value, a new generator decodes R requests (no arrival: every prompt prefilled,
 every row decoding, groups formed), ``warmup`` ticks untimed, then ``ticks`` ticks each timed phase by phase
 (:class:`Phases`): building the model's graph (the inner model's ``__call__``: the layers' graph, Python),
@@ -42,6 +43,7 @@ import mlx.core as mx
 import pipemlx
 from pipemlx.launch import init_group
 from pipemlx.runtime.batch import tick as batch_tick
+from pipemlx.runtime.stage import stage_of
 from pipemlx.testing import build_model
 
 PHASES = {
@@ -210,6 +212,70 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
     return {"rank": rank, "runs": runs}
 
 
+def compile_probe(config: dict[str, Any], layers: int, rows: int, context: int, steps: int) -> dict[str, float]:
+    """What compiling this rank's decode forward could save: ms per step of ``layers`` decoder layers of
+    ``config`` (random weights) over ``rows`` rows at ``context`` positions, eager over mlx-lm's ``KVCache`` (the
+    graph built every step, the keys growing) and ``mx.compile``d over ``pipemlx.runtime.draft_step``'s
+    ``FixedKVCache`` (room fixed, offset an array, positions past it masked: one trace), each the best of 3
+    rounds of ``steps`` steps, evaluated every step. Every row at the same offset, as a batch of prompts of
+    the same length (a batch of mlx-lm's ``BatchKVCache`` adds left padding, not more work)."""
+    from mlx_lm.models.cache import KVCache
+
+    from pipemlx.runtime.draft_step import FixedKVCache
+
+    blocks = build_model({**config, "num_hidden_layers": layers}, seed=1).model.layers
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dims = config.get("head_dim") or config["hidden_size"] // heads
+    start = mx.random.normal((rows, 1, config["hidden_size"]), key=mx.random.key(3))
+    keys = [mx.random.normal((rows, kv_heads, context, dims), key=mx.random.key(10 + i)) for i in range(layers)]
+    values = [mx.random.normal((rows, kv_heads, context, dims), key=mx.random.key(50 + i)) for i in range(layers)]
+
+    def eager() -> float:
+        caches = [KVCache() for _ in blocks]
+        for cache, k, v in zip(caches, keys, values):
+            cache.update_and_fetch(k, v)
+        mx.eval([c.state for c in caches])
+        begin = time.perf_counter()
+        for _ in range(steps):
+            h = start
+            for block, cache in zip(blocks, caches):
+                h = block(h, None, cache)
+            mx.eval(h)
+        return (time.perf_counter() - begin) / steps
+
+    fixed = [FixedKVCache() for _ in blocks]
+
+    def forward(h: mx.array, offset: mx.array, *arrays: mx.array) -> list[mx.array]:
+        for i, (block, cache) in enumerate(zip(blocks, fixed)):
+            cache.keys, cache.values, cache.offset = arrays[2 * i], arrays[2 * i + 1], offset
+            cache.room = arrays[2 * i].shape[2]
+            h = block(h, cache.make_mask(1), cache)
+        return [h, *(a for c in fixed for a in (c.keys, c.values) if a is not None)]
+
+    compiled = mx.compile(forward)
+
+    def traced() -> float:
+        room = context + steps
+        arrays: list[mx.array] = []
+        for k, v in zip(keys, values):
+            pad = mx.zeros((rows, kv_heads, room - context, dims), dtype=k.dtype)
+            arrays += [mx.concatenate([k, pad], axis=2), mx.concatenate([v, pad], axis=2)]
+        offset = mx.array(context, dtype=mx.int32)
+        mx.eval(arrays)
+        begin = time.perf_counter()
+        for _ in range(steps):
+            h, *arrays = compiled(start, offset, *arrays)
+            offset = offset + 1
+            mx.eval(h, arrays)
+        return (time.perf_counter() - begin) / steps
+
+    traced()  # the trace
+    return {
+        "eager_ms": round(1000 * min(eager() for _ in range(3)), 2),
+        "compiled_ms": round(1000 * min(traced() for _ in range(3)), 2),
+    }
+
+
 def arrival(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
     """Where each rank's time goes in the ticks of an arrival (see the module)."""
     marks: list[tuple[str, float]] = []
@@ -284,7 +350,17 @@ def main() -> None:
         head=spec.get("head", "auto"),
     )
     run = steady if spec.get("mode") == "steady" else arrival
-    print(json.dumps(run(spec, model, rank)), flush=True)
+    report = run(spec, model, rank)
+    if spec.get("probe"):
+        layers = len(stage_of(model).info.layers)
+        context = spec["M"] + spec["warmup"] + spec["ticks"]
+        sizes = sorted({n for r in spec["requests"] for n in (r, max(1, r // group.size()))})
+        report["probe"] = {
+            "layers": layers,
+            "context": context,
+            "rows": {str(n): compile_probe(spec["config"], layers, n, context, spec["probe"]) for n in sizes},
+        }
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
