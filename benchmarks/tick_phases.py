@@ -106,6 +106,7 @@ def steady(args: argparse.Namespace) -> None:
             probe = r["probe"]
             cells = ", ".join(
                 f"{n} rows {p['eager_ms']:.2f} eager / {p['compiled_ms']:.2f} compiled"
+                f" (outputs differ by {p['relative_difference']:.1e})"
                 for n, p in probe["rows"].items()
             )
             print(

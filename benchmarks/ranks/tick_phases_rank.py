@@ -230,6 +230,8 @@ def compile_probe(config: dict[str, Any], layers: int, rows: int, context: int, 
     keys = [mx.random.normal((rows, kv_heads, context, dims), key=mx.random.key(10 + i)) for i in range(layers)]
     values = [mx.random.normal((rows, kv_heads, context, dims), key=mx.random.key(50 + i)) for i in range(layers)]
 
+    first: dict[str, mx.array] = {}  # each forward's first step: they must agree, or the times mean nothing
+
     def eager() -> float:
         caches = [KVCache() for _ in blocks]
         for cache, k, v in zip(caches, keys, values):
@@ -241,6 +243,7 @@ def compile_probe(config: dict[str, Any], layers: int, rows: int, context: int, 
             for block, cache in zip(blocks, caches):
                 h = block(h, None, cache)
             mx.eval(h)
+            first.setdefault("eager", h)
         return (time.perf_counter() - begin) / steps
 
     fixed = [FixedKVCache() for _ in blocks]
@@ -267,13 +270,17 @@ def compile_probe(config: dict[str, Any], layers: int, rows: int, context: int, 
             h, *arrays = compiled(start, offset, *arrays)
             offset = offset + 1
             mx.eval(h, arrays)
+            first.setdefault("compiled", h)
         return (time.perf_counter() - begin) / steps
 
     traced()  # the trace
-    return {
+    times = {
         "eager_ms": round(1000 * min(eager() for _ in range(3)), 2),
         "compiled_ms": round(1000 * min(traced() for _ in range(3)), 2),
     }
+    want, got = first["eager"], first["compiled"]
+    scale = max(1.0, float(mx.max(mx.abs(want)).item()))
+    return {**times, "relative_difference": float(mx.max(mx.abs(want - got)).item()) / scale}
 
 
 def arrival(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
