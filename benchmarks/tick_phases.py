@@ -109,9 +109,8 @@ def steady(args: argparse.Namespace) -> None:
                 f" (outputs differ by {p['relative_difference']:.1e})"
                 for n, p in probe["rows"].items()
             )
-            print(
-                f"{shape}, rank {r['rank']}'s {probe['layers']} layers at {probe['context']} positions, ms per step: {cells}"
-            )
+            where = f"{shape}, rank {r['rank']}'s {probe['layers']} layers at {probe['context']} positions"
+            print(f"{where}, ms per step: {cells}")
         for index, run in enumerate(reports[0]["runs"]):
             both = [r["runs"][index] for r in reports]
             found.append({"shape": shape, "R": run["R"], "groups": run["groups"], "ranks": both})

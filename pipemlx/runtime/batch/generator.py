@@ -112,8 +112,9 @@ class BatchGenerator:
     the last rank's (a sampler drawing another token elsewhere is overruled, never splitting the ranks), and each
     rank's responses carry its own ``logprobs``. A processor or sampler that raises on any rank fails that tick's
     rows on every rank (``"error"`` responses): raised on the last rank, in that tick; on another, in the next
-    (told in its header, no collective of its own), in place of the tokens the failing tick decided. Pass the same samplers and
-    processors on every rank (ranks that differ raise ``PipelineMismatchError`` naming the payload width).
+    (told in its header, no collective of its own), in place of the tokens the failing tick decided. Pass the same
+    samplers and processors on every rank (ranks that differ raise ``PipelineMismatchError`` naming the payload
+    width).
     ``share_logprobs`` sends the logits in every tick (greedy rows too), so every rank's responses carry
     ``logprobs``: mlx-lm's ``batch_generate(..., return_logprobs=True)`` needs it on the ranks before the last.
     ``logprobs=False`` (pipemlx's; ``serve`` passes it): every response's ``logprobs`` is ``None``; on a model sharded
