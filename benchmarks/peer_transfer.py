@@ -6,8 +6,9 @@ machine another host reaches), times in turns, ``--rounds`` times each: (1) fetc
 (2) a plain copy of the same file's bytes over one TCP connection into a file, at its fastest: the sender hands
 the file to the kernel (``sendfile``), the receiver receives into one reused buffer and writes it out, and both
 end with the file synced, as the fetch does (no checks, no headers). Each sender is a process of its own, as the
-holder is. Prints each round's rates and the ratio of
-the medians. Run it on an idle machine; on a shared one the timings mean nothing.
+holder is. Prints each round's rates, each side's CPU seconds and the seconds the receiver's closing ``fsync``
+waited (on a busy machine the rates mean nothing, the CPU seconds and the ``fsync`` wait a little more), and the
+ratio of the medians. Run it on an idle machine.
 
     python benchmarks/peer_transfer.py --mb 512
 """
@@ -26,6 +27,7 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import mlx.core as mx
 
@@ -46,21 +48,40 @@ def make_model(root: Path, megabytes: int) -> None:
 def serve_peer(root: str, host: str, addresses: Queue[Any], stop: Event) -> None:
     """The holder, in a process of its own as a rank is: serves ``root`` until ``stop``; reports bytes sent."""
     with PeerServer(FolderSource(Path(root)), host, b"k" * 32) as server:
+        cpu = sum(os.times()[:2])
         addresses.put(server.address)
         stop.wait()
-        addresses.put(server.served)
+        addresses.put((server.served, sum(os.times()[:2]) - cpu))
 
 
 def send_plain(path: str, host: str, addresses: Queue[Any]) -> None:
     """The plain copy's sender, in a process of its own: hands the file to the kernel on one connection."""
     with socket.create_server((host, 0)) as listener:
+        cpu = sum(os.times()[:2])
         addresses.put(listener.getsockname()[:2])
         conn, _ = listener.accept()
         with conn, open(path, "rb") as f:
             conn.sendfile(f)
+    addresses.put(sum(os.times()[:2]) - cpu)
 
 
-def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, float]:
+class Timing:
+    """The seconds of one contender: the whole receive, its closing ``fsync``, each side's CPU."""
+
+    def __init__(self) -> None:
+        self.took = self.fsync = self.cpu = self.sender_cpu = 0.0
+        self._fsync = os.fsync  # the real one (the fetch's is patched to this method)
+
+    def fsync_timed(self, fd: int) -> None:
+        began = time.perf_counter()
+        self._fsync(fd)
+        self.fsync += time.perf_counter() - began
+
+    def line(self) -> str:
+        return f"fsync {self.fsync:.2f} s, CPU receiver {self.cpu:.2f} s, sender {self.sender_cpu:.2f} s"
+
+
+def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, Timing]:
     os.environ[CACHE_DIR_VARIABLE] = str(cache)
     held = FolderSource(root)
     parts = tuple(TensorPart(n) for n in sorted(held.headers()))
@@ -72,17 +93,19 @@ def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, float]:
     address = addresses.get(timeout=60)
     peer = PeerSource(str(root), tuple(address), b"k" * 32, fingerprint(held), 0)
     peer.metadata_root()  # headers and config first: not counted
-    began = time.perf_counter()
-    fetch_rank_folder(peer, parts)
-    took = time.perf_counter() - began
+    timing = Timing()
+    began, cpu = time.perf_counter(), time.process_time()
+    with mock.patch.object(os, "fsync", timing.fsync_timed):
+        fetch_rank_folder(peer, parts)
+    timing.took, timing.cpu = time.perf_counter() - began, time.process_time() - cpu
     peer.close()
     stop.set()
-    served = int(addresses.get(timeout=60))
+    served, timing.sender_cpu = addresses.get(timeout=60)
     holder.join()
-    return served, took
+    return int(served), timing
 
 
-def copy_rate(path: Path, host: str, into: Path) -> tuple[int, float]:
+def copy_rate(path: Path, host: str, into: Path) -> tuple[int, Timing]:
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
     sender = context.Process(target=send_plain, args=(str(path), host, addresses))
@@ -91,17 +114,19 @@ def copy_rate(path: Path, host: str, into: Path) -> tuple[int, float]:
     buffer = bytearray(1 << 20)
     view = memoryview(buffer)
     got = 0
-    began = time.perf_counter()
+    timing = Timing()
+    began, cpu = time.perf_counter(), time.process_time()
     with socket.create_connection(tuple(address)) as conn, open(into, "wb") as out:
         while n := conn.recv_into(view):
             out.write(view[:n])
             got += n
         out.flush()
-        os.fsync(out.fileno())
-    took = time.perf_counter() - began
+        timing.fsync_timed(out.fileno())
+    timing.took, timing.cpu = time.perf_counter() - began, time.process_time() - cpu
+    timing.sender_cpu = addresses.get(timeout=60)
     sender.join()
     into.unlink()
-    return got, took
+    return got, timing
 
 
 def main() -> None:
@@ -116,13 +141,15 @@ def main() -> None:
         root = Path(tmp) / "model"
         make_model(root, args.mb)
         for round_ in range(args.rounds):
-            sent, peer_s = peer_rate(root, args.host, Path(tmp) / f"cache{round_}")
+            sent, peer = peer_rate(root, args.host, Path(tmp) / f"cache{round_}")
             shutil.rmtree(Path(tmp) / f"cache{round_}")
-            copied, copy_s = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy")
-            peer_rates.append(sent / 1e6 / peer_s)
-            copy_rates.append(copied / 1e6 / copy_s)
-            print(f"round {round_ + 1}: peer {sent / 1e6:.1f} MB at {peer_rates[-1]:.0f} MB/s, ", end="")
-            print(f"plain copy {copied / 1e6:.1f} MB at {copy_rates[-1]:.0f} MB/s")
+            copied, copy = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy")
+            peer_rates.append(sent / 1e6 / peer.took)
+            copy_rates.append(copied / 1e6 / copy.took)
+            print(
+                f"round {round_ + 1}: peer {sent / 1e6:.1f} MB at {peer_rates[-1]:.0f} MB/s ({peer.line()}); ", end=""
+            )
+            print(f"plain copy {copied / 1e6:.1f} MB at {copy_rates[-1]:.0f} MB/s ({copy.line()})")
     peer_mb, copy_mb = statistics.median(peer_rates), statistics.median(copy_rates)
     print(f"medians: peer {peer_mb:.0f} MB/s, plain copy {copy_mb:.0f} MB/s, peer / copy: {peer_mb / copy_mb:.2f}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +82,53 @@ def tensors(path: Path) -> dict[str, mx.array]:
 def peer_of(server: PeerServer, address: tuple[str, int] | None = None, token: bytes | None = None) -> PeerSource:
     held = server.source
     return PeerSource(str(held.root), address or server.address, token or server.token, fingerprint(held), 0)
+
+
+@pytest.fixture
+def writebacks(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every ``_Writeback`` of the test's fetches, each starting the disk write every 4 KiB (the tiny model's
+    folders are far below the 16 MiB of a real fetch), so that the checks below run with the writes started."""
+    from pipemlx.models import weights
+
+    made: list[Any] = []
+
+    class Counted(weights._Writeback):  # noqa: SLF001
+        def __init__(self, fd: int) -> None:
+            super().__init__(fd)
+            made.append(self)
+
+    monkeypatch.setattr(weights, "WRITEBACK_BYTES", 4096)
+    monkeypatch.setattr(weights, "_Writeback", Counted)
+    return made
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_the_disk_write_starts_while_the_bytes_arrive_and_without_it_the_folder_is_the_same(
+    served: PeerServer, model_dir: Path, writebacks: list[Any], available: bool
+) -> None:
+    """On Linux the fetch starts the disk write of its new file as it goes (``sync_file_range``); where that call
+    is missing (macOS) or fails, it is skipped: either way the folder equals the model's."""
+    parts = rank1_parts(served.source)
+    if not available:
+        from pipemlx.models import weights
+
+        original = weights._Writeback.__init__  # noqa: SLF001
+
+        def without(self: Any, fd: int) -> None:
+            original(self, fd)
+            self._call = None
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(weights._Writeback, "__init__", without)  # noqa: SLF001
+            folder = fetch_rank_folder(peer_of(served), parts)
+    else:
+        folder = fetch_rank_folder(peer_of(served), parts)
+    check_folder(folder, model_dir, parts)
+    (made,) = writebacks
+    expected = available and sys.platform == "linux"
+    assert (made.started > 0) == expected, made.started
+    if expected:  # at most one start per 4 KiB written (the calls that started counted: they did not fail)
+        assert made.started <= kept_bytes(served.source, parts) // 4096
 
 
 def test_a_peer_sends_only_the_ranges_of_the_tensors_kept_and_a_second_fetch_sends_nothing(model_dir: Path) -> None:
@@ -221,7 +269,9 @@ def _no_folder_left() -> None:
     assert left == [], f"a weight folder was left: {left}"
 
 
-def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(served: PeerServer, model_dir: Path) -> None:
+def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(
+    served: PeerServer, model_dir: Path, writebacks: list[Any]
+) -> None:
     parts = rank1_parts(served.source)
     fetch_rank_folder(peer_of(served), ())  # the metadata (headers, config) through a clean link first
     for folder in weights_root().glob("*"):
@@ -238,10 +288,16 @@ def test_a_flipped_byte_in_transit_fails_the_fetch_and_leaves_no_folder(served: 
 
 @pytest.mark.parametrize("times", [1, None])
 def test_a_cut_transfer_resumes_or_fails_with_a_clear_error_and_leaves_no_folder(
-    served: PeerServer, model_dir: Path, times: int | None, monkeypatch: pytest.MonkeyPatch, caplog: Any
+    served: PeerServer,
+    model_dir: Path,
+    times: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: Any,
+    writebacks: list[Any],
 ) -> None:
     """Cut once: the rank reconnects and goes on from the answer that was cut; the folder equals the model's.
-    Cut on every connection: the rank fails after RESUME_TRIES reconnections, with no folder left."""
+    Cut on every connection: the rank fails after RESUME_TRIES reconnections, with no folder left. (The disk
+    write of the new file is started every 4 KiB here: the bytes written again after the cut still land.)"""
     from pipemlx.models import peer
 
     monkeypatch.setattr(peer, "RESUME_WAIT_S", 0.01)

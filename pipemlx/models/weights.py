@@ -19,6 +19,7 @@ set, rows included.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -54,6 +55,11 @@ HEAD_SEGMENT = re.compile(r"(?:^|\.)lm_head\.")
 VOCAB_MODULES = ("model.embed_tokens", "lm_head")
 """The modules whose tensors a rank of a ``head="split"`` pipeline keeps by vocabulary rows (as mlx-lm names them;
 :mod:`.vocab_rows` reads the same)."""
+WRITEBACK_BYTES = 16 << 20
+"""After this many bytes written into a rank's new weight file, the disk write of what is written so far is started
+(:class:`_Writeback`), so that the final ``fsync`` waits only for the last of it."""
+SYNC_FILE_RANGE_WRITE = 2
+"""Linux's flag for ``sync_file_range``: start writing the range's dirty pages to disk, wait for nothing."""
 PROGRESS_EVERY_S = 5.0
 """How often a rank that fetches says how far it is."""
 
@@ -370,6 +376,7 @@ def fetch_rank_folder(
             out.flush()
             body, fd = out.tell(), out.fileno()
             reporter = _Reporter(source, who, count)
+            writeback = _Writeback(fd)
             for file, start, stop, members in _merged(spans):
                 reach, first = start, 0  # bytes before ``reach`` arrived; members before ``first`` end before
                 for position, piece in source.read(file, start, stop):
@@ -387,6 +394,7 @@ def fetch_rank_folder(
                         if lo < hi:
                             at = body + layout[part.name]["data_offsets"][0] + (lo - begin)
                             _write_at(fd, view[lo - position : hi - position], at)
+                            writeback.wrote(hi - lo)
                     while first < len(members) and members[first][3] <= piece_end:
                         first += 1
                     count.fetched += max(0, piece_end - max(position, reach))  # new bytes only
@@ -432,6 +440,37 @@ def _merged(
         reach = max(reach, span[3])
     if group:
         yield group[0][1].file, group[0][2], reach, group
+
+
+class _Writeback:
+    """Starts the disk write of a file being written every :data:`WRITEBACK_BYTES` bytes (Linux's
+    ``sync_file_range`` with :data:`SYNC_FILE_RANGE_WRITE`, through ``ctypes``), so that the disk writes while the
+    bytes still arrive and the ``fsync`` that ends the fetch waits only for the last of them (in the fetching rank's
+    profile that ``fsync`` was a third of the time). Only a hint: where the call is missing (macOS) or fails, nothing
+    happens, and the ``fsync`` alone makes the file durable, as before."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pending = 0
+        self.started = 0
+        """Writebacks started (tests count them)."""
+        self._call: Any = None
+        try:
+            call: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
+            call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+            call.restype = ctypes.c_int
+            self._call = call
+        except (OSError, AttributeError, TypeError):
+            pass
+
+    def wrote(self, n: int) -> None:
+        """``n`` more bytes were written: start the disk write of the whole file once enough are pending."""
+        self.pending += n
+        if self.pending < WRITEBACK_BYTES or self._call is None:
+            return
+        self.pending = 0
+        if self._call(self.fd, 0, 0, SYNC_FILE_RANGE_WRITE) == 0:  # offset 0, length 0: the whole file
+            self.started += 1
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
