@@ -205,6 +205,38 @@ def test_prompt_lookup_answers_equal_mlx_lm(ref: Reference) -> None:
         assert guessed(before, scrape(lookup)) == (proposed, accepted)
 
 
+def test_prompt_lookup_in_a_batch_of_four_answers_equal_mlx_lm(ref: Reference) -> None:
+    """``--prompt-lookup 3 --decode-concurrency 4``: four requests at once, decoded in one batch where each guesses
+    from its own prompt (one opted out, one with a stop string), continued as mlx-lm does; every rank's cache agrees
+    after each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
+    prompts = [f"{OPENING}{passage}\n\n{OPENING}", f"Chapter 2. {OPENING}{passage}\n\n{OPENING}", OPENING]
+    prompts.append(f"{passage}\n\n{OPENING}{passage}\n\n{OPENING}")
+    expected = [ref.answer(ref.text_tokens(p), 36) for p in prompts]
+    stop = expected[3][14:17]
+    bodies: list[dict[str, Any]] = [
+        {"prompt": prompts[0], "max_tokens": 36, "temperature": 0},
+        {"prompt": prompts[1], "max_tokens": 36, "temperature": 0},
+        {"prompt": prompts[2], "max_tokens": 36, "temperature": 0, "draft": False},
+        {"prompt": prompts[3], "max_tokens": 36, "temperature": 0, "stop": stop},
+    ]
+    with serving("--prompt-lookup", "3", "--num-draft-tokens", "3", "--decode-concurrency", "4") as batched:
+        before = scrape(batched)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda body: post(batched, "completions", body), bodies))
+        texts = [a["choices"][0]["text"] for a in answers]
+        assert texts[:3] == expected[:3]
+        assert texts[3] == expected[3][: expected[3].index(stop)]
+        proposed, accepted = guessed(before, scrape(batched))
+        assert 0 < accepted <= proposed
+        seen = [record(batched, a["id"]) for a in answers]
+        assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
+        assert sum(r["draft_accepted_tokens"] for r in seen) == accepted
+        assert len({r["cache_tokens"] for r in seen[-1]["rank_status"]}) == 1, seen[-1]["rank_status"]
+
+
 def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
@@ -213,7 +245,10 @@ def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     cases: dict[str, tuple[list[str], str]] = {
         "missing draft": ([*serve, "--draft-model", str(tmp_path / "nowhere")], "cannot load the draft model"),
         "both proposers": ([*serve, "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"], "not both"),
-        "batched": ([*serve, "--prompt-lookup", "2", "--decode-concurrency", "2"], "needs --decode-concurrency 1"),
+        "batched draft": (
+            [*serve, "--draft-model", str(DRAFT_DIR), "--decode-concurrency", "2"],
+            "--draft-model needs --decode-concurrency 1",
+        ),
         "zero guesses": ([*serve, "--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
         "bad n-gram": ([*serve, "--prompt-lookup", "0"], "--prompt-lookup: must be at least 1"),
     }

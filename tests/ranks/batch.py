@@ -711,7 +711,7 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
     mlx_generate: Any = sys.modules["mlx_lm.generate"]
     arch = spec.get("arch", "llama")
     config = tiny_config(arch)
-    sharded = pipemlx.shard_model(build_model(config), group, head="all")
+    sharded = pipemlx.shard_model(build_model(config), group, head=spec.get("head", "all"))
     whole = build_model(config)
     passage, other = prompt_of(11), prompt_of(9)
     echo = solo_run(arch, passage, 12, 8)  # what the model says after the passage: a later copy may say it again

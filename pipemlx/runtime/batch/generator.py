@@ -173,8 +173,8 @@ class BatchGenerator:
     processors feeds, in each step, its next token and up to ``num_draft_tokens`` guesses (what followed the latest
     earlier match of its last ``prompt_lookup``..1 tokens; ``"auto"``: per row, off where its guesses rarely hold),
     and keeps the guesses the step confirms: the tokens are those without guesses, several per tick. It speculates
-    only while the batch decodes as one group, and needs plain KV caches on every rank and the whole head on the last
-    rank (``ValueError`` otherwise, on every rank: the constructor then makes one small all-gather). See
+    only while the batch decodes as one group, and needs plain KV caches on every rank (``ValueError`` otherwise, on
+    every rank: the constructor then makes one small all-gather). See
     docs/batching.md, "Speculation".
 
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
@@ -288,7 +288,7 @@ class BatchGenerator:
         self._runner = TickRunner(model, self.stage, self.timeout)
         self._speculation: BatchSpeculation | None = None
         if prompt_lookup is not None:
-            check_speculation(prompt_lookup, num_draft_tokens, self.stage)
+            check_speculation(prompt_lookup, num_draft_tokens)
             self._check_speculable(fresh)
             self._speculation = BatchSpeculation(prompt_lookup, num_draft_tokens)
         self._guesses: list[list[int]] = []  # the tick under way's per row (empty: a step without guesses)
@@ -345,6 +345,11 @@ class BatchGenerator:
         """``(proposed, confirmed)``: every request's guesses so far with ``prompt_lookup`` (``(0, 0)`` without)."""
         speculation = self._speculation
         return (0, 0) if speculation is None else (speculation.proposed, speculation.confirmed)
+
+    def guesses_of(self, uid: int) -> tuple[int, int]:
+        """``(proposed, confirmed)``: a request's guesses, while it is in the generator and until the next tick after
+        it left (``(0, 0)`` for one that never guessed)."""
+        return (0, 0) if self._speculation is None else self._speculation.of(uid)
 
     @property
     def last_error(self) -> BaseException | None:
@@ -537,6 +542,8 @@ class BatchGenerator:
         if not self._busy():
             return []
         started = time.perf_counter()
+        if self._speculation is not None:
+            self._speculation.ended.clear()
         tick, after = self._plan_tick()
         dead = any(rows.dead for rows in self._groups.values())
         if dead and self._limits is not None and self._plan.queue and tick.chunks[0] is None:

@@ -27,7 +27,6 @@ from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
 from ..sampling import Sampler
 from ..speculative import PromptLookup
-from ..stage import PipelineStage
 from .requests import BatchRequest
 
 AUTO_GUESSES = 4
@@ -65,6 +64,7 @@ class BatchSpeculation:
         self.auto = num_draft_tokens == "auto"
         self.count = AUTO_GUESSES if num_draft_tokens == "auto" else int(num_draft_tokens)
         self.tallies: dict[int, RowTally] = {}  # by uid: the requests that may guess
+        self.ended: dict[int, RowTally] = {}  # by uid: those that left since the last tick began (for their figures)
         self.proposed = 0  # every row's, for the counters
         self.confirmed = 0
 
@@ -73,8 +73,16 @@ class BatchSpeculation:
         self.tallies[uid] = RowTally()
 
     def forget(self, uids: set[int]) -> None:
+        """Requests that left: their tallies are kept until the next tick begins (:meth:`of` reads them)."""
         for uid in uids:
-            self.tallies.pop(uid, None)
+            tally = self.tallies.pop(uid, None)
+            if tally is not None:
+                self.ended[uid] = tally
+
+    def of(self, uid: int) -> tuple[int, int]:
+        """``(proposed, confirmed)`` of a request that may guess, or that left since the last tick began."""
+        tally = self.tallies.get(uid) or self.ended.get(uid)
+        return (0, 0) if tally is None else (tally.proposed, tally.confirmed)
 
     def guesses(self, request: BatchRequest, default: Sampler | None) -> list[int]:
         """The guesses ``request``'s row feeds in the next step after its next token (none for a dead row, a row
@@ -116,18 +124,15 @@ class BatchSpeculation:
             tally.recent = []
 
 
-def check_speculation(prompt_lookup: object, num_draft_tokens: object, stage: PipelineStage) -> None:
-    """Raise ``ValueError`` naming the problem unless the generator's speculation settings can run on ``stage``
-    (decided from the arguments and the model's sharding, alike on every rank)."""
+def check_speculation(prompt_lookup: object, num_draft_tokens: object) -> None:
+    """Raise ``ValueError`` naming the problem unless the generator's speculation settings are good ones (decided from
+    the arguments alone, alike on every rank)."""
     if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
         raise ValueError(f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}")
     if num_draft_tokens != "auto" and (
         isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= MAX_GUESSES
     ):
         raise ValueError(f"num_draft_tokens must be an int from 1 to {MAX_GUESSES} or 'auto', got {num_draft_tokens!r}")
-    shard = stage.info.vocab_shard
-    if shard is not None and shard.split:
-        raise ValueError("prompt_lookup in a BatchGenerator needs the whole output head on the last rank, not head='split'")
 
 
 def emitted(guesses: list[int], samples: list[int]) -> list[int]:

@@ -166,7 +166,8 @@ class TickRunner:
         rank 0's new chunk, summed from every rank's rows and left with rank 0's embedding (a collective)."""
         stage, tick = self.stage, work.tick
         new = tick.chunks[0]
-        tokens = [*work.inputs, *([] if new is None else work.chunk_tokens(new))]
+        fed = work.inputs if work.fed is None else [t for row in work.fed for t in row]
+        tokens = [*fed, *([] if new is None else work.chunk_tokens(new))]
         if tokens:
             shard = cast(VocabShard, stage.info.vocab_shard)
             describe = lambda: f"{stage.describe()} embedding batch tick {tick.index}'s tokens"  # noqa: E731
@@ -180,7 +181,7 @@ class TickRunner:
         stage = self.stage
         shard = cast(VocabShard, stage.info.vocab_shard)
         if hidden is None or failed:
-            hidden = mx.zeros((work.rows, shard.hidden_size), dtype=mx.float32)
+            hidden = mx.zeros((work.rows * work.width, shard.hidden_size), dtype=mx.float32)
         describe = lambda: f"{stage.describe()} gathering batch tick {work.tick.index}'s logits"  # noqa: E731
         logits = shard.logits(hidden, stage.group, self.timeout, describe)
         self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
@@ -252,7 +253,7 @@ class TickRunner:
                     gathered_logits = self._split_logits(work, hidden, failed_group >= 0)
                     if stage.is_last and failed_group < 0:
                         try:
-                            tokens, logits = work.sample(gathered_logits).astype(mx.float32), gathered_logits
+                            tokens, logits = self._sample_steps(work, gathered_logits), gathered_logits
                         except Exception as exc:  # a processor or sampler raised: the decode failed here
                             if not _is_model_error(exc):
                                 raise
@@ -322,11 +323,8 @@ class TickRunner:
                         logits = gathered
                     else:
                         logits = mx.array(table.payloads[-1][-width:], dtype=mx.float32)
-                        logits = mx.reshape(logits, (work.rows, work.width, -1)).astype(self.logits_dtype)
-                        if work.sample_ahead is not None and work.width > 1:  # the guessed positions' logprobs
-                            work.sample_ahead(logits[:, 1:, :])
-                        logits = logits[:, 0, :]
-                    sampled = work.sample(logits)
+                        logits = logits.astype(self.logits_dtype)
+                    sampled = self._sample_steps(work, logits)
                 wait_for(sampled, self.timeout, lambda: f"{stage.describe()} sampling batch tick {work.tick.index}")
             except Exception as exc:  # a processor or sampler of this rank raised: the decode failed here
                 if not _is_model_error(exc):
@@ -346,6 +344,17 @@ class TickRunner:
         failed = outcome.failed_groups | {finishing}
         return TickOutcome(tokens=outcome.tokens, failed_groups=failed, failed_uids=outcome.failed_uids)
 
+    def _sample_steps(self, work: TickWork, logits: mx.array) -> mx.array:
+        """The tokens of the decode step's ``logits`` (``[rows * width, vocabulary]`` or any shape of as many):
+        each row's first position by ``work.sample``, then, in a step with guesses, the later positions by
+        ``work.sample_ahead``, row by row (the payload's order: :func:`outcome_of`)."""
+        logits = mx.reshape(logits, (work.rows, work.width, -1))
+        first = work.sample(logits[:, 0, :]).astype(mx.float32)
+        if work.width == 1 or work.sample_ahead is None:
+            return first
+        ahead = work.sample_ahead(logits[:, 1:, :]).astype(mx.float32)
+        return mx.concatenate([first, mx.reshape(ahead, (-1,))])
+
     def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
         if self.stage.is_first:
@@ -362,14 +371,17 @@ class TickRunner:
         ``sharing``) the final hidden states, whose share of the head every rank applies; (last rank) the logits."""
         stage = self.stage
         inputs = work.decode_inputs()
-        if work.width > 1:  # a step with guesses (never with a shared or split head: see run)
+        if work.width > 1 and self._splits and stage.is_last:  # every position's logits from every rank's rows
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            self.stage.received.clear()
+            hidden = shard.hidden(self.model, inputs, work.batch_cache)
+            return mx.zeros((work.rows * work.width,), dtype=mx.float32), mx.reshape(hidden, (-1, hidden.shape[-1])), None
+        if work.width > 1:  # a step with guesses (never with a shared head: see run)
             logits = self._forward(inputs, work.batch_cache)
             self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
             if not stage.is_last:
                 return self._send(self._queued_output()), None, None
-            first = work.sample(logits[:, 0, :]).astype(mx.float32)
-            ahead = cast(Callable[[mx.array], mx.array], work.sample_ahead)(logits[:, 1:, :]).astype(mx.float32)
-            return mx.concatenate([first, mx.reshape(ahead, (-1,))]), None, logits
+            return self._sample_steps(work, logits), None, logits
         if self._splits and stage.is_last:  # the logits come from every rank's rows: _split_logits
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
