@@ -130,7 +130,9 @@ def check_speculation(prompt_lookup: object, num_draft_tokens: object) -> None:
     if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
         raise ValueError(f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}")
     if num_draft_tokens != "auto" and (
-        isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= MAX_GUESSES
+        isinstance(num_draft_tokens, bool)
+        or not isinstance(num_draft_tokens, int)
+        or not 1 <= num_draft_tokens <= MAX_GUESSES
     ):
         raise ValueError(f"num_draft_tokens must be an int from 1 to {MAX_GUESSES} or 'auto', got {num_draft_tokens!r}")
 

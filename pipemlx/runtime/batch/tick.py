@@ -375,7 +375,11 @@ class TickRunner:
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
             hidden = shard.hidden(self.model, inputs, work.batch_cache)
-            return mx.zeros((work.rows * work.width,), dtype=mx.float32), mx.reshape(hidden, (-1, hidden.shape[-1])), None
+            return (
+                mx.zeros((work.rows * work.width,), dtype=mx.float32),
+                mx.reshape(hidden, (-1, hidden.shape[-1])),
+                None,
+            )
         if work.width > 1:  # a step with guesses (never with a shared head: see run)
             logits = self._forward(inputs, work.batch_cache)
             self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
