@@ -456,7 +456,7 @@ def check_engine_report(report: dict[str, Any]) -> None:
 # a seeded sampled one, a stop inside a pass, a removal mid-run, against mlx-lm's BatchGenerator without guesses.
 # "oracle": guesses from mlx-lm's answers (mostly right: long passes, a stop among kept guesses); else prompt lookup.
 # head="split" at S=3: every position's logits gathered from every rank's rows of the head.
-SPECULATION = [(2, "lookup", 3), (2, "oracle", 3), (3, "oracle", 2), (3, "lookup", "auto")]
+SPECULATION = [(2, "lookup", "auto"), (2, "oracle", 3), (3, "oracle", 2)]
 for world_size, proposer, count in SPECULATION:
     SCENARIOS[world_size][f"speculation {proposer} {count}"] = {
         "speculate": True,
