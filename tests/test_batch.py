@@ -1015,7 +1015,7 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
     engine = pipemlx.BatchGenerator(model, max_tokens=3)
     engine.insert([[1, 2, 3]])
 
-    def disagree(table: Any, rows: int, sharing: bool) -> Any:
+    def disagree(table: Any, rows: int, sharing: bool, width: int = 1) -> Any:
         raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
 
     monkeypatch.setattr(batch_tick, "outcome_of", disagree)

@@ -36,7 +36,7 @@ AUTO_TRIAL = 12
 AUTO_MIN_ACCEPTANCE = 0.25
 """``"auto"``: a row whose confirmed share of its guesses is below this stops guessing (see :class:`RowTally`)."""
 AUTO_RETRY_EVERY = 32
-"""``"auto"``: a row that stopped guessing proposes one pass of guesses again after this many ticks without."""
+"""``"auto"``: a row that stopped guessing guesses again (a new trial) after this many ticks without."""
 
 
 @dataclass
@@ -55,8 +55,8 @@ class BatchSpeculation:
     ``num_draft_tokens`` is the guesses per pass (an int), or ``"auto"``: :data:`AUTO_GUESSES` per pass, judged per
     row from its own tallies. Once a row has proposed :data:`AUTO_TRIAL` guesses since the last judgement, it stops
     guessing if fewer than :data:`AUTO_MIN_ACCEPTANCE` of them were confirmed (each guess that fails costs the
-    batch's step a position for nothing), and tries one pass again after :data:`AUTO_RETRY_EVERY` ticks. Every
-    decision is taken from the tokens every rank received, so every rank takes it alike.
+    batch's step a position for nothing), and after :data:`AUTO_RETRY_EVERY` ticks guesses again, judged afresh.
+    Every decision is taken from the tokens every rank received, so every rank takes it alike.
     """
 
     def __init__(self, prompt_lookup: int, num_draft_tokens: int | Literal["auto"]) -> None:

@@ -342,7 +342,7 @@ class TickRunner:
         if all(cast(list[int], flags.tolist())):
             return outcome
         failed = outcome.failed_groups | {finishing}
-        return TickOutcome(tokens=outcome.tokens, failed_groups=failed, failed_uids=outcome.failed_uids)
+        return TickOutcome(outcome.tokens, failed, outcome.failed_uids, outcome.ahead)
 
     def _sample_steps(self, work: TickWork, logits: mx.array) -> mx.array:
         """The tokens of the decode step's ``logits`` (``[rows * width, vocabulary]`` or any shape of as many):
