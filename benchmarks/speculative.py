@@ -1,6 +1,7 @@
 """Speculative decoding benchmark: greedy decode tokens/s with and without guesses, S=2 and one process.
 
-    python benchmarks/speculative.py [--tokens 128] [--repeats 3] [--k 3] [--lookup 3] [--batch 8] [--no-pin]
+    python benchmarks/speculative.py [--tokens 128] [--repeats 3] [--k 3] [--lookup 3] [--batch 8] [--batch-only]
+                                     [--no-pin]
 
 On the demo model with its draft (pipemlx/demo/draft), two prompts: the demo's own (the draft guesses) and
 one that prompt lookup suits (the start of a passage that the prompt already contains: the model continues
@@ -10,7 +11,8 @@ draft and with prompt lookup (k guesses, each with speculation="serial": one pas
 and "pipelined": a pass started every tick), and with the draft, num_draft_tokens="auto" and speculation="auto".
 Then (--batch N, 0: skip) N requests at once in pipemlx.BatchGenerator at S=2, each prompt a different passage of
 the book followed by its first 300 characters again: the batch without guesses, with prompt lookup (k guesses a
-pass) and with num_draft_tokens="auto", aggregate tokens/s and each request's tokens checked equal. OpenBLAS
+pass) and with num_draft_tokens="auto", aggregate tokens/s and each request's tokens checked equal (--batch-only:
+this comparison alone). OpenBLAS
 preloaded, one core per process (mlx-lm's one process too; --no-pin: unpinned); run by hand on an otherwise idle
 machine.
 """
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--lookup", type=int, default=3, help="prompt lookup's longest n-gram")
     parser.add_argument("--draft", type=Path, default=DRAFT_DIR, help="the draft model folder (default: the demo's)")
     parser.add_argument("--batch", type=int, default=8, help="requests in the batched comparison (0: skip it)")
+    parser.add_argument("--batch-only", action="store_true", help="only the batched comparison")
     parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -70,8 +73,12 @@ def main() -> None:
         "pin": not args.no_pin,
         "batch": batch_prompts(args.batch),
     }
-    runs = [launch(1, [*command(spec, "single")], timeout=1800, env=bench_env(openblas))[0]]
-    runs.append(launch(2, [*command(spec, "pipemlx")], timeout=1800, env=bench_env(openblas))[0])
+    if args.batch_only:
+        spec["prompts"] = {}
+        runs = []
+    else:
+        runs = [launch(1, [*command(spec, "single")], timeout=1800, env=bench_env(openblas))[0]]
+        runs.append(launch(2, [*command(spec, "pipemlx")], timeout=1800, env=bench_env(openblas))[0])
     if args.batch:
         runs.append(launch(2, [*command(spec, "batch")], timeout=3600, env=bench_env(openblas))[0])
     reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
@@ -94,7 +101,7 @@ def main() -> None:
         table[name] = {label: {**row, "median": statistics.median(row["tok_s"])} for label, row in rows.items()}
     if args.batch:
         name = f"{args.batch} requests"
-        rows = reports[2][name]
+        rows = reports[-1][name]
         base = statistics.median(rows["batch"]["tok_s"])
         print(f"\n{name} at once (BatchGenerator, S=2), aggregate decode")
         print(f"{'contender':<26} {'tokens/s':>9} {'vs batch':>9} {'accepted':>9}  same tokens")
