@@ -462,6 +462,49 @@ def check_engine_report(report: dict[str, Any]) -> None:
     assert close(ours["draws"], mlx["draws"]), rank
 
 
+# Prompt lookup in the batch (tests/ranks/batch.py run_speculative): greedy rows with guesses, one that opted out,
+# a seeded sampled one, a stop inside a pass, a removal mid-run, against mlx-lm's BatchGenerator without guesses.
+# "oracle": guesses from mlx-lm's answers (mostly right: long passes, a stop among kept guesses); else prompt lookup.
+# head="split" at S=3: every position's logits gathered from every rank's rows of the head.
+SPECULATION = [(2, "lookup", "auto"), (2, "oracle", 3), (3, "oracle", 2)]
+for world_size, proposer, count in SPECULATION:
+    SCENARIOS[world_size][f"speculation {proposer} {count}"] = {
+        "speculate": True,
+        "oracle": proposer == "oracle",
+        "num_draft_tokens": count,
+        "head": "split" if (world_size, proposer) == (3, "oracle") else "all",
+    }
+
+
+@pytest.mark.parametrize("world_size,proposer,count", SPECULATION, ids=[f"S{s}-{p}-{c}" for s, p, c in SPECULATION])
+def test_prompt_lookup_in_the_batch_gives_mlx_lm_tokens_and_logprobs_on_every_rank(
+    scenario_reports: Reports, world_size: int, proposer: str, count: int | str
+) -> None:
+    """Every request's tokens are mlx-lm's one-process BatchGenerator's without guesses, on every rank, and so are the
+    log-probabilities wherever a rank holds them (the last rank always); a request removed mid-run hands back caches
+    holding exactly the tokens it names."""
+    reports = scenario_reports(world_size, f"speculation {proposer} {count}")
+    shared = ("tokens", "want_tokens", "proposed", "confirmed", "ticks", "handed", "stopped_in_pass")
+    for report in reports:
+        assert {k: report[k] for k in shared} == {k: reports[0][k] for k in shared}, "ranks disagree"
+    report = reports[0]
+    tokens, want = report["tokens"], report["want_tokens"]
+    assert tokens[:4] == want[:4]
+    assert len(tokens[4]) >= 3 and tokens[4] == want[4][: len(tokens[4])] and len(want[4]) > len(tokens[4])
+    offset, held, returned = report["handed"]
+    prompt = report["removed_prompt"]
+    assert offset == len(held) and held[: len(prompt)] == prompt, (offset, len(held))
+    assert held[len(prompt) :] == want[4][: len(held) - len(prompt)] and returned == tokens[4][: len(returned)]
+    assert report["proposed"] > 0 and report["confirmed"] > 0, "no guess held: the test loses its power"
+    if proposer == "oracle":
+        assert report["confirmed"] >= report["proposed"] // 2 and report["stopped_in_pass"] >= 1
+    for rank_report in reports:
+        last = rank_report["rank"] == world_size - 1
+        for got, expected in zip(rank_report["logprobs"], rank_report["want_logprobs"]):
+            assert not last or None not in got
+            assert all(g is None or abs(g - w) <= 1e-4 for g, w in zip(got, expected)), (got, expected)
+
+
 # mlx-lm's BatchGenerator API on the pipeline (tests/ranks/batch.py run_parity): insert's positional order with
 # per-request stop sequences, completion_batch_size, logprobs, all_tokens, extract_cache, next_generated, stats,
 # prompt_cache_nbytes and close.
@@ -982,7 +1025,7 @@ def test_ranks_that_disagree_in_a_tick_leave_the_stage_refusing_further_use(monk
     engine = pipemlx.BatchGenerator(model, max_tokens=3)
     engine.insert([[1, 2, 3]])
 
-    def disagree(table: Any, rows: int, sharing: bool) -> Any:
+    def disagree(table: Any, rows: int, sharing: bool, width: int = 1) -> Any:
         raise pipemlx.PipelineMismatchError("ranks disagree on the batch tick's plan: rank 0: 1, rank 1: 2")
 
     monkeypatch.setattr(batch_tick, "outcome_of", disagree)

@@ -1,4 +1,4 @@
-"""`pipemlx serve --ranks 2` with speculative decoding: the demo's draft model, and prompt lookup.
+"""`pipemlx serve --ranks 2` with speculative decoding: the demo's draft model, and prompt lookup (batched).
 
 Every greedy answer is checked against one process running mlx-lm on the whole demo model without
 speculation (the same :class:`~test_serve.Reference` as the other serve tests): guesses may change how many
@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,29 @@ def server() -> Iterator[ServeProcess]:
     """The module's server: the demo's draft model guessing 3 tokens a pass."""
     with serving("--draft-model", str(DRAFT_DIR), "--num-draft-tokens", "3") as process:
         yield process
+
+
+@pytest.fixture(scope="module")
+def lookup() -> Iterator[ServeProcess]:
+    """The prompt-lookup server: up to 4 requests batched, each guessing from its own text (``"auto"``: per request,
+    off where its guesses fail), with ``--head split`` (each rank holds its rows of the embedding and head: every
+    guessed position's logits gathered)."""
+    flags = ("--prompt-lookup", "3", "--num-draft-tokens", "auto", "--head", "split", "--decode-concurrency", "4")
+    with serving(*flags) as process:
+        yield process
+
+
+def records(server: ServeProcess, ids: list[str]) -> list[dict[str, Any]]:
+    """Rank 0's /health records of requests ``ids`` once all ended (with the server's speculation settings)."""
+
+    def check() -> list[dict[str, Any]] | None:
+        health = server.health()
+        recent = {r["id"]: r for r in health["recent"]}
+        if not all(i in recent for i in ids):
+            return None
+        return [{**recent[i], "speculation": health["speculation"]} for i in ids]
+
+    return server.wait_for(f"the records of {ids}", check)
 
 
 def post(server: ServeProcess, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -187,22 +211,55 @@ def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProces
     assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
 
 
-def test_prompt_lookup_answers_equal_mlx_lm(ref: Reference) -> None:
-    """``--prompt-lookup 3 --num-draft-tokens auto``: a prompt that repeats a passage, continued as mlx-lm does; with
-    ``--head split`` (each rank holds its rows of the embedding and head: the verify passes' logits gathered)."""
+def test_prompt_lookup_answers_equal_mlx_lm(lookup: ServeProcess, ref: Reference) -> None:
+    """A prompt that repeats a passage, alone in the batch, continued as mlx-lm does; ``"draft": false`` guesses
+    nothing."""
     passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
-    prompt = f"{OPENING}{passage}\n\n{OPENING}"
-    with serving("--prompt-lookup", "3", "--num-draft-tokens", "auto", "--head", "split") as lookup:
-        before = scrape(lookup)
-        answer = post(lookup, "completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
-        assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 40)
-        proposed, accepted = guessed(before, scrape(lookup))
-        assert 0 < accepted <= proposed
-        seen = record(lookup, answer["id"])
-        assert seen["speculation"]["prompt_lookup"] == 3 and seen["draft_accepted_tokens"] == accepted
-        plain = post(lookup, "completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "draft": False})
-        assert plain["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 12)
-        assert guessed(before, scrape(lookup)) == (proposed, accepted)
+    prompt = f"Chapter 1. {OPENING}{passage}\n\n{OPENING}"
+    before = scrape(lookup)
+    answer = post(lookup, "completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0})
+    assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 40)
+    proposed, accepted = guessed(before, scrape(lookup))
+    assert 0 < accepted <= proposed
+    (seen,) = records(lookup, [answer["id"]])
+    assert seen["speculation"]["prompt_lookup"] == 3 and seen["draft_accepted_tokens"] == accepted
+    plain = post(lookup, "completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "draft": False})
+    assert plain["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 12)
+    assert guessed(before, scrape(lookup)) == (proposed, accepted)
+
+
+def test_prompt_lookup_in_a_batch_of_four_answers_equal_mlx_lm(lookup: ServeProcess, ref: Reference) -> None:
+    """``--decode-concurrency 4``: four requests at once, decoded in one batch where each guesses
+    from its own prompt (one opted out, one with a stop string), continued as mlx-lm does; the guesses counted per
+    request; the same four again reuse their cached prompts and answer alike."""
+    passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
+    prompts = [f"{OPENING}{passage}\n\n{OPENING}", f"Chapter 2. {OPENING}{passage}\n\n{OPENING}", OPENING]
+    prompts.append(f"{passage}\n\n{OPENING}{passage}\n\n{OPENING}")
+    expected = [ref.answer(ref.text_tokens(p), 36) for p in prompts]
+    stop = expected[3][14:17]
+    bodies: list[dict[str, Any]] = [
+        {"prompt": prompts[0], "max_tokens": 36, "temperature": 0},
+        {"prompt": prompts[1], "max_tokens": 36, "temperature": 0},
+        {"prompt": prompts[2], "max_tokens": 36, "temperature": 0, "draft": False},
+        {"prompt": prompts[3], "max_tokens": 36, "temperature": 0, "stop": stop},
+    ]
+    before = scrape(lookup)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda body: post(lookup, "completions", body), bodies))
+    texts = [a["choices"][0]["text"] for a in answers]
+    assert texts[:3] == expected[:3]
+    assert texts[3] == expected[3][: expected[3].index(stop)]
+    proposed, accepted = guessed(before, scrape(lookup))
+    assert 0 < accepted <= proposed
+    seen = records(lookup, [a["id"] for a in answers])
+    assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
+    assert sum(r["draft_accepted_tokens"] for r in seen) == accepted
+    assert sum(r["draft_proposed_tokens"] for r in seen) == proposed
+    # The prompts again, all at once: every cache and prefix cache held what every rank decided.
+    with ThreadPoolExecutor(4) as pool:
+        again = list(pool.map(lambda body: post(lookup, "completions", body), bodies))
+    assert [a["choices"][0]["text"] for a in again] == texts
+    assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in again)
 
 
 def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
@@ -213,7 +270,10 @@ def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     cases: dict[str, tuple[list[str], str]] = {
         "missing draft": ([*serve, "--draft-model", str(tmp_path / "nowhere")], "cannot load the draft model"),
         "both proposers": ([*serve, "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"], "not both"),
-        "batched": ([*serve, "--prompt-lookup", "2", "--decode-concurrency", "2"], "needs --decode-concurrency 1"),
+        "batched draft": (
+            [*serve, "--draft-model", str(DRAFT_DIR), "--decode-concurrency", "2"],
+            "--draft-model needs --decode-concurrency 1",
+        ),
         "zero guesses": ([*serve, "--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
         "bad n-gram": ([*serve, "--prompt-lookup", "0"], "--prompt-lookup: must be at least 1"),
     }

@@ -1,16 +1,20 @@
 """Benchmark rank program: greedy decode tokens/s with and without speculation, on the demo model.
 
-Spec: {"mode": "single" | "pipemlx", "draft": folder, "prompts": {name: text}, "tokens", "repeats",
-"k", "lookup"}. "single": mlx-lm's generate_step and speculative_generate_step (the same draft) on one
+Spec: {"mode": "single" | "pipemlx" | "batch", "draft": folder, "prompts": {name: text}, "tokens", "repeats",
+"k", "lookup", "pin" (default true: each process on its own core, rank r on the r-th allowed one),
+"batch": [text, ...]}. "single": mlx-lm's generate_step and speculative_generate_step (the same draft) on one
 process; "pipemlx": pipemlx.generate_step on the sharded model, plain, with the draft and with prompt lookup, each
 with speculation="serial" and "pipelined", and with num_draft_tokens="auto" and speculation="auto". Prints one JSON line: per prompt and contender, the
 decode tokens/s of each repeat (first token to last) and the share of guesses confirmed. The repeats
-run round-robin over the contenders.
+run round-robin over the contenders. "batch": pipemlx.BatchGenerator on the sharded model, the "batch" prompts all
+inserted at once, without guesses and with prompt lookup (k guesses a pass, and "auto"): aggregate decode tokens/s
+from the first token to the last, each request's tokens, and the share of guesses confirmed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -38,13 +42,67 @@ def timed(tokens: Iterable[Any], count: int) -> tuple[float, list[int]]:
     return (len(out) - 1) / (time.perf_counter() - start), out
 
 
+def pin(rank: int) -> None:
+    """This process on one core (rank ``r``: the ``r``-th allowed), as the other benchmarks' baselines."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def batched(model: Any, prompts: list[list[int]], count: int, lookup: int | None, k: int | str) -> dict[str, Any]:
+    """One batch of ``prompts`` decoded together (``count`` tokens each): aggregate tokens/s, tokens, guesses."""
+    generator = pipemlx.BatchGenerator(
+        model, max_tokens=count, logprobs=False, prompt_lookup=lookup, num_draft_tokens=k
+    )
+    uids = generator.insert(prompts)
+    tokens: dict[int, list[int]] = {u: [] for u in uids}
+    start, produced = 0.0, 0
+    while len(generator):
+        for response in generator.next():
+            tokens[response.uid].append(response.token)
+            produced += 1
+            if produced == 1:
+                start = time.perf_counter()
+    proposed, confirmed = generator.guesses
+    return {
+        "tok_s": (produced - 1) / (time.perf_counter() - start),
+        "tokens": [tokens[u] for u in uids],
+        "accepted": f"{confirmed / proposed:.2f}" if proposed else "",
+    }
+
+
+def run_batch(spec: dict[str, Any]) -> None:
+    """``"batch"`` mode: the same batch without guesses and with prompt lookup, round-robin over the repeats."""
+    group = init_group()
+    if spec.get("pin", True):
+        pin(group.rank())
+    model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)
+    prompts = [list(tokenizer.encode(text)) for text in spec["batch"]]
+    contenders = {
+        "batch": (None, spec["k"]),
+        f"batch lookup k={spec['k']}": (spec["lookup"], spec["k"]),
+        "batch lookup auto": (spec["lookup"], "auto"),
+    }
+    rows: dict[str, Any] = {label: {"tok_s": [], "tokens": [], "accepted": ""} for label in contenders}
+    for _ in range(spec["repeats"]):
+        for label, (lookup, k) in contenders.items():
+            run = batched(model, prompts, spec["tokens"], lookup, k)
+            rows[label]["tok_s"].append(run["tok_s"])
+            rows[label]["tokens"], rows[label]["accepted"] = run["tokens"], run["accepted"]
+    print(json.dumps({"rank": group.rank(), f"{len(prompts)} requests": rows}), flush=True)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    if spec["mode"] == "batch":
+        run_batch(spec)
+        return
     count, k = spec["tokens"], spec["k"]
     draft, _ = mlx_lm.load(spec["draft"])
     contenders: dict[str, Callable[[mx.array], Any]] = {}
     rank = 0
     if spec["mode"] == "single":
+        if spec.get("pin", True):  # one core, as each rank has
+            pin(0)
         model, tokenizer = mlx_lm.load(str(MODEL_DIR))
         contenders["mlx-lm"] = lambda p: generate_step(p, model, max_tokens=count)
         contenders["mlx-lm draft"] = lambda p: speculative_generate_step(
@@ -53,6 +111,8 @@ def main() -> None:
     else:
         group = init_group()
         rank = group.rank()
+        if spec.get("pin", True):
+            pin(rank)
         model, tokenizer = pipemlx.load_sharded(MODEL_DIR, group)  # the default head ("auto": split here)
         whole, _ = pipemlx.load_sharded(MODEL_DIR, group, head="all")  # pipelined passes need the whole head
         contenders["pipemlx"] = lambda p: pipemlx.generate_step(p, model, max_tokens=count)

@@ -435,16 +435,14 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def check_serve_speculation(args: argparse.Namespace) -> None:
-    """``pipemlx generate``'s checks of the speculation flags, and their refusal with ``--decode-concurrency`` above 1:
-    the batch decodes without guesses (docs/serve.md, "Speculative decoding"), so asking for both is a mistake
-    worth naming rather than a draft model loaded for nothing."""
+    """``pipemlx generate``'s checks of the speculation flags, and the draft model's refusal with
+    ``--decode-concurrency`` above 1: the batch guesses by prompt lookup only (docs/serve.md, "Speculative
+    decoding"), so asking for a draft there is a mistake worth naming rather than a model loaded for nothing."""
     check_speculation(args)
-    flags = {"--draft-model": args.draft_model, "--prompt-lookup": args.prompt_lookup}
-    guessing = [flag for flag, value in flags.items() if value is not None]
-    if guessing and args.max_concurrency > 1:
+    if args.draft_model is not None and args.max_concurrency > 1:
         raise UserError(
-            f"{guessing[0]} needs --decode-concurrency 1: batched requests (--decode-concurrency {args.max_concurrency}) "
-            "are decoded without speculation"
+            f"--draft-model needs --decode-concurrency 1: batched requests (--decode-concurrency {args.max_concurrency}) "
+            "guess by --prompt-lookup only"
         )
 
 

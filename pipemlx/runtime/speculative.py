@@ -141,13 +141,29 @@ class PromptLookup:
         del sampler, greedy  # it draws nothing: what followed the match, whatever the sampler
         if k <= 0:
             return []
+        # One scan back from the end: each earlier place of the last token, with how many tokens before it match
+        # the history's tail; the latest place of each match length is that n-gram's latest match, and the
+        # longest length found wins (what trying n = max_ngram .. 1 in turn gives), in one pass over the history
+        # (a batch proposes for every row in every tick).
         length = len(history)
-        for n in range(min(self.max_ngram, length - 1), 0, -1):
-            tail = list(history[length - n :])
-            for start in range(length - n - 1, -1, -1):
-                if list(history[start : start + n]) == tail:
-                    return list(history[start + n : start + n + k])
-        return []
+        longest = min(self.max_ngram, length - 1)
+        if longest < 1:
+            return []
+        last = history[-1]
+        best, best_end = 0, -1
+        for end in range(length - 2, -1, -1):
+            if history[end] != last:
+                continue
+            matched = 1
+            while matched < longest and end - matched >= 0 and history[end - matched] == history[-1 - matched]:
+                matched += 1
+            if matched > best:
+                best, best_end = matched, end
+                if best == longest:
+                    break
+        if best == 0:
+            return []
+        return list(history[best_end + 1 : best_end + 1 + k])
 
     def fingerprint(self) -> int:
         return fingerprint([1, self.max_ngram])

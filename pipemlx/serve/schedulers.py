@@ -205,6 +205,8 @@ class Batched:
             decode_groups=settings.decode_groups,
             timeout=settings.timeout,
             logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
+            prompt_lookup=settings.prompt_lookup,  # speculation in the batch: prompt lookup (a draft model is refused)
+            num_draft_tokens=settings.num_draft_tokens,
         )
         self.requests: dict[int, InBatch] = {}  # by request id
         self.ids: dict[int, int] = {}  # the generator's uid -> request id
@@ -230,12 +232,16 @@ class Batched:
                 caches=caches,
                 logits_processors=[r.sampling.processors() for r in requests],
                 all_tokens=[i.request.tokens[: i.plan.reuse] for i in ops.inserts],
+                draft=[r.sampling.draft for r in requests],
             )
             for insert, uid, cache in zip(ops.inserts, uids, caches):
                 self.requests[insert.request.id] = InBatch(insert, uid, cache)
                 self.ids[uid] = insert.request.id
-        for response in self.generator.next():
-            request_id = self.ids[response.uid]
+        answered: set[int] = set()  # rank 0 answered it in this step (a stop string): its later tokens are not sent
+        for response in self.generator.next():  # with prompt lookup, a request may have several tokens in a step
+            request_id = self.ids.get(response.uid)
+            if request_id is None or request_id in answered:
+                continue
             request = self.requests[request_id]
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 request.prompt_cache = None
@@ -248,6 +254,7 @@ class Batched:
                 self._keep_answer(request, response)
                 ended.append(self._end(request, "stop" if complete else response.finish_reason))
             elif complete:  # rank 0 answers it now; every rank removes it at the next step
+                answered.add(request_id)
                 ended.append((request_id, self._result(request, "stop")))
         if sink is not None:
             for request_id, request in self.requests.items():
@@ -296,8 +303,16 @@ class Batched:
         prefilled = len(tokens) - reuse if agreed is None else agreed - reuse
         if outcome == "failed" and error is None:
             error = RuntimeError("the model raised on another rank")
+        proposed, accepted = self.generator.guesses_of(request.uid)
         return RequestResult(
-            outcome, reuse, max(cache_tokens, 0), prefilled, describe(error), generated=len(request.generated)
+            outcome,
+            reuse,
+            max(cache_tokens, 0),
+            prefilled,
+            describe(error),
+            proposed,
+            accepted,
+            generated=len(request.generated),
         )
 
     def _end(

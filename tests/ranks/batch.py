@@ -690,6 +690,135 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
     return report
 
 
+def keyed_sampler(seed: int, temperature: float = 0.8) -> Any:
+    """A seeded sampler with a key of its own (as serve's batched requests have): one split per draw."""
+    state = [mx.random.key(seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        pair = mx.random.split(state[0])
+        state[0] = pair[0]
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=pair[1])
+
+    return sample
+
+
+class Oracle:
+    """Guesses from the answers mlx-lm gave (a test's proposer, the same on every rank): mostly right, so that
+    passes keep several guesses and a stop falls inside one; every third position's second guess is wrong."""
+
+    def __init__(self, prompts: list[list[int]], answers: list[list[int]]) -> None:
+        self.known = list(zip(prompts, answers))
+
+    def propose(self, history: list[int], k: int, sampler: Any = None, greedy: int = 0) -> list[int]:
+        for prompt, answer in self.known:
+            if list(history[: len(prompt)]) == prompt:
+                done = len(history) - len(prompt)
+                truth = list(answer[done : done + k])
+                if len(history) % 3 == 0 and len(truth) > 1:
+                    truth[1] = (truth[1] + 1) % 256
+                return truth
+        return []
+
+
+def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
+    """Prompt lookup in pipemlx's BatchGenerator against mlx-lm's one-process BatchGenerator without speculation.
+
+    Requests: 0 greedy on a prompt repeating a passage (guesses); 1 greedy, ``draft`` False; 2 seeded sampled
+    (its own key); 3 greedy, a stop token inside its answer (its 5th solo token), inserted at step 2; 4 greedy,
+    removed (its caches handed back) once it returned 3 tokens. Prompts 0 and 4 hold what the model says after a
+    passage, then the passage again, so that guesses hold. Reports per request the tokens and the
+    logprobs of each token (``None`` where this rank holds none), mlx-lm's, the guesses proposed and confirmed,
+    the widest step, and the handed-back cache's offset against the tokens it holds.
+    """
+    mlx_generate: Any = sys.modules["mlx_lm.generate"]
+    arch = spec.get("arch", "llama")
+    config = tiny_config(arch)
+    sharded = pipemlx.shard_model(build_model(config), group, head=spec.get("head", "all"))
+    whole = build_model(config)
+    passage, other = prompt_of(11), prompt_of(9)
+    echo = solo_run(arch, passage, 12, 8)  # what the model says after the passage: a later copy may say it again
+    prompts = [passage + echo + passage, prompt_of(13), other * 2, passage * 2 + other[:3], other + echo + other]
+    limits = [16, 10, 10, 14, 24]
+    drafts = [True, False, True, True, True]
+
+    def reference(stops: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        generator = mlx_generate.BatchGenerator(whole, prefill_step_size=8)
+        uids = generator.insert(
+            prompts,
+            limits,
+            samplers=[None, None, keyed_sampler(5), None, None],
+            stop_sequences=[StopSequences(s) for s in stops],
+        )
+        tokens: dict[int, list[int]] = {u: [] for u in uids}
+        logprobs: dict[int, list[float]] = {u: [] for u in uids}
+        while responses := generator.next_generated():
+            for r in responses:
+                tokens[r.uid].append(int(r.token))
+                logprobs[r.uid].append(r.logprobs[r.token].item())
+        generator.close()
+        return [tokens[u] for u in uids], [logprobs[u] for u in uids]
+
+    unstopped, _ = reference([[], [], [], [], []])
+    # Request 0 stops at the sequence of its 4th to 6th tokens (the same token thrice: its 6th is a guess that holds,
+    # in a pass that guessed further), request 3 at its 5th token.
+    stops: list[list[list[int]]] = [[unstopped[0][3:6]], [], [], [[unstopped[3][4]]], []]
+    want_tokens, want_logprobs = reference(stops)
+    generator = pipemlx.BatchGenerator(
+        sharded,
+        prefill_step_size=8,
+        prefill_chunk_tokens=8,
+        prompt_lookup=spec.get("lookup", 2),
+        num_draft_tokens=spec.get("num_draft_tokens", 3),
+    )
+    if spec.get("oracle"):  # guesses that mostly hold, from mlx-lm's answers without stops
+        generator._speculation.proposer = Oracle(prompts, unstopped)  # pyright: ignore
+    uids: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float | None]] = {}
+    handed: list[Any] = []
+    stopped_in_pass = 0  # finishing responses that came with earlier tokens of their request in the same tick
+    step = 0
+    while step == 0 or len(generator) or step <= 2:
+        for i in [0, 1, 2, 4] if step == 0 else [3] if step == 2 else []:
+            (uid,) = generator.insert(
+                [prompts[i]],
+                [limits[i]],
+                samplers=[keyed_sampler(5) if i == 2 else None],
+                stop_sequences=[stops[i]],
+                draft=[drafts[i]],
+            )
+            uids[uid] = i
+            tokens[i], logprobs[i] = [], []
+        if 4 in tokens and len(tokens[4]) >= 3 and not handed:  # removed mid-run, its caches handed back
+            removed = generator.remove([next(u for u, i in uids.items() if i == 4)], return_prompt_caches=True)
+            for cache, held in removed.values():
+                handed = [cache_offset(cache or []), held, list(tokens[4])]
+        responses = generator.next()
+        for r in responses:
+            i = uids[r.uid]
+            tokens[i].append(int(r.token))
+            logprobs[i].append(None if r.logprobs is None else r.logprobs[r.token].item())
+            if r.finish_reason == "stop" and sum(1 for o in responses if o.uid == r.uid) > 1:
+                stopped_in_pass += 1
+        step += 1
+        if step > 200:
+            raise RuntimeError("the generator never finished")
+    proposed, confirmed = generator.guesses
+    return {
+        "rank": group.rank(),
+        "tokens": [tokens[i] for i in range(len(prompts))],
+        "logprobs": [logprobs[i] for i in range(len(prompts))],
+        "want_tokens": want_tokens,
+        "want_logprobs": want_logprobs,
+        "proposed": proposed,
+        "confirmed": confirmed,
+        "ticks": step,
+        "handed": handed,
+        "removed_prompt": prompts[4],
+        "stopped_in_pass": stopped_in_pass,
+    }
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     group = init_group()
@@ -697,7 +826,15 @@ def main() -> None:
     if "scenarios" in spec:
         reports: dict[str, dict[str, Any]] = {}
         for name, scenario in spec["scenarios"].items():
-            runner = run_parity if scenario.get("parity") else run_engine if scenario.get("engine") else run
+            runner = (
+                run_parity
+                if scenario.get("parity")
+                else run_engine
+                if scenario.get("engine")
+                else run_speculative
+                if scenario.get("speculate")
+                else run
+            )
             reports[name] = runner(scenario, group, solo_run)
             mx.synchronize()
             mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank done before the next

@@ -43,9 +43,10 @@ from ...schedule.costmodel import CostModel
 from ...schedule.memory_split import parse_size
 from ..caches import UNCOUNTED, cache_offset, trim_to
 from ..calibrate import calibrated
-from ..sampling import LogitsProcessor, Sampler
+from ..sampling import LogitsProcessor, Sampler, greedy, log_probabilities
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
+from ..waits import wait_for
 from .memory import exchange_admission
 from .requests import (
     BatchRequest,
@@ -60,6 +61,7 @@ from .requests import (
 )
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
+from .speculate import BatchSpeculation, check_speculation, cut_rows, emitted, padded_inputs, speculable
 from .stats import Counters
 from .tick import DecodeJob, TickOutcome, TickRunner, TickWork
 
@@ -168,6 +170,15 @@ class BatchGenerator:
     :data:`~pipemlx.schedule.batch_plan.AUTO_LEAVE_ROWS_PER_RANK`. Each request's tokens are the same either way;
     the order of the responses across requests differs (docs/batching.md, "Decode groups in flight").
 
+    ``prompt_lookup`` (pipemlx's; ``None``, the default: no speculation) turns on speculative decoding by prompt
+    lookup in the batch: each request that may guess (:meth:`insert`'s ``draft``) and decodes greedily with no logits
+    processors feeds, in each step, its next token and up to ``num_draft_tokens`` guesses (what followed the latest
+    earlier match of its last ``prompt_lookup``..1 tokens; ``"auto"``: per row, off where its guesses rarely hold),
+    and keeps the guesses the step confirms: the tokens are those without guesses, several per tick. It speculates
+    only while the batch decodes as one group, and needs plain KV caches on every rank (``ValueError`` otherwise, on
+    every rank: the constructor then makes one small all-gather). See
+    docs/batching.md, "Speculation".
+
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
 
@@ -237,6 +248,8 @@ class BatchGenerator:
         share_logprobs: bool = False,
         logprobs: bool = True,
         decode_groups: int | Literal["auto"] = 1,
+        prompt_lookup: int | None = None,
+        num_draft_tokens: int | Literal["auto"] = 2,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -280,6 +293,13 @@ class BatchGenerator:
         # them out of its own sampling meanwhile (_unsampled) when it is the one whose sampling raised.
         self._sampled: frozenset[int] = frozenset()
         self._unsampled: frozenset[int] = frozenset()
+        self._speculation: BatchSpeculation | None = None
+        if prompt_lookup is not None:
+            check_speculation(prompt_lookup, num_draft_tokens)
+            self._check_speculable(fresh)
+            self._speculation = BatchSpeculation(prompt_lookup, num_draft_tokens)
+        self._guesses: list[list[int]] = []  # the tick under way's per row (empty: a step without guesses)
+        self._ahead_logprobs: mx.array | None = None  # its later positions' log-probabilities, [R, width-1, V]
         self.admission: Admission | None = (
             None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
         )
@@ -328,6 +348,17 @@ class BatchGenerator:
         return self._runner.shared_ticks
 
     @property
+    def guesses(self) -> tuple[int, int]:
+        """``(proposed, confirmed)``: every request's guesses so far with ``prompt_lookup`` (``(0, 0)`` without)."""
+        speculation = self._speculation
+        return (0, 0) if speculation is None else (speculation.proposed, speculation.confirmed)
+
+    def guesses_of(self, uid: int) -> tuple[int, int]:
+        """``(proposed, confirmed)``: a request's guesses, while it is in the generator and until the next tick after
+        it left (``(0, 0)`` for one that never guessed)."""
+        return (0, 0) if self._speculation is None else self._speculation.of(uid)
+
+    @property
     def last_error(self) -> BaseException | None:
         """The first model error this rank stood in for (requests failed with ``finish_reason="error"``)."""
         return self._runner.error
@@ -349,6 +380,7 @@ class BatchGenerator:
         samplers: Sequence[Sampler | None] | None = None,
         logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
         stop_sequences: Sequence[Stops | None] | None = None,
+        draft: Sequence[bool] | None = None,
     ) -> list[int]:
         """Queue ``prompts`` (token ids); return their uids. Nothing is sent: the next ticks prefill them.
 
@@ -368,9 +400,12 @@ class BatchGenerator:
         the generator's ``stop_tokens`` takes (``None``: the generator's); they replace the generator's for that
         request. Raises ``ValueError`` for a bad request (an empty prompt, a bad count, a cache that does not fit the
         model, or one that could never fit the memory budget), on every rank alike, before anything changes.
+
+        ``draft`` (pipemlx's, as ``pipemlx serve``'s requests' ``"draft"``): one bool per prompt, whether the request
+        may guess when the generator was made with ``prompt_lookup`` (default: every request may).
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
-        return self._insert([[p] for p in prompts], False, options)
+        return self._insert([[p] for p in prompts], False, options, draft)
 
     def insert_segments(
         self,
@@ -381,6 +416,7 @@ class BatchGenerator:
         samplers: Sequence[Sampler | None] | None = None,
         logits_processors: Sequence[Sequence[LogitsProcessor] | None] | None = None,
         stop_sequences: Sequence[Stops | None] | None = None,
+        draft: Sequence[bool] | None = None,
     ) -> list[int]:
         """Queue prompts given as segments (mlx-lm's ``insert_segments``); return their uids.
 
@@ -390,11 +426,24 @@ class BatchGenerator:
         mlx-lm's does, before anything changes.
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
-        return self._insert(segments, True, options)
+        return self._insert(segments, True, options, draft)
 
-    def _insert(self, segments: Sequence[Sequence[Sequence[int]]], segmented: bool, options: Options) -> list[int]:
+    def _insert(
+        self,
+        segments: Sequence[Sequence[Sequence[int]]],
+        segmented: bool,
+        options: Options,
+        draft: Sequence[bool] | None = None,
+    ) -> list[int]:
         """Check requests and queue them: the next ticks prefill them."""
+        drafts = [True] * len(segments) if draft is None else list(draft)
+        if len(drafts) != len(segments) or not all(isinstance(d, bool) for d in drafts):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"draft must be one bool per prompt ({len(segments)}), got {draft!r}")
         requests = checked_requests(self, self._next_uid, self._fresh_bound, segments, segmented, options)
+        if self._speculation is not None:
+            for request, guessing in zip(requests, drafts):
+                if guessing:
+                    self._speculation.enrol(request.uid)
         self._next_uid += len(requests)
         self._requests.update((r.uid, r) for r in requests)
         self._plan = enqueue(self._plan, [r.queued for r in requests])
@@ -421,6 +470,8 @@ class BatchGenerator:
         self._runner.drop(gone)
         for uid in gone:
             self._requests.pop(uid).done = True
+        if self._speculation is not None:
+            self._speculation.forget(gone)
         for group in self._idle_groups():
             self._groups[group].compact_if_worth_it()
         return handed_back
@@ -498,6 +549,8 @@ class BatchGenerator:
         if not self._busy():
             return []
         started = time.perf_counter()
+        if self._speculation is not None:
+            self._speculation.ended.clear()
         tick, after = self._plan_tick()
         dead = any(rows.dead for rows in self._groups.values())
         if dead and self._limits is not None and self._plan.queue and tick.chunks[0] is None:
@@ -512,7 +565,7 @@ class BatchGenerator:
             self._plan, self._group_state = after, groups_after
             return []
         work = self._work(tick, groups)
-        self._logprobs = None
+        self._logprobs = self._ahead_logprobs = None
         sampled_before, self._unsampled = self._sampled, self._sampled if self._runner.sample_failed else frozenset()
         outcome = self._runner.run(work)
         self._sampled = frozenset(r.uid for r in self._finishing.active) if work.processing else frozenset()
@@ -522,9 +575,12 @@ class BatchGenerator:
         done = tick.chunks[-1]
         if done is not None and done.uid in self._requests:
             self._requests[done.uid].filled = done.stop
-        responses = self._responses(outcome)
+        if self._guesses:
+            responses, inputs = self._guessed_responses(outcome, work.width)
+        else:
+            responses, inputs = self._responses(outcome), outcome.tokens
         if groups.finishing is not None:
-            self._finishing.fed(outcome.tokens)
+            self._finishing.fed(inputs)
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         generated = sum(1 for r in responses if r.finish_reason != "error")
         self._counters.count(0 if done is None else done.length, generated, time.perf_counter() - started)
@@ -555,6 +611,7 @@ class BatchGenerator:
 
     def _work(self, tick: Tick, groups: GroupTick) -> TickWork:
         """This rank's inputs for the tick: the serial batch's step, or the groups' (their rows on this rank)."""
+        self._guesses = []
         finishing = self._finishing.requests
         all_rows = list(self._groups.items())
         work = TickWork(
@@ -575,6 +632,7 @@ class BatchGenerator:
             plan=fingerprint([tick.fingerprint(), groups.fingerprint()]),
         )
         if groups.serial:
+            self._guess(work)
             return work
         work.groups = groups
         work.jobs = {
@@ -663,6 +721,119 @@ class BatchGenerator:
         tokens, self._logprobs = sample(logits, self._finishing.requests, self.sampler, self._unsampled)
         return tokens
 
+    def _check_speculable(self, fresh: list[Any]) -> None:
+        """Raise ``ValueError`` on every rank unless every rank's caches can be cut back per row (one all-gather)."""
+        stage = self.stage
+        flags = [int(speculable(fresh))]
+        if stage.world_size > 1:
+            with mx.stream(stage.compute_stream):
+                gathered = mx.distributed.all_gather(mx.array(flags, dtype=mx.int32), group=stage.group)
+            wait_for(gathered, self.timeout, lambda: f"{stage.describe()} agreeing on prompt_lookup's caches")
+            flags = cast(list[int], gathered.tolist())
+        unable = [r for r, ok in enumerate(flags) if not ok]
+        if unable:
+            raise ValueError(
+                f"prompt_lookup needs plain KV caches on every rank (cut back per row after a step with guesses); "
+                f"rank(s) {unable} hold rotating (max_kv_size), quantized or recurrent layer caches: leave "
+                "prompt_lookup out"
+            )
+
+    def _guess(self, work: TickWork) -> None:
+        """The serial batch's guesses for the tick (:mod:`.speculate`), from the rows' tokens every rank holds:
+        the step then feeds each row's next token, its guesses and padding, and the guesses join the plan's
+        fingerprint (ranks that guessed differently fail the tick's agreement)."""
+        self._guesses = []
+        speculation = self._speculation
+        if speculation is None or not work.rows:
+            return
+        guesses = [speculation.guesses(r, self.sampler) for r in self._finishing.requests]
+        if not any(guesses):
+            return
+        work.fed, work.width = padded_inputs(work.inputs, guesses)
+        work.sample_ahead = self._sample_ahead
+        counts = [len(g) for g in guesses]
+        work.plan = fingerprint([0 if work.plan is None else work.plan, *counts, *(t for g in guesses for t in g)])
+        self._guesses = guesses
+
+    def _sample_ahead(self, logits: mx.array) -> mx.array:
+        """The guessed positions' tokens (``[rows, width - 1]``, greedy: only greedy rows guess), keeping their
+        log-probabilities for the responses."""
+        self._ahead_logprobs = log_probabilities(logits)
+        return greedy(logits)
+
+    def _logprob(self, row: int, position: int) -> mx.array | None:
+        """A row's log-probabilities at a position of the tick's step, where this rank holds them."""
+        if not self.logprobs:
+            return None
+        if position == 0:
+            return None if self._logprobs is None else self._logprobs[row]
+        return None if self._ahead_logprobs is None else self._ahead_logprobs[row, position - 1]
+
+    def _guessed_responses(self, outcome: TickOutcome, width: int) -> tuple[list[Response], list[int]]:
+        """:meth:`_responses` of a step with guesses, and each row's next input.
+
+        Each live row keeps the tokens its pass yields (:func:`.speculate.emitted`, up to its stop: its own
+        :meth:`BatchRequest.take` decides, as without guesses); they are returned in the next tick, which feeds the
+        last of them. Every rank then cuts each row's batch caches back to the positions it kept
+        (:func:`.speculate.cut_rows`) before a finished row's caches are handed back.
+        """
+        speculation = cast(BatchSpeculation, self._speculation)
+        failed: set[int] = set(outcome.failed_uids)
+        for group in outcome.failed_groups:
+            if group in self._groups:
+                failed.update(r.uid for r in self._groups[group].active)
+        rows = self._finishing.requests
+        kept = [1] * len(rows)  # positions of this step each row keeps
+        fed: list[tuple[Decided | None, list[Decided]] | None] = []
+        for i, request in enumerate(rows):
+            if request.done or request.uid in failed:
+                fed.append(None)
+                continue
+            fed.append((request.decided, request.ahead))
+            request.ahead = []
+            if request.decided is None or request.decided.reason is None:  # the request goes on
+                guesses = self._guesses[i]
+                samples = [outcome.tokens[i], *outcome.ahead[i * (width - 1) : (i + 1) * (width - 1)]]
+                tokens = emitted(guesses, samples)
+                speculation.record(request.uid, len(guesses), len(tokens) - 1)
+                decided: list[Decided] = []
+                for position, token in enumerate(tokens):
+                    reason = request.take(token)
+                    decided.append(Decided(token, self._logprob(i, position), reason))
+                    if reason is not None:
+                        break
+                kept[i] = len(decided)
+                request.ahead, request.decided = decided[:-1], decided[-1]
+            else:
+                request.decided = None
+        with mx.stream(self.stage.compute_stream):  # evaluated with the next step, by the bounded waits' helpers
+            cut_rows(self._finishing.caches, [width - k for k in kept])
+        responses: list[Response] = []
+        extracted: list[list[Any]] = []
+        for i, (request, entry) in enumerate(zip(rows, fed)):
+            if entry is None:
+                continue
+            last, ahead = entry
+            responses.extend(Response(request.uid, d.token, logprobs=d.logprobs) for d in ahead)
+            if last is None:  # its first tick: it fed the prompt's last token
+                continue
+            cache = None if last.reason is None else self._finishing.extract(i)
+            if cache is not None:
+                extracted.append(cache)
+            responses.append(
+                Response(
+                    request.uid,
+                    last.token,
+                    logprobs=last.logprobs,
+                    finish_reason=last.reason,
+                    prompt_cache=cache,
+                    all_tokens=None if last.reason is None else request.fed,
+                )
+            )
+        responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
+        self._finishing.settle(extracted)
+        return responses, [0 if r.decided is None else r.decided.token for r in rows]
+
     def _responses(self, outcome: TickOutcome) -> list[Response]:
         """The tick's responses, as mlx-lm's ``BatchGenerator`` gives them: each live row's token decided in the
         last tick (this tick fed it), a finished request's caches taken out of the batch after its closing tick fed
@@ -682,6 +853,8 @@ class BatchGenerator:
             if request.done or request.uid in failed:
                 continue
             fed, request.decided = request.decided, None
+            ahead, request.ahead = request.ahead, []  # a step with guesses before: its confirmed guesses come first
+            responses.extend(Response(request.uid, d.token, logprobs=d.logprobs) for d in ahead)
             if fed is None or fed.reason is None:  # the request goes on: this tick's token is returned next tick
                 token = outcome.tokens[i]
                 reason = request.take(token)

@@ -53,6 +53,7 @@ class BatchRequest:
     done: bool = False  # finished or removed; its batch row, if any, stays until the batch caches are compacted
     decided: Decided | None = None  # the token decided in the last tick: this tick feeds it and returns it
     window: int | None = None  # every layer cache keeps at most this many positions (rotating caches): its bound
+    ahead: list[Decided] = field(default_factory=list[Decided])  # confirmed guesses before ``decided`` (speculate.py)
 
     def __post_init__(self) -> None:
         self.prefix = 0 if self.cache is None else counted_offset(self.cache)

@@ -111,6 +111,7 @@ class TickOutcome:
     failed_groups: frozenset[int]
     failed_uids: frozenset[int]
     failed_sample: bool = False
+    ahead: list[int] = field(default_factory=list[int])  # a step with guesses: per row, its later positions' samples
 
 
 @dataclass
@@ -132,6 +133,15 @@ class TickWork:
     groups: GroupTick | None = None  # groups in flight: who computes which group (None: the serial batch's step)
     jobs: dict[int, DecodeJob] = field(default_factory=dict[int, DecodeJob])  # the groups' steps in the tick
     plan: int | None = None  # the fingerprint of the tick's whole plan, chunks and groups (None: the chunks')
+    width: int = 1  # positions per row in the decode step: 1, or 1 + the most guesses a row feeds (speculate.py)
+    fed: list[list[int]] | None = None  # width > 1: per row, its next token, its guesses and padding
+    sample_ahead: Callable[[mx.array], mx.array] | None = None  # width > 1: logits [R, width-1, V] -> ids [R, width-1]
+
+    def decode_inputs(self) -> mx.array:
+        """The decode step's token ids, ``[rows, width]``."""
+        if self.fed is not None:
+            return mx.array(self.fed, dtype=mx.int32)
+        return mx.array(self.inputs, dtype=mx.int32)[:, None]
 
     @property
     def finishing(self) -> int | None:
@@ -167,7 +177,8 @@ class TickRunner:
         rank 0's new chunk, summed from every rank's rows and left with rank 0's embedding (a collective)."""
         stage, tick = self.stage, work.tick
         new = tick.chunks[0]
-        tokens = [*work.inputs, *([] if new is None else work.chunk_tokens(new))]
+        fed = work.inputs if work.fed is None else [t for row in work.fed for t in row]
+        tokens = [*fed, *([] if new is None else work.chunk_tokens(new))]
         if tokens:
             shard = cast(VocabShard, stage.info.vocab_shard)
             describe = lambda: f"{stage.describe()} embedding batch tick {tick.index}'s tokens"  # noqa: E731
@@ -181,7 +192,7 @@ class TickRunner:
         stage = self.stage
         shard = cast(VocabShard, stage.info.vocab_shard)
         if hidden is None or failed:
-            hidden = mx.zeros((work.rows, shard.hidden_size), dtype=mx.float32)
+            hidden = mx.zeros((work.rows * work.width, shard.hidden_size), dtype=mx.float32)
         describe = lambda: f"{stage.describe()} gathering batch tick {work.tick.index}'s logits"  # noqa: E731
         logits = shard.logits(hidden, stage.group, self.timeout, describe)
         self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
@@ -200,7 +211,7 @@ class TickRunner:
         gathered_logits: mx.array | None = None  # head="split": the batch's whole logits, on every rank
         try:
             with send_mode(self.model, "queue"), stage.executing_plan(), mx.stream(stage.compute_stream):
-                tokens = mx.zeros((work.rows,), dtype=mx.float32)  # the last rank's sampled tokens
+                tokens = mx.zeros((work.rows * work.width,), dtype=mx.float32)  # the last rank's sampled tokens
                 logits: mx.array | None = None  # the last rank's, for the others to sample (work.processing)
                 mine = tick.chunks[stage.rank]
                 if self._splits:  # head="split": rank 0's embeddings of the tick's decode inputs and new chunk
@@ -211,7 +222,7 @@ class TickRunner:
                 # Decided in the last tick, alike on every rank. head="split" shares only where no logprobs are
                 # wanted (the whole logits are then never gathered: each rank's best decides each row's token).
                 split_shares = not work.logprobs and not work.processing and work.greedy
-                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares)
+                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares) and work.width == 1
                 self.shared_ticks += sharing
                 hidden: mx.array | None = None
                 if work.groups is not None:  # 2. this rank's decode group's step
@@ -226,8 +237,8 @@ class TickRunner:
                             raise
                         self._note(exc)
                         failed_group = SERIAL
-                        outgoing = stand_in(stage, work.rows, 1, self._take_off_the_wire)
-                        sent = mx.zeros((work.rows,)) if outgoing is None else self._send(outgoing)
+                        outgoing = stand_in(stage, work.rows, work.width, self._take_off_the_wire)
+                        sent = mx.zeros((work.rows * work.width,)) if outgoing is None else self._send(outgoing)
                         hidden = logits = None
                     if stage.is_last:
                         tokens = sent
@@ -253,7 +264,7 @@ class TickRunner:
                     gathered_logits = self._split_logits(work, hidden, failed_group >= 0)
                     if stage.is_last and failed_group < 0:
                         try:
-                            tokens, logits = work.sample(gathered_logits).astype(mx.float32), gathered_logits
+                            tokens, logits = self._sample_steps(work, gathered_logits), gathered_logits
                         except Exception as exc:  # a processor or sampler raised: the decode failed here
                             if not _is_model_error(exc):
                                 raise
@@ -280,7 +291,7 @@ class TickRunner:
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
                     payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
                 if work.processing and work.rows and not self._splits:  # last, after the tokens and the pairs
-                    width = work.rows * self.vocab_size
+                    width = work.rows * work.width * self.vocab_size
                     payload.append(mx.zeros((width,)) if logits is None else mx.reshape(logits, (-1,)))
                 gathered = gather(TICK.row(values, status, payload), stage.group)
             where = f"batch tick {tick.index}"
@@ -292,7 +303,7 @@ class TickRunner:
             raise
         try:
             table = TICK.read(gathered, stage.world_size, where)
-            outcome, greedy = outcome_of(table, work.rows, sharing)
+            outcome, greedy = outcome_of(table, work.rows, sharing, work.width)
         except PipelineMismatchError as exc:
             # Found only after the tick's messages went out, sized by each rank's own plan: bytes may be left
             # on a link, and every later message on it would be read shifted (wrong tokens, no error).
@@ -319,15 +330,15 @@ class TickRunner:
         stage = self.stage
         finishing = cast(int, work.finishing)
         if not stage.is_last and finishing not in outcome.failed_groups:
-            width = work.rows * self.vocab_size
+            width = work.rows * work.width * self.vocab_size
             try:
                 with mx.stream(stage.compute_stream):
                     if gathered is not None:
                         logits = gathered
                     else:
                         logits = mx.array(table.payloads[-1][-width:], dtype=mx.float32)
-                        logits = mx.reshape(logits, (work.rows, -1)).astype(self.logits_dtype)
-                    sampled = work.sample(logits)
+                        logits = logits.astype(self.logits_dtype)
+                    sampled = self._sample_steps(work, logits)
                 wait_for(sampled, self.timeout, lambda: f"{stage.describe()} sampling batch tick {work.tick.index}")
             except Exception as exc:  # a processor or sampler of this rank raised: the decode failed here
                 if not _is_model_error(exc):
@@ -335,6 +346,17 @@ class TickRunner:
                 self._note(exc)
                 self.sample_failed = True
         return outcome
+
+    def _sample_steps(self, work: TickWork, logits: mx.array) -> mx.array:
+        """The tokens of the decode step's ``logits`` (``[rows * width, vocabulary]`` or any shape of as many):
+        each row's first position by ``work.sample``, then, in a step with guesses, the later positions by
+        ``work.sample_ahead``, row by row (the payload's order: :func:`outcome_of`)."""
+        logits = mx.reshape(logits, (work.rows, work.width, -1))
+        first = work.sample(logits[:, 0, :]).astype(mx.float32)
+        if work.width == 1 or work.sample_ahead is None:
+            return first
+        ahead = work.sample_ahead(logits[:, 1:, :]).astype(mx.float32)
+        return mx.concatenate([first, mx.reshape(ahead, (-1,))])
 
     def _take_held(self, mine: TickChunk | None) -> Held | None:
         held, self.held = self.held, None
@@ -351,7 +373,22 @@ class TickRunner:
         """Build the decode step: what this rank sends on, or (last rank) the sampled tokens; (last rank,
         ``sharing``) the final hidden states, whose share of the head every rank applies; (last rank) the logits."""
         stage = self.stage
-        inputs = mx.array(work.inputs, dtype=mx.int32)[:, None]
+        inputs = work.decode_inputs()
+        if work.width > 1 and self._splits and stage.is_last:  # every position's logits from every rank's rows
+            shard = cast(VocabShard, stage.info.vocab_shard)
+            self.stage.received.clear()
+            hidden = shard.hidden(self.model, inputs, work.batch_cache)
+            return (
+                mx.zeros((work.rows * work.width,), dtype=mx.float32),
+                mx.reshape(hidden, (-1, hidden.shape[-1])),
+                None,
+            )
+        if work.width > 1:  # a step with guesses (never with a shared head: see run)
+            logits = self._forward(inputs, work.batch_cache)
+            self.vocab_size, self.logits_dtype = logits.shape[-1], logits.dtype
+            if not stage.is_last:
+                return self._send(self._queued_output()), None, None
+            return self._sample_steps(work, logits), None, logits
         if self._splits and stage.is_last:  # the logits come from every rank's rows: _split_logits
             shard = cast(VocabShard, stage.info.vocab_shard)
             self.stage.received.clear()
@@ -521,11 +558,12 @@ def _is_model_error(exc: BaseException) -> bool:
     return not isinstance(exc, (PipelineError, PeerLostError, PipelineTimeoutError)) and not _is_peer_lost(exc)
 
 
-def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, bool]:
+def outcome_of(table: Table, rows: int, sharing: bool, width: int = 1) -> tuple[TickOutcome, bool]:
     """What every rank learns from a tick's gathered ``table``, and whether every rank's rows were greedy.
 
     The tokens are the last rank's, or, when the ranks shared the head (``sharing``) and the last rank's rows were
-    all greedy, picked from every rank's best logits.
+    all greedy, picked from every rank's best logits. A step with guesses (``width`` positions per row) carries
+    after the rows' tokens their later positions' samples, row by row (:attr:`TickOutcome.ahead`).
     """
     if sharing and table.last("greedy"):
         tokens = pick_tokens([payload[rows : rows + SHARE_WIDTH * rows] for payload in table.payloads])
@@ -534,5 +572,8 @@ def outcome_of(table: Table, rows: int, sharing: bool) -> tuple[TickOutcome, boo
     failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)
     failed_groups = frozenset(g - 1 for g in table["failed_decode"] if g > 0)
     failed_sample = any(table["failed_sample"])
-    outcome = TickOutcome(tokens, failed_groups, failed_uids, failed_sample)
+    ahead = [int(t) for t in table.payloads[-1][rows : rows * width]] if width > 1 else []
+    outcome = TickOutcome(
+        tokens=tokens, failed_groups=failed_groups, failed_uids=failed_uids, failed_sample=failed_sample, ahead=ahead
+    )
     return outcome, all(table["greedy"])

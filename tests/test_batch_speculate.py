@@ -1,0 +1,134 @@
+"""pipemlx.runtime.batch.speculate: the pieces of prompt lookup in a BatchGenerator, in this process.
+
+The rows' cut (``cut_rows``) is checked against mlx-lm's own single-request caches: after a step with guesses and
+the cut, each row's next logits equal a solo run's over the tokens the row kept. The whole generator against mlx-lm's
+BatchGenerator runs in tests/test_batch.py (``test_prompt_lookup_in_the_batch_...``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from fakes import FakeGroup
+from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
+
+import pipemlx
+from pipemlx.runtime.batch.requests import BatchRequest, Decided
+from pipemlx.runtime.batch.speculate import (
+    AUTO_RETRY_EVERY,
+    AUTO_TRIAL,
+    BatchSpeculation,
+    cut_rows,
+    emitted,
+    padded_inputs,
+    speculable,
+)
+from pipemlx.runtime.stops import StopSet
+from pipemlx.testing import build_model, tiny_config
+
+
+def test_a_row_keeps_its_guesses_up_to_the_first_its_samples_disagree_with_then_its_own_sample() -> None:
+    assert emitted([], [7]) == [7]
+    assert emitted([4, 5, 6], [4, 5, 6, 9]) == [4, 5, 6, 9]  # every guess held, and the token after them
+    assert emitted([4, 5, 6], [4, 8, 6, 9]) == [4, 8]  # the second failed: its own token instead
+    assert emitted([4, 5], [3, 5, 1]) == [3]  # none held: one token, as without guesses
+    rows, width = padded_inputs([10, 20, 30], [[1, 2], [], [3]])
+    assert width == 3 and rows == [[10, 1, 2], [20, 0, 0], [30, 3, 0]]
+    assert padded_inputs([10], [[]]) == ([[10]], 1)
+
+
+def solo_logits(model: Any, tokens: list[int]) -> mx.array:
+    """mlx-lm's logits after ``tokens`` on a fresh single-request cache (one forward pass)."""
+    return model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1]
+
+
+@pytest.mark.parametrize("kept", [(3, 1, 2), (1, 1, 1), (4, 4, 4), (2, 4, 1)])
+def test_rows_cut_back_per_row_decode_on_as_solo_runs_of_what_they_kept(kept: tuple[int, int, int]) -> None:
+    """Three rows of different lengths (left-padded) feed 4 positions each; each keeps ``kept[i]`` of them (their
+    next token and ``kept[i] - 1`` guesses). After the cut every row's next step gives the logits of a solo run
+    over its prompt and kept tokens, and its extracted cache holds exactly those positions."""
+    model = build_model(tiny_config("llama"))
+    prompts = [list(range(5, 14)), list(range(40, 44)), list(range(70, 77))]
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt[:-1]]), cache=cache)
+        caches.append(cache)
+    batch = [c[0].merge([cache[layer] for cache in caches]) for layer, c in enumerate(zip(*caches))]
+    fed = [[p[-1], 200 + i, 210 + i, 220 + i] for i, p in enumerate(prompts)]
+    model(mx.array(fed), cache=batch)
+    cut_rows(batch, [4 - k for k in kept])
+    following = [[100 + i] for i in range(3)]
+    logits = model(mx.array(following), cache=batch)[:, -1]
+    for i, prompt in enumerate(prompts):
+        history = prompt[:-1] + fed[i][: kept[i]]
+        assert batch[0].extract(i).offset == len(history) + 1  # and the token fed after the cut
+        want = solo_logits(model, history + following[i])
+        assert mx.allclose(logits[i], want, atol=1e-4).item(), (i, kept)
+
+
+def test_only_plain_kv_caches_are_cut_back_per_row() -> None:
+    assert speculable([KVCache(), KVCache()]) and not speculable([]) and not speculable([RotatingKVCache(8)])
+    with pytest.raises(TypeError, match="BatchRotatingKVCache"):
+        cut_rows([BatchRotatingKVCache(8, [0, 1])], [1, 0])
+
+
+def request(uid: int, prompt: list[int], max_tokens: int = 20, sampler: Any = None) -> BatchRequest:
+    made = BatchRequest(uid, prompt, max_tokens, sampler, StopSet.of((), "stop").matcher(), (), [], None, ())
+    made.decided = Decided(prompt[-1], None, None)
+    return made
+
+
+def test_auto_turns_a_row_whose_guesses_fail_off_and_tries_again_later() -> None:
+    """``"auto"``: once a row proposed AUTO_TRIAL guesses with too few confirmed it rests (no guesses) for
+    AUTO_RETRY_EVERY ticks, then guesses again; a row whose guesses hold keeps guessing; sampled rows, rows that
+    opted out and rows near max_tokens guess nothing (or less)."""
+    speculation = BatchSpeculation(1, "auto")
+    good, bad = request(0, [1, 2, 3, 1, 2, 3, 1]), request(1, [4, 5, 6, 4, 5, 6, 4])
+    for r in (good, bad):
+        speculation.enrol(r.uid)
+    for _ in range(AUTO_TRIAL // 3):
+        assert speculation.guesses(good, None) == [2, 3, 1]  # what followed the last earlier 1 (of 4 asked)
+        assert speculation.guesses(bad, None) == [5, 6, 4]
+        speculation.record(good.uid, 3, 2)
+        speculation.record(bad.uid, 3, 0)
+    assert speculation.guesses(good, None) == [2, 3, 1]
+    resting = [speculation.guesses(bad, None) for _ in range(AUTO_RETRY_EVERY)]
+    assert resting == [[]] * (AUTO_RETRY_EVERY - 1) + [[5, 6, 4]]
+    assert speculation.proposed == 2 * AUTO_TRIAL and speculation.confirmed == 2 * AUTO_TRIAL // 3
+    assert speculation.guesses(request(2, [1, 2, 1], sampler=lambda x: x), None) == []  # not enrolled, sampled
+    speculation.enrol(3)
+    assert speculation.guesses(request(3, [1, 2, 1]), lambda x: x) == []  # the generator's default samples
+    near = request(3, [1, 2, 3, 1, 2, 3], max_tokens=3)
+    near.answer = [1]
+    assert speculation.guesses(near, None) == [2]  # 2 tokens left: the next one and one guess
+    fixed = BatchSpeculation(2, 3)
+    fixed.enrol(0)
+    for _ in range(AUTO_TRIAL * 2):
+        fixed.record(0, 3, 0)
+    assert fixed.guesses(good, None) == [2, 3, 1]  # a fixed count never rests
+
+
+def fake_generator(**kwargs: Any) -> Any:
+    model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
+    return pipemlx.BatchGenerator(model, **{"prefill_step_size": 8, "prefill_chunking": "fixed", **kwargs})
+
+
+def test_bad_speculation_settings_raise_before_anything_is_sent() -> None:
+    for bad, named in (
+        ({"prompt_lookup": 0}, "prompt_lookup must be a positive int"),
+        ({"prompt_lookup": True}, "prompt_lookup must be a positive int"),
+        ({"prompt_lookup": 2, "num_draft_tokens": 0}, "num_draft_tokens must be an int from 1 to 16 or 'auto'"),
+        ({"prompt_lookup": 2, "num_draft_tokens": 17}, "num_draft_tokens must be an int from 1 to 16 or 'auto'"),
+        ({"prompt_lookup": 2, "num_draft_tokens": "many"}, "num_draft_tokens must be an int"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            fake_generator(**bad)
+    generator = fake_generator()
+    with pytest.raises(ValueError, match=r"draft must be one bool per prompt \(2\)"):
+        generator.insert([[1, 2], [3]], draft=[True])
+    with pytest.raises(ValueError, match="draft must be one bool per prompt"):
+        generator.insert([[1, 2]], draft=[1])
+    assert len(generator) == 0 and generator.guesses == (0, 0)
