@@ -286,6 +286,7 @@ SCENARIOS[2]["engine"] = SCENARIOS[3]["engine"] = {
     "arch": "qwen3",
     "max_kv_size": 32,
     "decode_groups": 2,  # the engine loop once more with decode groups in flight (check_engine_report)
+    "compiled_decode": True,  # and once more with each rank's layers' decode step compiled
 }
 
 
@@ -395,7 +396,13 @@ def check_engine_report(report: dict[str, Any]) -> None:
     """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
     rank = report["rank"]
     grouped = ["groups max_kv_size=None", "groups max_kv_size=32"] if "groups max_kv_size=None" in report else []
-    for size in ("max_kv_size=None", "max_kv_size=32", *grouped):
+    compiled = ["compiled max_kv_size=None", "compiled max_kv_size=32"] if "compiled max_kv_size=None" in report else []
+    for size in compiled:  # compiled_decode=True: [steps run compiled, traces, distinct (rows, room) shapes]
+        steps, traces, shapes = report[size]["pipemlx"]["compiled"]
+        # Plain caches: every rank compiled its decode steps (rows joining and leaving, the next turns on the
+        # caches handed back), traced once per shape, never per step; max_kv_size's rotating caches: all eager.
+        assert (steps > 0) == size.endswith("None") and traces == shapes < 8, (rank, size, steps, traces, shapes)
+    for size in ("max_kv_size=None", "max_kv_size=32", *grouped, *compiled):
         ours, mlx = report[size]["pipemlx"], report[size]["mlx"]
         assert (ours["most_groups"] >= 2) == (size in grouped), (rank, size, ours["most_groups"])
         assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])

@@ -506,7 +506,9 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             for r in responses:
                 following[r.uid].append([r.token, r.logprobs[r.token].item()])
         generator.close()
+        compiled = getattr(generator, "compiled_decode", None)  # pipemlx's, compiled_decode=True
         return {
+            "compiled": None if compiled is None else [compiled.steps, compiled.traces, len(compiled.shapes)],
             "tokens": [tokens[u] for u in uids],
             "logprobs": [logprobs[u] for u in uids],
             "finished": [finished[u] for u in uids],
@@ -530,6 +532,11 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                 sharded, prefill_step_size=8, decode_groups=spec["decode_groups"], **kw
             )
             report[f"groups {name}"] = {"pipemlx": engine(grouped, size), "mlx": report[name]["mlx"]}
+        if spec.get("compiled_decode"):  # the same loop with each rank's layers' decode step compiled
+            compiled = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
+                sharded, prefill_step_size=8, compiled_decode=True, **kw
+            )
+            report[f"compiled {name}"] = {"pipemlx": engine(compiled, size), "mlx": report[name]["mlx"]}
     tokenizer = WordTokenizer(stop[-1:])
     sampled = {"sampler": Seen().sampler}  # a sampler: every rank holds the logprobs it was given
 

@@ -32,7 +32,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask  # pyright: ignore[reportUnknownVariableType]
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..edges import ReceivingLayer, SendingLayer
 from ..stage import PipelineStage
@@ -75,6 +75,31 @@ class TracedBatchCache:
         return self.keys, self.values
 
 
+class TracedCacheList:
+    """A layer's ``CacheList`` inside the trace (a lent heads' pair: :class:`pipemlx.models.lending.LentHeadsCache`):
+    its parts by index, and the first one's answers, as that class gives them."""
+
+    def __init__(self, parts: list[TracedBatchCache]) -> None:
+        self.parts = parts
+
+    def __getitem__(self, index: int) -> TracedBatchCache:
+        return self.parts[index]
+
+    @property
+    def offset(self) -> mx.array:
+        return self.parts[0].offset
+
+
+def parts_of(cache: Any) -> list[Any]:
+    """A layer cache's plain caches: a ``CacheList``'s parts, else the cache itself."""
+    return list(cast(Any, cache).caches) if isinstance(cache, CacheList) else [cache]
+
+
+def structure_of(caches: list[Any]) -> tuple[int, ...]:
+    """Per layer cache, how many caches its ``CacheList`` holds (0: a plain cache)."""
+    return tuple(len(parts_of(c)) if isinstance(c, CacheList) else 0 for c in caches)
+
+
 def fit_room(cache: Any, room: int) -> None:
     """Give ``cache`` (a ``BatchKVCache``) keys and values of exactly ``room`` positions, its ``_idx`` first ones
     kept (what lies past them is never read: mlx-lm's own cache zero-fills its growth there too)."""
@@ -100,15 +125,18 @@ def original_call(layer: nn.Module) -> Callable[..., mx.array]:
 class CompiledDecode:
     """A rank's local layers' decode step over its batch caches, compiled (see the module).
 
-    ``traces`` counts the traces made (one per distinct rows and room), ``steps`` the steps run compiled.
+    ``traces`` counts the traces made (one per distinct rows and room: :attr:`shapes`, the probe's included),
+    ``steps`` the steps run compiled.
     """
 
-    def __init__(self, model: nn.Module, stage: PipelineStage, owner: nn.Module) -> None:
+    def __init__(self, model: nn.Module, stage: PipelineStage, owner: nn.Module, structure: tuple[int, ...]) -> None:
         self.stage = stage
+        self.structure = structure  # per layer: the parts of its CacheList (0: a plain cache), as its caches are made
         self.owner = owner  # the module whose ``layers`` list the inner model runs
         self.calls = [original_call(layer) for layer in cast(list[nn.Module], cast(Any, model).layers)]
         self.traces = 0
         self.steps = 0
+        self.shapes: set[tuple[int, int]] = set()  # the (rows, room) of every step run (the probe's too)
         self._compiled = mx.compile(self._trace)
 
     @classmethod
@@ -125,58 +153,66 @@ class CompiledDecode:
         if getattr(owner, "swa_idx", None) is not None:  # llama with sliding layers: two masks
             return None
         caches = make_prompt_cache(model)
-        if not caches or not all(type(c) is KVCache for c in caches):
+        if not caches or not all(type(p) is KVCache for c in caches for p in parts_of(c)):
             return None
-        decode = cls(model, stage, owner)
-        return decode if decode.agrees() else None
+        decode = cls(model, stage, owner, structure_of(caches))
+        return decode if decode.agrees(lambda: make_prompt_cache(model)) else None
 
-    def agrees(self) -> bool:
-        """Whether the compiled step gives what the layers give eagerly over mlx-lm's ``BatchKVCache`` (its own
-        mask): two rows of :data:`PROBE_LENGTHS` positions (left-padded), then :data:`PROBE_STEPS` steps; local work
-        only. A layer that asks the cache what the traced one does not answer fails it: then every step is eager."""
+    def agrees(self, new_cache: Callable[[], list[Any]]) -> bool:
+        """Whether the compiled step gives what the layers give eagerly over mlx-lm's ``BatchKVCache`` s (their own
+        mask), made from ``new_cache()`` and merged as the batch's rows are: two rows of :data:`PROBE_LENGTHS`
+        positions (left-padded), then :data:`PROBE_STEPS` steps, on the stage's compute stream; local work only.
+        A layer that asks the cache what the traced one does not answer fails it: then every step is eager."""
         info = self.stage.info
         width = info.lending.incoming_width or info.hidden_size
         dtype = info.dtype or mx.float32
         try:
-            runs: list[list[mx.array]] = []
-            for compiled in (False, True):
-                rows: list[list[Any]] = []
-                for i, length in enumerate(PROBE_LENGTHS):
-                    caches = [KVCache() for _ in self.calls]
-                    hidden = mx.random.normal((1, length, width), key=mx.random.key(i)).astype(dtype)
-                    mask: Any = create_attention_mask(hidden, caches[0])  # pyright: ignore[reportUnknownVariableType]
-                    for call, cache in zip(self.calls, caches):
-                        hidden = call(hidden, mask, cache)
-                    rows.append(caches)
-                merge = cast(Callable[[list[Any]], Any], BatchKVCache.merge)  # pyright: ignore[reportUnknownMemberType]
-                batch = [merge([row[layer] for row in rows]) for layer in range(len(self.calls))]
-                outputs: list[mx.array] = []
-                for step in range(PROBE_STEPS):
-                    hidden = mx.random.normal((len(rows), 1, width), key=mx.random.key(10 + step)).astype(dtype)
-                    if compiled:
-                        outputs.append(self.step(hidden, batch))
-                    else:
-                        mask = batch[0].make_mask(1)
-                        for call, cache in zip(self.calls, batch):
-                            hidden = call(hidden, mask, cache)
-                        outputs.append(hidden)
-                runs.append(outputs)
-            want, have = mx.concatenate(runs[0], axis=1), mx.concatenate(runs[1], axis=1)
-            scale = max(1.0, cast(float, mx.max(mx.abs(want)).item()))
-            agreed = cast(float, mx.max(mx.abs(want - have)).item()) <= PROBE_TOLERANCE * scale
+            with mx.stream(self.stage.compute_stream):  # where the steps run (a trace is made for a stream)
+                agreed = self._agrees(new_cache, width, dtype)
         except Exception:  # a layer that asks the cache what the traced one does not answer: eager steps
             return False
         finally:
             self.steps = 0
         return agreed
 
+    def _agrees(self, new_cache: Callable[[], list[Any]], width: int, dtype: mx.Dtype) -> bool:
+        """:meth:`agrees`' runs, eager then compiled, on the current stream."""
+        runs: list[list[mx.array]] = []
+        for compiled in (False, True):
+            rows: list[list[Any]] = []
+            for i, length in enumerate(PROBE_LENGTHS):
+                caches = new_cache()
+                hidden = mx.random.normal((1, length, width), key=mx.random.key(i)).astype(dtype)
+                mask: Any = create_attention_mask(hidden, caches[0])  # pyright: ignore[reportUnknownVariableType]
+                for call, cache in zip(self.calls, caches):
+                    hidden = call(hidden, mask, cache)
+                rows.append(caches)
+            # Each layer cache's own batch class, as the batch's rows merge them (KVCache -> BatchKVCache).
+            batch = [rows[0][layer].merge([row[layer] for row in rows]) for layer in range(len(self.calls))]
+            outputs: list[mx.array] = []
+            for step in range(PROBE_STEPS):
+                hidden = mx.random.normal((len(rows), 1, width), key=mx.random.key(10 + step)).astype(dtype)
+                if compiled:
+                    outputs.append(self.step(hidden, batch))
+                else:
+                    mask = batch[0].make_mask(1)
+                    for call, cache in zip(self.calls, batch):
+                        hidden = call(hidden, mask, cache)
+                    outputs.append(hidden)
+            runs.append(outputs)
+        want, have = mx.concatenate(runs[0], axis=1), mx.concatenate(runs[1], axis=1)
+        scale = max(1.0, cast(float, mx.max(mx.abs(want)).item()))
+        return cast(float, mx.max(mx.abs(want - have)).item()) <= PROBE_TOLERANCE * scale
+
     def holds(self, caches: list[Any]) -> bool:
-        """Whether a decode step over ``caches`` (this rank's batch caches) can run compiled."""
-        if len(caches) != len(self.calls) or not caches:
+        """Whether a decode step over ``caches`` (this rank's batch caches) can run compiled: every layer's a plain
+        ``BatchKVCache`` or a ``CacheList`` of them (a lent heads' pair), not empty, all holding the same positions."""
+        if len(caches) != len(self.calls) or not caches or structure_of(caches) != self.structure:
             return False
-        if not all(type(c) is BatchKVCache and c.keys is not None for c in caches):  # pyright: ignore[reportUnknownMemberType]
+        parts = [p for c in caches for p in parts_of(c)]
+        if not all(type(p) is BatchKVCache and p.keys is not None for p in parts):  # pyright: ignore[reportUnknownMemberType]
             return False
-        held = {c._idx for c in caches}  # pyright: ignore[reportPrivateUsage]
+        held = {p._idx for p in parts}  # pyright: ignore[reportPrivateUsage]
         return len(held) == 1
 
     def layers(self, caches: list[Any]) -> Any:
@@ -200,29 +236,45 @@ class CompiledDecode:
         """The local layers over ``hidden`` (``[rows, 1, width]``), each writing its position into its cache."""
         if hidden.shape[1] != 1:
             raise ValueError(f"a compiled decode step reads one position per row, got {hidden.shape[1]}")
-        held = cast(int, caches[0]._idx)  # pyright: ignore[reportPrivateUsage]
+        parts = [p for c in caches for p in parts_of(c)]
+        held = cast(int, parts[0]._idx)  # pyright: ignore[reportPrivateUsage]
         room = -(-(held + 1) // ROOM_STEP) * ROOM_STEP
-        for cache in caches:
-            fit_room(cache, room)
-        first = caches[0]
-        arrays = [cast(mx.array, a) for c in caches for a in (c.keys, c.values)]
+        for part in parts:
+            fit_room(part, room)
+        first = parts[0]
+        self.shapes.add((hidden.shape[0], room))
+        arrays = [cast(mx.array, a) for p in parts for a in (p.keys, p.values)]
         at = mx.array([held], dtype=mx.int32)
         output, *updated = self._compiled(hidden, at, first.left_padding, first.offset, *arrays)
-        for i, cache in enumerate(caches):
-            cache.keys, cache.values = updated[2 * i], updated[2 * i + 1]
-            cache.offset = cache.offset + 1
-            cache._idx = held + 1  # pyright: ignore[reportPrivateUsage]
+        for i, part in enumerate(parts):
+            part.keys, part.values = updated[2 * i], updated[2 * i + 1]
+            part.offset = part.offset + 1
+            part._idx = held + 1  # pyright: ignore[reportPrivateUsage]
         self.steps += 1
         return output
 
     def _trace(
-        self, hidden: mx.array, at: mx.array, left_padding: mx.array, offset: mx.array, *arrays: mx.array
+        self,
+        hidden: mx.array,
+        at: mx.array,
+        left_padding: mx.array,
+        offset: mx.array,
+        *arrays: mx.array,
     ) -> list[mx.array]:
+        """The traced step over the caches' arrays, laid out as :attr:`structure` says."""
         self.traces += 1
         mask = room_mask(left_padding, at, arrays[0].shape[2])
-        traced = [TracedBatchCache(arrays[2 * i], arrays[2 * i + 1], offset, at) for i in range(len(self.calls))]
-        for call, cache in zip(self.calls, traced):
+        parts = [TracedBatchCache(arrays[2 * i], arrays[2 * i + 1], offset, at) for i in range(len(arrays) // 2)]
+        layered: list[Any] = []
+        for count in self.structure:
+            if count:
+                layered.append(TracedCacheList(parts[:count]))
+                parts = parts[count:]
+            else:
+                layered.append(parts.pop(0))
+        for call, cache in zip(self.calls, layered):
             hidden = call(hidden, mask, cache)
+        traced = [p for c in layered for p in (c.parts if isinstance(c, TracedCacheList) else [c])]
         return [hidden, *(a for c in traced for a in (c.keys, c.values))]
 
 
