@@ -307,6 +307,7 @@ def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_r
     rank's processors and samplers saw what mlx-lm's saw, once per token."""
     reports = scenario_reports(world_size, "engine")
     for report in reports:
+        assert {"compiled max_kv_size=None", "compiled groups max_kv_size=None"} <= set(report), report["rank"]
         check_engine_report(report)
     # Rank 0's processor raised in some tick: every rank failed that tick's rows alike (one tick later, before
     # returning the token that tick decided), and served the next request; with one group and with groups.
@@ -345,7 +346,9 @@ def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:
     group = mx.distributed.init()
     assert group.size() == 1
     one = {**SCENARIOS[2]["engine"], "decode_groups": None}  # a group of one decodes as one group
-    check_engine_report(program.run_engine(one, group, program.Solo()))
+    report = program.run_engine(one, group, program.Solo())
+    assert {"compiled max_kv_size=None", "compiled max_kv_size=32"} <= set(report)  # compiled, and rotating: eager
+    check_engine_report(report)
     config = tiny_config("qwen3")
     runs: list[Any] = []
     for function, model in (
@@ -396,13 +399,16 @@ def check_engine_report(report: dict[str, Any]) -> None:
     """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
     rank = report["rank"]
     grouped = ["groups max_kv_size=None", "groups max_kv_size=32"] if "groups max_kv_size=None" in report else []
-    compiled = ["compiled max_kv_size=None", "compiled max_kv_size=32"] if "compiled max_kv_size=None" in report else []
+    compiled = [name for name in ("compiled max_kv_size=None", "compiled max_kv_size=32") if name in report]
+    if "compiled groups max_kv_size=None" in report:  # compiled, with decode groups in flight
+        grouped.append("compiled groups max_kv_size=None")
+        compiled.append("compiled groups max_kv_size=None")
     for size in compiled:  # compiled_decode=True: [steps run compiled, traces, distinct (rows, room) shapes]
         steps, traces, shapes = report[size]["pipemlx"]["compiled"]
         # Plain caches: every rank compiled its decode steps (rows joining and leaving, the next turns on the
         # caches handed back), traced once per shape, never per step; max_kv_size's rotating caches: all eager.
         assert (steps > 0) == size.endswith("None") and traces == shapes < 8, (rank, size, steps, traces, shapes)
-    for size in ("max_kv_size=None", "max_kv_size=32", *grouped, *compiled):
+    for size in dict.fromkeys(("max_kv_size=None", "max_kv_size=32", *grouped, *compiled)):
         ours, mlx = report[size]["pipemlx"], report[size]["mlx"]
         assert (ours["most_groups"] >= 2) == (size in grouped), (rank, size, ours["most_groups"])
         assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])

@@ -532,11 +532,18 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                 sharded, prefill_step_size=8, decode_groups=spec["decode_groups"], **kw
             )
             report[f"groups {name}"] = {"pipemlx": engine(grouped, size), "mlx": report[name]["mlx"]}
-        if spec.get("compiled_decode"):  # the same loop with each rank's layers' decode step compiled
+        # The same loop with each rank's layers' decode step compiled; with max_kv_size (rotating caches: every step
+        # eager) in a group of one only, where it costs no launch's time.
+        if spec.get("compiled_decode") and (size is None or group.size() == 1):
             compiled = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
                 sharded, prefill_step_size=8, compiled_decode=True, **kw
             )
             report[f"compiled {name}"] = {"pipemlx": engine(compiled, size), "mlx": report[name]["mlx"]}
+            if spec.get("decode_groups") and size is None:  # compiled with decode groups in flight too
+                both = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
+                    sharded, prefill_step_size=8, compiled_decode=True, decode_groups=spec["decode_groups"], **kw
+                )
+                report[f"compiled groups {name}"] = {"pipemlx": engine(both, size), "mlx": report[name]["mlx"]}
     tokenizer = WordTokenizer(stop[-1:])
     sampled = {"sampler": Seen().sampler}  # a sampler: every rank holds the logprobs it was given
 
