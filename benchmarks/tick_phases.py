@@ -5,6 +5,7 @@
     python benchmarks/tick_phases.py --steady [--requests 4,8,16] [--decode-groups 1,2]
                                      [--shapes light,bench,qwen2.5-0.5b] [--ticks 40] [--warmup 10] [--sync]
                                      [--no-logprobs] [--head auto|all|split|last] [--compile-probe STEPS]
+                                     [--compiled-decode off,on]
                                      [--json FILE]
 
 Two ranks (OpenBLAS preloaded, one core per process), pipemlx.BatchGenerator (see ranks/tick_phases_rank.py).
@@ -28,7 +29,10 @@ otherwise idle machine, when the figures matter. --no-logprobs makes the generat
 (greedy ticks may then share the head instead of gathering the logits); --head picks ``shard_model``'s head.
 --compile-probe STEPS times, on each rank after the runs, its layers' decode step for R and R/2 rows eager (mlx-lm's
 cache, the graph built every step) against ``mx.compile``d over a fixed-room cache (what compiling the batch's
-decode forward could save; ranks/tick_phases_rank.py ``compile_probe``).
+decode forward could save; ranks/tick_phases_rank.py ``compile_probe``). --compiled-decode off,on runs each
+configuration with ``BatchGenerator(compiled_decode=...)`` off and on (the layers' decode step compiled:
+pipemlx/runtime/batch/compiled.py), in one run; each run says how many of its timed ticks each rank decoded
+compiled and how many traces it made.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def steady(args: argparse.Namespace) -> None:
             "logprobs": not args.no_logprobs,
             "head": args.head,
             "probe": args.compile_probe,
+            "compiled": [value == "on" for value in args.compiled_decode.split(",")],
         }
         reports = ranks(spec)
         for r in reports if args.compile_probe else []:
@@ -113,10 +118,20 @@ def steady(args: argparse.Namespace) -> None:
             print(f"{where}, ms per step: {cells}")
         for index, run in enumerate(reports[0]["runs"]):
             both = [r["runs"][index] for r in reports]
-            found.append({"shape": shape, "R": run["R"], "groups": run["groups"], "ranks": both})
+            found.append(
+                {"shape": shape, "R": run["R"], "groups": run["groups"], "compiled": run["compiled"], "ranks": both}
+            )
             tokens = run["tokens_per_tick"]
+            compiled = (
+                ", compiled_decode: ticks compiled "
+                + "/".join(str(r["compiled_steps"]) for r in both)
+                + ", traces "
+                + "/".join(str(r["traces"]) for r in both)
+                if run["compiled"]
+                else ""
+            )
             print(
-                f"\n{shape}, R={run['R']}, decode_groups={run['groups']}: {run['tick_ms']:.2f} ms per tick "
+                f"\n{shape}, R={run['R']}, decode_groups={run['groups']}{compiled}: {run['tick_ms']:.2f} ms per tick "
                 f"(rank 0), {tokens:.2f} tokens per tick, "
                 + (f"{run['tick_ms'] / tokens:.2f} ms per token" if tokens else "no tokens")
             )
@@ -166,6 +181,12 @@ def main() -> None:
         default=0,
         metavar="STEPS",
         help="--steady: also time each rank's layers eager against compiled over a fixed-room cache, STEPS steps",
+    )
+    parser.add_argument(
+        "--compiled-decode",
+        default="off",
+        choices=["off", "on", "off,on", "on,off"],
+        help="--steady: BatchGenerator(compiled_decode=...) for each configuration, comma-separated",
     )
     parser.add_argument("--json", default=None, help="--steady: write every rank's figures here")
     args = parser.parse_args()

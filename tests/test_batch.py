@@ -286,6 +286,7 @@ SCENARIOS[2]["engine"] = SCENARIOS[3]["engine"] = {
     "arch": "qwen3",
     "max_kv_size": 32,
     "decode_groups": 2,  # the engine loop once more with decode groups in flight (check_engine_report)
+    "compiled_decode": True,  # and once more with each rank's layers' decode step compiled
 }
 
 
@@ -306,6 +307,7 @@ def test_an_engine_loop_for_mlx_lm_runs_unchanged_with_mlx_lm_results_on_every_r
     rank's processors and samplers saw what mlx-lm's saw, once per token."""
     reports = scenario_reports(world_size, "engine")
     for report in reports:
+        assert {"compiled max_kv_size=None", "compiled groups max_kv_size=None"} <= set(report), report["rank"]
         check_engine_report(report)
     # Rank 0's processor raised in some tick: every rank failed that tick's rows alike (one tick later, before
     # returning the token that tick decided), and served the next request; with one group and with groups.
@@ -344,7 +346,9 @@ def test_an_engine_loop_on_a_group_of_one_gives_mlx_lm_results() -> None:
     group = mx.distributed.init()
     assert group.size() == 1
     one = {**SCENARIOS[2]["engine"], "decode_groups": None}  # a group of one decodes as one group
-    check_engine_report(program.run_engine(one, group, program.Solo()))
+    report = program.run_engine(one, group, program.Solo())
+    assert {"compiled max_kv_size=None", "compiled max_kv_size=32"} <= set(report)  # compiled, and rotating: eager
+    check_engine_report(report)
     config = tiny_config("qwen3")
     runs: list[Any] = []
     for function, model in (
@@ -395,7 +399,16 @@ def check_engine_report(report: dict[str, Any]) -> None:
     """One rank's run_engine report: pipemlx's results are mlx-lm's (see the test above)."""
     rank = report["rank"]
     grouped = ["groups max_kv_size=None", "groups max_kv_size=32"] if "groups max_kv_size=None" in report else []
-    for size in ("max_kv_size=None", "max_kv_size=32", *grouped):
+    compiled = [name for name in ("compiled max_kv_size=None", "compiled max_kv_size=32") if name in report]
+    if "compiled groups max_kv_size=None" in report:  # compiled, with decode groups in flight
+        grouped.append("compiled groups max_kv_size=None")
+        compiled.append("compiled groups max_kv_size=None")
+    for size in compiled:  # compiled_decode=True: [steps run compiled, traces, distinct (rows, room) shapes]
+        steps, traces, shapes = report[size]["pipemlx"]["compiled"]
+        # Plain caches: every rank compiled its decode steps (rows joining and leaving, the next turns on the
+        # caches handed back), traced once per shape, never per step; max_kv_size's rotating caches: all eager.
+        assert (steps > 0) == size.endswith("None") and traces == shapes < 8, (rank, size, steps, traces, shapes)
+    for size in dict.fromkeys(("max_kv_size=None", "max_kv_size=32", *grouped, *compiled)):
         ours, mlx = report[size]["pipemlx"], report[size]["mlx"]
         assert (ours["most_groups"] >= 2) == (size in grouped), (rank, size, ours["most_groups"])
         assert ours["tokens"] == mlx["tokens"], (rank, size, ours["tokens"], mlx["tokens"])
@@ -465,7 +478,8 @@ def check_engine_report(report: dict[str, Any]) -> None:
 # Prompt lookup in the batch (tests/ranks/batch.py run_speculative): greedy rows with guesses, one that opted out,
 # a seeded sampled one, a stop inside a pass, a removal mid-run, against mlx-lm's BatchGenerator without guesses.
 # "oracle": guesses from mlx-lm's answers (mostly right: long passes, a stop among kept guesses); else prompt lookup.
-# head="split" at S=3: every position's logits gathered from every rank's rows of the head.
+# head="split" at S=3: every position's logits gathered from every rank's rows of the head. S=2 "oracle" also
+# compiles the decode step (compiled_decode=True): steps with guesses run eagerly, the others compiled.
 SPECULATION = [(2, "lookup", "auto"), (2, "oracle", 3), (3, "oracle", 2)]
 for world_size, proposer, count in SPECULATION:
     SCENARIOS[world_size][f"speculation {proposer} {count}"] = {
@@ -473,6 +487,7 @@ for world_size, proposer, count in SPECULATION:
         "oracle": proposer == "oracle",
         "num_draft_tokens": count,
         "head": "split" if (world_size, proposer) == (3, "oracle") else "all",
+        "compiled_decode": (world_size, proposer) == (2, "oracle"),
     }
 
 
@@ -498,6 +513,8 @@ def test_prompt_lookup_in_the_batch_gives_mlx_lm_tokens_and_logprobs_on_every_ra
     assert report["proposed"] > 0 and report["confirmed"] > 0, "no guess held: the test loses its power"
     if proposer == "oracle":
         assert report["confirmed"] >= report["proposed"] // 2 and report["stopped_in_pass"] >= 1
+    if SCENARIOS[world_size][f"speculation {proposer} {count}"]["compiled_decode"]:
+        assert all(r["compiled_steps"] > 0 for r in reports), [r["compiled_steps"] for r in reports]
     for rank_report in reports:
         last = rank_report["rank"] == world_size - 1
         for got, expected in zip(rank_report["logprobs"], rank_report["want_logprobs"]):

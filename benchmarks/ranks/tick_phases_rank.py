@@ -9,7 +9,7 @@ tick until its first token is timed. Each phase of ``pipemlx.runtime.batch.tick.
 ``batch_tick.wait_for``; the rest of a tick is Python (planning, building graphs, bookkeeping). Prints one JSON
 line: {"rank", "ticks", "ttft", "undisturbed_ms": [...], "per_tick_ms": {phase: ms}, "python_ms"}.
 
-``"steady"`` ({"requests": [R, ...], "groups": [decode_groups, ...], "M", "warmup", "ticks", "sync"?, "logprobs"?
+``"steady"`` ({"requests": [R, ...], "groups": [decode_groups, ...], "compiled"?: [compiled_decode, ...], "M", "warmup", "ticks", "sync"?, "logprobs"?
 (the generator's, default true), "head"? (shard_model's, default "auto"), "probe"? (steps: then
 :func:`compile_probe` for each R and R/S rows, after the runs, in "probe")}): for each
 R and each ``decode_groups`` value, a new generator decodes R requests (no arrival: every prompt prefilled,
@@ -171,7 +171,7 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
         prompts = [
             mx.random.randint(0, vocab, (spec["M"],), key=mx.random.key(100 + i)).tolist() for i in range(requests)
         ]
-        for groups in spec["groups"]:
+        for groups, compiled in [(g, c) for g in spec["groups"] for c in spec.get("compiled", [False])]:
             engine = pipemlx.BatchGenerator(
                 model,
                 max_tokens=-1,
@@ -179,6 +179,7 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
                 decode_groups=groups,
                 timeout=300.0,
                 logprobs=spec.get("logprobs", True),
+                compiled_decode=compiled,
             )
             uids = engine.insert(prompts)  # pyright: ignore[reportArgumentType]
             while len(engine.active_uids) < len(uids):
@@ -186,6 +187,8 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
             for _ in range(spec["warmup"]):
                 engine.next()
             phases.reset()
+            decode = engine.compiled_decode
+            compiled_before = 0 if decode is None else decode.steps
             tokens = 0
             start = time.perf_counter()
             phases.on = True
@@ -201,6 +204,10 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
                 {
                     "R": requests,
                     "groups": groups,
+                    "compiled": compiled,
+                    # timed ticks whose decode step ran compiled on this rank, and the traces made in the whole run
+                    "compiled_steps": 0 if decode is None else decode.steps - compiled_before,
+                    "traces": 0 if decode is None else decode.traces,
                     "ticks": ticks,
                     "tokens_per_tick": tokens / ticks,
                     "tick_ms": round(1000 * seconds / ticks, 2),

@@ -506,7 +506,9 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
             for r in responses:
                 following[r.uid].append([r.token, r.logprobs[r.token].item()])
         generator.close()
+        compiled = getattr(generator, "compiled_decode", None)  # pipemlx's, compiled_decode=True
         return {
+            "compiled": None if compiled is None else [compiled.steps, compiled.traces, len(compiled.shapes)],
             "tokens": [tokens[u] for u in uids],
             "logprobs": [logprobs[u] for u in uids],
             "finished": [finished[u] for u in uids],
@@ -530,6 +532,18 @@ def run_engine(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, An
                 sharded, prefill_step_size=8, decode_groups=spec["decode_groups"], **kw
             )
             report[f"groups {name}"] = {"pipemlx": engine(grouped, size), "mlx": report[name]["mlx"]}
+        # The same loop with each rank's layers' decode step compiled; with max_kv_size (rotating caches: every step
+        # eager) in a group of one only, where it costs no launch's time.
+        if spec.get("compiled_decode") and (size is None or group.size() == 1):
+            compiled = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
+                sharded, prefill_step_size=8, compiled_decode=True, **kw
+            )
+            report[f"compiled {name}"] = {"pipemlx": engine(compiled, size), "mlx": report[name]["mlx"]}
+            if spec.get("decode_groups") and size is None:  # compiled with decode groups in flight too
+                both = lambda **kw: pipemlx.BatchGenerator(  # noqa: E731
+                    sharded, prefill_step_size=8, compiled_decode=True, decode_groups=spec["decode_groups"], **kw
+                )
+                report[f"compiled groups {name}"] = {"pipemlx": engine(both, size), "mlx": report[name]["mlx"]}
     tokenizer = WordTokenizer(stop[-1:])
     sampled = {"sampler": Seen().sampler}  # a sampler: every rank holds the logprobs it was given
 
@@ -769,6 +783,7 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
         prefill_chunk_tokens=8,
         prompt_lookup=spec.get("lookup", 2),
         num_draft_tokens=spec.get("num_draft_tokens", 3),
+        compiled_decode=spec.get("compiled_decode", False),
     )
     if spec.get("oracle"):  # guesses that mostly hold, from mlx-lm's answers without stops
         generator._speculation.proposer = Oracle(prompts, unstopped)  # pyright: ignore
@@ -804,8 +819,10 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
         if step > 200:
             raise RuntimeError("the generator never finished")
     proposed, confirmed = generator.guesses
+    compiled = generator.compiled_decode
     return {
         "rank": group.rank(),
+        "compiled_steps": 0 if compiled is None else compiled.steps,
         "tokens": [tokens[i] for i in range(len(prompts))],
         "logprobs": [logprobs[i] for i in range(len(prompts))],
         "want_tokens": want_tokens,

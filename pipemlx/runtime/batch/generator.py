@@ -47,6 +47,7 @@ from ..sampling import LogitsProcessor, Sampler, greedy, log_probabilities
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from ..waits import wait_for
+from .compiled import CompiledDecode
 from .memory import exchange_admission
 from .requests import (
     BatchRequest,
@@ -182,6 +183,11 @@ class BatchGenerator:
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
 
+    ``compiled_decode`` (pipemlx's, default off): each rank runs its local layers' decode step as one
+    ``mx.compile`` d graph (:mod:`pipemlx.runtime.batch.compiled`) wherever its batch caches are plain
+    ``BatchKVCache`` s and the model's family is one it replays (llama, mistral, qwen2, qwen3); every other step
+    runs eagerly. Same tokens; log-probabilities within rounding.
+
     Raises ``ValueError`` for a bad value of any of these before anything is sent.
 
     A model that is not sharded (an engine's one-machine path) gets mlx-lm's own ``BatchGenerator``, built with the
@@ -207,6 +213,7 @@ class BatchGenerator:
                 "share_logprobs",
                 "logprobs",
                 "decode_groups",
+                "compiled_decode",
             )
             if name in kwargs
         )
@@ -250,6 +257,7 @@ class BatchGenerator:
         decode_groups: int | Literal["auto"] = 1,
         prompt_lookup: int | None = None,
         num_draft_tokens: int | Literal["auto"] = 2,
+        compiled_decode: bool = False,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -268,6 +276,8 @@ class BatchGenerator:
         )
         if not isinstance(share_logprobs, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise ValueError(f"share_logprobs must be a bool, got {share_logprobs!r}")
+        if not isinstance(compiled_decode, bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise ValueError(f"compiled_decode must be a bool, got {compiled_decode!r}")
         self.max_tokens = max_tokens
         self.sampler = sampler
         self.share_logprobs = share_logprobs
@@ -288,6 +298,8 @@ class BatchGenerator:
         self._group_state = GroupState(self.stage.world_size)
         self._finishing = self._groups[SERIAL]  # the rows whose step ends in the tick under way (sampled)
         self._runner = TickRunner(model, self.stage, self.timeout)
+        if compiled_decode:
+            self._runner.compiled = CompiledDecode.of(model, self.stage)
         # The rows every rank sampled in the last tick that ran (none when only the last rank sampled): failed in
         # the next tick when some rank's sampling of them raised (TickOutcome.failed_sample); this rank leaves
         # them out of its own sampling meanwhile (_unsampled) when it is the one whose sampling raised.
@@ -357,6 +369,13 @@ class BatchGenerator:
         """``(proposed, confirmed)``: a request's guesses, while it is in the generator and until the next tick after
         it left (``(0, 0)`` for one that never guessed)."""
         return (0, 0) if self._speculation is None else self._speculation.of(uid)
+
+    @property
+    def compiled_decode(self) -> CompiledDecode | None:
+        """The compiled decode step of this rank's layers (``compiled_decode=True`` on a model whose layers it can
+        run: :class:`~.compiled.CompiledDecode`, whose ``steps`` and ``traces`` count what it ran); ``None``: every
+        decode step eager."""
+        return self._runner.compiled
 
     @property
     def last_error(self) -> BaseException | None:

@@ -51,6 +51,7 @@ every rank then fails the same requests (:class:`TickOutcome`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -66,6 +67,7 @@ from ..sampling import SHARE_WIDTH, VocabShard, pick_tokens, shared_head, vocab_
 from ..send_mode import send_mode
 from ..stage import PipelineStage
 from ..waits import PEER_LOST_MARKERS, issue, wait_for
+from .compiled import CompiledDecode
 
 
 @dataclass
@@ -166,6 +168,7 @@ class TickRunner:
     logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
     vocab_size: int = 0
     sample_failed: bool = False  # this rank's sampling of the last tick's logits raised: told in the next header
+    compiled: CompiledDecode | None = None  # compiled_decode=True: the local layers' decode step, compiled
 
     def __post_init__(self) -> None:
         self.vocab_size = vocab_size_of(self.model)
@@ -231,7 +234,8 @@ class TickRunner:
                         tokens = sent
                 elif work.rows:  # 2. the decode step
                     try:
-                        sent, hidden, logits = self._decode(work, sharing)
+                        with self._layers(work.batch_cache, work.width):
+                            sent, hidden, logits = self._decode(work, sharing)
                     except Exception as exc:
                         if not _is_model_error(exc):
                             raise
@@ -254,7 +258,8 @@ class TickRunner:
                 if work.groups is not None and stage.rank > 0:  # 4. the group rank r-1 computed, before its chunk
                     group = work.groups.decode[stage.rank - 1]
                     if group is not None:
-                        self._build_decode(work.jobs[group])
+                        with self._layers(work.jobs[group].cache):
+                            self._build_decode(work.jobs[group])
                 coming = tick.receives(stage.rank)
                 if coming is not None:  # 4. the chunk rank r-1 computed: taken off the wire now, computed next tick
                     self.held, failed = self._build_chunk(coming, work)
@@ -424,7 +429,8 @@ class TickRunner:
         if stage.is_first:
             job = work.jobs[mine]
             try:
-                self._forward(mx.array(job.inputs, dtype=mx.int32)[:, None], job.cache)
+                with self._layers(job.cache):
+                    self._forward(mx.array(job.inputs, dtype=mx.int32)[:, None], job.cache)
                 output = self._queued_output()
             except Exception as exc:
                 if not _is_model_error(exc):
@@ -519,6 +525,12 @@ class TickRunner:
             self._note(exc)
             outgoing = stand_in(self.stage, 1, chunk.length, self._take_off_the_wire)
             return Held(chunk, outgoing, []), True
+
+    def _layers(self, cache: list[Any], width: int = 1) -> AbstractContextManager[None]:
+        """Where a decode step over ``cache`` runs its local layers compiled (:mod:`.compiled`): a context around
+        building it; a null one otherwise, and for a step with guesses (``width`` positions a row: the compiled
+        step reads one)."""
+        return nullcontext() if self.compiled is None or width != 1 else self.compiled.layers(cache)
 
     def _forward(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         self.stage.received.clear()
