@@ -96,7 +96,8 @@ def main() -> None:
     parser.add_argument(
         "--decode-groups",
         default="1",
-        help="the batched contenders' decode_groups, comma-separated (e.g. 1,auto,2: one group, auto, forced)",
+        help="the batched contenders' decode_groups, comma-separated (e.g. 1,auto,2: one group, auto, forced); a "
+        "trailing 'c' also compiles the decode step (1c: one group, compiled_decode=True)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="best of this many runs per figure")
     parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned")
@@ -118,7 +119,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     openblas = openblas_available()
-    groups = [g if g == "auto" else int(g) for g in args.decode_groups.split(",")]  # one batched contender each
+    groups = args.decode_groups.split(",")  # one batched contender each ("1c": decode_groups=1, compiled_decode)
+
+    def generator_args(name: str) -> dict[str, Any]:
+        value = name.removesuffix("c")
+        return {"decode_groups": value if value == "auto" else int(value), "compiled_decode": name.endswith("c")}
+
     print(
         f"prompt {args.prompt_tokens} tokens, {args.tokens} generated per request; OpenBLAS {'on' if openblas else 'off'}; "
         f"{'unpinned' if args.no_pin else 'one core per process'}; best of {args.repeat}; tokens/s (load average)"
@@ -146,7 +152,7 @@ def main() -> None:
         print(header)
         for r in (int(x) for x in args.requests.split(",")):
             spec = {**base, "R": r}
-            batched = [windowed({**spec, "mode": "pipemlx_batch", "decode_groups": g}, openblas) for g in groups]
+            batched = [windowed({**spec, "mode": "pipemlx_batch", **generator_args(g)}, openblas) for g in groups]
             single = windowed({**spec, "mode": "mlx_batch"}, openblas)
             row: dict[str, Any] = {"shape": shape, "R": r, "mlx_batch": single}
             row["pipemlx_batch"] = {str(g): b for g, b in zip(groups, batched)}

@@ -87,14 +87,17 @@ def pipemlx_batch(
     step: int,
     head_on_last: bool = False,
     decode_groups: int | str = 1,
+    compiled_decode: bool = False,
 ) -> tuple[float, int]:
     """``head_on_last``: every request samples with argmax (the same tokens), which keeps the output head on the
-    last rank instead of sharing it among the ranks. ``decode_groups``: the generator's (groups in flight)."""
+    last rank instead of sharing it among the ranks. ``decode_groups``: the generator's (groups in flight);
+    ``compiled_decode``: the generator's (the rank's layers' decode step compiled)."""
     engine = pipemlx.BatchGenerator(
         model,
         max_tokens=tokens,
         prefill_step_size=step,
         decode_groups=decode_groups,  # pyright: ignore[reportArgumentType]
+        compiled_decode=compiled_decode,
     )
     argmax = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
     engine.insert(prompts, samplers=[argmax] * len(prompts) if head_on_last else None)
@@ -257,6 +260,7 @@ def main() -> None:
                     spec["step"],
                     spec.get("head_on_last", False),
                     spec.get("decode_groups", 1),
+                    spec.get("compiled_decode", False),
                 ),
                 repeat,
                 span,
