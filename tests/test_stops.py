@@ -65,3 +65,96 @@ def test_the_fingerprint_the_ranks_compare_is_the_documented_encoding_of_the_sor
     assert StopSet.of(list(reversed(sequences))).fingerprint() == ours.fingerprint()  # order does not matter
     if ours.sequences != theirs.sequences:  # different stops are told apart (up to a hash collision)
         assert ours.fingerprint() != theirs.fingerprint()
+
+
+# generate_step's stops in one process (a group of one): the serial decode loop of runtime/decode.py, with and
+# without guesses, where one-process mutation testing reaches it. The reference: mlx-lm's greedy generate_step.
+REPEATING = [5, 17, 3, 99] * 4
+"""The tiny llama (seed 5) answers it with one token eleven times, then two alternating: stop sequences of one
+token repeated end at any place."""
+
+
+def _model_and_reference(count: int) -> tuple[object, list[int]]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    import pipemlx
+    from pipemlx.testing import build_model, tiny_config
+
+    reference = build_model(tiny_config("llama"), seed=5)
+    theirs = [int(t) for (t, _), _ in zip(generate_step(mx.array(REPEATING), reference), range(count))]
+    return pipemlx.shard_model(build_model(tiny_config("llama"), seed=5), mx.distributed.init()), theirs
+
+
+def _draft() -> object:
+    from pipemlx.testing import build_model, tiny_config
+
+    return build_model(tiny_config("llama"), seed=5)  # the model's own weights: every greedy guess holds
+
+
+def _decode(model: object, *, k: int, break_after: int = 0, **options: object) -> tuple[list[int], object, int]:
+    """The tokens one process's ``generate_step`` yields (a draft guessing ``k`` where ``k > 0``), its
+    stream (``stop``, ``decided``, ``guesses``) and the cache's offset once the stream closed."""
+    import mlx.core as mx
+
+    import pipemlx
+    from pipemlx.runtime.caches import cache_offset
+    from pipemlx.runtime.stage import stage_of
+
+    cache = stage_of(model).new_cache(model, None)  # pyright: ignore[reportArgumentType]
+    guessing: dict[str, object] = {"draft_model": _draft(), "num_draft_tokens": k} if k else {}
+    stream = pipemlx.generate_step(mx.array(REPEATING), model, prompt_cache=cache, **guessing, **options)  # pyright: ignore
+    tokens: list[int] = []
+    for token, _ in stream:
+        tokens.append(int(token))
+        if len(tokens) == break_after:
+            break
+    stream.close()
+    return tokens, stream, cache_offset(cache)  # pyright: ignore[reportArgumentType]
+
+
+def _first_completed_at(tokens: list[int], at: int) -> list[int]:
+    """The shortest stop sequence ending at ``tokens[at]`` that no earlier place of ``tokens`` completes."""
+    for m in range(1, at + 2):
+        tail = tokens[at - m + 1 : at + 1]
+        if all(tokens[i - m + 1 : i + 1] != tail for i in range(m - 1, at)):
+            return tail
+    raise AssertionError("unreachable: the whole prefix is new")
+
+
+@pytest.mark.parametrize("k", [0, 3, 4])
+def test_generate_step_stops_at_a_stop_token_anywhere_in_a_pass_as_mlx_lm(k: int) -> None:
+    """A stop sequence first completed at each place of the answer (a pass's first, middle or last token): the
+    tokens up to it, as mlx-lm's, reason ``stop``; the caches hold the prompt and every decided token, no guess
+    after. ``max_tokens`` inside a pass and at its end: ``length``."""
+    model, theirs = _model_and_reference(14)
+    held = 0  # guesses confirmed: a stop among a pass's confirmed guesses, not only at its end
+    for at in range(13):
+        tokens, stream, offset = _decode(model, k=k, max_tokens=14, stop_tokens=[_first_completed_at(theirs, at)])
+        stop = stream.stop  # pyright: ignore
+        assert tokens == theirs[: at + 1] and (stop.reason, stop.tokens) == ("stop", at + 1), (at, tokens, stop)
+        assert stream.decided == tokens and offset == len(REPEATING) + at + 1, (at, offset)  # pyright: ignore
+        held += stream.guesses[1]  # pyright: ignore
+    for limit in (1, 2, 5, 6, 7):  # max_tokens inside a pass, or at its end
+        tokens, stream, offset = _decode(model, k=k, max_tokens=limit)
+        stop = stream.stop  # pyright: ignore
+        assert tokens == theirs[:limit] and (stop.reason, stop.tokens) == ("length", limit), (limit, tokens, stop)
+        assert offset == len(REPEATING) + limit
+    assert (held >= 13) == (k > 0), held
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_generate_step_a_consumer_breaking_mid_pass_ends_after_the_pass(k: int) -> None:
+    """The consumer breaks after 1 to 5 tokens: it saw mlx-lm's tokens; the decode ends as ``cancelled`` after
+    the pass (without guesses: at once), and the caches hold what was decided (the pass's other tokens too)."""
+    model, theirs = _model_and_reference(14)
+    unseen = 0
+    for after in (1, 2, 3, 4, 5):
+        tokens, stream, offset = _decode(model, k=k, max_tokens=14, break_after=after)
+        stop, decided = stream.stop, stream.decided  # pyright: ignore
+        assert tokens == theirs[:after] and stop.reason == "cancelled" and stop.ranks == (0,), (after, stop)
+        assert decided == theirs[: len(decided)] and stop.tokens == len(decided), (after, decided, stop)
+        assert after <= len(decided) <= after + k, (after, decided)
+        assert offset == len(REPEATING) + len(decided), (after, offset)
+        unseen += len(decided) - after
+    assert (unseen > 0) == (k > 0)  # with guesses, some breaks fell in the middle of a pass
