@@ -92,7 +92,9 @@ def _draft() -> object:
     return build_model(tiny_config("llama"), seed=5)  # the model's own weights: every greedy guess holds
 
 
-def _decode(model: object, *, k: int, break_after: int = 0, **options: object) -> tuple[list[int], object, int]:
+def _decode(
+    model: object, *, k: int, break_after: int = 0, seen: list[int] | None = None, **options: object
+) -> tuple[list[int], object, int]:
     """The tokens one process's ``generate_step`` yields (a draft guessing ``k`` where ``k > 0``), its
     stream (``stop``, ``decided``, ``guesses``) and the cache's offset once the stream closed."""
     import mlx.core as mx
@@ -104,12 +106,15 @@ def _decode(model: object, *, k: int, break_after: int = 0, **options: object) -
     cache = stage_of(model).new_cache(model, None)  # pyright: ignore[reportArgumentType]
     guessing: dict[str, object] = {"draft_model": _draft(), "num_draft_tokens": k} if k else {}
     stream = pipemlx.generate_step(mx.array(REPEATING), model, prompt_cache=cache, **guessing, **options)  # pyright: ignore
-    tokens: list[int] = []
-    for token, _ in stream:
-        tokens.append(int(token))
-        if len(tokens) == break_after:
-            break
-    stream.close()
+    tokens: list[int] = [] if seen is None else seen  # (``seen``: a list the caller's callbacks read)
+    try:
+        for token, _ in stream:
+            tokens.append(int(token))
+            if len(tokens) == break_after:
+                break
+        stream.close()
+    except RuntimeError as exc:  # a callback's error, after the step that stops the decode (``stream.stop``)
+        stream.error = exc  # pyright: ignore[reportAttributeAccessIssue]
     return tokens, stream, cache_offset(cache)  # pyright: ignore[reportArgumentType]
 
 
@@ -122,7 +127,7 @@ def _first_completed_at(tokens: list[int], at: int) -> list[int]:
     raise AssertionError("unreachable: the whole prefix is new")
 
 
-@pytest.mark.parametrize("k", [0, 3, 4])
+@pytest.mark.parametrize("k", [0, 4])
 def test_generate_step_stops_at_a_stop_token_anywhere_in_a_pass_as_mlx_lm(k: int) -> None:
     """A stop sequence first completed at each place of the answer (a pass's first, middle or last token): the
     tokens up to it, as mlx-lm's, reason ``stop``; the caches hold the prompt and every decided token, no guess
@@ -158,3 +163,39 @@ def test_generate_step_a_consumer_breaking_mid_pass_ends_after_the_pass(k: int) 
         assert offset == len(REPEATING) + len(decided), (after, offset)
         unseen += len(decided) - after
     assert (unseen > 0) == (k > 0)  # with guesses, some breaks fell in the middle of a pass
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_generate_step_a_failing_callback_or_a_cancel_ends_the_decode_as_this_rank_asked(k: int) -> None:
+    """``should_cancel`` saying yes after 3 tokens: ``cancelled``, this rank named, the tokens mlx-lm's. It, or a
+    logits processor, raising: the error reaches the consumer and the stream says ``failed``, this rank named."""
+    model, theirs = _model_and_reference(14)
+    seen: list[int] = []
+
+    def cancel_after_three() -> bool:
+        return len(seen) >= 3
+
+    def broken_cancel() -> bool:
+        if len(seen) >= 2:
+            raise RuntimeError("should_cancel broke")
+        return False
+
+    def broken_processor(history: object, logits: object) -> object:
+        if len(seen) >= 2:
+            raise RuntimeError("the processor broke")
+        return logits
+
+    tokens, stream, offset = _decode(model, k=k, max_tokens=14, should_cancel=cancel_after_three, seen=seen)
+    stop = stream.stop  # pyright: ignore
+    assert tokens == theirs[: len(tokens)] and 3 <= len(tokens) <= 3 + k, tokens
+    assert (stop.reason, stop.tokens, stop.ranks) == ("cancelled", len(tokens), (0,)), stop
+    assert offset == len(REPEATING) + len(stream.decided)  # pyright: ignore
+    for options, message in (
+        ({"should_cancel": broken_cancel}, "should_cancel broke"),
+        ({"logits_processors": [broken_processor]}, "the processor broke"),
+    ):
+        seen.clear()
+        _, stream, offset = _decode(model, k=k, max_tokens=14, seen=seen, **options)
+        stop = stream.stop  # pyright: ignore
+        assert str(stream.error) == message and (stop.reason, stop.tokens, stop.ranks) == ("failed", len(seen), (0,))  # pyright: ignore
+        assert seen == theirs[: len(seen)] and 2 <= len(seen) <= 2 + k, (message, seen)
