@@ -199,3 +199,36 @@ def test_generate_step_a_failing_callback_or_a_cancel_ends_the_decode_as_this_ra
         stop = stream.stop  # pyright: ignore
         assert str(stream.error) == message and (stop.reason, stop.tokens, stop.ranks) == ("failed", len(seen), (0,))  # pyright: ignore
         assert seen == theirs[: len(seen)] and 2 <= len(seen) <= 2 + k, (message, seen)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_generate_step_yields_mlx_lms_log_probabilities_and_confirmed_guesses(k: int) -> None:
+    """Each token's log-probabilities and, with a draft, whether it was a confirmed guess (``from_draft``): mlx-lm's
+    ``generate_step`` / ``speculative_generate_step`` with the same draft. A stream left open (neither finished
+    nor closed) is ended by the next request on the model, as every rank agrees (``cancelled``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    import pipemlx
+    from pipemlx.testing import build_model, tiny_config
+
+    model, _ = _model_and_reference(14)
+    reference = build_model(tiny_config("llama"), seed=5)
+    if k:
+        theirs = list(
+            speculative_generate_step(mx.array(REPEATING), reference, _draft(), num_draft_tokens=k, max_tokens=12)
+        )  # pyright: ignore
+    else:
+        theirs = [(t, lp, False) for t, lp in generate_step(mx.array(REPEATING), reference, max_tokens=12)]  # pyright: ignore
+    guessing: dict[str, object] = {"draft_model": _draft(), "num_draft_tokens": k} if k else {}
+    stream = pipemlx.generate_step(mx.array(REPEATING), model, max_tokens=12, **guessing)  # pyright: ignore
+    mine = [(int(t), lp, stream.from_draft) for t, lp in stream]  # pyright: ignore
+    assert [(t, d) for t, _, d in mine] == [(int(t), bool(d)) for t, _, d in theirs]  # pyright: ignore
+    assert any(d for _, _, d in mine) == (k > 0)
+    for (_, lp, _), (_, reference_lp, _) in zip(mine, theirs):  # pyright: ignore
+        assert lp is not None and float(mx.max(mx.abs(lp - reference_lp)).item()) < 1e-4  # pyright: ignore
+    left_open = pipemlx.generate_step(mx.array(REPEATING), model, max_tokens=12, **guessing)  # pyright: ignore
+    next(left_open)
+    assert left_open.stop is None  # pyright: ignore
+    again = [int(t) for t, _ in pipemlx.generate_step(mx.array(REPEATING), model, max_tokens=3)]  # pyright: ignore
+    assert again == [t for t, _, _ in mine[:3]] and left_open.stop.reason == "cancelled"  # pyright: ignore
