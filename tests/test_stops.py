@@ -227,6 +227,8 @@ def test_generate_step_yields_mlx_lms_log_probabilities_and_confirmed_guesses(k:
     assert any(d for _, _, d in mine) == (k > 0)
     for (_, lp, _), (_, reference_lp, _) in zip(mine, theirs):  # pyright: ignore
         assert lp is not None and float(mx.max(mx.abs(lp - reference_lp)).item()) < 1e-4  # pyright: ignore
+    without = pipemlx.generate_step(mx.array(REPEATING), model, max_tokens=12, logprobs=False, **guessing)  # pyright: ignore
+    assert [(int(t), lp) for t, lp in without] == [(t, None) for t, _, _ in mine]  # pyright: ignore
     left_open = pipemlx.generate_step(mx.array(REPEATING), model, max_tokens=12, **guessing)  # pyright: ignore
     next(left_open)
     assert left_open.stop is None  # pyright: ignore
