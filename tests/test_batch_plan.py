@@ -363,3 +363,24 @@ def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
     # takes the message it expects, and none is left on a link (nothing is in flight between ticks but what the
     # next tick computes, received in this one).
     assert run_ticks(programs, capacity=0) == []
+
+
+def test_rows_that_joined_with_nothing_computed_split_before_any_step() -> None:
+    """One-token prompts join with empty caches (no prefill) and a tick splits the group at once (issue 51: mlx-lm's
+    ``BatchKVCache.extract`` fails on a batch cache without keys): each part holds its rows, still empty."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from pipemlx.runtime.batch.rows import Rows
+
+    rows = Rows(mx.default_stream(mx.cpu))
+    joining: list[Any] = [SimpleNamespace(uid=i, prompt=[5 + i], done=False) for i in range(5)]
+    rows.join(joining, [[KVCache(), KVCache()] for _ in joining])
+    parts = rows.split(2)
+    assert [[r.uid for r in p.requests] for p in parts] == [[0, 1], [2, 3, 4]]
+    assert [p.inputs for p in parts] == [[5, 6], [7, 8, 9]]
+    for part in parts:
+        assert len(part.caches) == 2 and all(c.empty() for c in part.caches)
+        assert all(c.offset.tolist() == [0] * len(part.requests) for c in part.caches)

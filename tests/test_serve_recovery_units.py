@@ -37,6 +37,26 @@ def test_a_resumed_sampler_draws_what_the_undisturbed_one_draws_next(drawn: int)
     assert [int(resumed(logprobs).item()) for _ in range(20)] == undisturbed[drawn:]
 
 
+@pytest.mark.parametrize(("seed", "drawn"), [(None, 0), (None, 2), (7, 0), (7, 3)])
+def test_a_batched_requests_sampler_draws_mlx_lms_seeded_draws(seed: int | None, drawn: int) -> None:
+    """``Batched``'s sampler for a request (``_keyed_sampler``): the draws of mlx-lm's ``make_sampler`` after
+    ``mx.random.seed(seed)`` (0 where the request has none yet) and ``drawn`` draws skipped (a resumed request),
+    with its filters; a greedy request has none (the batch takes the argmax)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from pipemlx.serve.schedulers import _keyed_sampler  # pyright: ignore[reportPrivateUsage]
+
+    logprobs = mx.log(mx.softmax(mx.array([[0.3, 1.2, -0.4, 0.9, 0.0, 2.1, 0.5, 1.0]]), axis=-1))
+    sampling = SamplingParams(0.9, top_p=0.95, top_k=6, seed=seed)
+    mine = _keyed_sampler(Request(1, [1, 2], 8, sampling, drawn=drawn))
+    assert mine is not None
+    mx.random.seed(0 if seed is None else seed)
+    theirs = make_sampler(0.9, top_p=0.95, top_k=6)
+    expected = [int(theirs(logprobs).item()) for _ in range(drawn + 24)][drawn:]
+    assert [int(mine(logprobs).item()) for _ in range(24)] == expected
+    assert _keyed_sampler(Request(2, [1, 2], 8, SamplingParams(0.0, seed=seed), drawn=drawn)) is None
+
+
 def test_an_insert_keeps_its_draws_through_the_broadcast() -> None:
     insert = Insert(Request(3, [1, 2, 3, 4], 9, SamplingParams(0.5, 0.75, 1234), drawn=11))  # float32-exact
     (back,) = decode_ops(encode_ops(Ops([], [insert]))).inserts

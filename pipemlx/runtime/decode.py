@@ -265,16 +265,11 @@ class DecodeRun:
             # others after them (they yielded them), as a consumer that raised would.
             stopped: BaseException | None = self.replay_error
             failing, self.replay_error = stopped is not None, None
-            for i in range(kept if stopped is None else 0):
-                self.from_draft = i < len(decided) - 1
-                stage.open_request = self
+            if stopped is None:
                 try:
-                    yield decided[i], None if logprobs is None else logprobs[i]
+                    yield from self._hand_out(decided, kept, logprobs)
                 except BaseException as exc:  # the others yield this pass's tokens: stop after them too
                     stopped = exc
-                    break
-                finally:
-                    stage.open_request = None
             n += kept
             last = decided[kept - 1]
             ended = self.stops.stopped
@@ -286,6 +281,21 @@ class DecodeRun:
                 self._drop_guesses(final, closing_guesses)
                 self.stop = _decode_stop(final, n, stopped_at_token=False)
                 raise stopped
+
+    def _hand_out(
+        self, decided: list[int], kept: int, logprobs: mx.array | None
+    ) -> Generator[tuple[int, mx.array | None], None, None]:
+        """Yield a pass's first ``kept`` decided tokens (with their log-probabilities, where any), the request open
+        on the stage while the consumer holds each. It catches nothing: what the consumer throws in, and the
+        ``GeneratorExit`` of a consumer's ``break`` (PEP 380 closes this generator, then raises it in the
+        caller's ``yield from``), reaches the caller, which still has to run the step that stops every rank."""
+        for i in range(kept):
+            self.from_draft = i < len(decided) - 1
+            self.stage.open_request = self
+            try:
+                yield decided[i], None if logprobs is None else logprobs[i]
+            finally:
+                self.stage.open_request = None
 
     def _keep(self, decided: list[int], guesses: list[int], kept: int | None = None) -> int:
         """How many of a step's ``decided`` tokens are yielded (up to the first stop token), and the caches and
@@ -506,16 +516,11 @@ class DecodeRun:
                 self.stops.advance(token)
             speculation.accepted += min(count, kept)
             speculation.proposed += len(guesses)
-            for i in range(kept if stopped is None else 0):
-                self.from_draft = i < len(decided) - 1
-                stage.open_request = self
+            if stopped is None:
                 try:
-                    yield decided[i], None if logprobs is None else logprobs[i]
+                    yield from self._hand_out(decided, kept, logprobs)
                 except BaseException as exc:  # the others yield this pass's tokens: stop in the next tick
                     stopped = exc
-                    break
-                finally:
-                    stage.open_request = None
             n += kept
             last = decided[kept - 1]
             if self.stops.stopped or n == self.max_tokens or stopped is not None:

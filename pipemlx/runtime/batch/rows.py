@@ -10,6 +10,7 @@ from data every rank has (the rows, who finished), so the rows keep one order on
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 import mlx.core as mx
@@ -139,7 +140,15 @@ class Rows:
         copy = Rows(self.stream)
         copy.requests = [self.requests[i] for i in rows]
         copy.inputs = [self.inputs[i] for i in rows]
-        if rows:
+        if rows and self.caches and all(part.empty() for part in cache_parts(self.caches)):
+            # Rows that joined without a computed position (one-token prompts) and no step since: mlx-lm's
+            # BatchKVCache cannot extract from a cache without keys; a filtered copy holds the same (nothing).
+            copy.caches = [deepcopy(c) for c in self.caches]
+            with mx.stream(self.stream):
+                for c in copy.caches:
+                    c.filter(rows)
+            evaluate(copy.caches, self.stream)
+        elif rows:
             extracted = [self.extract(i) for i in rows]
             with mx.stream(self.stream):
                 copy.caches = [
