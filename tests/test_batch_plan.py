@@ -384,3 +384,30 @@ def test_rows_that_joined_with_nothing_computed_split_before_any_step() -> None:
     for part in parts:
         assert len(part.caches) == 2 and all(c.empty() for c in part.caches)
         assert all(c.offset.tolist() == [0] * len(part.requests) for c in part.caches)
+
+
+def test_a_split_in_a_tick_nobody_joins_makes_its_groups_before_using_them() -> None:
+    """The serial batch splits in a tick without joins (a last group merged back, its rows still past ``enter``):
+    ``BatchGenerator._regroup`` makes the split's groups before it touches the one taking rank 0 (issue 51's
+    stateful run: ``KeyError`` on every rank), and rank 0's group is the split's first."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from pipemlx.runtime.batch.generator import BatchGenerator
+    from pipemlx.runtime.batch.rows import Rows
+    from pipemlx.schedule.batch_plan import SERIAL, GroupRule, GroupState, plan_groups
+
+    tick, after = plan_groups(GroupState(2), {SERIAL: 8}, 0, GroupRule(most=2, enter=8, leave=6), 7)
+    assert tick.split and not tick.serial and tick.joins_into is None  # the case: a split nobody joins
+    stream = mx.default_stream(mx.cpu)
+    rows = Rows(stream)
+    joining: list[Any] = [SimpleNamespace(uid=i, prompt=[5 + i], done=False) for i in range(8)]
+    rows.join(joining, [[KVCache()] for _ in joining])
+    fake: Any = SimpleNamespace(stage=SimpleNamespace(compute_stream=stream), _groups={SERIAL: rows})
+    BatchGenerator._regroup(fake, tick, ())  # pyright: ignore[reportPrivateUsage]
+    assert sorted(fake._groups) == sorted(tick.split)
+    assert sorted(u for g in fake._groups.values() for u in (r.uid for r in g.requests)) == list(range(8))
+    assert tick.decode[0] == tick.split[0] and tick.finishing is None  # the pipeline fills: nobody finishes yet
+    assert after.flight == tick.decode[:-1]

@@ -621,8 +621,8 @@ class BatchGenerator:
             if groups.formed:
                 self._groups[target] = Rows(stream)
             self._join(joins, self._groups[target])
-        elif groups.decode[0] is not None and not groups.serial:
-            self._groups[groups.decode[0]].compact_if_worth_it()
+        elif groups.decode[0] is not None and not groups.serial and not groups.split:
+            self._groups[groups.decode[0]].compact_if_worth_it()  # (a split's groups are made below, fresh)
         if groups.split:
             parts = self._groups[SERIAL].split(len(groups.split))
             self._groups = dict(zip(groups.split, parts))
