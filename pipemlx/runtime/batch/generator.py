@@ -834,21 +834,8 @@ class BatchGenerator:
                 continue
             last, ahead = entry
             responses.extend(Response(request.uid, d.token, logprobs=d.logprobs) for d in ahead)
-            if last is None:  # its first tick: it fed the prompt's last token
-                continue
-            cache = None if last.reason is None else self._finishing.extract(i)
-            if cache is not None:
-                extracted.append(cache)
-            responses.append(
-                Response(
-                    request.uid,
-                    last.token,
-                    logprobs=last.logprobs,
-                    finish_reason=last.reason,
-                    prompt_cache=cache,
-                    all_tokens=None if last.reason is None else request.fed,
-                )
-            )
+            if last is not None:  # (None: its first tick, it fed the prompt's last token)
+                responses.append(self._fed_response(i, request, last, extracted))
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
         self._finishing.settle(extracted)
         return responses, [0 if r.decided is None else r.decided.token for r in rows]
@@ -879,24 +866,27 @@ class BatchGenerator:
                 reason = request.take(token)
                 logprobs = None if self._logprobs is None or not self.logprobs else self._logprobs[i]
                 request.decided = Decided(token, logprobs, reason)
-            if fed is None:  # its first tick: it fed the prompt's last token
-                continue
-            cache = None if fed.reason is None else self._finishing.extract(i)
-            if cache is not None:
-                extracted.append(cache)
-            responses.append(
-                Response(
-                    request.uid,
-                    fed.token,
-                    logprobs=fed.logprobs,
-                    finish_reason=fed.reason,
-                    prompt_cache=cache,
-                    all_tokens=None if fed.reason is None else request.fed,
-                )
-            )
+            if fed is not None:  # (None: its first tick, it fed the prompt's last token)
+                responses.append(self._fed_response(i, request, fed, extracted))
         responses.extend(Response(uid, -1, finish_reason="error") for uid in sorted(failed) if uid in self._requests)
         self._finishing.settle(extracted)
         return responses
+
+    def _fed_response(self, row: int, request: BatchRequest, fed: Decided, extracted: list[list[Any]]) -> Response:
+        """The response for the token row ``row`` fed in this tick; a request it finishes has its caches taken out
+        of the batch (added to ``extracted``, settled once the tick's responses are made)."""
+        cache = None if fed.reason is None else self._finishing.extract(row)
+        if cache is not None:
+            extracted.append(cache)
+        all_tokens = None if fed.reason is None else request.fed
+        return Response(
+            request.uid,
+            fed.token,
+            logprobs=fed.logprobs,
+            finish_reason=fed.reason,
+            prompt_cache=cache,
+            all_tokens=all_tokens,
+        )
 
 
 # inspect.signature(BatchGenerator) reads __new__ (model, **kwargs) first: name __init__'s parameters instead.
