@@ -513,6 +513,11 @@ def test_prompt_lookup_in_the_batch_gives_mlx_lm_tokens_and_logprobs_on_every_ra
     assert report["proposed"] > 0 and report["confirmed"] > 0, "no guess held: the test loses its power"
     if proposer == "oracle":
         assert report["confirmed"] >= report["proposed"] // 2 and report["stopped_in_pass"] >= 1
+    shared = report["shared"]  # head="split", greedy rows without logprobs: steps with guesses share the head
+    if SCENARIOS[world_size][f"speculation {proposer} {count}"]["head"] == "split":
+        assert all(r["shared"] == shared for r in reports), "ranks disagree"
+        assert shared["tokens"] == shared["want"], shared  # mlx-lm's tokens without guesses
+        assert shared["guesses"][1] > 0 and shared["shared_guess_ticks"] >= 3, shared
     if SCENARIOS[world_size][f"speculation {proposer} {count}"]["compiled_decode"]:
         assert all(r["compiled_steps"] > 0 for r in reports), [r["compiled_steps"] for r in reports]
     for rank_report in reports:

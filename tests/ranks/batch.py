@@ -734,6 +734,41 @@ class Oracle:
         return []
 
 
+def shared_guessing(
+    sharded: Any,
+    spec: dict[str, Any],
+    prompts: list[list[int]],
+    stops: list[list[list[int]]],
+    unstopped: list[list[int]],
+) -> dict[str, Any]:
+    """Greedy requests without log-probabilities, guessing (the oracle's guesses) on a split head: every step
+    with guesses gathers each rank's best logit of every position, never the whole logits. Reports each request's
+    tokens, and the steps that shared the head with and without guesses."""
+    limits = [16, 10, 14, 24]
+    generator = pipemlx.BatchGenerator(
+        sharded,
+        prefill_step_size=8,
+        prefill_chunk_tokens=8,
+        logprobs=False,
+        prompt_lookup=spec.get("lookup", 2),
+        num_draft_tokens=spec.get("num_draft_tokens", 3),
+    )
+    generator._speculation.proposer = Oracle(prompts, unstopped)  # pyright: ignore
+    uids = generator.insert(prompts, limits, stop_sequences=stops)
+    tokens: dict[int, list[int]] = {u: [] for u in uids}
+    for _ in range(200):
+        if not len(generator):
+            break
+        for r in generator.next():
+            tokens[r.uid].append(int(r.token))
+    return {
+        "tokens": [tokens[u] for u in uids],
+        "shared_ticks": generator.shared_head_ticks,
+        "shared_guess_ticks": generator._runner.shared_guess_ticks,  # pyright: ignore
+        "guesses": list(generator.guesses),
+    }
+
+
 def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
     """Prompt lookup in pipemlx's BatchGenerator against mlx-lm's one-process BatchGenerator without speculation.
 
@@ -820,7 +855,15 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
             raise RuntimeError("the generator never finished")
     proposed, confirmed = generator.guesses
     compiled = generator.compiled_decode
+    shared: dict[str, Any] = {}
+    if spec.get("head") == "split":  # greedy rows, no logprobs: steps with guesses share the split head
+        picked = (0, 1, 3, 4)
+        shared = shared_guessing(
+            sharded, spec, [prompts[i] for i in picked], [stops[i] for i in picked], [unstopped[i] for i in picked]
+        )
+        shared["want"] = [want_tokens[i] for i in picked]
     return {
+        "shared": shared,
         "rank": group.rank(),
         "compiled_steps": 0 if compiled is None else compiled.steps,
         "tokens": [tokens[i] for i in range(len(prompts))],

@@ -165,6 +165,7 @@ class TickRunner:
     error: BaseException | None = None  # the first model error this rank stood in for
     shares_head: bool = False  # every rank's rows were greedy in the last tick: this tick's decode shares the head
     shared_ticks: int = 0  # ticks whose decode shared the head (observability)
+    shared_guess_ticks: int = 0  # of them, steps with guesses (a split head's best of every position)
     logits_dtype: mx.Dtype = mx.float32  # of the model's logits (they travel as float32)
     vocab_size: int = 0
     sample_failed: bool = False  # this rank's sampling of the last tick's logits raised: told in the next header
@@ -224,9 +225,13 @@ class TickRunner:
                     self._issue(self._chunk_results(held), tick.index, "computing the chunk it received")
                 # Decided in the last tick, alike on every rank. head="split" shares only where no logprobs are
                 # wanted (the whole logits are then never gathered: each rank's best decides each row's token).
+                # A step with guesses shares only a split head (each rank's best of every position: no V-wide
+                # gather, no extra collective); a whole head's last rank samples its guess positions itself.
                 split_shares = not work.logprobs and not work.processing and work.greedy
-                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares) and work.width == 1
+                sharing = self.shares_head and work.rows > 0 and (not self._splits or split_shares)
+                sharing = sharing and (work.width == 1 or self._splits)
                 self.shared_ticks += sharing
+                self.shared_guess_ticks += sharing and work.width > 1
                 hidden: mx.array | None = None
                 if work.groups is not None:  # 2. this rank's decode group's step
                     sent, hidden, logits, failed_group = self._group_step(work, sharing)
@@ -294,7 +299,8 @@ class TickRunner:
                 if sharing:  # after every message of the tick, as the all-gather below
                     shard = cast(VocabShard, stage.info.vocab_shard)
                     describe = lambda: f"{stage.describe()} sharing the output head in batch tick {tick.index}"  # noqa: E731
-                    payload.append(shared_head(shard, hidden, work.rows, stage.group, self.timeout, describe))
+                    positions = work.rows * work.width
+                    payload.append(shared_head(shard, hidden, positions, stage.group, self.timeout, describe))
                 if work.processing and work.rows and not self._splits:  # last, after the tokens and the pairs
                     width = work.rows * work.width * self.vocab_size
                     payload.append(mx.zeros((width,)) if logits is None else mx.reshape(logits, (-1,)))
@@ -575,16 +581,21 @@ def outcome_of(table: Table, rows: int, sharing: bool, width: int = 1) -> tuple[
 
     The tokens are the last rank's, or, when the ranks shared the head (``sharing``) and the last rank's rows were
     all greedy, picked from every rank's best logits. A step with guesses (``width`` positions per row) carries
-    after the rows' tokens their later positions' samples, row by row (:attr:`TickOutcome.ahead`).
+    after the rows' tokens their later positions' samples, row by row (:attr:`TickOutcome.ahead`); sharing a split
+    head, every rank's best logits of every position, row by row, position by position.
     """
+    positions = rows * width
+    ahead: list[int] = []
     if sharing and table.last("greedy"):
-        tokens = pick_tokens([payload[rows : rows + SHARE_WIDTH * rows] for payload in table.payloads])
+        picked = pick_tokens([payload[positions : positions + SHARE_WIDTH * positions] for payload in table.payloads])
+        tokens = picked[::width]  # picked row by row, position by position
+        ahead = [t for row in range(rows) for t in picked[row * width + 1 : (row + 1) * width]]
     else:
         tokens = [int(t) for t in table.payloads[-1][:rows]]
+        ahead = [int(t) for t in table.payloads[-1][rows:positions]]
     failed_uids = frozenset(u - 1 for u in table["failed_uid"] if u > 0)
     failed_groups = frozenset(g - 1 for g in table["failed_decode"] if g > 0)
     failed_sample = any(table["failed_sample"])
-    ahead = [int(t) for t in table.payloads[-1][rows : rows * width]] if width > 1 else []
     outcome = TickOutcome(
         tokens=tokens, failed_groups=failed_groups, failed_uids=failed_uids, failed_sample=failed_sample, ahead=ahead
     )
