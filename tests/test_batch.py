@@ -1100,6 +1100,21 @@ def test_a_tick_that_shares_the_head_takes_the_largest_logits_id_when_the_last_r
     assert outcome.tokens == [41, 42] and not greedy
 
 
+def test_a_step_with_guesses_that_shares_a_split_head_takes_every_position_s_largest_logit() -> None:
+    """Two rows of two positions: each rank adds [largest logit, its id] per row and position, row by row; the
+    rows' tokens are their first positions', the guessed positions' follow, row by row; the timings' largest."""
+    from pipemlx.runtime.batch.tick import outcome_of
+    from pipemlx.runtime.protocol import TICK
+
+    def row(pairs: list[float], timing: int) -> tuple[dict[str, int], list[float]]:
+        return {"tick": 3, "rows": 2, "greedy": 1, "timing": timing}, [0.0] * 4 + pairs
+
+    first = row([2.5, 10, 1.0, 20, 4.0, 30, 0.5, 40], 900)
+    last = row([2.0, 90, 3.0, 95, 4.0, 99, 0.5, 41], 1200)
+    outcome, greedy = outcome_of(TICK.read(tick_rows(first, last), 2, "tick"), 2, True, 2)
+    assert outcome.tokens == [10, 30] and outcome.ahead == [95, 40] and greedy and outcome.timing == 1200
+
+
 def test_a_failed_sample_in_any_rank_s_header_fails_the_last_tick_s_rows_on_every_rank() -> None:
     """A rank before the last whose sampling raised says so in the next tick's header (``failed_sample``): every
     rank reads the same outcome from the gathered table, whichever rank said it."""

@@ -17,11 +17,14 @@ from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, 
 import pipemlx
 from pipemlx.runtime.batch.requests import BatchRequest, Decided
 from pipemlx.runtime.batch.speculate import (
-    AUTO_RETRY_EVERY,
-    AUTO_TRIAL,
+    AUTO_GUESSES,
+    AUTO_PROBE_EVERY,
     BatchSpeculation,
+    StepCosts,
+    choose_guesses,
     cut_rows,
     emitted,
+    expected_tokens,
     padded_inputs,
     speculable,
 )
@@ -81,23 +84,55 @@ def request(uid: int, prompt: list[int], max_tokens: int = 20, sampler: Any = No
     return made
 
 
-def test_auto_turns_a_row_whose_guesses_fail_off_and_tries_again_later() -> None:
-    """``"auto"``: once a row proposed AUTO_TRIAL guesses with too few confirmed it rests (no guesses) for
-    AUTO_RETRY_EVERY ticks, then guesses again; a row whose guesses hold keeps guessing; sampled rows, rows that
-    opted out and rows near max_tokens guess nothing (or less)."""
+def test_auto_chooses_the_count_that_gives_the_most_tokens_per_second() -> None:
+    """choose_guesses against counts worked out by hand: the rows' expected tokens over the step's seconds."""
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 3) == 1.875 and expected_tokens(1.0, 4) == 5
+    costs = StepCosts()
+    assert choose_guesses([(0.9, 4)] * 8, costs, 4) == 0  # no plain step timed yet: none
+    costs.observe(1, 1.0)
+    assert costs.estimate(3) == 1.5  # the prior: a quarter of a plain step per position
+    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 1  # 1.5 tokens / 1.25 s beats 1.75 / 1.5 and 1 / 1
+    costs.observe(2, 2.0)  # a step with one guess cost twice a plain one: each position costs a plain step
+    assert costs.estimate(5) == 5.0 and costs.estimate(1) == 1.0
+    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 0  # guesses that hold half the time lose
+    assert choose_guesses([(0.99, 4)] * 8, costs, 4) == 0  # all but certain: 4.9 tokens for 5 s still lose
+    costs = StepCosts({1: 1.0, 2: 1.1, 4: 1.3})  # wide steps nearly free (a big model on a fast device)
+    assert costs.estimate(3) == pytest.approx(1.2) and costs.estimate(5) == pytest.approx(1.4)
+    assert choose_guesses([(0.8, 4)] * 8, costs, 4) == 4
+    assert choose_guesses([(0.05, 4)] * 8, costs, 4) == 0  # 1.05 tokens for 1.1 s: plain wins
+    mixed = [(0.8, 4), (0.0, 0), (0.0, 0), (0.0, 0)]  # one row guesses, three have nothing to feed
+    assert choose_guesses(mixed, costs, 4) == 3  # 5.95 / 1.3 beats 6.36 / 1.4, 5.44 / 1.2, 4.8 / 1.1, 4 / 1
+    assert choose_guesses(mixed, costs, 1) == 1  # at most the generator's count
+    costs.observe(2, 2.1)  # the running mean moves a quarter of the way: 1.1 + 0.25
+    assert costs.seconds[2] == pytest.approx(1.35)
+
+
+def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> None:
+    """BatchSpeculation.plan with "auto": the rows' tallies (prior 1/2) and the steps' costs choose the count for
+    every row alike; rows that fail drive it to 0, and after AUTO_PROBE_EVERY steps without it tries one guess;
+    sampled rows, rows that opted out and rows near max_tokens guess nothing (or less)."""
     speculation = BatchSpeculation(1, "auto")
     good, bad = request(0, [1, 2, 3, 1, 2, 3, 1]), request(1, [4, 5, 6, 4, 5, 6, 4])
     for r in (good, bad):
         speculation.enrol(r.uid)
-    for _ in range(AUTO_TRIAL // 3):
-        assert speculation.guesses(good, None) == [2, 3, 1]  # what followed the last earlier 1 (of 4 asked)
-        assert speculation.guesses(bad, None) == [5, 6, 4]
-        speculation.record(good.uid, 3, 2)
+    assert speculation.plan([good, bad], None) == [[], []]  # no plain step timed: none
+    assert speculation.guesses(good, None) == [2, 3, 1]  # what followed the last earlier 1 (of 4 asked)
+    speculation.costs.observe(1, 1.0)
+    assert speculation.plan([good, bad], None) == [[2], [5]]  # the prior's costs and acceptance: one guess
+    speculation.costs.observe(2, 1.2)  # cheap positions
+    for _ in range(6):
+        speculation.record(good.uid, 3, 3)
         speculation.record(bad.uid, 3, 0)
-    assert speculation.guesses(good, None) == [2, 3, 1]
-    resting = [speculation.guesses(bad, None) for _ in range(AUTO_RETRY_EVERY)]
-    assert resting == [[]] * (AUTO_RETRY_EVERY - 1) + [[5, 6, 4]]
-    assert speculation.proposed == 2 * AUTO_TRIAL and speculation.confirmed == 2 * AUTO_TRIAL // 3
+    assert speculation.tallies[good.uid].acceptance > 0.9 and speculation.tallies[bad.uid].acceptance < 0.2
+    assert speculation.plan([good, bad], None) == [[2, 3, 1], [5, 6, 4]]  # the good row's gain pays for both
+    for _ in range(10):
+        speculation.record(good.uid, 3, 0)
+    speculation.costs.observe(2, 2.0)
+    speculation.costs.observe(2, 2.0)
+    plans = [speculation.plan([good, bad], None) for _ in range(AUTO_PROBE_EVERY)]
+    assert plans == [[[], []]] * (AUTO_PROBE_EVERY - 1) + [[[2], [5]]]  # every guess fails: off, then a probe
+    assert speculation.chosen[0] == AUTO_PROBE_EVERY and speculation.idle == 0  # (and the untimed first)
+    assert speculation.proposed == 66 and speculation.confirmed == 18
     assert speculation.guesses(request(2, [1, 2, 1], sampler=lambda x: x), None) == []  # not enrolled, sampled
     speculation.enrol(3)
     assert speculation.guesses(request(3, [1, 2, 1]), lambda x: x) == []  # the generator's default samples
@@ -106,9 +141,10 @@ def test_auto_turns_a_row_whose_guesses_fail_off_and_tries_again_later() -> None
     assert speculation.guesses(near, None) == [2]  # 2 tokens left: the next one and one guess
     fixed = BatchSpeculation(2, 3)
     fixed.enrol(0)
-    for _ in range(AUTO_TRIAL * 2):
+    for _ in range(20):
         fixed.record(0, 3, 0)
-    assert fixed.guesses(good, None) == [2, 3, 1]  # a fixed count never rests
+    assert fixed.plan([good], None) == [[2, 3, 1]]  # a fixed count never changes
+    assert AUTO_GUESSES == 4
 
 
 def fake_generator(**kwargs: Any) -> Any:

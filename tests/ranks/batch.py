@@ -55,6 +55,7 @@ from mlx_lm.sample_utils import make_logits_processors
 
 import pipemlx
 from pipemlx.launch import init_group
+from pipemlx.runtime.batch.speculate import StepCosts
 from pipemlx.runtime.caches import cache_offset, trim_to
 from pipemlx.runtime.stage import stage_of
 from pipemlx.schedule.costmodel import CostModel, LayerCosts
@@ -716,6 +717,14 @@ def keyed_sampler(seed: int, temperature: float = 0.8) -> Any:
     return sample
 
 
+class FixedCosts(StepCosts):
+    """num_draft_tokens="auto"'s step costs, fixed: the counts it chooses then follow the rows' acceptance alone,
+    the same in every run (the timings of a loaded test machine would choose differently from run to run)."""
+
+    def observe(self, width: int, seconds: float) -> None:
+        del width, seconds
+
+
 class Oracle:
     """Guesses from the answers mlx-lm gave (a test's proposer, the same on every rank): mostly right, so that
     passes keep several guesses and a stop falls inside one; every third position's second guess is wrong."""
@@ -822,6 +831,8 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
     )
     if spec.get("oracle"):  # guesses that mostly hold, from mlx-lm's answers without stops
         generator._speculation.proposer = Oracle(prompts, unstopped)  # pyright: ignore
+    if spec.get("num_draft_tokens") == "auto":  # each position a tenth of a plain step, whatever this machine's
+        generator._speculation.costs = FixedCosts({w: 1 + 0.1 * (w - 1) for w in range(1, 6)})  # pyright: ignore
     uids: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list[float | None]] = {}
@@ -872,6 +883,7 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
         "want_logprobs": want_logprobs,
         "proposed": proposed,
         "confirmed": confirmed,
+        "chosen": sorted(generator._speculation.chosen.items()),  # pyright: ignore
         "ticks": step,
         "handed": handed,
         "removed_prompt": prompts[4],

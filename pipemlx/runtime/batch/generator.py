@@ -311,6 +311,7 @@ class BatchGenerator:
             self._check_speculable(fresh)
             self._speculation = BatchSpeculation(prompt_lookup, num_draft_tokens)
         self._guesses: list[list[int]] = []  # the tick under way's per row (empty: a step without guesses)
+        self._timed: tuple[int, int] | None = None  # the last tick's (width, microseconds here): a plain decode step
         self._ahead_logprobs: mx.array | None = None  # its later positions' log-probabilities, [R, width-1, V]
         self.admission: Admission | None = (
             None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
@@ -586,7 +587,11 @@ class BatchGenerator:
         work = self._work(tick, groups)
         self._logprobs = self._ahead_logprobs = None
         sampled_before, self._unsampled = self._sampled, self._sampled if self._runner.sample_failed else frozenset()
+        timed, self._timed = self._timed, None
+        work.timing = 0 if timed is None else timed[1]
         outcome = self._runner.run(work)
+        if self._speculation is not None and timed is not None and outcome.timing > 0:  # every rank's largest
+            self._speculation.costs.observe(timed[0], outcome.timing / 1e6)
         self._sampled = frozenset(r.uid for r in self._finishing.active) if work.processing else frozenset()
         if outcome.failed_sample:
             outcome = replace(outcome, failed_uids=outcome.failed_uids | sampled_before)
@@ -602,7 +607,10 @@ class BatchGenerator:
             self._finishing.fed(inputs)
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         generated = sum(1 for r in responses if r.finish_reason != "error")
-        self._counters.count(0 if done is None else done.length, generated, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self._counters.count(0 if done is None else done.length, generated, elapsed)
+        if self._speculation is not None and groups.serial and work.rows and all(c is None for c in tick.chunks):
+            self._timed = (work.width, max(1, int(elapsed * 1e6)))  # reported in the next tick's header
         return responses
 
     def _regroup(self, groups: GroupTick, joins: tuple[int, ...]) -> None:
@@ -765,7 +773,7 @@ class BatchGenerator:
         speculation = self._speculation
         if speculation is None or not work.rows:
             return
-        guesses = [speculation.guesses(r, self.sampler) for r in self._finishing.requests]
+        guesses = speculation.plan(self._finishing.requests, self.sampler)
         if not any(guesses):
             return
         work.fed, work.width = padded_inputs(work.inputs, guesses)

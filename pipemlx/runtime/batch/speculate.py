@@ -30,33 +30,108 @@ from ..speculative import PromptLookup
 from .requests import BatchRequest
 
 AUTO_GUESSES = 4
-"""``num_draft_tokens="auto"``: the guesses a row proposes in a pass while its acceptance holds up."""
-AUTO_TRIAL = 12
-"""``"auto"``: a row's guesses are judged once it has proposed this many."""
-AUTO_MIN_ACCEPTANCE = 0.25
-"""``"auto"``: a row whose confirmed share of its guesses is below this stops guessing (see :class:`RowTally`)."""
-AUTO_RETRY_EVERY = 32
-"""``"auto"``: a row that stopped guessing guesses again (a new trial) after this many ticks without."""
+"""``num_draft_tokens="auto"``: the most guesses a row feeds in a step (each step's count is chosen, 0 to this)."""
+AUTO_PRIOR = (1.0, 1.0)
+"""``"auto"``: a new row's tally before it guessed, ``(held, failed)``: a guess holds with probability 1/2."""
+AUTO_DECAY = 0.9
+"""``"auto"``: each later pass of a row weighs its earlier passes' tally by this (recent passes count most)."""
+AUTO_PRIOR_SLOPE = 0.25
+"""``"auto"``: before a step with guesses was timed, each position a row adds costs this share of a plain step."""
+AUTO_PROBE_EVERY = 64
+"""``"auto"``: after this many steps that chose no guesses while some row had guesses to feed, one guess is tried
+(the rows' acceptance and the steps' cost measured afresh)."""
+AUTO_COST_WEIGHT = 0.25
+"""``"auto"``: the weight of a newly timed step in its width's running mean of seconds."""
 
 
 @dataclass
 class RowTally:
-    """One request's guesses so far: proposed and confirmed, and the ticks since it stopped guessing (``"auto"``)."""
+    """One request's guesses so far: proposed and confirmed, and its decayed ``(held, failed)`` tally (``"auto"``:
+    each pass adds its held guesses and, if one of its guesses failed, one failure)."""
 
     proposed: int = 0
     confirmed: int = 0
-    resting: int = 0  # ticks without guesses since "auto" turned the row's guesses off (0: guessing)
-    recent: list[tuple[int, int]] = field(default_factory=list[tuple[int, int]])  # since the last judgement
+    held: float = AUTO_PRIOR[0]
+    failed: float = AUTO_PRIOR[1]
+
+    @property
+    def acceptance(self) -> float:
+        """The chance the row's next guess holds, given the ones before it held: held over held and failed (a
+        geometric run of held guesses ended by a failure, the maximum-likelihood estimate, with the prior)."""
+        return self.held / (self.held + self.failed)
+
+
+@dataclass
+class StepCosts:
+    """Seconds of the batch's plain decode steps by width (1: no guesses), from steps every rank timed alike.
+
+    Each rank times its ticks and reports the last one in the next tick's header; every rank takes the largest
+    (:attr:`~pipemlx.runtime.batch.tick.TickOutcome.timing`), so every rank holds the same figures. Only ticks
+    that computed no prefill chunk are counted (a chunk's work is no guess's cost)."""
+
+    seconds: dict[int, float] = field(default_factory=dict[int, float])
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A step of ``width`` positions a row took ``seconds`` (a running mean per width)."""
+        known = self.seconds.get(width)
+        self.seconds[width] = seconds if known is None else known + AUTO_COST_WEIGHT * (seconds - known)
+
+    def estimate(self, width: int) -> float | None:
+        """The seconds of a step ``width`` positions wide: measured, else a line through the plain step's seconds
+        and the nearest measured wider step's (:data:`AUTO_PRIOR_SLOPE` of a plain step per position where none
+        was); ``None`` before a plain step was timed."""
+        if width in self.seconds:
+            return self.seconds[width]
+        plain = self.seconds.get(1)
+        if plain is None:
+            return None
+        wider = sorted((abs(w - width), w) for w in self.seconds if w > 1)
+        if wider:
+            w = wider[0][1]
+            slope = max(0.0, (self.seconds[w] - plain) / (w - 1))
+        else:
+            slope = AUTO_PRIOR_SLOPE * plain
+        return plain + slope * (width - 1)
+
+
+def expected_tokens(acceptance: float, guesses: int) -> float:
+    """The tokens a row's pass yields on average with ``guesses`` guesses, each holding with probability
+    ``acceptance`` once the ones before it held: its own token, and each guess that holds."""
+    return sum(acceptance**j for j in range(guesses + 1))
+
+
+def choose_guesses(offers: list[tuple[float, int]], costs: StepCosts, most: int) -> int:
+    """``"auto"``: the guesses per row (0 to ``most``) of the next step that give the most tokens per second.
+
+    ``offers``: per live row, its acceptance and how many guesses it has to feed (0: none; such a row yields one
+    token, whatever the step's width). Every row feeds as many of its guesses as the step's count allows, and the
+    step costs the seconds of its width (:meth:`StepCosts.estimate`): the count maximises the rows' expected tokens
+    (:func:`expected_tokens`) over those seconds, the fewest guesses on a tie. A pure function of figures every rank
+    holds alike, so every rank chooses alike. 0 before a plain step was timed.
+    """
+    plain = costs.estimate(1)
+    if plain is None or plain <= 0:
+        return 0
+    best, best_rate = 0, len(offers) / plain
+    for k in range(1, most + 1):
+        seconds = costs.estimate(1 + k)
+        if seconds is None or seconds <= 0:
+            continue
+        rate = sum(expected_tokens(p, min(k, m)) for p, m in offers) / seconds
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
 
 
 class BatchSpeculation:
     """The generator's prompt-lookup setting and every request's tallies: which rows guess, and how many tokens.
 
-    ``num_draft_tokens`` is the guesses per pass (an int), or ``"auto"``: :data:`AUTO_GUESSES` per pass, judged per
-    row from its own tallies. Once a row has proposed :data:`AUTO_TRIAL` guesses since the last judgement, it stops
-    guessing if fewer than :data:`AUTO_MIN_ACCEPTANCE` of them were confirmed (each guess that fails costs the
-    batch's step a position for nothing), and after :data:`AUTO_RETRY_EVERY` ticks guesses again, judged afresh.
-    Every decision is taken from the tokens every rank received, so every rank takes it alike.
+    ``num_draft_tokens`` is the guesses per pass (an int), or ``"auto"``: each step's count (0 to
+    :data:`AUTO_GUESSES`) is chosen by :func:`choose_guesses` from the rows' acceptance (:class:`RowTally`) and the
+    measured seconds of steps by width (:class:`StepCosts`): a guess that fails costs the whole batch's step a
+    position, so the count is the one that gives the most tokens per second, none where guesses lose. After
+    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried. Every decision
+    is taken from the tokens and timings every rank received, so every rank takes it alike.
     """
 
     def __init__(self, prompt_lookup: int, num_draft_tokens: int | Literal["auto"]) -> None:
@@ -67,6 +142,9 @@ class BatchSpeculation:
         self.ended: dict[int, RowTally] = {}  # by uid: those that left since the last tick began (for their figures)
         self.proposed = 0  # every row's, for the counters
         self.confirmed = 0
+        self.costs = StepCosts()
+        self.idle = 0  # "auto": steps in a row that chose no guesses while some row had some to feed
+        self.chosen: dict[int, int] = {}  # "auto": how many steps chose each count (observability)
 
     def enrol(self, uid: int) -> None:
         """A new request may guess."""
@@ -85,25 +163,37 @@ class BatchSpeculation:
         return (0, 0) if tally is None else (tally.proposed, tally.confirmed)
 
     def guesses(self, request: BatchRequest, default: Sampler | None) -> list[int]:
-        """The guesses ``request``'s row feeds in the next step after its next token (none for a dead row, a row
-        that samples or has processors, one in its closing step, one that opted out or rests)."""
+        """The guesses ``request``'s row may feed in the next step after its next token, up to the count (none for
+        a dead row, a row that samples or has processors, one in its closing step, one that opted out)."""
         tally = self.tallies.get(request.uid)
         if tally is None or request.done or (request.sampler or default) is not None or request.processors:
             return []
         if request.decided is not None and request.decided.reason is not None:
             return []  # its closing step: it feeds its last token only
-        if tally.resting:
-            if tally.resting < AUTO_RETRY_EVERY:
-                tally.resting += 1
-                return []
-            tally.resting = 0
-            tally.recent = []
         k = self.count
         if request.max_tokens != -1:  # every guess may be kept, and the row's own token after them
             k = min(k, request.max_tokens - len(request.answer) - 1)
         if k <= 0:
             return []
         return self.proposer.propose(request.context, k)
+
+    def plan(self, requests: list[BatchRequest], default: Sampler | None) -> list[list[int]]:
+        """Every row's guesses for the next step: :meth:`guesses`, cut to the count ``"auto"`` chooses."""
+        offered = [self.guesses(r, default) for r in requests]
+        if not self.auto or not any(offered):
+            return offered
+        offers = [
+            (self.tallies[r.uid].acceptance if g else 0.0, len(g)) for r, g in zip(requests, offered, strict=True)
+        ]
+        k = choose_guesses(offers, self.costs, self.count)
+        if k == 0:
+            self.idle += 1
+            if self.idle >= AUTO_PROBE_EVERY:
+                k = 1
+        if k:
+            self.idle = 0
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return [g[:k] for g in offered]
 
     def record(self, uid: int, proposed: int, confirmed: int) -> None:
         """A row's pass: ``proposed`` guesses, ``confirmed`` of them held."""
@@ -114,14 +204,8 @@ class BatchSpeculation:
         tally.confirmed += confirmed
         self.proposed += proposed
         self.confirmed += confirmed
-        if not self.auto:
-            return
-        tally.recent.append((proposed, confirmed))
-        tried = sum(p for p, _ in tally.recent)
-        if tried >= AUTO_TRIAL:
-            if sum(c for _, c in tally.recent) < AUTO_MIN_ACCEPTANCE * tried:
-                tally.resting = 1
-            tally.recent = []
+        tally.held = AUTO_DECAY * tally.held + confirmed
+        tally.failed = AUTO_DECAY * tally.failed + (confirmed < proposed)
 
 
 def check_speculation(prompt_lookup: object, num_draft_tokens: object) -> None:
@@ -194,9 +278,12 @@ __all__ = [
     "MAX_GUESSES",
     "BatchSpeculation",
     "RowTally",
+    "StepCosts",
     "check_speculation",
+    "choose_guesses",
     "cut_rows",
     "emitted",
+    "expected_tokens",
     "padded_inputs",
     "speculable",
 ]
