@@ -22,6 +22,7 @@ from pipemlx.runtime.batch.speculate import (
     BatchSpeculation,
     StepCosts,
     choose_guesses,
+    common_cut,
     cut_rows,
     emitted,
     expected_tokens,
@@ -47,11 +48,13 @@ def solo_logits(model: Any, tokens: list[int]) -> mx.array:
     return model(mx.array([tokens]), cache=make_prompt_cache(model))[0, -1]
 
 
-@pytest.mark.parametrize("kept", [(3, 1, 2), (1, 1, 1), (4, 4, 4), (2, 4, 1)])
+@pytest.mark.parametrize("kept", [(3, 1, 2), (1, 1, 1), (4, 4, 4), (2, 4, 1), (4, 4, 1), (1, 4, 1), (1, 3, 1)])
 def test_rows_cut_back_per_row_decode_on_as_solo_runs_of_what_they_kept(kept: tuple[int, int, int]) -> None:
     """Three rows of different lengths (left-padded) feed 4 positions each; each keeps ``kept[i]`` of them (their
     next token and ``kept[i] - 1`` guesses). After the cut every row's next step gives the logits of a solo run
-    over its prompt and kept tokens, and its extracted cache holds exactly those positions."""
+    over its prompt and kept tokens, and its extracted cache holds exactly those positions. Rows left-padded by
+    0, 5 and 2: (4, 4, 1) moves row 2 alone right; (1, 4, 1) row 1 alone left into its padding; (1, 3, 1) row 1
+    left by 2 (rows 0 and 2 stay), the others every row that rejected more than the fewest."""
     model = build_model(tiny_config("llama"))
     prompts = [list(range(5, 14)), list(range(40, 44)), list(range(70, 77))]
     caches = []
@@ -62,7 +65,9 @@ def test_rows_cut_back_per_row_decode_on_as_solo_runs_of_what_they_kept(kept: tu
     batch = [c[0].merge([cache[layer] for cache in caches]) for layer, c in enumerate(zip(*caches))]
     fed = [[p[-1], 200 + i, 210 + i, 220 + i] for i, p in enumerate(prompts)]
     model(mx.array(fed), cache=batch)
-    cut_rows(batch, [4 - k for k in kept])
+    rejected = [4 - k for k in kept]
+    assert common_cut(rejected, batch[0].left_padding.tolist()) == {(1, 4, 1): 3, (1, 3, 1): 3}.get(kept, min(rejected))
+    cut_rows(batch, rejected)
     following = [[100 + i] for i in range(3)]
     logits = model(mx.array(following), cache=batch)[:, -1]
     for i, prompt in enumerate(prompts):
@@ -70,6 +75,14 @@ def test_rows_cut_back_per_row_decode_on_as_solo_runs_of_what_they_kept(kept: tu
         assert batch[0].extract(i).offset == len(history) + 1  # and the token fed after the cut
         want = solo_logits(model, history + following[i])
         assert mx.allclose(logits[i], want, atol=1e-4).item(), (i, kept)
+
+
+def test_the_common_cut_keeps_the_most_rows_in_place_that_every_row_can_reach() -> None:
+    assert common_cut([3, 3, 0, 3], [0, 0, 0, 0]) == 0  # no row can move left: the fewest rejected
+    assert common_cut([3, 3, 0, 3], [0, 0, 3, 0]) == 3  # row 2 moves left by 3 into its padding, 3 rows stay
+    assert common_cut([3, 3, 0, 3], [0, 0, 2, 0]) == 0  # its padding is too short
+    assert common_cut([2, 1, 1, 0], [9, 9, 9, 9]) == 1 and common_cut([2, 2, 1, 1], [9, 9, 9, 9]) == 1  # tie: smaller
+    assert common_cut([1, 1], [0, 0]) == 1
 
 
 def test_only_plain_kv_caches_are_cut_back_per_row() -> None:
