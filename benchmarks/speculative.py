@@ -15,7 +15,8 @@ rarely copies a passage it was shown: about a fifth of the guesses hold), and "t
 first 300 tokens of such a prompt and then the 200 tokens the model says after them (greedy, it soon repeats
 itself: about two fifths hold; no prompt found makes the demo model copy more). Each with the batch without guesses, with prompt lookup (k guesses a pass) and with
 num_draft_tokens="auto": aggregate tokens/s, the guesses held of those fed, the decode ticks, each request's tokens
-checked equal, and (auto) how many steps chose each count of guesses (--batch-only: this comparison alone). OpenBLAS
+checked equal, and (auto) how many steps chose each count of guesses and the seconds it measured of a step by
+width, in plain steps (--batch-only: this comparison alone). OpenBLAS
 preloaded, one core per process (mlx-lm's one process too; --no-pin: unpinned); run by hand on an otherwise idle
 machine.
 """
@@ -110,7 +111,7 @@ def main() -> None:
             print(f"\n{name} at once (BatchGenerator, S=2), aggregate decode")
             print(
                 f"{'contender':<26} {'tokens/s':>9} {'vs batch':>9} {'accepted':>9} {'held/guessed':>13} {'ticks':>6}"
-                "  same tokens  steps by guesses (auto)"
+                "  same tokens  steps by guesses, step seconds by width in plain steps (auto)"
             )
             for label, row in rows.items():
                 rate = statistics.median(row["tok_s"])
@@ -118,7 +119,7 @@ def main() -> None:
                 held = f"{row['guesses'][1]}/{row['guesses'][0]}"
                 print(
                     f"{label:<26} {rate:>9.1f} {rate / base:>9.2f} {row['accepted']:>9} {held:>13} {row['ticks']:>6}"
-                    f"  {str(same):<11}  {row['chosen'] or ''}"
+                    f"  {str(same):<11}  {row['chosen'] or ''} {row['costs'] or ''}"
                 )
             table[name] = {label: {**row, "median": statistics.median(row["tok_s"])} for label, row in rows.items()}
     if args.json:

@@ -19,6 +19,7 @@ from pipemlx.runtime.batch.requests import BatchRequest, Decided
 from pipemlx.runtime.batch.speculate import (
     AUTO_GUESSES,
     AUTO_PROBE_EVERY,
+    AUTO_WARMUP,
     BatchSpeculation,
     StepCosts,
     choose_guesses,
@@ -98,26 +99,35 @@ def request(uid: int, prompt: list[int], max_tokens: int = 20, sampler: Any = No
 
 
 def test_auto_chooses_the_count_that_gives_the_most_tokens_per_second() -> None:
-    """choose_guesses against counts worked out by hand: the rows' expected tokens over the step's seconds."""
+    """choose_guesses against counts worked out by hand: the rows' expected tokens over the step's cost."""
     assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 3) == 1.875 and expected_tokens(1.0, 4) == 5
     costs = StepCosts()
-    assert choose_guesses([(0.9, 4)] * 8, costs, 4) == 0  # no plain step timed yet: none
+    for seconds in (0.5, 1.5, 1.0):
+        costs.observe(1, seconds)
+        assert choose_guesses([(0.9, 4)] * 8, costs, 4) == 0  # fewer than AUTO_WARMUP plain steps timed: none
+    costs.observe(2, 4.0)  # kept as its ratio to the plain steps' running mean then: 0.5, 0.75, 0.8125
     costs.observe(1, 1.0)
+    assert costs.plain_count == AUTO_WARMUP and costs.estimate(1) == 1.0 and costs.ratios == {2: [4.0 / 0.8125]}
+    costs = StepCosts(1.0, AUTO_WARMUP)
     assert costs.estimate(3) == 1.5  # the prior: a quarter of a plain step per position
-    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 1  # 1.5 tokens / 1.25 s beats 1.75 / 1.5 and 1 / 1
-    costs.observe(2, 2.0)  # a step with one guess cost twice a plain one: each position costs a plain step
+    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 1  # 1.5 tokens / 1.25 beats 1.75 / 1.5 and 1 / 1
+    costs.observe(2, 2.0)  # a step with one guess cost two plain steps: each position costs a plain step
     assert costs.estimate(5) == 5.0 and costs.estimate(1) == 1.0
     assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 0  # guesses that hold half the time lose
-    assert choose_guesses([(0.99, 4)] * 8, costs, 4) == 0  # all but certain: 4.9 tokens for 5 s still lose
-    costs = StepCosts({1: 1.0, 2: 1.1, 4: 1.3})  # wide steps nearly free (a big model on a fast device)
+    assert choose_guesses([(0.99, 4)] * 8, costs, 4) == 0  # all but certain: 4.9 tokens for 5 still lose
+    costs = StepCosts.fixed({2: 1.1, 4: 1.3})  # wide steps nearly free (a big model on a fast device)
     assert costs.estimate(3) == pytest.approx(1.2) and costs.estimate(5) == pytest.approx(1.4)
     assert choose_guesses([(0.8, 4)] * 8, costs, 4) == 4
-    assert choose_guesses([(0.05, 4)] * 8, costs, 4) == 0  # 1.05 tokens for 1.1 s: plain wins
+    assert choose_guesses([(0.05, 4)] * 8, costs, 4) == 0  # 1.05 tokens for 1.1: plain wins
     mixed = [(0.8, 4), (0.0, 0), (0.0, 0), (0.0, 0)]  # one row guesses, three have nothing to feed
     assert choose_guesses(mixed, costs, 4) == 3  # 5.95 / 1.3 beats 6.36 / 1.4, 5.44 / 1.2, 4.8 / 1.1, 4 / 1
     assert choose_guesses(mixed, costs, 1) == 1  # at most the generator's count
-    costs.observe(2, 2.1)  # the running mean moves a quarter of the way: 1.1 + 0.25
-    assert costs.seconds[2] == pytest.approx(1.35)
+    costs = StepCosts(2.0, AUTO_WARMUP)  # a plain step 2 s: a wider one counts as its ratio to that
+    for seconds in (3.0, 30.0, 2.8, 3.2, 3.0, 3.0):  # one slow step among them does not decide
+        costs.observe(2, seconds)
+    assert costs.ratios[2] == [15.0, 1.4, 1.6, 1.5, 1.5] and costs.estimate(2) == 1.5
+    costs.observe(1, 6.0)  # the running mean moves a quarter of the way
+    assert costs.plain == 3.0 and costs.estimate(2) == 1.5
 
 
 def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> None:
@@ -130,7 +140,8 @@ def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> N
         speculation.enrol(r.uid)
     assert speculation.plan([good, bad], None) == [[], []]  # no plain step timed: none
     assert speculation.guesses(good, None) == [2, 3, 1]  # what followed the last earlier 1 (of 4 asked)
-    speculation.costs.observe(1, 1.0)
+    for _ in range(AUTO_WARMUP):
+        speculation.costs.observe(1, 1.0)
     assert speculation.plan([good, bad], None) == [[2], [5]]  # the prior's costs and acceptance: one guess
     speculation.costs.observe(2, 1.2)  # cheap positions
     for _ in range(6):
@@ -140,8 +151,8 @@ def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> N
     assert speculation.plan([good, bad], None) == [[2, 3, 1], [5, 6, 4]]  # the good row's gain pays for both
     for _ in range(10):
         speculation.record(good.uid, 3, 0)
-    speculation.costs.observe(2, 2.0)
-    speculation.costs.observe(2, 2.0)
+    for _ in range(3):
+        speculation.costs.observe(2, 2.0)
     plans = [speculation.plan([good, bad], None) for _ in range(AUTO_PROBE_EVERY)]
     assert plans == [[[], []]] * (AUTO_PROBE_EVERY - 1) + [[[2], [5]]]  # every guess fails: off, then a probe
     assert speculation.chosen[0] == AUTO_PROBE_EVERY and speculation.idle == 0  # (and the untimed first)

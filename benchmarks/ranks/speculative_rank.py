@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 import pipemlx
 from pipemlx.demo import MODEL_DIR
 from pipemlx.launch import init_group
+from pipemlx.runtime.batch.speculate import StepCosts
 
 
 def timed(tokens: Iterable[Any], count: int) -> tuple[float, list[int]]:
@@ -74,7 +76,13 @@ def batched(model: Any, prompts: list[list[int]], count: int, lookup: int | None
         "guesses": [proposed, confirmed],
         "ticks": ticks,
         "chosen": {} if speculation is None or not speculation.auto else dict(sorted(speculation.chosen.items())),
+        "costs": {} if speculation is None or not speculation.auto else step_costs(speculation.costs),
     }
+
+
+def step_costs(costs: StepCosts) -> dict[int, float]:
+    """``"auto"``'s measured cost of a step by width, in plain steps (the median of its latest timings)."""
+    return {w: round(statistics.median(r), 2) for w, r in sorted(costs.ratios.items())}
 
 
 def continued(model: Any, prompts: list[list[int]], count: int) -> list[list[int]]:

@@ -832,7 +832,8 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
     if spec.get("oracle"):  # guesses that mostly hold, from mlx-lm's answers without stops
         generator._speculation.proposer = Oracle(prompts, unstopped)  # pyright: ignore
     if spec.get("num_draft_tokens") == "auto":  # each position a tenth of a plain step, whatever this machine's
-        generator._speculation.costs = FixedCosts({w: 1 + 0.1 * (w - 1) for w in range(1, 6)})  # pyright: ignore
+        costs = StepCosts.fixed({w: 1 + 0.1 * (w - 1) for w in range(2, 6)})
+        generator._speculation.costs = FixedCosts(costs.plain, costs.plain_count, costs.ratios)  # pyright: ignore
     uids: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
     logprobs: dict[int, list[float | None]] = {}

@@ -833,8 +833,10 @@ class BatchGenerator:
                 request.ahead, request.decided = decided[:-1], decided[-1]
             else:
                 request.decided = None
-        with mx.stream(self.stage.compute_stream):  # evaluated with the next step, by the bounded waits' helpers
+        with mx.stream(self.stage.compute_stream):
             cut_rows(self._finishing.caches, [width - k for k in kept])
+        # Local work, evaluated now: its cost counts in this tick's seconds, which "auto" weighs (StepCosts).
+        evaluate(self._finishing.caches, self.stage.compute_stream)
         responses: list[Response] = []
         extracted: list[list[Any]] = []
         for i, (request, entry) in enumerate(zip(rows, fed)):

@@ -17,6 +17,7 @@ rejected positions of a row become left padding, so the rows stay right-aligned 
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -41,7 +42,11 @@ AUTO_PROBE_EVERY = 64
 """``"auto"``: after this many steps that chose no guesses while some row had guesses to feed, one guess is tried
 (the rows' acceptance and the steps' cost measured afresh)."""
 AUTO_COST_WEIGHT = 0.25
-"""``"auto"``: the weight of a newly timed step in its width's running mean of seconds."""
+"""``"auto"``: the weight of a newly timed plain step in the running mean of a plain step's seconds."""
+AUTO_WARMUP = 4
+"""``"auto"``: plain steps timed before the first guess (the first steps after a prefill also evaluate the joins)."""
+AUTO_SAMPLES = 5
+"""``"auto"``: the latest timings of a width kept; its cost is their median (one slow step does not decide)."""
 
 
 @dataclass
@@ -63,35 +68,49 @@ class RowTally:
 
 @dataclass
 class StepCosts:
-    """Seconds of the batch's plain decode steps by width (1: no guesses), from steps every rank timed alike.
+    """What a decode step costs by width (1: no guesses), in plain steps, from steps every rank timed alike.
 
     Each rank times its ticks and reports the last one in the next tick's header; every rank takes the largest
     (:attr:`~pipemlx.runtime.batch.tick.TickOutcome.timing`), so every rank holds the same figures. Only ticks
-    that computed no prefill chunk are counted (a chunk's work is no guess's cost)."""
+    that computed no prefill chunk are counted (a chunk's work is no guess's cost). A plain step's seconds are a
+    running mean; a wider step's are kept as its ratio to that mean when it ran (the batch's rows and context
+    change a step's seconds, not much their ratio), the median of the latest :data:`AUTO_SAMPLES`."""
 
-    seconds: dict[int, float] = field(default_factory=dict[int, float])
+    plain: float | None = None  # a plain step's seconds, the running mean
+    plain_count: int = 0  # plain steps timed
+    ratios: dict[int, list[float]] = field(default_factory=dict[int, list[float]])  # by width: latest, in plain steps
+
+    @classmethod
+    def fixed(cls, ratios: dict[int, float]) -> StepCosts:
+        """Costs known in advance (tests): ``ratios`` by width, in plain steps, a plain step 1 s."""
+        return cls(1.0, AUTO_WARMUP, {w: [r] for w, r in ratios.items() if w > 1})
 
     def observe(self, width: int, seconds: float) -> None:
-        """A step of ``width`` positions a row took ``seconds`` (a running mean per width)."""
-        known = self.seconds.get(width)
-        self.seconds[width] = seconds if known is None else known + AUTO_COST_WEIGHT * (seconds - known)
+        """A step of ``width`` positions a row took ``seconds``."""
+        if width == 1:
+            known = self.plain
+            self.plain = seconds if known is None else known + AUTO_COST_WEIGHT * (seconds - known)
+            self.plain_count += 1
+        elif self.plain:
+            latest = self.ratios.setdefault(width, [])
+            latest.append(seconds / self.plain)
+            del latest[:-AUTO_SAMPLES]
 
     def estimate(self, width: int) -> float | None:
-        """The seconds of a step ``width`` positions wide: measured, else a line through the plain step's seconds
-        and the nearest measured wider step's (:data:`AUTO_PRIOR_SLOPE` of a plain step per position where none
-        was); ``None`` before a plain step was timed."""
-        if width in self.seconds:
-            return self.seconds[width]
-        plain = self.seconds.get(1)
-        if plain is None:
+        """A step ``width`` positions wide, in plain steps: measured (the median of its latest), else on a line
+        through the plain step and the nearest measured wider step (:data:`AUTO_PRIOR_SLOPE` a position where
+        none was); ``None`` until :data:`AUTO_WARMUP` plain steps were timed."""
+        if self.plain_count < AUTO_WARMUP:
             return None
-        wider = sorted((abs(w - width), w) for w in self.seconds if w > 1)
-        if wider:
-            w = wider[0][1]
-            slope = max(0.0, (self.seconds[w] - plain) / (w - 1))
-        else:
-            slope = AUTO_PRIOR_SLOPE * plain
-        return plain + slope * (width - 1)
+        if width == 1:
+            return 1.0
+        if width in self.ratios:
+            return statistics.median(self.ratios[width])
+        wider = sorted((abs(w - width), w) for w in self.ratios)
+        if not wider:
+            return 1.0 + AUTO_PRIOR_SLOPE * (width - 1)
+        w = wider[0][1]
+        return 1.0 + max(0.0, statistics.median(self.ratios[w]) - 1.0) * (width - 1) / (w - 1)
 
 
 def expected_tokens(acceptance: float, guesses: int) -> float:
@@ -105,19 +124,18 @@ def choose_guesses(offers: list[tuple[float, int]], costs: StepCosts, most: int)
 
     ``offers``: per live row, its acceptance and how many guesses it has to feed (0: none; such a row yields one
     token, whatever the step's width). Every row feeds as many of its guesses as the step's count allows, and the
-    step costs the seconds of its width (:meth:`StepCosts.estimate`): the count maximises the rows' expected tokens
-    (:func:`expected_tokens`) over those seconds, the fewest guesses on a tie. A pure function of figures every rank
-    holds alike, so every rank chooses alike. 0 before a plain step was timed.
+    step costs what its width costs (:meth:`StepCosts.estimate`): the count maximises the rows' expected tokens
+    (:func:`expected_tokens`) over that cost, the fewest guesses on a tie. A pure function of figures every rank
+    holds alike, so every rank chooses alike. 0 before plain steps were timed.
     """
-    plain = costs.estimate(1)
-    if plain is None or plain <= 0:
+    if costs.estimate(1) is None:
         return 0
-    best, best_rate = 0, len(offers) / plain
+    best, best_rate = 0, float(len(offers))
     for k in range(1, most + 1):
-        seconds = costs.estimate(1 + k)
-        if seconds is None or seconds <= 0:
+        cost = costs.estimate(1 + k)
+        if cost is None or cost <= 0:
             continue
-        rate = sum(expected_tokens(p, min(k, m)) for p, m in offers) / seconds
+        rate = sum(expected_tokens(p, min(k, m)) for p, m in offers) / cost
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
