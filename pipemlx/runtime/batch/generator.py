@@ -174,7 +174,8 @@ class BatchGenerator:
     ``prompt_lookup`` (pipemlx's; ``None``, the default: no speculation) turns on speculative decoding by prompt
     lookup in the batch: each request that may guess (:meth:`insert`'s ``draft``) and decodes greedily with no logits
     processors feeds, in each step, its next token and up to ``num_draft_tokens`` guesses (what followed the latest
-    earlier match of its last ``prompt_lookup``..1 tokens; ``"auto"``: per row, off where its guesses rarely hold),
+    earlier match of its last ``prompt_lookup``..1 tokens; ``"auto"``: 0 to 4 each step, from the rows' measured
+    acceptance and the steps' measured cost by width, none where guesses lose),
     and keeps the guesses the step confirms: the tokens are those without guesses, several per tick. It speculates
     only while the batch decodes as one group, and needs plain KV caches on every rank (``ValueError`` otherwise, on
     every rank: the constructor then makes one small all-gather). See
