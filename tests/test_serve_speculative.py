@@ -56,10 +56,11 @@ def server() -> Iterator[ServeProcess]:
 
 @pytest.fixture(scope="module")
 def lookup() -> Iterator[ServeProcess]:
-    """The prompt-lookup server: up to 4 requests batched, each guessing from its own text (``"auto"``: per request,
-    off where its guesses fail), with ``--head split`` (each rank holds its rows of the embedding and head: every
-    guessed position's logits gathered)."""
-    flags = ("--prompt-lookup", "3", "--num-draft-tokens", "auto", "--head", "split", "--decode-concurrency", "4")
+    """The prompt-lookup server: up to 4 requests batched, each guessing from its own text (3 guesses a step: with
+    ``"auto"`` the count follows this machine's timings, and the tests would guess too little on a slow one), with
+    ``--head split`` (each rank holds its rows of the embedding and head: every guessed position's logits
+    gathered, or shared where no log-probabilities are asked for)."""
+    flags = ("--prompt-lookup", "3", "--num-draft-tokens", "3", "--head", "split", "--decode-concurrency", "4")
     with serving(*flags) as process:
         yield process
 
