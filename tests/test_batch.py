@@ -1001,9 +1001,9 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     ):
         with pytest.raises(ValueError, match=named):
             fake_engine(**bad)
-    # decode_groups: "auto" splits from 8 live rows per rank on and merges below 6; n >= 2 from n rows; 1 never.
+    # decode_groups: "auto" measured, from 4 live rows per group on; n >= 2 from n rows; 1 never.
     rule = fake_engine(decode_groups="auto")._group_rule  # pyright: ignore[reportPrivateUsage]
-    assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 16, 12), rule
+    assert (rule is not None) and (rule.most, rule.enter, rule.leave, rule.measured) == (2, 8, 8, True), rule
     rule = fake_engine(decode_groups=3)._group_rule  # pyright: ignore[reportPrivateUsage]
     assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 3, 3), rule
     assert fake_engine(decode_groups=1)._group_rule is None  # pyright: ignore[reportPrivateUsage]
