@@ -372,6 +372,9 @@ weights dominates) and each group's tick pays the fixed costs again, so small ba
 AUTO_SAMPLES = 3
 """``decode_groups="auto"``: steady ticks timed in a way of decoding (one group or groups, at a row count) before
 :func:`choose_groups` compares it with the other way; the median of the latest :data:`AUTO_KEEP` is its cost."""
+AUTO_SETTLE = 2
+"""``decode_groups="auto"``: the first steady ticks after a split, a merge or a join that are not timed (measured: the
+first ticks of a new way ran 2-3x its steady cost, its batch caches and steps new)."""
 AUTO_KEEP = 8
 """``decode_groups="auto"``: the latest steady ticks kept per way of decoding and row count (older ones go, so the
 comparison follows the caches' growth)."""
@@ -446,7 +449,8 @@ class GroupTimings:
     groups) and live rows, as every rank read them in the ticks' all-gathers (the slowest rank's time of each):
     the same on every rank, so every rank decides alike (:meth:`want`).
 
-    A steady tick prefills nothing, joins, splits or merges nothing, and (groups) has a group on every rank. A way
+    A steady tick prefills nothing, joins, splits or merges nothing, and (groups) has a group on every rank; the
+    first :data:`AUTO_SETTLE` after a split, a merge or a join are not recorded (the generator leaves them out). A way
     is measured at a row count once it has :data:`AUTO_SAMPLES` steady ticks there within the last ``fresh``
     ticks (older ones are forgotten, so a way measured long ago, at shorter contexts, is measured again);
     its cost is the median of the latest :data:`AUTO_KEEP`.

@@ -21,6 +21,7 @@ from mlx_lm.generate_utils import BatchStats
 
 from ...errors import renamed
 from ...schedule.batch_plan import (
+    AUTO_SETTLE,
     FINGERPRINT_MODULUS,
     SERIAL,
     Admission,
@@ -306,8 +307,9 @@ class BatchGenerator:
         # of its last tick (sent in the next tick's header), and the splits and merges so far.
         self._timings = GroupTimings()
         self._steady: tuple[bool, int, int, int] | None = None
+        self._settled = 0  # steady ticks since the last split, merge or join (the first AUTO_SETTLE are not timed)
         self._last_tick_us = 0
-        self.group_switches = [0, 0]
+        self._group_switches = [0, 0]
         self._runner = TickRunner(model, self.stage, self.timeout)
         if compiled_decode:
             self._runner.compiled = CompiledDecode.of(model, self.stage)
@@ -369,6 +371,22 @@ class BatchGenerator:
     def shared_head_ticks(self) -> int:
         """Ticks whose decode step shared the output head among the ranks (every row greedy: see ``next``)."""
         return self._runner.shared_ticks
+
+    @property
+    def group_switches(self) -> tuple[int, int]:
+        """``(splits, merges)``: how often the batch was cut into decode groups in flight, and merged back, so far."""
+        return self._group_switches[0], self._group_switches[1]
+
+    def group_costs(self) -> dict[str, float]:
+        """``decode_groups="auto"``: the measured seconds per token of each way of decoding at each row count, as
+        every rank holds them (``"one 16"``: one group of 16 live rows; ``"groups 16"``: 16 rows in groups in
+        flight; only those measured, stale ticks counted too). For benchmarks and logs."""
+        costs: dict[str, float] = {}
+        for (grouped, rows), samples in sorted(self._timings.samples.items()):
+            value = self._timings.cost(grouped, rows, max(t for t, _ in samples))
+            if value is not None:
+                costs[f"{'groups' if grouped else 'one'} {rows}"] = value
+        return costs
 
     @property
     def guesses(self) -> tuple[int, int]:
@@ -590,8 +608,8 @@ class BatchGenerator:
         live = {g: len(rows.active) for g, rows in self._groups.items()}
         want = self._want_groups(sum(live.values()) + len(tick.joins), tick.index)
         groups, groups_after = plan_groups(self._group_state, live, len(tick.joins), self._group_rule, tick.index, want)
-        self.group_switches[0] += bool(groups.split)
-        self.group_switches[1] += groups.merge
+        self._group_switches[0] += bool(groups.split)
+        self._group_switches[1] += groups.merge
         self._regroup(groups, tick.joins)
         in_flight = self._group_state.in_flight()
         if not self._has_rows() and not in_flight and all(c is None for c in tick.chunks):
@@ -637,17 +655,21 @@ class BatchGenerator:
         """``(groups, live rows, tokens, index)`` of a tick whose time measures a way of decoding (no prefill, join,
         split, merge or guesses; groups: one on every rank), for :class:`GroupTimings`; ``None`` otherwise."""
         rule = self._group_rule
+        if groups.split or groups.merge or tick.joins:
+            self._settled = 0
         if rule is None or not rule.measured or work.width != 1 or tick.joins or any(tick.chunks):
             return None
         if groups.split or groups.merge or groups.dropped or groups.formed:
             return None
         rows = sum(live.values())
-        if groups.serial:
-            return (False, rows, rows, tick.index) if rows else None
-        if any(g is None for g in groups.decode):
+        grouped = not groups.serial
+        tokens = live.get(cast(int, groups.finishing), 0) if grouped else rows
+        if not tokens or (grouped and any(g is None for g in groups.decode)):
             return None
-        tokens = live.get(cast(int, groups.finishing), 0)
-        return (True, rows, tokens, tick.index) if tokens else None
+        self._settled += 1
+        if self._settled <= AUTO_SETTLE:
+            return None
+        return grouped, rows, tokens, tick.index
 
     def _time_groups(self, outcome: TickOutcome, steady: tuple[bool, int, int, int] | None) -> None:
         """Record the last tick, if steady, at the slowest rank's time of it (this tick's all-gather brought it)."""
