@@ -521,3 +521,20 @@ def test_auto_groups_driven_by_measured_ticks_settle_on_the_cheaper_way(groups_c
     assert switches <= 2, switches  # one probe (split, and a merge where groups lose), no flapping
     assert any(grouped), "groups were never tried"
     assert drive() == (grouped, switches)  # the same measurements: the same decisions
+
+
+def test_auto_groups_compare_at_the_nearest_measured_row_count_so_finishing_requests_do_not_probe_anew() -> None:
+    """Groups measured cheaper at 16 rows: as requests finish one by one (15, 14, ... rows) the batch stays in
+    groups without probing one group at each new count; far from any measured count (8 rows), it measures again."""
+    timings = GroupTimings()
+    for tick in range(AUTO_SAMPLES):
+        timings.record(False, 16, tick, 1.0)
+        timings.record(True, 16, tick, 0.8)
+    for rows in range(16, 12, -1):  # within a quarter of the rows of 16
+        assert timings.want(rows, True, 10) and timings.want(rows, False, 10), rows
+    assert timings.nearest(15, 10) == (1.0, 0.8) and timings.nearest(8, 10) is None
+    timings.record(True, 8, 5, 0.7)  # at 8 rows only groups measured (one sample): nothing to compare
+    assert not timings.want(8, False, 10)  # one group at 8 rows not measured either: it stays
+    for tick in range(AUTO_SAMPLES):
+        timings.record(False, 8, tick, 1.0)
+    assert timings.want(8, False, 10)  # one group measured at 8, groups not yet: try them

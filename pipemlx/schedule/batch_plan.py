@@ -453,7 +453,9 @@ class GroupTimings:
     first :data:`AUTO_SETTLE` after a split, a merge or a join are not recorded (the generator leaves them out). A way
     is measured at a row count once it has :data:`AUTO_SAMPLES` steady ticks there within the last ``fresh``
     ticks (older ones are forgotten, so a way measured long ago, at shorter contexts, is measured again);
-    its cost is the median of the latest :data:`AUTO_KEEP`.
+    its cost is the median of the latest :data:`AUTO_KEEP`. Where the two ways are not both measured at the row
+    count, :meth:`want` compares them at the nearest row count where they are (within a quarter of the rows, at
+    least 2), so a batch whose rows change by a few as requests finish and join is not probed anew each time.
     """
 
     fresh: int = 512
@@ -478,7 +480,21 @@ class GroupTimings:
 
     def want(self, rows: int, grouping: bool, now: int) -> bool:
         """Whether ``rows`` live rows should decode as groups after tick ``now`` (:func:`choose_groups`)."""
-        return choose_groups(self.cost(False, rows, now), self.cost(True, rows, now), grouping)
+        serial, grouped = self.cost(False, rows, now), self.cost(True, rows, now)
+        if serial is None or grouped is None:
+            serial, grouped = self.nearest(rows, now) or (serial, grouped)
+        return choose_groups(serial, grouped, grouping)
+
+    def nearest(self, rows: int, now: int) -> tuple[float, float] | None:
+        """The costs of one group and of groups at the row count nearest ``rows`` where both are measured, within
+        ``max(2, rows // 4)`` rows (the fewer rows on a tie); ``None`` where there is none."""
+        reach = max(2, rows // 4)
+        counts = sorted({r for _, r in self.samples if abs(r - rows) <= reach}, key=lambda r: (abs(r - rows), r))
+        for count in counts:
+            serial, grouped = self.cost(False, count, now), self.cost(True, count, now)
+            if serial is not None and grouped is not None:
+                return serial, grouped
+        return None
 
 
 @dataclass(frozen=True)
