@@ -588,8 +588,8 @@ def plan_groups(
     rank idle but one tick in S), no group takes rank 0 any more, and once none is in flight they merge back
     into the serial batch (in the same tick, which then decodes it; it splits again from ``rule.enter`` rows).
     ``want`` False (a measured rule's decision, :class:`GroupTimings`) keeps the serial batch, or drains and merges
-    the groups, as too few rows would. An idle group without live rows is dropped. Pure: the same arguments give the same tick
-    everywhere.
+    the groups, as too few rows would. An idle group without live rows is dropped. Pure: the same arguments give
+    the same tick everywhere.
     """
     size = state.world_size
     total = sum(live.get(g, 0) for g in state.groups) + joining
