@@ -63,7 +63,9 @@ def run_mode(spec: dict[str, Any], openblas: bool) -> Any:
     report = json.loads(results[0].stdout.strip().splitlines()[-1])
     if spec["mode"] == "arrival":
         return report
-    return (float(report["tok_s"]), float(report.get("window", 0.0))) if spec.get("window") else float(report["tok_s"])
+    if spec.get("window"):
+        return float(report["tok_s"]), float(report.get("window", 0.0)), report.get("groups") or {}
+    return float(report["tok_s"])
 
 
 def load() -> float:
@@ -77,12 +79,14 @@ def timed(spec: dict[str, Any], openblas: bool) -> tuple[float, float]:
     return float(run_mode(spec, openblas)), before
 
 
-def windowed(spec: dict[str, Any], openblas: bool) -> tuple[float, float, float]:
+def windowed(spec: dict[str, Any], openblas: bool) -> tuple[float, float, float, dict[str, Any]]:
     """``run_mode``'s tokens/s of ``spec`` over the whole decode and over its quietest stretch (4 tokens per
-    request), and the load average right before it ran."""
+    request), the load average right before it ran, and (pipemlx batched) its decode groups' splits, merges and
+    ``decode_groups="auto"``'s measured seconds per token (``BatchGenerator.group_costs``)."""
     before = load()
-    whole, window = run_mode({**spec, "window": True}, openblas)
-    return whole, window, before
+    figures = run_mode({**spec, "window": True}, openblas)
+    whole, window = figures[0], figures[1]
+    return whole, window, before, figures[2] if len(figures) > 2 else {}
 
 
 def main() -> None:
@@ -155,7 +159,7 @@ def main() -> None:
             batched = [windowed({**spec, "mode": "pipemlx_batch", **generator_args(g)}, openblas) for g in groups]
             single = windowed({**spec, "mode": "mlx_batch"}, openblas)
             row: dict[str, Any] = {"shape": shape, "R": r, "mlx_batch": single}
-            row["pipemlx_batch"] = {str(g): b for g, b in zip(groups, batched)}
+            row["pipemlx_batch"] = {str(g): b for g, b in zip(groups, batched)}  # ..., groups (splits, merges, costs)
             both = lambda f: f"{f[0]:>10.1f}/{f[1]:.1f} ({f[2]:.2f})"  # noqa: E731  # whole/window (load)
             cell = lambda figure: f"{figure[0]:>15.1f} ({figure[1]:.2f})"  # noqa: E731
             line = f"{shape:<10} {r:>3} " + "".join(both(b) for b in batched) + both(single)
@@ -173,6 +177,14 @@ def main() -> None:
                 line += cell(lent) + f"{lent[0] / single[0]:>10.2f}"
             rows.append(row)
             print(line, flush=True)
+            for name, figure in zip(groups, batched):  # what decode_groups="auto" measured and chose (rank 0)
+                if name.removesuffix("c") == "auto" and figure[3]:
+                    costs = ", ".join(f"{k} {v * 1000:.2f}" for k, v in figure[3]["costs"].items())
+                    print(
+                        f"{'':<14}groups={name}: {figure[3]['splits']} splits, {figure[3]['merges']} merges;"
+                        f" measured ms per token: {costs or 'none'}",
+                        flush=True,
+                    )
     arrival: dict[str, Any] = {}
     if args.arrival_tokens:
         base = {"M": args.prompt_tokens, "tokens": args.tokens, "step": 256, "config": BENCH_CONFIG}

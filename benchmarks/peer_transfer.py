@@ -6,9 +6,11 @@ machine another host reaches), times in turns, ``--rounds`` times each: (1) fetc
 (2) a plain copy of the same file's bytes over one TCP connection into a file, at its fastest: the sender hands
 the file to the kernel (``sendfile``), the receiver receives into one reused buffer and writes it out, and both
 end with the file synced, as the fetch does (no checks, no headers). Each sender is a process of its own, as the
-holder is. Prints each round's rates, each side's CPU seconds and the seconds the receiver's closing ``fsync``
-waited (on a busy machine the rates mean nothing, the CPU seconds and the ``fsync`` wait a little more), and the
-ratio of the medians. Run it on an idle machine.
+holder is. Each end is pinned to a core of its own (the senders to the first allowed core, the receiver to the
+second; a core stands for a machine), unless ``--no-pin``. Prints each round's rates, each side's CPU seconds and
+the seconds the receiver's closing ``fsync`` waited (on a busy machine the rates mean nothing, the CPU seconds and
+the ``fsync`` wait a little more), and the ratio of the medians.
+Run it on an idle machine.
 
     python benchmarks/peer_transfer.py --mb 512
 """
@@ -45,8 +47,15 @@ def make_model(root: Path, megabytes: int) -> None:
     (root / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": %d}' % count)
 
 
-def serve_peer(root: str, host: str, addresses: Queue[Any], stop: Event) -> None:
+def pin(core: int | None) -> None:
+    """This process on ``core`` alone (``None``: left as it is)."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def serve_peer(root: str, host: str, addresses: Queue[Any], stop: Event, core: int | None) -> None:
     """The holder, in a process of its own as a rank is: serves ``root`` until ``stop``; reports bytes sent."""
+    pin(core)
     with PeerServer(FolderSource(Path(root)), host, b"k" * 32) as server:
         cpu = sum(os.times()[:2])
         addresses.put(server.address)
@@ -54,8 +63,9 @@ def serve_peer(root: str, host: str, addresses: Queue[Any], stop: Event) -> None
         addresses.put((server.served, sum(os.times()[:2]) - cpu))
 
 
-def send_plain(path: str, host: str, addresses: Queue[Any]) -> None:
+def send_plain(path: str, host: str, addresses: Queue[Any], core: int | None) -> None:
     """The plain copy's sender, in a process of its own: hands the file to the kernel on one connection."""
+    pin(core)
     with socket.create_server((host, 0)) as listener:
         cpu = sum(os.times()[:2])
         addresses.put(listener.getsockname()[:2])
@@ -81,14 +91,14 @@ class Timing:
         return f"fsync {self.fsync:.2f} s, CPU receiver {self.cpu:.2f} s, sender {self.sender_cpu:.2f} s"
 
 
-def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, Timing]:
+def peer_rate(root: Path, host: str, cache: Path, core: int | None) -> tuple[int, Timing]:
     os.environ[CACHE_DIR_VARIABLE] = str(cache)
     held = FolderSource(root)
     parts = tuple(TensorPart(n) for n in sorted(held.headers()))
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
     stop = context.Event()
-    holder = context.Process(target=serve_peer, args=(str(root), host, addresses, stop))
+    holder = context.Process(target=serve_peer, args=(str(root), host, addresses, stop, core))
     holder.start()
     address = addresses.get(timeout=60)
     peer = PeerSource(str(root), tuple(address), b"k" * 32, fingerprint(held), 0)
@@ -105,12 +115,12 @@ def peer_rate(root: Path, host: str, cache: Path) -> tuple[int, Timing]:
     return int(served), timing
 
 
-def copy_rate(path: Path, host: str, into: Path, writeback: bool = False) -> tuple[int, Timing]:
+def copy_rate(path: Path, host: str, into: Path, core: int | None, writeback: bool = False) -> tuple[int, Timing]:
     """The plain copy; ``writeback``: it starts the disk write every 16 MiB as the fetch does (its fastest form on
     Linux: its closing ``fsync`` then waits only for the last part)."""
     context = multiprocessing.get_context("spawn")
     addresses: Queue[Any] = context.Queue()
-    sender = context.Process(target=send_plain, args=(str(path), host, addresses))
+    sender = context.Process(target=send_plain, args=(str(path), host, addresses, core))
     sender.start()
     address = addresses.get(timeout=60)
     buffer = bytearray(1 << 20)
@@ -138,7 +148,14 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=256, help="megabytes of tensors")
     parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each, in turns")
+    parser.add_argument("--no-pin", action="store_true", help="leave both ends unpinned")
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    sender: int | None = None
+    if not args.no_pin and len(cores) >= 2:
+        sender = cores[0]
+        pin(cores[1])
+    print(f"sender on core {sender}, receiver on core {cores[1]}" if sender is not None else "unpinned")
     peer_rates: list[float] = []
     copy_rates: list[float] = []
     overlapped_rates: list[float] = []
@@ -146,12 +163,14 @@ def main() -> None:
         root = Path(tmp) / "model"
         make_model(root, args.mb)
         for round_ in range(args.rounds):
-            sent, peer = peer_rate(root, args.host, Path(tmp) / f"cache{round_}")
+            sent, peer = peer_rate(root, args.host, Path(tmp) / f"cache{round_}", sender)
             shutil.rmtree(Path(tmp) / f"cache{round_}")
-            copied, copy = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy")
+            copied, copy = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy", sender)
             peer_rates.append(sent / 1e6 / peer.took)
             copy_rates.append(copied / 1e6 / copy.took)
-            overlapped, overlap = copy_rate(root / "model.safetensors", args.host, Path(tmp) / "copy", writeback=True)
+            overlapped, overlap = copy_rate(
+                root / "model.safetensors", args.host, Path(tmp) / "copy", sender, writeback=True
+            )
             overlapped_rates.append(overlapped / 1e6 / overlap.took)
             print(
                 f"round {round_ + 1}: peer {sent / 1e6:.1f} MB at {peer_rates[-1]:.0f} MB/s ({peer.line()}); ", end=""

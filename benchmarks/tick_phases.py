@@ -135,6 +135,12 @@ def steady(args: argparse.Namespace) -> None:
                 f"(rank 0), {tokens:.2f} tokens per tick, "
                 + (f"{run['tick_ms'] / tokens:.2f} ms per token" if tokens else "no tokens")
             )
+            if run["groups"] == "auto":  # what decode_groups="auto" measured (every rank alike) and chose
+                costs = ", ".join(f"{k} {v:.2f}" for k, v in run.get("group_costs_ms", {}).items())
+                print(
+                    f"auto: {run.get('splits', 0)} splits, {run.get('merges', 0)} merges (warm-up included); "
+                    f"measured ms per token: {costs or 'none yet (more --warmup)'}"
+                )
             phases = sorted({p for r in both for p in r["per_tick_ms"]})
             width = max(12, *(len(p) + 2 for p in phases))
             print(f"{'ms per tick':<{width}}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(both))))

@@ -185,6 +185,37 @@ def test_decode_groups_in_flight_give_each_request_its_solo_tokens_on_every_rank
     assert report["shared_head_ticks"] > 0 and report["left"] == 0
 
 
+# decode_groups="auto" (issue 52): 8 requests at S=2, the fewest it may split. Once one group's steady ticks are
+# timed it tries groups (a probe: nothing is measured of them yet), then keeps whichever is measured cheaper; which
+# one depends on the machine, but every rank must decide the same ticks from the same gathered times.
+AUTO_GROUPS: list[dict[str, Any]] = [{"M": 3 + i, "max_tokens": 26, "insert_at": 0} for i in range(8)]
+SCENARIOS[2]["groups auto"] = {
+    "requests": AUTO_GROUPS,
+    "remove": [],
+    "steps": 80,
+    "step_size": 8,
+    "chunk": 8,
+    "generator": {"decode_groups": "auto"},
+}
+
+
+def test_auto_decode_groups_are_tried_from_measured_ticks_and_decided_alike_on_every_rank(
+    scenario_reports: Reports,
+) -> None:
+    reports = scenario_reports(2, "groups auto")
+    for report in reports:
+        assert report == {**reports[0], "rank": report["rank"]}, "ranks disagree"  # the same times, the same ticks
+    report = reports[0]
+    timings, solo = report["group_timings"], report["solo"]
+    assert len(timings["one 8"]) >= 3, timings  # one group's steady ticks at 8 rows timed first
+    assert report["most_groups"] == 2 and report["group_switches"][0] >= 1, report  # then groups tried
+    assert timings.get("groups 8") and all(s > 0 for v in timings.values() for _, s in v), timings
+    assert all(len(set(t)) > 2 for t in solo), f"the model repeats itself: the test loses its power: {solo}"
+    for i, (tokens, finish) in enumerate(zip(report["tokens"], report["finish"])):
+        assert (tokens, finish) == (solo[i], "length"), (i, tokens, solo[i])
+    assert report["left"] == 0
+
+
 INTERLEAVED: list[dict[str, Any]] = [
     {"M": 7, "max_tokens": 14, "insert_at": 0},
     {"M": 30, "max_tokens": 6, "insert_at": 1},  # removed mid-prefill
@@ -1006,9 +1037,9 @@ def test_bad_arguments_raise_before_anything_changes() -> None:
     ):
         with pytest.raises(ValueError, match=named):
             fake_engine(**bad)
-    # decode_groups: "auto" splits from 8 live rows per rank on and merges below 6; n >= 2 from n rows; 1 never.
+    # decode_groups: "auto" measured, from 4 live rows per group on; n >= 2 from n rows; 1 never.
     rule = fake_engine(decode_groups="auto")._group_rule  # pyright: ignore[reportPrivateUsage]
-    assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 16, 12), rule
+    assert (rule is not None) and (rule.most, rule.enter, rule.leave, rule.measured) == (2, 8, 8, True), rule
     rule = fake_engine(decode_groups=3)._group_rule  # pyright: ignore[reportPrivateUsage]
     assert (rule is not None) and (rule.most, rule.enter, rule.leave) == (2, 3, 3), rule
     assert fake_engine(decode_groups=1)._group_rule is None  # pyright: ignore[reportPrivateUsage]
@@ -1107,12 +1138,12 @@ def test_a_step_with_guesses_that_shares_a_split_head_takes_every_position_s_lar
     from pipemlx.runtime.protocol import TICK
 
     def row(pairs: list[float], timing: int) -> tuple[dict[str, int], list[float]]:
-        return {"tick": 3, "rows": 2, "greedy": 1, "timing": timing}, [0.0] * 4 + pairs
+        return {"tick": 3, "rows": 2, "greedy": 1, "last_tick_us": timing}, [0.0] * 4 + pairs
 
     first = row([2.5, 10, 1.0, 20, 4.0, 30, 0.5, 40], 900)
     last = row([2.0, 90, 3.0, 95, 4.0, 99, 0.5, 41], 1200)
     outcome, greedy = outcome_of(TICK.read(tick_rows(first, last), 2, "tick"), 2, True, 2)
-    assert outcome.tokens == [10, 30] and outcome.ahead == [95, 40] and greedy and outcome.timing == 1200
+    assert outcome.tokens == [10, 30] and outcome.ahead == [95, 40] and greedy and outcome.last_tick_us == 1200
 
 
 def test_a_failed_sample_in_any_rank_s_header_fails_the_last_tick_s_rows_on_every_rank() -> None:

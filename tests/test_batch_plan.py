@@ -15,6 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipemlx.schedule.batch_plan import (
+    AUTO_KEEP,
+    AUTO_MARGIN,
+    AUTO_MIN_ROWS_PER_GROUP,
+    AUTO_SAMPLES,
     SERIAL,
     Admission,
     AdmissionLimits,
@@ -22,10 +26,12 @@ from pipemlx.schedule.batch_plan import (
     GroupRule,
     GroupState,
     GroupTick,
+    GroupTimings,
     QueuedPrompt,
     Tick,
     TickChunk,
     TickState,
+    choose_groups,
     drop,
     enqueue,
     plan_groups,
@@ -318,12 +324,14 @@ def test_decode_groups_travel_the_ranks_as_chunks_do_and_no_row_is_lost(
     chunks = enqueue(TickState(world_size), [QueuedPrompt(u, 3 + 5 * u) for u in range(4)])  # chunks travel too
     programs: list[list[Op]] = [[] for _ in range(world_size)]
     for index, (joining, leaving) in enumerate(events):
-        tick, after = plan_groups(state, dict(live), joining, rule, index)
+        want = seed.random() < 0.85  # a measured rule's decision (decode_groups="auto"): now and then "one group"
+        tick, after = plan_groups(state, dict(live), joining, rule, index, want)
         planned, chunks = plan_tick(chunks, [], 4)
         rows = sum(live.values()) + joining
         for rank, program in enumerate(programs):
             program += tick_ops(planned, rows, rank, world_size, tick)
-        assert tick.fingerprint() == plan_groups(state, dict(live), joining, rule, index)[0].fingerprint()
+        assert tick.fingerprint() == plan_groups(state, dict(live), joining, rule, index, want)[0].fingerprint()
+        assert want or not (tick.split or (tick.decode[0] is not None and not tick.serial)), tick  # no new step
         busy = {g for g in state.flight if g is not None}
         if not state.serial and not tick.serial and tick.decode[0] is not None:  # no group travels the ranks alone
             assert joining or sum(1 for n in live.values() if n) >= 2, (state, live, tick)
@@ -411,3 +419,122 @@ def test_a_split_in_a_tick_nobody_joins_makes_its_groups_before_using_them() -> 
     assert sorted(u for g in fake._groups.values() for u in (r.uid for r in g.requests)) == list(range(8))
     assert tick.decode[0] == tick.split[0] and tick.finishing is None  # the pipeline fills: nobody finishes yet
     assert after.flight == tick.decode[:-1]
+
+
+# decode_groups="auto": measured, not a fixed row count --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "serial,grouped,grouping,wanted",
+    [
+        (None, None, False, False),  # nothing measured: stay
+        (None, None, True, True),
+        (1.0, None, False, True),  # one group measured, groups not: try them
+        (None, 1.0, True, False),  # groups measured, one group not: try it
+        (1.0, 0.90, False, True),  # groups 10% cheaper: split
+        (1.0, 0.97, False, False),  # within the margin: stay one group
+        (1.0, 1.20, False, False),  # groups lose: never split
+        (1.0, 0.98, True, True),  # within the margin: stay groups
+        (1.0, 1.02, True, False),  # groups no cheaper: merge
+        (0.90, 1.0, True, False),  # one group 10% cheaper: merge
+    ],
+)
+def test_choose_groups_switches_only_to_a_way_measured_cheaper_by_the_margin(
+    serial: float | None, grouped: float | None, grouping: bool, wanted: bool
+) -> None:
+    assert AUTO_MARGIN == 0.05  # (the cases above are cut around it)
+    assert choose_groups(serial, grouped, grouping) is wanted
+    with pytest.raises(ValueError, match="margin must be in 0 .. 1"):
+        choose_groups(serial, grouped, grouping, margin=1.0)
+
+
+def test_group_timings_take_the_median_of_fresh_steady_ticks() -> None:
+    timings = GroupTimings(fresh=100)
+    for tick, cost in enumerate([5.0, 1.0]):
+        timings.record(False, 16, tick, cost)
+    assert timings.cost(False, 16, 2) is None  # fewer than AUTO_SAMPLES
+    timings.record(False, 16, 2, 3.0)
+    assert AUTO_SAMPLES == 3 and timings.cost(False, 16, 3) == 3.0  # the median, not the mean
+    assert timings.cost(True, 16, 3) is None and timings.cost(False, 15, 3) is None  # per way and row count
+    assert timings.cost(False, 16, 101) is None  # tick 0 is stale now: two fresh ones left
+    for tick in range(3, 3 + AUTO_KEEP):
+        timings.record(False, 16, tick, 2.0)
+    assert len(timings.samples[(False, 16)]) == AUTO_KEEP and timings.cost(False, 16, 20) == 2.0
+
+
+def test_a_measured_rule_keeps_small_batches_in_one_group_and_drains_groups_it_does_not_want() -> None:
+    rule = GroupRule.of("auto", 2)
+    assert rule is not None and rule.measured and rule.enter == rule.leave == 2 * AUTO_MIN_ROWS_PER_GROUP
+    assert GroupRule.of("auto", 1) is None and not cast(GroupRule, GroupRule.of(3, 2)).measured
+    state = GroupState(2)
+    for rows in range(1, rule.enter):  # 1..7 requests at S=2: one group whatever is measured
+        assert plan_groups(state, {SERIAL: rows}, 0, rule, 0, want=True)[0].serial
+    assert plan_groups(state, {SERIAL: 8}, 0, rule, 0, want=False)[0].serial  # measured: one group wins
+    tick, state = plan_groups(state, {SERIAL: 8}, 0, rule, 0, want=True)
+    split = tick.split
+    assert split and state.flight == (split[0],)
+    live = {g: 4 for g in split}
+    tick, state = plan_groups(state, live, 0, rule, 1, want=True)
+    assert tick.decode == (split[1], split[0])  # every rank busy
+    tick, state = plan_groups(state, live, 0, rule, 2, want=False)  # draining: no group takes rank 0
+    assert tick.decode[0] is None and not tick.merge
+    tick, state = plan_groups(state, live, 0, rule, 3, want=False)
+    assert tick.merge and tick.serial and state.serial  # merged back, decoded as one group in the same tick
+
+
+@pytest.mark.parametrize("groups_cost,ends_grouped", [(0.8, True), (1.3, False), (1.02, False)])
+def test_auto_groups_driven_by_measured_ticks_settle_on_the_cheaper_way(groups_cost: float, ends_grouped: bool) -> None:
+    """The generator's loop in miniature: 16 live rows at S=2, each steady tick's seconds per token recorded one tick
+    late (as the next all-gather brings it), noise of 3%. One group costs 1.0 a token, groups ``groups_cost``: the
+    batch tries groups once, then keeps the cheaper way (groups slightly slower: one group) and does not switch
+    back and forth; ranks fed the same measurements decide the same ticks."""
+    import random
+
+    rule = cast(GroupRule, GroupRule.of("auto", 2))
+
+    def drive() -> tuple[list[bool], int]:
+        noise = random.Random(7)
+        timings, state = GroupTimings(), GroupState(2)
+        live: dict[int, int] = {SERIAL: 16}
+        grouped: list[bool] = []
+        switches = 0
+        pending: tuple[bool, int] | None = None
+        for index in range(200):
+            want = timings.want(16, not state.serial, index)
+            tick, state = plan_groups(state, live, 0, rule, index, want)
+            if tick.merge:
+                live = {SERIAL: 16}
+            if tick.split:
+                live = {g: 8 for g in tick.split}
+            switches += bool(tick.split) + tick.merge
+            steady = (not tick.split and not tick.merge) and (tick.serial or None not in tick.decode)
+            if pending is not None:  # the last tick's time arrives with this tick's all-gather
+                timings.record(
+                    pending[0], 16, pending[1], (groups_cost if pending[0] else 1.0) * noise.uniform(1, 1.03)
+                )
+            pending = (not tick.serial, index) if steady else None
+            grouped.append(not tick.serial)
+        return grouped, switches
+
+    grouped, switches = drive()
+    assert grouped[-1] is ends_grouped and all(g is ends_grouped for g in grouped[-100:]), grouped
+    assert switches <= 2, switches  # one probe (split, and a merge where groups lose), no flapping
+    assert any(grouped), "groups were never tried"
+    assert drive() == (grouped, switches)  # the same measurements: the same decisions
+
+
+def test_auto_groups_compare_at_the_nearest_measured_row_count_so_finishing_requests_do_not_probe_anew() -> None:
+    """Groups measured cheaper at 16 rows: as requests finish one by one (15, 14, ... rows) the batch stays in
+    groups without probing one group at each new count; far from any measured count (8 rows), it measures again."""
+    timings = GroupTimings()
+    for tick in range(AUTO_SAMPLES):
+        timings.record(False, 16, tick, 1.0)
+        timings.record(True, 16, tick, 0.8)
+    for rows in range(16, 12, -1):  # within a quarter of the rows of 16
+        assert timings.want(rows, True, 10) and timings.want(rows, False, 10), rows
+    assert timings.nearest(15, 10) == (1.0, 0.8) and timings.nearest(8, 10) is None
+    timings.record(True, 8, 5, 0.7)  # at 8 rows only groups measured (one sample): nothing to compare
+    assert not timings.want(8, False, 10)  # one group at 8 rows not measured either: it stays
+    for tick in range(AUTO_SAMPLES):
+        timings.record(False, 8, tick, 1.0)
+    assert timings.want(8, False, 10)  # one group measured at 8, groups not yet: try them

@@ -109,7 +109,11 @@ def pipemlx_batch(
         got = len(engine.next())
         counted += got
         STEPS.append((time.perf_counter(), got))
-    return time.perf_counter() - start, counted
+    seconds = time.perf_counter() - start
+    splits, merges = engine.group_switches
+    GROUPS.clear()
+    GROUPS.update({"splits": splits, "merges": merges, "costs": engine.group_costs()})
+    return seconds, counted
 
 
 def pipemlx_serial(model: Any, prompts: list[list[int]], tokens: int, step: int) -> tuple[float, int]:
@@ -129,6 +133,8 @@ def pipemlx_serial(model: Any, prompts: list[list[int]], tokens: int, step: int)
 
 STEPS: list[tuple[float, int]] = []
 """Per decode step of the last timed run: when it ended and how many tokens it gave (the first entry: the start)."""
+GROUPS: dict[str, Any] = {}
+"""The last batched run's decode groups: splits, merges, and decode_groups="auto"'s measured seconds per token."""
 
 
 def best_window(steps: list[tuple[float, int]], tokens: int) -> float:
@@ -267,7 +273,8 @@ def main() -> None:
             )
         else:
             seconds, counted = pipemlx_serial(model, prompts, spec["tokens"], spec["step"])
-    print(json.dumps({"rank": rank, "tok_s": counted / seconds, "tokens": counted, "window": window}), flush=True)
+    report = {"rank": rank, "tok_s": counted / seconds, "tokens": counted, "window": window, "groups": GROUPS}
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -196,6 +196,8 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
                 tokens += len(engine.next())
             phases.on = False
             seconds = time.perf_counter() - start
+            splits, merges = engine.group_switches  # the whole run's, warm-up included
+            costs = engine.group_costs()  # decode_groups="auto": measured seconds per token, per way and rows
             engine.remove(uids)
             engine.close()
             ticks = spec["ticks"]
@@ -214,6 +216,9 @@ def steady(spec: dict[str, Any], model: Any, rank: int) -> dict[str, Any]:
                     "per_tick_ms": per_tick,
                     "counts": {k: round(v / ticks, 2) for k, v in sorted(phases.counts.items())},
                     "python_ms": round(1000 * (seconds - sum(phases.seconds.values())) / ticks, 2),
+                    "splits": splits,
+                    "merges": merges,
+                    "group_costs_ms": {k: round(1000 * v, 3) for k, v in costs.items()},
                 }
             )
     return {"rank": rank, "runs": runs}

@@ -357,7 +357,7 @@ TICK = Message(
         Field("failed_uid"),  # + 1; 0: none
         Field("greedy"),  # every live row of this rank's batch is greedy
         Field("failed_sample"),  # 1: this rank's sampling of the last tick's logits raised (failed one tick late)
-        Field("timing"),  # microseconds this rank's last tick took (0: untimed): num_draft_tokens="auto"'s costs
+        Field("last_tick_us"),  # this rank's time of the last tick, in microseconds (decode_groups="auto")
     ),
     "a batch tick",
 )

@@ -365,14 +365,22 @@ def _in_pipeline(state: TickState) -> list[int]:
 
 # Decode groups in flight -------------------------------------------------------------------------------------------
 
-AUTO_ENTER_ROWS_PER_RANK = 8
-"""``decode_groups="auto"``: the batch splits into groups in flight once it has this many live rows per rank.
-A step of fewer rows costs more than its share (reading the weights dominates), and each group's tick pays the
-fixed costs again: groups measured ahead of one group from 16 requests at S=2 and behind it at 8 on a shape with a
-shared head (figures and command: docs/performance.md, "Many requests")."""
-AUTO_LEAVE_ROWS_PER_RANK = 6
-"""``decode_groups="auto"``: the groups merge back into one batch below this many live rows per rank (lower than
-:data:`AUTO_ENTER_ROWS_PER_RANK`, so a batch near the threshold does not split and merge in turn)."""
+AUTO_MIN_ROWS_PER_GROUP = 4
+"""``decode_groups="auto"``: the batch is never cut into groups of fewer live rows than this on average (at S=2,
+one to seven requests always decode as one group). A step of few rows costs far more than its share (reading the
+weights dominates) and each group's tick pays the fixed costs again, so small batches lose to one group."""
+AUTO_SAMPLES = 3
+"""``decode_groups="auto"``: steady ticks timed in a way of decoding (one group or groups, at a row count) before
+:func:`choose_groups` compares it with the other way; the median of the latest :data:`AUTO_KEEP` is its cost."""
+AUTO_SETTLE = 2
+"""``decode_groups="auto"``: the first steady ticks after a split, a merge or a join that are not timed (measured: the
+first ticks of a new way ran 2-3x its steady cost, its batch caches and steps new)."""
+AUTO_KEEP = 8
+"""``decode_groups="auto"``: the latest steady ticks kept per way of decoding and row count (older ones go, so the
+comparison follows the caches' growth)."""
+AUTO_MARGIN = 0.05
+"""``decode_groups="auto"``: groups must be measured this much cheaper per token than one group before the batch
+splits (hysteresis: two ways about as fast do not take turns); they merge back once measured no cheaper."""
 SERIAL = 0
 """The id of the one group of the serial batch (every rank computes its step in turn, in one tick)."""
 
@@ -380,11 +388,13 @@ SERIAL = 0
 @dataclass(frozen=True)
 class GroupRule:
     """When the decode batch runs as groups in flight: at most ``most`` groups, split from ``enter`` live rows on
-    (the joining requests counted), merged back into one batch below ``leave``."""
+    (the joining requests counted), merged back into one batch below ``leave``. ``measured``
+    (``decode_groups="auto"``): from ``enter`` rows on, only where :class:`GroupTimings` says groups pay."""
 
     most: int
     enter: int
     leave: int
+    measured: bool = False
 
     def __post_init__(self) -> None:
         if self.most < 2 or self.enter < 2 or not 1 <= self.leave <= self.enter:
@@ -394,19 +404,97 @@ class GroupRule:
     def of(setting: object, world_size: int) -> GroupRule | None:
         """The rule of ``BatchGenerator(decode_groups=setting)`` on ``world_size`` ranks; ``None``: one batch always.
 
-        ``"auto"``: ``world_size`` groups from :data:`AUTO_ENTER_ROWS_PER_RANK` live rows per rank on, back below
-        :data:`AUTO_LEAVE_ROWS_PER_RANK`; ``1``: never; an int ``n >= 2``: groups (at most ``world_size``) whenever at
-        least ``n`` rows are live. Raises ``ValueError`` for anything else.
+        ``"auto"``: ``world_size`` groups, measured (:class:`GroupTimings`), from :data:`AUTO_MIN_ROWS_PER_GROUP`
+        live rows per group on; ``1``: never; an int ``n >= 2``: groups (at most ``world_size``) whenever at least
+        ``n`` rows are live. Raises ``ValueError`` for anything else.
         """
         if setting == "auto":
             if world_size < 2:
                 return None
-            return GroupRule(world_size, AUTO_ENTER_ROWS_PER_RANK * world_size, AUTO_LEAVE_ROWS_PER_RANK * world_size)
+            floor = AUTO_MIN_ROWS_PER_GROUP * world_size
+            return GroupRule(world_size, floor, floor, measured=True)
         if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
             raise ValueError(f"decode_groups must be 'auto' or a positive int, got {setting!r}")
         if setting == 1 or world_size < 2:
             return None
         return GroupRule(world_size, setting, setting)
+
+
+def choose_groups(serial: float | None, grouped: float | None, grouping: bool, margin: float = AUTO_MARGIN) -> bool:
+    """Whether the batch should decode as groups in flight next, from the measured seconds per token of one group
+    (``serial``) and of groups (``grouped``) at its row count (``None``: not measured yet); ``grouping``: whether it
+    does now.
+
+    With both measured, one group splits only where groups are measured ``margin`` cheaper, and groups merge back
+    as soon as they are measured no cheaper than one group (between the two it stays: hysteresis; groups are never
+    kept where they lose). With one measured, it tries the other (a probe: it is measured in the next steady ticks,
+    then compared); with neither, it stays. Pure: every rank decides alike from the same measurements.
+    """
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin must be in 0 .. 1, got {margin}")
+    if serial is None and grouped is None:
+        return grouping
+    if grouped is None:
+        return True
+    if serial is None:
+        return False
+    if grouping:
+        return grouped < serial
+    return grouped < serial * (1 - margin)
+
+
+@dataclass
+class GroupTimings:
+    """``decode_groups="auto"``: the seconds per token of the batch's steady ticks, by way of decoding (one group or
+    groups) and live rows, as every rank read them in the ticks' all-gathers (the slowest rank's time of each):
+    the same on every rank, so every rank decides alike (:meth:`want`).
+
+    A steady tick prefills nothing, joins, splits or merges nothing, and (groups) has a group on every rank; the
+    first :data:`AUTO_SETTLE` after a split, a merge or a join are not recorded (the generator leaves them out). A way
+    is measured at a row count once it has :data:`AUTO_SAMPLES` steady ticks there within the last ``fresh``
+    ticks (older ones are forgotten, so a way measured long ago, at shorter contexts, is measured again);
+    its cost is the median of the latest :data:`AUTO_KEEP`. Where the two ways are not both measured at the row
+    count, :meth:`want` compares them at the nearest row count where they are (within a quarter of the rows, at
+    least 2), so a batch whose rows change by a few as requests finish and join is not probed anew each time.
+    """
+
+    fresh: int = 512
+    samples: dict[tuple[bool, int], list[tuple[int, float]]] = field(
+        default_factory=dict[tuple[bool, int], list[tuple[int, float]]]
+    )
+
+    def record(self, grouped: bool, rows: int, tick: int, seconds_per_token: float) -> None:
+        """A steady tick ``tick`` of ``rows`` live rows, decoded as groups or not, cost ``seconds_per_token``."""
+        kept = self.samples.setdefault((grouped, rows), [])
+        kept.append((tick, seconds_per_token))
+        del kept[:-AUTO_KEEP]
+
+    def cost(self, grouped: bool, rows: int, now: int) -> float | None:
+        """The measured seconds per token of ``rows`` rows decoded as groups or not at tick ``now`` (``None``: fewer
+        than :data:`AUTO_SAMPLES` fresh steady ticks)."""
+        fresh = sorted(s for t, s in self.samples.get((grouped, rows), []) if now - t <= self.fresh)
+        if len(fresh) < AUTO_SAMPLES:
+            return None
+        middle = len(fresh) // 2
+        return fresh[middle] if len(fresh) % 2 else (fresh[middle - 1] + fresh[middle]) / 2
+
+    def want(self, rows: int, grouping: bool, now: int) -> bool:
+        """Whether ``rows`` live rows should decode as groups after tick ``now`` (:func:`choose_groups`)."""
+        serial, grouped = self.cost(False, rows, now), self.cost(True, rows, now)
+        if serial is None or grouped is None:
+            serial, grouped = self.nearest(rows, now) or (serial, grouped)
+        return choose_groups(serial, grouped, grouping)
+
+    def nearest(self, rows: int, now: int) -> tuple[float, float] | None:
+        """The costs of one group and of groups at the row count nearest ``rows`` where both are measured, within
+        ``max(2, rows // 4)`` rows (the fewer rows on a tie); ``None`` where there is none."""
+        reach = max(2, rows // 4)
+        counts = sorted({r for _, r in self.samples if abs(r - rows) <= reach}, key=lambda r: (abs(r - rows), r))
+        for count in counts:
+            serial, grouped = self.cost(False, count, now), self.cost(True, count, now)
+            if serial is not None and grouped is not None:
+                return serial, grouped
+        return None
 
 
 @dataclass(frozen=True)
@@ -486,7 +574,7 @@ class GroupTick:
 
 
 def plan_groups(
-    state: GroupState, live: dict[int, int], joining: int, rule: GroupRule | None, index: int
+    state: GroupState, live: dict[int, int], joining: int, rule: GroupRule | None, index: int, want: bool = True
 ) -> tuple[GroupTick, GroupState]:
     """The decode groups of tick ``index`` and the state after it.
 
@@ -499,13 +587,14 @@ def plan_groups(
     live rows, or with one group left that has live rows and none joining (it would travel the ranks alone, each
     rank idle but one tick in S), no group takes rank 0 any more, and once none is in flight they merge back
     into the serial batch (in the same tick, which then decodes it; it splits again from ``rule.enter`` rows).
-    An idle group without live rows is dropped. Pure: the same arguments give the same tick
-    everywhere.
+    ``want`` False (a measured rule's decision, :class:`GroupTimings`) keeps the serial batch, or drains and merges
+    the groups, as too few rows would. An idle group without live rows is dropped. Pure: the same arguments give
+    the same tick everywhere.
     """
     size = state.world_size
     total = sum(live.get(g, 0) for g in state.groups) + joining
     if state.serial:
-        if rule is None or total < rule.enter:
+        if rule is None or total < rule.enter or not want:
             tick = GroupTick(index, True, (SERIAL,) * size, SERIAL if joining else None)
             return tick, state
         count = min(rule.most, total)
@@ -521,7 +610,7 @@ def plan_groups(
     formed = False
     joins_into: int | None = None
     take: int | None = None
-    if rule is not None and total >= rule.leave and (len(alive) >= 2 or joining):
+    if rule is not None and total >= rule.leave and want and (len(alive) >= 2 or joining):
         if joining and (not idle or len(kept) < min(rule.most, total)):  # a group of their own, waiting its turn
             idle.append(next_id)
             joins_into, next_id, formed = next_id, next_id + 1, True

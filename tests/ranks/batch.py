@@ -286,6 +286,11 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         "shared_head_ticks": engine.shared_head_ticks,
         "most_groups": most_groups,
         "in_flight": in_flight,
+        "group_switches": list(engine.group_switches),  # decode_groups="auto": splits, merges; and the ticks it timed
+        "group_timings": {
+            f"{'groups' if grouped else 'one'} {rows}": samples
+            for (grouped, rows), samples in engine._timings.samples.items()  # pyright: ignore[reportPrivateUsage]
+        },
         "first": [first.get(i) for i in range(len(requests))],
         "stops": stops,
         "resumed": {str(i): r for i, r in resumed.items()},

@@ -21,6 +21,8 @@ from mlx_lm.generate_utils import BatchStats
 
 from ...errors import renamed
 from ...schedule.batch_plan import (
+    AUTO_SETTLE,
+    FINGERPRINT_MODULUS,
     SERIAL,
     Admission,
     AdmissionLimits,
@@ -30,6 +32,7 @@ from ...schedule.batch_plan import (
     GroupRule,
     GroupState,
     GroupTick,
+    GroupTimings,
     Tick,
     TickChunk,
     TickState,
@@ -166,9 +169,11 @@ class BatchGenerator:
     well, the batch can be cut into up to ``world_size`` *groups in flight*: in each tick each rank computes another
     group's step (rank ``r`` what rank ``r - 1`` computed in the last tick, as prefill chunks travel), so every rank
     is busy; a group's tokens come once every ``world_size`` ticks. An int ``n >= 2``: groups whenever at least
-    ``n`` rows are live; ``"auto"``: from :data:`~pipemlx.schedule.batch_plan.AUTO_ENTER_ROWS_PER_RANK` live rows
-    per rank on (where a step of fewer rows is predicted to pay), back to one group below
-    :data:`~pipemlx.schedule.batch_plan.AUTO_LEAVE_ROWS_PER_RANK`. Each request's tokens are the same either way;
+    ``n`` rows are live; ``"auto"``: from :data:`~pipemlx.schedule.batch_plan.AUTO_MIN_ROWS_PER_GROUP` live rows
+    per group on, where measured faster: every rank times its ticks and sends the time in the next tick's header,
+    and every rank compares the steady ticks' seconds per token of one group and of groups at the batch's row count
+    alike (:class:`~pipemlx.schedule.batch_plan.GroupTimings`; one way not measured yet is tried for a few ticks).
+    Each request's tokens are the same either way;
     the order of the responses across requests differs (docs/batching.md, "Decode groups in flight").
 
     ``prompt_lookup`` (pipemlx's; ``None``, the default: no speculation) turns on speculative decoding by prompt
@@ -298,6 +303,14 @@ class BatchGenerator:
         self._group_rule = GroupRule.of(decode_groups, self.stage.world_size)
         self._group_state = GroupState(self.stage.world_size)
         self._finishing = self._groups[SERIAL]  # the rows whose step ends in the tick under way (sampled)
+        # decode_groups="auto": the steady ticks' measured costs, the last tick if steady ((groups, live rows,
+        # tokens, index): recorded when the next tick's all-gather brings the ranks' times of it), this rank's time
+        # of its last tick (sent in the next tick's header), and the splits and merges so far.
+        self._timings = GroupTimings()
+        self._steady: tuple[bool, int, int, int] | None = None
+        self._settled = 0  # steady ticks since the last split, merge or join (the first AUTO_SETTLE are not timed)
+        self._last_tick_us = 0
+        self._group_switches = [0, 0]
         self._runner = TickRunner(model, self.stage, self.timeout)
         if compiled_decode:
             self._runner.compiled = CompiledDecode.of(model, self.stage)
@@ -312,7 +325,7 @@ class BatchGenerator:
             self._check_speculable(fresh)
             self._speculation = BatchSpeculation(prompt_lookup, num_draft_tokens)
         self._guesses: list[list[int]] = []  # the tick under way's per row (empty: a step without guesses)
-        self._timed: tuple[int, int] | None = None  # the last tick's (width, microseconds here): a plain decode step
+        self._timed: int | None = None  # the last tick's width where it was a plain decode step (prompt lookup)
         self._ahead_logprobs: mx.array | None = None  # its later positions' log-probabilities, [R, width-1, V]
         self.admission: Admission | None = (
             None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
@@ -360,6 +373,22 @@ class BatchGenerator:
     def shared_head_ticks(self) -> int:
         """Ticks whose decode step shared the output head among the ranks (every row greedy: see ``next``)."""
         return self._runner.shared_ticks
+
+    @property
+    def group_switches(self) -> tuple[int, int]:
+        """``(splits, merges)``: how often the batch was cut into decode groups in flight, and merged back, so far."""
+        return self._group_switches[0], self._group_switches[1]
+
+    def group_costs(self) -> dict[str, float]:
+        """``decode_groups="auto"``: the measured seconds per token of each way of decoding at each row count, as
+        every rank holds them (``"one 16"``: one group of 16 live rows; ``"groups 16"``: 16 rows in groups in
+        flight; only those measured, stale ticks counted too). For benchmarks and logs."""
+        costs: dict[str, float] = {}
+        for (grouped, rows), samples in sorted(self._timings.samples.items()):
+            value = self._timings.cost(grouped, rows, max(t for t, _ in samples))
+            if value is not None:
+                costs[f"{'groups' if grouped else 'one'} {rows}"] = value
+        return costs
 
     @property
     def guesses(self) -> tuple[int, int]:
@@ -579,7 +608,10 @@ class BatchGenerator:
                 self._groups[group].compact()
             tick, after = self._plan_tick()
         live = {g: len(rows.active) for g, rows in self._groups.items()}
-        groups, groups_after = plan_groups(self._group_state, live, len(tick.joins), self._group_rule, tick.index)
+        want = self._want_groups(sum(live.values()) + len(tick.joins), tick.index)
+        groups, groups_after = plan_groups(self._group_state, live, len(tick.joins), self._group_rule, tick.index, want)
+        self._group_switches[0] += bool(groups.split)
+        self._group_switches[1] += groups.merge
         self._regroup(groups, tick.joins)
         in_flight = self._group_state.in_flight()
         if not self._has_rows() and not in_flight and all(c is None for c in tick.chunks):
@@ -588,11 +620,12 @@ class BatchGenerator:
         work = self._work(tick, groups)
         self._logprobs = self._ahead_logprobs = None
         sampled_before, self._unsampled = self._sampled, self._sampled if self._runner.sample_failed else frozenset()
+        work.last_tick_us = self._last_tick_us
         timed, self._timed = self._timed, None
-        work.timing = 0 if timed is None else timed[1]
         outcome = self._runner.run(work)
-        if self._speculation is not None and timed is not None and outcome.timing > 0:  # every rank's largest
-            self._speculation.costs.observe(timed[0], outcome.timing / 1e6)
+        self._time_groups(outcome, self._steady_tick(tick, groups, live, work))
+        if self._speculation is not None and timed is not None and outcome.last_tick_us > 0:  # the slowest rank's
+            self._speculation.costs.observe(timed, outcome.last_tick_us / 1e6)
         self._sampled = frozenset(r.uid for r in self._finishing.active) if work.processing else frozenset()
         if outcome.failed_sample:
             outcome = replace(outcome, failed_uids=outcome.failed_uids | sampled_before)
@@ -608,11 +641,50 @@ class BatchGenerator:
             self._finishing.fed(inputs)
         self.remove({r.uid for r in responses if r.finish_reason is not None})
         generated = sum(1 for r in responses if r.finish_reason != "error")
-        elapsed = time.perf_counter() - started
-        self._counters.count(0 if done is None else done.length, generated, elapsed)
+        seconds = time.perf_counter() - started
+        self._counters.count(0 if done is None else done.length, generated, seconds)
+        self._last_tick_us = min(int(seconds * 1e6), FINGERPRINT_MODULUS - 1)
         if self._speculation is not None and groups.serial and work.rows and all(c is None for c in tick.chunks):
-            self._timed = (work.width, max(1, int(elapsed * 1e6)))  # reported in the next tick's header
+            self._timed = work.width  # a plain decode step's width: its time comes in the next tick's header
         return responses
+
+    def _want_groups(self, rows: int, index: int) -> bool:
+        """``decode_groups="auto"``: whether ``rows`` live rows should decode as groups in tick ``index``, from the
+        steady ticks measured so far (:class:`~pipemlx.schedule.batch_plan.GroupTimings`): alike on every rank."""
+        rule = self._group_rule
+        if rule is None or not rule.measured or rows < rule.enter:
+            return True
+        return self._timings.want(rows, not self._group_state.serial, index)
+
+    def _steady_tick(
+        self, tick: Tick, groups: GroupTick, live: dict[int, int], work: TickWork
+    ) -> tuple[bool, int, int, int] | None:
+        """``(groups, live rows, tokens, index)`` of a tick whose time measures a way of decoding (no prefill, join,
+        split, merge or guesses; groups: one on every rank), for :class:`GroupTimings`; ``None`` otherwise."""
+        rule = self._group_rule
+        if groups.split or groups.merge or tick.joins:
+            self._settled = 0
+        if rule is None or not rule.measured or work.width != 1 or tick.joins or any(tick.chunks):
+            return None
+        if groups.split or groups.merge or groups.dropped or groups.formed:
+            return None
+        rows = sum(live.values())
+        grouped = not groups.serial
+        tokens = live.get(cast(int, groups.finishing), 0) if grouped else rows
+        if not tokens or (grouped and any(g is None for g in groups.decode)):
+            return None
+        self._settled += 1
+        if self._settled <= AUTO_SETTLE:
+            return None
+        return grouped, rows, tokens, tick.index
+
+    def _time_groups(self, outcome: TickOutcome, steady: tuple[bool, int, int, int] | None) -> None:
+        """Record the last tick, if steady, at the slowest rank's time of it (this tick's all-gather brought it)."""
+        last, self._steady = self._steady, steady
+        if last is None or outcome.last_tick_us <= 0 or outcome.failed_groups or outcome.failed_uids:
+            return
+        grouped, rows, tokens, index = last
+        self._timings.record(grouped, rows, index, outcome.last_tick_us / 1e6 / tokens)
 
     def _regroup(self, groups: GroupTick, joins: tuple[int, ...]) -> None:
         """Carry out the tick's changes to the groups (:class:`~pipemlx.schedule.batch_plan.GroupTick`), in its

@@ -114,7 +114,7 @@ class TickOutcome:
     failed_uids: frozenset[int]
     failed_sample: bool = False
     ahead: list[int] = field(default_factory=list[int])  # a step with guesses: per row, its later positions' samples
-    timing: int = 0  # the largest of the ranks' reported microseconds of their last tick (TickWork.timing)
+    last_tick_us: int = 0  # the slowest rank's time of the tick before, in microseconds (GroupTimings)
 
 
 @dataclass
@@ -139,7 +139,7 @@ class TickWork:
     width: int = 1  # positions per row in the decode step: 1, or 1 + the most guesses a row feeds (speculate.py)
     fed: list[list[int]] | None = None  # width > 1: per row, its next token, its guesses and padding
     sample_ahead: Callable[[mx.array], mx.array] | None = None  # width > 1: logits [R, width-1, V] -> ids [R, width-1]
-    timing: int = 0  # microseconds this rank's last tick took, for the header (0: untimed; speculate.StepCosts)
+    last_tick_us: int = 0  # this rank's time of its last tick, in microseconds: sent in the header
 
     def decode_inputs(self) -> mx.array:
         """The decode step's token ids, ``[rows, width]``."""
@@ -295,7 +295,7 @@ class TickRunner:
                     "failed_uid": failed_uid + 1,
                     "greedy": int(work.greedy),
                     "failed_sample": int(self.sample_failed),
-                    "timing": work.timing,
+                    "last_tick_us": work.last_tick_us,
                 }
                 self.sample_failed = False  # told in this header
                 payload = [tokens]
@@ -605,6 +605,6 @@ def outcome_of(table: Table, rows: int, sharing: bool, width: int = 1) -> tuple[
         failed_uids=failed_uids,
         failed_sample=failed_sample,
         ahead=ahead,
-        timing=max(table["timing"]),
+        last_tick_us=max(table["last_tick_us"]),
     )
     return outcome, all(table["greedy"])
