@@ -467,13 +467,13 @@ def test_a_measured_rule_keeps_small_batches_in_one_group_and_drains_groups_it_d
     assert rule is not None and rule.measured and rule.enter == rule.leave == 2 * AUTO_MIN_ROWS_PER_GROUP
     assert GroupRule.of("auto", 1) is None and not cast(GroupRule, GroupRule.of(3, 2)).measured
     state = GroupState(2)
-    for rows in range(1, rule.enter):  # 1..7 requests at S=2: one group whatever is measured
+    for rows in range(1, rule.enter):  # 1..15 requests at S=2: one group whatever is measured
         assert plan_groups(state, {SERIAL: rows}, 0, rule, 0, want=True)[0].serial
-    assert plan_groups(state, {SERIAL: 8}, 0, rule, 0, want=False)[0].serial  # measured: one group wins
-    tick, state = plan_groups(state, {SERIAL: 8}, 0, rule, 0, want=True)
+    assert plan_groups(state, {SERIAL: 16}, 0, rule, 0, want=False)[0].serial  # measured: one group wins
+    tick, state = plan_groups(state, {SERIAL: 16}, 0, rule, 0, want=True)
     split = tick.split
     assert split and state.flight == (split[0],)
-    live = {g: 4 for g in split}
+    live = {g: 8 for g in split}
     tick, state = plan_groups(state, live, 0, rule, 1, want=True)
     assert tick.decode == (split[1], split[0])  # every rank busy
     tick, state = plan_groups(state, live, 0, rule, 2, want=False)  # draining: no group takes rank 0

@@ -140,7 +140,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--decode-groups",
         type=decode_groups_arg,
         default="auto",
-        help="with --decode-concurrency above 1: 'auto' (the default) cuts a batch of many rows (4 per group or "
+        help="with --decode-concurrency above 1: 'auto' (the default) cuts a batch of many rows (8 per group or "
         "more) into one group per rank, each rank computing another group's step at once, where the ticks it "
         "times show it faster (docs/batching.md); 1 decodes the "
         "batch as one group, every rank in turn; a number n >= 2: groups whenever n requests decode",

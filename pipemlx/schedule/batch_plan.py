@@ -365,10 +365,12 @@ def _in_pipeline(state: TickState) -> list[int]:
 
 # Decode groups in flight -------------------------------------------------------------------------------------------
 
-AUTO_MIN_ROWS_PER_GROUP = 4
+AUTO_MIN_ROWS_PER_GROUP = 8
 """``decode_groups="auto"``: the batch is never cut into groups of fewer live rows than this on average (at S=2,
-one to seven requests always decode as one group). A step of few rows costs far more than its share (reading the
-weights dominates) and each group's tick pays the fixed costs again, so small batches lose to one group."""
+one to fifteen requests always decode as one group). A step of few rows costs far more than its share (reading the
+weights dominates) and each group's tick pays the fixed costs again: measured at S=2 (docs/performance.md), groups
+of 4 rows never beat one group of 8 (0.98-1.00x on the light shape, 0.85-0.92x where the head is large), while
+trying them cost 5-20% of a 65-token run; groups of 8 won on every shape measured."""
 AUTO_SAMPLES = 3
 """``decode_groups="auto"``: steady ticks timed in a way of decoding (one group or groups, at a row count) before
 :func:`choose_groups` compares it with the other way; the median of the latest :data:`AUTO_KEEP` is its cost."""
@@ -446,7 +448,7 @@ def choose_groups(serial: float | None, grouped: float | None, grouping: bool, m
 @dataclass
 class GroupTimings:
     """``decode_groups="auto"``: the seconds per token of the batch's steady ticks, by way of decoding (one group or
-    groups) and live rows, as every rank read them in the ticks' all-gathers (the slowest rank's time of each):
+    groups) and live rows, as every rank read them in the ticks' all-gathers (the mean of the ranks' times of each):
     the same on every rank, so every rank decides alike (:meth:`want`).
 
     A steady tick prefills nothing, joins, splits or merges nothing, and (groups) has a group on every rank; the

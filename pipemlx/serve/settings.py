@@ -70,7 +70,7 @@ class EngineSettings:
     prefill_chunking: Literal["fixed", "equal-cost"] = "equal-cost"
     decode_groups: int | Literal["auto"] = "auto"
     """``BatchGenerator(decode_groups=)`` with ``max_concurrency`` above 1 (``--decode-groups``): ``"auto"``, groups
-    in flight from 4 live rows per group on, where measured faster in the run (the server owns the loop, so the order of the responses across requests
+    in flight from 8 live rows per group on, where measured faster in the run (the server owns the loop, so the order of the responses across requests
     is not seen; the library's default stays 1, mlx-lm's order)."""
     prefix_cache_mb: float = 1024.0
     prefill_step_size: int | Literal["auto"] = "auto"

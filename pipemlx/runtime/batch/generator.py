@@ -624,7 +624,7 @@ class BatchGenerator:
         timed, self._timed = self._timed, None
         outcome = self._runner.run(work)
         self._time_groups(outcome, self._steady_tick(tick, groups, live, work))
-        if self._speculation is not None and timed is not None and outcome.last_tick_us > 0:  # the slowest rank's
+        if self._speculation is not None and timed is not None and outcome.last_tick_us > 0:  # the ranks' mean
             self._speculation.costs.observe(timed, outcome.last_tick_us / 1e6)
         self._sampled = frozenset(r.uid for r in self._finishing.active) if work.processing else frozenset()
         if outcome.failed_sample:
@@ -679,7 +679,7 @@ class BatchGenerator:
         return grouped, rows, tokens, tick.index
 
     def _time_groups(self, outcome: TickOutcome, steady: tuple[bool, int, int, int] | None) -> None:
-        """Record the last tick, if steady, at the slowest rank's time of it (this tick's all-gather brought it)."""
+        """Record the last tick, if steady, at the ranks' mean time of it (this tick's all-gather brought it)."""
         last, self._steady = self._steady, steady
         if last is None or outcome.last_tick_us <= 0 or outcome.failed_groups or outcome.failed_uids:
             return

@@ -70,8 +70,8 @@ class RowTally:
 class StepCosts:
     """What a decode step costs by width (1: no guesses), in plain steps, from steps every rank timed alike.
 
-    Each rank times its ticks and reports the last one in the next tick's header; every rank takes the largest
-    (:attr:`~pipemlx.runtime.batch.tick.TickOutcome.last_tick_us`), so every rank holds the same figures. Only ticks
+    Each rank times its ticks and reports the last one in the next tick's header; every rank takes the ranks'
+    mean (:attr:`~pipemlx.runtime.batch.tick.TickOutcome.last_tick_us`), so every rank holds the same figures. Only ticks
     that computed no prefill chunk are counted (a chunk's work is no guess's cost). A plain step's seconds are a
     running mean; a wider step's are kept as its ratio to that mean when it ran (the batch's rows and context
     change a step's seconds, not much their ratio), the median of the latest :data:`AUTO_SAMPLES`."""
