@@ -109,8 +109,9 @@ def test_auto_chooses_the_count_that_gives_the_most_tokens_per_second() -> None:
     costs.observe(1, 1.0)
     assert costs.plain_count == AUTO_WARMUP and costs.estimate(1) == 1.0 and costs.ratios == {2: [4.0 / 0.8125]}
     costs = StepCosts(1.0, AUTO_WARMUP)
-    assert costs.estimate(3) == 1.5  # the prior: a quarter of a plain step per position
-    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 1  # 1.5 tokens / 1.25 beats 1.75 / 1.5 and 1 / 1
+    assert costs.estimate(3) == 3.0  # the prior: a plain step per position, until a wider step is timed
+    assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 0  # 1.5 tokens / 2 loses: no guess before a probe
+    assert choose_guesses([(1.0, 4)] * 8, costs, 4) == 0  # even certain guesses only break even
     costs.observe(2, 2.0)  # a step with one guess cost two plain steps: each position costs a plain step
     assert costs.estimate(5) == 5.0 and costs.estimate(1) == 1.0
     assert choose_guesses([(0.5, 4)] * 8, costs, 4) == 0  # guesses that hold half the time lose
@@ -142,7 +143,7 @@ def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> N
     assert speculation.guesses(good, None) == [2, 3, 1]  # what followed the last earlier 1 (of 4 asked)
     for _ in range(AUTO_WARMUP):
         speculation.costs.observe(1, 1.0)
-    assert speculation.plan([good, bad], None) == [[2], [5]]  # the prior's costs and acceptance: one guess
+    assert speculation.plan([good, bad], None) == [[], []]  # a wider step not timed: costs a plain step a position
     speculation.costs.observe(2, 1.2)  # cheap positions
     for _ in range(6):
         speculation.record(good.uid, 3, 3)
@@ -155,8 +156,16 @@ def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> N
         speculation.costs.observe(2, 2.0)
     plans = [speculation.plan([good, bad], None) for _ in range(AUTO_PROBE_EVERY)]
     assert plans == [[[], []]] * (AUTO_PROBE_EVERY - 1) + [[[2], [5]]]  # every guess fails: off, then a probe
-    assert speculation.chosen[0] == AUTO_PROBE_EVERY and speculation.idle == 0  # (and the untimed first)
-    assert speculation.proposed == 66 and speculation.confirmed == 18
+    assert speculation.chosen[0] == AUTO_PROBE_EVERY + 1 and speculation.idle == 0  # (and the two before any)
+    plans = [speculation.plan([good, bad], None) for _ in range(2 * AUTO_PROBE_EVERY)]  # probes keep losing:
+    assert plans == [[[], []]] * (2 * AUTO_PROBE_EVERY - 1) + [[[2], [5]]]  # the next waits twice as long
+    speculation.costs.observe(2, 1.05)  # wider steps turn cheap (three of the five latest): guesses pay again
+    speculation.costs.observe(2, 1.05)
+    speculation.costs.observe(2, 1.05)
+    for _ in range(3):
+        speculation.record(good.uid, 3, 3)
+    assert speculation.plan([good, bad], None) != [[], []] and speculation.probe_every == AUTO_PROBE_EVERY
+    assert speculation.proposed == 75 and speculation.confirmed == 27
     assert speculation.guesses(request(2, [1, 2, 1], sampler=lambda x: x), None) == []  # not enrolled, sampled
     speculation.enrol(3)
     assert speculation.guesses(request(3, [1, 2, 1]), lambda x: x) == []  # the generator's default samples

@@ -36,11 +36,16 @@ AUTO_PRIOR = (1.0, 1.0)
 """``"auto"``: a new row's tally before it guessed, ``(held, failed)``: a guess holds with probability 1/2."""
 AUTO_DECAY = 0.9
 """``"auto"``: each later pass of a row weighs its earlier passes' tally by this (recent passes count most)."""
-AUTO_PRIOR_SLOPE = 0.25
-"""``"auto"``: before a step with guesses was timed, each position a row adds costs this share of a plain step."""
+AUTO_PRIOR_SLOPE = 1.0
+"""``"auto"``: before a step with guesses was timed, each position a row adds costs this share of a plain step: a
+whole one, so nothing guesses before a probe measured what a wider step costs (measured on the CPU backend: 2-2.7
+plain steps for one or two guesses a row, so an optimistic prior paid for its first steps with guesses)."""
 AUTO_PROBE_EVERY = 64
 """``"auto"``: after this many steps that chose no guesses while some row had guesses to feed, one guess is tried
-(the rows' acceptance and the steps' cost measured afresh)."""
+(the rows' acceptance and the steps' cost measured afresh); each probe that guesses do not follow doubles the wait,
+up to :data:`AUTO_PROBE_MOST`, and a step that chooses guesses on its own sets it back."""
+AUTO_PROBE_MOST = 1024
+"""``"auto"``: the longest wait between two probes (steps), where guesses keep losing."""
 AUTO_COST_WEIGHT = 0.25
 """``"auto"``: the weight of a newly timed plain step in the running mean of a plain step's seconds."""
 AUTO_WARMUP = 4
@@ -148,7 +153,8 @@ class BatchSpeculation:
     :data:`AUTO_GUESSES`) is chosen by :func:`choose_guesses` from the rows' acceptance (:class:`RowTally`) and the
     measured seconds of steps by width (:class:`StepCosts`): a guess that fails costs the whole batch's step a
     position, so the count is the one that gives the most tokens per second, none where guesses lose. After
-    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried. Every decision
+    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried (then after twice
+as many while probes keep losing). Every decision
     is taken from the tokens and timings every rank received, so every rank takes it alike.
     """
 
@@ -162,6 +168,7 @@ class BatchSpeculation:
         self.confirmed = 0
         self.costs = StepCosts()
         self.idle = 0  # "auto": steps in a row that chose no guesses while some row had some to feed
+        self.probe_every = AUTO_PROBE_EVERY  # "auto": the idle steps before the next probe
         self.chosen: dict[int, int] = {}  # "auto": how many steps chose each count (observability)
 
     def enrol(self, uid: int) -> None:
@@ -204,10 +211,12 @@ class BatchSpeculation:
             (self.tallies[r.uid].acceptance if g else 0.0, len(g)) for r, g in zip(requests, offered, strict=True)
         ]
         k = choose_guesses(offers, self.costs, self.count)
-        if k == 0:
+        if k:  # chosen on its own: guesses pay, probe soon again once they stop paying
+            self.probe_every = AUTO_PROBE_EVERY
+        else:
             self.idle += 1
-            if self.idle >= AUTO_PROBE_EVERY:
-                k = 1
+            if self.idle >= self.probe_every:  # a probe; the next waits twice as long unless guesses pay by then
+                k, self.probe_every = 1, min(2 * self.probe_every, AUTO_PROBE_MOST)
         if k:
             self.idle = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
