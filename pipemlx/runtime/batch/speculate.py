@@ -153,9 +153,9 @@ class BatchSpeculation:
     :data:`AUTO_GUESSES`) is chosen by :func:`choose_guesses` from the rows' acceptance (:class:`RowTally`) and the
     measured seconds of steps by width (:class:`StepCosts`): a guess that fails costs the whole batch's step a
     position, so the count is the one that gives the most tokens per second, none where guesses lose. After
-    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried (then after twice
-as many while probes keep losing). Every decision
-    is taken from the tokens and timings every rank received, so every rank takes it alike.
+    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried (then after
+    twice as many while probes keep losing). Every decision is taken from the tokens and timings every rank
+    received, so every rank takes it alike.
     """
 
     def __init__(self, prompt_lookup: int, num_draft_tokens: int | Literal["auto"]) -> None:
