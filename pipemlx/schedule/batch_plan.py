@@ -369,8 +369,8 @@ AUTO_MIN_ROWS_PER_GROUP = 8
 """``decode_groups="auto"``: the batch is never cut into groups of fewer live rows than this on average (at S=2,
 one to fifteen requests always decode as one group). A step of few rows costs far more than its share (reading the
 weights dominates) and each group's tick pays the fixed costs again: measured at S=2 (docs/performance.md), groups
-of 4 rows never beat one group of 8 (0.98-1.00x on the light shape, 0.85-0.92x where the head is large), while
-trying them cost 5-20% of a 65-token run; groups of 8 won on every shape measured."""
+of 4 rows gain at most a few hundredths over one group of 8 (0.96-1.03x on the light shape) or lose (0.85-0.92x
+where the head is large), while trying them cost 5-20% of a 65-token run; groups of 8 won on every shape measured."""
 AUTO_SAMPLES = 3
 """``decode_groups="auto"``: steady ticks timed in a way of decoding (one group or groups, at a row count) before
 :func:`choose_groups` compares it with the other way; the median of the latest :data:`AUTO_KEEP` is its cost."""
