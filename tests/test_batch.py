@@ -944,12 +944,20 @@ def test_dead_rows_are_filtered_out_when_they_hold_back_a_queued_request(scenari
 
 
 @pytest.mark.parametrize(
-    "world_size,groups",
-    [pytest.param(2, 1, marks=pytest.mark.slow), (3, 1), pytest.param(3, 2, marks=pytest.mark.slow)],
+    "world_size,groups,guessing",
+    [
+        pytest.param(2, 1, False, marks=pytest.mark.slow),
+        (3, 1, False),
+        pytest.param(3, 2, False, marks=pytest.mark.slow),
+        (2, 1, True),
+    ],
 )  # -m slow: the suite's time budget
-def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int, groups: int) -> None:
+def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int, groups: int, guessing: bool) -> None:
     # Killed before tick 4: request 0 decodes, request 1's prompt is in flight between the ranks. With decode
     # groups (killed before tick 9): requests 0 and 2 (a 2-token prompt) decode in two groups in flight.
+    # ``guessing`` (issue 49): prompt lookup in the batch, every greedy row guessing 3 tokens in every step, so the
+    # rank dies mid-pass (a step of 4 positions a row).
+    lookup = {"prompt_lookup": 2, "num_draft_tokens": 3} if guessing else {}
     spec = {
         "requests": REQUESTS[:2] + ([{"M": 2, "max_tokens": 12, "insert_at": 0}] if groups > 1 else []),
         "remove": [],
@@ -957,7 +965,8 @@ def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int, groups
         "step_size": 8,
         "timeout": 5.0,
         "kill": {"rank": 1, "at": 4 if groups == 1 else 9},
-        "generator": {"decode_groups": groups},
+        "generator": {"decode_groups": groups, **lookup},
+        "always_guess": guessing,
     }
     reports = run_ranks(world_size, "batch.py", spec, timeout=60, expect_exit={1: 3})
     survivors = [survivor for rank, survivor in enumerate(reports) if rank != 1]
@@ -965,6 +974,7 @@ def test_a_killed_rank_fails_the_batch_on_every_survivor(world_size: int, groups
         assert survivor["error"] in ("PeerLostError", "PipelineTimeoutError"), survivor
         assert f"rank {survivor['rank']}/{world_size}" in survivor["message"]
         assert survivor["waited"] <= 5.0 + 3.0, survivor
+        assert survivor["guessing"] == guessing, survivor  # the failing tick was a pass with guesses, or not
     # The dead rank's ring neighbours see the lost connection (a survivor farther off may time out first),
     # also in ticks whose greedy rows share the output head (two collectives, each evaluated on its own).
     assert "PeerLostError" in [survivor["error"] for survivor in survivors], survivors

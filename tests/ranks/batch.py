@@ -24,7 +24,9 @@ gets the default); the solo runs then use the same processors. "all_tokens": {re
 request's processors its first n prompt tokens as `all_tokens`, with only the rest of the prompt inserted,
 on a cache holding those n (as "prefixes" does). "generator": more keyword arguments of the generator
 (prefill_batch_size, ...); "segments": {request: [cut, ...]} inserts that request with insert_segments, its
-prompt cut at those positions. "boundary_inserts": [[M, max_tokens], ...], after the steps, inserts each such
+prompt cut at those positions. "always_guess" (with "generator": {"prompt_lookup": ...}): every greedy row
+guesses its next tokens as zeros in every tick (they fail: each decode step feeds several positions a row), and
+a failed run's report says whether its last tick carried guesses ("guessing"). "boundary_inserts": [[M, max_tokens], ...], after the steps, inserts each such
 request alone and removes it at once (nothing is sent): the report's "boundary_inserts" says "queued" or the error. The report's "prefilling" is, per step, how many requests were started and not
 yet decoding after it.
 
@@ -144,6 +146,8 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
         logits_processors=processors_of(default_processors),
         **spec.get("generator", {}),
     )
+    if spec.get("always_guess"):  # every decode step a pass with guesses (a rank killed mid-pass)
+        engine._speculation.proposer = AlwaysGuess()  # pyright: ignore
     cuts: dict[str, list[int]] = spec.get("segments", {})
     seen_before: dict[str, int] = spec.get("all_tokens", {})
     prefixes: dict[str, int] = {**spec.get("prefixes", {}), **seen_before}
@@ -228,6 +232,7 @@ def run(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[str, Any]:
             responses = engine.next()
         except pipemlx.PipelineError as exc:
             error = {"error": type(exc).__name__, "message": str(exc), "waited": time.time() - started}
+            error["guessing"] = any(engine._guesses)  # pyright: ignore[reportPrivateUsage]
             break
         rows.append(len(responses))
         groups = engine._group_state  # pyright: ignore[reportPrivateUsage]
@@ -746,6 +751,14 @@ class Oracle:
                     truth[1] = (truth[1] + 1) % 256
                 return truth
         return []
+
+
+class AlwaysGuess:
+    """A proposer that guesses zeros for every row in every tick: each step with guesses feeds ``1 + k``
+    positions a row (the guesses fail unless the model says 0)."""
+
+    def propose(self, history: list[int], k: int, sampler: Any = None, greedy: int = 0) -> list[int]:
+        return [0] * k
 
 
 def shared_guessing(
