@@ -1,6 +1,6 @@
 """Where each rank's time goes in a pass of speculative decoding: the demo model and its draft at S=2, greedy.
 
-    python benchmarks/pass_phases.py [--tokens 128] [--repeats 2] [--lookup 3] [--no-pin]
+    python benchmarks/pass_phases.py [--tokens 128] [--repeats 2] [--lookup 3] [--no-pin] [--sync]
 
 On the demo prompt, pipemlx.generate_step plain, with the draft in serial passes (k=2, k=3) and in pipelined
 passes (k=3), and with prompt lookup in serial passes (k=3). For each contender and each rank, milliseconds per
@@ -9,7 +9,9 @@ them: the last rank in serial passes, rank 0 in pipelined ones), building the gr
 (in serial passes a rank's own part is one wait: receiving the previous rank's hidden states, its layers, its
 send, and on the last rank the verification; pipelined passes wait for the receive apart), the head, the pass's
 agreement (all-gather), cutting the caches back, Python, and the time between passes; then tokens per pass, the
-guesses confirmed, and where each rank waits most. OpenBLAS preloaded, each rank pinned to its own core; run by
+guesses confirmed, and where each rank waits most. --sync evaluates each receive apart as soon as it is built,
+so that a serial pass's own part holds the rank's layers alone (the schedule changes a little: the last rank's
+draft makes its guesses ahead only after the receive). OpenBLAS preloaded, each rank pinned to its own core; run by
 hand on an otherwise idle machine.
 """
 
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--lookup", type=int, default=3, help="prompt lookup's longest n-gram")
     parser.add_argument("--no-pin", action="store_true")
+    help = "evaluate each receive of the previous rank's hidden states apart: its wait, then the layers alone"
+    parser.add_argument("--sync", action="store_true", help=help)
     args = parser.parse_args()
     spec = {
         "draft": str(DRAFT_DIR),
@@ -71,6 +75,7 @@ def main() -> None:
         "repeats": args.repeats,
         "lookup": args.lookup,
         "pin": not args.no_pin,
+        "sync": args.sync,
     }
     results = launch(
         2, [sys.executable, str(PROGRAM), json.dumps(spec)], timeout=1800, env=bench_env(openblas_available())

@@ -1,7 +1,7 @@
 """Benchmark rank program: where each rank's time goes in a pass of speculative decoding, on the demo model.
 
 Spec: {"draft": folder, "prompt": text, "tokens", "repeats", "lookup", "pin" (default true: rank r on the r-th
-allowed core)}. Runs pipemlx.generate_step greedily on the sharded demo model: plain decode, a serial pass with
+allowed core), "sync" (see :func:`instrument`)}. Runs pipemlx.generate_step greedily on the sharded demo model: plain decode, a serial pass with
 the draft (k=2 and k=3), a pipelined pass with the draft (k=3, the whole head on the last rank) and prompt lookup
 in serial passes (k=3); a warm-up run of each, then ``repeats`` runs round-robin. Nothing in pipemlx changes: the
 runtime's functions are wrapped from here (as ranks/decode_phases_rank.py does) and each wrapped call's own time,
@@ -34,6 +34,7 @@ from pipemlx.runtime import decode as decode_module
 from pipemlx.runtime import sampling as sampling_module
 from pipemlx.runtime import send_queue as send_queue_module
 from pipemlx.runtime import speculative as speculative_module
+from pipemlx.runtime import stage as stage_module
 
 # What a decode wait waits for, from its description (the first marker found names it; order matters).
 WAITS = (
@@ -93,8 +94,25 @@ def wait_label(arrays: Any, timeout: Any, describe: Callable[[], str]) -> str:
     return next((name for marker, name in WAITS if marker in what), "wait: " + what)
 
 
-def instrument(profile: Profile) -> None:
-    """Wrap the runtime's functions (module and class attributes) so that ``profile`` times them."""
+def instrument(profile: Profile, sync: bool) -> None:
+    """Wrap the runtime's functions (module and class attributes) so that ``profile`` times them. ``sync``: each
+    receive of the previous rank's hidden states is evaluated as soon as it is built, apart, so that a serial pass's
+    wait for its own part holds its layers (and send) only; this changes the schedule (the last rank's draft
+    proposes its guesses made ahead only after the receive)."""
+    if sync:
+        receive = stage_module.PipelineStage.receive
+
+        def received(self: Any, like: mx.array) -> mx.array:
+            array = receive(self, like)
+            if profile.on:
+                profile.enter("wait: hidden states from the previous rank")
+                try:
+                    mx.eval(array)  # pyright: ignore[reportUnknownMemberType]
+                finally:
+                    profile.leave()
+            return array
+
+        stage_module.PipelineStage.receive = received  # pyright: ignore[reportAttributeAccessIssue]
     run = decode_module.DecodeRun
     wrapped = profile.wrap(decode_module.wait_for, wait_label)
     decode_module.wait_for = wrapped  # pyright: ignore[reportAttributeAccessIssue]
@@ -125,7 +143,7 @@ def pin(rank: int) -> None:
 def main() -> None:
     spec: dict[str, Any] = json.loads(sys.argv[1])
     profile = Profile()
-    instrument(profile)
+    instrument(profile, bool(spec.get("sync")))
     group = init_group()
     rank = group.rank()
     if spec.get("pin", True):
