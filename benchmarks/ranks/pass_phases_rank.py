@@ -49,6 +49,8 @@ WAITS = (
     (" in pipelined tick", "wait: agreement (the pass's all-gather)"),
 )
 PYTHON = "python (rest of the pass)"
+AHEAD = "python (proposing ahead)"
+AFTER = "python (proposing after the verification)"
 
 
 class Profile:
@@ -129,9 +131,21 @@ def instrument(profile: Profile, sync: bool) -> None:
     shard.embed = profile.wrap(shard.embed, "split head (embedding)")  # pyright: ignore[reportAttributeAccessIssue]
     queue = send_queue_module.SendQueue
     queue.flush = profile.wrap(queue.flush, "issuing the send (async_eval)")  # pyright: ignore[reportAttributeAccessIssue]
+    # Which proposals: a serial pass's last rank proposes ahead (while the ranks before it compute) and, when
+    # those guesses turn out wrong, again after its verification; a pipelined pass's rank 0 before its layers.
+    speculation = decode_module.Speculation
+    speculation.ahead = profile.wrap(speculation.ahead, AHEAD)  # pyright: ignore[reportAttributeAccessIssue]
+    speculation.following = profile.wrap(speculation.following, AFTER)  # pyright: ignore[reportAttributeAccessIssue]
     draft, lookup = speculative_module.DraftModel, speculative_module.PromptLookup
-    draft.propose = profile.wrap(draft.propose, "the draft's proposals")  # pyright: ignore[reportAttributeAccessIssue]
-    lookup.propose = profile.wrap(lookup.propose, "prompt lookup's proposals")  # pyright: ignore[reportAttributeAccessIssue]
+    draft.propose = profile.wrap(draft.propose, lambda *_, **__: proposals(profile, "the draft"))  # pyright: ignore[reportAttributeAccessIssue]
+    lookup.propose = profile.wrap(lookup.propose, lambda *_, **__: proposals(profile, "prompt lookup"))  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def proposals(profile: Profile, proposer: str) -> str:
+    """The label of a proposer's call: which proposals, from the wrapped call it is made in."""
+    within = profile.stack[-1][0] if profile.stack else ""
+    when = {AHEAD: "ahead", AFTER: "after the verification"}.get(within, "before the pass")
+    return f"{proposer}'s proposals ({when})"
 
 
 def pin(rank: int) -> None:
