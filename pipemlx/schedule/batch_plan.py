@@ -11,6 +11,7 @@ MLX (:mod:`pipemlx.schedule.batch_sim` simulates the ranks' messages).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -474,11 +475,10 @@ class GroupTimings:
     def cost(self, grouped: bool, rows: int, now: int) -> float | None:
         """The measured seconds per token of ``rows`` rows decoded as groups or not at tick ``now`` (``None``: fewer
         than :data:`AUTO_SAMPLES` fresh steady ticks)."""
-        fresh = sorted(s for t, s in self.samples.get((grouped, rows), []) if now - t <= self.fresh)
+        fresh = [s for t, s in self.samples.get((grouped, rows), []) if now - t <= self.fresh]
         if len(fresh) < AUTO_SAMPLES:
             return None
-        middle = len(fresh) // 2
-        return fresh[middle] if len(fresh) % 2 else (fresh[middle - 1] + fresh[middle]) / 2
+        return statistics.median(fresh)
 
     def want(self, rows: int, grouping: bool, now: int) -> bool:
         """Whether ``rows`` live rows should decode as groups after tick ``now`` (:func:`choose_groups`)."""

@@ -296,14 +296,15 @@ def cut_rows(batch_caches: list[Any], rejected: list[int]) -> None:
     common = common_cut(rejected, padding)
     shifts = [r - common for r in rejected]
     moving = [i for i, s in enumerate(shifts) if s]
+    few = 3 * len(moving) <= len(rejected)  # a few rows move: copy only them
+    shift = mx.array(shifts, dtype=mx.int32)  # the same for every layer: made once
+    rows = mx.array(moving, dtype=mx.int32)
+    by = mx.array([shifts[i] for i in moving], dtype=mx.int32)[:, None]
     for part in parts:
         if common:
             part.trim(common)
         if moving and part.keys is not None:
-            shift = mx.array(shifts, dtype=mx.int32)
-            if 3 * len(moving) <= len(rejected):  # a few rows: copy only them
-                rows = mx.array(moving, dtype=mx.int32)
-                by = mx.array([shifts[i] for i in moving], dtype=mx.int32)[:, None]
+            if few:
                 part.keys[rows] = dynamic_roll(part.keys[rows], by, axis=2)
                 part.values[rows] = dynamic_roll(part.values[rows], by, axis=2)
             else:
