@@ -508,14 +508,16 @@ def check_engine_report(report: dict[str, Any]) -> None:
 
 # Prompt lookup in the batch (tests/ranks/batch.py run_speculative): greedy rows with guesses, one that opted out,
 # a seeded sampled one, a stop inside a pass, a removal mid-run, against mlx-lm's BatchGenerator without guesses.
-# "oracle": guesses from mlx-lm's answers (mostly right: long passes, a stop among kept guesses); else prompt lookup.
+# "oracle": guesses from mlx-lm's answers (mostly right: long passes, a stop among kept guesses); "draft": a draft
+# model (the target less its last layer: about half its guesses hold); else prompt lookup.
 # head="split" at S=3: every position's logits gathered from every rank's rows of the head. S=2 "oracle" also
 # compiles the decode step (compiled_decode=True): steps with guesses run eagerly, the others compiled.
-SPECULATION = [(2, "lookup", "auto"), (2, "oracle", 3), (3, "oracle", 2)]
+SPECULATION = [(2, "lookup", "auto"), (2, "oracle", 3), (3, "oracle", 2), (2, "draft", 3), (3, "draft", "auto")]
 for world_size, proposer, count in SPECULATION:
     SCENARIOS[world_size][f"speculation {proposer} {count}"] = {
         "speculate": True,
         "oracle": proposer == "oracle",
+        "draft": proposer == "draft",  # a draft model in the batch (tests/ranks/batch.py half_draft)
         "num_draft_tokens": count,
         "head": "split" if (world_size, proposer) == (3, "oracle") else "all",
         "compiled_decode": (world_size, proposer) == (2, "oracle"),
@@ -544,6 +546,8 @@ def test_prompt_lookup_in_the_batch_gives_mlx_lm_tokens_and_logprobs_on_every_ra
     assert report["proposed"] > 0 and report["confirmed"] > 0, "no guess held: the test loses its power"
     if proposer == "oracle":
         assert report["confirmed"] >= report["proposed"] // 2 and report["stopped_in_pass"] >= 1
+    if proposer == "draft":  # guesses held and failed; every row's draft cache dropped once its request left
+        assert report["confirmed"] < report["proposed"] and report["drafts_left"] == 0, report
     shared = report["shared"]  # head="split", greedy rows without logprobs: steps with guesses share the head
     if SCENARIOS[world_size][f"speculation {proposer} {count}"]["head"] == "split":
         assert all(r["shared"] == shared for r in reports), "ranks disagree"

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from fakes import FakeGroup
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 import pipemlx
@@ -180,6 +181,39 @@ def test_auto_guesses_while_they_pay_and_probes_again_after_steps_without() -> N
     assert AUTO_GUESSES == 4
 
 
+def mlx_lm_greedy(model: Any, tokens: list[int], count: int) -> list[int]:
+    """mlx-lm's ``generate_step`` continuing ``tokens`` greedily on ``model``: its first ``count`` tokens."""
+    steps = generate_step(mx.array(tokens), model, max_tokens=count)
+    return [int(t) for t, _ in steps]
+
+
+def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_auto_chose() -> None:
+    """BatchSpeculation with a draft model: each row's guesses are the draft's greedy continuation of the row's
+    history (as mlx-lm's ``generate_step`` gives it on the draft alone), capped by the row's room; with "auto"
+    the count is chosen before the drafts draw, and a row's draft cache is dropped when it leaves."""
+    draft = build_model(tiny_config("llama"))
+    fixed = BatchSpeculation(None, 3, draft)
+    rows = [request(0, [5, 9, 2, 7]), request(1, [3, 3, 8], max_tokens=3), request(2, [4, 1], sampler=lambda x: x)]
+    for r in rows:
+        fixed.enrol(r.uid)
+    plan = fixed.plan(rows, None)
+    assert plan[0] == mlx_lm_greedy(draft, [5, 9, 2, 7], 3)
+    assert plan[1] == mlx_lm_greedy(draft, [3, 3, 8], 2)  # max_tokens 3: the next token and 2 guesses
+    assert plan[2] == [] and sorted(fixed.drafts) == [0, 1]  # a sampled row draws nothing, has no draft
+    rows[0].answer = [plan[0][0], 11]  # the row moved on (its first guess held, then its own token 11)
+    assert fixed.plan(rows[:1], None) == [mlx_lm_greedy(draft, [5, 9, 2, 7, plan[0][0], 11], 3)]
+    fixed.forget({0, 1})
+    assert fixed.drafts == {} and fixed.of(0) == (0, 0)
+    auto = BatchSpeculation(None, "auto", draft)
+    auto.costs = StepCosts.fixed({w: 1 + 0.1 * (w - 1) for w in range(2, 6)})
+    row = request(0, [5, 9, 2, 7])
+    auto.enrol(0)
+    for _ in range(8):
+        auto.record(0, 2, 1)  # half hold: 1.75 tokens for 1.2 steps beats 1.5 / 1.1 and 1.875 / 1.3
+    assert choose_guesses([(auto.tallies[0].acceptance, AUTO_GUESSES)], auto.costs, AUTO_GUESSES) == 2
+    assert auto.plan([row], None) == [mlx_lm_greedy(draft, [5, 9, 2, 7], 2)]
+
+
 def fake_generator(**kwargs: Any) -> Any:
     model = pipemlx.shard_model(build_model(tiny_config("llama")), FakeGroup(0, 2), lend="none")  # type: ignore[arg-type]
     return pipemlx.BatchGenerator(model, **{"prefill_step_size": 8, "prefill_chunking": "fixed", **kwargs})
@@ -192,6 +226,9 @@ def test_bad_speculation_settings_raise_before_anything_is_sent() -> None:
         ({"prompt_lookup": 2, "num_draft_tokens": 0}, "num_draft_tokens must be an int from 1 to 16 or 'auto'"),
         ({"prompt_lookup": 2, "num_draft_tokens": 17}, "num_draft_tokens must be an int from 1 to 16 or 'auto'"),
         ({"prompt_lookup": 2, "num_draft_tokens": "many"}, "num_draft_tokens must be an int"),
+        ({"prompt_lookup": 2, "draft_model": build_model(tiny_config("llama"))}, "pass draft_model or prompt_lookup"),
+        ({"draft_model": fake_generator().model}, "draft_model must be a whole model on every rank"),
+        ({"draft_model": build_model(tiny_config("llama")), "num_draft_tokens": 0}, "num_draft_tokens must be"),
     ):
         with pytest.raises(ValueError, match=named):
             fake_generator(**bad)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_process import ROOT, ServeProcess, serving
 from test_serve import MODEL, Reference
+from test_serve_recovery import Client, stream
 
 from pipemlx.demo import DRAFT_DIR
 from pipemlx.launch import free_ports, write_hostfile
@@ -62,6 +65,16 @@ def lookup() -> Iterator[ServeProcess]:
     gathered, or shared where no log-probabilities are asked for)."""
     flags = ("--prompt-lookup", "3", "--num-draft-tokens", "3", "--head", "split", "--decode-concurrency", "4")
     with serving(*flags) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def batched_draft() -> Iterator[ServeProcess]:
+    """The draft model in the batch: up to 4 requests decoded together, each greedy one drawing 3 guesses a step
+    from its own draft cache on every rank; ``--recover``, so that a rank killed mid-pass is restarted."""
+    flags = ("--draft-model", str(DRAFT_DIR), "--num-draft-tokens", "3", "--decode-concurrency", "4", "--recover")
+    recovery = ("--timeout", "5", "--recover-timeout", "90", "--max-restarts", "4", "--prompt-cache-bytes", "16M")
+    with serving(*flags, *recovery) as process:
         yield process
 
 
@@ -263,6 +276,73 @@ def test_prompt_lookup_in_a_batch_of_four_answers_equal_mlx_lm(lookup: ServeProc
     assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in again)
 
 
+def test_a_draft_in_a_batch_of_four_answers_equal_mlx_lm(batched_draft: ServeProcess, ref: Reference) -> None:
+    """``--draft-model`` with ``--decode-concurrency 4``: four requests at once in one batch, three guessing from
+    their own drafts (one of them cut by a stop string), one opted out; each answer mlx-lm's, the guesses counted
+    per request and in /metrics."""
+    prompts = [OPENING, f"Chapter 3. {OPENING}", "Mr. Darcy looked at", "Elizabeth walked on, and"]
+    expected = [ref.answer(ref.text_tokens(p), 40) for p in prompts]
+    stop = expected[3][12:15]
+    bodies: list[dict[str, Any]] = [
+        {"prompt": prompts[0], "max_tokens": 40, "temperature": 0},
+        {"prompt": prompts[1], "max_tokens": 40, "temperature": 0},
+        {"prompt": prompts[2], "max_tokens": 40, "temperature": 0, "draft": False},
+        {"prompt": prompts[3], "max_tokens": 40, "temperature": 0, "stop": stop},
+    ]
+    before = scrape(batched_draft)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda body: post(batched_draft, "completions", body), bodies))
+    texts = [a["choices"][0]["text"] for a in answers]
+    assert texts[:3] == expected[:3]
+    assert texts[3] == expected[3][: expected[3].index(stop)]
+    proposed, accepted = guessed(before, scrape(batched_draft))
+    assert 0 < accepted <= proposed
+    seen = records(batched_draft, [a["id"] for a in answers])
+    assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
+    assert sum(r["draft_proposed_tokens"] for r in seen) == proposed
+    assert seen[0]["speculation"]["draft_model"] == str(DRAFT_DIR)
+
+
+def test_a_rank_killed_with_guesses_in_the_batch_every_stream_goes_on_as_mlx_lm(
+    batched_draft: ServeProcess, ref: Reference
+) -> None:
+    """Four greedy streams guessing in one batch; once the shortest ended with guesses counted and two others are
+    under way, the follower rank is killed (SIGKILL) mid-pass: the front restarts the ranks, every stream goes on
+    and ends as mlx-lm's text, no client sees an error, and the restarted batch guesses again."""
+    prompts = {"Mr. Bingley": 8, "Lady Catherine": 64, "Mrs. Bennet said": 64, "Jane smiled and": 64}
+    expected = {p: ref.answer(ref.text_tokens(p), n) for p, n in prompts.items()}
+    restarts = batched_draft.health()["recovery"]["restarts"]
+    follower = int(batched_draft.health()["rank_status"][1]["pid"])
+    before = scrape(batched_draft)
+    clients = [Client(p) for p in prompts]
+    threads = [threading.Thread(target=stream, args=(batched_draft.url, c, prompts[c.prompt])) for c in clients]
+    for t in threads:
+        t.daemon = True
+        t.start()
+
+    def under_way() -> bool:  # guesses are counted when a request ends: the short one's show the batch guessing
+        going = [c for c in clients[1:] if c.chunks >= 3]
+        return len(going) >= 2 and not any(c.done for c in going) and guessed(before, scrape(batched_draft))[0] > 0
+
+    batched_draft.wait_for("the streams to be under way with guesses", under_way, 60.0, 0.01)
+    os.kill(follower, signal.SIGKILL)
+    for t in threads:
+        t.join(120.0)
+    if any(t.is_alive() for t in threads):
+        batched_draft.fail("a client was still streaming 120 s after the kill")
+    for c in clients:
+        if c.errors or not c.done:
+            batched_draft.fail(f"client {c.prompt!r} saw {c.errors} (done: {c.done})")
+        assert c.text == expected[c.prompt], (c.prompt, c.text, expected[c.prompt])
+    health = batched_draft.wait_for("ready again", lambda: (h := batched_draft.health())["status"] == "ready" and h)
+    assert health["recovery"]["restarts"] >= restarts + 1
+    batched_draft.rank_pids = [int(r["pid"]) for r in health["rank_status"]]  # what stop() kills if it must
+    after = scrape(batched_draft)
+    again = post(batched_draft, "completions", {"prompt": OPENING, "max_tokens": 24, "temperature": 0})
+    assert again["choices"][0]["text"] == ref.answer(ref.text_tokens(OPENING), 24)
+    assert guessed(after, scrape(batched_draft))[0] > 0  # the new group guesses too
+
+
 def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
@@ -271,10 +351,6 @@ def test_bad_speculation_flags_say_one_line_and_exit_2(tmp_path: Path) -> None:
     cases: dict[str, tuple[list[str], str]] = {
         "missing draft": ([*serve, "--draft-model", str(tmp_path / "nowhere")], "cannot load the draft model"),
         "both proposers": ([*serve, "--draft-model", str(DRAFT_DIR), "--prompt-lookup", "2"], "not both"),
-        "batched draft": (
-            [*serve, "--draft-model", str(DRAFT_DIR), "--decode-concurrency", "2"],
-            "--draft-model needs --decode-concurrency 1",
-        ),
         "zero guesses": ([*serve, "--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
         "bad n-gram": ([*serve, "--prompt-lookup", "0"], "--prompt-lookup: must be at least 1"),
     }

@@ -397,7 +397,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from ..serve import INSTALL_HINT, missing_packages  # no MLX: the check runs before anything starts
 
     if args.worker:
-        check_serve_speculation(args)
+        check_speculation(args)
         return _worker(args)  # rank 0 under a front serves no HTTP: no serve extra needed
     if args.front is not None:
         raise UserError("--front goes with --worker (the front's own address is --front-listen)")
@@ -418,7 +418,7 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.grace < 0:
         raise UserError(f"--grace must be 0 or more seconds, got {args.grace:g}")
     check_weights(Path(args.model))  # every rank checks: each one exits 2 with the same line
-    check_serve_speculation(args)
+    check_speculation(args)
     if args.recover and not in_launched_rank():
         return _front(args, argv)
     if in_launched_rank() or args.hostfile is not None or (args.ranks or DEFAULT_RANKS) == 1:
@@ -433,18 +433,6 @@ def run_serve(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     command, env = rank_process(_rank_options(args, parent_pid=os.getpid()))
     return supervise(ranks, command, env, stop_grace=args.grace + STOP_GRACE_S)
-
-
-def check_serve_speculation(args: argparse.Namespace) -> None:
-    """``pipemlx generate``'s checks of the speculation flags, and the draft model's refusal with
-    ``--decode-concurrency`` above 1: the batch guesses by prompt lookup only (docs/serve.md, "Speculative
-    decoding"), so asking for a draft there is a mistake worth naming rather than a model loaded for nothing."""
-    check_speculation(args)
-    if args.draft_model is not None and args.max_concurrency > 1:
-        raise UserError(
-            f"--draft-model needs --decode-concurrency 1: batched requests (--decode-concurrency {args.max_concurrency}) "
-            "guess by --prompt-lookup only"
-        )
 
 
 def _shared_key(flag: str) -> str:

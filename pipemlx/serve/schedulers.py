@@ -205,7 +205,8 @@ class Batched:
             decode_groups=settings.decode_groups,
             timeout=settings.timeout,
             logprobs=False,  # never read here (serve refuses requests for them): head="split" gathers no logits
-            prompt_lookup=settings.prompt_lookup,  # speculation in the batch: prompt lookup (a draft model is refused)
+            prompt_lookup=settings.prompt_lookup,  # speculation in the batch (--prompt-lookup or --draft-model)
+            draft_model=rank.draft,
             num_draft_tokens=settings.num_draft_tokens,
         )
         self.requests: dict[int, InBatch] = {}  # by request id

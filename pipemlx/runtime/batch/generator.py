@@ -47,6 +47,7 @@ from ...schedule.memory_split import parse_size
 from ..caches import UNCOUNTED, cache_offset, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler, greedy, log_probabilities
+from ..speculative import DraftModel
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from ..waits import wait_for
@@ -186,6 +187,12 @@ class BatchGenerator:
     every rank: the constructor then makes one small all-gather). See
     docs/batching.md, "Speculation".
 
+    ``draft_model`` (as ``generate_step``'s: a small whole model with the target's tokenizer, the same on every rank;
+    instead of ``prompt_lookup``) draws each guessing row's guesses greedily from its own draft cache, on every rank
+    alike, so no message carries them (the constructor's all-gather checks that every rank holds the same draft).
+    ``num_draft_tokens`` applies as with prompt lookup; with ``"auto"`` a step's count is chosen before the drafts
+    draw, and the ticks it times include the drafts' own time.
+
     ``stream`` (mlx-lm's computes on it) is accepted only on the device of :attr:`stream`, the stage's own stream that
     the ranks compute on (``ValueError`` otherwise).
 
@@ -220,6 +227,9 @@ class BatchGenerator:
                 "logprobs",
                 "decode_groups",
                 "compiled_decode",
+                "prompt_lookup",
+                "draft_model",
+                "num_draft_tokens",
             )
             if name in kwargs
         )
@@ -264,6 +274,7 @@ class BatchGenerator:
         prompt_lookup: int | None = None,
         num_draft_tokens: int | Literal["auto"] = 2,
         compiled_decode: bool = False,
+        draft_model: nn.Module | None = None,
     ) -> None:
         self.model = model
         self.stage: PipelineStage = stage_of(model)
@@ -320,10 +331,11 @@ class BatchGenerator:
         self._sampled: frozenset[int] = frozenset()
         self._unsampled: frozenset[int] = frozenset()
         self._speculation: BatchSpeculation | None = None
-        if prompt_lookup is not None:
-            check_speculation(prompt_lookup, num_draft_tokens)
-            self._check_speculable(fresh)
-            self._speculation = BatchSpeculation(prompt_lookup, num_draft_tokens)
+        if prompt_lookup is not None or draft_model is not None:
+            check_speculation(prompt_lookup, num_draft_tokens, draft_model)
+            speculation = BatchSpeculation(prompt_lookup, num_draft_tokens, draft_model)
+            self._check_speculable(fresh, speculation)
+            self._speculation = speculation
         self._guesses: list[list[int]] = []  # the tick under way's per row (empty: a step without guesses)
         self._timed: int | None = None  # the last tick's width where it was a plain decode step (prompt lookup)
         self._ahead_logprobs: mx.array | None = None  # its later positions' log-probabilities, [R, width-1, V]
@@ -452,7 +464,7 @@ class BatchGenerator:
         model, or one that could never fit the memory budget), on every rank alike, before anything changes.
 
         ``draft`` (pipemlx's, as ``pipemlx serve``'s requests' ``"draft"``): one bool per prompt, whether the request
-        may guess when the generator was made with ``prompt_lookup`` (default: every request may).
+        may guess when the generator was made with ``prompt_lookup`` or ``draft_model`` (default: every request may).
         """
         options = Options(max_tokens, caches, all_tokens, samplers, logits_processors, stop_sequences)
         return self._insert([[p] for p in prompts], False, options, draft)
@@ -821,21 +833,31 @@ class BatchGenerator:
         tokens, self._logprobs = sample(logits, self._finishing.requests, self.sampler, self._unsampled)
         return tokens
 
-    def _check_speculable(self, fresh: list[Any]) -> None:
-        """Raise ``ValueError`` on every rank unless every rank's caches can be cut back per row (one all-gather)."""
+    def _check_speculable(self, fresh: list[Any], speculation: BatchSpeculation) -> None:
+        """Raise ``ValueError`` on every rank unless every rank's caches can be cut back per row and every rank
+        holds the same draft model, if any (one all-gather)."""
         stage = self.stage
-        flags = [int(speculable(fresh))]
+        what = "prompt_lookup" if speculation.draft_model is None else "draft_model"
+        draft = 0 if speculation.draft_model is None else DraftModel(speculation.draft_model).fingerprint()
+        flags = [int(speculable(fresh)), draft]
+        rows = [flags]
         if stage.world_size > 1:
             with mx.stream(stage.compute_stream):
                 gathered = mx.distributed.all_gather(mx.array(flags, dtype=mx.int32), group=stage.group)
-            wait_for(gathered, self.timeout, lambda: f"{stage.describe()} agreeing on prompt_lookup's caches")
-            flags = cast(list[int], gathered.tolist())
-        unable = [r for r, ok in enumerate(flags) if not ok]
+            wait_for(gathered, self.timeout, lambda: f"{stage.describe()} agreeing on {what}'s caches")
+            rows = cast(list[list[int]], mx.reshape(gathered, (-1, 2)).tolist())
+        unable = [r for r, (ok, _) in enumerate(rows) if not ok]
         if unable:
             raise ValueError(
-                f"prompt_lookup needs plain KV caches on every rank (cut back per row after a step with guesses); "
+                f"{what} needs plain KV caches on every rank (cut back per row after a step with guesses); "
                 f"rank(s) {unable} hold rotating (max_kv_size), quantized or recurrent layer caches: leave "
-                "prompt_lookup out"
+                f"{what} out"
+            )
+        drafts = [d for _, d in rows]
+        if len(set(drafts)) > 1:
+            raise ValueError(
+                f"draft_model differs between ranks (fingerprints {drafts}): every rank must pass the same whole "
+                "draft model, whose guesses every rank draws alike"
             )
 
     def _guess(self, work: TickWork) -> None:

@@ -1,8 +1,12 @@
-"""Speculation in a :class:`~pipemlx.runtime.batch.BatchGenerator`: per-row prompt-lookup guesses, verified in the
-batch's decode step.
+"""Speculation in a :class:`~pipemlx.runtime.batch.BatchGenerator`: per-row guesses, by prompt lookup or a draft
+model, verified in the batch's decode step.
 
-Prompt lookup reads only the token history, which every rank holds alike, so every rank proposes the same guesses
-for every row without a message: no rank runs a proposer the others wait for. In a tick with guesses, each live row
+Every rank proposes the same guesses for every row without a message: no rank runs a proposer the others wait for.
+Prompt lookup reads only the token history, which every rank holds alike. A draft model is whole on every rank
+(as ``generate_step``'s ``draft_model``): each rank keeps one draft cache per guessing row, reads the row's history
+into it and draws its guesses greedily, so every rank draws the same ones from the same weights; the guesses join
+the tick's plan fingerprint, so ranks whose drafts disagree (another draft, another backend's rounding) fail the
+tick's agreement with an error rather than decode apart. In a tick with guesses, each live row
 that guesses feeds its next token and its ``k_i`` guesses, the others their next token alone, right-padded to the
 tick's widest row (the padding, after a row's real positions, is never attended to by them: the step is causal).
 The last rank samples position 0 of every row as without guesses (the row's sampler and processors), and the greedy
@@ -22,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll  # pyright: ignore[reportUnknownVariableType]
 
 from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
 from ..sampling import Sampler
-from ..speculative import PromptLookup
+from ..speculative import DraftModel, PromptLookup, Proposer, proposer_of
 from .requests import BatchRequest
 
 AUTO_GUESSES = 4
@@ -147,19 +152,31 @@ def choose_guesses(offers: list[tuple[float, int]], costs: StepCosts, most: int)
 
 
 class BatchSpeculation:
-    """The generator's prompt-lookup setting and every request's tallies: which rows guess, and how many tokens.
+    """The generator's speculation setting and every request's tallies: which rows guess, and how many tokens.
+
+    The guesses come from prompt lookup (``prompt_lookup``: the longest n-gram matched, one proposer every row
+    shares) or from ``draft_model`` (one :class:`~pipemlx.runtime.speculative.DraftModel` per guessing row, its
+    cache following the row's history; it is made on the row's first guess and dropped when the row leaves).
 
     ``num_draft_tokens`` is the guesses per pass (an int), or ``"auto"``: each step's count (0 to
     :data:`AUTO_GUESSES`) is chosen by :func:`choose_guesses` from the rows' acceptance (:class:`RowTally`) and the
-    measured seconds of steps by width (:class:`StepCosts`): a guess that fails costs the whole batch's step a
-    position, so the count is the one that gives the most tokens per second, none where guesses lose. After
-    :data:`AUTO_PROBE_EVERY` steps without guesses that some row could have fed, one guess is tried (then after
-    twice as many while probes keep losing). Every decision is taken from the tokens and timings every rank
-    received, so every rank takes it alike.
+    measured seconds of steps by width (:class:`StepCosts`, whose ticks include the drafts' own time): a guess that
+    fails costs the whole batch's step a position, so the count is the one that gives the most tokens per second,
+    none where guesses lose. A draft row offers as many guesses as it has room for and draws only the chosen count
+    (prompt lookup offers what it found). After :data:`AUTO_PROBE_EVERY` steps without guesses that some row could
+    have fed, one guess is tried (then after twice as many while probes keep losing). Every decision is taken from
+    the tokens and timings every rank received, so every rank takes it alike.
     """
 
-    def __init__(self, prompt_lookup: int, num_draft_tokens: int | Literal["auto"]) -> None:
-        self.proposer = PromptLookup(prompt_lookup)
+    def __init__(
+        self,
+        prompt_lookup: int | None,
+        num_draft_tokens: int | Literal["auto"],
+        draft_model: nn.Module | None = None,
+    ) -> None:
+        self.proposer: Proposer | None = None if draft_model is not None else PromptLookup(prompt_lookup or 1)
+        self.draft_model = draft_model
+        self.drafts: dict[int, DraftModel] = {}  # by uid: a draft row's draft cache (made on its first guess)
         self.auto = num_draft_tokens == "auto"
         self.count = AUTO_GUESSES if num_draft_tokens == "auto" else int(num_draft_tokens)
         self.tallies: dict[int, RowTally] = {}  # by uid: the requests that may guess
@@ -178,6 +195,7 @@ class BatchSpeculation:
     def forget(self, uids: set[int]) -> None:
         """Requests that left: their tallies are kept until the next tick begins (:meth:`of` reads them)."""
         for uid in uids:
+            self.drafts.pop(uid, None)
             tally = self.tallies.pop(uid, None)
             if tally is not None:
                 self.ended[uid] = tally
@@ -187,29 +205,54 @@ class BatchSpeculation:
         tally = self.tallies.get(uid) or self.ended.get(uid)
         return (0, 0) if tally is None else (tally.proposed, tally.confirmed)
 
-    def guesses(self, request: BatchRequest, default: Sampler | None) -> list[int]:
-        """The guesses ``request``'s row may feed in the next step after its next token, up to the count (none for
-        a dead row, a row that samples or has processors, one in its closing step, one that opted out)."""
+    def room(self, request: BatchRequest, default: Sampler | None) -> int:
+        """How many guesses ``request``'s row may feed in the next step after its next token, up to the count (none
+        for a dead row, a row that samples or has processors, one in its closing step, one that opted out)."""
         tally = self.tallies.get(request.uid)
         if tally is None or request.done or (request.sampler or default) is not None or request.processors:
-            return []
+            return 0
         if request.decided is not None and request.decided.reason is not None:
-            return []  # its closing step: it feeds its last token only
+            return 0  # its closing step: it feeds its last token only
         k = self.count
         if request.max_tokens != -1:  # every guess may be kept, and the row's own token after them
             k = min(k, request.max_tokens - len(request.answer) - 1)
+        return max(k, 0)
+
+    def guesses(self, request: BatchRequest, default: Sampler | None, most: int | None = None) -> list[int]:
+        """The guesses ``request``'s row feeds in the next step: up to its :meth:`room` (and ``most``)."""
+        k = self.room(request, default)
+        if most is not None:
+            k = min(k, most)
         if k <= 0:
             return []
-        return self.proposer.propose(request.context, k)
+        return self._proposer(request.uid).propose(request.context, k)
+
+    def _proposer(self, uid: int) -> Proposer:
+        """Prompt lookup, shared by every row; or the row's own draft (made on its first guess)."""
+        if self.proposer is not None:
+            return self.proposer
+        draft = self.drafts.get(uid)
+        if draft is None:
+            draft = self.drafts[uid] = DraftModel(cast(nn.Module, self.draft_model))
+        return draft
 
     def plan(self, requests: list[BatchRequest], default: Sampler | None) -> list[list[int]]:
-        """Every row's guesses for the next step: :meth:`guesses`, cut to the count ``"auto"`` chooses."""
-        offered = [self.guesses(r, default) for r in requests]
-        if not self.auto or not any(offered):
-            return offered
-        offers = [
-            (self.tallies[r.uid].acceptance if g else 0.0, len(g)) for r, g in zip(requests, offered, strict=True)
-        ]
+        """Every row's guesses for the next step: :meth:`guesses`, up to the count ``"auto"`` chooses (a draft
+        draws only that many; prompt lookup's are cut to it)."""
+        drafting = self.proposer is None
+        offered: list[list[int]] = []
+        if drafting:  # a draft can always guess its room: choose first, then draw
+            rooms = [self.room(r, default) for r in requests]
+            offers = [(self.tallies[r.uid].acceptance if m else 0.0, m) for r, m in zip(requests, rooms, strict=True)]
+            if not self.auto or not any(rooms):
+                return [self.guesses(r, default) if m else [] for r, m in zip(requests, rooms, strict=True)]
+        else:
+            offered = [self.guesses(r, default) for r in requests]
+            if not self.auto or not any(offered):
+                return offered
+            offers = [
+                (self.tallies[r.uid].acceptance if g else 0.0, len(g)) for r, g in zip(requests, offered, strict=True)
+            ]
         k = choose_guesses(offers, self.costs, self.count)
         if k:  # chosen on its own: guesses pay, probe soon again once they stop paying
             self.probe_every = AUTO_PROBE_EVERY
@@ -220,6 +263,8 @@ class BatchSpeculation:
         if k:
             self.idle = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
+        if drafting:
+            return [self.guesses(r, default, k) if k and m else [] for r, (_, m) in zip(requests, offers, strict=True)]
         return [g[:k] for g in offered]
 
     def record(self, uid: int, proposed: int, confirmed: int) -> None:
@@ -235,10 +280,12 @@ class BatchSpeculation:
         tally.failed = AUTO_DECAY * tally.failed + (confirmed < proposed)
 
 
-def check_speculation(prompt_lookup: object, num_draft_tokens: object) -> None:
-    """Raise ``ValueError`` naming the problem unless the generator's speculation settings are good ones (decided from
-    the arguments alone, alike on every rank)."""
-    if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
+def check_speculation(prompt_lookup: object, num_draft_tokens: object, draft_model: object = None) -> None:
+    """Raise ``ValueError`` (``TypeError`` for a draft that is not a model) naming the problem unless the
+    generator's speculation settings are good ones (decided from the arguments alone, alike on every rank)."""
+    if draft_model is not None:
+        proposer_of(cast(nn.Module, draft_model), cast(int | None, prompt_lookup))  # its checks: one model, whole
+    elif isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
         raise ValueError(f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}")
     if num_draft_tokens != "auto" and (
         isinstance(num_draft_tokens, bool)
