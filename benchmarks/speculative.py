@@ -13,8 +13,8 @@ Then (--batch N, 0: skip) N requests at once in pipemlx.BatchGenerator at S=2, o
 passages", each prompt a different passage of the book followed by its first 300 characters again (the demo model
 rarely copies a passage it was shown: about a fifth of the guesses hold), and "the model's own text", each the
 first 300 tokens of such a prompt and then the 200 tokens the model says after them (greedy, it soon repeats
-itself: about two fifths hold; no prompt found makes the demo model copy more). Each with the batch without guesses, with prompt lookup (k guesses a pass) and with
-num_draft_tokens="auto": aggregate tokens/s, the guesses held of those fed, the decode ticks, each request's tokens
+itself: about two fifths hold; no prompt found makes the demo model copy more). Each with the batch without guesses,
+with prompt lookup and with the draft (each with k guesses a pass and with num_draft_tokens="auto"): aggregate tokens/s, the guesses held of those fed, the decode ticks, each request's tokens
 checked equal, and (auto) how many steps chose each count of guesses and the seconds it measured of a step by
 width, in plain steps (--batch-only: this comparison alone). OpenBLAS
 preloaded, one core per process (mlx-lm's one process too; --no-pin: unpinned); run by hand on an otherwise idle

@@ -212,6 +212,22 @@ def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_aut
         auto.record(0, 2, 1)  # half hold: 1.75 tokens for 1.2 steps beats 1.5 / 1.1 and 1.875 / 1.3
     assert choose_guesses([(auto.tallies[0].acceptance, AUTO_GUESSES)], auto.costs, AUTO_GUESSES) == 2
     assert auto.plan([row], None) == [mlx_lm_greedy(draft, [5, 9, 2, 7], 2)]
+    # A probe draws one row's guess: the row whose draft has the least to read (a step's width costs the same
+    # whichever rows guess). Its draft first reads its row's backlog (here its prompt), so the tick is not timed
+    # (caught_up) and the next step probes again, the draft now current, so that the probe's cost is measured.
+    probing = BatchSpeculation(None, "auto", draft)
+    probing.costs = StepCosts(1.0, AUTO_WARMUP)  # no wider step timed: a plain step a position, no guesses
+    long, short = request(0, list(range(3, 40))), request(1, list(range(50, 60)))
+    probing.enrol(0)
+    probing.enrol(1)
+    idle = [probing.plan([long, short], None) for _ in range(AUTO_PROBE_EVERY - 1)]
+    assert idle == [[[], []]] * (AUTO_PROBE_EVERY - 1) and probing.drafts == {}
+    assert probing.plan([long, short], None) == [[], mlx_lm_greedy(draft, short.prompt, 1)] and probing.caught_up
+    short.answer = [7]
+    again = probing.plan([long, short], None)
+    assert again == [[], mlx_lm_greedy(draft, [*short.prompt, 7], 1)] and not probing.caught_up
+    assert probing.plan([long, short], None) == [[], []] and probing.probe_every == 2 * AUTO_PROBE_EVERY
+    assert sorted(probing.drafts) == [1]  # the long row's draft never read its prompt
 
 
 def fake_generator(**kwargs: Any) -> Any:

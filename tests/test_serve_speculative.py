@@ -303,6 +303,58 @@ def test_a_draft_in_a_batch_of_four_answers_equal_mlx_lm(batched_draft: ServePro
     assert seen[0]["speculation"]["draft_model"] == str(DRAFT_DIR)
 
 
+def test_a_stop_inside_a_pass_in_the_batch_leaves_every_rank_counting_alike(
+    batched_draft: ServeProcess, ref: Reference
+) -> None:
+    """Stop strings that cut answers inside a pass of the batch: rank 0 answers at the stop, every rank counts the
+    pass's later tokens alike (its slot's cache and prefix cache agree with the others'), and the answer is
+    mlx-lm's up to the stop."""
+    beyond = 0  # answers whose pass went on past the stop
+    for i, cut in enumerate((6, 11, 17, 23)):
+        prompt = ref.text_tokens(f"Volume {i + 1}. {OPENING}")
+        full = ref.generate(prompt, 40)
+        text = ref.text(full)
+        stop = text[cut : cut + 3]
+        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop}
+        answer = post(batched_draft, "completions", body)
+        assert answer["choices"][0]["text"] == text[: text.index(stop)]
+        seen = record(batched_draft, answer["id"])
+        slots = seen["rank_status"]
+        assert len({(r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
+        held = slots[0]["cache_tokens"] - len(prompt)
+        assert seen["completion_tokens"] <= held <= len(full)
+        beyond += held > seen["completion_tokens"]
+    assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
+
+
+def test_a_client_leaving_a_guessing_batch_leaves_the_ranks_alike(batched_draft: ServeProcess, ref: Reference) -> None:
+    """A streamed answer, guessing in the batch beside another, that the client leaves after a few chunks: every
+    rank drops it after the same step, the caches and prefix caches agree, the other answer is mlx-lm's, and the
+    left prompt asked again (its prefix reused) still equals mlx-lm."""
+    prompt = f"Mr. Bennet said: {OPENING}"
+    with ThreadPoolExecutor(2) as pool:
+        left = pool.submit(streamed, batched_draft, {"prompt": prompt, "max_tokens": 400, "temperature": 0}, 4)
+        other = pool.submit(post, batched_draft, "completions", {"prompt": OPENING, "max_tokens": 30, "temperature": 0})
+        _, left_id = left.result()
+        answered = other.result()
+        assert answered["choices"][0]["text"] == ref.answer(ref.text_tokens(OPENING), 30)
+    seen, both = records(batched_draft, [left_id, answered["id"]])
+    assert seen["finish_reason"] == "cancelled" and seen["completion_tokens"] < 400
+    # Each rank's slot shows the last request it finished (either of the two): once every rank finished both,
+    # the slots' caches and prefix caches agree.
+    seqs = {seen["seq"], both["seq"]}
+
+    def finished_both() -> list[dict[str, Any]] | None:
+        slots: list[dict[str, Any]] = batched_draft.health()["rank_status"]
+        return slots if all(r["last_request"] in seqs for r in slots) else None
+
+    slots = batched_draft.wait_for("every rank to finish both", finished_both)
+    assert len({(r["last_request"], r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
+    answer = post(batched_draft, "completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+    assert answer["choices"][0]["text"] == ref.answer(ref.text_tokens(prompt), 20)
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
 def test_a_rank_killed_with_guesses_in_the_batch_every_stream_goes_on_as_mlx_lm(
     batched_draft: ServeProcess, ref: Reference
 ) -> None:

@@ -31,8 +31,8 @@ from pipemlx.runtime.speculative import (
     DraftLength,
     DraftModel,
     PromptLookup,
-    _common_prefix,  # pyright: ignore[reportPrivateUsage]
     accepted,
+    common_prefix,
     proposer_of,
 )
 from pipemlx.schedule.batch_plan import FINGERPRINT_MODULUS
@@ -81,7 +81,7 @@ def test_accepted_by_hand(guesses: list[int], tokens: list[int], expected: int) 
 @given(st.lists(st.integers(0, 2), max_size=8), st.lists(st.integers(0, 2), max_size=8))
 def test_common_prefix_is_os_paths(a: list[int], b: list[int]) -> None:
     expected = len(os.path.commonprefix([a, b]))
-    assert _common_prefix(a, b) == _common_prefix(tuple(b), a) == expected
+    assert common_prefix(a, b) == common_prefix(tuple(b), a) == expected
 
 
 # --- prompt lookup ----------------------------------------------------------------------------------------------

@@ -50,11 +50,14 @@ def pin(rank: int) -> None:
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def batched(model: Any, prompts: list[list[int]], count: int, lookup: int | None, k: int | str) -> dict[str, Any]:
+def batched(
+    model: Any, prompts: list[list[int]], count: int, lookup: int | None, k: int | str, draft: Any = None
+) -> dict[str, Any]:
     """One batch of ``prompts`` decoded together (``count`` tokens each): aggregate tokens/s, tokens, guesses, the
-    decode ticks (those that returned tokens) and, with ``"auto"``, how many steps chose each count."""
+    decode ticks (those that returned tokens) and, with ``"auto"``, how many steps chose each count. ``draft``:
+    the draft model's guesses instead of prompt lookup's."""
     generator = pipemlx.BatchGenerator(
-        model, max_tokens=count, logprobs=False, prompt_lookup=lookup, num_draft_tokens=k
+        model, max_tokens=count, logprobs=False, prompt_lookup=lookup, num_draft_tokens=k, draft_model=draft
     )
     uids = generator.insert(prompts)
     tokens: dict[int, list[int]] = {u: [] for u in uids}
@@ -95,7 +98,8 @@ def continued(model: Any, prompts: list[list[int]], count: int) -> list[list[int
 
 
 def run_batch(spec: dict[str, Any]) -> None:
-    """``"batch"`` mode: the same batch without guesses and with prompt lookup, round-robin over the repeats."""
+    """``"batch"`` mode: the same batch without guesses, with prompt lookup and with the draft (k guesses and
+    ``"auto"``), round-robin over the repeats."""
     group = init_group()
     if spec.get("pin", True):
         pin(group.rank())
@@ -107,17 +111,20 @@ def run_batch(spec: dict[str, Any]) -> None:
         "the model's own text": continued(whole, [p[:300] for p in prompts], 200),
     }
     del whole
-    contenders = {
-        "batch": (None, spec["k"]),
-        f"batch lookup k={spec['k']}": (spec["lookup"], spec["k"]),
-        "batch lookup auto": (spec["lookup"], "auto"),
+    draft, _ = mlx_lm.load(spec["draft"])
+    contenders: dict[str, tuple[int | None, int | str, Any]] = {
+        "batch": (None, spec["k"], None),
+        f"batch lookup k={spec['k']}": (spec["lookup"], spec["k"], None),
+        "batch lookup auto": (spec["lookup"], "auto", None),
+        f"batch draft k={spec['k']}": (None, spec["k"], draft),
+        "batch draft auto": (None, "auto", draft),
     }
     report: dict[str, Any] = {"rank": group.rank()}
     for workload, batch in workloads.items():
         rows: dict[str, Any] = {label: {"tok_s": []} for label in contenders}
         for _ in range(spec["repeats"]):
-            for label, (lookup, k) in contenders.items():
-                run = batched(model, batch, spec["tokens"], lookup, k)
+            for label, (lookup, k, guesser) in contenders.items():
+                run = batched(model, batch, spec["tokens"], lookup, k, guesser)
                 rows[label]["tok_s"].append(run.pop("tok_s"))
                 rows[label].update(run)
         report[f"{len(batch)} requests, {workload}"] = rows

@@ -74,15 +74,17 @@ class DraftModel:
         if self.forward is not None:
             self.cache = [FixedKVCache() for _ in self.cache]
         self.tokens: list[int] = []  # what the cache holds, in order
+        self.last_read = 0  # how many of the history's tokens the last proposal read (a prompt: many)
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]:
         if k <= 0 or not history:
             return []
-        kept = _common_prefix(self.tokens, history)
+        kept = common_prefix(self.tokens, history)
         kept = min(kept, len(history) - 1)  # the last token is read again: its logits give the first guess
         trim_prompt_cache(self.cache, len(self.tokens) - kept)
         self.tokens = list(history[:kept])
         pending = list(history[kept:])
+        self.last_read = len(pending)
         if len(pending) > 2:  # a prompt: all but its last token first, one chunk at a time (its memory stays bounded)
             for start in range(0, len(pending) - 1, DRAFT_PREFILL_STEP):
                 self._read(pending[start : min(start + DRAFT_PREFILL_STEP, len(pending) - 1)])
@@ -210,7 +212,8 @@ def accepted(guesses: mx.array, tokens: mx.array) -> mx.array:
     return mx.sum(mx.cumprod(same)).astype(mx.int32)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -239,21 +239,27 @@ class Batched:
                 self.requests[insert.request.id] = InBatch(insert, uid, cache)
                 self.ids[uid] = insert.request.id
         answered: set[int] = set()  # rank 0 answered it in this step (a stop string): its later tokens are not sent
-        for response in self.generator.next():  # with prompt lookup, a request may have several tokens in a step
+        for response in self.generator.next():  # with guesses, a request may have several tokens in a step
             request_id = self.ids.get(response.uid)
-            if request_id is None or request_id in answered:
+            if request_id is None:
                 continue
             request = self.requests[request_id]
+            # Rank 0 answered it earlier in this step (a stop string inside a pass): the pass's later tokens are
+            # counted and cached as every other rank does (their figures and prefix caches agree), never sent, and
+            # its result is not given twice.
+            quiet = request_id in answered
             if response.finish_reason == "error":  # its cache may hold a stand-in's zeros: never reused
                 request.prompt_cache = None
-                ended.append(self._end(request, "failed", error=self.generator.last_error))
+                end = self._end(request, "failed", error=self.generator.last_error)
+                ended.extend([] if quiet else [end])
                 continue
             request.generated.append(response.token)
             self._keep_prompt(request, None)
-            complete = sink is not None and sink.token(request_id, response.token)
+            complete = not quiet and sink is not None and sink.token(request_id, response.token)
             if response.finish_reason is not None:
                 self._keep_answer(request, response)
-                ended.append(self._end(request, "stop" if complete else response.finish_reason))
+                end = self._end(request, "stop" if complete else response.finish_reason)
+                ended.extend([] if quiet else [end])
             elif complete:  # rank 0 answers it now; every rank removes it at the next step
                 answered.add(request_id)
                 ended.append((request_id, self._result(request, "stop")))

@@ -656,8 +656,10 @@ class BatchGenerator:
         seconds = time.perf_counter() - started
         self._counters.count(0 if done is None else done.length, generated, seconds)
         self._last_tick_us = min(int(seconds * 1e6), FINGERPRINT_MODULUS - 1)
-        if self._speculation is not None and groups.serial and work.rows and all(c is None for c in tick.chunks):
-            self._timed = work.width  # a plain decode step's width: its time comes in the next tick's header
+        speculation = self._speculation
+        if speculation is not None and groups.serial and work.rows and all(c is None for c in tick.chunks):
+            if not (self._guesses and speculation.caught_up):  # (drafts reading a backlog: not a step's cost)
+                self._timed = work.width  # a plain decode step's width: its time comes in the next tick's header
         return responses
 
     def _want_groups(self, rows: int, index: int) -> bool:

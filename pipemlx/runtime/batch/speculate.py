@@ -32,7 +32,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll  # pyright: 
 from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
 from ..sampling import Sampler
-from ..speculative import DraftModel, PromptLookup, Proposer, proposer_of
+from ..speculative import DraftModel, PromptLookup, Proposer, common_prefix, proposer_of
 from .requests import BatchRequest
 
 AUTO_GUESSES = 4
@@ -187,6 +187,8 @@ class BatchSpeculation:
         self.idle = 0  # "auto": steps in a row that chose no guesses while some row had some to feed
         self.probe_every = AUTO_PROBE_EVERY  # "auto": the idle steps before the next probe
         self.chosen: dict[int, int] = {}  # "auto": how many steps chose each count (observability)
+        self.caught_up = False  # the last plan's drafts read a history's backlog (a prompt): its tick is not timed
+        self.retry = False  # "auto": so the next plan probes again (one guess), with the drafts then current
 
     def enrol(self, uid: int) -> None:
         """A new request may guess."""
@@ -245,7 +247,7 @@ class BatchSpeculation:
             rooms = [self.room(r, default) for r in requests]
             offers = [(self.tallies[r.uid].acceptance if m else 0.0, m) for r, m in zip(requests, rooms, strict=True)]
             if not self.auto or not any(rooms):
-                return [self.guesses(r, default) if m else [] for r, m in zip(requests, rooms, strict=True)]
+                return self._draw(requests, default, rooms)
         else:
             offered = [self.guesses(r, default) for r in requests]
             if not self.auto or not any(offered):
@@ -254,18 +256,46 @@ class BatchSpeculation:
                 (self.tallies[r.uid].acceptance if g else 0.0, len(g)) for r, g in zip(requests, offered, strict=True)
             ]
         k = choose_guesses(offers, self.costs, self.count)
+        probe = False
         if k:  # chosen on its own: guesses pay, probe soon again once they stop paying
             self.probe_every = AUTO_PROBE_EVERY
         else:
             self.idle += 1
-            if self.idle >= self.probe_every:  # a probe; the next waits twice as long unless guesses pay by then
-                k, self.probe_every = 1, min(2 * self.probe_every, AUTO_PROBE_MOST)
+            if self.retry:  # the last probe's draft read a backlog (untimed): probe again at once, the draft current
+                k, probe = 1, True
+            elif self.idle >= self.probe_every:  # a probe; the next waits twice as long unless guesses pay by then
+                k, probe, self.probe_every = 1, True, min(2 * self.probe_every, AUTO_PROBE_MOST)
+        self.retry = False
         if k:
             self.idle = 0
         self.chosen[k] = self.chosen.get(k, 0) + 1
-        if drafting:
-            return [self.guesses(r, default, k) if k and m else [] for r, (_, m) in zip(requests, offers, strict=True)]
-        return [g[:k] for g in offered]
+        if not drafting:
+            return [g[:k] for g in offered]
+        counts = [min(k, m) for _, m in offers]
+        if probe:  # one row's draft guesses: a step's width costs the same whichever rows guess, and each draft
+            # that guesses first reads its row's backlog (at first its prompt): the row with the least to read
+            row = min((self._backlog(r), i) for i, (r, m) in enumerate(zip(requests, counts, strict=True)) if m)[1]
+            counts = [c if i == row else 0 for i, c in enumerate(counts)]
+        drawn = self._draw(requests, default, counts)
+        self.retry = self.caught_up
+        return drawn
+
+    def _backlog(self, request: BatchRequest) -> int:
+        """How many of the row's tokens its draft would read before guessing (all of them before its first)."""
+        draft = self.drafts.get(request.uid)
+        context = request.context
+        return len(context) if draft is None else len(context) - common_prefix(draft.tokens, context)
+
+    def _draw(self, requests: list[BatchRequest], default: Sampler | None, counts: list[int]) -> list[list[int]]:
+        """The drafts' guesses, ``counts[i]`` for row ``i``; notes whether some draft read a backlog of its row's
+        history (its prompt, or the tokens decided while the count was 0): such a tick's time is mostly the
+        drafts' reading, once, not what a step of its width costs, so ``"auto"`` does not time it."""
+        drawn = [self.guesses(r, default, c) if c else [] for r, c in zip(requests, counts, strict=True)]
+        self.caught_up = any(
+            (d := self.drafts.get(r.uid)) is not None and c and d.last_read > AUTO_GUESSES + 1
+            for r, c in zip(requests, counts, strict=True)
+        )
+        return drawn
 
     def record(self, uid: int, proposed: int, confirmed: int) -> None:
         """A row's pass: ``proposed`` guesses, ``confirmed`` of them held."""
