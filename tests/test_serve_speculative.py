@@ -242,6 +242,33 @@ def test_prompt_lookup_answers_equal_mlx_lm(lookup: ServeProcess, ref: Reference
     assert guessed(before, scrape(lookup)) == (proposed, accepted)
 
 
+def four_at_once(
+    server: ServeProcess, ref: Reference, prompts: list[str], count: int, cut: int
+) -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any]]]:
+    """Four greedy requests sent at once to a batching server: the third opts out of guessing, the fourth stops at
+    its expected text's ``cut``..``cut + 3`` characters. Checks each answer is mlx-lm's (up to the stop), the
+    guesses held, and that the requests' records add up to /metrics' counts (the opted-out one guessed nothing).
+    Returns the bodies, the texts and the records."""
+    expected = [ref.answer(ref.text_tokens(p), count) for p in prompts]
+    stop = expected[3][cut : cut + 3]
+    bodies: list[dict[str, Any]] = [{"prompt": p, "max_tokens": count, "temperature": 0} for p in prompts]
+    bodies[2]["draft"] = False
+    bodies[3]["stop"] = stop
+    before = scrape(server)
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda body: post(server, "completions", body), bodies))
+    texts = [a["choices"][0]["text"] for a in answers]
+    assert texts[:3] == expected[:3]
+    assert texts[3] == expected[3][: expected[3].index(stop)]
+    proposed, accepted = guessed(before, scrape(server))
+    assert 0 < accepted <= proposed
+    seen = records(server, [a["id"] for a in answers])
+    assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
+    assert sum(r["draft_accepted_tokens"] for r in seen) == accepted
+    assert sum(r["draft_proposed_tokens"] for r in seen) == proposed
+    return bodies, texts, seen
+
+
 def test_prompt_lookup_in_a_batch_of_four_answers_equal_mlx_lm(lookup: ServeProcess, ref: Reference) -> None:
     """``--decode-concurrency 4``: four requests at once, decoded in one batch where each guesses
     from its own prompt (one opted out, one with a stop string), continued as mlx-lm does; the guesses counted per
@@ -249,26 +276,7 @@ def test_prompt_lookup_in_a_batch_of_four_answers_equal_mlx_lm(lookup: ServeProc
     passage = ref.text(ref.generate(ref.text_tokens(OPENING), 30))
     prompts = [f"{OPENING}{passage}\n\n{OPENING}", f"Chapter 2. {OPENING}{passage}\n\n{OPENING}", OPENING]
     prompts.append(f"{passage}\n\n{OPENING}{passage}\n\n{OPENING}")
-    expected = [ref.answer(ref.text_tokens(p), 36) for p in prompts]
-    stop = expected[3][14:17]
-    bodies: list[dict[str, Any]] = [
-        {"prompt": prompts[0], "max_tokens": 36, "temperature": 0},
-        {"prompt": prompts[1], "max_tokens": 36, "temperature": 0},
-        {"prompt": prompts[2], "max_tokens": 36, "temperature": 0, "draft": False},
-        {"prompt": prompts[3], "max_tokens": 36, "temperature": 0, "stop": stop},
-    ]
-    before = scrape(lookup)
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda body: post(lookup, "completions", body), bodies))
-    texts = [a["choices"][0]["text"] for a in answers]
-    assert texts[:3] == expected[:3]
-    assert texts[3] == expected[3][: expected[3].index(stop)]
-    proposed, accepted = guessed(before, scrape(lookup))
-    assert 0 < accepted <= proposed
-    seen = records(lookup, [a["id"] for a in answers])
-    assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
-    assert sum(r["draft_accepted_tokens"] for r in seen) == accepted
-    assert sum(r["draft_proposed_tokens"] for r in seen) == proposed
+    bodies, texts, _ = four_at_once(lookup, ref, prompts, 36, 14)
     # The prompts again, all at once: every cache and prefix cache held what every rank decided.
     with ThreadPoolExecutor(4) as pool:
         again = list(pool.map(lambda body: post(lookup, "completions", body), bodies))
@@ -281,25 +289,7 @@ def test_a_draft_in_a_batch_of_four_answers_equal_mlx_lm(batched_draft: ServePro
     their own drafts (one of them cut by a stop string), one opted out; each answer mlx-lm's, the guesses counted
     per request and in /metrics."""
     prompts = [OPENING, f"Chapter 3. {OPENING}", "Mr. Darcy looked at", "Elizabeth walked on, and"]
-    expected = [ref.answer(ref.text_tokens(p), 40) for p in prompts]
-    stop = expected[3][12:15]
-    bodies: list[dict[str, Any]] = [
-        {"prompt": prompts[0], "max_tokens": 40, "temperature": 0},
-        {"prompt": prompts[1], "max_tokens": 40, "temperature": 0},
-        {"prompt": prompts[2], "max_tokens": 40, "temperature": 0, "draft": False},
-        {"prompt": prompts[3], "max_tokens": 40, "temperature": 0, "stop": stop},
-    ]
-    before = scrape(batched_draft)
-    with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda body: post(batched_draft, "completions", body), bodies))
-    texts = [a["choices"][0]["text"] for a in answers]
-    assert texts[:3] == expected[:3]
-    assert texts[3] == expected[3][: expected[3].index(stop)]
-    proposed, accepted = guessed(before, scrape(batched_draft))
-    assert 0 < accepted <= proposed
-    seen = records(batched_draft, [a["id"] for a in answers])
-    assert seen[2]["draft_proposed_tokens"] == 0 and seen[0]["draft_accepted_tokens"] > 0
-    assert sum(r["draft_proposed_tokens"] for r in seen) == proposed
+    _, _, seen = four_at_once(batched_draft, ref, prompts, 40, 12)
     assert seen[0]["speculation"]["draft_model"] == str(DRAFT_DIR)
 
 
@@ -307,8 +297,9 @@ def test_a_stop_inside_a_pass_in_the_batch_leaves_every_rank_counting_alike(
     batched_draft: ServeProcess, ref: Reference
 ) -> None:
     """Stop strings that cut answers inside a pass of the batch: rank 0 answers at the stop, every rank counts the
-    pass's later tokens alike (its slot's cache and prefix cache agree with the others'), and the answer is
-    mlx-lm's up to the stop."""
+    pass's later tokens alike (its slot's cache and prefix cache agree with the others'), the answer is mlx-lm's
+    up to the stop, and the next turn (the answer continued) reuses the prompt and the decided tokens from the
+    prefix cache and still equals mlx-lm."""
     beyond = 0  # answers whose pass went on past the stop
     for i, cut in enumerate((6, 11, 17, 23)):
         prompt = ref.text_tokens(f"Volume {i + 1}. {OPENING}")
@@ -324,6 +315,10 @@ def test_a_stop_inside_a_pass_in_the_batch_leaves_every_rank_counting_alike(
         held = slots[0]["cache_tokens"] - len(prompt)
         assert seen["completion_tokens"] <= held <= len(full)
         beyond += held > seen["completion_tokens"]
+        follow = prompt + full[:held] + full[held : held + 2]
+        again = post(batched_draft, "completions", {"prompt": follow, "max_tokens": 8, "temperature": 0})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + held - 2, (held, seen)
+        assert again["choices"][0]["text"] == ref.answer(follow, 8)
     assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
 
 

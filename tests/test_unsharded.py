@@ -94,3 +94,5 @@ def test_batch_generator_on_an_unsharded_model_is_mlx_lms(demo: tuple[Any, Any],
     assert got.texts == want.texts and len(want.texts) == 3
     with pytest.raises(ValueError, match="memory_budget exist only on a sharded model"):
         pipemlx.BatchGenerator(model, memory_budget="1GB")
+    with pytest.raises(ValueError, match="draft_model, num_draft_tokens exist only on a sharded model"):
+        pipemlx.BatchGenerator(model, draft_model=model, num_draft_tokens=2)  # mlx-lm's batch has no speculation

@@ -220,9 +220,13 @@ class Batched:
         ended: list[tuple[int, RequestResult]] = []
         gone = [self.requests[i] for i in ops.removes if i in self.requests]
         agreed = [self._agreed_prompt(r) for r in gone]  # asked before the generator forgets them
-        self.generator.remove([r.uid for r in gone])
+        decoding = {r.uid for r in gone if r.generated}
+        handed = self.generator.remove(decoding, return_prompt_caches=True) if decoding else {}
+        self.generator.remove([r.uid for r in gone if r.uid not in decoding])
         for request, length in zip(gone, agreed):
             self._keep_prompt(request, length)
+            if request.uid in handed:
+                self._keep_decided(request, *handed[request.uid])
             ended.append(self._end(request, "cancelled", None if request.generated else length))
         if ops.inserts:
             requests = [i.request for i in ops.inserts]
@@ -293,6 +297,19 @@ class Batched:
         elif 0 < length < len(tokens) and prefix.cut_back and trim_to(cache, length):
             # (``cut_back``: every rank can cut back, so every rank keeps it or none does.)
             prefix.store(tokens[:length], cache, partition)
+
+    def _keep_decided(self, request: InBatch, cache: list[Any] | None, held: list[int]) -> None:
+        """Keep a request removed while it decodes (a stop string rank 0 answered, a client that left) with every
+        token its caches hold, which every rank decided alike (with guesses, the confirmed ones fed in the last
+        step too, not yet returned): the next turn reuses its answer as well, as after a request decoded one at a
+        time."""
+        tokens = request.insert.request.tokens
+        if cache is None or self.rank.prefix.budget_tokens <= 0 or len(held) <= len(tokens):
+            return
+        answer = held[len(tokens) :]
+        if held[: len(tokens)] != tokens or answer[: len(request.generated)] != request.generated[: len(answer)]:
+            return  # (never: the caches hold the prompt and the tokens decided since)
+        self.rank.prefix.store(held, cache, request.insert.request.partition)
 
     def _keep_answer(self, request: InBatch, response: Response) -> None:
         """Keep a finished request's conversation: its prompt and every token (its closing tick fed the last)."""
