@@ -84,6 +84,15 @@ def test_common_prefix_is_os_paths(a: list[int], b: list[int]) -> None:
     assert common_prefix(a, b) == common_prefix(tuple(b), a) == expected
 
 
+@given(st.lists(st.integers(0, 1), max_size=300), st.integers(0, 300), st.lists(st.integers(0, 1), max_size=70))
+def test_common_prefix_across_blocks_is_os_paths(shared: list[int], cut: int, tail: list[int]) -> None:
+    """Histories longer than a block (``PREFIX_BLOCK``, compared as slices) that share a long prefix and differ
+    anywhere after it, as a draft's cache and its row's history do."""
+    a, b = shared, shared[:cut] + tail
+    expected = len(os.path.commonprefix([a, b]))
+    assert common_prefix(a, b) == common_prefix(tuple(b), a) == expected
+
+
 # --- prompt lookup ----------------------------------------------------------------------------------------------
 
 

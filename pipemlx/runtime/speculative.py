@@ -212,14 +212,27 @@ def accepted(guesses: mx.array, tokens: mx.array) -> mx.array:
     return mx.sum(mx.cumprod(same)).astype(mx.int32)
 
 
+PREFIX_BLOCK = 64
+""":func:`common_prefix` compares this many tokens at a time as slices (in C) before it looks token by token."""
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
+    """How many leading tokens ``a`` and ``b`` share.
+
+    Called per row and per tick (a draft's cache against its row's history, the prefix cache's entries against a
+    prompt) on histories of thousands of tokens that usually differ only near the end: whole blocks are compared
+    as slices, and only the first block that differs token by token.
+    """
+    n = min(len(a), len(b))
+    start = 0
+    while start < n:
+        end = min(start + PREFIX_BLOCK, n)
+        if list(a[start:end]) != list(b[start:end]):
             break
-        n += 1
-    return n
+        start = end
+    while start < n and a[start] == b[start]:
+        start += 1
+    return start
 
 
 AUTO_LIMIT = 8

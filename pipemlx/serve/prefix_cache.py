@@ -26,6 +26,8 @@ from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
+from ..runtime.speculative import common_prefix
+
 
 @dataclass(frozen=True)
 class PrefixReuse:
@@ -46,14 +48,6 @@ class Entry:
     tokens: tuple[int, ...]
     cache: list[Any]
     partition: str = ""
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class PrefixCache:
