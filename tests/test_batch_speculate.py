@@ -7,15 +7,18 @@ BatchGenerator runs in tests/test_batch.py (``test_prompt_lookup_in_the_batch_..
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import pytest
 from fakes import FakeGroup
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 import pipemlx
+from pipemlx.runtime.batch.draft import BatchDraft
 from pipemlx.runtime.batch.requests import BatchRequest, Decided
 from pipemlx.runtime.batch.speculate import (
     AUTO_GUESSES,
@@ -199,11 +202,11 @@ def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_aut
     plan = fixed.plan(rows, None)
     assert plan[0] == mlx_lm_greedy(draft, [5, 9, 2, 7], 3)
     assert plan[1] == mlx_lm_greedy(draft, [3, 3, 8], 2)  # max_tokens 3: the next token and 2 guesses
-    assert plan[2] == [] and sorted(fixed.drafts) == [0, 1]  # a sampled row draws nothing, has no draft
+    assert plan[2] == [] and cast(Any, fixed.drafts).uids == [0, 1]  # a sampled row draws nothing, has no draft
     rows[0].answer = [plan[0][0], 11]  # the row moved on (its first guess held, then its own token 11)
     assert fixed.plan(rows[:1], None) == [mlx_lm_greedy(draft, [5, 9, 2, 7, plan[0][0], 11], 3)]
     fixed.forget({0, 1})
-    assert fixed.drafts == {} and fixed.of(0) == (0, 0)
+    assert len(cast(Any, fixed.drafts)) == 0 and fixed.of(0) == (0, 0)
     auto = BatchSpeculation(None, "auto", draft)
     auto.costs = StepCosts.fixed({w: 1 + 0.1 * (w - 1) for w in range(2, 6)})
     row = request(0, [5, 9, 2, 7])
@@ -221,13 +224,41 @@ def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_aut
     probing.enrol(0)
     probing.enrol(1)
     idle = [probing.plan([long, short], None) for _ in range(AUTO_PROBE_EVERY - 1)]
-    assert idle == [[[], []]] * (AUTO_PROBE_EVERY - 1) and probing.drafts == {}
+    assert idle == [[[], []]] * (AUTO_PROBE_EVERY - 1) and len(cast(Any, probing.drafts)) == 0
     assert probing.plan([long, short], None) == [[], mlx_lm_greedy(draft, short.prompt, 1)] and probing.caught_up
     short.answer = [7]
     again = probing.plan([long, short], None)
     assert again == [[], mlx_lm_greedy(draft, [*short.prompt, 7], 1)] and not probing.caught_up
     assert probing.plan([long, short], None) == [[], []] and probing.probe_every == 2 * AUTO_PROBE_EVERY
-    assert sorted(probing.drafts) == [1]  # the long row's draft never read its prompt
+    assert cast(Any, probing.drafts).uids == [1]  # the long row's draft never read its prompt
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_the_batched_draft_guesses_each_rows_greedy_continuation_as_rows_come_and_go(data: st.DataObject) -> None:
+    """BatchDraft over rounds in which each row keeps some of its guesses and adds a token of its own, rows leave
+    and join, and some rounds ask only some rows: every row's guesses are mlx-lm's greedy continuation of its
+    history on the draft alone (an independent reference), whatever its cache went through (cut back per row,
+    padded reads, rows moved)."""
+    draft = build_model(tiny_config("llama"))
+    batch = BatchDraft(draft)
+    histories: dict[int, list[int]] = {}
+    next_uid = 0
+    for _ in range(6):
+        if len(histories) < 3 or data.draw(st.booleans()):  # a row joins
+            histories[next_uid] = data.draw(st.lists(st.integers(1, 255), min_size=1, max_size=20))
+            next_uid += 1
+        if len(histories) > 1 and data.draw(st.booleans()):  # a row leaves
+            gone = data.draw(st.sampled_from(sorted(histories)))
+            del histories[gone]
+            batch.drop({gone})
+        asked = {u: (h, data.draw(st.integers(1, 3))) for u, h in histories.items() if data.draw(st.booleans())}
+        guesses = batch.propose(asked)
+        for uid, (history, count) in asked.items():
+            assert guesses[uid] == mlx_lm_greedy(draft, history, count), (uid, history)
+            kept = data.draw(st.integers(0, count))  # the pass kept this many guesses, then its own token
+            histories[uid] = history + guesses[uid][:kept] + [data.draw(st.integers(1, 255))]
+        assert sorted(batch.uids) == sorted(u for u in batch.uids if u in histories)
 
 
 def fake_generator(**kwargs: Any) -> Any:

@@ -52,6 +52,7 @@ from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from ..waits import wait_for
 from .compiled import CompiledDecode
+from .cut import cut_rows
 from .memory import exchange_admission
 from .requests import (
     BatchRequest,
@@ -66,7 +67,7 @@ from .requests import (
 )
 from .rows import Rows, evaluate
 from .sample import all_greedy, sample
-from .speculate import BatchSpeculation, check_speculation, cut_rows, emitted, padded_inputs, speculable
+from .speculate import BatchSpeculation, check_speculation, emitted, padded_inputs, speculable
 from .stats import Counters
 from .tick import DecodeJob, TickOutcome, TickRunner, TickWork
 

@@ -25,14 +25,15 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import KVCache  # pyright: ignore[reportUnknownVariableType]
 
 from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
 from ..sampling import Sampler
-from ..speculative import DraftModel, PromptLookup, Proposer, common_prefix, proposer_of
+from ..speculative import PromptLookup, Proposer, proposer_of
+from .cut import common_cut, cut_rows
+from .draft import BatchDraft
 from .requests import BatchRequest
 
 AUTO_GUESSES = 4
@@ -176,7 +177,7 @@ class BatchSpeculation:
     ) -> None:
         self.proposer: Proposer | None = None if draft_model is not None else PromptLookup(prompt_lookup or 1)
         self.draft_model = draft_model
-        self.drafts: dict[int, DraftModel] = {}  # by uid: a draft row's draft cache (made on its first guess)
+        self.drafts = None if draft_model is None else BatchDraft(draft_model)  # the rows' draft caches
         self.auto = num_draft_tokens == "auto"
         self.count = AUTO_GUESSES if num_draft_tokens == "auto" else int(num_draft_tokens)
         self.tallies: dict[int, RowTally] = {}  # by uid: the requests that may guess
@@ -196,8 +197,9 @@ class BatchSpeculation:
 
     def forget(self, uids: set[int]) -> None:
         """Requests that left: their tallies are kept until the next tick begins (:meth:`of` reads them)."""
+        if self.drafts is not None:
+            self.drafts.drop(set(uids))
         for uid in uids:
-            self.drafts.pop(uid, None)
             tally = self.tallies.pop(uid, None)
             if tally is not None:
                 self.ended[uid] = tally
@@ -220,23 +222,10 @@ class BatchSpeculation:
             k = min(k, request.max_tokens - len(request.answer) - 1)
         return max(k, 0)
 
-    def guesses(self, request: BatchRequest, default: Sampler | None, most: int | None = None) -> list[int]:
-        """The guesses ``request``'s row feeds in the next step: up to its :meth:`room` (and ``most``)."""
+    def guesses(self, request: BatchRequest, default: Sampler | None) -> list[int]:
+        """The guesses ``request``'s row feeds in the next step by prompt lookup: up to its :meth:`room`."""
         k = self.room(request, default)
-        if most is not None:
-            k = min(k, most)
-        if k <= 0:
-            return []
-        return self._proposer(request.uid).propose(request.context, k)
-
-    def _proposer(self, uid: int) -> Proposer:
-        """Prompt lookup, shared by every row; or the row's own draft (made on its first guess)."""
-        if self.proposer is not None:
-            return self.proposer
-        draft = self.drafts.get(uid)
-        if draft is None:
-            draft = self.drafts[uid] = DraftModel(cast(nn.Module, self.draft_model))
-        return draft
+        return [] if k <= 0 or self.proposer is None else self.proposer.propose(request.context, k)
 
     def plan(self, requests: list[BatchRequest], default: Sampler | None) -> list[list[int]]:
         """Every row's guesses for the next step: :meth:`guesses`, up to the count ``"auto"`` chooses (a draft
@@ -247,7 +236,7 @@ class BatchSpeculation:
             rooms = [self.room(r, default) for r in requests]
             offers = [(self.tallies[r.uid].acceptance if m else 0.0, m) for r, m in zip(requests, rooms, strict=True)]
             if not self.auto or not any(rooms):
-                return self._draw(requests, default, rooms)
+                return self._draw(requests, rooms)
         else:
             offered = [self.guesses(r, default) for r in requests]
             if not self.auto or not any(offered):
@@ -276,26 +265,24 @@ class BatchSpeculation:
             # that guesses first reads its row's backlog (at first its prompt): the row with the least to read
             row = min((self._backlog(r), i) for i, (r, m) in enumerate(zip(requests, counts, strict=True)) if m)[1]
             counts = [c if i == row else 0 for i, c in enumerate(counts)]
-        drawn = self._draw(requests, default, counts)
+        drawn = self._draw(requests, counts)
         self.retry = self.caught_up
         return drawn
 
     def _backlog(self, request: BatchRequest) -> int:
         """How many of the row's tokens its draft would read before guessing (all of them before its first)."""
-        draft = self.drafts.get(request.uid)
-        context = request.context
-        return len(context) if draft is None else len(context) - common_prefix(draft.tokens, context)
+        return cast(BatchDraft, self.drafts).backlog(request.uid, request.context)
 
-    def _draw(self, requests: list[BatchRequest], default: Sampler | None, counts: list[int]) -> list[list[int]]:
-        """The drafts' guesses, ``counts[i]`` for row ``i``; notes whether some draft read a backlog of its row's
-        history (its prompt, or the tokens decided while the count was 0): such a tick's time is mostly the
-        drafts' reading, once, not what a step of its width costs, so ``"auto"`` does not time it."""
-        drawn = [self.guesses(r, default, c) if c else [] for r, c in zip(requests, counts, strict=True)]
-        self.caught_up = any(
-            (d := self.drafts.get(r.uid)) is not None and c and d.last_read > AUTO_GUESSES + 1
-            for r, c in zip(requests, counts, strict=True)
-        )
-        return drawn
+    def _draw(self, requests: list[BatchRequest], counts: list[int]) -> list[list[int]]:
+        """The drafts' guesses, ``counts[i]`` for row ``i`` (:class:`~.draft.BatchDraft`: one draft forward a step
+        for every row); notes whether some draft read a backlog of its row's history (its prompt, or the tokens
+        decided while the count was 0): such a tick's time is mostly the drafts' reading, once, not what a step
+        of its width costs, so ``"auto"`` does not time it."""
+        drafts = cast(BatchDraft, self.drafts)
+        asked = {r.uid: (r.context, c) for r, c in zip(requests, counts, strict=True) if c}
+        drawn = drafts.propose(asked)
+        self.caught_up = any(drafts.read.get(uid, 0) > AUTO_GUESSES + 1 for uid in asked)
+        return [drawn.get(r.uid, []) for r in requests]
 
     def record(self, uid: int, proposed: int, confirmed: int) -> None:
         """A row's pass: ``proposed`` guesses, ``confirmed`` of them held."""
@@ -346,63 +333,6 @@ def speculable(cache: list[Any]) -> bool:
     ``KVCache`` layers (lent heads' ``CacheList`` parts included) only, never rotating, quantized or recurrent ones."""
     parts = cache_parts(cache)
     return bool(parts) and all(type(c) is KVCache for c in parts)
-
-
-def cut_rows(batch_caches: list[Any], rejected: list[int]) -> None:
-    """Drop each row's last ``rejected[i]`` positions from mlx-lm ``BatchKVCache`` layers, in place (lazily).
-
-    The rows of a ``BatchKVCache`` end at one shared position (``_idx``; each row left-padded). The batch's end
-    goes back by a common count ``c`` (:func:`common_cut`: the one that leaves the fewest rows to move); a row that
-    rejected more than ``c`` is moved right by the difference (what it rejected moves past the end, where the next
-    step overwrites it) and its left padding grows by as much, as mlx-lm's ``BatchKVCache.finalize`` turns right
-    padding into left padding; a row that rejected less is moved left into its own left padding. Its keys keep the
-    rotary positions they were computed at, and its offset (its own position) goes back by what it rejected. Moving
-    rows copies them whole (every position: the rows stay right-aligned): only the rows that move are copied
-    where they are few (a third of the batch or fewer), else the whole cache in one roll. Raises ``TypeError`` for
-    a layer of another kind (checked before anything changes).
-    """
-    parts = cache_parts(batch_caches)
-    kinds = sorted({type(p).__name__ for p in parts if type(p) is not BatchKVCache})
-    if kinds:
-        raise TypeError(f"cannot cut rows of {kinds} back per row: batched speculation needs plain KV caches")
-    if not rejected or not parts:
-        return
-    padding: list[int] = [0] * len(rejected)
-    if len(set(rejected)) > 1 and parts[0].keys is not None:  # every layer is cut alike: one has every row's
-        padding = cast(list[int], parts[0].left_padding.tolist())
-    common = common_cut(rejected, padding)
-    shifts = [r - common for r in rejected]
-    moving = [i for i, s in enumerate(shifts) if s]
-    few = 3 * len(moving) <= len(rejected)  # a few rows move: copy only them
-    shift = mx.array(shifts, dtype=mx.int32)  # the same for every layer: made once
-    rows = mx.array(moving, dtype=mx.int32)
-    by = mx.array([shifts[i] for i in moving], dtype=mx.int32)[:, None]
-    for part in parts:
-        if common:
-            part.trim(common)
-        if moving and part.keys is not None:
-            if few:
-                part.keys[rows] = dynamic_roll(part.keys[rows], by, axis=2)
-                part.values[rows] = dynamic_roll(part.values[rows], by, axis=2)
-            else:
-                part.keys = dynamic_roll(part.keys, shift[:, None], axis=2)
-                part.values = dynamic_roll(part.values, shift[:, None], axis=2)
-            part.left_padding = part.left_padding + shift
-            part.offset = part.offset - shift
-
-
-def common_cut(rejected: list[int], padding: list[int]) -> int:
-    """The count the batch's end goes back by in :func:`cut_rows`: of the rows' ``rejected`` counts, the one the
-    most rows share (they need not move), among those every other row can reach: a row that rejected fewer moves
-    left by the difference, which its left ``padding`` must hold; the smallest on a tie (the smallest always can)."""
-    best, best_staying = min(rejected), -1
-    for c in sorted(set(rejected)):
-        if any(r < c and p < c - r for r, p in zip(rejected, padding)):
-            continue
-        staying = sum(1 for r in rejected if r == c)
-        if staying > best_staying:
-            best, best_staying = c, staying
-    return best
 
 
 __all__ = [
