@@ -189,7 +189,7 @@ class BatchGenerator:
     docs/batching.md, "Speculation".
 
     ``draft_model`` (as ``generate_step``'s: a small whole model with the target's tokenizer, the same on every rank;
-    instead of ``prompt_lookup``) draws each guessing row's guesses greedily from its own draft cache, on every rank
+    instead of ``prompt_lookup``) draws each guessing row's guesses greedily from the rows' batched draft caches, on every rank
     alike, so no message carries them (the constructor's all-gather checks that every rank holds the same draft).
     ``num_draft_tokens`` applies as with prompt lookup; with ``"auto"`` a step's count is chosen before the drafts
     draw, and the ticks it times include the drafts' own time.

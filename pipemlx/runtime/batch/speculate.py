@@ -3,8 +3,9 @@ model, verified in the batch's decode step.
 
 Every rank proposes the same guesses for every row without a message: no rank runs a proposer the others wait for.
 Prompt lookup reads only the token history, which every rank holds alike. A draft model is whole on every rank
-(as ``generate_step``'s ``draft_model``): each rank keeps one draft cache per guessing row, reads the row's history
-into it and draws its guesses greedily, so every rank draws the same ones from the same weights; the guesses join
+(as ``generate_step``'s ``draft_model``): each rank keeps the guessing rows' draft caches batched (:mod:`.draft`),
+reads each row's history into its row and draws every row's guesses greedily, one draft forward a step for all,
+so every rank draws the same ones from the same weights; the guesses join
 the tick's plan fingerprint, so ranks whose drafts disagree (another draft, another backend's rounding) fail the
 tick's agreement with an error rather than decode apart. In a tick with guesses, each live row
 that guesses feeds its next token and its ``k_i`` guesses, the others their next token alone, right-padded to the
@@ -156,8 +157,8 @@ class BatchSpeculation:
     """The generator's speculation setting and every request's tallies: which rows guess, and how many tokens.
 
     The guesses come from prompt lookup (``prompt_lookup``: the longest n-gram matched, one proposer every row
-    shares) or from ``draft_model`` (one :class:`~pipemlx.runtime.speculative.DraftModel` per guessing row, its
-    cache following the row's history; it is made on the row's first guess and dropped when the row leaves).
+    shares) or from ``draft_model`` (:class:`~.draft.BatchDraft`: the guessing rows' draft caches batched, each
+    row's following its history; a row joins on its first guess and leaves with its request).
 
     ``num_draft_tokens`` is the guesses per pass (an int), or ``"auto"``: each step's count (0 to
     :data:`AUTO_GUESSES`) is chosen by :func:`choose_guesses` from the rows' acceptance (:class:`RowTally`) and the
