@@ -914,7 +914,7 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
         "proposed": proposed,
         "confirmed": confirmed,
         "chosen": sorted(generator._speculation.chosen.items()),  # pyright: ignore
-        "drafts_left": len(generator._speculation.drafts),  # pyright: ignore
+        "drafts_left": len(generator._speculation.drafts or ()),  # pyright: ignore
         "ticks": step,
         "handed": handed,
         "removed_prompt": prompts[4],
