@@ -6,7 +6,8 @@ every token a request got so far equals its solo run's, on both ranks, whatever 
 removed (mid-prefill or mid-decode). The machine also inserts several prompts at once, empty prompts and prompts
 that never fit the memory budget (refused alike on every rank, nothing changed), continues finished or removed
 requests from the caches the generator handed back, removes finished and unknown requests (nothing happens),
-injects model errors on either rank, and runs under a memory budget (the batch must always fit it). After every
+injects model errors on either rank, and runs under a memory budget (the batch must always fit it), some runs with
+guesses (prompt lookup, or a draft model: the answers must still be the solo runs'). After every
 step the generator holds exactly the live requests; at the end every request is stepped until it ends.
 
 The machine explores: random sequences on every run, failures kept in the example database and replayed first
@@ -227,16 +228,24 @@ class BatchMachine(RuleBasedStateMachine):
     live_group: Callable[[], LiveGroup] | None = None  # the module's group (a new one if a failure ended it)
     group: LiveGroup | None = None
 
-    @initialize(budget=st.one_of(st.none(), st.integers(20, 90), st.integers(40, 160)), groups=st.sampled_from([1, 2]))
+    @initialize(
+        budget=st.one_of(st.none(), st.integers(20, 90), st.integers(40, 160)),
+        groups=st.sampled_from([1, 2]),
+        guessing=st.sampled_from([None, None, "lookup", "draft"]),
+    )
     @checked
-    def fresh(self, budget: int | None, groups: int) -> None:
+    def fresh(self, budget: int | None, groups: int, guessing: str | None) -> None:
         """Every run starts from a new, empty generator (no fault armed, no cache handed back, uids from 0), with no
         memory budget or one of ``budget`` positions, decoding as one group or (``groups`` 2) in two groups in flight
-        whenever two rows are live."""
+        whenever two rows are live, without guesses or (``guessing``) speculating by prompt lookup or with a draft
+        model: the greedy rows without processors guess, and every answer must still be the solo run's."""
         assert BatchMachine.live_group is not None
         self.group = BatchMachine.live_group()
         seen(f"decode_groups={groups}")
-        answers = self.group.ask({"op": "reset", "budget_positions": budget, "decode_groups": groups})
+        seen(f"guessing={guessing}")
+        answers = self.group.ask(
+            {"op": "reset", "budget_positions": budget, "decode_groups": groups, "guessing": guessing}
+        )
         self.requests = Requests()
         assert all(a["left"] == 0 for a in answers), answers
         if budget is not None:

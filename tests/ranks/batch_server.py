@@ -88,11 +88,20 @@ class Server:
         self.model = pipemlx.shard_model(build_model(config), self.group)
         self.reference = build_model(config)
         self.armed = arm_faults(self.model, self.rank)
+        self.draft = build_model(config)  # the speculating runs' draft: the model less its last layer (about half
+        self.draft.model.layers = self.draft.model.layers[:-1]  # its greedy guesses hold)
         self.engine = self.new_engine(None)
         self.handed: dict[int, tuple[list[Any], list[int]]] = {}  # uid -> (cache, the tokens it holds)
 
-    def new_engine(self, budget: int | None, groups: int = 1) -> pipemlx.BatchGenerator:
+    def new_engine(self, budget: int | None, groups: int = 1, guessing: str | None = None) -> pipemlx.BatchGenerator:
+        """A new generator; ``guessing``: ``"lookup"`` (prompt lookup, 2 guesses a step) or ``"draft"`` (the draft
+        model, 3 guesses a step), else none."""
         spec = self.spec
+        speculation: dict[str, Any] = {}
+        if guessing == "lookup":
+            speculation = {"prompt_lookup": 2, "num_draft_tokens": 2}
+        elif guessing == "draft":
+            speculation = {"draft_model": self.draft, "num_draft_tokens": 3}
         return pipemlx.BatchGenerator(
             self.model,
             prefill_step_size=spec["step"],
@@ -100,6 +109,7 @@ class Server:
             timeout=spec["timeout"],
             memory_budget=budget,
             decode_groups=groups,
+            **speculation,
         )
 
     def solo(self, tokens: list[int], limit: int, processor: str | None, stop_at: int | None) -> dict[str, Any]:
@@ -182,7 +192,7 @@ class Server:
                 self.handed[uid] = (cache, list(tokens))
         return {"left": len(self.engine), "returned": shown}
 
-    def reset(self, positions: int | None, groups: int = 1) -> dict[str, Any]:
+    def reset(self, positions: int | None, groups: int = 1, guessing: str | None = None) -> dict[str, Any]:
         # Disarm first: a fault an earlier run armed and never fired would fire in the budget's measuring pass below
         # (a one-token pass of the local layers) and end this rank.
         self.armed["what"] = None
@@ -193,7 +203,7 @@ class Server:
         # A new generator every time, budget or not: its uids, plan and batch rows start afresh, so a run's answers
         # depend only on its own commands (the stateful test replays and shrinks runs on the same ranks).
         budget = None if positions is None else positions * cache_bytes_per_position(self.model, stage_of(self.model))
-        self.engine = self.new_engine(budget, groups)
+        self.engine = self.new_engine(budget, groups, guessing)
         admission = self.engine.admission
         return {
             "left": left,
@@ -213,7 +223,7 @@ class Server:
         if op == "remove":
             return self.remove(command["uids"], command.get("return_caches", False))
         if op == "reset":
-            return self.reset(command.get("budget_positions"), command.get("decode_groups", 1))
+            return self.reset(command.get("budget_positions"), command.get("decode_groups", 1), command.get("guessing"))
         if op == "status":
             engine = self.engine
             return {"len": len(engine), "active": engine.active_uids, "queued": engine.queued_uids}
