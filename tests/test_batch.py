@@ -548,6 +548,14 @@ def test_prompt_lookup_in_the_batch_gives_mlx_lm_tokens_and_logprobs_on_every_ra
         assert report["confirmed"] >= report["proposed"] // 2 and report["stopped_in_pass"] >= 1
     if proposer == "draft":  # guesses held and failed; every row's draft cache dropped once its request left
         assert report["confirmed"] < report["proposed"] and report["drafts_left"] == 0, report
+        # A memory budget reserves the draft's keys and values per position too, on every rank: its 5 layers x 2
+        # KV heads x 16 dims x (keys, values) x 4 bytes (the tiny llama less its last layer, float32).
+        config = tiny_config("llama")
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        draft_bytes = (config["num_hidden_layers"] - 1) * config["num_key_value_heads"] * head_dim * 2 * 4
+        for rank_report in reports:
+            plain, with_draft = rank_report["admitted"]
+            assert plain > 0 and with_draft == plain + draft_bytes, rank_report["admitted"]
     shared = report["shared"]  # head="split", greedy rows without logprobs: steps with guesses share the head
     if SCENARIOS[world_size][f"speculation {proposer} {count}"]["head"] == "split":
         assert all(r["shared"] == shared for r in reports), "ranks disagree"

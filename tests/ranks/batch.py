@@ -48,7 +48,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import StopSequences, generate_step
@@ -896,6 +896,12 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
             raise RuntimeError("the generator never finished")
     proposed, confirmed = generator.guesses
     compiled = generator.compiled_decode
+    admitted: list[int] = []  # a memory budget's bytes per position on this rank, without and with the draft
+    if drafting:
+        for draft in (None, half_draft(config)):
+            budgeted = pipemlx.BatchGenerator(sharded, memory_budget="64MB", draft_model=draft)
+            admitted.append(cast(Any, budgeted.admission).bytes_per_position[group.rank()])
+            budgeted.close()
     shared: dict[str, Any] = {}
     if spec.get("head") == "split":  # greedy rows, no logprobs: steps with guesses share the split head
         picked = (0, 1, 3, 4)
@@ -915,6 +921,7 @@ def run_speculative(spec: dict[str, Any], group: Any, solo_run: Solo) -> dict[st
         "confirmed": confirmed,
         "chosen": sorted(generator._speculation.chosen.items()),  # pyright: ignore
         "drafts_left": len(generator._speculation.drafts or ()),  # pyright: ignore
+        "admitted": admitted,
         "ticks": step,
         "handed": handed,
         "removed_prompt": prompts[4],

@@ -341,7 +341,7 @@ class BatchGenerator:
         self._timed: int | None = None  # the last tick's width where it was a plain decode step (prompt lookup)
         self._ahead_logprobs: mx.array | None = None  # its later positions' log-probabilities, [R, width-1, V]
         self.admission: Admission | None = (
-            None if budget is None else exchange_admission(model, self.stage, budget, self.timeout)
+            None if budget is None else exchange_admission(model, self.stage, budget, self.timeout, draft_model)
         )
         self.prefill_batch_size = prefill_batch_size
         if completion_batch_size is not None and prefill_batch_size is not None:
