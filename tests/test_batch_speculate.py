@@ -276,6 +276,7 @@ def test_bad_speculation_settings_raise_before_anything_is_sent() -> None:
         ({"prompt_lookup": 2, "draft_model": build_model(tiny_config("llama"))}, "pass draft_model or prompt_lookup"),
         ({"draft_model": fake_generator().model}, "draft_model must be a whole model on every rank"),
         ({"draft_model": build_model(tiny_config("llama")), "num_draft_tokens": 0}, "num_draft_tokens must be"),
+        ({"draft_model": build_model(tiny_config("lfm2"))}, r"draft_model's layers keep \['ArraysCache'\] caches"),
     ):
         with pytest.raises(ValueError, match=named):
             fake_generator(**bad)

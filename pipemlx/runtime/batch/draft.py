@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..speculative import DRAFT_PREFILL_STEP, common_prefix
 from .cut import cut_rows
@@ -116,9 +116,7 @@ class BatchDraft:
             return
         caches: list[list[Any]] = []
         for uid, history in rows:
-            cache: list[Any] = make_prompt_cache(self.model)
-            if not all(type(c) is KVCache for c in cache):
-                raise ValueError("a draft model in the batch needs plain KV caches (no window, no recurrent layers)")
+            cache: list[Any] = make_prompt_cache(self.model)  # plain KVCaches (check_speculation made sure)
             prefix = list(history[:-1])
             for start in range(0, len(prefix), DRAFT_PREFILL_STEP):
                 self.model(mx.array([prefix[start : start + DRAFT_PREFILL_STEP]], dtype=mx.int32), cache=cache)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache  # pyright: ignore[reportUnknownVariableType]
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[reportUnknownVariableType]
 
 from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
@@ -303,6 +303,14 @@ def check_speculation(prompt_lookup: object, num_draft_tokens: object, draft_mod
     generator's speculation settings are good ones (decided from the arguments alone, alike on every rank)."""
     if draft_model is not None:
         proposer_of(cast(nn.Module, draft_model), cast(int | None, prompt_lookup))  # its checks: one model, whole
+        kinds = sorted(
+            {type(c).__name__ for c in make_prompt_cache(cast(nn.Module, draft_model)) if type(c) is not KVCache}
+        )
+        if kinds:
+            raise ValueError(
+                f"draft_model's layers keep {kinds} caches: the batch's drafts need plain KV caches (cut back per "
+                "row), so leave draft_model out or use another draft"
+            )
     elif isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
         raise ValueError(f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}")
     if num_draft_tokens != "auto" and (
