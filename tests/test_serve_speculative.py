@@ -200,13 +200,15 @@ def test_a_client_leaving_mid_stream_leaves_the_ranks_alike(server: ServeProcess
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProcess, ref: Reference) -> None:
-    """Stop strings cut answers after tokens of a pass whose later tokens every rank holds: the caches agree, every
-    rank's prefix cache keeps them alike, and the next turn (the answer continued) reuses them and still equals
-    mlx-lm. Each cut has a prompt of its own, so that no earlier entry covers the next turn."""
+def stops_inside_passes(server: ServeProcess, ref: Reference, title: str) -> None:
+    """Four answers cut by stop strings (3 characters from the 6th, 11th, 17th and 23rd), each on a prompt of its
+    own (``title`` and a number before the opening): each answer is mlx-lm's up to the stop; every rank's slot
+    holds the same cache and prefix-cache entries, the prompt and every token decided (which may run past the
+    answer); the next turn (the answer continued) reuses them (all but the last) and equals mlx-lm; and at least
+    one stop came before the end of its pass (else the test checks too little)."""
     beyond = 0  # answers whose caches hold decided tokens that the client never saw
     for i, cut in enumerate((6, 11, 17, 23)):
-        prompt = ref.text_tokens(f"Chapter {i + 1}. {OPENING}")
+        prompt = ref.text_tokens(f"{title} {i + 1}. {OPENING}")
         full = ref.generate(prompt, 40)
         text = ref.text(full)
         stop = text[cut : cut + 3]
@@ -222,7 +224,14 @@ def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProces
         again = post(server, "completions", {"prompt": follow, "max_tokens": 8, "temperature": 0})
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + held - 1, (held, seen)
         assert again["choices"][0]["text"] == ref.answer(follow, 8)
-    assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
+    assert beyond > 0
+
+
+def test_a_stop_inside_a_pass_caches_what_every_rank_decided(server: ServeProcess, ref: Reference) -> None:
+    """Stop strings cut answers after tokens of a pass whose later tokens every rank holds: the caches agree, every
+    rank's prefix cache keeps them alike, and the next turn (the answer continued) reuses them and still equals
+    mlx-lm. Each cut has a prompt of its own, so that no earlier entry covers the next turn."""
+    stops_inside_passes(server, ref, "Chapter")
 
 
 def test_prompt_lookup_answers_equal_mlx_lm(lookup: ServeProcess, ref: Reference) -> None:
@@ -300,26 +309,7 @@ def test_a_stop_inside_a_pass_in_the_batch_leaves_every_rank_counting_alike(
     pass's later tokens alike (its slot's cache and prefix cache agree with the others'), the answer is mlx-lm's
     up to the stop, and the next turn (the answer continued) reuses the prompt and the decided tokens from the
     prefix cache and still equals mlx-lm."""
-    beyond = 0  # answers whose pass went on past the stop
-    for i, cut in enumerate((6, 11, 17, 23)):
-        prompt = ref.text_tokens(f"Volume {i + 1}. {OPENING}")
-        full = ref.generate(prompt, 40)
-        text = ref.text(full)
-        stop = text[cut : cut + 3]
-        body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "stop": stop}
-        answer = post(batched_draft, "completions", body)
-        assert answer["choices"][0]["text"] == text[: text.index(stop)]
-        seen = record(batched_draft, answer["id"])
-        slots = seen["rank_status"]
-        assert len({(r["cache_tokens"], r["prefix_entries"]) for r in slots}) == 1, slots
-        held = slots[0]["cache_tokens"] - len(prompt)
-        assert seen["completion_tokens"] <= held <= len(full)
-        beyond += held > seen["completion_tokens"]
-        follow = prompt + full[:held] + full[held : held + 2]
-        again = post(batched_draft, "completions", {"prompt": follow, "max_tokens": 8, "temperature": 0})
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) + held - 2, (held, seen)
-        assert again["choices"][0]["text"] == ref.answer(follow, 8)
-    assert beyond > 0  # at least one stop came before the end of its pass (else this test checks too little)
+    stops_inside_passes(batched_draft, ref, "Volume")
 
 
 def test_a_client_leaving_a_guessing_batch_leaves_the_ranks_alike(batched_draft: ServeProcess, ref: Reference) -> None:
