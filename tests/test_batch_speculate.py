@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
 import pipemlx
-from pipemlx.runtime.batch.draft import BatchDraft
+from pipemlx.runtime.batch.draft import JOIN_TOKENS, BatchDraft
 from pipemlx.runtime.batch.requests import BatchRequest, Decided
 from pipemlx.runtime.batch.speculate import (
     AUTO_GUESSES,
@@ -233,18 +233,19 @@ def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_aut
     assert cast(Any, probing.drafts).uids == [1]  # the long row's draft never read its prompt
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(st.data())
 def test_the_batched_draft_guesses_each_rows_greedy_continuation_as_rows_come_and_go(data: st.DataObject) -> None:
     """BatchDraft over rounds in which each row keeps some of its guesses and adds a token of its own, rows leave
     and join, and some rounds ask only some rows: every row's guesses are mlx-lm's greedy continuation of its
     history on the draft alone (an independent reference), whatever its cache went through (cut back per row,
-    padded reads, rows moved)."""
+    padded reads, rows moved); rows that join read at most ``join_tokens`` of their histories a draw, together,
+    and guess nothing until they have read them all."""
     draft = build_model(tiny_config("llama"))
-    batch = BatchDraft(draft)
+    batch = BatchDraft(draft, join_tokens=data.draw(st.sampled_from([4, 9, JOIN_TOKENS])))
     histories: dict[int, list[int]] = {}
     next_uid = 0
-    for _ in range(6):
+    for _ in range(8):
         if len(histories) < 3 or data.draw(st.booleans()):  # a row joins
             histories[next_uid] = data.draw(st.lists(st.integers(1, 255), min_size=1, max_size=20))
             next_uid += 1
@@ -253,8 +254,15 @@ def test_the_batched_draft_guesses_each_rows_greedy_continuation_as_rows_come_an
             del histories[gone]
             batch.drop({gone})
         asked = {u: (h, data.draw(st.integers(1, 3))) for u, h in histories.items() if data.draw(st.booleans())}
+        waiting = {u for u in asked if u not in batch.uids}
         guesses = batch.propose(asked)
+        # The joins read at most join_tokens together (and a row that joined, its last token in the batched step).
+        assert sum(batch.read.get(u, 0) for u in waiting) <= batch.join_tokens + len(waiting)
         for uid, (history, count) in asked.items():
+            if uid not in batch.uids:  # still reading its history to join: no guesses yet
+                assert uid not in guesses and batch.backlog(uid, history) > 1
+                histories[uid] = history + [data.draw(st.integers(1, 255))]
+                continue
             assert guesses[uid] == mlx_lm_greedy(draft, history, count), (uid, history)
             kept = data.draw(st.integers(0, count))  # the pass kept this many guesses, then its own token
             histories[uid] = history + guesses[uid][:kept] + [data.draw(st.integers(1, 255))]
