@@ -231,6 +231,15 @@ def test_a_draft_row_draws_the_drafts_greedy_continuation_and_only_the_count_aut
     assert again == [[], mlx_lm_greedy(draft, [*short.prompt, 7], 1)] and not probing.caught_up
     assert probing.plan([long, short], None) == [[], []] and probing.probe_every == 2 * AUTO_PROBE_EVERY
     assert cast(Any, probing.drafts).uids == [1]  # the long row's draft never read its prompt
+    # A row whose draft reads its history over several steps (join_tokens a step) guesses nothing meanwhile, and
+    # every such step is one whose time the generator leaves out (caught_up), guesses or not.
+    slow = BatchSpeculation(None, 2, draft)
+    cast(Any, slow.drafts).join_tokens = 5
+    row = request(0, list(range(3, 15)))  # 11 tokens to read before its first guess: 5, 5, then 1 and it joins
+    slow.enrol(0)
+    steps = [(slow.plan([row], None), slow.caught_up) for _ in range(4)]
+    first = [mlx_lm_greedy(draft, row.prompt, 2)]
+    assert steps == [([[]], True), ([[]], True), (first, True), (first, False)]  # (then a step of its own)
 
 
 @settings(max_examples=25, deadline=None)

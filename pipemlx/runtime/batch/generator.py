@@ -659,7 +659,7 @@ class BatchGenerator:
         self._last_tick_us = min(int(seconds * 1e6), FINGERPRINT_MODULUS - 1)
         speculation = self._speculation
         if speculation is not None and groups.serial and work.rows and all(c is None for c in tick.chunks):
-            if not (self._guesses and speculation.caught_up):  # (drafts reading a backlog: not a step's cost)
+            if not speculation.caught_up:  # (drafts reading a backlog, guesses or not: not a step's cost)
                 self._timed = work.width  # a plain decode step's width: its time comes in the next tick's header
         return responses
 
@@ -680,6 +680,8 @@ class BatchGenerator:
         if groups.split or groups.merge or tick.joins:
             self._settled = 0
         if rule is None or not rule.measured or work.width != 1 or tick.joins or any(tick.chunks):
+            return None
+        if self._speculation is not None and self._speculation.caught_up:  # drafts read a backlog in this tick
             return None
         if groups.split or groups.merge or groups.dropped or groups.formed:
             return None

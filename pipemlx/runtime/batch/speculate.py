@@ -281,8 +281,9 @@ class BatchSpeculation:
         of its width costs, so ``"auto"`` does not time it."""
         drafts = cast(BatchDraft, self.drafts)
         asked = {r.uid: (r.context, c) for r, c in zip(requests, counts, strict=True) if c}
+        joining = any(uid not in drafts for uid in asked)  # (it reads its history first, whatever it guesses)
         drawn = drafts.propose(asked)
-        self.caught_up = any(drafts.read.get(uid, 0) > AUTO_GUESSES + 1 for uid in asked)
+        self.caught_up = joining or any(drafts.read.get(uid, 0) > AUTO_GUESSES + 1 for uid in asked)
         return [drawn.get(r.uid, []) for r in requests]
 
     def record(self, uid: int, proposed: int, confirmed: int) -> None:
