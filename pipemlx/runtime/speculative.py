@@ -74,7 +74,6 @@ class DraftModel:
         if self.forward is not None:
             self.cache = [FixedKVCache() for _ in self.cache]
         self.tokens: list[int] = []  # what the cache holds, in order
-        self.last_read = 0  # how many of the history's tokens the last proposal read (a prompt: many)
 
     def propose(self, history: Sequence[int], k: int, sampler: Sampler | None = None, greedy: int = 0) -> list[int]:
         if k <= 0 or not history:
@@ -84,7 +83,6 @@ class DraftModel:
         trim_prompt_cache(self.cache, len(self.tokens) - kept)
         self.tokens = list(history[:kept])
         pending = list(history[kept:])
-        self.last_read = len(pending)
         if len(pending) > 2:  # a prompt: all but its last token first, one chunk at a time (its memory stays bounded)
             for start in range(0, len(pending) - 1, DRAFT_PREFILL_STEP):
                 self._read(pending[start : min(start + DRAFT_PREFILL_STEP, len(pending) - 1)])
@@ -121,11 +119,15 @@ class DraftModel:
         return read(self.model, self.cache, ids)
 
     def fingerprint(self) -> int:
-        """The draft's parameter shapes and a checksum of its weights (a different draft guesses differently)."""
-        leaves = cast(list[tuple[str, mx.array]], tree_flatten(self.model.parameters()))
-        shapes = [d for _, a in leaves for d in a.shape]
-        checksum = sum(cast(float, mx.sum(mx.abs(a.astype(mx.float32))).item()) for _, a in leaves[:4])
-        return fingerprint([*shapes, int(checksum * 1000) % (1 << 24)])
+        return draft_fingerprint(self.model)
+
+
+def draft_fingerprint(model: nn.Module) -> int:
+    """A draft's parameter shapes and a checksum of its weights (a different draft guesses differently)."""
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    shapes = [d for _, a in leaves for d in a.shape]
+    checksum = sum(cast(float, mx.sum(mx.abs(a.astype(mx.float32))).item()) for _, a in leaves[:4])
+    return fingerprint([*shapes, int(checksum * 1000) % (1 << 24)])
 
 
 class PromptLookup:
@@ -173,21 +175,27 @@ class PromptLookup:
 
 def proposer_of(draft_model: nn.Module | None, prompt_lookup: int | None) -> Proposer | None:
     """The proposer ``generate_step``'s arguments ask for (``None``: no speculation); checks them."""
+    check_proposer(draft_model, prompt_lookup)
+    if prompt_lookup is not None:
+        return PromptLookup(prompt_lookup)
+    return None if draft_model is None else DraftModel(draft_model)
+
+
+def check_proposer(draft_model: object, prompt_lookup: object) -> None:
+    """Raise ``ValueError`` (``TypeError`` for a draft that is not a model) naming the problem unless the
+    arguments ask for at most one good proposer (the batch's checks too, which build no :class:`DraftModel`)."""
     if draft_model is not None and prompt_lookup is not None:
         raise ValueError("pass draft_model or prompt_lookup, not both")
     if prompt_lookup is not None:
-        if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:  # pyright: ignore[reportUnnecessaryIsInstance]
+        if isinstance(prompt_lookup, bool) or not isinstance(prompt_lookup, int) or prompt_lookup < 1:
             raise ValueError(
                 f"prompt_lookup must be a positive int (the longest n-gram matched), got {prompt_lookup!r}"
             )
-        return PromptLookup(prompt_lookup)
-    if draft_model is None:
-        return None
-    if not isinstance(draft_model, nn.Module):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TypeError(f"draft_model must be an mlx-lm model (an nn.Module), got {type(draft_model).__name__}")
-    if hasattr(draft_model, "_pipemlx_stage"):
-        raise ValueError("draft_model must be a whole model on every rank, not a sharded one")
-    return DraftModel(draft_model)
+    elif draft_model is not None:
+        if not isinstance(draft_model, nn.Module):
+            raise TypeError(f"draft_model must be an mlx-lm model (an nn.Module), got {type(draft_model).__name__}")
+        if hasattr(draft_model, "_pipemlx_stage"):
+            raise ValueError("draft_model must be a whole model on every rank, not a sharded one")
 
 
 def check_speculation_mode(mode: object, world_size: int, processors: bool, split_head: bool) -> None:

@@ -15,9 +15,10 @@ every step feeds all rows at once:
    row's last real position give its first guess.
 3. ``k - 1`` more steps feed every row's latest guess (greedy: the argmax), one position a row.
 
-Rows that are in the batch but are not asked for guesses this time (an ``"auto"`` probe asks one row) read
-their history all the same (cheap, batched), their guesses unused. Every rank runs the same steps on the same
-histories, so every rank draws the same guesses.
+Rows that are in the batch but are not asked for guesses this time (an ``"auto"`` probe asks one row) feed
+padding that is cut off again, and their unused guesses stay in their caches as :data:`UNKNOWN` positions until
+their next draw cuts them off. Every rank runs the same steps on the same histories, so every rank draws the
+same guesses.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from ..speculative import DRAFT_PREFILL_STEP, common_prefix
 from .cut import cut_rows
 
 JOIN_TOKENS = 256
-"""The most history tokens the rows that have not joined yet read in one draw, together (about 20 ms of the demo's
-draft on one core of the test machine; a 420-token prompt read whole took 32 ms)."""
+"""The most history tokens the rows that have not joined yet read in one draw, together: a bound on what joining
+adds to a tick (the cost of reading a prompt: docs/batching.md, "A draft model in the batch")."""
 UNKNOWN = -1
 """A position of a row's draft cache whose token is not known (a row that read nothing in a step fed padding,
 then guesses of its own): it matches no history token, so the next draw cuts it off."""

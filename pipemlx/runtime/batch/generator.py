@@ -47,7 +47,7 @@ from ...schedule.memory_split import parse_size
 from ..caches import UNCOUNTED, cache_offset, trim_to
 from ..calibrate import calibrated
 from ..sampling import LogitsProcessor, Sampler, greedy, log_probabilities
-from ..speculative import DraftModel
+from ..speculative import draft_fingerprint
 from ..stage import PipelineStage, is_sharded, stage_of
 from ..stops import Stops
 from ..waits import wait_for
@@ -842,8 +842,9 @@ class BatchGenerator:
         """Raise ``ValueError`` on every rank unless every rank's caches can be cut back per row and every rank
         holds the same draft model, if any (one all-gather)."""
         stage = self.stage
-        what = "prompt_lookup" if speculation.draft_model is None else "draft_model"
-        draft = 0 if speculation.draft_model is None else DraftModel(speculation.draft_model).fingerprint()
+        drafts = speculation.drafts
+        what = "prompt_lookup" if drafts is None else "draft_model"
+        draft = 0 if drafts is None else draft_fingerprint(drafts.model)
         flags = [int(speculable(fresh)), draft]
         rows = [flags]
         if stage.world_size > 1:

@@ -32,7 +32,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache  # pyright: ignore[re
 from ..caches import cache_parts
 from ..protocol import MAX_GUESSES
 from ..sampling import Sampler
-from ..speculative import PromptLookup, Proposer, proposer_of
+from ..speculative import PromptLookup, Proposer, check_proposer
 from .cut import common_cut, cut_rows
 from .draft import BatchDraft
 from .requests import BatchRequest
@@ -177,7 +177,6 @@ class BatchSpeculation:
         draft_model: nn.Module | None = None,
     ) -> None:
         self.proposer: Proposer | None = None if draft_model is not None else PromptLookup(prompt_lookup or 1)
-        self.draft_model = draft_model
         self.drafts = None if draft_model is None else BatchDraft(draft_model)  # the rows' draft caches
         self.auto = num_draft_tokens == "auto"
         self.count = AUTO_GUESSES if num_draft_tokens == "auto" else int(num_draft_tokens)
@@ -303,7 +302,7 @@ def check_speculation(prompt_lookup: object, num_draft_tokens: object, draft_mod
     """Raise ``ValueError`` (``TypeError`` for a draft that is not a model) naming the problem unless the
     generator's speculation settings are good ones (decided from the arguments alone, alike on every rank)."""
     if draft_model is not None:
-        proposer_of(cast(nn.Module, draft_model), cast(int | None, prompt_lookup))  # its checks: one model, whole
+        check_proposer(draft_model, prompt_lookup)  # one proposer; a model, whole
         kinds = sorted(
             {type(c).__name__ for c in make_prompt_cache(cast(nn.Module, draft_model)) if type(c) is not KVCache}
         )
